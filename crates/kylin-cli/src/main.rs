@@ -1,0 +1,5 @@
+//! The `kylin` command.
+
+fn main() {
+    println!("kylin");
+}

@@ -1,0 +1,116 @@
+//! Scalar reference kernels: the definition of every kernel, simple enough to be obviously
+//! right. SIMD versions are tested against these.
+
+use crate::{ThreadPool, WeightDType, WeightMatrix, WeightVector};
+
+/// Element `i` of little-endian `data` in `dtype`, widened to f32.
+#[inline]
+pub fn load_f32(dtype: WeightDType, data: &[u8], i: usize) -> f32 {
+    match dtype {
+        WeightDType::F32 => {
+            let b = &data[i * 4..i * 4 + 4];
+            f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+        }
+        WeightDType::F16 => half::f16::from_bits(u16::from_le_bytes([data[i * 2], data[i * 2 + 1]])).to_f32(),
+        WeightDType::BF16 => f32::from_bits((u16::from_le_bytes([data[i * 2], data[i * 2 + 1]]) as u32) << 16),
+    }
+}
+
+/// Reference `y = x · Wᵀ`. Rows are split across the pool so the reference is usable on real models.
+pub fn matmul(pool: &ThreadPool, w: WeightMatrix<'_>, x: &[f32], n_tokens: usize, y: &mut [f32]) {
+    assert_eq!(x.len(), n_tokens * w.cols);
+    assert_eq!(y.len(), n_tokens * w.rows);
+    for t in 0..n_tokens {
+        let xt = &x[t * w.cols..(t + 1) * w.cols];
+        let yt = &mut y[t * w.rows..(t + 1) * w.rows];
+        let _ = pool;
+        for (r, out) in yt.iter_mut().enumerate() {
+            let base = r * w.cols;
+            let mut acc = 0.0f32;
+            for (c, xv) in xt.iter().enumerate() {
+                acc += load_f32(w.dtype, w.data, base + c) * xv;
+            }
+            *out = acc;
+        }
+    }
+}
+
+pub fn widen_row(w: WeightMatrix<'_>, row: usize, out: &mut [f32]) {
+    for (c, o) in out.iter_mut().enumerate().take(w.cols) {
+        *o = load_f32(w.dtype, w.data, row * w.cols + c);
+    }
+}
+
+pub fn rms_norm(x: &[f32], weight: WeightVector<'_>, eps: f32, out: &mut [f32]) {
+    let mean_sq = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let inv = 1.0 / (mean_sq + eps).sqrt();
+    for (i, (o, v)) in out.iter_mut().zip(x).enumerate() {
+        *o = v * inv * weight.get(i);
+    }
+}
+
+pub fn add_bias(x: &mut [f32], bias: WeightVector<'_>) {
+    for (i, v) in x.iter_mut().enumerate() {
+        *v += bias.get(i);
+    }
+}
+
+pub fn add_assign(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+pub fn rope_rotate_half(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let half = cos.len();
+    for i in 0..half {
+        let a = x[i];
+        let b = x[i + half];
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i] + a * sin[i];
+    }
+}
+
+pub fn softmax(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    for v in x.iter_mut() {
+        *v /= sum;
+    }
+}
+
+pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn attention_head(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    len: usize,
+    head_dim: usize,
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    let scores = &mut scores[..len];
+    for (p, s) in scores.iter_mut().enumerate() {
+        let k = &keys[p * head_dim..(p + 1) * head_dim];
+        *s = q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale;
+    }
+    softmax(scores);
+    out[..head_dim].fill(0.0);
+    for (p, s) in scores.iter().enumerate() {
+        let v = &values[p * head_dim..(p + 1) * head_dim];
+        for (o, vv) in out.iter_mut().zip(v) {
+            *o += s * vv;
+        }
+    }
+}

@@ -1,0 +1,114 @@
+//! Tensors as views into read-only memory maps, in their stored dtype.
+
+use std::sync::Arc;
+
+use serde::Serialize;
+
+/// Stored element types. BF16, F16 and F32 are computed on; the quantized ones are recognised
+/// so that a later quantization issue can bind them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+    I8,
+    U8,
+    F8E4M3,
+}
+
+impl DType {
+    pub fn size_in_bytes(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+            DType::I8 | DType::U8 | DType::F8E4M3 => 1,
+        }
+    }
+
+    /// The safetensors spelling (`BF16`, `F8_E4M3`, ...).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DType::F32 => "F32",
+            DType::F16 => "F16",
+            DType::BF16 => "BF16",
+            DType::I8 => "I8",
+            DType::U8 => "U8",
+            DType::F8E4M3 => "F8_E4M3",
+        }
+    }
+
+    /// Whether the native engine computes on this dtype directly.
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::F16 | DType::BF16)
+    }
+}
+
+/// The bytes behind tensors: a read-only shared memory map (one per file) or, for tests and
+/// future quantization, an owned buffer.
+#[derive(Debug)]
+pub enum Storage {
+    Mmap(memmap2::Mmap),
+    Owned(Vec<u8>),
+}
+
+impl Storage {
+    pub fn bytes(&self) -> &[u8] {
+        match self {
+            Storage::Mmap(m) => m,
+            Storage::Owned(v) => v,
+        }
+    }
+}
+
+/// One tensor: a validated view of `len` bytes at `offset` in `storage`.
+///
+/// Invariant (checked when the view is made, never again): `offset + len <= storage.len()` and
+/// `len == dtype.size_in_bytes() * shape.product()`.
+#[derive(Debug, Clone)]
+pub struct WeightTensor {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    storage: Arc<Storage>,
+    offset: usize,
+    len: usize,
+}
+
+impl WeightTensor {
+    /// Makes a view, checking the invariant; `None` if the range or length is inconsistent.
+    pub fn new(
+        name: String,
+        dtype: DType,
+        shape: Vec<usize>,
+        storage: Arc<Storage>,
+        offset: usize,
+        len: usize,
+    ) -> Option<Self> {
+        let elements = shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))?;
+        let expected = elements.checked_mul(dtype.size_in_bytes())?;
+        let end = offset.checked_add(len)?;
+        if expected != len || end > storage.bytes().len() {
+            return None;
+        }
+        Some(WeightTensor { name, dtype, shape, storage, offset, len })
+    }
+
+    /// The stored bytes, little-endian, in `dtype`.
+    #[inline]
+    pub fn bytes(&self) -> &[u8] {
+        &self.storage.bytes()[self.offset..self.offset + self.len]
+    }
+
+    pub fn element_count(&self) -> usize {
+        self.len / self.dtype.size_in_bytes()
+    }
+
+    pub fn byte_len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether two views share the same bytes (a tied head bound to the embedding).
+    pub fn same_bytes(&self, other: &WeightTensor) -> bool {
+        Arc::ptr_eq(&self.storage, &other.storage) && self.offset == other.offset && self.len == other.len
+    }
+}
