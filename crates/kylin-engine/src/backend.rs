@@ -36,6 +36,12 @@ pub struct BackendSummary {
 pub trait Backend {
     fn summary(&self) -> BackendSummary;
 
+    /// Sampling defaults published with the model (`generation_config.json`); empty when the
+    /// format has none (GGUF), so the sampler's own defaults apply.
+    fn generation_defaults(&self) -> kylin_loader::GenerationDefaults {
+        kylin_loader::GenerationDefaults::default()
+    }
+
     /// Ids that end generation (union of generation_config, config and tokenizer EOS).
     fn eos_ids(&self) -> &[u32];
 
@@ -65,6 +71,10 @@ pub trait Backend {
 
     /// Empties the KV cache.
     fn reset(&mut self);
+
+    /// Keeps the first `len` tokens of the KV cache and forgets the rest, so a conversation can
+    /// reuse the prefix it shares with the previous turn. No-op when fewer are cached.
+    fn rewind(&mut self, len: usize);
 
     /// Appends `ids` to the sequence in one forward pass; returns the logits of the last one.
     /// `CONTEXT_OVERFLOW` if they do not fit.

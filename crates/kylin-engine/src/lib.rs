@@ -3,5 +3,16 @@
 //! that llama.cpp also implements.
 
 pub mod backend;
+pub mod detok;
+pub mod generate;
+pub mod kv_cache;
+pub mod model;
+pub mod native;
+pub mod rope;
+pub mod sampler;
+pub mod text;
 
 pub use backend::{Backend, BackendSummary, ChatMessage};
+pub use generate::{ChatSession, FinishReason, GenerateRequest, GenerationResult, GenerationTimings, generate};
+pub use sampler::{Sampler, SamplingParams};
+pub use text::TextCodec;

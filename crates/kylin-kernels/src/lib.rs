@@ -2,13 +2,53 @@
 //!
 //! Weights arrive as little-endian bytes in their stored dtype ([`WeightMatrix`],
 //! [`WeightVector`]); activations are `f32`. Every kernel has a scalar reference in
-//! [`reference`]; SIMD versions are chosen at run time by CPU feature detection and tested
-//! against the reference on odd sizes.
+//! [`reference`]; SIMD versions are chosen at run time by CPU feature detection ([`isa`],
+//! detected once and cached; never by build flags) and tested against the reference on odd
+//! sizes.
+//!
+//! Guarantees: no function here allocates except [`measure_read_bandwidth`] (its probe buffer)
+//! and [`ThreadPool::new`]; accumulation is always in f32; [`matmul`] and [`matmul_many`] split
+//! the output rows across the pool so each weight byte is read by one core.
+//!
+//! Setting the environment variable `KYLIN_KERNELS_ISA=scalar` before the first kernel call
+//! forces the portable scalar kernels (for debugging and comparison).
 
+mod matmul;
 pub mod pool;
 pub mod reference;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
-pub use pool::ThreadPool;
+pub use matmul::GEMM_MIN_TOKENS;
+pub use pool::{ThreadPool, physical_cores};
+
+use std::sync::OnceLock;
+
+/// The instruction set the kernels use on this machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// x86_64 with AVX2, FMA and F16C.
+    Avx2Fma,
+    /// Portable scalar code.
+    Scalar,
+}
+
+/// The instruction set chosen for this process (detected on first use, then cached).
+pub fn isa() -> Isa {
+    static ISA: OnceLock<Isa> = OnceLock::new();
+    *ISA.get_or_init(|| {
+        if std::env::var("KYLIN_KERNELS_ISA").is_ok_and(|v| v.eq_ignore_ascii_case("scalar")) {
+            return Isa::Scalar;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+                return Isa::Avx2Fma;
+            }
+        }
+        Isa::Scalar
+    })
+}
 
 /// Stored element type of a weight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,18 +102,60 @@ impl WeightVector<'_> {
 }
 
 /// `y = x · Wᵀ`: x is `(n_tokens, w.cols)`, y is `(n_tokens, w.rows)`, both row-major.
+///
+/// Runs on `pool`, output rows split across its threads. With `n_tokens <
+/// GEMM_MIN_TOKENS` (decode) it streams each weight once (GEMV); otherwise it runs a packed,
+/// register-blocked GEMM. Allocates nothing. Panics if a length disagrees with the shapes.
 pub fn matmul(pool: &ThreadPool, w: WeightMatrix<'_>, x: &[f32], n_tokens: usize, y: &mut [f32]) {
-    reference::matmul(pool, w, x, n_tokens, y)
+    matmul::matmul_many(pool, x, n_tokens, &mut [(w, y)])
+}
+
+/// Several matmuls sharing the same input in one pool job: `y_i = x · W_iᵀ` for every
+/// `(W_i, y_i)` in `jobs` (e.g. q/k/v projections, or gate/up).
+///
+/// Shapes: `x` is `(n_tokens, cols)`; every `W_i` is `(rows_i, cols)`; `y_i` is
+/// `(n_tokens, rows_i)`. Same results as calling [`matmul`] for each, with one thread-pool
+/// synchronisation instead of one per matrix. Allocates nothing.
+pub fn matmul_many(pool: &ThreadPool, x: &[f32], n_tokens: usize, jobs: &mut [(WeightMatrix<'_>, &mut [f32])]) {
+    matmul::matmul_many(pool, x, n_tokens, jobs)
 }
 
 /// Row `row` of `w` widened to f32 into `out` (`out.len() == w.cols`): the embedding lookup.
 pub fn widen_row(w: WeightMatrix<'_>, row: usize, out: &mut [f32]) {
-    reference::widen_row(w, row, out)
+    let n = out.len().min(w.cols);
+    let size = w.dtype.size_in_bytes();
+    let start = row * w.cols * size;
+    // This check makes the unsafe read below sound.
+    assert!(row < w.rows && w.data.len() >= start + n * size, "widen_row: row {row} out of range");
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2/FMA/F16C were detected; elements `0..n` of the row are inside `w.data`.
+        Isa::Avx2Fma => unsafe {
+            let p = w.data.as_ptr().add(start);
+            match w.dtype {
+                WeightDType::BF16 => x86::widen::<{ x86::BF16 }>(p, &mut out[..n]),
+                WeightDType::F16 => x86::widen::<{ x86::F16 }>(p, &mut out[..n]),
+                WeightDType::F32 => x86::widen::<{ x86::F32 }>(p, &mut out[..n]),
+            }
+        },
+        _ => reference::widen_row(w, row, out),
+    }
 }
 
 /// `out = x / rms(x) * weight` for one row (`x.len() == weight.len() == out.len()`).
 pub fn rms_norm(x: &[f32], weight: WeightVector<'_>, eps: f32, out: &mut [f32]) {
-    reference::rms_norm(x, weight, eps, out)
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2Fma => {
+            // SAFETY: AVX2/FMA/F16C were detected.
+            let sum_sq = unsafe { x86::dot(x, x) };
+            let inv = 1.0 / (sum_sq / x.len() as f32 + eps).sqrt();
+            for (i, (o, v)) in out.iter_mut().zip(x).enumerate() {
+                *o = v * inv * weight.get(i);
+            }
+        }
+        _ => reference::rms_norm(x, weight, eps, out),
+    }
 }
 
 /// In-place `x += bias`.
@@ -118,5 +200,70 @@ pub fn attention_head(
     scores: &mut [f32],
     out: &mut [f32],
 ) {
-    reference::attention_head(q, keys, values, len, head_dim, scale, scores, out)
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2Fma => {
+            let scores = &mut scores[..len];
+            for (p, s) in scores.iter_mut().enumerate() {
+                let k = &keys[p * head_dim..(p + 1) * head_dim];
+                // SAFETY: AVX2/FMA/F16C were detected.
+                *s = unsafe { x86::dot(&q[..head_dim], k) } * scale;
+            }
+            reference::softmax(scores);
+            let out = &mut out[..head_dim];
+            out.fill(0.0);
+            for (p, s) in scores.iter().enumerate() {
+                let v = &values[p * head_dim..(p + 1) * head_dim];
+                // SAFETY: AVX2/FMA/F16C were detected.
+                unsafe { x86::axpy(out, *s, v) };
+            }
+        }
+        _ => reference::attention_head(q, keys, values, len, head_dim, scale, scores, out),
+    }
+}
+
+/// Measured streaming-read bandwidth in GB/s (10⁹ bytes per second): the best of
+/// `repetitions` sums of a `bytes`-long buffer split across `pool`'s threads.
+///
+/// Allocates (and touches) the buffer once; used by benchmarks to put decode speed next to
+/// what the memory can deliver. Returns 0 for an empty buffer or no repetitions.
+pub fn measure_read_bandwidth(pool: &ThreadPool, bytes: usize, repetitions: usize) -> f64 {
+    if bytes == 0 || repetitions == 0 {
+        return 0.0;
+    }
+    let data = vec![1u8; bytes];
+    let threads = pool.threads();
+    let chunk = bytes.div_ceil(threads);
+    let sink = std::sync::atomic::AtomicU64::new(0);
+    let mut best = f64::INFINITY;
+    for _ in 0..repetitions {
+        let start = std::time::Instant::now();
+        pool.run(threads, &|t| {
+            let part = &data[(t * chunk).min(bytes)..((t + 1) * chunk).min(bytes)];
+            let sum = read_sum(part);
+            sink.fetch_add(sum, std::sync::atomic::Ordering::Relaxed);
+        });
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(sink.into_inner());
+    bytes as f64 / best.max(1e-9) / 1e9
+}
+
+/// Sum of `data` read sequentially (the body of the bandwidth probe).
+fn read_sum(data: &[u8]) -> u64 {
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2/FMA/F16C were detected.
+        Isa::Avx2Fma => unsafe { x86::read_sum(data) },
+        _ => {
+            let mut words = data.chunks_exact(8);
+            let mut acc = [0u64; 4];
+            for (i, w) in words.by_ref().enumerate() {
+                let v = u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]);
+                acc[i % 4] = acc[i % 4].wrapping_add(v);
+            }
+            let tail = words.remainder().iter().fold(0u64, |s, b| s.wrapping_add(*b as u64));
+            acc.iter().fold(tail, |s, v| s.wrapping_add(*v))
+        }
+    }
 }

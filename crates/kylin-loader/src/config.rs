@@ -108,3 +108,606 @@ pub struct ModelConfig {
     /// Fields that were absent and took their default, by config.json name.
     pub defaulted: Vec<String>,
 }
+
+use serde_json::{Map, Value};
+
+use crate::error::{KylinError, Result};
+
+/// `config.json` as written, in either layout: every field optional, nothing decided yet.
+///
+/// Only the fields Kylin reads are kept; `raw` holds the whole object for `inspect`. Values are
+/// taken with their JSON types checked, so a wrong type is a `CONFIG_INVALID` naming the field.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct HfConfig {
+    pub architectures: Vec<String>,
+    pub model_type: Option<String>,
+    pub hidden_size: Option<u64>,
+    pub num_hidden_layers: Option<u64>,
+    pub num_attention_heads: Option<u64>,
+    pub num_key_value_heads: Option<u64>,
+    pub head_dim: Option<u64>,
+    pub intermediate_size: Option<u64>,
+    pub vocab_size: Option<u64>,
+    pub max_position_embeddings: Option<u64>,
+    pub rms_norm_eps: Option<f64>,
+    pub hidden_act: Option<String>,
+    pub tie_word_embeddings: Option<bool>,
+    pub attention_bias: Option<bool>,
+    pub mlp_bias: Option<bool>,
+    /// Top-level `rope_theta` (older layout).
+    pub rope_theta: Option<f64>,
+    /// Top-level `partial_rotary_factor`.
+    pub partial_rotary_factor: Option<f64>,
+    /// Top-level `original_max_position_embeddings` (Phi-3 style; takes priority, as in transformers).
+    pub original_max_position_embeddings: Option<u64>,
+    /// `rope_parameters` (transformers 5) or `rope_scaling` (older layout), whichever is present.
+    pub rope_parameters: Option<Map<String, Value>>,
+    /// Which key the RoPE dictionary came from (`rope_parameters` or `rope_scaling`).
+    pub rope_key: Option<&'static str>,
+    pub use_sliding_window: Option<bool>,
+    pub sliding_window: Option<u64>,
+    /// Whether `sliding_window` is written in config.json at all (even as `null`).
+    pub sliding_window_present: bool,
+    pub max_window_layers: Option<u64>,
+    pub layer_types: Option<Vec<String>>,
+    /// `dtype` (transformers 5) or `torch_dtype`.
+    pub dtype: Option<String>,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_id: Vec<u32>,
+}
+
+/// Where a value is read from, for error messages: `config.json field 'x'`.
+fn bad(field: &str, expected: &str, got: &Value) -> KylinError {
+    let mut shown = got.to_string();
+    if shown.len() > 80 {
+        shown.truncate(80);
+        shown.push_str("...");
+    }
+    KylinError::config_invalid(format!(
+        "config.json field '{field}' must be {expected}, got {shown}; fix the value in config.json"
+    ))
+}
+
+/// Reads an optional field; JSON `null` counts as absent, as transformers treats it.
+fn field<'a>(obj: &'a Map<String, Value>, name: &str) -> Option<&'a Value> {
+    obj.get(name).filter(|v| !v.is_null())
+}
+
+fn get_u64(obj: &Map<String, Value>, name: &str) -> Result<Option<u64>> {
+    match field(obj, name) {
+        None => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(n) => Ok(Some(n)),
+            // An integral float such as `4096.0` is accepted, as Python's `int()` would.
+            None => match v.as_f64() {
+                Some(f) if f >= 0.0 && f.fract() == 0.0 && f < 9.0e15 => Ok(Some(f as u64)),
+                _ => Err(bad(name, "a non-negative integer", v)),
+            },
+        },
+    }
+}
+
+fn get_f64(obj: &Map<String, Value>, name: &str) -> Result<Option<f64>> {
+    match field(obj, name) {
+        None => Ok(None),
+        Some(v) => v.as_f64().filter(|f| f.is_finite()).map(Some).ok_or_else(|| bad(name, "a number", v)),
+    }
+}
+
+fn get_bool(obj: &Map<String, Value>, name: &str) -> Result<Option<bool>> {
+    match field(obj, name) {
+        None => Ok(None),
+        Some(v) => v.as_bool().map(Some).ok_or_else(|| bad(name, "true or false", v)),
+    }
+}
+
+fn get_str(obj: &Map<String, Value>, name: &str) -> Result<Option<String>> {
+    match field(obj, name) {
+        None => Ok(None),
+        Some(v) => v.as_str().map(|s| Some(s.to_string())).ok_or_else(|| bad(name, "a string", v)),
+    }
+}
+
+fn as_token_id(name: &str, v: &Value) -> Result<u32> {
+    v.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(|| bad(name, "a token id (integer)", v))
+}
+
+/// A token id field that may be an integer or a list of integers (`eos_token_id`).
+pub(crate) fn get_id_list(obj: &Map<String, Value>, name: &str) -> Result<Vec<u32>> {
+    match field(obj, name) {
+        None => Ok(Vec::new()),
+        Some(Value::Array(items)) => items.iter().map(|v| as_token_id(name, v)).collect(),
+        Some(v) => Ok(vec![as_token_id(name, v)?]),
+    }
+}
+
+pub(crate) fn get_id(obj: &Map<String, Value>, name: &str) -> Result<Option<u32>> {
+    field(obj, name).map(|v| as_token_id(name, v)).transpose()
+}
+
+impl HfConfig {
+    /// Parses `config.json` text. Malformed JSON or a wrong type is `CONFIG_INVALID`.
+    pub fn from_json_str(text: &str) -> Result<HfConfig> {
+        let value: Value = serde_json::from_str(text)
+            .map_err(|e| KylinError::config_invalid(format!("config.json is not valid JSON: {e}")))?;
+        let Value::Object(obj) = value else {
+            return Err(KylinError::config_invalid("config.json must be a JSON object"));
+        };
+        HfConfig::from_object(&obj)
+    }
+
+    /// Reads the fields Kylin uses from a parsed `config.json` object.
+    pub fn from_object(obj: &Map<String, Value>) -> Result<HfConfig> {
+        let architectures = match field(obj, "architectures") {
+            None => Vec::new(),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| v.as_str().map(str::to_string).ok_or_else(|| bad("architectures", "a list of strings", v)))
+                .collect::<Result<Vec<_>>>()?,
+            Some(v) => return Err(bad("architectures", "a list of strings", v)),
+        };
+        let (rope_parameters, rope_key) = match (field(obj, "rope_parameters"), field(obj, "rope_scaling")) {
+            (Some(Value::Object(m)), _) => (Some(m.clone()), Some("rope_parameters")),
+            (Some(v), _) => return Err(bad("rope_parameters", "an object", v)),
+            (None, Some(Value::Object(m))) => (Some(m.clone()), Some("rope_scaling")),
+            (None, Some(v)) => return Err(bad("rope_scaling", "an object", v)),
+            (None, None) => (None, None),
+        };
+        let layer_types = match field(obj, "layer_types") {
+            None => None,
+            Some(Value::Array(items)) => Some(
+                items
+                    .iter()
+                    .map(|v| v.as_str().map(str::to_string).ok_or_else(|| bad("layer_types", "a list of strings", v)))
+                    .collect::<Result<Vec<_>>>()?,
+            ),
+            Some(v) => return Err(bad("layer_types", "a list of strings", v)),
+        };
+        Ok(HfConfig {
+            architectures,
+            model_type: get_str(obj, "model_type")?,
+            hidden_size: get_u64(obj, "hidden_size")?,
+            num_hidden_layers: get_u64(obj, "num_hidden_layers")?,
+            num_attention_heads: get_u64(obj, "num_attention_heads")?,
+            num_key_value_heads: get_u64(obj, "num_key_value_heads")?,
+            head_dim: get_u64(obj, "head_dim")?,
+            intermediate_size: get_u64(obj, "intermediate_size")?,
+            vocab_size: get_u64(obj, "vocab_size")?,
+            max_position_embeddings: get_u64(obj, "max_position_embeddings")?,
+            rms_norm_eps: get_f64(obj, "rms_norm_eps")?,
+            hidden_act: get_str(obj, "hidden_act")?,
+            tie_word_embeddings: get_bool(obj, "tie_word_embeddings")?,
+            attention_bias: get_bool(obj, "attention_bias")?,
+            mlp_bias: get_bool(obj, "mlp_bias")?,
+            rope_theta: get_f64(obj, "rope_theta")?,
+            partial_rotary_factor: get_f64(obj, "partial_rotary_factor")?,
+            original_max_position_embeddings: get_u64(obj, "original_max_position_embeddings")?,
+            rope_parameters,
+            rope_key,
+            use_sliding_window: get_bool(obj, "use_sliding_window")?,
+            sliding_window: get_u64(obj, "sliding_window")?,
+            sliding_window_present: obj.contains_key("sliding_window"),
+            max_window_layers: get_u64(obj, "max_window_layers")?,
+            layer_types,
+            dtype: match get_str(obj, "dtype")? {
+                Some(d) => Some(d),
+                None => get_str(obj, "torch_dtype")?,
+            },
+            bos_token_id: get_id(obj, "bos_token_id")?,
+            eos_token_id: get_id_list(obj, "eos_token_id")?,
+        })
+    }
+}
+
+/// Per-architecture defaults, as transformers' `*Config.__init__` declares them.
+struct ArchDefaults {
+    max_position_embeddings: usize,
+    /// `None`: `hidden_size / num_attention_heads`.
+    head_dim: Option<usize>,
+    /// Mistral's `sliding_window` default (4096); `None` for the others.
+    sliding_window: Option<u64>,
+}
+
+fn arch_defaults(arch: Architecture) -> ArchDefaults {
+    match arch {
+        // Qwen3Config(head_dim=128, max_position_embeddings=32768).
+        Architecture::Qwen3 => ArchDefaults { max_position_embeddings: 32768, head_dim: Some(128), sliding_window: None },
+        Architecture::Qwen2 => ArchDefaults { max_position_embeddings: 32768, head_dim: None, sliding_window: None },
+        Architecture::Llama => ArchDefaults { max_position_embeddings: 2048, head_dim: None, sliding_window: None },
+        Architecture::Mistral => {
+            ArchDefaults { max_position_embeddings: 4096 * 32, head_dim: None, sliding_window: Some(4096) }
+        }
+    }
+}
+
+/// transformers' default `rms_norm_eps` for all four architectures.
+pub const DEFAULT_RMS_NORM_EPS: f64 = 1e-6;
+/// transformers' default `rope_theta` (`default_theta`).
+pub const DEFAULT_ROPE_THETA: f64 = 10000.0;
+
+impl Architecture {
+    /// The architecture named by `architectures[0]`; `MAPPING_MISSING` for any other.
+    pub fn from_hf_name(name: &str) -> Result<Architecture> {
+        match name {
+            "Qwen3ForCausalLM" => Ok(Architecture::Qwen3),
+            "Qwen2ForCausalLM" => Ok(Architecture::Qwen2),
+            "LlamaForCausalLM" => Ok(Architecture::Llama),
+            "MistralForCausalLM" => Ok(Architecture::Mistral),
+            other => Err(KylinError::mapping_missing(format!(
+                "architecture '{other}' (config.json architectures[0]) has no tensor table; supported: {}",
+                Architecture::SUPPORTED.join(", ")
+            ))),
+        }
+    }
+}
+
+/// Takes a required positive size, or `CONFIG_INVALID` naming it.
+fn required(value: Option<u64>, name: &str) -> Result<usize> {
+    let v = value.ok_or_else(|| {
+        KylinError::config_invalid(format!("config.json has no '{name}'; it is required to build the model"))
+    })?;
+    positive(v, name)
+}
+
+fn positive(v: u64, name: &str) -> Result<usize> {
+    if v == 0 {
+        return Err(KylinError::config_invalid(format!("config.json field '{name}' is 0; it must be positive")));
+    }
+    // Sizes beyond 2^32 cannot describe a model that fits in memory; refusing them here keeps
+    // every product of two sizes far from overflow.
+    if v > u32::MAX as u64 {
+        return Err(KylinError::config_invalid(format!("config.json field '{name}' is {v}, which is implausibly large")));
+    }
+    Ok(v as usize)
+}
+
+impl HfConfig {
+    /// Decides every value: defaults filled in (and recorded in `defaulted`), the RoPE variant
+    /// resolved with transformers' rules, and every combination Kylin cannot run refused.
+    pub fn resolve(&self) -> Result<ModelConfig> {
+        let mut defaulted: Vec<String> = Vec::new();
+        let arch_name = self.architectures.first().ok_or_else(|| {
+            KylinError::config_invalid(format!(
+                "config.json has no 'architectures' list; expected one of: {}",
+                Architecture::SUPPORTED.join(", ")
+            ))
+        })?;
+        let architecture = Architecture::from_hf_name(arch_name)?;
+        let d = arch_defaults(architecture);
+
+        let hidden_size = required(self.hidden_size, "hidden_size")?;
+        let num_layers = required(self.num_hidden_layers, "num_hidden_layers")?;
+        let num_heads = required(self.num_attention_heads, "num_attention_heads")?;
+        let intermediate_size = required(self.intermediate_size, "intermediate_size")?;
+        let vocab_size = required(self.vocab_size, "vocab_size")?;
+
+        let num_kv_heads = match self.num_key_value_heads {
+            Some(v) => positive(v, "num_key_value_heads")?,
+            None => {
+                defaulted.push("num_key_value_heads".into());
+                num_heads
+            }
+        };
+        if num_heads % num_kv_heads != 0 {
+            return Err(KylinError::config_invalid(format!(
+                "config.json: num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
+            )));
+        }
+        let head_dim = match self.head_dim {
+            Some(v) => positive(v, "head_dim")?,
+            None => {
+                defaulted.push("head_dim".into());
+                match d.head_dim {
+                    Some(h) => h,
+                    None => {
+                        if hidden_size % num_heads != 0 {
+                            return Err(KylinError::config_invalid(format!(
+                                "config.json: hidden_size={hidden_size} is not divisible by \
+                                 num_attention_heads={num_heads} and no head_dim is given"
+                            )));
+                        }
+                        hidden_size / num_heads
+                    }
+                }
+            }
+        };
+        let max_position_embeddings = match self.max_position_embeddings {
+            Some(v) => positive(v, "max_position_embeddings")?,
+            None => {
+                defaulted.push("max_position_embeddings".into());
+                d.max_position_embeddings
+            }
+        };
+        let rms_norm_eps = match self.rms_norm_eps {
+            Some(e) if e > 0.0 && e < 1.0 => e,
+            Some(e) => {
+                return Err(KylinError::config_invalid(format!(
+                    "config.json field 'rms_norm_eps' is {e}; it must be in (0, 1)"
+                )));
+            }
+            None => {
+                defaulted.push("rms_norm_eps".into());
+                DEFAULT_RMS_NORM_EPS
+            }
+        };
+        let hidden_act = match &self.hidden_act {
+            Some(a) => a.clone(),
+            None => {
+                defaulted.push("hidden_act".into());
+                "silu".to_string()
+            }
+        };
+        if hidden_act != "silu" {
+            return Err(KylinError::config_invalid(format!(
+                "config.json field 'hidden_act' is '{hidden_act}'; Kylin's {} block supports only 'silu'",
+                architecture.hf_name()
+            )));
+        }
+        let tie_word_embeddings = self.tie_word_embeddings.unwrap_or_else(|| {
+            defaulted.push("tie_word_embeddings".into());
+            false
+        });
+        let (qkv_bias, o_bias, mlp_bias, qk_norm) = match architecture {
+            // Qwen2's q/k/v projections always carry a bias; o_proj and the MLP never do.
+            Architecture::Qwen2 => (true, false, false, false),
+            Architecture::Qwen3 => {
+                let b = self.attention_bias.unwrap_or_else(|| {
+                    defaulted.push("attention_bias".into());
+                    false
+                });
+                (b, b, false, true)
+            }
+            Architecture::Llama => {
+                let b = self.attention_bias.unwrap_or_else(|| {
+                    defaulted.push("attention_bias".into());
+                    false
+                });
+                let m = self.mlp_bias.unwrap_or_else(|| {
+                    defaulted.push("mlp_bias".into());
+                    false
+                });
+                (b, b, m, false)
+            }
+            // MistralConfig has no bias options: every projection is bias-free.
+            Architecture::Mistral => (false, false, false, false),
+        };
+
+        self.check_sliding_window(architecture, num_layers, max_position_embeddings, d.sliding_window)?;
+        let rope = self.resolve_rope(max_position_embeddings, &mut defaulted)?;
+
+        let mut eos_token_ids = self.eos_token_id.clone();
+        eos_token_ids.sort_unstable();
+        eos_token_ids.dedup();
+        Ok(ModelConfig {
+            architecture,
+            model_type: self.model_type.clone().unwrap_or_else(|| match architecture {
+                Architecture::Qwen3 => "qwen3".into(),
+                Architecture::Qwen2 => "qwen2".into(),
+                Architecture::Llama => "llama".into(),
+                Architecture::Mistral => "mistral".into(),
+            }),
+            hidden_size,
+            num_layers,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            intermediate_size,
+            vocab_size,
+            max_position_embeddings,
+            rms_norm_eps,
+            rope,
+            tie_word_embeddings,
+            qkv_bias,
+            o_bias,
+            mlp_bias,
+            qk_norm,
+            hidden_act,
+            declared_dtype: self.dtype.clone(),
+            bos_token_id: self.bos_token_id,
+            eos_token_ids,
+            defaulted,
+        })
+    }
+
+    /// Refuses configurations whose layers really use sliding-window attention.
+    fn check_sliding_window(
+        &self,
+        arch: Architecture,
+        num_layers: usize,
+        max_positions: usize,
+        default_window: Option<u64>,
+    ) -> Result<()> {
+        if let Some(types) = &self.layer_types
+            && let Some(i) = types.iter().position(|t| t == "sliding_attention")
+        {
+            return Err(KylinError::operator_unsupported(format!(
+                "config.json layer_types[{i}] is 'sliding_attention'; Kylin implements full attention only"
+            )));
+        }
+        match arch {
+            Architecture::Qwen2 | Architecture::Qwen3 => {
+                // transformers: layer i slides when use_sliding_window and i >= max_window_layers.
+                if self.use_sliding_window == Some(true) {
+                    let mwl = self.max_window_layers.unwrap_or(28);
+                    if mwl < num_layers as u64 {
+                        return Err(KylinError::operator_unsupported(format!(
+                            "config.json sets use_sliding_window=true with max_window_layers={mwl} < \
+                             num_hidden_layers={num_layers}: layers {mwl}.. use sliding-window attention, \
+                             which Kylin does not implement"
+                        )));
+                    }
+                }
+            }
+            Architecture::Mistral => {
+                let window = if self.sliding_window_present { self.sliding_window } else { default_window };
+                if let Some(w) = window
+                    && (w as usize) < max_positions
+                {
+                    return Err(KylinError::operator_unsupported(format!(
+                        "config.json sliding_window={w} is smaller than max_position_embeddings={max_positions}: \
+                         Mistral's sliding-window attention is not implemented"
+                    )));
+                }
+            }
+            Architecture::Llama => {}
+        }
+        Ok(())
+    }
+
+    /// Resolves the RoPE dictionary (either layout) with transformers' rules
+    /// (`standardize_rope_params` and the `_compute_*_parameters` functions).
+    fn resolve_rope(&self, max_positions: usize, defaulted: &mut Vec<String>) -> Result<RopeConfig> {
+        let empty = Map::new();
+        let params = self.rope_parameters.as_ref().unwrap_or(&empty);
+        let key = self.rope_key.unwrap_or("rope_parameters");
+        let name = |k: &str| format!("{key}.{k}");
+        let p_f64 = |k: &str| -> Result<Option<f64>> {
+            match field(params, k) {
+                None => Ok(None),
+                Some(v) => v.as_f64().filter(|f| f.is_finite()).map(Some).ok_or_else(|| bad(&name(k), "a number", v)),
+            }
+        };
+        let p_u64 = |k: &str| -> Result<Option<u64>> {
+            match get_u64(params, k) {
+                Ok(v) => Ok(v),
+                Err(_) => Err(bad(&name(k), "a non-negative integer", field(params, k).unwrap_or(&Value::Null))),
+            }
+        };
+
+        let rope_type = match (field(params, "rope_type"), field(params, "type")) {
+            (Some(v), _) => v.as_str().ok_or_else(|| bad(&name("rope_type"), "a string", v))?.to_string(),
+            (None, Some(v)) => v.as_str().ok_or_else(|| bad(&name("type"), "a string", v))?.to_string(),
+            (None, None) => "default".to_string(),
+        };
+        let theta = match (p_f64("rope_theta")?, self.rope_theta) {
+            (Some(t), _) | (None, Some(t)) => t,
+            (None, None) => {
+                defaulted.push("rope_theta".into());
+                DEFAULT_ROPE_THETA
+            }
+        };
+        if theta <= 1.0 {
+            return Err(KylinError::config_invalid(format!("config.json rope_theta is {theta}; it must be > 1")));
+        }
+        // Defaults are recorded under one spelling so that both layouts give identical configs.
+        let mut note = |k: &str| defaulted.push(format!("rope_parameters.{k}"));
+        let partial_rotary_factor = p_f64("partial_rotary_factor")?.or(self.partial_rotary_factor).unwrap_or(1.0);
+        if partial_rotary_factor != 1.0 {
+            return Err(KylinError::operator_unsupported(format!(
+                "config.json partial_rotary_factor={partial_rotary_factor}: Kylin rotates the whole head only"
+            )));
+        }
+        let factor_required = |f: Option<f64>| -> Result<f64> {
+            let f = f.ok_or_else(|| {
+                KylinError::config_invalid(format!("config.json {key} of type '{rope_type}' needs 'factor'"))
+            })?;
+            if f <= 0.0 {
+                return Err(KylinError::config_invalid(format!("config.json {} is {f}; it must be > 0", name("factor"))));
+            }
+            Ok(f)
+        };
+        let original_max = |note: &mut dyn FnMut(&str)| -> Result<usize> {
+            // transformers gives a top-level `original_max_position_embeddings` priority, then the
+            // dictionary's, then falls back to `max_position_embeddings`.
+            match (self.original_max_position_embeddings, p_u64("original_max_position_embeddings")?) {
+                (Some(v), _) => positive(v, "original_max_position_embeddings"),
+                (None, Some(v)) => positive(v, &name("original_max_position_embeddings")),
+                (None, None) => {
+                    note("original_max_position_embeddings");
+                    Ok(max_positions)
+                }
+            }
+        };
+        let scaling = match rope_type.as_str() {
+            "default" => RopeScaling::Default,
+            "linear" => RopeScaling::Linear { factor: factor_required(p_f64("factor")?)? },
+            "dynamic" => {
+                let factor = factor_required(p_f64("factor")?)?;
+                let original_max_position_embeddings = match p_u64("original_max_position_embeddings")? {
+                    Some(v) => positive(v, &name("original_max_position_embeddings"))?,
+                    None => max_positions,
+                };
+                RopeScaling::Dynamic { factor, original_max_position_embeddings }
+            }
+            "yarn" => {
+                let original_max_position_embeddings = original_max(&mut note)?;
+                let factor = match p_f64("factor")? {
+                    Some(f) => factor_required(Some(f))?,
+                    None => {
+                        note("factor");
+                        max_positions as f64 / original_max_position_embeddings as f64
+                    }
+                };
+                // `get("beta_fast") or 32`: a zero counts as absent, as in Python.
+                let beta_fast = match p_f64("beta_fast")? {
+                    Some(b) if b != 0.0 => b,
+                    _ => {
+                        note("beta_fast");
+                        32.0
+                    }
+                };
+                let beta_slow = match p_f64("beta_slow")? {
+                    Some(b) if b != 0.0 => b,
+                    _ => {
+                        note("beta_slow");
+                        1.0
+                    }
+                };
+                let mscale = p_f64("mscale")?;
+                let mscale_all_dim = p_f64("mscale_all_dim")?;
+                let get_mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+                let attention_factor = match p_f64("attention_factor")? {
+                    Some(a) => a,
+                    None => {
+                        note("attention_factor");
+                        match (mscale, mscale_all_dim) {
+                            (Some(m), Some(a)) if m != 0.0 && a != 0.0 => get_mscale(factor, m) / get_mscale(factor, a),
+                            _ => get_mscale(factor, 1.0),
+                        }
+                    }
+                };
+                let truncate = match field(params, "truncate") {
+                    None => {
+                        note("truncate");
+                        true
+                    }
+                    Some(v) => v.as_bool().ok_or_else(|| bad(&name("truncate"), "true or false", v))?,
+                };
+                RopeScaling::Yarn {
+                    factor,
+                    original_max_position_embeddings,
+                    beta_fast,
+                    beta_slow,
+                    mscale,
+                    mscale_all_dim,
+                    attention_factor,
+                    truncate,
+                }
+            }
+            "llama3" => {
+                let factor = factor_required(p_f64("factor")?)?;
+                let need = |k: &str| -> Result<f64> {
+                    p_f64(k)?.ok_or_else(|| {
+                        KylinError::config_invalid(format!("config.json {key} of type 'llama3' needs '{k}'"))
+                    })
+                };
+                let low_freq_factor = need("low_freq_factor")?;
+                let high_freq_factor = need("high_freq_factor")?;
+                if high_freq_factor <= low_freq_factor {
+                    return Err(KylinError::config_invalid(format!(
+                        "config.json {key}: high_freq_factor={high_freq_factor} must be greater than \
+                         low_freq_factor={low_freq_factor}"
+                    )));
+                }
+                let original_max_position_embeddings = original_max(&mut note)?;
+                RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }
+            }
+            other => {
+                return Err(KylinError::operator_unsupported(format!(
+                    "config.json {key} has rope_type '{other}'; Kylin implements default, linear, dynamic, yarn and llama3"
+                )));
+            }
+        };
+        Ok(RopeConfig { theta, partial_rotary_factor, scaling })
+    }
+}

@@ -5,17 +5,317 @@
 //! in their stored dtype, every shape checked), [`TokenizerBundle`] and [`GenerationDefaults`].
 //! Code downstream trusts these values and never re-checks them. Every failure is a
 //! [`KylinError`] with a stable code.
+//!
+//! Entry points: [`detect`] (what is at this path), [`load`] (a Hugging Face directory or
+//! safetensors file, ready for the native engine) and [`inspect`] (a report for any format,
+//! GGUF included, without binding anything the report does not need).
 
+pub mod arch;
 pub mod config;
 pub mod error;
 pub mod generation;
+pub mod gguf;
+pub mod inspect;
+pub mod safetensors_file;
 pub mod tensor;
 pub mod tokenizer;
 pub mod weights;
 
-pub use config::{Architecture, ModelConfig, RopeConfig, RopeScaling};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+pub use config::{Architecture, HfConfig, ModelConfig, RopeConfig, RopeScaling};
 pub use error::{ErrorCode, KylinError, Result};
 pub use generation::GenerationDefaults;
+pub use gguf::{GgufInfo, read_gguf_info};
+pub use inspect::{InspectReport, inspect};
+pub use safetensors_file::WeightFile;
 pub use tensor::{DType, Storage, WeightTensor};
 pub use tokenizer::{ChatTemplate, SpecialToken, TokenizerBundle, TokenizerKind};
 pub use weights::{HeadBinding, LayerWeights, ModelWeights};
+
+/// What a path holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Format {
+    /// A Hugging Face directory: `config.json` plus `model.safetensors` or shards with
+    /// `model.safetensors.index.json`.
+    HfDir { dir: PathBuf, sharded: bool },
+    /// One `.safetensors` file, with the `config.json` beside it.
+    SafetensorsFile { file: PathBuf, dir: PathBuf },
+    /// A GGUF file, run by the llama.cpp backend.
+    Gguf { file: PathBuf },
+}
+
+impl Format {
+    /// `hf-dir`, `safetensors` or `gguf`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Format::HfDir { .. } => "hf-dir",
+            Format::SafetensorsFile { .. } => "safetensors",
+            Format::Gguf { .. } => "gguf",
+        }
+    }
+
+    /// The directory holding `config.json` and the tokenizer files (HF formats).
+    pub fn dir(&self) -> Option<&Path> {
+        match self {
+            Format::HfDir { dir, .. } | Format::SafetensorsFile { dir, .. } => Some(dir),
+            Format::Gguf { .. } => None,
+        }
+    }
+}
+
+const INDEX_NAME: &str = "model.safetensors.index.json";
+const SINGLE_NAME: &str = "model.safetensors";
+
+/// Recognises what `path` is, by layout and magic bytes.
+pub fn detect(path: &Path) -> Result<Format> {
+    let meta = std::fs::metadata(path).map_err(|e| KylinError::io(path, "cannot open model path", &e))?;
+    if meta.is_dir() {
+        let dir = path.to_path_buf();
+        if !dir.join("config.json").is_file() {
+            return Err(KylinError::config_missing(format!(
+                "{} has no config.json; a Hugging Face model directory needs config.json and \
+                 model.safetensors or {INDEX_NAME} (for a GGUF file, pass the .gguf file itself)",
+                dir.display()
+            ))
+            .at(path));
+        }
+        if dir.join(INDEX_NAME).is_file() {
+            return Ok(Format::HfDir { dir, sharded: true });
+        }
+        if dir.join(SINGLE_NAME).is_file() {
+            return Ok(Format::HfDir { dir, sharded: false });
+        }
+        let legacy = ["pytorch_model.bin", "pytorch_model.bin.index.json"].iter().any(|n| dir.join(n).exists());
+        let hint = if legacy {
+            "; this directory has PyTorch .bin weights, which Kylin does not read: convert them to safetensors"
+        } else {
+            ""
+        };
+        return Err(KylinError::file_not_found(format!(
+            "{} has config.json but no weights: looked for {SINGLE_NAME} and {INDEX_NAME}{hint}",
+            dir.display()
+        ))
+        .at(path));
+    }
+    let mut magic = [0u8; 4];
+    let got_magic = std::fs::File::open(path)
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+        .is_ok();
+    if got_magic && &magic == b"GGUF" {
+        return Ok(Format::Gguf { file: path.to_path_buf() });
+    }
+    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+    if ext == "gguf" {
+        return Err(KylinError::file_corrupted(format!(
+            "{} has the .gguf extension but does not start with the GGUF magic bytes",
+            path.display()
+        ))
+        .at(path));
+    }
+    if ext == "safetensors" {
+        let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf();
+        if !dir.join("config.json").is_file() {
+            return Err(KylinError::config_missing(format!(
+                "{} needs a config.json beside it in {}",
+                path.display(),
+                dir.display()
+            ))
+            .at(path));
+        }
+        return Ok(Format::SafetensorsFile { file: path.to_path_buf(), dir });
+    }
+    Err(KylinError::input_invalid(format!(
+        "{} is not a model Kylin recognises: expected a directory with config.json and {SINGLE_NAME} or \
+         {INDEX_NAME}, a .safetensors file with config.json beside it, or a GGUF file",
+        path.display()
+    ))
+    .at(path))
+}
+
+/// Options of [`load`] and [`inspect`].
+#[derive(Default, Clone, Debug)]
+pub struct LoadOptions {
+    /// A JSON tensor-map file renaming table entries (see [`arch`] for the format).
+    pub tensor_map: Option<PathBuf>,
+    /// Accept a tokenizer with ids beyond the config's `vocab_size` (a warning instead of an error).
+    pub allow_vocab_mismatch: bool,
+    /// Refuse a directory without tokenizer files (`CONFIG_MISSING`).
+    pub require_tokenizer: bool,
+}
+
+/// Where the load time went, in milliseconds.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct LoadTimings {
+    /// Config, mapping and validating the weight files, binding.
+    pub weights_ms: f64,
+    /// Reading tokenizer files (parsing tokenizer.json dominates).
+    pub tokenizer_ms: f64,
+}
+
+/// A model ready for the native engine.
+#[derive(Debug)]
+pub struct LoadedModel {
+    pub format: Format,
+    pub config: ModelConfig,
+    pub weights: ModelWeights,
+    pub files: Vec<WeightFile>,
+    /// Tensors stored in the checkpoint (used or not).
+    pub tensor_count: usize,
+    /// Bytes of tensor data stored in the checkpoint.
+    pub total_bytes: u64,
+    /// Stored dtype name -> tensor count.
+    pub dtypes: BTreeMap<String, usize>,
+    pub unused_tensors: Vec<String>,
+    pub tokenizer: Option<TokenizerBundle>,
+    pub generation: GenerationDefaults,
+    /// Sorted, deduplicated union of generation_config, config and tokenizer EOS ids.
+    pub eos_ids: Vec<u32>,
+    pub warnings: Vec<String>,
+    pub timings: LoadTimings,
+}
+
+/// Reads and resolves `dir/config.json`.
+pub fn read_config(dir: &Path) -> Result<ModelConfig> {
+    read_hf_config(dir)?.resolve()
+}
+
+/// Reads `dir/config.json` as written.
+pub fn read_hf_config(dir: &Path) -> Result<HfConfig> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        let mut err = KylinError::io(&path, "cannot read", &e);
+        if err.code == ErrorCode::FileNotFound {
+            err.code = ErrorCode::ConfigMissing;
+        }
+        err
+    })?;
+    HfConfig::from_json_str(&text).map_err(|e| e.at(&path))
+}
+
+/// The parts shared by [`load`] and [`inspect`] for Hugging Face formats.
+pub(crate) struct HfParts {
+    pub config: ModelConfig,
+    pub index: safetensors_file::TensorIndex,
+    pub warnings: Vec<String>,
+}
+
+pub(crate) fn open_hf(format: &Format) -> Result<HfParts> {
+    let mut warnings = Vec::new();
+    let (dir, index) = match format {
+        Format::HfDir { dir, sharded: true } => (dir, None::<PathBuf>),
+        Format::HfDir { dir, sharded: false } => (dir, Some(dir.join(SINGLE_NAME))),
+        Format::SafetensorsFile { file, dir } => (dir, Some(file.clone())),
+        Format::Gguf { file } => {
+            return Err(KylinError::operator_unsupported(format!(
+                "{} is a GGUF file: the native engine loads Hugging Face safetensors only; \
+                 run it with the llama.cpp backend (--backend llama.cpp)",
+                file.display()
+            ))
+            .at(file));
+        }
+    };
+    let config = read_config(dir)?;
+    let index = match index {
+        Some(file) => safetensors_file::open_single(&file)?,
+        None => safetensors_file::open_sharded(&dir.join(INDEX_NAME), &mut warnings)?,
+    };
+    Ok(HfParts { config, index, warnings })
+}
+
+/// Loads a Hugging Face model (directory or safetensors file) for the native engine.
+///
+/// Nothing is read in full: headers are parsed and the tensors become views into the maps.
+/// GGUF is `OPERATOR_UNSUPPORTED` here (it runs on the llama.cpp backend).
+pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
+    let format = detect(path)?;
+    let t0 = Instant::now();
+    let HfParts { config, index, mut warnings } = open_hf(&format)?;
+    let map = match &opts.tensor_map {
+        Some(p) => arch::TensorMap::load(p, config.architecture)?,
+        None => arch::TensorMap::default(),
+    };
+    let bound = arch::bind(&config, &index, &map)?;
+    if !bound.unused.is_empty() {
+        warnings.push(format!(
+            "{} tensors in the checkpoint are not used by the {} table: {}",
+            bound.unused.len(),
+            config.architecture.hf_name(),
+            bound.unused.join(", ")
+        ));
+    }
+    let weights_ms = t0.elapsed().as_secs_f64() * 1e3;
+
+    let dir = format.dir().unwrap_or(Path::new("."));
+    let t1 = Instant::now();
+    let tokenizer = tokenizer::load_tokenizer(dir, &mut warnings)?;
+    let tokenizer_ms = t1.elapsed().as_secs_f64() * 1e3;
+    check_tokenizer(dir, &config, tokenizer.as_ref(), opts, &mut warnings)?;
+    let generation = GenerationDefaults::load(&dir.join("generation_config.json"))?;
+    let eos_ids = eos_union(&config, &generation, tokenizer.as_ref());
+
+    Ok(LoadedModel {
+        files: index.files(),
+        tensor_count: index.len(),
+        total_bytes: index.tensor_bytes(),
+        dtypes: index.dtype_counts(),
+        format,
+        config,
+        weights: bound.weights,
+        unused_tensors: bound.unused,
+        tokenizer,
+        generation,
+        eos_ids,
+        warnings,
+        timings: LoadTimings { weights_ms, tokenizer_ms },
+    })
+}
+
+/// The tokenizer presence and vocabulary checks.
+pub(crate) fn check_tokenizer(
+    dir: &Path,
+    config: &ModelConfig,
+    tokenizer: Option<&TokenizerBundle>,
+    opts: &LoadOptions,
+    warnings: &mut Vec<String>,
+) -> Result<()> {
+    let Some(tok) = tokenizer else {
+        let msg = format!(
+            "{} has no tokenizer: looked for tokenizer.json, then vocab.json + merges.txt",
+            dir.display()
+        );
+        if opts.require_tokenizer {
+            return Err(KylinError::config_missing(msg).at(dir));
+        }
+        warnings.push(msg);
+        return Ok(());
+    };
+    if tok.vocab_size > config.vocab_size {
+        let msg = format!(
+            "the tokenizer produces ids up to {} but config.json vocab_size is {}: those ids have no embedding row",
+            tok.vocab_size - 1,
+            config.vocab_size
+        );
+        if !opts.allow_vocab_mismatch {
+            return Err(KylinError::vocab_mismatch(format!(
+                "{msg}; use the tokenizer that belongs to this model (or allow the mismatch explicitly)"
+            )));
+        }
+        warnings.push(msg);
+    }
+    Ok(())
+}
+
+/// Sorted, deduplicated union of every EOS id source.
+pub(crate) fn eos_union(config: &ModelConfig, generation: &GenerationDefaults, tok: Option<&TokenizerBundle>) -> Vec<u32> {
+    let mut ids: Vec<u32> = generation.eos_token_ids.clone();
+    ids.extend(&config.eos_token_ids);
+    if let Some(e) = tok.and_then(|t| t.eos_token.as_ref()) {
+        ids.push(e.id);
+    }
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}

@@ -62,3 +62,173 @@ impl TokenizerBundle {
         self.chat_templates.iter().find(|t| t.name == "default").or_else(|| self.chat_templates.first())
     }
 }
+
+use std::path::Path;
+
+use serde_json::{Map, Value};
+
+use crate::error::{KylinError, Result};
+
+/// Reads a special-token entry of `tokenizer_config.json`: a string or `{"content": ...}`.
+fn special_content(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_string),
+        _ => None,
+    }
+}
+
+fn read_json_object(path: &Path) -> Result<Map<String, Value>> {
+    let text = std::fs::read_to_string(path).map_err(|e| KylinError::io(path, "cannot read", &e))?;
+    match serde_json::from_str::<Value>(&text) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) => Err(KylinError::config_invalid(format!("{} must be a JSON object", path.display())).at(path)),
+        Err(e) => Err(KylinError::config_invalid(format!("{} is not valid JSON: {e}", path.display())).at(path)),
+    }
+}
+
+/// Builds a GPT-2 style byte-level BPE tokenizer from `vocab.json` + `merges.txt`.
+fn byte_level_bpe(vocab: &Path, merges: &Path) -> Result<tokenizers::Tokenizer> {
+    use tokenizers::models::bpe::BPE;
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    let (Some(v), Some(m)) = (vocab.to_str(), merges.to_str()) else {
+        return Err(KylinError::config_invalid(format!("{} is not a UTF-8 path", vocab.display())));
+    };
+    let bpe = BPE::from_file(v, m).build().map_err(|e| {
+        KylinError::config_invalid(format!("vocab.json/merges.txt in {} cannot be read: {e}", vocab.display()))
+            .at(vocab)
+    })?;
+    let mut tok = tokenizers::Tokenizer::new(bpe);
+    tok.with_pre_tokenizer(Some(ByteLevel::default().add_prefix_space(false)));
+    tok.with_decoder(Some(ByteLevel::default()));
+    tok.with_post_processor(Some(ByteLevel::default().trim_offsets(false)));
+    Ok(tok)
+}
+
+/// Finds and reads the tokenizer files in `dir`. `Ok(None)` when there is no tokenizer at all.
+pub fn load_tokenizer(dir: &Path, warnings: &mut Vec<String>) -> Result<Option<TokenizerBundle>> {
+    let tj = dir.join("tokenizer.json");
+    let config_path = dir.join("tokenizer_config.json");
+    let config = if config_path.is_file() { Some(read_json_object(&config_path)?) } else { None };
+    let (mut tokenizer, kind) = if tj.is_file() {
+        let t = tokenizers::Tokenizer::from_file(&tj).map_err(|e| {
+            KylinError::config_invalid(format!("{} cannot be parsed by the tokenizers library: {e}", tj.display()))
+                .at(&tj)
+        })?;
+        (t, TokenizerKind::TokenizerJson)
+    } else if dir.join("vocab.json").is_file() && dir.join("merges.txt").is_file() {
+        (byte_level_bpe(&dir.join("vocab.json"), &dir.join("merges.txt"))?, TokenizerKind::VocabMerges)
+    } else {
+        return Ok(None);
+    };
+
+    if kind == TokenizerKind::VocabMerges
+        && let Some(Value::Object(decoder)) = config.as_ref().and_then(|c| c.get("added_tokens_decoder"))
+    {
+        // The added tokens live in tokenizer_config.json in this layout; add them in id order.
+        let mut added: Vec<(u32, String, bool)> = decoder
+            .iter()
+            .filter_map(|(id, v)| {
+                let id = id.parse::<u32>().ok()?;
+                Some((id, special_content(v)?, v.get("special").and_then(Value::as_bool).unwrap_or(false)))
+            })
+            .collect();
+        added.sort();
+        for (_, content, special) in added {
+            let token = tokenizers::AddedToken::from(content.clone(), special);
+            let added = if special { tokenizer.add_special_tokens([token]) } else { tokenizer.add_tokens([token]) };
+            added.map_err(|e| {
+                KylinError::config_invalid(format!(
+                    "tokenizer_config.json added token {content:?} cannot be added to the vocabulary: {e}"
+                ))
+                .at(&config_path)
+            })?;
+        }
+    }
+
+    let vocab_size = tokenizer.get_vocab(true).values().copied().max().map_or(0, |m| m as usize + 1);
+    let mut special_tokens: Vec<SpecialToken> = tokenizer
+        .get_added_tokens_decoder()
+        .into_iter()
+        .filter(|(_, t)| t.special)
+        .map(|(id, t)| SpecialToken { content: t.content, id })
+        .collect();
+    special_tokens.sort_by_key(|t| t.id);
+
+    let empty = Map::new();
+    let cfg = config.as_ref().unwrap_or(&empty);
+    let mut lookup = |key: &str| -> Option<SpecialToken> {
+        let content = cfg.get(key).and_then(special_content)?;
+        match tokenizer.token_to_id(&content) {
+            Some(id) => Some(SpecialToken { content, id }),
+            None => {
+                warnings.push(format!("tokenizer_config.json {key} '{content}' is not in the vocabulary; ignored"));
+                None
+            }
+        }
+    };
+    let bos_token = lookup("bos_token");
+    let eos_token = lookup("eos_token");
+    let pad_token = lookup("pad_token");
+    let unk_token = lookup("unk_token");
+    let flag = |key: &str| -> Result<bool> {
+        match cfg.get(key) {
+            None | Some(Value::Null) => Ok(false),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(v) => Err(KylinError::config_invalid(format!(
+                "tokenizer_config.json field '{key}' must be true or false, got {v}"
+            ))
+            .at(&config_path)),
+        }
+    };
+    let add_bos_token = flag("add_bos_token")?;
+    let add_eos_token = flag("add_eos_token")?;
+
+    let mut chat_templates = Vec::new();
+    match cfg.get("chat_template") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) => chat_templates.push(ChatTemplate { name: "default".into(), source: s.clone() }),
+        Some(Value::Array(items)) => {
+            for item in items {
+                let name = item.get("name").and_then(Value::as_str);
+                let source = item.get("template").and_then(Value::as_str);
+                match (name, source) {
+                    (Some(n), Some(s)) => chat_templates.push(ChatTemplate { name: n.into(), source: s.into() }),
+                    _ => {
+                        return Err(KylinError::config_invalid(
+                            "tokenizer_config.json chat_template list entries must be {\"name\", \"template\"}",
+                        )
+                        .at(&config_path));
+                    }
+                }
+            }
+        }
+        Some(_) => {
+            return Err(KylinError::config_invalid(
+                "tokenizer_config.json field 'chat_template' must be a string or a list of {name, template}",
+            )
+            .at(&config_path));
+        }
+    }
+    // The newer layout keeps the default template in its own file, which takes precedence.
+    let jinja = dir.join("chat_template.jinja");
+    if jinja.is_file() {
+        let source = std::fs::read_to_string(&jinja).map_err(|e| KylinError::io(&jinja, "cannot read", &e))?;
+        chat_templates.retain(|t| t.name != "default");
+        chat_templates.insert(0, ChatTemplate { name: "default".into(), source });
+    }
+
+    Ok(Some(TokenizerBundle {
+        tokenizer,
+        kind,
+        vocab_size,
+        bos_token,
+        eos_token,
+        pad_token,
+        unk_token,
+        add_bos_token,
+        add_eos_token,
+        special_tokens,
+        chat_templates,
+    }))
+}

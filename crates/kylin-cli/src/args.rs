@@ -1,0 +1,221 @@
+//! Command-line arguments as typed. Resolution against model defaults happens in each command.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+#[derive(Parser, Debug)]
+#[command(name = "kylin", version, about = "Run Hugging Face models on the CPU, no conversion step.")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Validate a model and describe it: format, config, weights, tokenizer, defaults.
+    Inspect(InspectArgs),
+    /// Generate text from a prompt, a messages file or token ids, streaming to stdout.
+    Run(RunArgs),
+    /// Interactive multi-turn chat through the model's chat template.
+    Chat(ChatArgs),
+    /// Top-k logits at every position of a prompt, for comparing with other engines.
+    Logits(LogitsArgs),
+    /// Measure load time, prefill and decode speed, and peak memory.
+    Bench(BenchArgs),
+    /// One measured repetition of `bench` in a fresh process (used by `bench`).
+    #[command(hide = true)]
+    BenchWorker(BenchWorkerArgs),
+}
+
+impl Command {
+    pub fn wants_json(&self) -> bool {
+        match self {
+            Command::Inspect(a) => a.json,
+            Command::Run(a) => a.json,
+            Command::Chat(_) => false,
+            Command::Logits(a) => a.json,
+            Command::Bench(a) => a.json,
+            Command::BenchWorker(_) => true,
+        }
+    }
+}
+
+/// Which engine runs the model.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendChoice {
+    /// Chosen from the detected format: HF directories natively, GGUF with llama.cpp.
+    Auto,
+    /// Kylin's own engine (HF directories and .safetensors files).
+    Native,
+    /// llama.cpp (GGUF files).
+    #[value(name = "llama.cpp", alias = "llamacpp")]
+    LlamaCpp,
+}
+
+/// Options that decide how a model is opened.
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// A Hugging Face model directory, a .safetensors file (config.json beside it) or a .gguf file.
+    pub model: PathBuf,
+    /// Force a backend instead of choosing from the format.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub backend: BackendChoice,
+    /// Worker threads (default: the machine's physical cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Context size in tokens (default: max_position_embeddings, capped at 4096).
+    #[arg(long)]
+    pub ctx_size: Option<usize>,
+    /// JSON file that renames or adds tensor-table entries for a renamed checkpoint.
+    #[arg(long, value_name = "FILE.json")]
+    pub tensor_map: Option<PathBuf>,
+    /// Accept a tokenizer whose ids reach beyond the model's vocab_size.
+    #[arg(long)]
+    pub allow_vocab_mismatch: bool,
+    /// A Jinja chat template file used instead of the model's own.
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+pub struct InspectArgs {
+    /// A Hugging Face model directory, a .safetensors file or a .gguf file.
+    pub model: PathBuf,
+    /// Print one JSON object instead of the summary.
+    #[arg(long)]
+    pub json: bool,
+    #[arg(long, value_name = "FILE.json")]
+    pub tensor_map: Option<PathBuf>,
+    #[arg(long)]
+    pub allow_vocab_mismatch: bool,
+}
+
+/// Sampling flags; each overrides the model's generation_config.json.
+#[derive(Args, Debug, Clone, Default)]
+pub struct SamplingArgs {
+    /// 0 means greedy.
+    #[arg(long)]
+    pub temperature: Option<f32>,
+    /// 0 disables top-k.
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    #[arg(long)]
+    pub top_p: Option<f32>,
+    #[arg(long)]
+    pub min_p: Option<f32>,
+    #[arg(long)]
+    pub repetition_penalty: Option<f32>,
+    /// Seed for reproducible sampling.
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+/// Chat-template flags shared by `run --messages` and `chat`.
+#[derive(Args, Debug, Clone, Default)]
+pub struct TemplateArgs {
+    /// Extra template variables as a JSON object, e.g. '{"enable_thinking": false}'.
+    #[arg(long, value_name = "JSON")]
+    pub chat_template_kwargs: Option<String>,
+    /// Shorthand for --chat-template-kwargs '{"enable_thinking": false}' (Qwen3).
+    #[arg(long)]
+    pub no_think: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The prompt text (raw completion, no chat template).
+    #[arg(short, long, conflicts_with_all = ["messages", "ids"])]
+    pub prompt: Option<String>,
+    /// An OpenAI-style JSON messages file, rendered through the chat template.
+    #[arg(long, value_name = "FILE", conflicts_with = "ids")]
+    pub messages: Option<PathBuf>,
+    /// The prompt as comma-separated token ids.
+    #[arg(long, value_name = "ID,ID,...")]
+    pub ids: Option<String>,
+    /// Maximum number of generated tokens (default: generation_config's max_new_tokens, else 256).
+    #[arg(long)]
+    pub max_tokens: Option<usize>,
+    /// Stop when this text is generated (repeatable).
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Keep generating past EOS up to --max-tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Print one JSON object at the end instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub template: TemplateArgs,
+}
+
+#[derive(Args, Debug)]
+pub struct ChatArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// A system message that starts the conversation.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Maximum generated tokens per reply.
+    #[arg(long)]
+    pub max_tokens: Option<usize>,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub template: TemplateArgs,
+}
+
+#[derive(Args, Debug)]
+pub struct LogitsArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The input as comma-separated token ids.
+    #[arg(long, value_name = "ID,ID,...", conflicts_with = "prompt")]
+    pub ids: Option<String>,
+    /// The input as text (tokenized with the model's tokenizer).
+    #[arg(short, long)]
+    pub prompt: Option<String>,
+    /// How many of the best logits to print per position.
+    #[arg(long, default_value_t = 20)]
+    pub top: usize,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// A second model to measure in the same run, alternating with the first (A B A B ...).
+    #[arg(long, value_name = "MODEL")]
+    pub vs: Option<PathBuf>,
+    /// Backend for the --vs model.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub vs_backend: BackendChoice,
+    #[arg(long, default_value_t = 512)]
+    pub prompt_tokens: usize,
+    #[arg(long, default_value_t = 128)]
+    pub gen_tokens: usize,
+    /// Measured repetitions per model (after one warm-up).
+    #[arg(long, default_value_t = 3)]
+    pub repetitions: usize,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchWorkerArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[arg(long)]
+    pub prompt_tokens: usize,
+    #[arg(long)]
+    pub gen_tokens: usize,
+    /// Skip the in-process warm-up pass.
+    #[arg(long)]
+    pub no_warmup: bool,
+}

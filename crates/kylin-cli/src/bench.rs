@@ -1,0 +1,366 @@
+//! `kylin bench`: load time, time to first token, prefill and decode speed, peak memory.
+//!
+//! Every measured repetition runs in a fresh `kylin bench-worker` process, so that load time and
+//! peak RSS belong to one model alone. With `--vs`, the two models alternate (warm-up A, warm-up
+//! B, then A B A B ...), so a noisy machine slows both alike and the ratios hold. The parent
+//! reports the median of each figure and the ratios A / B.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use kylin_engine::Backend;
+use kylin_loader::KylinError;
+use serde::{Deserialize, Serialize};
+
+use crate::args::{BackendChoice, BenchArgs, BenchWorkerArgs, ModelArgs};
+use crate::open::{open, threads};
+
+/// What one worker measured.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BenchSample {
+    pub model: String,
+    pub backend: String,
+    pub architecture: String,
+    pub threads: usize,
+    pub prompt_tokens: usize,
+    pub gen_tokens: usize,
+    /// Path to ready backend (weights, tokenizer, buffers).
+    pub load_ms: f64,
+    /// Part of `load_ms` spent on the tokenizer, where known.
+    pub tokenizer_ms: Option<f64>,
+    /// Prefill of the prompt plus choosing the first token.
+    pub ttft_ms: f64,
+    pub prefill_tok_s: f64,
+    pub decode_tok_s: f64,
+    /// VmHWM of the worker process.
+    pub peak_rss_mb: f64,
+    pub weight_bytes_per_token: u64,
+    /// Weight bytes read per generated token × decode tokens/s.
+    pub decode_gb_s: f64,
+}
+
+/// Medians over the measured repetitions of one model.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchSummary {
+    pub model: String,
+    pub backend: String,
+    pub architecture: String,
+    pub threads: usize,
+    pub load_ms: f64,
+    pub tokenizer_ms: Option<f64>,
+    pub ttft_ms: f64,
+    pub prefill_tok_s: f64,
+    pub decode_tok_s: f64,
+    pub peak_rss_mb: f64,
+    pub weight_bytes_per_token: u64,
+    pub decode_gb_s: f64,
+    /// `decode_gb_s` as a fraction of the machine's measured read bandwidth.
+    pub decode_bandwidth_fraction: f64,
+    pub samples: Vec<BenchSample>,
+}
+
+pub fn run(args: BenchArgs) -> Result<()> {
+    if args.prompt_tokens == 0 || args.gen_tokens == 0 || args.repetitions == 0 {
+        return Err(KylinError::input_invalid("--prompt-tokens, --gen-tokens and --repetitions must be at least 1").into());
+    }
+    let threads = threads(&args.model)?;
+    let mut models = vec![args.model.clone()];
+    if let Some(vs) = &args.vs {
+        let mut b = args.model.clone();
+        b.model = vs.clone();
+        b.backend = args.vs_backend;
+        models.push(b);
+    }
+
+    // The machine's read bandwidth with the same threads: the decode ceiling.
+    let pool = kylin_kernels::ThreadPool::new(threads);
+    let read_gb_s = kylin_kernels::measure_read_bandwidth(&pool, 1 << 30, 5);
+    drop(pool);
+    if !args.json {
+        eprintln!("machine read bandwidth: {read_gb_s:.1} GB/s ({threads} threads)");
+    }
+
+    // One warm-up round (page cache, CPU frequency), then alternating measured rounds.
+    let mut samples: Vec<Vec<BenchSample>> = vec![Vec::new(); models.len()];
+    for round in 0..=args.repetitions {
+        for (i, model) in models.iter().enumerate() {
+            let sample = spawn_worker(model, threads, &args)?;
+            if !args.json {
+                let label = if round == 0 { "warm-up".to_string() } else { format!("run {round}") };
+                eprintln!(
+                    "{label:>8} {:<10} prefill {:>7.1} tok/s  decode {:>6.2} tok/s  load {:>7.1} ms  rss {:>7.1} MB",
+                    sample.backend, sample.prefill_tok_s, sample.decode_tok_s, sample.load_ms, sample.peak_rss_mb
+                );
+            }
+            if round > 0 {
+                samples[i].push(sample);
+            }
+        }
+    }
+    let summaries: Vec<BenchSummary> = samples.into_iter().map(|s| summarize(s, read_gb_s)).collect();
+    let ratios = (summaries.len() == 2).then(|| ratios(&summaries[0], &summaries[1]));
+
+    if args.json {
+        let a = &summaries[0];
+        let out = serde_json::json!({
+            "prompt_tokens": args.prompt_tokens,
+            "gen_tokens": args.gen_tokens,
+            "repetitions": args.repetitions,
+            "threads": threads,
+            "machine_read_gb_s": read_gb_s,
+            "load_ms": a.load_ms,
+            "ttft_ms": a.ttft_ms,
+            "prefill_tok_s": a.prefill_tok_s,
+            "decode_tok_s": a.decode_tok_s,
+            "peak_rss_mb": a.peak_rss_mb,
+            "decode_gb_s": a.decode_gb_s,
+            "decode_bandwidth_fraction": a.decode_bandwidth_fraction,
+            "results": summaries,
+            "ratios": ratios,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        print_table(&summaries, ratios.as_ref(), &args, read_gb_s);
+    }
+    Ok(())
+}
+
+/// Ratios A / B of the figures where bigger is better, and of the costs.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchRatios {
+    pub prefill_tok_s: f64,
+    pub decode_tok_s: f64,
+    pub ttft_ms: f64,
+    pub load_ms: f64,
+    pub peak_rss_mb: f64,
+}
+
+fn ratios(a: &BenchSummary, b: &BenchSummary) -> BenchRatios {
+    let r = |x: f64, y: f64| if y > 0.0 { x / y } else { f64::NAN };
+    BenchRatios {
+        prefill_tok_s: r(a.prefill_tok_s, b.prefill_tok_s),
+        decode_tok_s: r(a.decode_tok_s, b.decode_tok_s),
+        ttft_ms: r(a.ttft_ms, b.ttft_ms),
+        load_ms: r(a.load_ms, b.load_ms),
+        peak_rss_mb: r(a.peak_rss_mb, b.peak_rss_mb),
+    }
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 { values[n / 2] } else { (values[n / 2 - 1] + values[n / 2]) / 2.0 }
+}
+
+fn summarize(samples: Vec<BenchSample>, read_gb_s: f64) -> BenchSummary {
+    let m = |f: fn(&BenchSample) -> f64| median(samples.iter().map(f).collect());
+    let first = samples[0].clone();
+    let decode_gb_s = m(|s| s.decode_gb_s);
+    let tokenizer_ms = first.tokenizer_ms.map(|_| m(|s| s.tokenizer_ms.unwrap_or(f64::NAN)));
+    BenchSummary {
+        model: first.model,
+        backend: first.backend,
+        architecture: first.architecture,
+        threads: first.threads,
+        load_ms: m(|s| s.load_ms),
+        tokenizer_ms,
+        ttft_ms: m(|s| s.ttft_ms),
+        prefill_tok_s: m(|s| s.prefill_tok_s),
+        decode_tok_s: m(|s| s.decode_tok_s),
+        peak_rss_mb: m(|s| s.peak_rss_mb),
+        weight_bytes_per_token: first.weight_bytes_per_token,
+        decode_gb_s,
+        decode_bandwidth_fraction: decode_gb_s / read_gb_s,
+        samples,
+    }
+}
+
+fn print_table(summaries: &[BenchSummary], ratios: Option<&BenchRatios>, args: &BenchArgs, read_gb_s: f64) {
+    println!(
+        "kylin bench: {} prompt tokens, {} generated, {} threads, median of {} runs (after a warm-up); machine read bandwidth {:.1} GB/s",
+        args.prompt_tokens, args.gen_tokens, summaries[0].threads, args.repetitions, read_gb_s
+    );
+    println!(
+        "{:<10} {:>9} {:>9} {:>12} {:>11} {:>9} {:>10} {:>9}  model",
+        "backend", "load ms", "ttft ms", "prefill t/s", "decode t/s", "decode GB/s", "of peak", "rss MB"
+    );
+    for s in summaries {
+        println!(
+            "{:<10} {:>9.1} {:>9.1} {:>12.1} {:>11.2} {:>9.1} {:>9.0}% {:>9.1}  {}",
+            s.backend,
+            s.load_ms,
+            s.ttft_ms,
+            s.prefill_tok_s,
+            s.decode_tok_s,
+            s.decode_gb_s,
+            s.decode_bandwidth_fraction * 100.0,
+            s.peak_rss_mb,
+            s.model
+        );
+    }
+    if let Some(r) = ratios {
+        println!(
+            "ratio A/B: prefill {:.2}x, decode {:.2}x, ttft {:.2}x, load {:.2}x, peak rss {:.2}x",
+            r.prefill_tok_s, r.decode_tok_s, r.ttft_ms, r.load_ms, r.peak_rss_mb
+        );
+    }
+}
+
+fn backend_flag(choice: BackendChoice) -> &'static str {
+    match choice {
+        BackendChoice::Auto => "auto",
+        BackendChoice::Native => "native",
+        BackendChoice::LlamaCpp => "llama.cpp",
+    }
+}
+
+/// Runs one repetition in a fresh process and reads its JSON.
+fn spawn_worker(model: &ModelArgs, threads: usize, args: &BenchArgs) -> Result<BenchSample> {
+    let exe = std::env::current_exe().context("cannot find the kylin executable")?;
+    let mut cmd = Command::new(exe);
+    cmd.arg("bench-worker")
+        .arg(&model.model)
+        .args(["--backend", backend_flag(model.backend)])
+        .args(["--threads", &threads.to_string()])
+        .args(["--prompt-tokens", &args.prompt_tokens.to_string()])
+        .args(["--gen-tokens", &args.gen_tokens.to_string()]);
+    if let Some(ctx) = model.ctx_size {
+        cmd.args(["--ctx-size", &ctx.to_string()]);
+    }
+    if let Some(map) = &model.tensor_map {
+        cmd.arg("--tensor-map").arg(map);
+    }
+    let output = cmd.env("KYLIN_QUIET", "1").output().context("cannot start a bench worker")?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let value: serde_json::Value = serde_json::from_str(stdout.trim()).map_err(|_| {
+        KylinError::backend_failed(format!(
+            "bench worker for {} failed (exit {:?}): {}{}",
+            model.model.display(),
+            output.status.code(),
+            stdout.trim(),
+            String::from_utf8_lossy(&output.stderr).trim()
+        ))
+    })?;
+    if let Some(err) = value.get("error") {
+        let code = err.get("code").and_then(|c| c.as_str()).unwrap_or("ERROR");
+        let message = err.get("message").and_then(|c| c.as_str()).unwrap_or("");
+        return Err(anyhow::anyhow!("[{code}] bench of {}: {message}", model.model.display()));
+    }
+    Ok(serde_json::from_value(value)?)
+}
+
+/// Deterministic prompt ids spread over the ordinary part of the vocabulary, identical for both
+/// models of a `--vs` run when they share a vocabulary.
+fn bench_prompt(len: usize, vocab: usize) -> Vec<u32> {
+    let span = vocab.clamp(2, 30_000) as u64 - 1;
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    (0..len)
+        .map(|_| {
+            // SplitMix64: deterministic and well spread.
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            (1 + z % span) as u32
+        })
+        .collect()
+}
+
+fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in logits.iter().enumerate() {
+        if *v > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Peak resident set size of this process in MB (VmHWM), 0 where /proc is unavailable.
+pub fn peak_rss_mb() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+/// One repetition: load, (warm up), prefill, decode greedily; prints one JSON object.
+pub fn worker(args: BenchWorkerArgs) -> Result<()> {
+    let mut model = args.model.clone();
+    if model.ctx_size.is_none() {
+        model.ctx_size = Some(args.prompt_tokens + args.gen_tokens + 1);
+    }
+    let mut opened = open(&model, false)?;
+    let backend: &mut dyn Backend = opened.backend.as_mut();
+    let summary = backend.summary();
+    let prompt = bench_prompt(args.prompt_tokens, backend.vocab_size());
+
+    if !args.no_warmup {
+        // Touch every weight page and every code path once.
+        let warm = &prompt[..prompt.len().min(16)];
+        let first = argmax(backend.prefill(warm)?);
+        backend.decode(first)?;
+        backend.reset();
+    }
+
+    let started = Instant::now();
+    let mut next = argmax(backend.prefill(&prompt)?);
+    let ttft = started.elapsed().as_secs_f64();
+    let prefill_s = ttft;
+    let decode_started = Instant::now();
+    for _ in 0..args.gen_tokens {
+        next = argmax(backend.decode(next)?);
+    }
+    let decode_s = decode_started.elapsed().as_secs_f64();
+    let decode_tok_s = args.gen_tokens as f64 / decode_s;
+
+    let sample = BenchSample {
+        model: display_name(&args.model.model),
+        backend: summary.backend,
+        architecture: summary.architecture,
+        threads: summary.threads,
+        prompt_tokens: args.prompt_tokens,
+        gen_tokens: args.gen_tokens,
+        load_ms: opened.load_ms,
+        tokenizer_ms: opened.tokenizer_ms,
+        ttft_ms: ttft * 1e3,
+        prefill_tok_s: args.prompt_tokens as f64 / prefill_s,
+        decode_tok_s,
+        peak_rss_mb: peak_rss_mb(),
+        weight_bytes_per_token: summary.weight_bytes_per_token,
+        decode_gb_s: summary.weight_bytes_per_token as f64 * decode_tok_s / 1e9,
+    };
+    println!("{}", serde_json::to_string(&sample)?);
+    Ok(())
+}
+
+fn display_name(path: &Path) -> String {
+    path.display().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_of_odd_and_even() {
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), 2.5);
+    }
+
+    #[test]
+    fn bench_prompt_is_deterministic_and_in_range() {
+        let a = bench_prompt(512, 151936);
+        assert_eq!(a, bench_prompt(512, 151936));
+        assert!(a.iter().all(|&id| id >= 1 && id < 30_000));
+        assert!(bench_prompt(8, 5).iter().all(|&id| id < 5));
+    }
+}

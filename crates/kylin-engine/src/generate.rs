@@ -1,0 +1,244 @@
+//! The generation loop, written once for every [`Backend`]: prefill, then sample and decode
+//! token by token, streaming complete text, until EOS, a stop string, the token limit or the end
+//! of the context. [`ChatSession`] keeps a conversation and reuses the KV cache for the part of
+//! the prompt a new turn shares with the previous one.
+
+use std::time::Instant;
+
+use kylin_loader::{KylinError, Result};
+use serde::Serialize;
+
+use crate::backend::{Backend, ChatMessage};
+use crate::detok::{StopMatcher, StopOutcome, StreamDecoder};
+use crate::sampler::{Sampler, SamplingParams};
+
+/// What to generate.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    pub prompt_ids: Vec<u32>,
+    pub max_new_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Generation stops when the text contains one of these; the stop string is not returned.
+    pub stop: Vec<String>,
+    /// Keep going past EOS ids (up to `max_new_tokens`).
+    pub ignore_eos: bool,
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// The model produced an EOS id.
+    Eos,
+    /// A stop string appeared in the text.
+    Stop,
+    /// `max_new_tokens` were generated.
+    Length,
+    /// The KV cache is full.
+    ContextFull,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Eos => "eos",
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::ContextFull => "context_full",
+        }
+    }
+}
+
+/// Where the time went.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct GenerationTimings {
+    pub prompt_tokens: usize,
+    /// Prompt tokens found in the KV cache from an earlier turn (not recomputed).
+    pub cached_prompt_tokens: usize,
+    pub generated_tokens: usize,
+    /// From the call to the first generated token (prefill and one sampling step).
+    pub ttft_ms: f64,
+    /// Prompt tokens computed per second of prefill.
+    pub prefill_tok_s: f64,
+    /// Tokens per second after the first one (each is one decode step and one sampling step).
+    pub decode_tok_s: f64,
+    pub total_ms: f64,
+}
+
+/// The outcome of one generation.
+#[derive(Debug, Clone, Serialize)]
+pub struct GenerationResult {
+    pub prompt_ids: Vec<u32>,
+    /// Every generated id, an ending EOS included.
+    pub generated_ids: Vec<u32>,
+    /// The text of the generated ids (special tokens skipped, a stop string and what follows removed).
+    pub text: String,
+    pub finish_reason: FinishReason,
+    pub timings: GenerationTimings,
+}
+
+/// Generates from an empty KV cache; `on_text` receives the text as it is produced.
+pub fn generate(backend: &mut dyn Backend, request: &GenerateRequest, on_text: &mut dyn FnMut(&str)) -> Result<GenerationResult> {
+    backend.reset();
+    generate_from(backend, request, 0, on_text)
+}
+
+/// Generates with the first `reuse` prompt tokens already in the KV cache.
+fn generate_from(
+    backend: &mut dyn Backend,
+    request: &GenerateRequest,
+    reuse: usize,
+    on_text: &mut dyn FnMut(&str),
+) -> Result<GenerationResult> {
+    request.sampling.validate()?;
+    let prompt = &request.prompt_ids;
+    if prompt.is_empty() {
+        return Err(KylinError::input_invalid("the prompt has no tokens"));
+    }
+    let reuse = reuse.min(prompt.len() - 1);
+    backend.rewind(reuse);
+    if prompt.len() > backend.context_size() {
+        return Err(KylinError::context_overflow(format!(
+            "the prompt has {} tokens but the context holds {}; pass a larger --ctx-size or shorten the prompt",
+            prompt.len(),
+            backend.context_size()
+        )));
+    }
+    let eos: Vec<u32> = if request.ignore_eos { Vec::new() } else { backend.eos_ids().to_vec() };
+    let mut sampler = Sampler::new(backend.vocab_size(), request.sampling);
+    sampler.observe_all(prompt);
+    let mut decoder = StreamDecoder::new(true);
+    let mut stops = StopMatcher::new(&request.stop);
+    let mut text = String::new();
+    let mut generated = Vec::new();
+
+    let started = Instant::now();
+    let mut next = sampler.sample(backend.prefill(&prompt[reuse..])?)?;
+    let ttft = started.elapsed().as_secs_f64();
+    let decode_started = Instant::now();
+    let finish = loop {
+        generated.push(next);
+        sampler.observe(next);
+        if eos.contains(&next) {
+            break FinishReason::Eos;
+        }
+        let piece = decoder.push(&*backend, next)?;
+        if !piece.is_empty() {
+            match stops.push(&piece) {
+                StopOutcome::Continue(out) => {
+                    on_text(&out);
+                    text.push_str(&out);
+                }
+                StopOutcome::Stopped(out) => {
+                    on_text(&out);
+                    text.push_str(&out);
+                    break FinishReason::Stop;
+                }
+            }
+        }
+        if generated.len() >= request.max_new_tokens {
+            break FinishReason::Length;
+        }
+        if backend.position() >= backend.context_size() {
+            break FinishReason::ContextFull;
+        }
+        next = sampler.sample(backend.decode(next)?)?;
+    };
+    if finish != FinishReason::Stop {
+        let mut rest = decoder.flush(&*backend)?;
+        if let StopOutcome::Stopped(out) = stops.push(&rest) {
+            rest = out;
+        } else {
+            rest = stops.finish();
+        }
+        if !rest.is_empty() {
+            on_text(&rest);
+            text.push_str(&rest);
+        }
+    }
+    let decode_s = decode_started.elapsed().as_secs_f64();
+    let decoded = generated.len().saturating_sub(1);
+    let computed = prompt.len() - reuse;
+    Ok(GenerationResult {
+        prompt_ids: prompt.clone(),
+        timings: GenerationTimings {
+            prompt_tokens: prompt.len(),
+            cached_prompt_tokens: reuse,
+            generated_tokens: generated.len(),
+            ttft_ms: ttft * 1e3,
+            prefill_tok_s: computed as f64 / ttft.max(1e-9),
+            decode_tok_s: if decoded > 0 { decoded as f64 / decode_s.max(1e-9) } else { 0.0 },
+            total_ms: started.elapsed().as_secs_f64() * 1e3,
+        },
+        generated_ids: generated,
+        text,
+        finish_reason: finish,
+    })
+}
+
+/// A multi-turn conversation over one backend, its history kept and the shared prefix of the
+/// KV cache reused from turn to turn.
+#[derive(Debug, Clone, Default)]
+pub struct ChatSession {
+    pub messages: Vec<ChatMessage>,
+    /// Template variables (e.g. `enable_thinking`).
+    pub template_kwargs: serde_json::Map<String, serde_json::Value>,
+    /// The ids whose keys and values are in the backend's cache, in order.
+    cached: Vec<u32>,
+}
+
+impl ChatSession {
+    /// A conversation that starts with an optional system message.
+    pub fn new(system: Option<String>, template_kwargs: serde_json::Map<String, serde_json::Value>) -> Self {
+        let messages = system.map(|content| vec![ChatMessage { role: "system".into(), content }]).unwrap_or_default();
+        ChatSession { messages, template_kwargs, cached: Vec::new() }
+    }
+
+    /// Forgets the conversation (the system message stays).
+    pub fn clear(&mut self) {
+        self.messages.retain(|m| m.role == "system");
+        self.cached.clear();
+    }
+
+    /// Adds a user message, generates the reply (streamed to `on_text`) and records it.
+    ///
+    /// `request.prompt_ids` is ignored: the prompt is the whole conversation rendered through
+    /// the chat template. On an error the user message is taken back, so the session stays usable.
+    pub fn send(
+        &mut self,
+        backend: &mut dyn Backend,
+        user: &str,
+        request: &GenerateRequest,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<GenerationResult> {
+        self.messages.push(ChatMessage { role: "user".into(), content: user.to_string() });
+        let result = self.reply(backend, request, on_text);
+        match &result {
+            Ok(r) => {
+                self.messages.push(ChatMessage { role: "assistant".into(), content: r.text.clone() });
+                // The last generated id was sampled but never run through the model.
+                self.cached = r.prompt_ids.clone();
+                self.cached.extend_from_slice(&r.generated_ids[..r.generated_ids.len().saturating_sub(1)]);
+            }
+            Err(_) => {
+                self.messages.pop();
+                self.cached.clear();
+            }
+        }
+        result
+    }
+
+    fn reply(
+        &mut self,
+        backend: &mut dyn Backend,
+        request: &GenerateRequest,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<GenerationResult> {
+        let text = backend.apply_chat_template(&self.messages, true, &self.template_kwargs)?;
+        let prompt_ids = backend.tokenize(&text, false)?;
+        let shared = self.cached.iter().zip(&prompt_ids).take_while(|(a, b)| a == b).count();
+        let shared = shared.min(backend.position());
+        let request = GenerateRequest { prompt_ids, ..request.clone() };
+        generate_from(backend, &request, shared, on_text)
+    }
+}

@@ -1,0 +1,218 @@
+//! Matmul drivers: `y = x · Wᵀ` for one or several weight matrices sharing the same input,
+//! split across the thread pool by output rows so each weight byte is read by one core.
+//!
+//! Two regimes, chosen per call:
+//! - **GEMV** (`n_tokens < GEMM_MIN_TOKENS`, the decode path): every task streams a contiguous
+//!   block of weight rows once, widening to f32 in registers, four rows at a time.
+//! - **GEMM** (prefill): every task packs panels of `NR` weight rows × `KC` columns into an
+//!   f32 buffer on its own stack (24 KiB, so nothing is allocated) and runs a register-blocked
+//!   microkernel of `MR` tokens × `NR` rows over all tokens, reusing each packed panel
+//!   `n_tokens` times.
+//!
+//! Guarantees: no allocation on either path; f32 accumulation (the summation order differs
+//! from [`crate::reference::matmul`], so results agree to about 1e-6 relative to `Σ|w·x|`).
+
+use crate::{Isa, ThreadPool, WeightDType, WeightMatrix, isa};
+
+/// From this many tokens on, the packed GEMM is used instead of per-token GEMV.
+pub const GEMM_MIN_TOKENS: usize = 4;
+/// Matrices handled by one fused pool job; longer lists are processed in chunks.
+const MAX_FUSED: usize = 8;
+/// Weight bytes below which a GEMV is not worth splitting across threads.
+const MIN_PARALLEL_BYTES: usize = 64 * 1024;
+/// Multiply-adds below which a GEMM is not worth splitting across threads.
+const MIN_PARALLEL_MACS: usize = 1 << 20;
+
+/// An output pointer shared by the tasks of one job.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: tasks of one job write disjoint output rows through this pointer (see `run_chunk`),
+// and the job's caller holds the `&mut [f32]` it came from until all tasks have returned.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
+
+/// `y_i = x · W_iᵀ` for every `(W_i, y_i)` in `jobs`, as one pool job per chunk of matrices.
+///
+/// Shapes: `x` is `(n_tokens, cols)`, every `W_i` is `(rows_i, cols)`, `y_i` is
+/// `(n_tokens, rows_i)`; all row-major. Panics if a shape or a data length disagrees (a caller
+/// bug: the loader validated the weights).
+pub fn matmul_many(pool: &ThreadPool, x: &[f32], n_tokens: usize, jobs: &mut [(WeightMatrix<'_>, &mut [f32])]) {
+    for chunk in jobs.chunks_mut(MAX_FUSED) {
+        run_chunk(pool, x, n_tokens, chunk);
+    }
+}
+
+fn run_chunk(pool: &ThreadPool, x: &[f32], n_tokens: usize, jobs: &mut [(WeightMatrix<'_>, &mut [f32])]) {
+    debug_assert!(jobs.len() <= MAX_FUSED);
+    for (w, y) in jobs.iter() {
+        // These checks make the unsafe reads and writes below sound.
+        assert_eq!(w.data.len(), w.rows * w.cols * w.dtype.size_in_bytes(), "weight data length != rows * cols * size");
+        assert_eq!(x.len(), n_tokens * w.cols, "x.len() != n_tokens * cols");
+        assert_eq!(y.len(), n_tokens * w.rows, "y.len() != n_tokens * rows");
+    }
+    if n_tokens == 0 || jobs.is_empty() {
+        return;
+    }
+    let isa = isa();
+    let gemm = isa == Isa::Avx2Fma && n_tokens >= GEMM_MIN_TOKENS;
+    let unit = if gemm { crate_nr() } else { 4 };
+
+    let mut mats: [Option<WeightMatrix<'_>>; MAX_FUSED] = [None; MAX_FUSED];
+    let mut outs = [OutPtr(std::ptr::null_mut()); MAX_FUSED];
+    let mut total_units = 0;
+    let mut bytes = 0;
+    let mut macs = 0;
+    for (i, (w, y)) in jobs.iter_mut().enumerate() {
+        mats[i] = Some(*w);
+        outs[i] = OutPtr(y.as_mut_ptr());
+        total_units += w.rows.div_ceil(unit);
+        bytes += w.data.len();
+        macs += w.rows * w.cols * n_tokens;
+    }
+    let parallel = if gemm { macs >= MIN_PARALLEL_MACS } else { bytes >= MIN_PARALLEL_BYTES };
+    let per_thread = if gemm { 8 } else { 4 };
+    let n_tasks = if parallel { (pool.threads() * per_thread).min(total_units).max(1) } else { 1 };
+
+    let task = |t: usize| {
+        let u0 = total_units * t / n_tasks;
+        let u1 = total_units * (t + 1) / n_tasks;
+        let mut start = 0;
+        for (w, out) in mats.iter().zip(outs.iter()) {
+            let Some(w) = w else { break };
+            let units = w.rows.div_ceil(unit);
+            let (a, b) = (u0.max(start), u1.min(start + units));
+            if a < b {
+                let r0 = (a - start) * unit;
+                let r1 = ((b - start) * unit).min(w.rows);
+                // SAFETY: the unit ranges of different tasks are disjoint, so each task writes
+                // only rows `r0..r1` of `out`, which no other task touches; shapes were checked.
+                unsafe { compute_rows(isa, gemm, *w, x, n_tokens, *out, r0, r1) };
+            }
+            start += units;
+        }
+    };
+    pool.run(n_tasks, &task);
+}
+
+#[cfg(target_arch = "x86_64")]
+fn crate_nr() -> usize {
+    crate::x86::NR
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn crate_nr() -> usize {
+    24
+}
+
+/// Computes output rows `r0..r1` of `y = x · Wᵀ` for all tokens.
+///
+/// # Safety
+/// `out` must point to the `(n_tokens, w.rows)` output, rows `r0..r1` of which no one else
+/// accesses meanwhile; `w` and `x` must have the checked shapes; `gemm` only with `Avx2Fma`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn compute_rows(isa: Isa, gemm: bool, w: WeightMatrix<'_>, x: &[f32], n_tokens: usize, out: OutPtr, r0: usize, r1: usize) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2Fma => {
+            use crate::x86::{BF16, F16, F32};
+            // SAFETY: the caller's contract, and AVX2/FMA/F16C were detected (`isa`).
+            unsafe {
+                match (w.dtype, gemm) {
+                    (WeightDType::BF16, false) => gemv_avx2::<BF16>(w, x, n_tokens, out, r0, r1),
+                    (WeightDType::F16, false) => gemv_avx2::<F16>(w, x, n_tokens, out, r0, r1),
+                    (WeightDType::F32, false) => gemv_avx2::<F32>(w, x, n_tokens, out, r0, r1),
+                    (WeightDType::BF16, true) => gemm_avx2::<BF16>(w, x, n_tokens, out, r0, r1),
+                    (WeightDType::F16, true) => gemm_avx2::<F16>(w, x, n_tokens, out, r0, r1),
+                    (WeightDType::F32, true) => gemm_avx2::<F32>(w, x, n_tokens, out, r0, r1),
+                }
+            }
+        }
+        _ => {
+            let _ = gemm;
+            for t in 0..n_tokens {
+                let xt = &x[t * w.cols..(t + 1) * w.cols];
+                for r in r0..r1 {
+                    let base = r * w.cols;
+                    let mut acc = 0.0f32;
+                    for (c, xv) in xt.iter().enumerate() {
+                        acc += crate::reference::load_f32(w.dtype, w.data, base + c) * xv;
+                    }
+                    // SAFETY: row `r` of token `t` is inside the output and owned by this task.
+                    unsafe { *out.0.add(t * w.rows + r) = acc };
+                }
+            }
+        }
+    }
+}
+
+/// # Safety
+/// As [`compute_rows`], and AVX2/FMA/F16C are available.
+#[cfg(target_arch = "x86_64")]
+unsafe fn gemv_avx2<const D: u8>(w: WeightMatrix<'_>, x: &[f32], n_tokens: usize, out: OutPtr, r0: usize, r1: usize) {
+    let row_bytes = w.cols * w.dtype.size_in_bytes();
+    // One token: the whole block in one call. Several: blocks of 4 rows, so the block's weights
+    // are still in L1 when the next token reuses them.
+    let block = if n_tokens == 1 { r1 - r0 } else { 4 };
+    let mut r = r0;
+    while r < r1 {
+        let n = block.min(r1 - r);
+        for t in 0..n_tokens {
+            let xt = &x[t * w.cols..(t + 1) * w.cols];
+            // SAFETY: rows `r..r + n` of token `t` lie inside the output and belong to this task;
+            // the weight rows `r..r + n` lie inside `w.data` (length checked by the caller).
+            unsafe {
+                let y = std::slice::from_raw_parts_mut(out.0.add(t * w.rows + r), n);
+                crate::x86::gemv_rows::<D>(w.data.as_ptr().add(r * row_bytes), w.cols, xt, y);
+            }
+        }
+        r += n;
+    }
+}
+
+/// # Safety
+/// As [`compute_rows`], `r0` is a multiple of `NR`, and AVX2/FMA/F16C are available.
+#[cfg(target_arch = "x86_64")]
+unsafe fn gemm_avx2<const D: u8>(w: WeightMatrix<'_>, x: &[f32], n_tokens: usize, out: OutPtr, r0: usize, r1: usize) {
+    use crate::x86::{KC, MR, NR, Panel, gemm_kernel, pack_panel};
+    let cols = w.cols;
+    let row_bytes = cols * w.dtype.size_in_bytes();
+    if cols == 0 {
+        for t in 0..n_tokens {
+            // SAFETY: rows `r0..r1` of token `t` are inside the output and belong to this task.
+            unsafe { std::slice::from_raw_parts_mut(out.0.add(t * w.rows + r0), r1 - r0).fill(0.0) };
+        }
+        return;
+    }
+    let mut panel = Panel([0.0; NR * KC]);
+    let mut p = r0;
+    while p < r1 {
+        let nr = NR.min(r1 - p);
+        let mut kb = 0;
+        while kb < cols {
+            let kc = KC.min(cols - kb);
+            // SAFETY: weight rows `p..p + nr` exist (`p + nr <= r1 <= rows`), columns
+            // `kb..kb + kc` are inside a row; tokens `t..t + mt` exist and rows `p..p + nr` of
+            // the output belong to this task.
+            unsafe {
+                pack_panel::<D>(w.data.as_ptr().add(p * row_bytes), cols, nr, kb, kc, &mut panel);
+                let mut t = 0;
+                while t < n_tokens {
+                    let mt = MR.min(n_tokens - t);
+                    let xp = x.as_ptr().add(t * cols + kb);
+                    let yp = out.0.add(t * w.rows + p);
+                    let acc = kb > 0;
+                    match mt {
+                        4 => gemm_kernel::<4>(&panel, kc, xp, cols, yp, w.rows, nr, acc),
+                        3 => gemm_kernel::<3>(&panel, kc, xp, cols, yp, w.rows, nr, acc),
+                        2 => gemm_kernel::<2>(&panel, kc, xp, cols, yp, w.rows, nr, acc),
+                        _ => gemm_kernel::<1>(&panel, kc, xp, cols, yp, w.rows, nr, acc),
+                    }
+                    t += mt;
+                }
+            }
+            kb += kc;
+        }
+        p += nr;
+    }
+}

@@ -1,0 +1,409 @@
+//! AVX2 + FMA + F16C kernels for x86_64 (no AVX-512 is assumed).
+//!
+//! Every function here carries `#[target_feature(enable = "avx2,fma,f16c")]` and must only be
+//! called after [`crate::isa`] reported [`crate::Isa::Avx2Fma`]. Weights are read with
+//! unaligned loads (they come from an mmap at 2-byte alignment) and widened to f32 in
+//! registers (BF16: shift left by 16; F16: `vcvtph2ps`); all accumulation is in f32.
+//!
+//! Pointer arguments are raw because the matmul drivers hand disjoint output rows to several
+//! threads; each function states the extents it reads and writes.
+
+use std::arch::x86_64::*;
+
+/// Dtype codes used as const generic parameters, so each kernel is compiled per dtype.
+pub const BF16: u8 = 0;
+pub const F16: u8 = 1;
+pub const F32: u8 = 2;
+
+/// Rows per packed GEMM panel (three 8-wide vectors).
+pub const NR: usize = 24;
+/// Depth of a packed GEMM panel: `NR * KC` f32 = 24 KiB, which stays in L1.
+pub const KC: usize = 256;
+/// Tokens per GEMM microkernel call.
+pub const MR: usize = 4;
+
+/// Packed-panel storage (aligned so the microkernel's loads never split a cache line).
+#[repr(C, align(64))]
+pub struct Panel(pub [f32; NR * KC]);
+
+/// Eight weights starting at element `i`, widened to f32.
+///
+/// # Safety
+/// `p` must be valid for reading elements `i..i + 8` of dtype `D`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn load8<const D: u8>(p: *const u8, i: usize) -> __m256 {
+    // SAFETY: the caller guarantees elements `i..i + 8` are readable; loads are unaligned.
+    unsafe {
+        match D {
+            BF16 => {
+                let h = _mm_loadu_si128(p.add(i * 2) as *const __m128i);
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+            }
+            F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.add(i * 2) as *const __m128i)),
+            _ => _mm256_loadu_ps(p.add(i * 4) as *const f32),
+        }
+    }
+}
+
+/// One weight at element `i`, widened to f32.
+///
+/// # Safety
+/// `p` must be valid for reading element `i` of dtype `D`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn load1<const D: u8>(p: *const u8, i: usize) -> f32 {
+    // SAFETY: the caller guarantees element `i` is readable; reads are unaligned.
+    unsafe {
+        match D {
+            BF16 => f32::from_bits((std::ptr::read_unaligned(p.add(i * 2) as *const u16) as u32) << 16),
+            F16 => {
+                let bits = std::ptr::read_unaligned(p.add(i * 2) as *const u16);
+                _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+            }
+            _ => std::ptr::read_unaligned(p.add(i * 4) as *const f32),
+        }
+    }
+}
+
+/// Horizontal sum of one vector.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
+    _mm_cvtss_f32(s)
+}
+
+/// `[hsum(a), hsum(b), hsum(c), hsum(d)]`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
+    // Per 128-bit lane: [a01 a23 b01 b23], then [a0123 b0123 c0123 d0123]; then add the lanes.
+    let ab = _mm256_hadd_ps(a, b);
+    let cd = _mm256_hadd_ps(c, d);
+    let abcd = _mm256_hadd_ps(ab, cd);
+    _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps::<1>(abcd))
+}
+
+/// GEMV on a block of rows: `y[r] = Σ_c w[r, c] · x[c]` for `r in 0..y.len()`.
+///
+/// Four rows at a time, two 8-wide accumulators per row (16 columns per step), so the four
+/// weight streams are read sequentially and FMA latency is hidden.
+///
+/// # Safety
+/// `w` must be valid for `y.len() * cols` elements of dtype `D` (row-major, row stride `cols`);
+/// `x.len() >= cols`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn gemv_rows<const D: u8>(w: *const u8, cols: usize, x: &[f32], y: &mut [f32]) {
+    debug_assert!(x.len() >= cols);
+    let size = if D == F32 { 4 } else { 2 };
+    let row_bytes = cols * size;
+    let xp = x.as_ptr();
+    let main16 = cols & !15;
+    let main8 = cols & !7;
+    let rows = y.len();
+    let mut r = 0;
+    // SAFETY (whole body): every weight element read is at row `< rows` and column `< cols`,
+    // inside the extent the caller guaranteed; `x` reads are at columns `< cols <= x.len()`.
+    unsafe {
+        while r + 4 <= rows {
+            let w0 = w.add(r * row_bytes);
+            let w1 = w0.add(row_bytes);
+            let w2 = w1.add(row_bytes);
+            let w3 = w2.add(row_bytes);
+            let (mut a0, mut a1, mut a2, mut a3) =
+                (_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps());
+            let (mut b0, mut b1, mut b2, mut b3) =
+                (_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps());
+            let mut c = 0;
+            while c < main16 {
+                let x0 = _mm256_loadu_ps(xp.add(c));
+                let x1 = _mm256_loadu_ps(xp.add(c + 8));
+                a0 = _mm256_fmadd_ps(load8::<D>(w0, c), x0, a0);
+                a1 = _mm256_fmadd_ps(load8::<D>(w1, c), x0, a1);
+                a2 = _mm256_fmadd_ps(load8::<D>(w2, c), x0, a2);
+                a3 = _mm256_fmadd_ps(load8::<D>(w3, c), x0, a3);
+                b0 = _mm256_fmadd_ps(load8::<D>(w0, c + 8), x1, b0);
+                b1 = _mm256_fmadd_ps(load8::<D>(w1, c + 8), x1, b1);
+                b2 = _mm256_fmadd_ps(load8::<D>(w2, c + 8), x1, b2);
+                b3 = _mm256_fmadd_ps(load8::<D>(w3, c + 8), x1, b3);
+                c += 16;
+            }
+            if c < main8 {
+                let x0 = _mm256_loadu_ps(xp.add(c));
+                a0 = _mm256_fmadd_ps(load8::<D>(w0, c), x0, a0);
+                a1 = _mm256_fmadd_ps(load8::<D>(w1, c), x0, a1);
+                a2 = _mm256_fmadd_ps(load8::<D>(w2, c), x0, a2);
+                a3 = _mm256_fmadd_ps(load8::<D>(w3, c), x0, a3);
+                c += 8;
+            }
+            let mut sums = [0.0f32; 4];
+            _mm_storeu_ps(
+                sums.as_mut_ptr(),
+                hsum4(_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1), _mm256_add_ps(a2, b2), _mm256_add_ps(a3, b3)),
+            );
+            while c < cols {
+                let xv = *xp.add(c);
+                sums[0] += load1::<D>(w0, c) * xv;
+                sums[1] += load1::<D>(w1, c) * xv;
+                sums[2] += load1::<D>(w2, c) * xv;
+                sums[3] += load1::<D>(w3, c) * xv;
+                c += 1;
+            }
+            y[r..r + 4].copy_from_slice(&sums);
+            r += 4;
+        }
+        while r < rows {
+            let w0 = w.add(r * row_bytes);
+            let (mut a0, mut b0) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            let mut c = 0;
+            while c < main16 {
+                a0 = _mm256_fmadd_ps(load8::<D>(w0, c), _mm256_loadu_ps(xp.add(c)), a0);
+                b0 = _mm256_fmadd_ps(load8::<D>(w0, c + 8), _mm256_loadu_ps(xp.add(c + 8)), b0);
+                c += 16;
+            }
+            if c < main8 {
+                a0 = _mm256_fmadd_ps(load8::<D>(w0, c), _mm256_loadu_ps(xp.add(c)), a0);
+                c += 8;
+            }
+            let mut sum = hsum(_mm256_add_ps(a0, b0));
+            while c < cols {
+                sum += load1::<D>(w0, c) * *xp.add(c);
+                c += 1;
+            }
+            y[r] = sum;
+            r += 1;
+        }
+    }
+}
+
+/// Transposes an 8×8 block held as eight row vectors into eight column vectors.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+    let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+    let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+    let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+    let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+    let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    let s0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+    let s1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+    let s2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+    let s3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+    let s4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+    let s5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+    let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+    let s7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+    [
+        _mm256_permute2f128_ps::<0x20>(s0, s4),
+        _mm256_permute2f128_ps::<0x20>(s1, s5),
+        _mm256_permute2f128_ps::<0x20>(s2, s6),
+        _mm256_permute2f128_ps::<0x20>(s3, s7),
+        _mm256_permute2f128_ps::<0x31>(s0, s4),
+        _mm256_permute2f128_ps::<0x31>(s1, s5),
+        _mm256_permute2f128_ps::<0x31>(s2, s6),
+        _mm256_permute2f128_ps::<0x31>(s3, s7),
+    ]
+}
+
+/// Packs rows `0..nr` (`nr <= NR`) and columns `k0..k0 + kc` (`kc <= KC`) of the weight block
+/// starting at `w` into `panel` as f32 in `[k][NR]` order; rows `nr..NR` are zero.
+///
+/// # Safety
+/// `w` must be valid for `nr` rows of `cols` elements of dtype `D`; `k0 + kc <= cols`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn pack_panel<const D: u8>(w: *const u8, cols: usize, nr: usize, k0: usize, kc: usize, panel: &mut Panel) {
+    debug_assert!(nr <= NR && kc <= KC && k0 + kc <= cols);
+    let size = if D == F32 { 4 } else { 2 };
+    let row_bytes = cols * size;
+    let out = &mut panel.0;
+    // SAFETY (whole body): weight reads are at rows `< nr` and columns `k0..k0 + kc`, inside the
+    // caller's extent; writes are at `k * NR + r` with `k < kc <= KC`, `r < NR`, inside `panel`.
+    unsafe {
+        for g in 0..NR / 8 {
+            let g0 = g * 8;
+            let valid = nr.saturating_sub(g0).min(8);
+            let mut k = 0;
+            if valid == 8 {
+                let rows: [*const u8; 8] = std::array::from_fn(|i| w.add((g0 + i) * row_bytes));
+                while k + 8 <= kc {
+                    let v: [__m256; 8] = std::array::from_fn(|i| load8::<D>(rows[i], k0 + k));
+                    let cols8 = transpose8(v);
+                    for (j, col) in cols8.iter().enumerate() {
+                        _mm256_storeu_ps(out.as_mut_ptr().add((k + j) * NR + g0), *col);
+                    }
+                    k += 8;
+                }
+            }
+            while k < kc {
+                for i in 0..8 {
+                    out[k * NR + g0 + i] =
+                        if i < valid { load1::<D>(w.add((g0 + i) * row_bytes), k0 + k) } else { 0.0 };
+                }
+                k += 1;
+            }
+        }
+    }
+}
+
+/// GEMM microkernel: for `MT` tokens and the `NR` rows of a packed panel of depth `kc`,
+/// `y[t, r] (+)= Σ_k panel[k][r] · x[t, k]` for `r < nr`.
+///
+/// `MT × 3` ymm accumulators (12 for `MT = 4`): per `k`, three panel loads and `MT`
+/// broadcasts feed `3·MT` FMAs.
+///
+/// # Safety
+/// `x` must be valid for reading `x[t * x_stride + k]`, `t < MT`, `k < kc`; `y` must be valid
+/// for reading and writing `y[t * y_stride + r]`, `t < MT`, `r < nr`, and not be written by
+/// anyone else meanwhile.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_kernel<const MT: usize>(
+    panel: &Panel,
+    kc: usize,
+    x: *const f32,
+    x_stride: usize,
+    y: *mut f32,
+    y_stride: usize,
+    nr: usize,
+    accumulate: bool,
+) {
+    debug_assert!(kc <= KC && nr <= NR);
+    let p = panel.0.as_ptr();
+    let mut acc = [[_mm256_setzero_ps(); 3]; MT];
+    // SAFETY: panel reads are at `k * NR + 0..24` with `k < kc <= KC`; `x` and `y` accesses
+    // stay in the extents the caller guaranteed.
+    unsafe {
+        for k in 0..kc {
+            let w0 = _mm256_load_ps(p.add(k * NR));
+            let w1 = _mm256_load_ps(p.add(k * NR + 8));
+            let w2 = _mm256_load_ps(p.add(k * NR + 16));
+            for (t, a) in acc.iter_mut().enumerate() {
+                let b = _mm256_broadcast_ss(&*x.add(t * x_stride + k));
+                a[0] = _mm256_fmadd_ps(w0, b, a[0]);
+                a[1] = _mm256_fmadd_ps(w1, b, a[1]);
+                a[2] = _mm256_fmadd_ps(w2, b, a[2]);
+            }
+        }
+        for (t, a) in acc.iter().enumerate() {
+            let yp = y.add(t * y_stride);
+            if nr == NR {
+                for (j, v) in a.iter().enumerate() {
+                    let dst = yp.add(j * 8);
+                    let v = if accumulate { _mm256_add_ps(_mm256_loadu_ps(dst), *v) } else { *v };
+                    _mm256_storeu_ps(dst, v);
+                }
+            } else {
+                let mut tmp = [0.0f32; NR];
+                for (j, v) in a.iter().enumerate() {
+                    _mm256_storeu_ps(tmp.as_mut_ptr().add(j * 8), *v);
+                }
+                for (r, v) in tmp.iter().enumerate().take(nr) {
+                    let dst = yp.add(r);
+                    *dst = if accumulate { *dst + v } else { *v };
+                }
+            }
+        }
+    }
+}
+
+/// Widens `out.len()` elements of dtype `D` starting at `w` into `out`.
+///
+/// # Safety
+/// `w` must be valid for `out.len()` elements of dtype `D`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn widen<const D: u8>(w: *const u8, out: &mut [f32]) {
+    let n = out.len();
+    let mut i = 0;
+    // SAFETY: reads at elements `< n` of `w` (caller's extent) and writes inside `out`.
+    unsafe {
+        while i + 8 <= n {
+            _mm256_storeu_ps(out.as_mut_ptr().add(i), load8::<D>(w, i));
+            i += 8;
+        }
+        while i < n {
+            out[i] = load1::<D>(w, i);
+            i += 1;
+        }
+    }
+}
+
+/// `Σ a[i] · b[i]` over `min(a.len(), b.len())` elements, four 8-wide accumulators.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (ap, bp) = (a.as_ptr(), b.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    // SAFETY: every load is at indices `< n`, inside both slices.
+    unsafe {
+        while i + 32 <= n {
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(_mm256_loadu_ps(ap.add(i + 8 * j)), _mm256_loadu_ps(bp.add(i + 8 * j)), *a);
+            }
+            i += 32;
+        }
+        while i + 8 <= n {
+            acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(ap.add(i)), _mm256_loadu_ps(bp.add(i)), acc[0]);
+            i += 8;
+        }
+    }
+    let mut sum = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+    while i < n {
+        sum += a[i] * b[i];
+        i += 1;
+    }
+    sum
+}
+
+/// `out[i] += s · v[i]` over `min(out.len(), v.len())` elements.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn axpy(out: &mut [f32], s: f32, v: &[f32]) {
+    let n = out.len().min(v.len());
+    let sv = _mm256_set1_ps(s);
+    let mut i = 0;
+    // SAFETY: every access is at indices `< n`, inside both slices.
+    unsafe {
+        while i + 8 <= n {
+            let o = out.as_mut_ptr().add(i);
+            _mm256_storeu_ps(o, _mm256_fmadd_ps(sv, _mm256_loadu_ps(v.as_ptr().add(i)), _mm256_loadu_ps(o)));
+            i += 8;
+        }
+    }
+    while i < n {
+        out[i] += s * v[i];
+        i += 1;
+    }
+}
+
+/// Sum of the bytes of `data` read as u64 words (a streaming read for bandwidth probes).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn read_sum(data: &[u8]) -> u64 {
+    let n = data.len();
+    let p = data.as_ptr();
+    let mut acc = [_mm256_setzero_si256(); 4];
+    let mut i = 0;
+    // SAFETY: every 32-byte load is at offsets `i..i + 128 <= n`, inside `data`.
+    unsafe {
+        while i + 128 <= n {
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_add_epi64(*a, _mm256_loadu_si256(p.add(i + 32 * j) as *const __m256i));
+            }
+            i += 128;
+        }
+    }
+    let all = _mm256_add_epi64(_mm256_add_epi64(acc[0], acc[1]), _mm256_add_epi64(acc[2], acc[3]));
+    let mut lanes = [0u64; 4];
+    // SAFETY: `lanes` is 32 bytes, the size of one unaligned store.
+    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, all) };
+    let mut sum = lanes.iter().fold(0u64, |s, v| s.wrapping_add(*v));
+    for b in &data[i..] {
+        sum = sum.wrapping_add(*b as u64);
+    }
+    sum
+}

@@ -1,0 +1,66 @@
+//! The decode path allocates nothing: after the pool exists, `matmul` (GEMV and GEMM),
+//! `matmul_many` and every element-wise kernel run without a single heap allocation on any
+//! thread. A counting global allocator checks it; this file holds one test so nothing else
+//! allocates concurrently.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use kylin_kernels::{ThreadPool, WeightDType, WeightMatrix, WeightVector};
+
+struct Counting;
+
+static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: forwards to the system allocator unchanged, only counting calls.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::SeqCst);
+        // SAFETY: same contract as our caller's.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: same contract as our caller's.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+#[test]
+fn kernels_do_not_allocate() {
+    let pool = ThreadPool::new(2);
+    let (rows, cols) = (512, 1024);
+    let data = vec![0x3Fu8; rows * cols * 2];
+    let w = WeightMatrix { dtype: WeightDType::BF16, rows, cols, data: &data };
+    let norm = vec![0x3Fu8; cols * 2];
+    let norm = WeightVector { dtype: WeightDType::BF16, data: &norm };
+    let x = vec![0.5f32; 16 * cols];
+    let mut y = vec![0.0f32; 16 * rows];
+    let mut y2 = vec![0.0f32; 16 * rows];
+    let mut scratch = vec![0.0f32; 64];
+    let mut out = vec![0.0f32; 128];
+    let mut normed = vec![0.0f32; cols];
+    let cos = vec![0.5f32; 64];
+    let sin = vec![0.5f32; 64];
+    // Warm up: the ISA detection and the workers' first wake-up happen here.
+    kylin_kernels::matmul(&pool, w, &x[..cols], 1, &mut y[..rows]);
+
+    let before = ALLOCATIONS.load(Ordering::SeqCst);
+    for _ in 0..10 {
+        kylin_kernels::matmul(&pool, w, &x[..cols], 1, &mut y[..rows]);
+        kylin_kernels::matmul(&pool, w, &x, 16, &mut y);
+        kylin_kernels::matmul_many(&pool, &x[..2 * cols], 2, &mut [(w, &mut y[..2 * rows]), (w, &mut y2[..2 * rows])]);
+        kylin_kernels::rms_norm(&x[..cols], norm, 1e-6, &mut normed);
+        kylin_kernels::rope_rotate_half(&mut out, &cos, &sin);
+        kylin_kernels::attention_head(&x[..128], &x[..64 * 128], &x[..64 * 128], 64, 128, 0.1, &mut scratch, &mut out);
+        kylin_kernels::softmax(&mut scratch);
+        kylin_kernels::silu_mul(&mut normed, &x[..cols]);
+        kylin_kernels::widen_row(w, 3, &mut normed);
+    }
+    let after = ALLOCATIONS.load(Ordering::SeqCst);
+    assert_eq!(after - before, 0, "kernels allocated {} times", after - before);
+    assert!(y.iter().all(|v| v.is_finite()));
+}

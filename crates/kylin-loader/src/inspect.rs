@@ -1,0 +1,384 @@
+//! The `inspect` report: what a model path holds, validated, in one serialisable value.
+//!
+//! For Hugging Face formats the report comes from a full [`crate::load`] (config resolved,
+//! every shard mapped and validated, every tensor bound, tokenizer read), so a model that
+//! inspects cleanly also loads. Nothing is read in full: the weights stay in their maps. For GGUF
+//! the report comes from the bounded header reader in [`crate::gguf`].
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::Serialize;
+use serde_json::{Map, Value, json};
+
+use crate::generation::GenerationDefaults;
+use crate::gguf::{GgufInfo, read_gguf_info};
+use crate::safetensors_file::WeightFile;
+use crate::tokenizer::SpecialToken;
+use crate::weights::HeadBinding;
+use crate::{Format, LoadOptions, Result, detect, load};
+
+/// How the weights bound to the model.
+#[derive(Debug, Clone, Serialize)]
+pub struct BindingReport {
+    pub head: HeadBinding,
+    /// Tensors of the table that were bound (a tied head counts once).
+    pub bound_tensors: usize,
+    /// Checkpoint tensors the architecture's table did not use.
+    pub unused_tensors: Vec<String>,
+}
+
+/// The tokenizer as the report shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct TokenizerReport {
+    /// `tokenizer_json`, `vocab_merges`, or the GGUF `tokenizer.ggml.model`.
+    pub kind: String,
+    /// Ids the tokenizer can produce.
+    pub vocab_size: usize,
+    pub bos: Option<SpecialToken>,
+    pub eos: Option<SpecialToken>,
+    /// Every id that ends generation (generation_config, config and tokenizer EOS together).
+    pub eos_ids: Vec<u32>,
+    pub add_bos_token: bool,
+    pub special_token_count: usize,
+    pub has_chat_template: bool,
+    /// Names of the chat templates (`default`, `tool_use`, ...).
+    pub chat_templates: Vec<String>,
+}
+
+/// Everything `kylin inspect` prints.
+#[derive(Debug, Clone, Serialize)]
+pub struct InspectReport {
+    pub path: PathBuf,
+    /// `hf-dir`, `safetensors` or `gguf`.
+    pub format: String,
+    /// The backend that runs this format: `kylin` or `llama.cpp`.
+    pub backend: String,
+    /// `architectures[0]` (HF) or `general.architecture` (GGUF).
+    pub architecture: String,
+    pub model_type: String,
+    /// Resolved values: hidden_size, num_layers, num_heads, num_kv_heads, head_dim,
+    /// intermediate_size, vocab_size, rope, rms_norm_eps, tie_word_embeddings,
+    /// max_position_embeddings, and the architecture's choices.
+    pub config: Value,
+    /// config.json fields that were absent and took their default.
+    pub defaulted: Vec<String>,
+    pub files: Vec<WeightFile>,
+    pub tensor_count: u64,
+    pub total_bytes: u64,
+    /// Stored dtype (or GGUF quantization type) -> tensor count.
+    pub dtypes: BTreeMap<String, usize>,
+    pub binding: Option<BindingReport>,
+    pub tokenizer: Option<TokenizerReport>,
+    pub generation_defaults: GenerationDefaults,
+    /// GGUF details (version, file type, selected metadata); `None` for HF formats.
+    pub gguf: Option<Value>,
+    pub warnings: Vec<String>,
+    /// Wall time of the inspection in milliseconds.
+    pub inspect_ms: f64,
+}
+
+/// Validates the model at `path` and describes it.
+pub fn inspect(path: &Path, opts: &LoadOptions) -> Result<InspectReport> {
+    let started = Instant::now();
+    let format = detect(path)?;
+    let mut report = match &format {
+        Format::Gguf { file } => gguf_report(&read_gguf_info(file)?),
+        _ => hf_report(path, opts)?,
+    };
+    report.inspect_ms = started.elapsed().as_secs_f64() * 1e3;
+    Ok(report)
+}
+
+/// The resolved config as JSON, with the RoPE scaling parameters flattened next to `type`.
+fn config_json(config: &crate::ModelConfig) -> Value {
+    let mut value = serde_json::to_value(config).unwrap_or(Value::Null);
+    if let Value::Object(obj) = &mut value {
+        obj.remove("defaulted");
+        if let Some(Value::Object(rope)) = obj.remove("rope") {
+            let mut flat = Map::new();
+            if let Some(Value::Object(scaling)) = rope.get("scaling") {
+                flat.extend(scaling.clone());
+            }
+            for (k, v) in rope {
+                if k != "scaling" {
+                    flat.insert(k, v);
+                }
+            }
+            obj.insert("rope".into(), Value::Object(flat));
+        }
+    }
+    value
+}
+
+fn hf_report(path: &Path, opts: &LoadOptions) -> Result<InspectReport> {
+    let model = load(path, opts)?;
+    let tokenizer = model.tokenizer.as_ref().map(|t| TokenizerReport {
+        kind: serde_json::to_value(t.kind).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(),
+        vocab_size: t.vocab_size,
+        bos: t.bos_token.clone(),
+        eos: t.eos_token.clone(),
+        eos_ids: model.eos_ids.clone(),
+        add_bos_token: t.add_bos_token,
+        special_token_count: t.special_tokens.len(),
+        has_chat_template: !t.chat_templates.is_empty(),
+        chat_templates: t.chat_templates.iter().map(|c| c.name.clone()).collect(),
+    });
+    let layer_tensors: usize = model
+        .weights
+        .layers
+        .iter()
+        .map(|l| {
+            11 + [&l.q_bias, &l.k_bias, &l.v_bias, &l.o_bias, &l.q_norm, &l.k_norm, &l.gate_bias, &l.up_bias, &l.down_bias]
+                .iter()
+                .filter(|t| t.is_some())
+                .count()
+        })
+        .sum();
+    let bound_tensors = layer_tensors + 2 + usize::from(!model.weights.head.tied);
+    Ok(InspectReport {
+        path: path.to_path_buf(),
+        format: model.format.name().to_string(),
+        backend: "kylin".into(),
+        architecture: model.config.architecture.hf_name().to_string(),
+        model_type: model.config.model_type.clone(),
+        config: config_json(&model.config),
+        defaulted: model.config.defaulted.clone(),
+        files: model.files.clone(),
+        tensor_count: model.tensor_count as u64,
+        total_bytes: model.total_bytes,
+        dtypes: model.dtypes.clone(),
+        binding: Some(BindingReport {
+            head: model.weights.head.clone(),
+            bound_tensors,
+            unused_tensors: model.unused_tensors.clone(),
+        }),
+        tokenizer,
+        generation_defaults: model.generation.clone(),
+        gguf: None,
+        warnings: model.warnings.clone(),
+        inspect_ms: 0.0,
+    })
+}
+
+fn gguf_report(info: &GgufInfo) -> InspectReport {
+    let arch = info.architecture.clone().unwrap_or_else(|| "unknown".into());
+    let hidden = info.arch_u64("embedding_length");
+    let heads = info.arch_u64("attention.head_count");
+    let head_dim = info.arch_u64("attention.key_length").or_else(|| Some(hidden? / heads.filter(|&h| h > 0)?));
+    let rope_type = info
+        .metadata
+        .get(&format!("{arch}.rope.scaling.type"))
+        .and_then(|v| v.as_str())
+        .unwrap_or("default")
+        .to_string();
+    let config = json!({
+        "hidden_size": hidden,
+        "num_layers": info.arch_u64("block_count"),
+        "num_heads": heads,
+        "num_kv_heads": info.arch_u64("attention.head_count_kv").or(heads),
+        "head_dim": head_dim,
+        "intermediate_size": info.arch_u64("feed_forward_length"),
+        "vocab_size": info.vocab_size,
+        "max_position_embeddings": info.arch_u64("context_length"),
+        "rms_norm_eps": info.arch_f64("attention.layer_norm_rms_epsilon"),
+        "rope": {
+            "type": rope_type,
+            "theta": info.arch_f64("rope.freq_base"),
+            "factor": info.arch_f64("rope.scaling.factor"),
+        },
+        "tie_word_embeddings": info.tied_output,
+    });
+    let mut eos_ids: Vec<u32> = [info.eos_token_id, info.metadata.get("tokenizer.ggml.eot_token_id").and_then(|v| v.as_u64())]
+        .into_iter()
+        .flatten()
+        .filter_map(|v| u32::try_from(v).ok())
+        .collect();
+    eos_ids.sort_unstable();
+    eos_ids.dedup();
+    let token_text = |id: Option<u64>| -> Option<SpecialToken> {
+        let id = u32::try_from(id?).ok()?;
+        Some(SpecialToken { content: String::new(), id })
+    };
+    let tokenizer = info.vocab_size.map(|v| TokenizerReport {
+        kind: info.tokenizer_model.clone().unwrap_or_else(|| "unknown".into()),
+        vocab_size: v as usize,
+        bos: token_text(info.bos_token_id),
+        eos: token_text(info.eos_token_id),
+        eos_ids,
+        add_bos_token: info.add_bos_token.unwrap_or(false),
+        special_token_count: 0,
+        has_chat_template: info.chat_template.is_some(),
+        chat_templates: info.chat_template.iter().map(|_| "default".to_string()).collect(),
+    });
+    let mut warnings = Vec::new();
+    if tokenizer.is_none() {
+        warnings.push("the GGUF file has no tokenizer.ggml.tokens: it can only be run from token ids".into());
+    }
+    let selected: Map<String, Value> = info
+        .metadata
+        .iter()
+        .filter(|(k, _)| !k.starts_with("tokenizer.ggml.") && k.as_str() != "tokenizer.chat_template")
+        .map(|(k, v)| (k.clone(), Value::String(v.short())))
+        .collect();
+    InspectReport {
+        path: info.path.clone(),
+        format: "gguf".into(),
+        backend: "llama.cpp".into(),
+        architecture: arch.clone(),
+        model_type: arch,
+        config,
+        defaulted: Vec::new(),
+        files: vec![WeightFile { path: info.path.clone(), bytes: info.file_bytes }],
+        tensor_count: info.tensor_count,
+        total_bytes: info.tensor_bytes,
+        dtypes: info.tensor_types.clone(),
+        binding: None,
+        tokenizer,
+        generation_defaults: GenerationDefaults::default(),
+        gguf: Some(json!({
+            "version": info.version,
+            "name": info.name,
+            "file_type": info.file_type,
+            "quantization_types": info.tensor_types.keys().collect::<Vec<_>>(),
+            "alignment": info.alignment,
+            "data_offset": info.data_offset,
+            "metadata": selected,
+        })),
+        warnings,
+        inspect_ms: 0.0,
+    }
+}
+
+fn mib(bytes: u64) -> String {
+    if bytes >= 1 << 30 {
+        format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+    } else {
+        format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+    }
+}
+
+fn show(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Null => "-".into(),
+        other => other.to_string(),
+    }
+}
+
+impl InspectReport {
+    /// The human-readable summary `kylin inspect` prints.
+    pub fn to_human(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(s, "model       {}", self.path.display());
+        let _ = writeln!(s, "format      {} (runs on {})", self.format, self.backend);
+        let _ = writeln!(s, "arch        {} (model_type {})", self.architecture, self.model_type);
+        if let Value::Object(c) = &self.config {
+            let _ = writeln!(s, "config");
+            for key in [
+                "hidden_size",
+                "num_layers",
+                "num_heads",
+                "num_kv_heads",
+                "head_dim",
+                "intermediate_size",
+                "vocab_size",
+                "max_position_embeddings",
+                "rms_norm_eps",
+                "tie_word_embeddings",
+                "qkv_bias",
+                "o_bias",
+                "mlp_bias",
+                "qk_norm",
+                "declared_dtype",
+            ] {
+                if let Some(v) = c.get(key) {
+                    let note = if self.defaulted.iter().any(|d| d == key) { "  (default)" } else { "" };
+                    let _ = writeln!(s, "  {key:<24} {}{note}", show(v));
+                }
+            }
+            if let Some(Value::Object(rope)) = c.get("rope") {
+                let parts: Vec<String> = rope
+                    .iter()
+                    .filter(|(_, v)| !v.is_null())
+                    .map(|(k, v)| format!("{k}={}", show(v)))
+                    .collect();
+                let _ = writeln!(s, "  {:<24} {}", "rope", parts.join(", "));
+            }
+            let rope_defaults: Vec<&str> =
+                self.defaulted.iter().filter(|d| d.starts_with("rope")).map(String::as_str).collect();
+            if !rope_defaults.is_empty() {
+                let _ = writeln!(s, "  {:<24} {}", "rope defaults", rope_defaults.join(", "));
+            }
+        }
+        let _ = writeln!(s, "weights     {} file(s), {} tensors, {}", self.files.len(), self.tensor_count, mib(self.total_bytes));
+        for f in self.files.iter().take(8) {
+            let _ = writeln!(s, "  {} ({})", f.path.display(), mib(f.bytes));
+        }
+        if self.files.len() > 8 {
+            let _ = writeln!(s, "  ... and {} more", self.files.len() - 8);
+        }
+        let dtypes: Vec<String> = self.dtypes.iter().map(|(k, v)| format!("{k} x{v}")).collect();
+        let _ = writeln!(s, "  dtypes: {}", dtypes.join(", "));
+        if let Some(b) = &self.binding {
+            let _ = writeln!(s, "binding     {} tensors bound; head: {}", b.bound_tensors, b.head.reason);
+            if !b.unused_tensors.is_empty() {
+                let _ = writeln!(s, "  unused: {}", b.unused_tensors.join(", "));
+            }
+        }
+        if let Some(g) = &self.gguf {
+            let _ = writeln!(
+                s,
+                "gguf        version {}, file type {}, quantization types {}",
+                show(&g["version"]),
+                show(&g["file_type"]),
+                show(&g["quantization_types"])
+            );
+        }
+        match &self.tokenizer {
+            Some(t) => {
+                let tok = |t: &Option<SpecialToken>| match t {
+                    Some(t) if t.content.is_empty() => t.id.to_string(),
+                    Some(t) => format!("{:?} ({})", t.content, t.id),
+                    None => "-".into(),
+                };
+                let _ = writeln!(s, "tokenizer   {}, {} ids, {} special", t.kind, t.vocab_size, t.special_token_count);
+                let _ = writeln!(s, "  bos {} (add_bos_token {}), eos {}", tok(&t.bos), t.add_bos_token, tok(&t.eos));
+                let _ = writeln!(s, "  eos ids {:?}", t.eos_ids);
+                let _ = writeln!(
+                    s,
+                    "  chat template: {}",
+                    if t.has_chat_template { t.chat_templates.join(", ") } else { "none".into() }
+                );
+            }
+            None => {
+                let _ = writeln!(s, "tokenizer   none");
+            }
+        }
+        let g = &self.generation_defaults;
+        let opt = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+        let _ = writeln!(
+            s,
+            "sampling    do_sample {}, temperature {}, top_k {}, top_p {}, min_p {}, repetition_penalty {}, max_new_tokens {}",
+            opt(g.do_sample.map(|v| v.to_string())),
+            opt(g.temperature.map(|v| v.to_string())),
+            opt(g.top_k.map(|v| v.to_string())),
+            opt(g.top_p.map(|v| v.to_string())),
+            opt(g.min_p.map(|v| v.to_string())),
+            opt(g.repetition_penalty.map(|v| v.to_string())),
+            opt(g.max_new_tokens.map(|v| v.to_string())),
+        );
+        if self.warnings.is_empty() {
+            let _ = writeln!(s, "warnings    none");
+        } else {
+            let _ = writeln!(s, "warnings");
+            for w in &self.warnings {
+                let _ = writeln!(s, "  - {w}");
+            }
+        }
+        let _ = writeln!(s, "checked in {:.0} ms", self.inspect_ms);
+        s
+    }
+}
