@@ -63,7 +63,9 @@ pub struct BenchSummary {
 
 pub fn run(args: BenchArgs) -> Result<()> {
     if args.prompt_tokens == 0 || args.gen_tokens == 0 || args.repetitions == 0 {
-        return Err(KylinError::input_invalid("--prompt-tokens, --gen-tokens and --repetitions must be at least 1").into());
+        return Err(
+            KylinError::input_invalid("--prompt-tokens, --gen-tokens and --repetitions must be at least 1").into()
+        );
     }
     let threads = threads(&args.model)?;
     let mut models = vec![args.model.clone()];

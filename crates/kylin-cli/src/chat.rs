@@ -21,7 +21,11 @@ pub fn run(args: ChatArgs) -> Result<()> {
     let defaults = backend.generation_defaults();
     let kwargs = template_kwargs(&args.template)?;
     // Fail now, not after the first message, when the model has no usable template.
-    backend.apply_chat_template(&[kylin_engine::ChatMessage { role: "user".into(), content: "hi".into() }], true, &kwargs)?;
+    backend.apply_chat_template(
+        &[kylin_engine::ChatMessage { role: "user".into(), content: "hi".into() }],
+        true,
+        &kwargs,
+    )?;
     let request = GenerateRequest {
         prompt_ids: Vec::new(),
         max_new_tokens: max_tokens(args.max_tokens, &defaults),

@@ -78,10 +78,8 @@ pub fn open(args: &ModelArgs, require_tokenizer: bool) -> Result<Opened> {
         tracing_warning(warning);
     }
     let tokenizer_ms = model.timings.tokenizer_ms;
-    let backend = NativeBackend::new(
-        model,
-        NativeOptions { threads, ctx_size: args.ctx_size, chat_template_override },
-    )?;
+    let backend =
+        NativeBackend::new(model, NativeOptions { threads, ctx_size: args.ctx_size, chat_template_override })?;
     Ok(Opened {
         backend: Box::new(backend),
         load_ms: started.elapsed().as_secs_f64() * 1e3,
@@ -108,11 +106,7 @@ fn open_llama(
         &args.model,
         &LlamaCppOptions { threads, ctx_size: args.ctx_size, chat_template_override },
     )?;
-    Ok(Opened {
-        backend: Box::new(backend),
-        load_ms: started.elapsed().as_secs_f64() * 1e3,
-        tokenizer_ms: None,
-    })
+    Ok(Opened { backend: Box::new(backend), load_ms: started.elapsed().as_secs_f64() * 1e3, tokenizer_ms: None })
 }
 
 #[cfg(not(feature = "llamacpp"))]

@@ -125,9 +125,9 @@ pub fn template_kwargs(args: &TemplateArgs) -> Result<Map<String, Value>> {
 pub fn parse_ids(text: &str, vocab_size: usize) -> Result<Vec<u32>> {
     let mut ids = Vec::new();
     for (i, part) in text.split(',').map(str::trim).filter(|p| !p.is_empty()).enumerate() {
-        let id: u32 = part.parse().map_err(|_| {
-            KylinError::input_invalid(format!("--ids: item {} ({part:?}) is not a token id", i + 1))
-        })?;
+        let id: u32 = part
+            .parse()
+            .map_err(|_| KylinError::input_invalid(format!("--ids: item {} ({part:?}) is not a token id", i + 1)))?;
         if id as usize >= vocab_size {
             return Err(KylinError::input_invalid(format!(
                 "--ids: token id {id} is outside the vocabulary (vocab_size {vocab_size})"

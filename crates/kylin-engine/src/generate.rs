@@ -78,7 +78,11 @@ pub struct GenerationResult {
 }
 
 /// Generates from an empty KV cache; `on_text` receives the text as it is produced.
-pub fn generate(backend: &mut dyn Backend, request: &GenerateRequest, on_text: &mut dyn FnMut(&str)) -> Result<GenerationResult> {
+pub fn generate(
+    backend: &mut dyn Backend,
+    request: &GenerateRequest,
+    on_text: &mut dyn FnMut(&str),
+) -> Result<GenerationResult> {
     backend.reset();
     generate_from(backend, request, 0, on_text)
 }

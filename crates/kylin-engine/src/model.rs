@@ -410,7 +410,9 @@ impl Model {
         let max_tokens = max_chunk.clamp(1, context.max(1));
         let sized = |rows: usize, cols: usize, what: &str| -> Result<Vec<f32>> {
             let len = rows.checked_mul(cols).ok_or_else(|| {
-                KylinError::config_invalid(format!("{what} buffer of {rows} x {cols} overflows; pass a smaller --ctx-size"))
+                KylinError::config_invalid(format!(
+                    "{what} buffer of {rows} x {cols} overflows; pass a smaller --ctx-size"
+                ))
             })?;
             Ok(vec![0.0; len])
         };
@@ -550,7 +552,15 @@ impl Model {
     }
 
     /// Pre-norm self-attention with grouped KV heads: `x += o_proj(attention(rope(q), rope(k), v))`.
-    fn attention_block(&self, pool: &ThreadPool, layer: &Layer, index: usize, state: &mut State, start: usize, n: usize) {
+    fn attention_block(
+        &self,
+        pool: &ThreadPool,
+        layer: &Layer,
+        index: usize,
+        state: &mut State,
+        start: usize,
+        n: usize,
+    ) {
         let d = &self.dims;
         let (h, hd, q_dim, kv_dim) = (d.hidden, d.head_dim, d.q_dim(), d.kv_dim());
         let State { rope, cache, scratch: s, .. } = state;

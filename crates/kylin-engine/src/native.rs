@@ -61,7 +61,8 @@ impl NativeBackend {
     /// Builds the backend for a model from [`kylin_loader::load`]; see [`NativeBackend::from_parts`].
     pub fn new(model: LoadedModel, opts: NativeOptions) -> Result<Self> {
         let LoadedModel { config, weights, tokenizer, generation, eos_ids, .. } = model;
-        let parts = ModelParts { config: &config, weights: &weights, tokenizer: tokenizer.as_ref(), generation, eos_ids };
+        let parts =
+            ModelParts { config: &config, weights: &weights, tokenizer: tokenizer.as_ref(), generation, eos_ids };
         NativeBackend::from_parts(parts, opts)
     }
 
@@ -87,10 +88,8 @@ impl NativeBackend {
             Some(n) => n,
         };
         let state = model.plan(context, DEFAULT_MAX_CHUNK)?;
-        let text = parts
-            .tokenizer
-            .map(|bundle| TextCodec::new(bundle, opts.chat_template_override.clone()))
-            .transpose()?;
+        let text =
+            parts.tokenizer.map(|bundle| TextCodec::new(bundle, opts.chat_template_override.clone())).transpose()?;
         Ok(NativeBackend {
             model,
             state,
@@ -186,9 +185,10 @@ impl Backend for NativeBackend {
 
     fn prefill_all_logits(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
         let vocab = self.model.dims().vocab;
-        let len = ids.len().checked_mul(vocab).ok_or_else(|| {
-            KylinError::input_invalid(format!("{} tokens x {vocab} logits overflows", ids.len()))
-        })?;
+        let len = ids
+            .len()
+            .checked_mul(vocab)
+            .ok_or_else(|| KylinError::input_invalid(format!("{} tokens x {vocab} logits overflows", ids.len())))?;
         // Checked before allocating: the buffer is only sized once the ids are known to fit.
         self.model.check_input(&self.state, ids)?;
         let mut out = vec![0.0f32; len];

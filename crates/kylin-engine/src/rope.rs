@@ -248,8 +248,7 @@ fn yarn_inv_freq(
 ) {
     // Python double arithmetic: the inverse dimension formula.
     let find_correction_dim = |num_rotations: f64| -> f64 {
-        (dim as f64 * (original_max as f64 / (num_rotations * 2.0 * std::f64::consts::PI)).ln())
-            / (2.0 * theta.ln())
+        (dim as f64 * (original_max as f64 / (num_rotations * 2.0 * std::f64::consts::PI)).ln()) / (2.0 * theta.ln())
     };
     let mut low = find_correction_dim(beta_fast);
     let mut high = find_correction_dim(beta_slow);

@@ -41,14 +41,7 @@ pub const HF_DEFAULT_TOP_K: usize = 50;
 impl SamplingParams {
     /// Argmax decoding, no penalty.
     pub fn greedy() -> Self {
-        SamplingParams {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            repetition_penalty: 1.0,
-            seed: 0,
-        }
+        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0 }
     }
 
     /// The model's published defaults with HF `generate` semantics:
@@ -232,9 +225,7 @@ impl Sampler {
         }
 
         let logits = &self.logits;
-        let desc = |a: &u32, b: &u32| {
-            logits[*b as usize].total_cmp(&logits[*a as usize]).then_with(|| a.cmp(b))
-        };
+        let desc = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then_with(|| a.cmp(b));
         for (i, slot) in self.idx.iter_mut().enumerate() {
             *slot = i as u32;
         }
@@ -462,17 +453,15 @@ mod tests {
             counts[s.sample(&logits).unwrap() as usize] += 1;
         }
         let expected = [0.01 / 0.3, 0.04 / 0.3, 0.09 / 0.3, 0.16 / 0.3];
-        let chi2: f64 = counts
-            .iter()
-            .zip(expected)
-            .map(|(&c, p)| (c as f64 - p * draws as f64).powi(2) / (p * draws as f64))
-            .sum();
+        let chi2: f64 =
+            counts.iter().zip(expected).map(|(&c, p)| (c as f64 - p * draws as f64).powi(2) / (p * draws as f64)).sum();
         assert!(chi2 < 16.27, "chi-square {chi2} for counts {counts:?}");
     }
 
     #[test]
     fn defaults_follow_hf_do_sample_rule() {
-        let mut g = GenerationDefaults { temperature: Some(0.6), top_k: Some(20), top_p: Some(0.95), ..Default::default() };
+        let mut g =
+            GenerationDefaults { temperature: Some(0.6), top_k: Some(20), top_p: Some(0.95), ..Default::default() };
         // No do_sample: greedy even though temperature is listed.
         assert!(SamplingParams::from_defaults(&g).is_greedy());
         g.do_sample = Some(true);

@@ -65,10 +65,7 @@ impl TextCodec {
         let (source, origin) = match chat_template_override {
             Some(text) => (Some(text), "the chat template given with --chat-template".to_string()),
             None => match bundle.default_chat_template() {
-                Some(t) => (
-                    Some(t.source.clone()),
-                    format!("chat template '{}' of tokenizer_config.json", t.name),
-                ),
+                Some(t) => (Some(t.source.clone()), format!("chat template '{}' of tokenizer_config.json", t.name)),
                 None => (None, "tokenizer_config.json".to_string()),
             },
         };
@@ -105,9 +102,10 @@ impl TextCodec {
     /// the post-processor of `tokenizer.json` runs, and BOS/EOS are added where
     /// `add_bos_token`/`add_eos_token` say so and the post-processor did not already add them.
     pub fn tokenize(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
-        let encoding = self.tokenizer.encode(text, add_special).map_err(|e| {
-            KylinError::input_invalid(format!("the tokenizer could not encode the text: {e}"))
-        })?;
+        let encoding = self
+            .tokenizer
+            .encode(text, add_special)
+            .map_err(|e| KylinError::input_invalid(format!("the tokenizer could not encode the text: {e}")))?;
         let mut ids = encoding.get_ids().to_vec();
         if add_special {
             if let (true, Some((_, bos))) = (self.add_bos_token, &self.bos)
@@ -126,9 +124,9 @@ impl TextCodec {
 
     /// Ids to text, as HF `tokenizer.decode(ids, skip_special_tokens=skip_special)`.
     pub fn detokenize(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        self.tokenizer.decode(ids, skip_special).map_err(|e| {
-            KylinError::input_invalid(format!("the tokenizer could not decode {} ids: {e}", ids.len()))
-        })
+        self.tokenizer
+            .decode(ids, skip_special)
+            .map_err(|e| KylinError::input_invalid(format!("the tokenizer could not decode {} ids: {e}", ids.len())))
     }
 
     /// Renders `messages` through the chat template, as HF
@@ -179,9 +177,9 @@ impl TextCodec {
         for (k, v) in kwargs {
             ctx.insert(k.clone(), json_to_value(v));
         }
-        let template = env.get_template(TEMPLATE_NAME).map_err(|e| {
-            KylinError::config_invalid(format!("{}: {e}", self.template_origin))
-        })?;
+        let template = env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| KylinError::config_invalid(format!("{}: {e}", self.template_origin)))?;
         template.render(Value::from(ctx)).map_err(|e| self.render_error(&e))
     }
 
@@ -193,9 +191,7 @@ impl TextCodec {
                 && let Some(detail) = j.detail()
                 && let Some(msg) = detail.strip_prefix(RAISE_MARKER)
             {
-                return KylinError::input_invalid(format!(
-                    "the chat template rejected the messages: {msg}"
-                ));
+                return KylinError::input_invalid(format!("the chat template rejected the messages: {msg}"));
             }
             current = e.source();
         }
@@ -234,10 +230,7 @@ fn raise_exception(message: String) -> std::result::Result<Value, JinjaError> {
 
 /// `strftime_now(format)`: the current UTC time formatted like Python's `strftime`.
 fn strftime_now(format: String) -> std::result::Result<Value, JinjaError> {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     Ok(Value::from(strftime(&format, secs)))
 }
 
@@ -257,8 +250,7 @@ fn strftime(format: &str, secs: u64) -> String {
         "November",
         "December",
     ];
-    const DAYS: [&str; 7] =
-        ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
+    const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
     let days = (secs / 86_400) as i64;
     let rem = secs % 86_400;
     let (hour, minute, second) = (rem / 3600, (rem % 3600) / 60, rem % 60);
@@ -337,11 +329,7 @@ fn tojson(value: Value, kwargs: Kwargs) -> std::result::Result<Value, JinjaError
             }
         },
     };
-    let opts = JsonOpts {
-        indent,
-        ensure_ascii: ensure_ascii.unwrap_or(false),
-        sort_keys: sort_keys.unwrap_or(false),
-    };
+    let opts = JsonOpts { indent, ensure_ascii: ensure_ascii.unwrap_or(false), sort_keys: sort_keys.unwrap_or(false) };
     let mut out = String::new();
     write_json(&value, &opts, 0, &mut out)?;
     Ok(Value::from_safe_string(out))
@@ -353,12 +341,7 @@ struct JsonOpts {
     sort_keys: bool,
 }
 
-fn write_json(
-    value: &Value,
-    opts: &JsonOpts,
-    depth: usize,
-    out: &mut String,
-) -> std::result::Result<(), JinjaError> {
+fn write_json(value: &Value, opts: &JsonOpts, depth: usize, out: &mut String) -> std::result::Result<(), JinjaError> {
     if depth > 256 {
         return Err(JinjaError::new(JinjaErrorKind::InvalidOperation, "tojson: value nested too deep"));
     }
@@ -472,8 +455,7 @@ pub(crate) fn json_to_value(v: &serde_json::Value) -> Value {
         serde_json::Value::String(s) => Value::from(s.clone()),
         serde_json::Value::Array(a) => Value::from(a.iter().map(json_to_value).collect::<Vec<_>>()),
         serde_json::Value::Object(o) => {
-            let map: BTreeMap<String, Value> =
-                o.iter().map(|(k, v)| (k.clone(), json_to_value(v))).collect();
+            let map: BTreeMap<String, Value> = o.iter().map(|(k, v)| (k.clone(), json_to_value(v))).collect();
             Value::from(map)
         }
     }
@@ -563,17 +545,17 @@ mod tests {
 
     #[test]
     fn override_replaces_model_template() {
-        let codec =
-            TextCodec::new(&bundle(Some("model")), Some("override {{ messages|length }}".into()))
-                .unwrap();
+        let codec = TextCodec::new(&bundle(Some("model")), Some("override {{ messages|length }}".into())).unwrap();
         assert_eq!(codec.apply_chat_template(&user("x"), false, &Default::default()).unwrap(), "override 1");
     }
 
     #[test]
     fn strftime_formats_known_dates() {
         // 2024-02-29 13:05:09 UTC, a Thursday.
-        assert_eq!(strftime("%Y-%m-%d %H:%M:%S %a %A %b %B %j %%", 1_709_211_909),
-                   "2024-02-29 13:05:09 Thu Thursday Feb February 060 %");
+        assert_eq!(
+            strftime("%Y-%m-%d %H:%M:%S %a %A %b %B %j %%", 1_709_211_909),
+            "2024-02-29 13:05:09 Thu Thursday Feb February 060 %"
+        );
         assert_eq!(strftime("%d %b %Y", 0), "01 Jan 1970");
     }
 }

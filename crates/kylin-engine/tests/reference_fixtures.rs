@@ -63,10 +63,8 @@ fn greedy(backend: &mut NativeBackend, prompt: &[u32], n: usize) -> Vec<u32> {
 /// by more than `tie`; within a run of near-equal logits any order is accepted.
 fn assert_top_order(label: &str, logits: &[f32], reference: &[Value], tie: f64) {
     let k = reference.len();
-    let want: Vec<(u32, f64)> = reference
-        .iter()
-        .map(|p| (p[0].as_u64().expect("id") as u32, p[1].as_f64().expect("logit")))
-        .collect();
+    let want: Vec<(u32, f64)> =
+        reference.iter().map(|p| (p[0].as_u64().expect("id") as u32, p[1].as_f64().expect("logit"))).collect();
     let mut order: Vec<u32> = (0..logits.len() as u32).collect();
     order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
     let got = &order[..k];
@@ -117,11 +115,8 @@ fn check_fixture(name: &str) {
         }
         if let Some(full) = case.get("last_logits").and_then(Value::as_array) {
             assert_eq!(full.len(), vocab, "{label}: reference row length");
-            let max_diff = full
-                .iter()
-                .zip(last)
-                .map(|(w, g)| (w.as_f64().unwrap() - *g as f64).abs())
-                .fold(0.0f64, f64::max);
+            let max_diff =
+                full.iter().zip(last).map(|(w, g)| (w.as_f64().unwrap() - *g as f64).abs()).fold(0.0f64, f64::max);
             assert!(max_diff <= 2e-3, "{label}: max |logit difference| {max_diff} > 2e-3");
         }
 

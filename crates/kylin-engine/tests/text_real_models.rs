@@ -72,8 +72,7 @@ fn bundle(dir: &Path) -> TokenizerBundle {
 
 fn reference(name: &str) -> serde_json::Value {
     let path = shared(&format!("reference/{name}.json"));
-    serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
-        .unwrap()
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
 }
 
 fn ids(v: &serde_json::Value) -> Vec<u32> {

@@ -111,7 +111,16 @@ fn crate_nr() -> usize {
 /// `out` must point to the `(n_tokens, w.rows)` output, rows `r0..r1` of which no one else
 /// accesses meanwhile; `w` and `x` must have the checked shapes; `gemm` only with `Avx2Fma`.
 #[allow(clippy::too_many_arguments)]
-unsafe fn compute_rows(isa: Isa, gemm: bool, w: WeightMatrix<'_>, x: &[f32], n_tokens: usize, out: OutPtr, r0: usize, r1: usize) {
+unsafe fn compute_rows(
+    isa: Isa,
+    gemm: bool,
+    w: WeightMatrix<'_>,
+    x: &[f32],
+    n_tokens: usize,
+    out: OutPtr,
+    r0: usize,
+    r1: usize,
+) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2Fma => {

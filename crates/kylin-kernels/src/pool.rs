@@ -76,9 +76,8 @@ impl ThreadPool {
         let mut workers = Vec::with_capacity(threads - 1);
         for i in 1..threads {
             let shared = Arc::clone(&shared);
-            let spawned = std::thread::Builder::new()
-                .name(format!("kylin-pool-{i}"))
-                .spawn(move || worker_loop(&shared));
+            let spawned =
+                std::thread::Builder::new().name(format!("kylin-pool-{i}")).spawn(move || worker_loop(&shared));
             match spawned {
                 Ok(handle) => workers.push(handle),
                 // Could not spawn (resource limits): run with the threads we have.

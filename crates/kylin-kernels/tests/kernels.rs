@@ -56,7 +56,12 @@ fn assert_close(got: &[f32], want: &[f32], scale: &[f32], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     for i in 0..got.len() {
         let tol = 1e-5 * scale[i] + 1e-30;
-        assert!((got[i] - want[i]).abs() <= tol, "{what}: element {i}: got {}, reference {} (tolerance {tol})", got[i], want[i]);
+        assert!(
+            (got[i] - want[i]).abs() <= tol,
+            "{what}: element {i}: got {}, reference {} (tolerance {tol})",
+            got[i],
+            want[i]
+        );
     }
 }
 
@@ -138,7 +143,12 @@ fn matmul_many_matches_separate_references() {
         for (w, y) in ws.iter().zip(&ys) {
             let mut want = vec![0.0; n_tokens * w.rows];
             reference::matmul(&pool, *w, &x, n_tokens, &mut want);
-            assert_close(y, &want, &magnitudes(*w, &x, n_tokens), &format!("matmul_many {:?} rows={}", w.dtype, w.rows));
+            assert_close(
+                y,
+                &want,
+                &magnitudes(*w, &x, n_tokens),
+                &format!("matmul_many {:?} rows={}", w.dtype, w.rows),
+            );
         }
     }
 }
@@ -176,7 +186,12 @@ fn rms_norm_matches_reference() {
             kylin_kernels::rms_norm(&x, weight, 1e-6, &mut got);
             // Only the sum of squares is reordered: a few ulp.
             for i in 0..n {
-                assert!((got[i] - want[i]).abs() <= 1e-6 * want[i].abs().max(1e-3), "{dtype:?} n={n} i={i}: {} vs {}", got[i], want[i]);
+                assert!(
+                    (got[i] - want[i]).abs() <= 1e-6 * want[i].abs().max(1e-3),
+                    "{dtype:?} n={n} i={i}: {} vs {}",
+                    got[i],
+                    want[i]
+                );
             }
         }
     }
@@ -236,7 +251,12 @@ fn attention_head_matches_reference() {
             kylin_kernels::attention_head(&q, &keys, &values, len, head_dim, scale, &mut s2, &mut got);
             // Scores are dot products in another order, so allow a few ulp of |values| (<= 1).
             for i in 0..head_dim {
-                assert!((got[i] - want[i]).abs() <= 1e-5, "head_dim={head_dim} len={len} i={i}: {} vs {}", got[i], want[i]);
+                assert!(
+                    (got[i] - want[i]).abs() <= 1e-5,
+                    "head_dim={head_dim} len={len} i={i}: {} vs {}",
+                    got[i],
+                    want[i]
+                );
             }
         }
     }

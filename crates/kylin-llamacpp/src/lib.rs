@@ -28,9 +28,7 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use kylin_engine::{Backend, BackendSummary, ChatMessage, TextCodec};
-use kylin_loader::{
-    ChatTemplate, ErrorCode, KylinError, Result, SpecialToken, TokenizerBundle, TokenizerKind,
-};
+use kylin_loader::{ChatTemplate, ErrorCode, KylinError, Result, SpecialToken, TokenizerBundle, TokenizerKind};
 use llama_cpp_2::context::LlamaContext;
 use llama_cpp_2::context::params::LlamaContextParams;
 use llama_cpp_2::llama_backend::LlamaBackend;
@@ -139,10 +137,7 @@ impl LlamaCppBackend {
 
         let model_params = LlamaModelParams::default().with_n_gpu_layers(0).with_use_mmap(true);
         let model = LlamaModel::load_from_file(backend, path, &model_params).map_err(|e| {
-            let arch = file_architecture
-                .as_deref()
-                .map(|a| format!(" (architecture '{a}')"))
-                .unwrap_or_default();
+            let arch = file_architecture.as_deref().map(|a| format!(" (architecture '{a}')")).unwrap_or_default();
             KylinError::backend_failed(format!(
                 "llama.cpp could not load {}{arch}: {e}; the architecture may be unsupported by \
                  this llama.cpp build, or the file damaged; run with KYLIN_LLAMA_LOG=1 to see why",
@@ -152,17 +147,14 @@ impl LlamaCppBackend {
         })?;
         let model = Box::new(model);
 
-        let n_vocab = usize::try_from(model.n_vocab())
-            .ok()
-            .filter(|&n| n > 0)
-            .ok_or_else(|| {
-                KylinError::backend_failed(format!(
-                    "llama.cpp reports a vocabulary of {} tokens for {}",
-                    model.n_vocab(),
-                    path.display()
-                ))
-                .at(path)
-            })?;
+        let n_vocab = usize::try_from(model.n_vocab()).ok().filter(|&n| n > 0).ok_or_else(|| {
+            KylinError::backend_failed(format!(
+                "llama.cpp reports a vocabulary of {} tokens for {}",
+                model.n_vocab(),
+                path.display()
+            ))
+            .at(path)
+        })?;
         let n_ctx_train = usize::try_from(model.n_ctx_train()).unwrap_or(0);
         let n_ctx = resolve_ctx(opts.ctx_size, n_ctx_train)?;
         let n_batch = n_ctx.min(MAX_BATCH);
@@ -188,8 +180,7 @@ impl LlamaCppBackend {
         // SAFETY: the context points into the model behind `model`'s box, which is stored in
         // the same struct and declared after `ctx`, so it is dropped after the context; the
         // box is never replaced, and the context is never moved out of the struct.
-        let ctx: LlamaContext<'static> =
-            unsafe { std::mem::transmute::<LlamaContext<'_>, LlamaContext<'static>>(ctx) };
+        let ctx: LlamaContext<'static> = unsafe { std::mem::transmute::<LlamaContext<'_>, LlamaContext<'static>>(ctx) };
 
         let architecture = model
             .meta_val_str("general.architecture")
@@ -268,9 +259,7 @@ impl LlamaCppBackend {
                 let pos = (self.position + i) as i32;
                 if let Err(e) = self.batch.add(LlamaToken(id as i32), pos, &[0], want) {
                     self.rollback(start);
-                    return Err(KylinError::backend_failed(format!(
-                        "llama.cpp batch refused a token: {e}"
-                    )));
+                    return Err(KylinError::backend_failed(format!("llama.cpp batch refused a token: {e}")));
                 }
             }
             if let Err(e) = self.ctx.decode(&mut self.batch) {
@@ -380,10 +369,7 @@ impl Backend for LlamaCppBackend {
         let renderer = self.chat_template.as_ref().ok_or_else(|| {
             KylinError::new(
                 ErrorCode::ConfigMissing,
-                format!(
-                    "{} has no chat template (tokenizer.chat_template); pass one explicitly",
-                    self.path.display()
-                ),
+                format!("{} has no chat template (tokenizer.chat_template); pass one explicitly", self.path.display()),
             )
             .at(&self.path)
         })?;
@@ -403,9 +389,7 @@ impl Backend for LlamaCppBackend {
             .iter()
             .map(|m| LlamaChatMessage::new(m.role.clone(), m.content.clone()))
             .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(|e| {
-                KylinError::input_invalid(format!("a chat message contains a NUL byte: {e}"))
-            })?;
+            .map_err(|e| KylinError::input_invalid(format!("a chat message contains a NUL byte: {e}")))?;
         self.model.apply_chat_template(template, &chat, add_generation_prompt).map_err(|e| {
             KylinError::backend_failed(format!(
                 "llama.cpp could not apply the chat template of {}: {e}; llama.cpp only knows \
@@ -466,11 +450,9 @@ fn validate_gguf(path: &Path) -> Result<Option<String>> {
         .at(path));
     }
     if path.to_str().is_none() {
-        return Err(KylinError::input_invalid(format!(
-            "llama.cpp needs a UTF-8 path; {} is not one",
-            path.display()
-        ))
-        .at(path));
+        return Err(
+            KylinError::input_invalid(format!("llama.cpp needs a UTF-8 path; {} is not one", path.display())).at(path)
+        );
     }
     let info = kylin_loader::read_gguf_info(path)?;
     Ok(info.architecture)
@@ -479,9 +461,7 @@ fn validate_gguf(path: &Path) -> Result<Option<String>> {
 /// The number of threads to use: `requested`, or every available core when 0.
 fn resolve_threads(requested: usize) -> Result<usize> {
     if requested > 4096 {
-        return Err(KylinError::input_invalid(format!(
-            "{requested} threads requested; at most 4096 are supported"
-        )));
+        return Err(KylinError::input_invalid(format!("{requested} threads requested; at most 4096 are supported")));
     }
     if requested > 0 {
         return Ok(requested);
@@ -506,10 +486,7 @@ fn resolve_ctx(requested: Option<usize>, n_ctx_train: usize) -> Result<usize> {
 /// The ids llama.cpp itself treats as end of generation (EOS, EOT, `<|im_end|>`, ...).
 fn eog_ids(model: &LlamaModel, n_vocab: usize) -> Vec<u32> {
     let vocab = model.vocab();
-    let mut ids: Vec<u32> = (0..n_vocab as i32)
-        .filter(|&t| vocab.is_eog(LlamaToken(t)))
-        .map(|t| t as u32)
-        .collect();
+    let mut ids: Vec<u32> = (0..n_vocab as i32).filter(|&t| vocab.is_eog(LlamaToken(t))).map(|t| t as u32).collect();
     // The declared EOS and EOT come first when present, so callers can show "the" EOS.
     for special in [vocab.eot(), vocab.eos()] {
         if let Ok(id) = u32::try_from(special.0) {
@@ -533,26 +510,19 @@ enum ChatRenderer {
 
 /// Picks the chat renderer: the override or the embedded template, through Jinja when it is
 /// Jinja and compiles, else through llama.cpp. `None` when there is no template at all.
-fn chat_renderer(
-    model: &LlamaModel,
-    n_vocab: usize,
-    override_text: Option<&str>,
-) -> Result<Option<ChatRenderer>> {
+fn chat_renderer(model: &LlamaModel, n_vocab: usize, override_text: Option<&str>) -> Result<Option<ChatRenderer>> {
     let llama_template = |text: &str| {
-        LlamaChatTemplate::new(text).map(ChatRenderer::LlamaCpp).map_err(|_| {
-            KylinError::input_invalid("the chat template contains a NUL byte")
-        })
+        LlamaChatTemplate::new(text)
+            .map(ChatRenderer::LlamaCpp)
+            .map_err(|_| KylinError::input_invalid("the chat template contains a NUL byte"))
     };
     let is_jinja = |text: &str| text.contains("{%") || text.contains("{{");
     match override_text {
         // A Jinja override that does not compile is the user's error: report it.
-        Some(text) if is_jinja(text) => {
-            Ok(Some(ChatRenderer::Jinja(Box::new(jinja_codec(model, n_vocab, text)?))))
-        }
+        Some(text) if is_jinja(text) => Ok(Some(ChatRenderer::Jinja(Box::new(jinja_codec(model, n_vocab, text)?)))),
         Some(name) => llama_template(name).map(Some),
         None => {
-            let Some(text) = model.chat_template(None).ok().and_then(|t| t.to_string().ok())
-            else {
+            let Some(text) = model.chat_template(None).ok().and_then(|t| t.to_string().ok()) else {
                 return Ok(None);
             };
             match jinja_codec(model, n_vocab, &text) {

@@ -13,15 +13,10 @@ use kylin_llamacpp::{LlamaCppBackend, LlamaCppOptions};
 fn model_path() -> PathBuf {
     let dir = match std::env::var_os("KYLIN_MODELS") {
         Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(std::env::var_os("HOME").expect("HOME is set"))
-            .join(".cache/kylin-models"),
+        None => PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/kylin-models"),
     };
     let path = dir.join("qwen3-0.6b-shaped/gguf/qwen3-0.6b-shaped-bf16.gguf");
-    assert!(
-        path.is_file(),
-        "{} is missing: run `bash ../shared/models/fetch.sh --bench`",
-        path.display()
-    );
+    assert!(path.is_file(), "{} is missing: run `bash ../shared/models/fetch.sh --bench`", path.display());
     path
 }
 

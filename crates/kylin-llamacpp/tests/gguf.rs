@@ -43,8 +43,8 @@ fn gguf_path(name: &str) -> PathBuf {
 
 fn reference(name: &str) -> Value {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/reference/");
-    let text = std::fs::read_to_string(format!("{path}{name}.json"))
-        .unwrap_or_else(|e| panic!("reference {name}.json: {e}"));
+    let text =
+        std::fs::read_to_string(format!("{path}{name}.json")).unwrap_or_else(|e| panic!("reference {name}.json: {e}"));
     serde_json::from_str(&text).expect("reference JSON parses")
 }
 
@@ -237,11 +237,7 @@ fn second_load_in_one_process_works_and_long_prompts_are_chunked() {
     let path = gguf_path(SMOL);
     // A template name (not Jinja) selects llama.cpp's built-in engine, which has no default
     // system prompt.
-    let small = LlamaCppOptions {
-        threads: 2,
-        ctx_size: Some(700),
-        chat_template_override: Some("chatml".into()),
-    };
+    let small = LlamaCppOptions { threads: 2, ctx_size: Some(700), chat_template_override: Some("chatml".into()) };
     let mut m = LlamaCppBackend::load(&path, &small).unwrap();
     assert_eq!(m.context_size(), 700);
     assert!(m.load_ms() > 0.0);
@@ -255,8 +251,7 @@ fn second_load_in_one_process_works_and_long_prompts_are_chunked() {
     let all = m.prefill_all_logits(&prompt).unwrap();
     let n = m.vocab_size();
     assert_eq!(all.len(), 600 * n);
-    let max_diff =
-        last.iter().zip(&all[599 * n..]).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    let max_diff = last.iter().zip(&all[599 * n..]).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
     assert!(max_diff < 1e-3, "chunked prefill vs all-logits differ by {max_diff}");
     let overflow = vec![5u32; 101];
     assert_eq!(m.prefill(&overflow).unwrap_err().code(), ErrorCode::ContextOverflow);

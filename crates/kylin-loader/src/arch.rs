@@ -230,9 +230,10 @@ impl TensorMap {
                     known.join(", ")
                 )));
             }
-            let to = v.as_str().filter(|s| !s.is_empty()).ok_or_else(|| {
-                invalid(format!("the value for '{key}' must be a non-empty checkpoint tensor name"))
-            })?;
+            let to = v
+                .as_str()
+                .filter(|s| !s.is_empty())
+                .ok_or_else(|| invalid(format!("the value for '{key}' must be a non-empty checkpoint tensor name")))?;
             if key.contains("{layer}") != to.contains("{layer}") {
                 return Err(invalid(format!(
                     "'{key}' -> '{to}': a per-layer name needs '{{layer}}' on both sides, a global one on neither"
@@ -325,11 +326,8 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
     }
 
     if !missing.is_empty() {
-        let mut msg = format!(
-            "{} required tensors are missing from the checkpoint: {}",
-            missing.len(),
-            missing.join(", ")
-        );
+        let mut msg =
+            format!("{} required tensors are missing from the checkpoint: {}", missing.len(), missing.join(", "));
         if missing.iter().any(|n| n == &map.name_for("lm_head.weight")) {
             msg.push_str(
                 "; tie_word_embeddings is false so the head needs its own lm_head.weight \
@@ -370,9 +368,15 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
     let mut layers = Vec::with_capacity(config.num_layers);
     for i in 0..config.num_layers {
         let opt = |found: &mut BTreeMap<(usize, Role), WeightTensor>, role: Role| found.remove(&(i, role));
-        let (q_bias, k_bias, v_bias, o_bias) = (opt(&mut found, Role::QBias), opt(&mut found, Role::KBias), opt(&mut found, Role::VBias), opt(&mut found, Role::OBias));
+        let (q_bias, k_bias, v_bias, o_bias) = (
+            opt(&mut found, Role::QBias),
+            opt(&mut found, Role::KBias),
+            opt(&mut found, Role::VBias),
+            opt(&mut found, Role::OBias),
+        );
         let (q_norm, k_norm) = (opt(&mut found, Role::QNorm), opt(&mut found, Role::KNorm));
-        let (gate_bias, up_bias, down_bias) = (opt(&mut found, Role::GateBias), opt(&mut found, Role::UpBias), opt(&mut found, Role::DownBias));
+        let (gate_bias, up_bias, down_bias) =
+            (opt(&mut found, Role::GateBias), opt(&mut found, Role::UpBias), opt(&mut found, Role::DownBias));
         layers.push(LayerWeights {
             attn_norm: take(&mut found, i, Role::AttnNorm)?,
             q_proj: take(&mut found, i, Role::QProj)?,

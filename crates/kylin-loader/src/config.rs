@@ -311,7 +311,9 @@ struct ArchDefaults {
 fn arch_defaults(arch: Architecture) -> ArchDefaults {
     match arch {
         // Qwen3Config(head_dim=128, max_position_embeddings=32768).
-        Architecture::Qwen3 => ArchDefaults { max_position_embeddings: 32768, head_dim: Some(128), sliding_window: None },
+        Architecture::Qwen3 => {
+            ArchDefaults { max_position_embeddings: 32768, head_dim: Some(128), sliding_window: None }
+        }
         Architecture::Qwen2 => ArchDefaults { max_position_embeddings: 32768, head_dim: None, sliding_window: None },
         Architecture::Llama => ArchDefaults { max_position_embeddings: 2048, head_dim: None, sliding_window: None },
         Architecture::Mistral => {
@@ -356,7 +358,9 @@ fn positive(v: u64, name: &str) -> Result<usize> {
     // Sizes beyond 2^32 cannot describe a model that fits in memory; refusing them here keeps
     // every product of two sizes far from overflow.
     if v > u32::MAX as u64 {
-        return Err(KylinError::config_invalid(format!("config.json field '{name}' is {v}, which is implausibly large")));
+        return Err(KylinError::config_invalid(format!(
+            "config.json field '{name}' is {v}, which is implausibly large"
+        )));
     }
     Ok(v as usize)
 }
@@ -602,7 +606,10 @@ impl HfConfig {
                 KylinError::config_invalid(format!("config.json {key} of type '{rope_type}' needs 'factor'"))
             })?;
             if f <= 0.0 {
-                return Err(KylinError::config_invalid(format!("config.json {} is {f}; it must be > 0", name("factor"))));
+                return Err(KylinError::config_invalid(format!(
+                    "config.json {} is {f}; it must be > 0",
+                    name("factor")
+                )));
             }
             Ok(f)
         };

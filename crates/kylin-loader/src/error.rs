@@ -94,11 +94,7 @@ impl KylinError {
 
     /// An I/O failure on `path`, classified: a missing file is `FILE_NOT_FOUND`.
     pub fn io(path: &Path, what: &str, err: &std::io::Error) -> Self {
-        let code = if err.kind() == std::io::ErrorKind::NotFound {
-            ErrorCode::FileNotFound
-        } else {
-            ErrorCode::Io
-        };
+        let code = if err.kind() == std::io::ErrorKind::NotFound { ErrorCode::FileNotFound } else { ErrorCode::Io };
         KylinError::new(code, format!("{what} {}: {err}", path.display())).at(path)
     }
 }

@@ -32,7 +32,10 @@ pub enum GgufValue {
     Bool(bool),
     Str(String),
     /// An array: its length, and its first items where it is short.
-    Array { len: u64, items: Vec<GgufValue> },
+    Array {
+        len: u64,
+        items: Vec<GgufValue>,
+    },
 }
 
 impl GgufValue {

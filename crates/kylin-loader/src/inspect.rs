@@ -131,10 +131,20 @@ fn hf_report(path: &Path, opts: &LoadOptions) -> Result<InspectReport> {
         .layers
         .iter()
         .map(|l| {
-            11 + [&l.q_bias, &l.k_bias, &l.v_bias, &l.o_bias, &l.q_norm, &l.k_norm, &l.gate_bias, &l.up_bias, &l.down_bias]
-                .iter()
-                .filter(|t| t.is_some())
-                .count()
+            11 + [
+                &l.q_bias,
+                &l.k_bias,
+                &l.v_bias,
+                &l.o_bias,
+                &l.q_norm,
+                &l.k_norm,
+                &l.gate_bias,
+                &l.up_bias,
+                &l.down_bias,
+            ]
+            .iter()
+            .filter(|t| t.is_some())
+            .count()
         })
         .sum();
     let bound_tensors = layer_tensors + 2 + usize::from(!model.weights.head.tied);
@@ -191,11 +201,12 @@ fn gguf_report(info: &GgufInfo) -> InspectReport {
         },
         "tie_word_embeddings": info.tied_output,
     });
-    let mut eos_ids: Vec<u32> = [info.eos_token_id, info.metadata.get("tokenizer.ggml.eot_token_id").and_then(|v| v.as_u64())]
-        .into_iter()
-        .flatten()
-        .filter_map(|v| u32::try_from(v).ok())
-        .collect();
+    let mut eos_ids: Vec<u32> =
+        [info.eos_token_id, info.metadata.get("tokenizer.ggml.eot_token_id").and_then(|v| v.as_u64())]
+            .into_iter()
+            .flatten()
+            .filter_map(|v| u32::try_from(v).ok())
+            .collect();
     eos_ids.sort_unstable();
     eos_ids.dedup();
     let token_text = |id: Option<u64>| -> Option<SpecialToken> {
@@ -300,11 +311,8 @@ impl InspectReport {
                 }
             }
             if let Some(Value::Object(rope)) = c.get("rope") {
-                let parts: Vec<String> = rope
-                    .iter()
-                    .filter(|(_, v)| !v.is_null())
-                    .map(|(k, v)| format!("{k}={}", show(v)))
-                    .collect();
+                let parts: Vec<String> =
+                    rope.iter().filter(|(_, v)| !v.is_null()).map(|(k, v)| format!("{k}={}", show(v))).collect();
                 let _ = writeln!(s, "  {:<24} {}", "rope", parts.join(", "));
             }
             let rope_defaults: Vec<&str> =
@@ -313,7 +321,13 @@ impl InspectReport {
                 let _ = writeln!(s, "  {:<24} {}", "rope defaults", rope_defaults.join(", "));
             }
         }
-        let _ = writeln!(s, "weights     {} file(s), {} tensors, {}", self.files.len(), self.tensor_count, mib(self.total_bytes));
+        let _ = writeln!(
+            s,
+            "weights     {} file(s), {} tensors, {}",
+            self.files.len(),
+            self.tensor_count,
+            mib(self.total_bytes)
+        );
         for f in self.files.iter().take(8) {
             let _ = writeln!(s, "  {} ({})", f.path.display(), mib(f.bytes));
         }

@@ -101,9 +101,7 @@ pub fn detect(path: &Path) -> Result<Format> {
         .at(path));
     }
     let mut magic = [0u8; 4];
-    let got_magic = std::fs::File::open(path)
-        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
-        .is_ok();
+    let got_magic = std::fs::File::open(path).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic)).is_ok();
     if got_magic && &magic == b"GGUF" {
         return Ok(Format::Gguf { file: path.to_path_buf() });
     }
@@ -282,10 +280,8 @@ pub(crate) fn check_tokenizer(
     warnings: &mut Vec<String>,
 ) -> Result<()> {
     let Some(tok) = tokenizer else {
-        let msg = format!(
-            "{} has no tokenizer: looked for tokenizer.json, then vocab.json + merges.txt",
-            dir.display()
-        );
+        let msg =
+            format!("{} has no tokenizer: looked for tokenizer.json, then vocab.json + merges.txt", dir.display());
         if opts.require_tokenizer {
             return Err(KylinError::config_missing(msg).at(dir));
         }
@@ -309,7 +305,11 @@ pub(crate) fn check_tokenizer(
 }
 
 /// Sorted, deduplicated union of every EOS id source.
-pub(crate) fn eos_union(config: &ModelConfig, generation: &GenerationDefaults, tok: Option<&TokenizerBundle>) -> Vec<u32> {
+pub(crate) fn eos_union(
+    config: &ModelConfig,
+    generation: &GenerationDefaults,
+    tok: Option<&TokenizerBundle>,
+) -> Vec<u32> {
     let mut ids: Vec<u32> = generation.eos_token_ids.clone();
     ids.extend(&config.eos_token_ids);
     if let Some(e) = tok.and_then(|t| t.eos_token.as_ref()) {

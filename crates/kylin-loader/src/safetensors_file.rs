@@ -105,7 +105,10 @@ pub(crate) fn parse_header(path: &Path, bytes: &[u8]) -> Result<Vec<RawTensor>> 
     if header_len > file_len - 8 {
         return Err(corrupted(
             path,
-            format!("the header claims {header_len} bytes but the file has only {} bytes after the length", file_len - 8),
+            format!(
+                "the header claims {header_len} bytes but the file has only {} bytes after the length",
+                file_len - 8
+            ),
         ));
     }
     if header_len > MAX_HEADER_BYTES {
@@ -115,10 +118,9 @@ pub(crate) fn parse_header(path: &Path, bytes: &[u8]) -> Result<Vec<RawTensor>> 
     let data_start = 8 + header_len as usize;
     let data_len = bytes.len() - data_start;
     let header = &bytes[8..data_start];
-    let text =
-        std::str::from_utf8(header).map_err(|e| corrupted(path, format!("the header is not UTF-8 ({e})")))?;
-    let map: BTreeMap<String, Value> =
-        serde_json::from_str(text).map_err(|e| corrupted(path, format!("the header is not a valid JSON object ({e})")))?;
+    let text = std::str::from_utf8(header).map_err(|e| corrupted(path, format!("the header is not UTF-8 ({e})")))?;
+    let map: BTreeMap<String, Value> = serde_json::from_str(text)
+        .map_err(|e| corrupted(path, format!("the header is not a valid JSON object ({e})")))?;
 
     let mut tensors = Vec::with_capacity(map.len());
     for (name, value) in map {
@@ -132,11 +134,12 @@ pub(crate) fn parse_header(path: &Path, bytes: &[u8]) -> Result<Vec<RawTensor>> 
         let mut shape = Vec::with_capacity(entry.shape.len());
         let mut elements: u64 = 1;
         for &d in &entry.shape {
-            elements = elements
-                .checked_mul(d)
-                .filter(|&e| e <= file_len.saturating_mul(8))
-                .ok_or_else(|| corrupted(path, format!("tensor '{name}' has shape {:?}, larger than the file", entry.shape)))?;
-            shape.push(usize::try_from(d).map_err(|_| corrupted(path, format!("tensor '{name}' has a huge dimension")))?);
+            elements = elements.checked_mul(d).filter(|&e| e <= file_len.saturating_mul(8)).ok_or_else(|| {
+                corrupted(path, format!("tensor '{name}' has shape {:?}, larger than the file", entry.shape))
+            })?;
+            shape.push(
+                usize::try_from(d).map_err(|_| corrupted(path, format!("tensor '{name}' has a huge dimension")))?,
+            );
         }
         // elements <= 8 * file_len, so the bit count cannot overflow u64.
         let nbits = elements * bits as u64;
@@ -281,10 +284,7 @@ impl TensorIndex {
     }
 
     pub fn files(&self) -> Vec<WeightFile> {
-        self.files
-            .iter()
-            .map(|f| WeightFile { path: f.path.clone(), bytes: f.storage.bytes().len() as u64 })
-            .collect()
+        self.files.iter().map(|f| WeightFile { path: f.path.clone(), bytes: f.storage.bytes().len() as u64 }).collect()
     }
 
     pub fn tensor_bytes(&self) -> u64 {
@@ -310,9 +310,7 @@ pub(crate) fn open_single(path: &Path) -> Result<TensorIndex> {
 pub(crate) fn open_sharded(index_path: &Path, warnings: &mut Vec<String>) -> Result<TensorIndex> {
     let dir = index_path.parent().unwrap_or(Path::new("."));
     let text = std::fs::read_to_string(index_path).map_err(|e| KylinError::io(index_path, "cannot read", &e))?;
-    let invalid = |what: String| {
-        KylinError::file_corrupted(format!("{}: {what}", index_path.display())).at(index_path)
-    };
+    let invalid = |what: String| KylinError::file_corrupted(format!("{}: {what}", index_path.display())).at(index_path);
     let value: Value = serde_json::from_str(&text).map_err(|e| invalid(format!("not valid JSON ({e})")))?;
     let Some(Value::Object(weight_map)) = value.get("weight_map") else {
         return Err(invalid("no 'weight_map' object".into()));
@@ -379,10 +377,7 @@ pub(crate) fn open_sharded(index_path: &Path, warnings: &mut Vec<String>) -> Res
             .collect();
         stray.sort();
         if !stray.is_empty() {
-            warnings.push(format!(
-                "ignored safetensors files not named in the index: {}",
-                stray.join(", ")
-            ));
+            warnings.push(format!("ignored safetensors files not named in the index: {}", stray.join(", ")));
         }
     }
     Ok(index)
