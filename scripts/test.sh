@@ -5,4 +5,4 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 export KYLIN_MODELS="${KYLIN_MODELS:-$HOME/.cache/kylin-models}"
-cargo test --release --workspace
+cargo test --release --workspace --no-fail-fast

@@ -120,10 +120,12 @@ fn check_fixture(name: &str) {
             assert!(max_diff <= 2e-3, "{label}: max |logit difference| {max_diff} > 2e-3");
         }
 
-        // The last-position logits of a plain prefill equal the last row of the full one.
+        // The last-position logits of a plain prefill equal the last row of the full one, up to
+        // summation order (the head runs as a GEMV for one row and as a GEMM for all of them).
         backend.reset();
         let plain = backend.prefill(&prompt).expect("prefill").to_vec();
-        assert_eq!(plain, last, "{label}: prefill and prefill_all_logits disagree on the last row");
+        let max_diff = plain.iter().zip(last).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(max_diff <= 1e-4, "{label}: prefill and prefill_all_logits differ by {max_diff} on the last row");
 
         // Greedy generation through the KV cache.
         let want = ids(&case["greedy_new_ids"]);

@@ -77,7 +77,7 @@ impl ThreadPool {
         for i in 1..threads {
             let shared = Arc::clone(&shared);
             let spawned =
-                std::thread::Builder::new().name(format!("kylin-pool-{i}")).spawn(move || worker_loop(&shared));
+                std::thread::Builder::new().name(format!("kylin-pool-{i}")).spawn(move || worker_loop(&shared, 0));
             match spawned {
                 Ok(handle) => workers.push(handle),
                 // Could not spawn (resource limits): run with the threads we have.
@@ -199,8 +199,11 @@ fn run_tasks(shared: &Shared, generation: u64) {
     }
 }
 
-fn worker_loop(shared: &Shared) {
-    let mut seen = shared.state.load(Ordering::Acquire) >> 32;
+/// A worker's life: wait for a job newer than `seen`, take its tasks, repeat until shutdown.
+///
+/// `seen` starts at the generation the pool had when the worker was spawned (0), not at the one
+/// it finds when it first runs: a job published before the thread got going is still its job.
+fn worker_loop(shared: &Shared, mut seen: u64) {
     loop {
         // Wait for a new generation: spin first, then park.
         let start = Instant::now();

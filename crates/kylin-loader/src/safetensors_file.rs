@@ -198,6 +198,12 @@ pub(crate) fn parse_header(path: &Path, bytes: &[u8]) -> Result<Vec<RawTensor>> 
     Ok(tensors)
 }
 
+/// Validates a whole safetensors file held in memory with the checks [`crate::load`] makes, and
+/// returns its tensor count. `path` is only used in messages. For tools and fuzzing.
+pub fn validate_bytes(path: &Path, bytes: &[u8]) -> Result<usize> {
+    parse_header(path, bytes).map(|tensors| tensors.len())
+}
+
 /// Maps `path` read-only and validates its header.
 pub(crate) fn open(path: &Path) -> Result<MappedFile> {
     let file = File::open(path).map_err(|e| KylinError::io(path, "cannot open weight file", &e))?;

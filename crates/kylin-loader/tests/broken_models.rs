@@ -1,0 +1,564 @@
+//! Every way a model directory can be broken gives its exact error code, with the path, the
+//! tensor or field, and expected vs. got in the message.
+//!
+//! Each test copies a fixture from `shared/fixtures` into a temporary directory, breaks one
+//! thing, and loads it.
+
+use std::path::{Path, PathBuf};
+
+use kylin_loader::{ErrorCode, KylinError, LoadOptions, detect, inspect, load};
+use serde_json::{Map, Value};
+
+const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared");
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(SHARED).join("fixtures").join(name)
+}
+
+/// A writable copy of a fixture directory.
+fn copy_fixture(name: &str) -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().expect("temp dir");
+    for entry in std::fs::read_dir(fixture(name)).expect("fixture dir") {
+        let entry = entry.expect("dir entry");
+        let bytes = std::fs::read(entry.path()).expect("fixture file");
+        std::fs::write(tmp.path().join(entry.file_name()), bytes).expect("write copy");
+    }
+    tmp
+}
+
+fn load_err(dir: &Path) -> KylinError {
+    load_err_with(dir, &LoadOptions::default())
+}
+
+fn load_err_with(dir: &Path, opts: &LoadOptions) -> KylinError {
+    match load(dir, opts) {
+        Ok(_) => panic!("{} loaded, but it is broken", dir.display()),
+        Err(e) => e,
+    }
+}
+
+fn assert_code(err: &KylinError, code: ErrorCode, needles: &[&str]) {
+    assert_eq!(err.code, code, "wrong code for: {err}");
+    assert!(err.to_string().starts_with(&format!("[{}] ", code.as_str())), "{err}");
+    for n in needles {
+        assert!(err.message.contains(n), "message lacks {n:?}: {}", err.message);
+    }
+}
+
+/// Splits a safetensors file into its header object and its data section.
+fn split(bytes: &[u8]) -> (Map<String, Value>, Vec<u8>) {
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Map<String, Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    (header, bytes[8 + n..].to_vec())
+}
+
+/// Writes a safetensors file from a header object and a data section.
+fn join(header: &Map<String, Value>, data: &[u8]) -> Vec<u8> {
+    let mut text = serde_json::to_string(header).unwrap();
+    while text.len() % 8 != 0 {
+        text.push(' ');
+    }
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(text.as_bytes());
+    out.extend_from_slice(data);
+    out
+}
+
+/// Rewrites the header of `file` with `edit`, keeping the data section.
+fn edit_header(file: &Path, edit: impl FnOnce(&mut Map<String, Value>)) {
+    let (mut header, data) = split(&std::fs::read(file).unwrap());
+    edit(&mut header);
+    std::fs::write(file, join(&header, &data)).unwrap();
+}
+
+fn rename_tensor(header: &mut Map<String, Value>, from: &str, to: &str) {
+    let v = header.remove(from).unwrap_or_else(|| panic!("no tensor {from}"));
+    header.insert(to.to_string(), v);
+}
+
+fn edit_json(file: &Path, edit: impl FnOnce(&mut Map<String, Value>)) {
+    let mut obj: Map<String, Value> = serde_json::from_slice(&std::fs::read(file).unwrap()).unwrap();
+    edit(&mut obj);
+    std::fs::write(file, serde_json::to_vec_pretty(&obj).unwrap()).unwrap();
+}
+
+#[test]
+fn every_fixture_loads() {
+    for entry in std::fs::read_dir(Path::new(SHARED).join("fixtures")).unwrap() {
+        let path = entry.unwrap().path();
+        let model = load(&path, &LoadOptions::default()).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        assert_eq!(model.weights.layers.len(), model.config.num_layers);
+        assert!(model.unused_tensors.is_empty(), "{}: unused {:?}", path.display(), model.unused_tensors);
+    }
+}
+
+#[test]
+fn truncated_data_is_file_corrupted() {
+    let dir = copy_fixture("tiny-qwen2-f16");
+    let file = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&file).unwrap();
+    std::fs::write(&file, &bytes[..bytes.len() - 100]).unwrap();
+    let err = load_err(dir.path());
+    assert_code(&err, ErrorCode::FileCorrupted, &["model.safetensors", "data_offsets"]);
+}
+
+#[test]
+fn header_length_beyond_the_file_is_file_corrupted_not_an_allocation() {
+    let dir = copy_fixture("tiny-qwen2-f16");
+    let file = dir.path().join("model.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[..8].copy_from_slice(&10_000_000_000u64.to_le_bytes());
+    bytes.truncate(1024);
+    std::fs::write(&file, &bytes).unwrap();
+    let err = load_err(dir.path());
+    assert_code(&err, ErrorCode::FileCorrupted, &["model.safetensors", "10000000000", "1016"]);
+}
+
+#[test]
+fn bad_header_json_is_file_corrupted() {
+    let dir = copy_fixture("tiny-qwen2-f16");
+    let file = dir.path().join("model.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[8] = b'[';
+    bytes[20] = b'}';
+    std::fs::write(&file, &bytes).unwrap();
+    assert_code(&load_err(dir.path()), ErrorCode::FileCorrupted, &["not a valid JSON object"]);
+}
+
+#[test]
+fn overlapping_offsets_are_file_corrupted() {
+    let dir = copy_fixture("tiny-qwen2-f16");
+    let file = dir.path().join("model.safetensors");
+    edit_header(&file, |h| {
+        // Two tensors of the same size: the second now claims the first one's bytes.
+        let a = h["model.layers.0.input_layernorm.weight"]["data_offsets"].clone();
+        h["model.layers.0.post_attention_layernorm.weight"]["data_offsets"] = a;
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::FileCorrupted, &["overlap", "model.layers.0."]);
+}
+
+#[test]
+fn byte_length_disagreeing_with_shape_is_file_corrupted() {
+    let dir = copy_fixture("tiny-qwen2-f16");
+    let file = dir.path().join("model.safetensors");
+    edit_header(&file, |h| {
+        h["model.norm.weight"]["shape"] = serde_json::json!([7]);
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::FileCorrupted, &["model.norm.weight", "needs 14 bytes"]);
+}
+
+#[test]
+fn missing_tensors_are_all_listed() {
+    let dir = copy_fixture("tiny-qwen2-f16");
+    edit_header(&dir.path().join("model.safetensors"), |h| {
+        rename_tensor(h, "model.layers.0.mlp.up_proj.weight", "spare.a");
+        rename_tensor(h, "model.layers.1.self_attn.k_proj.bias", "spare.b");
+    });
+    let err = load_err(dir.path());
+    assert_code(
+        &err,
+        ErrorCode::TensorMissing,
+        &["2 required tensors", "model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.k_proj.bias"],
+    );
+}
+
+#[test]
+fn wrong_shape_names_tensor_expected_and_actual() {
+    let dir = copy_fixture("tiny-qwen2-f16");
+    let mut want = String::new();
+    edit_header(&dir.path().join("model.safetensors"), |h| {
+        let t = &mut h["model.layers.1.mlp.gate_proj.weight"];
+        let shape: Vec<u64> = serde_json::from_value(t["shape"].clone()).unwrap();
+        want = format!("expected [{}, {}]", shape[0], shape[1]);
+        t["shape"] = serde_json::json!([shape[1], shape[0]]);
+    });
+    let err = load_err(dir.path());
+    assert_code(
+        &err,
+        ErrorCode::TensorShapeMismatch,
+        &["model.layers.1.mlp.gate_proj.weight", &want, "intermediate_size"],
+    );
+}
+
+#[test]
+fn unsupported_dtype_is_tensor_dtype_unsupported() {
+    let dir = copy_fixture("tiny-qwen2-f16");
+    edit_header(&dir.path().join("model.safetensors"), |h| {
+        h["model.norm.weight"]["dtype"] = Value::from("I16");
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::TensorDtypeUnsupported, &["model.norm.weight", "I16"]);
+}
+
+#[test]
+fn missing_shard_is_file_not_found_naming_it() {
+    let dir = copy_fixture("tiny-qwen3-sharded-f32");
+    std::fs::remove_file(dir.path().join("model-00007-of-00017.safetensors")).unwrap();
+    let err = load_err(dir.path());
+    assert_code(&err, ErrorCode::FileNotFound, &["model-00007-of-00017.safetensors", "model.safetensors.index.json"]);
+}
+
+#[test]
+fn index_pointing_to_the_wrong_shard_is_file_corrupted() {
+    let dir = copy_fixture("tiny-qwen3-sharded-f32");
+    let index = dir.path().join("model.safetensors.index.json");
+    let mut moved = String::new();
+    edit_json(&index, |obj| {
+        let map = obj["weight_map"].as_object_mut().unwrap();
+        let (name, shard) = map.iter().find(|(_, s)| s.as_str() == Some("model-00003-of-00017.safetensors")).unwrap();
+        moved = name.clone();
+        let _ = shard;
+        map.insert(moved.clone(), Value::from("model-00004-of-00017.safetensors"));
+    });
+    let err = load_err(dir.path());
+    assert_code(&err, ErrorCode::FileCorrupted, &[&moved, "model-00004-of-00017.safetensors"]);
+}
+
+#[test]
+fn a_tensor_in_two_shards_is_file_corrupted() {
+    let dir = copy_fixture("tiny-qwen3-sharded-f32");
+    let first = dir.path().join("model-00001-of-00017.safetensors");
+    let (h1, _) = split(&std::fs::read(&first).unwrap());
+    let name = h1.keys().find(|k| *k != "__metadata__").unwrap().clone();
+    // Give a tensor of another shard the same name.
+    let other = dir.path().join("model-00002-of-00017.safetensors");
+    edit_header(&other, |h| {
+        let victim = h.keys().find(|k| *k != "__metadata__").unwrap().clone();
+        rename_tensor(h, &victim, &name);
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::FileCorrupted, &[&name, "stored twice"]);
+}
+
+#[test]
+fn shard_not_in_the_index_is_ignored_with_a_warning() {
+    let dir = copy_fixture("tiny-qwen3-sharded-f32");
+    std::fs::write(dir.path().join("model-old.safetensors"), b"not even a safetensors file").unwrap();
+    let model = load(dir.path(), &LoadOptions::default()).unwrap();
+    assert_eq!(model.files.len(), 17);
+    assert!(model.warnings.iter().any(|w| w.contains("model-old.safetensors")), "{:?}", model.warnings);
+}
+
+#[test]
+fn sharded_untied_model_binds_its_own_head() {
+    let model = load(&fixture("tiny-qwen3-sharded-f32"), &LoadOptions::default()).unwrap();
+    assert_eq!(model.files.len(), 17);
+    assert!(!model.weights.head.tied);
+    assert_eq!(model.weights.lm_head.name, "lm_head.weight");
+}
+
+#[test]
+fn untied_without_lm_head_hints_at_tie_word_embeddings() {
+    let dir = copy_fixture("tiny-llama-rope3");
+    edit_header(&dir.path().join("model.safetensors"), |h| rename_tensor(h, "lm_head.weight", "spare.head"));
+    let err = load_err(dir.path());
+    assert_code(&err, ErrorCode::TensorMissing, &["lm_head.weight", "tie_word_embeddings"]);
+}
+
+#[test]
+fn tied_model_with_lm_head_present_uses_the_embedding_and_says_so() {
+    // As the published Qwen3-0.6B: tied, and lm_head.weight stored as a copy of the embedding.
+    let dir = copy_fixture("tiny-qwen2-f16");
+    let file = dir.path().join("model.safetensors");
+    let (mut header, mut data) = split(&std::fs::read(fixture("tiny-qwen2-f16").join("model.safetensors")).unwrap());
+    let embed = header["model.embed_tokens.weight"].clone();
+    let [a, b]: [u64; 2] = serde_json::from_value(embed["data_offsets"].clone()).unwrap();
+    let start = data.len() as u64;
+    data.extend_from_slice(&data[a as usize..b as usize].to_vec());
+    let mut head = embed.clone();
+    head["data_offsets"] = serde_json::json!([start, start + (b - a)]);
+    header.insert("lm_head.weight".into(), head);
+    std::fs::write(&file, join(&header, &data)).unwrap();
+
+    let model = load(dir.path(), &LoadOptions::default()).unwrap();
+    assert!(model.weights.head.tied);
+    assert!(model.weights.lm_head.same_bytes(&model.weights.embed_tokens));
+    assert!(
+        model.weights.head.reason.contains("lm_head.weight is present but ignored"),
+        "{}",
+        model.weights.head.reason
+    );
+    assert!(model.unused_tensors.is_empty());
+}
+
+#[test]
+fn missing_config_field_is_config_invalid_naming_it() {
+    for field in ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"] {
+        let dir = copy_fixture("tiny-qwen2-f16");
+        edit_json(&dir.path().join("config.json"), |c| {
+            c.remove(field);
+        });
+        assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &[field]);
+    }
+}
+
+#[test]
+fn impossible_config_values_are_config_invalid() {
+    let cases: [(&str, Value, &str); 4] = [
+        ("num_attention_heads", Value::from(0), "num_attention_heads"),
+        ("num_key_value_heads", Value::from(3), "not a multiple of num_key_value_heads=3"),
+        ("hidden_size", Value::from("64"), "hidden_size"),
+        ("rms_norm_eps", Value::from(-1.0), "rms_norm_eps"),
+    ];
+    for (field, value, needle) in cases {
+        let dir = copy_fixture("tiny-qwen2-f16");
+        edit_json(&dir.path().join("config.json"), |c| {
+            c.insert(field.into(), value.clone());
+        });
+        assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &[needle]);
+    }
+}
+
+#[test]
+fn malformed_config_json_is_config_invalid_and_missing_is_config_missing() {
+    let dir = copy_fixture("tiny-qwen2-f16");
+    std::fs::write(dir.path().join("config.json"), b"{\"hidden_size\": 64,").unwrap();
+    assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &["config.json", "not valid JSON"]);
+    std::fs::remove_file(dir.path().join("config.json")).unwrap();
+    assert_code(&load_err(dir.path()), ErrorCode::ConfigMissing, &["config.json"]);
+}
+
+#[test]
+fn unknown_architecture_lists_the_supported_ones() {
+    let dir = copy_fixture("tiny-qwen2-f16");
+    edit_json(&dir.path().join("config.json"), |c| {
+        c.insert("architectures".into(), serde_json::json!(["GPTNeoXForCausalLM"]));
+    });
+    let err = load_err(dir.path());
+    assert_code(
+        &err,
+        ErrorCode::MappingMissing,
+        &["GPTNeoXForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"],
+    );
+}
+
+#[test]
+fn unsupported_rope_type_is_operator_unsupported() {
+    let dir = copy_fixture("tiny-llama-rope3");
+    edit_json(&dir.path().join("config.json"), |c| {
+        let key = if c.contains_key("rope_parameters") { "rope_parameters" } else { "rope_scaling" };
+        c[key]["rope_type"] = Value::from("longrope");
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::OperatorUnsupported, &["longrope", "yarn"]);
+}
+
+#[test]
+fn sliding_window_layers_are_operator_unsupported() {
+    let dir = copy_fixture("tiny-qwen2-f16");
+    edit_json(&dir.path().join("config.json"), |c| {
+        c.insert("use_sliding_window".into(), Value::from(true));
+        c.insert("max_window_layers".into(), Value::from(1));
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::OperatorUnsupported, &["sliding"]);
+    // Enabled but applying to no layer (max_window_layers >= layers): accepted.
+    edit_json(&dir.path().join("config.json"), |c| {
+        c.insert("max_window_layers".into(), Value::from(28));
+    });
+    load(dir.path(), &LoadOptions::default()).unwrap();
+}
+
+#[test]
+fn both_config_layouts_resolve_identically() {
+    let new = kylin_loader::read_config(&fixture("tiny-qwen3-yarn")).unwrap();
+    let legacy = kylin_loader::read_config(&fixture("tiny-qwen3-yarn-legacy-config")).unwrap();
+    assert_eq!(new, legacy);
+    assert!(matches!(new.rope.scaling, kylin_loader::RopeScaling::Yarn { factor: 4.0, .. }), "{:?}", new.rope);
+}
+
+#[test]
+fn defaults_are_filled_and_reported() {
+    let dir = copy_fixture("tiny-qwen2-f16");
+    edit_json(&dir.path().join("config.json"), |c| {
+        c.remove("num_key_value_heads");
+        c.remove("rope_theta");
+        c.remove("rope_parameters");
+    });
+    let config = kylin_loader::read_config(dir.path()).unwrap();
+    assert_eq!(config.num_kv_heads, config.num_heads);
+    assert_eq!(config.head_dim, config.hidden_size / config.num_heads);
+    assert_eq!(config.rope.theta, 10000.0);
+    for d in ["num_key_value_heads", "head_dim", "rope_theta"] {
+        assert!(config.defaulted.iter().any(|x| x == d), "{d} not in {:?}", config.defaulted);
+    }
+}
+
+#[test]
+fn tokenizer_larger_than_the_vocabulary_is_vocab_mismatch_unless_allowed() {
+    let dir = copy_fixture("tiny-qwen3");
+    let config = kylin_loader::read_config(dir.path()).unwrap();
+    // The tokenizers library numbers added tokens after the existing ones (151669 on), so 300
+    // more reach past the 151936 embedding rows: the largest id becomes 151968.
+    let beyond = 151_968u64;
+    edit_json(&dir.path().join("tokenizer.json"), |t| {
+        let added = t["added_tokens"].as_array_mut().unwrap();
+        for i in 0..300u64 {
+            added.push(serde_json::json!({
+                "id": 151_669 + i, "content": format!("<|extra_{i}|>"), "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": true
+            }));
+        }
+    });
+    let err = load_err(dir.path());
+    assert_code(&err, ErrorCode::VocabMismatch, &[&beyond.to_string(), &config.vocab_size.to_string()]);
+    let opts = LoadOptions { allow_vocab_mismatch: true, ..Default::default() };
+    let model = load(dir.path(), &opts).unwrap();
+    assert!(model.warnings.iter().any(|w| w.contains("vocab_size")), "{:?}", model.warnings);
+}
+
+#[test]
+fn missing_tokenizer_is_a_warning_or_config_missing_when_required() {
+    let dir = copy_fixture("tiny-qwen2-f16");
+    let model = load(dir.path(), &LoadOptions::default()).unwrap();
+    assert!(model.tokenizer.is_none());
+    assert!(model.warnings.iter().any(|w| w.contains("no tokenizer")), "{:?}", model.warnings);
+    let opts = LoadOptions { require_tokenizer: true, ..Default::default() };
+    assert_code(&load_err_with(dir.path(), &opts), ErrorCode::ConfigMissing, &["tokenizer.json", "merges.txt"]);
+}
+
+#[test]
+fn tokenizer_and_eos_union() {
+    let model = load(&fixture("tiny-qwen3"), &LoadOptions::default()).unwrap();
+    let tok = model.tokenizer.as_ref().unwrap();
+    assert_eq!(tok.vocab_size, 151669);
+    assert!(!tok.chat_templates.is_empty());
+    let eos = tok.eos_token.as_ref().unwrap();
+    assert!(model.eos_ids.contains(&eos.id));
+    for id in &model.generation.eos_token_ids {
+        assert!(model.eos_ids.contains(id));
+    }
+}
+
+#[test]
+fn tensor_map_renames_checkpoint_tensors_and_bad_maps_are_mapping_invalid() {
+    let dir = copy_fixture("tiny-qwen2-f16");
+    edit_header(&dir.path().join("model.safetensors"), |h| {
+        rename_tensor(h, "model.embed_tokens.weight", "tok_embeddings.weight");
+        for i in 0..2 {
+            rename_tensor(h, &format!("model.layers.{i}.self_attn.q_proj.weight"), &format!("blocks.{i}.attn.wq"));
+        }
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::TensorMissing, &["tensor map"]);
+    let map = dir.path().join("map.json");
+    std::fs::write(
+        &map,
+        r#"{"tensors": {"model.embed_tokens.weight": "tok_embeddings.weight",
+                        "model.layers.{layer}.self_attn.q_proj.weight": "blocks.{layer}.attn.wq"}}"#,
+    )
+    .unwrap();
+    let opts = LoadOptions { tensor_map: Some(map.clone()), ..Default::default() };
+    let model = load(dir.path(), &opts).unwrap();
+    assert_eq!(model.weights.layers[1].q_proj.name, "blocks.1.attn.wq");
+
+    for bad in [
+        "[1, 2]",
+        r#"{"tensors": {"model.not_a_table_name": "x"}}"#,
+        r#"{"tensors": {"model.layers.{layer}.self_attn.q_proj.weight": "no_layer_placeholder"}}"#,
+        r#"{"renames": {}}"#,
+        "not json",
+    ] {
+        std::fs::write(&map, bad).unwrap();
+        let err = load_err_with(dir.path(), &opts);
+        assert_code(&err, ErrorCode::MappingInvalid, &["tensor map"]);
+        assert_eq!(err.path.as_deref(), Some(map.as_path()));
+    }
+}
+
+#[test]
+fn detection_explains_what_it_looked_for() {
+    let empty = tempfile::tempdir().unwrap();
+    assert_code(&detect(empty.path()).unwrap_err(), ErrorCode::ConfigMissing, &["config.json", "model.safetensors"]);
+    std::fs::write(empty.path().join("config.json"), "{}").unwrap();
+    assert_code(
+        &detect(empty.path()).unwrap_err(),
+        ErrorCode::FileNotFound,
+        &["model.safetensors", "model.safetensors.index.json"],
+    );
+    let other = empty.path().join("weights.bin");
+    std::fs::write(&other, b"0123456789").unwrap();
+    let err = detect(&other).unwrap_err();
+    assert!(err.message.contains("GGUF") && err.message.contains("config.json"), "{err}");
+    assert_code(&detect(&empty.path().join("nope")).unwrap_err(), ErrorCode::FileNotFound, &["nope"]);
+    let fake = empty.path().join("fake.gguf");
+    std::fs::write(&fake, b"GGML and more").unwrap();
+    assert_code(&detect(&fake).unwrap_err(), ErrorCode::FileCorrupted, &["magic"]);
+}
+
+#[test]
+fn a_safetensors_file_uses_the_config_beside_it() {
+    let file = fixture("tiny-qwen2-f16").join("model.safetensors");
+    let format = detect(&file).unwrap();
+    assert_eq!(format.name(), "safetensors");
+    let model = load(&file, &LoadOptions::default()).unwrap();
+    assert_eq!(model.config.architecture, kylin_loader::Architecture::Qwen2);
+}
+
+#[test]
+fn inspect_reports_the_resolved_model() {
+    let report = inspect(&fixture("tiny-llama-rope3"), &LoadOptions::default()).unwrap();
+    let json = serde_json::to_value(&report).unwrap();
+    assert_eq!(json["format"], "hf-dir");
+    assert_eq!(json["architecture"], "LlamaForCausalLM");
+    assert_eq!(json["config"]["rope"]["type"], "llama3");
+    assert_eq!(json["config"]["rope"]["factor"], 8.0);
+    for key in [
+        "hidden_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "intermediate_size",
+        "vocab_size",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "max_position_embeddings",
+    ] {
+        assert!(
+            json["config"][key].is_number() || json["config"][key].is_boolean(),
+            "config.{key}: {}",
+            json["config"]
+        );
+    }
+    assert_eq!(json["tensor_count"], 21);
+    assert_eq!(json["dtypes"]["BF16"], 21);
+    assert_eq!(json["binding"]["head"]["tied"], false);
+    assert!(json["generation_defaults"].is_object());
+    assert!(report.to_human().contains("llama3"));
+}
+
+#[test]
+fn truncated_gguf_is_file_corrupted() {
+    // A GGUF file built here: the magic, a version, counts, one key and one F32 tensor.
+    let mut b = Vec::new();
+    b.extend_from_slice(b"GGUF");
+    b.extend_from_slice(&3u32.to_le_bytes());
+    b.extend_from_slice(&1u64.to_le_bytes());
+    b.extend_from_slice(&1u64.to_le_bytes());
+    let s = |b: &mut Vec<u8>, t: &str| {
+        b.extend_from_slice(&(t.len() as u64).to_le_bytes());
+        b.extend_from_slice(t.as_bytes());
+    };
+    s(&mut b, "general.architecture");
+    b.extend_from_slice(&8u32.to_le_bytes());
+    s(&mut b, "llama");
+    s(&mut b, "output.weight");
+    b.extend_from_slice(&1u32.to_le_bytes());
+    b.extend_from_slice(&64u64.to_le_bytes());
+    b.extend_from_slice(&0u32.to_le_bytes());
+    b.extend_from_slice(&0u64.to_le_bytes());
+    while b.len() % 32 != 0 {
+        b.push(0);
+    }
+    b.extend_from_slice(&[0u8; 256]);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.gguf");
+    std::fs::write(&path, &b).unwrap();
+    let info = kylin_loader::read_gguf_info(&path).unwrap();
+    assert_eq!(info.architecture.as_deref(), Some("llama"));
+    assert!(!info.tied_output);
+    std::fs::write(&path, &b[..b.len() - 10]).unwrap();
+    assert_code(
+        &inspect(&path, &LoadOptions::default()).unwrap_err(),
+        ErrorCode::FileCorrupted,
+        &["output.weight", "truncated"],
+    );
+    std::fs::write(&path, &b[..40]).unwrap();
+    assert_code(&inspect(&path, &LoadOptions::default()).unwrap_err(), ErrorCode::FileCorrupted, &["m.gguf"]);
+}
