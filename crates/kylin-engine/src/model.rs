@@ -111,6 +111,21 @@ impl Linear {
         }
     }
 
+    /// Several linear layers over the same input in one pool job:
+    /// `y_i (n, rows_i) = x (n, cols) · W_iᵀ (cols, rows_i) (+ b_i)`.
+    #[inline]
+    fn forward_many<const N: usize>(pool: &ThreadPool, x: &[f32], n: usize, mut layers: [(&Linear, &mut [f32]); N]) {
+        let mut mats: [(WeightMatrix<'_>, &mut [f32]); N] = layers.each_mut().map(|(l, y)| (l.matrix(), &mut **y));
+        kernels::matmul_many(pool, x, n, &mut mats);
+        for (l, y) in layers.iter_mut() {
+            if let Some(bias) = &l.bias {
+                for row in y.chunks_exact_mut(l.rows) {
+                    kernels::add_bias(row, bias.view());
+                }
+            }
+        }
+    }
+
     fn element_count(&self) -> u64 {
         self.weight.element_count() as u64 + self.bias.as_ref().map_or(0, |b| b.tensor.element_count() as u64)
     }
@@ -572,10 +587,16 @@ impl Model {
         }
 
         // 2. Projections: xn (n, hidden) -> q (n, n_heads * head_dim), k and v (n, n_kv_heads * head_dim).
-        let xn = &s.xn[..n * h];
-        layer.q_proj.forward(pool, xn, n, &mut s.q[..n * q_dim]);
-        layer.k_proj.forward(pool, xn, n, &mut s.k[..n * kv_dim]);
-        layer.v_proj.forward(pool, xn, n, &mut s.v[..n * kv_dim]);
+        Linear::forward_many(
+            pool,
+            &s.xn[..n * h],
+            n,
+            [
+                (&layer.q_proj, &mut s.q[..n * q_dim]),
+                (&layer.k_proj, &mut s.k[..n * kv_dim]),
+                (&layer.v_proj, &mut s.v[..n * kv_dim]),
+            ],
+        );
 
         // 3. Per-head RMSNorm (Qwen3), then RoPE, on every (token, head) row of q and k,
         //    viewed as (n, heads, head_dim).
@@ -595,8 +616,10 @@ impl Model {
         // 4. Append k and v to the cache: (n, n_kv_heads, head_dim) -> (n_kv_heads, position, head_dim).
         cache.store(index, start, &s.k[..n * kv_dim], &s.v[..n * kv_dim]);
 
-        // 5. Causal attention, one pool task per query head: query t of head h attends to
-        //    positions 0..=start + t of KV head h / group. q (n, n_heads, head_dim) -> attn (n, n_heads, head_dim).
+        // 5. Causal attention, one pool task per KV head and its group of query heads, so each
+        //    head's cached keys and values are read once per token while they are in cache:
+        //    query t of head h attends to positions 0..=start + t of KV head h / group.
+        //    q (n, n_heads, head_dim) -> attn (n, n_heads, head_dim).
         let cache: &KvCache = cache;
         let context = cache.capacity();
         let total = start + n;
@@ -605,17 +628,27 @@ impl Model {
         let q = &s.q[..n * q_dim];
         let attn = SharedMut::new(&mut s.attn[..n * q_dim]);
         let scores = SharedMut::new(&mut s.scores);
-        pool.run(d.n_heads, &|head| {
-            let kv_head = head / group;
+        pool.run(d.n_kv_heads, &|kv_head| {
             let keys = cache.keys(index, kv_head, total);
             let values = cache.values(index, kv_head, total);
-            // SAFETY: score row `head` is used by this task only.
-            let scores = unsafe { scores.slice(head * context, context) };
             for t in 0..n {
-                let offset = t * q_dim + head * hd;
-                // SAFETY: the (t, head) block of attn is written by the task of `head` only.
-                let out = unsafe { attn.slice(offset, hd) };
-                kernels::attention_head(&q[offset..offset + hd], keys, values, start + t + 1, hd, scale, scores, out);
+                for head in kv_head * group..(kv_head + 1) * group {
+                    // SAFETY: score row `head` and the (t, head) block of attn belong to the
+                    // query heads of `kv_head`, which only this task touches.
+                    let (scores, out) =
+                        unsafe { (scores.slice(head * context, context), attn.slice(t * q_dim + head * hd, hd)) };
+                    let offset = t * q_dim + head * hd;
+                    kernels::attention_head(
+                        &q[offset..offset + hd],
+                        keys,
+                        values,
+                        start + t + 1,
+                        hd,
+                        scale,
+                        scores,
+                        out,
+                    );
+                }
             }
         });
 
@@ -636,8 +669,12 @@ impl Model {
         }
 
         // 2. gate and up: xn (n, hidden) -> (n, intermediate) each; gate = silu(gate) * up.
-        layer.gate_proj.forward(pool, &s.xn[..n * h], n, &mut s.gate[..n * i]);
-        layer.up_proj.forward(pool, &s.xn[..n * h], n, &mut s.up[..n * i]);
+        Linear::forward_many(
+            pool,
+            &s.xn[..n * h],
+            n,
+            [(&layer.gate_proj, &mut s.gate[..n * i]), (&layer.up_proj, &mut s.up[..n * i])],
+        );
         kernels::silu_mul(&mut s.gate[..n * i], &s.up[..n * i]);
 
         // 3. down and residual: gate (n, intermediate) -> proj (n, hidden); x += proj.

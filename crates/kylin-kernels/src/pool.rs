@@ -48,6 +48,8 @@ struct Shared {
     lock: Mutex<()>,
     wake: Condvar,
     shutdown: AtomicBool,
+    /// Workers that have entered their loop (thread start-up, which allocates, is behind them).
+    started: AtomicUsize,
 }
 
 /// Runs `f(task)` for every task in `0..n_tasks` across the pool's threads.
@@ -72,6 +74,7 @@ impl ThreadPool {
             lock: Mutex::new(()),
             wake: Condvar::new(),
             shutdown: AtomicBool::new(false),
+            started: AtomicUsize::new(0),
         });
         let mut workers = Vec::with_capacity(threads - 1);
         for i in 1..threads {
@@ -83,6 +86,11 @@ impl ThreadPool {
                 // Could not spawn (resource limits): run with the threads we have.
                 Err(_) => break,
             }
+        }
+        // Wait until every worker runs its loop, so that thread start-up (which allocates) is
+        // over when `new` returns: from then on the pool allocates nothing.
+        while shared.started.load(Ordering::Acquire) < workers.len() {
+            std::thread::yield_now();
         }
         ThreadPool { threads: workers.len() + 1, shared, workers }
     }
@@ -204,6 +212,7 @@ fn run_tasks(shared: &Shared, generation: u64) {
 /// `seen` starts at the generation the pool had when the worker was spawned (0), not at the one
 /// it finds when it first runs: a job published before the thread got going is still its job.
 fn worker_loop(shared: &Shared, mut seen: u64) {
+    shared.started.fetch_add(1, Ordering::Release);
     loop {
         // Wait for a new generation: spin first, then park.
         let start = Instant::now();

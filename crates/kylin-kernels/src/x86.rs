@@ -76,21 +76,12 @@ fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
-/// `[hsum(a), hsum(b), hsum(c), hsum(d)]`.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
-    // Per 128-bit lane: [a01 a23 b01 b23], then [a0123 b0123 c0123 d0123]; then add the lanes.
-    let ab = _mm256_hadd_ps(a, b);
-    let cd = _mm256_hadd_ps(c, d);
-    let abcd = _mm256_hadd_ps(ab, cd);
-    _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps::<1>(abcd))
-}
-
 /// GEMV on a block of rows: `y[r] = Σ_c w[r, c] · x[c]` for `r in 0..y.len()`.
 ///
-/// Four rows at a time, two 8-wide accumulators per row (16 columns per step), so the four
-/// weight streams are read sequentially and FMA latency is hidden.
+/// One row at a time, four 8-wide accumulators (32 columns per step). Rows are contiguous, so
+/// the weights are read as one sequential stream, which the hardware prefetcher follows at full
+/// memory bandwidth; reading four rows side by side instead (four short streams) halves the
+/// bandwidth of BF16 rows of 2 KiB on Zen 4. `x` stays in L1.
 ///
 /// # Safety
 /// `w` must be valid for `y.len() * cols` elements of dtype `D` (row-major, row stride `cols`);
@@ -101,80 +92,31 @@ pub unsafe fn gemv_rows<const D: u8>(w: *const u8, cols: usize, x: &[f32], y: &m
     let size = if D == F32 { 4 } else { 2 };
     let row_bytes = cols * size;
     let xp = x.as_ptr();
-    let main16 = cols & !15;
+    let main32 = cols & !31;
     let main8 = cols & !7;
-    let rows = y.len();
-    let mut r = 0;
-    // SAFETY (whole body): every weight element read is at row `< rows` and column `< cols`,
+    // SAFETY (whole body): every weight element read is at row `< y.len()` and column `< cols`,
     // inside the extent the caller guaranteed; `x` reads are at columns `< cols <= x.len()`.
     unsafe {
-        while r + 4 <= rows {
+        for (r, out) in y.iter_mut().enumerate() {
             let w0 = w.add(r * row_bytes);
-            let w1 = w0.add(row_bytes);
-            let w2 = w1.add(row_bytes);
-            let w3 = w2.add(row_bytes);
-            let (mut a0, mut a1, mut a2, mut a3) =
-                (_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps());
-            let (mut b0, mut b1, mut b2, mut b3) =
-                (_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps());
+            let mut acc = [_mm256_setzero_ps(); 4];
             let mut c = 0;
-            while c < main16 {
-                let x0 = _mm256_loadu_ps(xp.add(c));
-                let x1 = _mm256_loadu_ps(xp.add(c + 8));
-                a0 = _mm256_fmadd_ps(load8::<D>(w0, c), x0, a0);
-                a1 = _mm256_fmadd_ps(load8::<D>(w1, c), x0, a1);
-                a2 = _mm256_fmadd_ps(load8::<D>(w2, c), x0, a2);
-                a3 = _mm256_fmadd_ps(load8::<D>(w3, c), x0, a3);
-                b0 = _mm256_fmadd_ps(load8::<D>(w0, c + 8), x1, b0);
-                b1 = _mm256_fmadd_ps(load8::<D>(w1, c + 8), x1, b1);
-                b2 = _mm256_fmadd_ps(load8::<D>(w2, c + 8), x1, b2);
-                b3 = _mm256_fmadd_ps(load8::<D>(w3, c + 8), x1, b3);
-                c += 16;
+            while c < main32 {
+                for (j, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(load8::<D>(w0, c + 8 * j), _mm256_loadu_ps(xp.add(c + 8 * j)), *a);
+                }
+                c += 32;
             }
-            if c < main8 {
-                let x0 = _mm256_loadu_ps(xp.add(c));
-                a0 = _mm256_fmadd_ps(load8::<D>(w0, c), x0, a0);
-                a1 = _mm256_fmadd_ps(load8::<D>(w1, c), x0, a1);
-                a2 = _mm256_fmadd_ps(load8::<D>(w2, c), x0, a2);
-                a3 = _mm256_fmadd_ps(load8::<D>(w3, c), x0, a3);
+            while c < main8 {
+                acc[0] = _mm256_fmadd_ps(load8::<D>(w0, c), _mm256_loadu_ps(xp.add(c)), acc[0]);
                 c += 8;
             }
-            let mut sums = [0.0f32; 4];
-            _mm_storeu_ps(
-                sums.as_mut_ptr(),
-                hsum4(_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1), _mm256_add_ps(a2, b2), _mm256_add_ps(a3, b3)),
-            );
-            while c < cols {
-                let xv = *xp.add(c);
-                sums[0] += load1::<D>(w0, c) * xv;
-                sums[1] += load1::<D>(w1, c) * xv;
-                sums[2] += load1::<D>(w2, c) * xv;
-                sums[3] += load1::<D>(w3, c) * xv;
-                c += 1;
-            }
-            y[r..r + 4].copy_from_slice(&sums);
-            r += 4;
-        }
-        while r < rows {
-            let w0 = w.add(r * row_bytes);
-            let (mut a0, mut b0) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-            let mut c = 0;
-            while c < main16 {
-                a0 = _mm256_fmadd_ps(load8::<D>(w0, c), _mm256_loadu_ps(xp.add(c)), a0);
-                b0 = _mm256_fmadd_ps(load8::<D>(w0, c + 8), _mm256_loadu_ps(xp.add(c + 8)), b0);
-                c += 16;
-            }
-            if c < main8 {
-                a0 = _mm256_fmadd_ps(load8::<D>(w0, c), _mm256_loadu_ps(xp.add(c)), a0);
-                c += 8;
-            }
-            let mut sum = hsum(_mm256_add_ps(a0, b0));
+            let mut sum = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
             while c < cols {
                 sum += load1::<D>(w0, c) * *xp.add(c);
                 c += 1;
             }
-            y[r] = sum;
-            r += 1;
+            *out = sum;
         }
     }
 }

@@ -1,0 +1,93 @@
+//! Kernel micro-benchmarks (divan), with throughput: bytes of weights streamed per second for
+//! the GEMV (decode) and multiply-adds per second for the GEMM (prefill).
+//!
+//! `cargo bench -p kylin-kernels --bench kernels` (add `-- gemv` to pick). Shapes are the
+//! Qwen3-0.6B projections; `head` is its 151936-row output head (311 MB in BF16, far beyond
+//! every cache, so it measures memory bandwidth). `KYLIN_BENCH_THREADS` sets the pool size
+//! (default: physical cores).
+
+use divan::counter::{BytesCount, ItemsCount};
+use divan::{Bencher, black_box};
+use kylin_kernels::{ThreadPool, WeightDType, WeightMatrix};
+
+fn main() {
+    divan::main();
+}
+
+fn threads() -> usize {
+    std::env::var("KYLIN_BENCH_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or_else(kylin_kernels::physical_cores)
+}
+
+/// Deterministic weights of `n` elements in `dtype` (values in about [-1, 1)).
+fn weights(dtype: WeightDType, n: usize) -> Vec<u8> {
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut out = Vec::with_capacity(n * dtype.size_in_bytes());
+    for _ in 0..n {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let v = (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
+        match dtype {
+            WeightDType::F32 => out.extend_from_slice(&v.to_le_bytes()),
+            WeightDType::F16 => out.extend_from_slice(&half::f16::from_f32(v).to_le_bytes()),
+            WeightDType::BF16 => out.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
+        }
+    }
+    out
+}
+
+/// `(name, rows, cols)` of the Qwen3-0.6B matrices.
+const SHAPES: [(&str, usize, usize); 4] =
+    [("q_proj", 2048, 1024), ("gate_proj", 3072, 1024), ("down_proj", 1024, 3072), ("head", 151_936, 1024)];
+
+#[divan::bench(args = SHAPES, consts = [0, 1, 2])]
+fn gemv<const D: u8>(bencher: Bencher, shape: (&str, usize, usize)) {
+    let dtype = [WeightDType::BF16, WeightDType::F16, WeightDType::F32][D as usize];
+    let (_, rows, cols) = shape;
+    let pool = ThreadPool::new(threads());
+    let data = weights(dtype, rows * cols);
+    let w = WeightMatrix { dtype, rows, cols, data: &data };
+    let x = vec![0.5f32; cols];
+    let mut y = vec![0.0f32; rows];
+    bencher
+        .counter(BytesCount::new(data.len()))
+        .bench_local(|| kylin_kernels::matmul(&pool, w, black_box(&x), 1, black_box(&mut y)));
+}
+
+#[divan::bench(args = [("gate_proj", 3072, 1024), ("down_proj", 1024, 3072)], consts = [64, 512])]
+fn gemm_bf16<const TOKENS: usize>(bencher: Bencher, shape: (&str, usize, usize)) {
+    let (_, rows, cols) = shape;
+    let pool = ThreadPool::new(threads());
+    let data = weights(WeightDType::BF16, rows * cols);
+    let w = WeightMatrix { dtype: WeightDType::BF16, rows, cols, data: &data };
+    let x = vec![0.5f32; TOKENS * cols];
+    let mut y = vec![0.0f32; TOKENS * rows];
+    // One item is one multiply-add: GFLOP/s is twice the items per second.
+    bencher
+        .counter(ItemsCount::new(rows * cols * TOKENS))
+        .bench_local(|| kylin_kernels::matmul(&pool, w, black_box(&x), TOKENS, black_box(&mut y)));
+}
+
+#[divan::bench(args = [64, 576, 4096])]
+fn attention_head(bencher: Bencher, len: usize) {
+    let hd = 128;
+    let q = vec![0.1f32; hd];
+    let k = vec![0.2f32; len * hd];
+    let v = vec![0.3f32; len * hd];
+    let mut scores = vec![0.0f32; len];
+    let mut out = vec![0.0f32; hd];
+    bencher
+        .counter(BytesCount::new(2 * len * hd * 4))
+        .bench_local(|| kylin_kernels::attention_head(&q, black_box(&k), &v, len, hd, 0.088, &mut scores, &mut out));
+}
+
+#[divan::bench]
+fn rms_norm(bencher: Bencher) {
+    let x = vec![0.3f32; 1024];
+    let w = weights(WeightDType::BF16, 1024);
+    let w = kylin_kernels::WeightVector { dtype: WeightDType::BF16, data: &w };
+    let mut out = vec![0.0f32; 1024];
+    bencher
+        .counter(BytesCount::new(1024usize * 4))
+        .bench_local(|| kylin_kernels::rms_norm(black_box(&x), w, 1e-6, &mut out));
+}
