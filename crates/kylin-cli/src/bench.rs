@@ -76,17 +76,22 @@ pub fn run(args: BenchArgs) -> Result<()> {
         models.push(b);
     }
 
-    // The machine's read bandwidth with the same threads: the decode ceiling.
+    // The machine's read bandwidth with the same threads, the decode ceiling, is measured before
+    // every round: on a shared machine it moves with the neighbours' load, so the median over the
+    // rounds is set against the decode figures of the same rounds.
     let pool = kylin_kernels::ThreadPool::new(threads);
-    let read_gb_s = kylin_kernels::measure_read_bandwidth(&pool, 1 << 30, 5);
-    drop(pool);
-    if !args.json {
-        eprintln!("machine read bandwidth: {read_gb_s:.1} GB/s ({threads} threads)");
-    }
+    let mut bandwidths = Vec::new();
 
     // One warm-up round (page cache, CPU frequency), then alternating measured rounds.
     let mut samples: Vec<Vec<BenchSample>> = vec![Vec::new(); models.len()];
     for round in 0..=args.repetitions {
+        let gb_s = kylin_kernels::measure_read_bandwidth(&pool, 1 << 30, 3);
+        if !args.json {
+            eprintln!("round {round}: machine read bandwidth {gb_s:.1} GB/s ({threads} threads)");
+        }
+        if round > 0 {
+            bandwidths.push(gb_s);
+        }
         for (i, model) in models.iter().enumerate() {
             let sample = spawn_worker(model, threads, &args)?;
             if !args.json {
@@ -101,6 +106,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
             }
         }
     }
+    drop(pool);
+    let read_gb_s = median(bandwidths);
     let summaries: Vec<BenchSummary> = samples.into_iter().map(|s| summarize(s, read_gb_s)).collect();
     let ratios = (summaries.len() == 2).then(|| ratios(&summaries[0], &summaries[1]));
 

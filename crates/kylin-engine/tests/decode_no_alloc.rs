@@ -1,0 +1,74 @@
+//! A decode step allocates nothing: with the model loaded and its state planned, `decode` runs
+//! the whole forward pass (embedding, every layer, attention over the KV cache, the head)
+//! without one heap allocation on any thread. A counting global allocator checks it; this file
+//! holds one test so nothing else allocates concurrently.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use kylin_engine::Backend;
+use kylin_engine::native::{NativeBackend, NativeOptions};
+
+struct Counting;
+
+static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: forwards to the system allocator unchanged, only counting calls.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::SeqCst);
+        // SAFETY: same contract as our caller's.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: same contract as our caller's.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::SeqCst);
+        // SAFETY: same contract as our caller's.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared");
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[test]
+fn decode_steps_allocate_nothing() {
+    // Qwen2 with biases (F16) and Qwen3 with q/k norms (BF16): every optional path of the block.
+    for name in ["tiny-qwen2-f16", "tiny-qwen3-yarn", "tiny-qwen3-sharded-f32"] {
+        let path = Path::new(SHARED).join("fixtures").join(name);
+        let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
+        let mut backend = NativeBackend::new(model, NativeOptions { threads: 2, ..Default::default() }).unwrap();
+        let prompt: Vec<u32> = (1..40).collect();
+        let mut next = argmax(backend.prefill(&prompt).unwrap());
+        next = argmax(backend.decode(next).unwrap());
+
+        let before = ALLOCATIONS.load(Ordering::SeqCst);
+        let mut produced = 0u64;
+        for _ in 0..32 {
+            next = argmax(backend.decode(next).unwrap());
+            produced += u64::from(next);
+        }
+        let after = ALLOCATIONS.load(Ordering::SeqCst);
+        assert_eq!(after - before, 0, "{name}: 32 decode steps allocated {} times", after - before);
+        assert_eq!(backend.position(), prompt.len() + 33);
+        std::hint::black_box(produced);
+    }
+}
