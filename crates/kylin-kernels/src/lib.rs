@@ -147,11 +147,18 @@ pub fn rms_norm(x: &[f32], weight: WeightVector<'_>, eps: f32, out: &mut [f32]) 
     match isa() {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2Fma => {
-            // SAFETY: AVX2/FMA/F16C were detected.
-            let sum_sq = unsafe { x86::dot(x, x) };
-            let inv = 1.0 / (sum_sq / x.len() as f32 + eps).sqrt();
-            for (i, (o, v)) in out.iter_mut().zip(x).enumerate() {
-                *o = v * inv * weight.get(i);
+            // This check makes the unsafe weight reads below sound.
+            assert!(weight.len() >= out.len() && x.len() >= out.len(), "rms_norm: lengths disagree");
+            // SAFETY: AVX2/FMA/F16C were detected; `weight` holds at least `out.len()` elements.
+            unsafe {
+                let sum_sq = x86::dot(x, x);
+                let inv = 1.0 / (sum_sq / x.len() as f32 + eps).sqrt();
+                let w = weight.data.as_ptr();
+                match weight.dtype {
+                    WeightDType::BF16 => x86::scale_by_weights::<{ x86::BF16 }>(x, inv, w, out),
+                    WeightDType::F16 => x86::scale_by_weights::<{ x86::F16 }>(x, inv, w, out),
+                    WeightDType::F32 => x86::scale_by_weights::<{ x86::F32 }>(x, inv, w, out),
+                }
             }
         }
         _ => reference::rms_norm(x, weight, eps, out),
@@ -174,14 +181,26 @@ pub fn rope_rotate_half(x: &mut [f32], cos: &[f32], sin: &[f32]) {
     reference::rope_rotate_half(x, cos, sin)
 }
 
-/// In-place numerically stable softmax.
+/// In-place numerically stable softmax. The SIMD version's `exp` is within 2 ulp of the
+/// reference's.
 pub fn softmax(x: &mut [f32]) {
-    reference::softmax(x)
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2/FMA/F16C were detected.
+        Isa::Avx2Fma => unsafe { x86::softmax(x) },
+        _ => reference::softmax(x),
+    }
 }
 
-/// In-place `gate = silu(gate) * up` (SwiGLU).
+/// In-place `gate = silu(gate) * up` (SwiGLU). The SIMD version's `exp` is within 2 ulp of the
+/// reference's.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
-    reference::silu_mul(gate, up)
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2/FMA/F16C were detected.
+        Isa::Avx2Fma => unsafe { x86::silu_mul(gate, up) },
+        _ => reference::silu_mul(gate, up),
+    }
 }
 
 /// Attention of one query head over `len` cached positions of its KV head.
@@ -209,13 +228,10 @@ pub fn attention_head(
                 // SAFETY: AVX2/FMA/F16C were detected.
                 *s = unsafe { x86::dot(&q[..head_dim], k) } * scale;
             }
-            reference::softmax(scores);
-            let out = &mut out[..head_dim];
-            out.fill(0.0);
-            for (p, s) in scores.iter().enumerate() {
-                let v = &values[p * head_dim..(p + 1) * head_dim];
-                // SAFETY: AVX2/FMA/F16C were detected.
-                unsafe { x86::axpy(out, *s, v) };
+            // SAFETY: AVX2/FMA/F16C were detected.
+            unsafe {
+                x86::softmax(scores);
+                x86::weighted_sum(scores, &values[..len * head_dim], head_dim, out);
             }
         }
         _ => reference::attention_head(q, keys, values, len, head_dim, scale, scores, out),

@@ -303,26 +303,6 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     sum
 }
 
-/// `out[i] += s · v[i]` over `min(out.len(), v.len())` elements.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub fn axpy(out: &mut [f32], s: f32, v: &[f32]) {
-    let n = out.len().min(v.len());
-    let sv = _mm256_set1_ps(s);
-    let mut i = 0;
-    // SAFETY: every access is at indices `< n`, inside both slices.
-    unsafe {
-        while i + 8 <= n {
-            let o = out.as_mut_ptr().add(i);
-            _mm256_storeu_ps(o, _mm256_fmadd_ps(sv, _mm256_loadu_ps(v.as_ptr().add(i)), _mm256_loadu_ps(o)));
-            i += 8;
-        }
-    }
-    while i < n {
-        out[i] += s * v[i];
-        i += 1;
-    }
-}
-
 /// Sum of the bytes of `data` read as u64 words (a streaming read for bandwidth probes).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub fn read_sum(data: &[u8]) -> u64 {
@@ -348,4 +328,177 @@ pub fn read_sum(data: &[u8]) -> u64 {
         sum = sum.wrapping_add(*b as u64);
     }
     sum
+}
+
+/// `e^x` for eight lanes, within 2 ulp of a correctly rounded `expf` on `[-87.3, 88.7]`.
+///
+/// Cephes' method: `x = n·ln2 + r` with `|r| <= ln2/2` (ln2 split in two parts so `r` is
+/// exact), a degree-6 polynomial for `e^r`, and `2^n` built in the exponent bits. Inputs are
+/// clamped to that range, so very negative inputs give about 1e-38 instead of 0 (a difference
+/// no softmax or SiLU can see).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn exp8(x: __m256) -> __m256 {
+    let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.336_54)), _mm256_set1_ps(88.722_83));
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+        x,
+        _mm256_set1_ps(std::f32::consts::LOG2_E),
+    ));
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm256_set1_ps(1.987_569_1e-4);
+    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1] {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    }
+    let r2 = _mm256_mul_ps(r, r);
+    let y = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0));
+    // 2^n: n + 127 in the exponent field. n is in [-126, 128]; 128 only for x near the top,
+    // where the polynomial result is below 1 and the product stays finite.
+    let n_i = _mm256_cvtps_epi32(n);
+    let n_lo = _mm256_srai_epi32::<1>(n_i);
+    let n_hi = _mm256_sub_epi32(n_i, n_lo);
+    let bias = _mm256_set1_epi32(127);
+    let two_lo = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(n_lo, bias)));
+    let two_hi = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(n_hi, bias)));
+    _mm256_mul_ps(_mm256_mul_ps(y, two_lo), two_hi)
+}
+
+/// Scalar twin of [`exp8`] for the tails, so every element gets the same function.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn exp1(x: f32) -> f32 {
+    _mm256_cvtss_f32(exp8(_mm256_set1_ps(x)))
+}
+
+/// In-place softmax: max, `e^(x - max)` with [`exp8`], then division by the sum.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn softmax(x: &mut [f32]) {
+    let n = x.len();
+    let p = x.as_mut_ptr();
+    let main = n & !7;
+    // SAFETY (whole body): every vector access is at `i..i + 8 <= main <= n`, inside `x`.
+    unsafe {
+        let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+        let mut i = 0;
+        while i < main {
+            m = _mm256_max_ps(m, _mm256_loadu_ps(p.add(i)));
+            i += 8;
+        }
+        let s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_max_ss(s, _mm_shuffle_ps::<1>(s, s));
+        let mut max = _mm_cvtss_f32(s);
+        for v in &x[main..] {
+            max = max.max(*v);
+        }
+        let mv = _mm256_set1_ps(max);
+        let mut sum = _mm256_setzero_ps();
+        i = 0;
+        while i < main {
+            let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), mv));
+            _mm256_storeu_ps(p.add(i), e);
+            sum = _mm256_add_ps(sum, e);
+            i += 8;
+        }
+        let mut total = hsum(sum);
+        for v in &mut x[main..] {
+            *v = exp1(*v - max);
+            total += *v;
+        }
+        let inv = _mm256_set1_ps(1.0 / total);
+        i = 0;
+        while i < main {
+            _mm256_storeu_ps(p.add(i), _mm256_mul_ps(_mm256_loadu_ps(p.add(i)), inv));
+            i += 8;
+        }
+        for v in &mut x[main..] {
+            *v /= total;
+        }
+    }
+}
+
+/// In-place `gate = silu(gate) * up = gate / (1 + e^-gate) * up`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    let n = gate.len().min(up.len());
+    let main = n & !7;
+    let (g, u) = (gate.as_mut_ptr(), up.as_ptr());
+    let one = _mm256_set1_ps(1.0);
+    let zero = _mm256_setzero_ps();
+    let mut i = 0;
+    // SAFETY: every access is at `i..i + 8 <= main <= n`, inside both slices.
+    unsafe {
+        while i < main {
+            let x = _mm256_loadu_ps(g.add(i));
+            let s = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, x))));
+            _mm256_storeu_ps(g.add(i), _mm256_mul_ps(s, _mm256_loadu_ps(u.add(i))));
+            i += 8;
+        }
+    }
+    for j in main..n {
+        let x = gate[j];
+        gate[j] = x / (1.0 + exp1(-x)) * up[j];
+    }
+}
+
+/// `out[i] = x[i] · inv · w[i]` with `w` in dtype `D` (the scaling step of RMSNorm).
+///
+/// # Safety
+/// `w` must be valid for `out.len()` elements of dtype `D`; `x.len() >= out.len()`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn scale_by_weights<const D: u8>(x: &[f32], inv: f32, w: *const u8, out: &mut [f32]) {
+    let n = out.len();
+    let iv = _mm256_set1_ps(inv);
+    let mut i = 0;
+    // SAFETY: every access is at elements `< n`, inside `x`, `out` and the caller's extent of `w`.
+    unsafe {
+        while i + 8 <= n {
+            let v = _mm256_mul_ps(_mm256_loadu_ps(x.as_ptr().add(i)), iv);
+            _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_mul_ps(v, load8::<D>(w, i)));
+            i += 8;
+        }
+        while i < n {
+            out[i] = x[i] * inv * load1::<D>(w, i);
+            i += 1;
+        }
+    }
+}
+
+/// `out = Σ_p scores[p] · values[p]` over `scores.len()` positions of `(head_dim)` rows,
+/// with `out` held in registers: blocks of 64 columns (eight accumulators) per pass over the
+/// positions, so nothing is stored until a block is done.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn weighted_sum(scores: &[f32], values: &[f32], head_dim: usize, out: &mut [f32]) {
+    let len = scores.len();
+    let out = &mut out[..head_dim];
+    assert!(values.len() >= len * head_dim, "weighted_sum: values too short");
+    let vp = values.as_ptr();
+    let main8 = head_dim & !7;
+    let mut c0 = 0;
+    // SAFETY (whole body): value reads are at `p * head_dim + c` with `p < len` and
+    // `c < head_dim`, inside `values` (checked above); output writes are inside `out`.
+    unsafe {
+        while c0 < main8 {
+            let width = (main8 - c0).min(64) / 8;
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for (p, &s) in scores.iter().enumerate() {
+                let sv = _mm256_set1_ps(s);
+                let row = vp.add(p * head_dim + c0);
+                for (j, a) in acc.iter_mut().enumerate().take(width) {
+                    *a = _mm256_fmadd_ps(sv, _mm256_loadu_ps(row.add(8 * j)), *a);
+                }
+            }
+            for (j, a) in acc.iter().enumerate().take(width) {
+                _mm256_storeu_ps(out.as_mut_ptr().add(c0 + 8 * j), *a);
+            }
+            c0 += width * 8;
+        }
+        for c in main8..head_dim {
+            let mut sum = 0.0f32;
+            for (p, &s) in scores.iter().enumerate() {
+                sum = s.mul_add(*vp.add(p * head_dim + c), sum);
+            }
+            out[c] = sum;
+        }
+    }
 }
