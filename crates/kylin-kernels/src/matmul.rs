@@ -71,12 +71,13 @@ fn run_chunk(pool: &ThreadPool, x: &[f32], n_tokens: usize, jobs: &mut [(WeightM
         macs += w.rows * w.cols * n_tokens;
     }
     let parallel = if gemm { macs >= MIN_PARALLEL_MACS } else { bytes >= MIN_PARALLEL_BYTES };
-    let per_thread = if gemm { 8 } else { 4 };
-    let n_tasks = if parallel { (pool.threads() * per_thread).min(total_units).max(1) } else { 1 };
+    let threads = if parallel { pool.threads() } else { 1 };
+    let mut bounds = [0usize; MAX_TASKS + 1];
+    let n_tasks = guided_partition(total_units, threads, &mut bounds);
 
     let task = |t: usize| {
-        let u0 = total_units * t / n_tasks;
-        let u1 = total_units * (t + 1) / n_tasks;
+        // The pool hands out task indices from the highest down; the highest are the largest.
+        let (u0, u1) = (bounds[n_tasks - 1 - t], bounds[n_tasks - t]);
         let mut start = 0;
         for (w, out) in mats.iter().zip(outs.iter()) {
             let Some(w) = w else { break };
@@ -93,6 +94,54 @@ fn run_chunk(pool: &ThreadPool, x: &[f32], n_tokens: usize, jobs: &mut [(WeightM
         }
     };
     pool.run(n_tasks, &task);
+}
+
+/// Most tasks one matmul job is split into.
+const MAX_TASKS: usize = 64;
+
+/// Splits `units` into tasks of decreasing size for `threads` threads ("guided" scheduling):
+/// each task takes `1 / (2 · threads)` of what is left (at least one unit), so the first tasks
+/// are large (long sequential weight streams) and the last ones small, and whichever thread
+/// finishes early takes the small ones: the threads end within a small task of each other.
+/// Writes the boundaries to `bounds[0..=n]` (increasing, `bounds[n] == units`) and returns `n`.
+fn guided_partition(units: usize, threads: usize, bounds: &mut [usize; MAX_TASKS + 1]) -> usize {
+    bounds[0] = 0;
+    if threads <= 1 || units <= 1 {
+        bounds[1] = units;
+        return 1;
+    }
+    let min_chunk = (units / (MAX_TASKS - threads)).max(1);
+    let mut done = 0;
+    let mut n = 0;
+    while done < units {
+        let left = units - done;
+        let chunk = if n + threads >= MAX_TASKS { left } else { (left / (2 * threads)).max(min_chunk).min(left) };
+        done += chunk;
+        n += 1;
+        bounds[n] = done;
+    }
+    n
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn guided_partition_covers_every_unit_once_in_decreasing_chunks() {
+        for units in [0, 1, 2, 7, 64, 100, 853, 6_331, 37_984] {
+            for threads in [1, 2, 3, 8] {
+                let mut bounds = [0; MAX_TASKS + 1];
+                let n = guided_partition(units, threads, &mut bounds);
+                assert!(n >= 1 && n <= MAX_TASKS, "units={units} threads={threads}: {n} tasks");
+                assert_eq!(bounds[n], units);
+                assert!(bounds[..=n].windows(2).all(|w| w[0] <= w[1]));
+                let sizes: Vec<usize> = bounds[..=n].windows(2).map(|w| w[1] - w[0]).collect();
+                // Non-increasing except for the final remainder.
+                assert!(sizes.windows(2).take(n.saturating_sub(2)).all(|w| w[0] >= w[1]), "{sizes:?}");
+            }
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
