@@ -10,6 +10,7 @@ pub fn run(args: InspectArgs) -> Result<()> {
         tensor_map: args.tensor_map,
         allow_vocab_mismatch: args.allow_vocab_mismatch,
         require_tokenizer: false,
+        prefetch: false,
     };
     let report = kylin_loader::inspect(&args.model, &opts)?;
     if args.json {

@@ -72,6 +72,7 @@ pub fn open(args: &ModelArgs, require_tokenizer: bool) -> Result<Opened> {
         tensor_map: args.tensor_map.clone(),
         allow_vocab_mismatch: args.allow_vocab_mismatch,
         require_tokenizer,
+        prefetch: true,
     };
     let model = kylin_loader::load(&args.model, &opts)?;
     for warning in &model.warnings {

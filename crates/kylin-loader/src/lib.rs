@@ -142,6 +142,9 @@ pub struct LoadOptions {
     pub allow_vocab_mismatch: bool,
     /// Refuse a directory without tokenizer files (`CONFIG_MISSING`).
     pub require_tokenizer: bool,
+    /// Ask the OS to read the bound weights into memory in the background (for running the
+    /// model; `inspect` leaves it off, since it reads nothing in full).
+    pub prefetch: bool,
 }
 
 /// Where the load time went, in milliseconds.
@@ -236,6 +239,11 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         None => arch::TensorMap::default(),
     };
     let bound = arch::bind(&config, &index, &map)?;
+    if opts.prefetch {
+        for tensor in bound.weights.tensors() {
+            tensor.advise_will_need();
+        }
+    }
     if !bound.unused.is_empty() {
         warnings.push(format!(
             "{} tensors in the checkpoint are not used by the {} table: {}",

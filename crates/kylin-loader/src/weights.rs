@@ -57,3 +57,20 @@ pub struct ModelWeights {
     pub head: HeadBinding,
     pub layers: Vec<LayerWeights>,
 }
+
+impl ModelWeights {
+    /// Every bound tensor once (a tied head is the embedding, listed once).
+    pub fn tensors(&self) -> Vec<&WeightTensor> {
+        let mut out = vec![&self.embed_tokens, &self.final_norm];
+        if !self.head.tied {
+            out.push(&self.lm_head);
+        }
+        for l in &self.layers {
+            out.extend([&l.attn_norm, &l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.mlp_norm]);
+            out.extend([&l.gate_proj, &l.up_proj, &l.down_proj]);
+            let optional = [&l.q_bias, &l.k_bias, &l.v_bias, &l.o_bias, &l.q_norm, &l.k_norm];
+            out.extend(optional.into_iter().chain([&l.gate_bias, &l.up_bias, &l.down_bias]).flatten());
+        }
+        out
+    }
+}
