@@ -165,8 +165,13 @@ pub fn read_messages(path: &Path) -> Result<Vec<ChatMessage>> {
 /// The one-line summary on stderr.
 pub fn summary_line(result: &GenerationResult) -> String {
     let t = &result.timings;
+    let cached = if t.cached_prompt_tokens > 0 {
+        format!(" ({} from the cache)", t.cached_prompt_tokens)
+    } else {
+        String::new()
+    };
     format!(
-        "[{} prompt tokens, {} generated, finish: {}] time to first token {:.0} ms, prefill {:.1} tok/s, decode {:.1} tok/s",
+        "[{} prompt tokens{cached}, {} generated, finish: {}] time to first token {:.0} ms, prefill {:.1} tok/s, decode {:.1} tok/s",
         t.prompt_tokens,
         t.generated_tokens,
         result.finish_reason.as_str(),
