@@ -562,3 +562,30 @@ fn truncated_gguf_is_file_corrupted() {
     std::fs::write(&path, &b[..40]).unwrap();
     assert_code(&inspect(&path, &LoadOptions::default()).unwrap_err(), ErrorCode::FileCorrupted, &["m.gguf"]);
 }
+
+#[test]
+fn vocab_and_merges_are_the_fallback_and_template_lists_pick_default() {
+    let dir = copy_fixture("tiny-qwen2-f16");
+    // A byte-level BPE in the older two-file layout: "Ġ" is the byte-level space.
+    std::fs::write(
+        dir.path().join("vocab.json"),
+        r#"{"h": 0, "e": 1, "l": 2, "o": 3, "Ġ": 4, "he": 5, "ll": 6, "hell": 7, "hello": 8}"#,
+    )
+    .unwrap();
+    std::fs::write(dir.path().join("merges.txt"), "#version: 0.2\nh e\nl l\nhe ll\nhell o\n").unwrap();
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        r#"{"eos_token": "<|end|>", "added_tokens_decoder": {"9": {"content": "<|end|>", "special": true}},
+            "chat_template": [{"name": "tool_use", "template": "tools"},
+                              {"name": "default", "template": "{{ messages[0]['content'] }}"}]}"#,
+    )
+    .unwrap();
+    let model = load(dir.path(), &LoadOptions::default()).unwrap();
+    let tok = model.tokenizer.as_ref().unwrap();
+    assert_eq!(tok.kind, kylin_loader::TokenizerKind::VocabMerges);
+    assert_eq!(tok.tokenizer.encode("hello", false).unwrap().get_ids(), [8]);
+    assert_eq!(tok.eos_token.as_ref().map(|t| t.id), Some(9));
+    assert!(model.eos_ids.contains(&9));
+    assert_eq!(tok.chat_templates.len(), 2);
+    assert_eq!(tok.default_chat_template().unwrap().source, "{{ messages[0]['content'] }}");
+}

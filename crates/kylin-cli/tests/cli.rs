@@ -1,0 +1,266 @@
+//! The `kylin` binary end to end: routing by format, the JSON shapes scripts rely on, errors as
+//! `[CODE]` lines or `{"error": ...}` objects with a non-zero exit, on the fixtures and the real
+//! models (HF directories and GGUF files).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use serde_json::Value;
+
+const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared");
+
+fn models_dir() -> PathBuf {
+    match std::env::var_os("KYLIN_MODELS") {
+        Some(dir) => PathBuf::from(dir),
+        None => PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/kylin-models"),
+    }
+}
+
+fn model(name: &str) -> PathBuf {
+    let path = models_dir().join(name);
+    assert!(path.exists(), "{} is missing: run `bash ../shared/models/fetch.sh --bench`", path.display());
+    path
+}
+
+fn kylin(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kylin"))
+        .args(args)
+        .env("KYLIN_QUIET", "1")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run kylin")
+}
+
+fn json_of(out: &Output) -> Value {
+    let text = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(text.trim())
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {text}\nstderr: {}", String::from_utf8_lossy(&out.stderr)))
+}
+
+fn ok_json(args: &[&str]) -> Value {
+    let out = kylin(args);
+    assert!(out.status.success(), "kylin {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    json_of(&out)
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().expect("UTF-8 path")
+}
+
+#[test]
+fn inspect_json_describes_the_published_qwen3_layout() {
+    let dir = model("qwen3-0.6b-shaped");
+    let r = ok_json(&["inspect", s(&dir), "--json"]);
+    assert_eq!(r["format"], "hf-dir");
+    assert_eq!(r["architecture"], "Qwen3ForCausalLM");
+    assert_eq!(r["model_type"], "qwen3");
+    assert_eq!(r["tensor_count"], 311);
+    assert_eq!(r["dtypes"]["BF16"], 311);
+    let c = &r["config"];
+    for (key, want) in [
+        ("hidden_size", 1024),
+        ("num_layers", 28),
+        ("num_heads", 16),
+        ("num_kv_heads", 8),
+        ("head_dim", 128),
+        ("intermediate_size", 3072),
+        ("vocab_size", 151936),
+        ("max_position_embeddings", 40960),
+    ] {
+        assert_eq!(c[key], want, "config.{key}");
+    }
+    assert_eq!(c["tie_word_embeddings"], true);
+    assert_eq!(c["rope"]["type"], "default");
+    assert_eq!(c["rope"]["theta"], 1_000_000.0);
+    assert_eq!(c["rms_norm_eps"], 1e-6);
+    assert_eq!(r["binding"]["head"]["tied"], true);
+    let reason = r["binding"]["head"]["reason"].as_str().unwrap();
+    assert!(reason.contains("lm_head.weight is present but ignored"), "{reason}");
+    assert_eq!(r["files"].as_array().unwrap().len(), 1);
+    assert!(r["total_bytes"].as_u64().unwrap() > 1_400_000_000);
+    let t = &r["tokenizer"];
+    assert_eq!(t["vocab_size"], 151669);
+    assert_eq!(t["has_chat_template"], true);
+    let eos: Vec<u64> = t["eos_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    assert!(eos.contains(&151645) && eos.contains(&151643), "{eos:?}");
+    assert!(r["generation_defaults"].is_object());
+    assert!(r["warnings"].as_array().unwrap().is_empty(), "{}", r["warnings"]);
+}
+
+#[test]
+fn inspect_succeeds_on_every_fixture_and_real_model_and_reads_gguf_metadata() {
+    for entry in std::fs::read_dir(Path::new(SHARED).join("fixtures")).unwrap() {
+        let path = entry.unwrap().path();
+        let out = kylin(&["inspect", s(&path)]);
+        assert!(out.status.success(), "{}: {}", path.display(), String::from_utf8_lossy(&out.stderr));
+        assert!(String::from_utf8_lossy(&out.stdout).contains("format      hf-dir"));
+    }
+    for name in ["qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"] {
+        let r = ok_json(&["inspect", s(&model(name)), "--json"]);
+        assert_eq!(r["backend"], "kylin", "{name}");
+    }
+    let r = ok_json(&["inspect", s(&model("gguf/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")), "--json"]);
+    assert_eq!(r["format"], "gguf");
+    assert_eq!(r["backend"], "llama.cpp");
+    assert_eq!(r["architecture"], "qwen2");
+    assert_eq!(r["tensor_count"], 291);
+    let quant: Vec<&str> =
+        r["gguf"]["quantization_types"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    assert!(quant.contains(&"Q4_K") && quant.contains(&"Q6_K"), "{quant:?}");
+    assert_eq!(r["gguf"]["file_type"], "MOSTLY_Q4_K_M");
+    assert_eq!(r["config"]["hidden_size"], 896);
+    assert_eq!(r["tokenizer"]["vocab_size"], 151936);
+    assert_eq!(r["tokenizer"]["has_chat_template"], true);
+}
+
+#[test]
+fn errors_are_one_coded_line_or_one_json_object_and_exit_non_zero() {
+    let out = kylin(&["inspect", "/nonexistent/model"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.starts_with("[FILE_NOT_FOUND] ") && err.contains("/nonexistent/model"), "{err}");
+
+    let out = kylin(&["inspect", "/nonexistent/model", "--json"]);
+    assert!(!out.status.success());
+    let r = json_of(&out);
+    assert_eq!(r["error"]["code"], "FILE_NOT_FOUND");
+    assert!(r["error"]["message"].as_str().unwrap().contains("/nonexistent/model"));
+
+    // A truncated GGUF is caught before llama.cpp sees it.
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = dir.path().join("cut.gguf");
+    let bytes = std::fs::read(model("gguf/smollm2-135m-instruct-q4_1.gguf")).unwrap();
+    std::fs::write(&gguf, &bytes[..bytes.len() / 2]).unwrap();
+    for args in [vec!["inspect", s(&gguf), "--json"], vec!["run", s(&gguf), "-p", "x", "--json"]] {
+        let out = kylin(&args);
+        assert!(!out.status.success());
+        assert_eq!(json_of(&out)["error"]["code"], "FILE_CORRUPTED", "{args:?}");
+    }
+
+    // Flags: an id outside the vocabulary, a prompt longer than the context, a bad messages file.
+    let tiny = Path::new(SHARED).join("fixtures/tiny-qwen3");
+    let out = kylin(&["run", s(&tiny), "--ids", "1,999999", "--json"]);
+    assert_eq!(json_of(&out)["error"]["code"], "INPUT_INVALID");
+    let out = kylin(&["run", s(&tiny), "--ids", "1,2,3,4,5", "--ctx-size", "3", "--json"]);
+    assert_eq!(json_of(&out)["error"]["code"], "CONTEXT_OVERFLOW");
+    let bad = dir.path().join("messages.json");
+    std::fs::write(&bad, r#"[{"role": "user"}]"#).unwrap();
+    let out = kylin(&["run", s(&tiny), "--messages", s(&bad), "--json"]);
+    let r = json_of(&out);
+    assert_eq!(r["error"]["code"], "INPUT_INVALID");
+    assert!(r["error"]["message"].as_str().unwrap().contains("messages.json"));
+    // The native engine refuses a GGUF file forced onto it, naming the fix.
+    let out = kylin(&["run", s(&gguf), "--backend", "native", "-p", "x"]);
+    assert!(String::from_utf8_lossy(&out.stderr).starts_with("[OPERATOR_UNSUPPORTED] "));
+}
+
+#[test]
+fn run_json_matches_the_reference_greedy_ids() {
+    // The first raw-prompt case of the Qwen2.5 reference, through the CLI.
+    let reference: Value = serde_json::from_str(
+        &std::fs::read_to_string(Path::new(SHARED).join("reference/qwen2.5-coder-0.5b-instruct.json")).unwrap(),
+    )
+    .unwrap();
+    let case = &reference["cases"][0];
+    let prompt = case["prompt_text"].as_str().unwrap();
+    let want: Vec<u64> = case["greedy_new_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    let dir = model("qwen2.5-coder-0.5b-instruct");
+    let r =
+        ok_json(&["run", s(&dir), "-p", prompt, "--temperature", "0", "--max-tokens", "12", "--ignore-eos", "--json"]);
+    assert_eq!(r["prompt_ids"], case["input_ids"]);
+    let got: Vec<u64> = r["generated_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    assert_eq!(got, want[..12]);
+    assert_eq!(r["finish_reason"], "length");
+    assert!(r["text"].as_str().unwrap().len() > 4);
+    assert!(r["timings"]["decode_tok_s"].as_f64().unwrap() > 0.0);
+
+    // A stop string ends generation and is not returned.
+    let full = r["text"].as_str().unwrap();
+    let stop: String = full.chars().skip(4).take(3).collect();
+    let r =
+        ok_json(&["run", s(&dir), "-p", prompt, "--temperature", "0", "--max-tokens", "12", "--stop", &stop, "--json"]);
+    assert_eq!(r["finish_reason"], "stop");
+    assert!(full.starts_with(r["text"].as_str().unwrap()) && !r["text"].as_str().unwrap().contains(&stop));
+}
+
+#[test]
+fn logits_json_has_one_entry_per_position_best_first() {
+    let tiny = Path::new(SHARED).join("fixtures/tiny-qwen2-f16");
+    let r = ok_json(&["logits", s(&tiny), "--ids", "1,2,3", "--top", "5", "--json"]);
+    let positions = r["positions"].as_array().unwrap();
+    assert_eq!(positions.len(), 3);
+    for p in positions {
+        let top = p["top"].as_array().unwrap();
+        assert_eq!(top.len(), 5);
+        let logits: Vec<f64> = top.iter().map(|pair| pair[1].as_f64().unwrap()).collect();
+        assert!(logits.windows(2).all(|w| w[0] >= w[1]), "{logits:?}");
+    }
+}
+
+#[test]
+fn gguf_runs_through_llama_cpp_with_the_same_commands() {
+    for name in ["smollm2-135m-instruct-q4_1", "qwen2.5-coder-0.5b-instruct-q4_k_m"] {
+        let path = model(&format!("gguf/{name}.gguf"));
+        let out =
+            kylin(&["run", s(&path), "-p", "The capital of France is", "--temperature", "0", "--max-tokens", "8"]);
+        assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.starts_with(" Paris"), "{name}: {text:?}");
+        let summary = String::from_utf8_lossy(&out.stderr);
+        assert!(summary.contains("prompt tokens") && summary.contains("decode"), "{summary}");
+    }
+}
+
+#[test]
+fn chat_keeps_the_history_and_reuses_the_cache() {
+    let dir = model("smollm2-135m-instruct");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kylin"))
+        .args(["chat", s(&dir), "--temperature", "0", "--max-tokens", "16"])
+        .env("KYLIN_QUIET", "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write;
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(b"What is the capital of France?\nAnd of Germany?\n/exit\n").unwrap();
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("Paris"), "{text}");
+    let log = String::from_utf8_lossy(&out.stderr);
+    let summaries: Vec<&str> = log.lines().filter(|l| l.contains("prompt tokens")).collect();
+    assert_eq!(summaries.len(), 2, "{log}");
+    assert!(summaries[1].contains("from the cache"), "the second turn recomputed everything: {}", summaries[1]);
+}
+
+#[test]
+fn bench_json_reports_both_engines_and_their_ratios() {
+    let hf = model("smollm2-135m-instruct");
+    let gguf = model("gguf/smollm2-135m-instruct-q4_1.gguf");
+    let r = ok_json(&[
+        "bench",
+        s(&hf),
+        "--vs",
+        s(&gguf),
+        "--prompt-tokens",
+        "16",
+        "--gen-tokens",
+        "4",
+        "--repetitions",
+        "1",
+        "--json",
+    ]);
+    for key in ["load_ms", "ttft_ms", "prefill_tok_s", "decode_tok_s", "peak_rss_mb", "decode_gb_s"] {
+        assert!(r[key].as_f64().unwrap() > 0.0, "{key}: {}", r[key]);
+    }
+    let results = r["results"].as_array().unwrap();
+    assert_eq!(results.len(), 2);
+    assert_eq!(results[0]["backend"], "kylin");
+    assert_eq!(results[1]["backend"], "llama.cpp");
+    assert!(r["ratios"]["decode_tok_s"].as_f64().unwrap() > 0.0);
+    assert!(r["machine_read_gb_s"].as_f64().unwrap() > 0.0);
+}
