@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::args::{BackendChoice, BenchArgs, BenchWorkerArgs, ModelArgs};
 use crate::open::{open, threads};
+use kylin_engine::sampler::argmax;
 
 /// What one worker measured.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -279,16 +280,6 @@ fn bench_prompt(len: usize, vocab: usize) -> Vec<u32> {
             (1 + z % span) as u32
         })
         .collect()
-}
-
-fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, v) in logits.iter().enumerate() {
-        if *v > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// Peak resident set size of this process in MB (VmHWM), 0 where /proc is unavailable.

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kylin_engine::Backend;
 use kylin_engine::native::{NativeBackend, NativeOptions};
+use kylin_engine::sampler::argmax;
 
 struct Counting;
 
@@ -38,16 +39,6 @@ unsafe impl GlobalAlloc for Counting {
 static GLOBAL: Counting = Counting;
 
 const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared");
-
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
 
 #[test]
 fn decode_steps_allocate_nothing() {

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use kylin_engine::Backend;
 use kylin_engine::native::{NativeBackend, NativeOptions};
+use kylin_engine::sampler::argmax;
 use serde_json::Value;
 
 const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared");
@@ -33,17 +34,6 @@ fn backend(name: &str) -> NativeBackend {
 
 fn ids(v: &Value) -> Vec<u32> {
     v.as_array().expect("an id list").iter().map(|x| x.as_u64().expect("an id") as u32).collect()
-}
-
-/// The first index of the largest value, as `torch.argmax` returns it.
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// Greedy generation of `n` tokens: prefill, then decode each new token (EOS ignored).

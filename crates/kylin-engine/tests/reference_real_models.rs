@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 
 use kylin_engine::Backend;
 use kylin_engine::native::{NativeBackend, NativeOptions};
+use kylin_engine::sampler::argmax;
 use serde_json::Value;
 
 const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared");
@@ -42,17 +43,6 @@ fn reference(name: &str) -> Value {
 
 fn ids(v: &Value) -> Vec<u32> {
     v.as_array().expect("an id list").iter().map(|x| x.as_u64().expect("an id") as u32).collect()
-}
-
-/// The first index of the largest value, as `torch.argmax` returns it.
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 fn check_model(name: &str) {

@@ -7,6 +7,7 @@
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
+use kylin_engine::sampler::argmax;
 use kylin_engine::{Backend, ChatMessage};
 use kylin_llamacpp::{LlamaCppBackend, LlamaCppOptions};
 use kylin_loader::ErrorCode;
@@ -68,16 +69,6 @@ fn model(name: &str) -> MutexGuard<'static, LlamaCppBackend> {
     let mut guard = m.lock().unwrap_or_else(|p| p.into_inner());
     guard.reset();
     guard
-}
-
-fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in logits.iter().enumerate() {
-        if x > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 fn check_tokenization(name: &str) {
