@@ -40,6 +40,9 @@ pub struct BenchSample {
     pub weight_bytes_per_token: u64,
     /// Weight bytes read per generated token × decode tokens/s.
     pub decode_gb_s: f64,
+    /// `decode_gb_s` plus the KV cache read by attention (at the mean decode position), where
+    /// the backend reports its cache layout.
+    pub decode_with_kv_gb_s: Option<f64>,
 }
 
 /// Medians over the measured repetitions of one model.
@@ -59,6 +62,8 @@ pub struct BenchSummary {
     pub decode_gb_s: f64,
     /// `decode_gb_s` as a fraction of the machine's measured read bandwidth.
     pub decode_bandwidth_fraction: f64,
+    /// Weights and KV cache read per second of decode, where the backend reports its cache.
+    pub decode_with_kv_gb_s: Option<f64>,
     pub samples: Vec<BenchSample>,
 }
 
@@ -121,12 +126,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
             "threads": threads,
             "machine_read_gb_s": read_gb_s,
             "load_ms": a.load_ms,
+            "tokenizer_ms": a.tokenizer_ms,
             "ttft_ms": a.ttft_ms,
             "prefill_tok_s": a.prefill_tok_s,
             "decode_tok_s": a.decode_tok_s,
             "peak_rss_mb": a.peak_rss_mb,
             "decode_gb_s": a.decode_gb_s,
             "decode_bandwidth_fraction": a.decode_bandwidth_fraction,
+            "decode_with_kv_gb_s": a.decode_with_kv_gb_s,
             "results": summaries,
             "ratios": ratios,
         });
@@ -186,6 +193,7 @@ fn summarize(samples: Vec<BenchSample>, read_gb_s: f64) -> BenchSummary {
         weight_bytes_per_token: first.weight_bytes_per_token,
         decode_gb_s,
         decode_bandwidth_fraction: decode_gb_s / read_gb_s,
+        decode_with_kv_gb_s: first.decode_with_kv_gb_s.map(|_| m(|s| s.decode_with_kv_gb_s.unwrap_or(f64::NAN))),
         samples,
     }
 }
@@ -212,6 +220,19 @@ fn print_table(summaries: &[BenchSummary], ratios: Option<&BenchRatios>, args: &
             s.peak_rss_mb,
             s.model
         );
+    }
+    for s in summaries {
+        if let Some(tok) = s.tokenizer_ms {
+            println!("{}: load {:.0} ms, of which the tokenizer {:.0} ms", s.backend, s.load_ms, tok);
+        }
+        if let Some(total) = s.decode_with_kv_gb_s {
+            println!(
+                "{}: decode reads {:.1} GB/s of weights and KV cache together ({:.0}% of the machine's)",
+                s.backend,
+                total,
+                total / read_gb_s * 100.0
+            );
+        }
     }
     if let Some(r) = ratios {
         println!(
@@ -337,6 +358,10 @@ pub fn worker(args: BenchWorkerArgs) -> Result<()> {
         peak_rss_mb: peak_rss_mb(),
         weight_bytes_per_token: summary.weight_bytes_per_token,
         decode_gb_s: summary.weight_bytes_per_token as f64 * decode_tok_s / 1e9,
+        decode_with_kv_gb_s: summary.kv_bytes_per_position.map(|kv| {
+            let mean_position = args.prompt_tokens as f64 + args.gen_tokens as f64 / 2.0;
+            (summary.weight_bytes_per_token as f64 + kv as f64 * mean_position) * decode_tok_s / 1e9
+        }),
     };
     println!("{}", serde_json::to_string(&sample)?);
     Ok(())

@@ -23,6 +23,9 @@ pub struct BackendSummary {
     pub parameters: u64,
     /// Bytes of weights read to produce one token (all matrices once): the decode bandwidth numerator.
     pub weight_bytes_per_token: u64,
+    /// Bytes of keys and values one cached position holds across all layers (what attention
+    /// reads per position per token), where the backend knows its cache layout.
+    pub kv_bytes_per_position: Option<u64>,
     pub vocab_size: usize,
     pub context_size: usize,
     pub threads: usize,

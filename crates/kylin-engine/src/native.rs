@@ -124,6 +124,7 @@ impl Backend for NativeBackend {
             architecture: self.architecture.clone(),
             parameters: self.model.parameter_count(),
             weight_bytes_per_token: self.model.weight_bytes_per_token(),
+            kv_bytes_per_position: Some(self.state.kv_cache_bytes() as u64 / self.state.capacity().max(1) as u64),
             vocab_size: self.model.dims().vocab,
             context_size: self.state.capacity(),
             threads: self.pool.threads(),

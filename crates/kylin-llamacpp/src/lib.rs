@@ -301,6 +301,7 @@ impl Backend for LlamaCppBackend {
             architecture: self.architecture.clone(),
             parameters: self.model.n_params(),
             weight_bytes_per_token: self.model.size(),
+            kv_bytes_per_position: None,
             vocab_size: self.n_vocab,
             context_size: self.n_ctx,
             threads: self.threads,
