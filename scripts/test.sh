@@ -6,3 +6,5 @@ bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 export KYLIN_MODELS="${KYLIN_MODELS:-$HOME/.cache/kylin-models}"
 cargo test --release --workspace --no-fail-fast
+# The build without llama.cpp: GGUF files get a clear error, Hugging Face models still run.
+cargo test --release -p kylin-cli --no-default-features --test without_llamacpp

@@ -57,6 +57,12 @@ pub trait Backend {
     /// Tokens currently in the KV cache.
     fn position(&self) -> usize;
 
+    /// Whether the backend has a tokenizer (`tokenize` and `detokenize` work). A model without
+    /// one still runs from token ids.
+    fn has_tokenizer(&self) -> bool {
+        true
+    }
+
     /// Text to ids, adding BOS where the tokenizer's configuration says so (`add_special`).
     fn tokenize(&self, text: &str, add_special: bool) -> Result<Vec<u32>>;
 

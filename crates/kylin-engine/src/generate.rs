@@ -111,6 +111,8 @@ fn generate_from(
     let eos: Vec<u32> = if request.ignore_eos { Vec::new() } else { backend.eos_ids().to_vec() };
     let mut sampler = Sampler::new(backend.vocab_size(), request.sampling);
     sampler.observe_all(prompt);
+    // Without a tokenizer (a model run from ids) there is no text: ids only.
+    let has_text = backend.has_tokenizer();
     let mut decoder = StreamDecoder::new(true);
     let mut stops = StopMatcher::new(&request.stop);
     let mut text = String::new();
@@ -126,7 +128,7 @@ fn generate_from(
         if eos.contains(&next) {
             break FinishReason::Eos;
         }
-        let piece = decoder.push(&*backend, next)?;
+        let piece = if has_text { decoder.push(&*backend, next)? } else { String::new() };
         if !piece.is_empty() {
             match stops.push(&piece) {
                 StopOutcome::Continue(out) => {
@@ -148,7 +150,7 @@ fn generate_from(
         }
         next = sampler.sample(backend.decode(next)?)?;
     };
-    if finish != FinishReason::Stop {
+    if finish != FinishReason::Stop && has_text {
         let mut rest = decoder.flush(&*backend)?;
         if let StopOutcome::Stopped(out) = stops.push(&rest) {
             rest = out;

@@ -151,6 +151,10 @@ impl Backend for NativeBackend {
         self.state.position()
     }
 
+    fn has_tokenizer(&self) -> bool {
+        self.text.is_some()
+    }
+
     fn tokenize(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
         self.text()?.tokenize(text, add_special)
     }
