@@ -83,7 +83,7 @@ pub fn generate(
     request: &GenerateRequest,
     on_text: &mut dyn FnMut(&str),
 ) -> Result<GenerationResult> {
-    backend.reset();
+    // Reusing no prompt tokens rewinds the cache to empty.
     generate_from(backend, request, 0, on_text)
 }
 

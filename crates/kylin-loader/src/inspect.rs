@@ -126,28 +126,7 @@ fn hf_report(path: &Path, opts: &LoadOptions) -> Result<InspectReport> {
         has_chat_template: !t.chat_templates.is_empty(),
         chat_templates: t.chat_templates.iter().map(|c| c.name.clone()).collect(),
     });
-    let layer_tensors: usize = model
-        .weights
-        .layers
-        .iter()
-        .map(|l| {
-            11 + [
-                &l.q_bias,
-                &l.k_bias,
-                &l.v_bias,
-                &l.o_bias,
-                &l.q_norm,
-                &l.k_norm,
-                &l.gate_bias,
-                &l.up_bias,
-                &l.down_bias,
-            ]
-            .iter()
-            .filter(|t| t.is_some())
-            .count()
-        })
-        .sum();
-    let bound_tensors = layer_tensors + 2 + usize::from(!model.weights.head.tied);
+    let bound_tensors = model.weights.tensors().len();
     Ok(InspectReport {
         path: path.to_path_buf(),
         format: model.format.name().to_string(),
