@@ -32,7 +32,7 @@ pub struct Panel(pub [f32; NR * KC]);
 /// `p` must be valid for reading elements `i..i + 8` of dtype `D`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn load8<const D: u8>(p: *const u8, i: usize) -> __m256 {
+pub(crate) unsafe fn load8<const D: u8>(p: *const u8, i: usize) -> __m256 {
     // SAFETY: the caller guarantees elements `i..i + 8` are readable; loads are unaligned.
     unsafe {
         match D {
@@ -52,7 +52,7 @@ unsafe fn load8<const D: u8>(p: *const u8, i: usize) -> __m256 {
 /// `p` must be valid for reading element `i` of dtype `D`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn load1<const D: u8>(p: *const u8, i: usize) -> f32 {
+pub(crate) unsafe fn load1<const D: u8>(p: *const u8, i: usize) -> f32 {
     // SAFETY: the caller guarantees element `i` is readable; reads are unaligned.
     unsafe {
         match D {
@@ -69,7 +69,7 @@ unsafe fn load1<const D: u8>(p: *const u8, i: usize) -> f32 {
 /// Horizontal sum of one vector.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn hsum(v: __m256) -> f32 {
+pub(crate) fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
@@ -354,7 +354,7 @@ pub fn read_sum(data: &[u8]) -> u64 {
 /// no softmax or SiLU can see).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn exp8(x: __m256) -> __m256 {
+pub(crate) fn exp8(x: __m256) -> __m256 {
     let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.336_54)), _mm256_set1_ps(88.722_83));
     let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
         x,
@@ -382,7 +382,7 @@ fn exp8(x: __m256) -> __m256 {
 /// Scalar twin of [`exp8`] for the tails, so every element gets the same function.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn exp1(x: f32) -> f32 {
+pub(crate) fn exp1(x: f32) -> f32 {
     _mm256_cvtss_f32(exp8(_mm256_set1_ps(x)))
 }
 
