@@ -76,6 +76,40 @@ pub struct ModelArgs {
     /// A Jinja chat template file used instead of the model's own.
     #[arg(long, value_name = "FILE")]
     pub chat_template: Option<PathBuf>,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+}
+
+/// Element type of the KV cache.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvDTypeArg {
+    F32,
+    F16,
+    Bf16,
+}
+
+/// How the batching engine is sized (native models; llama.cpp runs one sequence at a time).
+#[derive(Args, Debug, Clone, Default)]
+pub struct EngineArgs {
+    /// Memory for the KV cache, e.g. 2GiB, 512MiB, 1.5GB (default: enough for --max-seqs
+    /// sequences of the full context, at most half the memory available after the weights).
+    #[arg(long, value_name = "SIZE", conflicts_with = "memory_fraction")]
+    pub kv_memory: Option<String>,
+    /// Share (0, 1] of the memory available after the weights and activations to use for the KV cache.
+    #[arg(long, value_name = "F")]
+    pub memory_fraction: Option<f64>,
+    /// Element type of the KV cache (default f32, which matches transformers exactly).
+    #[arg(long, value_enum)]
+    pub kv_dtype: Option<KvDTypeArg>,
+    /// Sequences that run in one batch at most (default 16; 1 for run, chat and logits).
+    #[arg(long)]
+    pub max_seqs: Option<usize>,
+    /// Tokens in one step's batch at most: decode tokens plus prefill chunks (default 512).
+    #[arg(long)]
+    pub max_batch_tokens: Option<usize>,
+    /// Positions per KV block (default 16).
+    #[arg(long)]
+    pub kv_block_size: Option<usize>,
 }
 
 #[derive(Args, Debug)]

@@ -14,6 +14,24 @@
 use kylin_loader::Result;
 
 use crate::backend::Backend;
+use crate::text::TextCodec;
+
+/// Anything that turns ids into text: a [`Backend`] or a [`TextCodec`].
+pub trait Detokenize {
+    fn detokenize(&self, ids: &[u32], skip_special: bool) -> Result<String>;
+}
+
+impl<T: Backend + ?Sized> Detokenize for T {
+    fn detokenize(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        Backend::detokenize(self, ids, skip_special)
+    }
+}
+
+impl Detokenize for TextCodec {
+    fn detokenize(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        TextCodec::detokenize(self, ids, skip_special)
+    }
+}
 
 /// Turns a stream of ids into a stream of complete text pieces.
 #[derive(Debug, Default, Clone)]
@@ -34,7 +52,7 @@ impl StreamDecoder {
     }
 
     /// Adds one id; returns the text it completes (possibly empty).
-    pub fn push(&mut self, backend: &dyn Backend, id: u32) -> Result<String> {
+    pub fn push<D: Detokenize + ?Sized>(&mut self, backend: &D, id: u32) -> Result<String> {
         self.ids.push(id);
         let prefix = backend.detokenize(&self.ids[self.prefix_offset..self.read_offset], self.skip_special)?;
         let full = backend.detokenize(&self.ids[self.prefix_offset..], self.skip_special)?;
@@ -49,7 +67,7 @@ impl StreamDecoder {
     }
 
     /// Whatever is still held back (an incomplete character at the very end), decoded as is.
-    pub fn flush(&mut self, backend: &dyn Backend) -> Result<String> {
+    pub fn flush<D: Detokenize + ?Sized>(&mut self, backend: &D) -> Result<String> {
         if self.read_offset == self.ids.len() {
             return Ok(String::new());
         }

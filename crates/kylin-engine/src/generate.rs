@@ -124,7 +124,7 @@ fn generate_from(
     let decode_started = Instant::now();
     let finish = loop {
         generated.push(next);
-        sampler.observe(next);
+        sampler.observe_generated(next);
         if eos.contains(&next) {
             break FinishReason::Eos;
         }

@@ -10,9 +10,14 @@ pub mod model;
 pub mod native;
 pub mod rope;
 pub mod sampler;
+pub mod sequence;
+pub mod serial;
+pub mod serving;
 pub mod text;
 
 pub use backend::{Backend, BackendSummary, ChatMessage};
 pub use generate::{ChatSession, FinishReason, GenerateRequest, GenerationResult, GenerationTimings, generate};
 pub use sampler::{Sampler, SamplingParams};
+pub use serial::SerialEngine;
+pub use serving::{CancelHandle, EngineInfo, EngineStats, Event, EventKind, Request, Serving, StopReason, Usage};
 pub use text::TextCodec;

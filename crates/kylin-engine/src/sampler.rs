@@ -26,6 +26,12 @@ pub struct SamplingParams {
     /// HF's repetition penalty: a seen token's positive logit is divided by it, a negative one
     /// multiplied; 1 turns it off.
     pub repetition_penalty: f32,
+    /// OpenAI's presence penalty: subtracted once from the logit of every id generated so far;
+    /// 0 turns it off.
+    pub presence_penalty: f32,
+    /// OpenAI's frequency penalty: subtracted from a generated id's logit once per occurrence;
+    /// 0 turns it off.
+    pub frequency_penalty: f32,
     pub seed: u64,
 }
 
@@ -41,7 +47,16 @@ pub const HF_DEFAULT_TOP_K: usize = 50;
 impl SamplingParams {
     /// Argmax decoding, no penalty.
     pub fn greedy() -> Self {
-        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0 }
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: 0,
+        }
     }
 
     /// The model's published defaults with HF `generate` semantics:
@@ -86,6 +101,12 @@ impl SamplingParams {
         }
         if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
             return bad("repetition_penalty", self.repetition_penalty, "a finite value > 0");
+        }
+        if !(-2.0..=2.0).contains(&self.presence_penalty) {
+            return bad("presence_penalty", self.presence_penalty, "a value in [-2, 2]");
+        }
+        if !(-2.0..=2.0).contains(&self.frequency_penalty) {
+            return bad("frequency_penalty", self.frequency_penalty, "a value in [-2, 2]");
         }
         Ok(())
     }
@@ -142,6 +163,10 @@ pub struct Sampler {
     /// The ids with `seen` set, to apply the penalty without scanning the vocabulary.
     /// Its capacity is the vocabulary size, and ids are unique, so it never reallocates.
     seen_ids: Vec<u32>,
+    /// `generated[id]`: how often the id was generated (for the presence and frequency penalties).
+    generated: Vec<u32>,
+    /// The ids with a non-zero `generated` count; capacity the vocabulary size, never reallocates.
+    generated_ids: Vec<u32>,
     rng: Rng,
 }
 
@@ -155,6 +180,8 @@ impl Sampler {
             idx: vec![0; vocab_size],
             seen: vec![false; vocab_size],
             seen_ids: Vec::with_capacity(vocab_size),
+            generated: vec![0; vocab_size],
+            generated_ids: Vec::with_capacity(vocab_size),
             rng: Rng::new(params.seed),
         }
     }
@@ -169,6 +196,10 @@ impl Sampler {
             self.seen[id as usize] = false;
         }
         self.seen_ids.clear();
+        for &id in &self.generated_ids {
+            self.generated[id as usize] = 0;
+        }
+        self.generated_ids.clear();
     }
 
     /// Records `id` as seen (prompt or generated). Ids outside the vocabulary are ignored.
@@ -178,6 +209,18 @@ impl Sampler {
         {
             *s = true;
             self.seen_ids.push(id);
+        }
+    }
+
+    /// Records a generated `id`: seen (repetition penalty) and counted (presence and frequency
+    /// penalties). Ids outside the vocabulary are ignored.
+    pub fn observe_generated(&mut self, id: u32) {
+        self.observe(id);
+        if let Some(count) = self.generated.get_mut(id as usize) {
+            if *count == 0 {
+                self.generated_ids.push(id);
+            }
+            *count = count.saturating_add(1);
         }
     }
 
@@ -210,6 +253,14 @@ impl Sampler {
             for &id in &self.seen_ids {
                 let l = &mut self.logits[id as usize];
                 *l = if *l < 0.0 { *l * p.repetition_penalty } else { *l / p.repetition_penalty };
+            }
+        }
+
+        // 1b. OpenAI's presence and frequency penalties over the generated ids.
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            for &id in &self.generated_ids {
+                let count = self.generated[id as usize] as f32;
+                self.logits[id as usize] -= p.presence_penalty + p.frequency_penalty * count;
             }
         }
 
@@ -324,7 +375,7 @@ mod tests {
     use super::*;
 
     fn params(temperature: f32, top_k: usize, top_p: f32, min_p: f32) -> SamplingParams {
-        SamplingParams { temperature, top_k, top_p, min_p, repetition_penalty: 1.0, seed: 7 }
+        SamplingParams { temperature, top_k, top_p, min_p, seed: 7, ..SamplingParams::greedy() }
     }
 
     /// Logits whose softmax is exactly `probs`.

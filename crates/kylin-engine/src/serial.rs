@@ -1,0 +1,241 @@
+//! [`SerialEngine`]: any [`Backend`] (llama.cpp's above all) behind the [`Serving`] interface,
+//! one sequence at a time.
+//!
+//! Requests wait in a FCFS queue; the running one prefills in one step, then decodes one token
+//! per step; its `n` choices run one after the other. The backend's KV cache works as a
+//! one-sequence prefix cache: a new choice or request keeps the part of the cache its prompt
+//! shares with what the cache holds, and computes only the rest.
+
+use std::collections::VecDeque;
+
+use kylin_loader::{GenerationDefaults, KylinError, Result};
+
+use crate::backend::{Backend, ChatMessage};
+use crate::sequence::Decoding;
+use crate::serving::{EngineInfo, EngineStats, Event, EventKind, Request, Serving, StopReason, Usage};
+
+/// Checks what both engines require of a request, before anything is queued.
+pub fn validate_request(request: &Request, vocab: usize, context: usize, max_seqs: usize) -> Result<()> {
+    request.sampling.validate()?;
+    if request.prompt_ids.is_empty() {
+        return Err(KylinError::input_invalid("the prompt has no tokens"));
+    }
+    if let Some(&bad) = request.prompt_ids.iter().find(|&&id| id as usize >= vocab) {
+        return Err(KylinError::input_invalid(format!(
+            "token id {bad} is outside the model's vocabulary of {vocab} ids"
+        )));
+    }
+    if request.prompt_ids.len() >= context {
+        return Err(KylinError::context_overflow(format!(
+            "the prompt has {} tokens but the context holds {context}, which leaves no room to generate; \
+             shorten the prompt or raise --ctx-size",
+            request.prompt_ids.len()
+        )));
+    }
+    if request.n == 0 || request.n > max_seqs {
+        return Err(KylinError::input_invalid(format!(
+            "n must be between 1 and {max_seqs} (the engine's --max-seqs); got {}",
+            request.n
+        )));
+    }
+    if request.max_new_tokens == 0 {
+        return Err(KylinError::input_invalid("max_tokens must be at least 1; got 0"));
+    }
+    if let Some(k) = request.logprobs
+        && k > crate::serving::MAX_TOP_LOGPROBS
+    {
+        return Err(KylinError::input_invalid(format!(
+            "top_logprobs must be at most {}; got {k}",
+            crate::serving::MAX_TOP_LOGPROBS
+        )));
+    }
+    Ok(())
+}
+
+/// The choice being generated.
+struct Running {
+    request: Request,
+    index: usize,
+    decoding: Decoding,
+    /// The token sampled last, not yet run through the model.
+    pending: Option<u32>,
+}
+
+/// A [`Backend`] serving requests one sequence at a time.
+pub struct SerialEngine {
+    backend: Box<dyn Backend>,
+    queue: VecDeque<Request>,
+    running: Option<Running>,
+    /// The ids whose keys and values are in the backend's cache, in order.
+    cached: Vec<u32>,
+    /// A copy of the last logits row, so the backend can detokenize while they are sampled.
+    logits: Vec<f32>,
+    stats: EngineStats,
+}
+
+impl SerialEngine {
+    pub fn new(backend: Box<dyn Backend>) -> Self {
+        let logits = vec![0.0; backend.vocab_size()];
+        SerialEngine { backend, queue: VecDeque::new(), running: None, cached: Vec::new(), logits, stats: EngineStats::default() }
+    }
+
+    /// Starts choice `index` of `request`: reuses the cached prefix, prefills the rest and
+    /// samples the first token.
+    fn start(&mut self, request: Request, index: usize, events: &mut Vec<Event>) -> Result<()> {
+        let vocab = self.backend.vocab_size();
+        let mut decoding = Decoding::new(&request, index, vocab, self.backend.eos_ids());
+        let prompt = &request.prompt_ids;
+        let shared = self.cached.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+        let shared = shared.min(prompt.len() - 1).min(self.backend.position());
+        self.backend.rewind(shared);
+        self.cached.truncate(shared);
+        self.stats.prompt_tokens_total += prompt.len() as u64;
+        self.stats.prefix_cache_queries += prompt.len() as u64;
+        self.stats.prefix_cache_hits += shared as u64;
+        decoding.usage.cached_prompt_tokens = shared;
+        self.logits.copy_from_slice(self.backend.prefill(&prompt[shared..])?);
+        self.cached.extend_from_slice(&prompt[shared..]);
+        let at_end = self.backend.position() >= self.backend.context_size();
+        let text = self.backend.has_tokenizer().then_some(&*self.backend);
+        let (id, token, reason) = decoding.accept(&self.logits, text, at_end)?;
+        self.stats.generation_tokens_total += 1;
+        events.push(Event { request: request.id, index, kind: token });
+        let running = Running { request, index, decoding, pending: Some(id) };
+        self.after_token(running, reason, events)
+    }
+
+    /// Keeps the choice running, or ends it and moves on to the request's next choice.
+    fn after_token(&mut self, mut running: Running, reason: Option<StopReason>, events: &mut Vec<Event>) -> Result<()> {
+        match reason {
+            None => {
+                self.running = Some(running);
+                Ok(())
+            }
+            Some(reason) => {
+                let text = self.backend.has_tokenizer().then_some(&*self.backend);
+                let kind = running.decoding.finish(reason, text)?;
+                events.push(Event { request: running.request.id, index: running.index, kind });
+                if running.index + 1 < running.request.n {
+                    let next = running.index + 1;
+                    self.start(running.request, next, events)
+                } else {
+                    Ok(())
+                }
+            }
+        }
+    }
+
+    /// Ends every remaining choice of a cancelled request.
+    fn cancel_all(request: &Request, from: usize, events: &mut Vec<Event>) {
+        for index in from..request.n {
+            let usage = Usage { prompt_tokens: request.prompt_ids.len(), ..Usage::default() };
+            let kind = EventKind::Finished { reason: StopReason::Cancelled, text: String::new(), usage };
+            events.push(Event { request: request.id, index, kind });
+        }
+    }
+}
+
+impl Serving for SerialEngine {
+    fn info(&self) -> EngineInfo {
+        let summary = self.backend.summary();
+        let context = self.backend.context_size();
+        EngineInfo {
+            backend: summary.backend,
+            architecture: summary.architecture,
+            vocab_size: self.backend.vocab_size(),
+            context_size: context,
+            max_seqs: 1,
+            max_batch_tokens: context,
+            kv_block_size: context,
+            kv_blocks: 1,
+            kv_tokens: context,
+            kv_bytes: summary.kv_bytes_per_position.unwrap_or(0) * context as u64,
+            kv_dtype: "f16".to_string(),
+            threads: summary.threads,
+            has_tokenizer: self.backend.has_tokenizer(),
+            eos_ids: self.backend.eos_ids().to_vec(),
+        }
+    }
+
+    fn generation_defaults(&self) -> GenerationDefaults {
+        self.backend.generation_defaults()
+    }
+
+    fn add_request(&mut self, request: Request) -> Result<()> {
+        // One sequence at a time, but `n` choices run one after the other, so any n up to the
+        // OpenAI limit is accepted.
+        validate_request(&request, self.backend.vocab_size(), self.backend.context_size(), 128)?;
+        if self.queue.iter().any(|r| r.id == request.id) || self.running.as_ref().is_some_and(|r| r.request.id == request.id)
+        {
+            return Err(KylinError::input_invalid(format!("request id {} is already in the engine", request.id)));
+        }
+        self.queue.push_back(request);
+        Ok(())
+    }
+
+    fn step(&mut self, events: &mut Vec<Event>) -> Result<()> {
+        self.stats.steps += 1;
+        // Cancelled requests in the queue end without running.
+        self.queue.retain(|r| {
+            if r.cancel.is_cancelled() {
+                SerialEngine::cancel_all(r, 0, events);
+                false
+            } else {
+                true
+            }
+        });
+        if let Some(running) = self.running.take() {
+            if running.request.cancel.is_cancelled() {
+                SerialEngine::cancel_all(&running.request, running.index, events);
+                return Ok(());
+            }
+            let mut running = running;
+            let Some(id) = running.pending else { return Ok(()) };
+            self.logits.copy_from_slice(self.backend.decode(id)?);
+            self.cached.push(id);
+            let at_end = self.backend.position() >= self.backend.context_size();
+            let text = self.backend.has_tokenizer().then_some(&*self.backend);
+            let (next, token, reason) = running.decoding.accept(&self.logits, text, at_end)?;
+            self.stats.generation_tokens_total += 1;
+            running.pending = Some(next);
+            events.push(Event { request: running.request.id, index: running.index, kind: token });
+            return self.after_token(running, reason, events);
+        }
+        if let Some(request) = self.queue.pop_front() {
+            self.start(request, 0, events)?;
+        }
+        Ok(())
+    }
+
+    fn has_work(&self) -> bool {
+        self.running.is_some() || !self.queue.is_empty()
+    }
+
+    fn stats(&self) -> EngineStats {
+        EngineStats {
+            running: usize::from(self.running.is_some()),
+            waiting: self.queue.len(),
+            kv_blocks_total: 1,
+            kv_blocks_used: usize::from(self.running.is_some()),
+            kv_blocks_cached: usize::from(self.running.is_none() && !self.cached.is_empty()),
+            ..self.stats
+        }
+    }
+
+    fn tokenize(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        self.backend.tokenize(text, add_special)
+    }
+
+    fn detokenize(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.backend.detokenize(ids, skip_special)
+    }
+
+    fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String> {
+        self.backend.apply_chat_template(messages, add_generation_prompt, kwargs)
+    }
+}

@@ -1,0 +1,245 @@
+//! The request-level interface every serving engine implements: requests in, token events out.
+//!
+//! Two engines implement [`Serving`]: the continuous-batching [`crate::batch::BatchEngine`]
+//! (Kylin's own kernels over a paged KV cache, many sequences per step) and
+//! [`crate::serial::SerialEngine`] (any [`crate::Backend`], such as llama.cpp, one sequence at a
+//! time). The HTTP server, `kylin run`/`chat` and `kylin bench --concurrency` are written once
+//! against this trait and know nothing of how a step is computed.
+//!
+//! The protocol: [`Serving::add_request`] validates a [`Request`] (and refuses it with a typed
+//! error, nothing queued), then every [`Serving::step`] appends [`Event`]s: for every choice of
+//! every request, zero or more [`EventKind::Token`] and exactly one final
+//! [`EventKind::Finished`]. A request whose [`CancelHandle`] is cancelled finishes with
+//! [`StopReason::Cancelled`] at the next step, and its KV memory is free after that step.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use kylin_loader::Result;
+use serde::Serialize;
+
+use crate::backend::ChatMessage;
+use crate::sampler::SamplingParams;
+
+/// A flag shared between whoever submitted a request and the engine; setting it cancels the
+/// request at the engine's next step.
+#[derive(Debug, Clone, Default)]
+pub struct CancelHandle(Arc<AtomicBool>);
+
+impl CancelHandle {
+    pub fn new() -> Self {
+        CancelHandle::default()
+    }
+
+    /// Asks the engine to stop the request (idempotent).
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+/// One generation request as the engine sees it (already tokenized).
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// Chosen by the caller; unique among the requests the engine holds.
+    pub id: u64,
+    pub prompt_ids: Vec<u32>,
+    /// Sampling for choice `i` uses `sampling` with `seed + i`, so choices differ and are
+    /// reproducible.
+    pub sampling: SamplingParams,
+    /// Generated tokens per choice at most (an ending EOS included).
+    pub max_new_tokens: usize,
+    /// Generation of a choice ends when its text contains one of these; the stop string is
+    /// never emitted.
+    pub stop: Vec<String>,
+    /// Keep going past EOS ids (up to `max_new_tokens`).
+    pub ignore_eos: bool,
+    /// Parallel samples from the same prompt (OpenAI `n`), at least 1. They share the prompt's
+    /// KV blocks in the batching engine.
+    pub n: usize,
+    /// `Some(k)`: every token event carries the chosen token's log-probability and the `k`
+    /// (at most [`MAX_TOP_LOGPROBS`]) most likely alternatives, from the model's raw logits.
+    pub logprobs: Option<usize>,
+    /// Stream text with the tokens (false: ids only, as `bench` wants).
+    pub detokenize: bool,
+    pub cancel: CancelHandle,
+}
+
+/// The largest `top_logprobs` a request may ask for (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+impl Request {
+    /// A greedy, text-streaming, single-choice request with no stop strings.
+    pub fn new(id: u64, prompt_ids: Vec<u32>, max_new_tokens: usize) -> Self {
+        Request {
+            id,
+            prompt_ids,
+            sampling: SamplingParams::greedy(),
+            max_new_tokens,
+            stop: Vec::new(),
+            ignore_eos: false,
+            n: 1,
+            logprobs: None,
+            detokenize: true,
+            cancel: CancelHandle::new(),
+        }
+    }
+}
+
+/// The log-probability of a generated token and its best alternatives.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TokenLogprob {
+    pub id: u32,
+    pub logprob: f32,
+    /// `(id, logprob)`, most likely first; as many as the request asked for.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Why a choice ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// The model produced an EOS id.
+    Eos,
+    /// A stop string appeared in the text.
+    StopString,
+    /// `max_new_tokens` were generated.
+    Length,
+    /// The sequence reached the engine's context size.
+    ContextFull,
+    /// The request was cancelled.
+    Cancelled,
+}
+
+impl StopReason {
+    /// The OpenAI `finish_reason`: `stop` for EOS and stop strings, `length` for the limits.
+    pub fn openai(self) -> &'static str {
+        match self {
+            StopReason::Eos | StopReason::StopString => "stop",
+            StopReason::Length | StopReason::ContextFull => "length",
+            StopReason::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// Token counts of one choice.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose keys and values came from the prefix cache (not computed).
+    pub cached_prompt_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+/// What happened to one choice of one request during a step.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EventKind {
+    /// A token was generated. `text` is the text it completes (possibly empty: an incomplete
+    /// UTF-8 character or the start of a possible stop string is held back), never part of a
+    /// stop string; empty when the request does not detokenize.
+    Token { id: u32, text: String, logprob: Option<TokenLogprob> },
+    /// The choice ended. `text` is whatever was held back and is now released (may be empty).
+    Finished { reason: StopReason, text: String, usage: Usage },
+}
+
+/// One event for choice `index` of request `request`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Event {
+    pub request: u64,
+    pub index: usize,
+    pub kind: EventKind,
+}
+
+/// Counters and gauges, for `/metrics` and `bench`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct EngineStats {
+    /// Sequences (choices) in the running batch.
+    pub running: usize,
+    /// Sequences waiting to be admitted (queued or preempted).
+    pub waiting: usize,
+    pub kv_blocks_total: usize,
+    /// Blocks referenced by a live sequence (cached-but-unreferenced blocks count as free).
+    pub kv_blocks_used: usize,
+    /// Unreferenced blocks that still hold a cached prefix.
+    pub kv_blocks_cached: usize,
+    pub prompt_tokens_total: u64,
+    pub generation_tokens_total: u64,
+    /// Prompt tokens looked up in the prefix cache, and those found.
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+    pub preemptions: u64,
+    pub steps: u64,
+}
+
+impl EngineStats {
+    /// Fraction of the KV blocks held by live sequences.
+    pub fn kv_usage(&self) -> f64 {
+        if self.kv_blocks_total == 0 { 0.0 } else { self.kv_blocks_used as f64 / self.kv_blocks_total as f64 }
+    }
+}
+
+/// What a serving engine is and holds, fixed once built.
+#[derive(Debug, Clone, Serialize)]
+pub struct EngineInfo {
+    /// `kylin` or `llama.cpp`.
+    pub backend: String,
+    pub architecture: String,
+    pub vocab_size: usize,
+    /// Longest sequence (prompt and generated tokens) one request may reach.
+    pub context_size: usize,
+    /// Sequences that can run in one batch.
+    pub max_seqs: usize,
+    /// Tokens in one step's batch.
+    pub max_batch_tokens: usize,
+    pub kv_block_size: usize,
+    pub kv_blocks: usize,
+    /// `kv_blocks * kv_block_size`: positions the KV cache holds in all.
+    pub kv_tokens: usize,
+    pub kv_bytes: u64,
+    /// `f32`, `f16` or `bf16`.
+    pub kv_dtype: String,
+    pub threads: usize,
+    pub has_tokenizer: bool,
+    pub eos_ids: Vec<u32>,
+}
+
+/// A request-level engine: the batching engine or one backend run one sequence at a time.
+///
+/// Text methods run on the thread that owns the engine. Engines need not be `Send` (llama.cpp's
+/// context is not): build one on the thread that will drive it.
+pub trait Serving {
+    fn info(&self) -> EngineInfo;
+
+    /// The model's published sampling defaults (`generation_config.json`).
+    fn generation_defaults(&self) -> kylin_loader::GenerationDefaults;
+
+    /// Validates and queues a request: `INPUT_INVALID` for no prompt ids, an id outside the
+    /// vocabulary, `n` of 0 or above `max_seqs`, too many top log-probabilities or bad sampling
+    /// parameters; `CONTEXT_OVERFLOW` if the prompt leaves no room for one generated token.
+    /// Nothing is queued on error.
+    fn add_request(&mut self, request: Request) -> Result<()>;
+
+    /// Runs one step (one forward pass over the batch, or nothing when idle) and appends what
+    /// happened to `events`. Returns an error only for an internal failure of the backend;
+    /// requests never make a step fail.
+    fn step(&mut self, events: &mut Vec<Event>) -> Result<()>;
+
+    /// True while some request is queued or running.
+    fn has_work(&self) -> bool;
+
+    fn stats(&self) -> EngineStats;
+
+    fn tokenize(&self, text: &str, add_special: bool) -> Result<Vec<u32>>;
+
+    fn detokenize(&self, ids: &[u32], skip_special: bool) -> Result<String>;
+
+    fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String>;
+}
