@@ -237,6 +237,13 @@ pub struct BenchArgs {
     /// Measured repetitions per model (after one warm-up).
     #[arg(long, default_value_t = 3)]
     pub repetitions: usize,
+    /// Submit this many sequences at once (distinct prompts) and measure the batching engine:
+    /// aggregate decode throughput, time to first token and inter-token latency percentiles.
+    #[arg(long, value_name = "N")]
+    pub concurrency: Option<usize>,
+    /// With --concurrency: every prompt begins with the same N tokens (a shared system prompt).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub shared_prefix: usize,
     #[arg(long)]
     pub json: bool,
 }
@@ -252,4 +259,8 @@ pub struct BenchWorkerArgs {
     /// Skip the in-process warm-up pass.
     #[arg(long)]
     pub no_warmup: bool,
+    #[arg(long)]
+    pub concurrency: Option<usize>,
+    #[arg(long, default_value_t = 0)]
+    pub shared_prefix: usize,
 }

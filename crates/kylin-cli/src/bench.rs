@@ -73,6 +73,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
             KylinError::input_invalid("--prompt-tokens, --gen-tokens and --repetitions must be at least 1").into()
         );
     }
+    if let Some(n) = args.concurrency {
+        crate::bench_concurrent::check(n, args.prompt_tokens, args.shared_prefix)?;
+    }
     let threads = threads(&args.model)?;
     let mut models = vec![args.model.clone()];
     if let Some(vs) = &args.vs {
@@ -88,6 +91,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let pool = kylin_kernels::ThreadPool::new(threads);
     let mut bandwidths = Vec::new();
 
+    if args.concurrency.is_some() {
+        drop(pool);
+        return run_concurrent(&args, &models, threads);
+    }
     // One warm-up round (page cache, CPU frequency), then alternating measured rounds.
     let mut samples: Vec<Vec<BenchSample>> = vec![Vec::new(); models.len()];
     for round in 0..=args.repetitions {
@@ -144,6 +151,104 @@ pub fn run(args: BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// `--concurrency`: alternating rounds of concurrent workers, then medians, ratios and a table.
+fn run_concurrent(args: &BenchArgs, models: &[ModelArgs], threads: usize) -> Result<()> {
+    use crate::bench_concurrent::{ConcurrentSample, summarize_samples};
+    let mut samples: Vec<Vec<ConcurrentSample>> = vec![Vec::new(); models.len()];
+    for round in 0..=args.repetitions {
+        for (i, model) in models.iter().enumerate() {
+            let value = spawn_worker_json(model, threads, args)?;
+            let sample: ConcurrentSample = serde_json::from_value(value)?;
+            if !args.json {
+                let label = if round == 0 { "warm-up".to_string() } else { format!("run {round}") };
+                eprintln!(
+                    "{label:>8} {:<10} aggregate decode {:>7.1} tok/s  ttft p50 {:>8.1} ms  itl p99 {:>7.1} ms",
+                    sample.backend, sample.aggregate_decode_tok_s, sample.ttft_ms_p50, sample.itl_ms_p99
+                );
+            }
+            if round > 0 {
+                samples[i].push(sample);
+            }
+        }
+    }
+    let summaries: Vec<serde_json::Value> = samples.iter().map(|s| summarize_samples(s)).collect();
+    let figure = |v: &serde_json::Value, k: &str| v.get(k).and_then(|x| x.as_f64()).unwrap_or(f64::NAN);
+    let ratio = (summaries.len() == 2).then(|| {
+        serde_json::json!({
+            "aggregate_decode_tok_s": figure(&summaries[0], "aggregate_decode_tok_s") / figure(&summaries[1], "aggregate_decode_tok_s"),
+            "ttft_ms_p50": figure(&summaries[0], "ttft_ms_p50") / figure(&summaries[1], "ttft_ms_p50"),
+            "itl_ms_p99": figure(&summaries[0], "itl_ms_p99") / figure(&summaries[1], "itl_ms_p99"),
+        })
+    });
+    if args.json {
+        let a = &summaries[0];
+        let mut out = a.clone();
+        if let Some(obj) = out.as_object_mut() {
+            obj.insert("repetitions".into(), args.repetitions.into());
+            obj.insert("results".into(), serde_json::Value::Array(summaries.clone()));
+            obj.insert("ratios".into(), ratio.clone().unwrap_or(serde_json::Value::Null));
+        }
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!(
+        "kylin bench: {} sequences at once, {} prompt tokens ({} shared), {} generated each, {} threads, median of {} runs",
+        args.concurrency.unwrap_or(1),
+        args.prompt_tokens,
+        args.shared_prefix,
+        args.gen_tokens,
+        threads,
+        args.repetitions
+    );
+    println!(
+        "{:<10} {:>10} {:>9} {:>10} {:>10} {:>9} {:>9} {:>9} {:>11} {:>8}",
+        "backend",
+        "agg tok/s",
+        "seq tok/s",
+        "ttft p50",
+        "ttft p99",
+        "itl p50",
+        "itl p99",
+        "kv blocks",
+        "preemptions",
+        "rss MB"
+    );
+    for s in &summaries {
+        let opt = |k: &str| s.get(k).and_then(|x| x.as_f64()).map_or("-".to_string(), |v| format!("{v:.0}"));
+        println!(
+            "{:<10} {:>10.1} {:>9.2} {:>8.1}ms {:>8.1}ms {:>7.1}ms {:>7.1}ms {:>9} {:>11} {:>8.1}",
+            s["backend"].as_str().unwrap_or("?"),
+            figure(s, "aggregate_decode_tok_s"),
+            figure(s, "decode_tok_s"),
+            figure(s, "ttft_ms_p50"),
+            figure(s, "ttft_ms_p99"),
+            figure(s, "itl_ms_p50"),
+            figure(s, "itl_ms_p99"),
+            opt("kv_blocks"),
+            opt("preemptions"),
+            figure(s, "peak_rss_mb"),
+        );
+        if let Some(rate) = s.get("prefix_hit_rate").and_then(|x| x.as_f64()) {
+            println!(
+                "{}: prefix hit rate {:.1}%, ttft of the first request {:.1} ms, of the others (median) {:.1} ms",
+                s["backend"].as_str().unwrap_or("?"),
+                rate * 100.0,
+                figure(s, "ttft_first_ms"),
+                figure(s, "ttft_rest_ms_p50")
+            );
+        }
+    }
+    if let Some(r) = ratio {
+        println!(
+            "ratio A/B: aggregate decode {:.2}x, ttft p50 {:.2}x, itl p99 {:.2}x",
+            figure(&r, "aggregate_decode_tok_s"),
+            figure(&r, "ttft_ms_p50"),
+            figure(&r, "itl_ms_p99")
+        );
+    }
+    Ok(())
+}
+
 /// Ratios A / B of the figures where bigger is better, and of the costs.
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchRatios {
@@ -165,7 +270,7 @@ fn ratios(a: &BenchSummary, b: &BenchSummary) -> BenchRatios {
     }
 }
 
-fn median(mut values: Vec<f64>) -> f64 {
+pub(crate) fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     let n = values.len();
     if n == 0 {
@@ -252,6 +357,11 @@ fn backend_flag(choice: BackendChoice) -> &'static str {
 
 /// Runs one repetition in a fresh process and reads its JSON.
 fn spawn_worker(model: &ModelArgs, threads: usize, args: &BenchArgs) -> Result<BenchSample> {
+    Ok(serde_json::from_value(spawn_worker_json(model, threads, args)?)?)
+}
+
+/// Runs one repetition in a fresh process and returns its JSON object.
+fn spawn_worker_json(model: &ModelArgs, threads: usize, args: &BenchArgs) -> Result<serde_json::Value> {
     let exe = std::env::current_exe().context("cannot find the kylin executable")?;
     let mut cmd = Command::new(exe);
     cmd.arg("bench-worker")
@@ -265,6 +375,29 @@ fn spawn_worker(model: &ModelArgs, threads: usize, args: &BenchArgs) -> Result<B
     }
     if let Some(map) = &model.tensor_map {
         cmd.arg("--tensor-map").arg(map);
+    }
+    if let Some(n) = args.concurrency {
+        cmd.args(["--concurrency", &n.to_string()]).args(["--shared-prefix", &args.shared_prefix.to_string()]);
+    }
+    let e = &model.engine;
+    for (flag, value) in [
+        ("--kv-memory", e.kv_memory.clone()),
+        ("--memory-fraction", e.memory_fraction.map(|f| f.to_string())),
+        ("--max-seqs", e.max_seqs.map(|v| v.to_string())),
+        ("--max-batch-tokens", e.max_batch_tokens.map(|v| v.to_string())),
+        ("--kv-block-size", e.kv_block_size.map(|v| v.to_string())),
+        (
+            "--kv-dtype",
+            e.kv_dtype.map(|d| match d {
+                crate::args::KvDTypeArg::F32 => "f32".to_string(),
+                crate::args::KvDTypeArg::F16 => "f16".to_string(),
+                crate::args::KvDTypeArg::Bf16 => "bf16".to_string(),
+            }),
+        ),
+    ] {
+        if let Some(v) = value {
+            cmd.args([flag, &v]);
+        }
     }
     let output = cmd.env("KYLIN_QUIET", "1").output().context("cannot start a bench worker")?;
     let stdout = String::from_utf8_lossy(&output.stdout);
@@ -282,14 +415,19 @@ fn spawn_worker(model: &ModelArgs, threads: usize, args: &BenchArgs) -> Result<B
         let message = err.get("message").and_then(|c| c.as_str()).unwrap_or("");
         return Err(anyhow::anyhow!("[{code}] bench of {}: {message}", model.model.display()));
     }
-    Ok(serde_json::from_value(value)?)
+    Ok(value)
 }
 
 /// Deterministic prompt ids spread over the ordinary part of the vocabulary, identical for both
 /// models of a `--vs` run when they share a vocabulary.
 fn bench_prompt(len: usize, vocab: usize) -> Vec<u32> {
+    bench_prompt_seeded(len, vocab, 0)
+}
+
+/// [`bench_prompt`] from another seed (seed 0 is `bench_prompt` itself).
+pub(crate) fn bench_prompt_seeded(len: usize, vocab: usize, seed: u64) -> Vec<u32> {
     let span = vocab.clamp(2, 30_000) as u64 - 1;
-    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut state = 0x9E37_79B9_7F4A_7C15u64 ^ seed.wrapping_mul(0xD6E8_FEB8_6659_FD93);
     (0..len)
         .map(|_| {
             // SplitMix64: deterministic and well spread.
@@ -315,6 +453,9 @@ pub fn peak_rss_mb() -> f64 {
 
 /// One repetition: load, (warm up), prefill, decode greedily; prints one JSON object.
 pub fn worker(args: BenchWorkerArgs) -> Result<()> {
+    if let Some(n) = args.concurrency {
+        return crate::bench_concurrent::worker(&args, n);
+    }
     let mut model = args.model.clone();
     if model.ctx_size.is_none() {
         model.ctx_size = Some(args.prompt_tokens + args.gen_tokens + 1);

@@ -7,6 +7,7 @@
 
 mod args;
 mod bench;
+mod bench_concurrent;
 mod chat;
 mod inspect;
 mod logits;

@@ -4,10 +4,12 @@ use std::time::Instant;
 
 use anyhow::Result;
 use kylin_engine::Backend;
+use kylin_engine::batch::{DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_SEQS, EngineOptions, KvBudget};
 use kylin_engine::native::{NativeBackend, NativeOptions};
+use kylin_kernels::WeightDType;
 use kylin_loader::{Format, KylinError, LoadOptions};
 
-use crate::args::{BackendChoice, ModelArgs};
+use crate::args::{BackendChoice, KvDTypeArg, ModelArgs};
 
 /// A ready backend and what it cost to get there.
 pub struct Opened {
@@ -79,12 +81,96 @@ pub fn open(args: &ModelArgs, require_tokenizer: bool) -> Result<Opened> {
         tracing_warning(warning);
     }
     let tokenizer_ms = model.timings.tokenizer_ms;
-    let backend =
-        NativeBackend::new(model, NativeOptions { threads, ctx_size: args.ctx_size, chat_template_override })?;
+    let engine = engine_options(args, threads, 1)?;
+    let backend = NativeBackend::new(
+        model,
+        NativeOptions { threads, ctx_size: args.ctx_size, chat_template_override, engine: Some(engine) },
+    )?;
     Ok(Opened {
         backend: Box::new(backend),
         load_ms: started.elapsed().as_secs_f64() * 1e3,
         tokenizer_ms: Some(tokenizer_ms),
+    })
+}
+
+/// Opens a model as a request-level engine for `serve`: the continuous-batching engine for
+/// Hugging Face models, llama.cpp one sequence at a time for GGUF files. Called on the thread
+/// that will drive the engine (llama.cpp's context must stay on one thread).
+pub fn open_engine(args: &ModelArgs) -> Result<Box<dyn kylin_engine::Serving>> {
+    let format = kylin_loader::detect(&args.model)?;
+    let gguf = matches!(format, Format::Gguf { .. });
+    if gguf || args.backend == BackendChoice::LlamaCpp {
+        let opened = open(args, false)?;
+        return Ok(Box::new(kylin_engine::SerialEngine::new(opened.backend)));
+    }
+    let threads = threads(args)?;
+    let opts = LoadOptions {
+        tensor_map: args.tensor_map.clone(),
+        allow_vocab_mismatch: args.allow_vocab_mismatch,
+        require_tokenizer: false,
+        prefetch: true,
+    };
+    let model = kylin_loader::load(&args.model, &opts)?;
+    for warning in &model.warnings {
+        tracing_warning(warning);
+    }
+    let engine = engine_options(args, threads, DEFAULT_MAX_SEQS)?;
+    Ok(Box::new(kylin_engine::batch::BatchEngine::new(model, &engine)?))
+}
+
+/// Parses a memory size: a number of bytes with an optional unit (`B`, `KiB`, `MiB`, `GiB`,
+/// `TiB`, or the decimal `KB`, `MB`, `GB`, `TB`; case-insensitive), e.g. `2GiB` or `1.5GB`.
+pub fn parse_size(text: &str) -> Result<u64> {
+    let t = text.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let bad = || {
+        KylinError::input_invalid(format!(
+            "--kv-memory '{text}' is not a size; expected a number with a unit such as 2GiB, 512MiB or 1.5GB"
+        ))
+    };
+    let value: f64 = number.parse().map_err(|_| bad())?;
+    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kib" => 1024.0,
+        "m" | "mib" => 1024.0 * 1024.0,
+        "g" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        "t" | "tib" => 1024.0f64.powi(4),
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        _ => return Err(bad().into()),
+    };
+    let bytes = value * scale;
+    if !(bytes.is_finite() && bytes >= 1.0 && bytes < u64::MAX as f64) {
+        return Err(bad().into());
+    }
+    Ok(bytes as u64)
+}
+
+/// The engine's sizing from the flags; `default_max_seqs` applies when `--max-seqs` is absent.
+pub fn engine_options(args: &ModelArgs, threads: usize, default_max_seqs: usize) -> Result<EngineOptions> {
+    let e = &args.engine;
+    let kv_budget = match (&e.kv_memory, e.memory_fraction) {
+        (Some(size), _) => KvBudget::Bytes(parse_size(size)?),
+        (None, Some(f)) => KvBudget::Fraction(f),
+        (None, None) => KvBudget::Default,
+    };
+    let kv_dtype = match e.kv_dtype.unwrap_or(KvDTypeArg::F32) {
+        KvDTypeArg::F32 => WeightDType::F32,
+        KvDTypeArg::F16 => WeightDType::F16,
+        KvDTypeArg::Bf16 => WeightDType::BF16,
+    };
+    Ok(EngineOptions {
+        threads,
+        ctx_size: args.ctx_size,
+        kv_budget,
+        kv_dtype,
+        max_seqs: e.max_seqs.unwrap_or(default_max_seqs.min(DEFAULT_MAX_SEQS).max(1)),
+        max_batch_tokens: e.max_batch_tokens.unwrap_or(DEFAULT_MAX_BATCH_TOKENS),
+        block_size: e.kv_block_size.unwrap_or(DEFAULT_BLOCK_SIZE),
+        chat_template_override: read_chat_template(args)?,
     })
 }
 

@@ -3,9 +3,10 @@
 //! that llama.cpp also implements.
 
 pub mod backend;
+pub mod batch;
 pub mod detok;
 pub mod generate;
-pub mod kv_cache;
+pub mod kv_pool;
 pub mod model;
 pub mod native;
 pub mod rope;

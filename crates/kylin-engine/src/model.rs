@@ -9,15 +9,19 @@
 //! - Weights are read in place, in their stored dtype (BF16, F16 or F32); nothing is copied.
 //! - Every shape is checked in [`Model::new`]; the forward pass never re-checks or branches on a
 //!   format.
-//! - All run-time memory ([`State`]: KV cache, RoPE tables, activations) is planned by
-//!   [`Model::plan`] from the configuration, the context size and the largest prefill chunk;
-//!   [`Model::decode`] allocates nothing.
+//! - Activations ([`Scratch`]) are planned by [`Model::plan_scratch`] from the configuration and
+//!   the batch limits; the KV cache is the engine's paged [`KvPool`]; [`Model::forward`] allocates
+//!   nothing.
+//! - A forward pass runs a [`BatchPlan`]: segments of many sequences, each at its own positions.
+//!   Linear layers run once over all tokens; norms and RoPE per token; attention per sequence
+//!   over its own blocks. A token's result does not depend on the other segments (batch
+//!   invariance), as long as the kernels reduce in the same order for any token count.
 //! - Compute is float32 in the same order of operations as transformers' eager float32 path.
 
 use kylin_kernels::{self as kernels, ThreadPool, WeightDType, WeightMatrix, WeightVector};
 use kylin_loader::{DType, KylinError, LayerWeights, ModelConfig, ModelWeights, Result, RopeConfig, WeightTensor};
 
-use crate::kv_cache::KvCache;
+use crate::kv_pool::KvPool;
 use crate::rope::Rope;
 
 /// The largest number of prompt tokens run through the layers at once; longer prompts are
@@ -212,27 +216,93 @@ impl Dims {
     }
 }
 
-/// Which logits a forward call produces.
-enum Logits<'a> {
-    /// None (an inner prefill chunk).
-    Skip,
-    /// The last position's row, into [`State`]'s logits buffer.
-    Last,
-    /// Every position's row, `(n, vocab)`, into the given slice.
-    All(&'a mut [f32]),
+/// One sequence's part of a batch: `n` consecutive tokens starting at position `start` of
+/// the sequence, whose earlier positions are in the KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    /// Index of the segment's first token in [`BatchPlan::ids`].
+    pub t0: usize,
+    pub n: usize,
+    /// Position of the first token in its sequence.
+    pub start: usize,
+    /// The sequence's block table is `block_ids[b0..b0 + nb]` of the plan; it covers every
+    /// position up to `start + n`.
+    pub b0: usize,
+    pub nb: usize,
+    /// Row of the logits buffer that receives the segment's last token's logits, if wanted.
+    /// Rows are numbered `0..` in segment order.
+    pub logits_row: Option<usize>,
 }
 
-/// Activation buffers for up to `max_tokens` positions per forward call.
+/// What one forward pass computes: the tokens of every segment, back to back.
+/// Built anew each step into the same buffers (their capacity is planned; nothing reallocates).
+#[derive(Debug, Default)]
+pub struct BatchPlan {
+    pub ids: Vec<u32>,
+    pub segments: Vec<Segment>,
+    pub block_ids: Vec<u32>,
+    /// Segments whose logits are wanted.
+    pub logit_rows: usize,
+}
+
+impl BatchPlan {
+    /// Empty buffers with room for `max_tokens` tokens, `max_segments` segments and
+    /// `max_blocks` block ids.
+    pub fn with_capacity(max_tokens: usize, max_segments: usize, max_blocks: usize) -> Self {
+        BatchPlan {
+            ids: Vec::with_capacity(max_tokens),
+            segments: Vec::with_capacity(max_segments),
+            block_ids: Vec::with_capacity(max_blocks),
+            logit_rows: 0,
+        }
+    }
+
+    pub fn clear(&mut self) {
+        self.ids.clear();
+        self.segments.clear();
+        self.block_ids.clear();
+        self.logit_rows = 0;
+    }
+
+    /// Adds a segment of `ids` at position `start` of a sequence with block table `blocks`;
+    /// returns its logits row when `logits` is asked for.
+    pub fn push(&mut self, ids: &[u32], start: usize, blocks: &[u32], logits: bool) -> Option<usize> {
+        let logits_row = logits.then(|| {
+            self.logit_rows += 1;
+            self.logit_rows - 1
+        });
+        self.segments.push(Segment {
+            t0: self.ids.len(),
+            n: ids.len(),
+            start,
+            b0: self.block_ids.len(),
+            nb: blocks.len(),
+            logits_row,
+        });
+        self.ids.extend_from_slice(ids);
+        self.block_ids.extend_from_slice(blocks);
+        logits_row
+    }
+
+    pub fn tokens(&self) -> usize {
+        self.ids.len()
+    }
+}
+
+/// Activation buffers for up to `max_tokens` tokens and `max_segments` segments per forward
+/// pass, with attention scores for sequences of up to `context` positions.
 #[derive(Debug)]
-struct Scratch {
+pub struct Scratch {
     max_tokens: usize,
+    max_segments: usize,
+    context: usize,
     /// Residual stream, `(max_tokens, hidden)`.
     x: Vec<f32>,
     /// Normalised input of a block, `(max_tokens, hidden)`.
     xn: Vec<f32>,
     /// Queries, `(max_tokens, n_heads * head_dim)`.
     q: Vec<f32>,
-    /// Keys and values of the chunk, `(max_tokens, n_kv_heads * head_dim)`.
+    /// Keys and values of the batch, `(max_tokens, n_kv_heads * head_dim)`.
     k: Vec<f32>,
     v: Vec<f32>,
     /// Attention output, `(max_tokens, n_heads * head_dim)`.
@@ -242,50 +312,42 @@ struct Scratch {
     /// MLP gate and up projections, `(max_tokens, intermediate)`.
     gate: Vec<f32>,
     up: Vec<f32>,
-    /// One score row per query head, `(n_heads, context)`.
+    /// One score row per segment and query head, `(max_segments, n_heads, context)`.
     scores: Vec<f32>,
     /// One head for the in-place q/k norm, `(head_dim)`.
     head_tmp: Vec<f32>,
-    /// The final-normed last position, `(hidden)`.
-    last_hidden: Vec<f32>,
-    /// Logits of the last position, `(vocab)`.
+    /// Final-normed last rows of the segments that want logits, `(max_segments, hidden)`.
+    logit_hidden: Vec<f32>,
+    /// Their logits, `(max_segments, vocab)`.
     logits: Vec<f32>,
 }
 
-/// Everything a sequence needs at run time, planned once: KV cache, RoPE tables, activations.
-#[derive(Debug)]
-pub struct State {
-    rope: Rope,
-    cache: KvCache,
-    scratch: Scratch,
-    /// Tokens in the cache.
-    position: usize,
-}
-
-impl State {
-    /// Tokens currently in the KV cache.
-    pub fn position(&self) -> usize {
-        self.position
+impl Scratch {
+    pub fn max_tokens(&self) -> usize {
+        self.max_tokens
     }
 
-    /// Maximum number of tokens the cache holds.
-    pub fn capacity(&self) -> usize {
-        self.cache.capacity()
+    /// Bytes of all buffers.
+    pub fn bytes(&self) -> u64 {
+        let elements = self.x.len()
+            + self.xn.len()
+            + self.q.len()
+            + self.k.len()
+            + self.v.len()
+            + self.attn.len()
+            + self.proj.len()
+            + self.gate.len()
+            + self.up.len()
+            + self.scores.len()
+            + self.head_tmp.len()
+            + self.logit_hidden.len()
+            + self.logits.len();
+        (elements * std::mem::size_of::<f32>()) as u64
     }
 
-    /// Forgets the sequence (the cache contents are overwritten as new tokens arrive).
-    pub fn reset(&mut self) {
-        self.position = 0;
-    }
-
-    /// Keeps the first `len` cached tokens and forgets the rest (no-op if fewer are cached).
-    pub fn truncate(&mut self, len: usize) {
-        self.position = self.position.min(len);
-    }
-
-    /// Bytes of the KV cache.
-    pub fn kv_cache_bytes(&self) -> usize {
-        self.cache.bytes()
+    /// Logits row `row` of the last forward pass, `(vocab)`.
+    pub fn logits(&self, row: usize, vocab: usize) -> &[f32] {
+        &self.logits[row * vocab..(row + 1) * vocab]
     }
 }
 
@@ -418,21 +480,28 @@ impl Model {
         layers + self.final_norm.tensor.byte_len() as u64 + self.lm_head.byte_len() + embed_row
     }
 
-    /// Plans all run-time memory for `context` positions and prefill chunks of up to `max_chunk`
-    /// tokens. `CONFIG_INVALID` if a size overflows.
-    pub fn plan(&self, context: usize, max_chunk: usize) -> Result<State> {
+    /// Plans the activation buffers for forward passes of up to `max_tokens` tokens in up to
+    /// `max_segments` segments over sequences of up to `context` positions. `CONFIG_INVALID` if
+    /// a size overflows.
+    pub fn plan_scratch(&self, max_tokens: usize, max_segments: usize, context: usize) -> Result<Scratch> {
         let d = &self.dims;
-        let max_tokens = max_chunk.clamp(1, context.max(1));
+        let max_tokens = max_tokens.max(1);
+        let max_segments = max_segments.clamp(1, max_tokens);
         let sized = |rows: usize, cols: usize, what: &str| -> Result<Vec<f32>> {
             let len = rows.checked_mul(cols).ok_or_else(|| {
                 KylinError::config_invalid(format!(
-                    "{what} buffer of {rows} x {cols} overflows; pass a smaller --ctx-size"
+                    "{what} buffer of {rows} x {cols} overflows; pass a smaller --ctx-size or --max-batch-tokens"
                 ))
             })?;
             Ok(vec![0.0; len])
         };
-        let scratch = Scratch {
+        let score_rows = max_segments.checked_mul(d.n_heads).ok_or_else(|| {
+            KylinError::config_invalid(format!("{max_segments} sequences x {} heads overflows", d.n_heads))
+        })?;
+        Ok(Scratch {
             max_tokens,
+            max_segments,
+            context,
             x: sized(max_tokens, d.hidden, "residual")?,
             xn: sized(max_tokens, d.hidden, "norm")?,
             q: sized(max_tokens, d.q_dim(), "query")?,
@@ -442,143 +511,101 @@ impl Model {
             proj: sized(max_tokens, d.hidden, "projection")?,
             gate: sized(max_tokens, d.intermediate, "gate")?,
             up: sized(max_tokens, d.intermediate, "up")?,
-            scores: sized(d.n_heads, context, "attention score")?,
+            scores: sized(score_rows, context, "attention score")?,
             head_tmp: sized(1, d.head_dim, "head")?,
-            last_hidden: sized(1, d.hidden, "hidden")?,
-            logits: sized(1, d.vocab, "logits")?,
-        };
-        Ok(State {
-            rope: Rope::new(&self.rope_config, d.head_dim, context)?,
-            cache: KvCache::new(d.n_layers, d.n_kv_heads, d.head_dim, context)?,
-            scratch,
-            position: 0,
+            logit_hidden: sized(max_segments, d.hidden, "hidden")?,
+            logits: sized(max_segments, d.vocab, "logits")?,
         })
     }
 
-    /// Checks that `ids` are valid token ids and fit after the cached tokens: `INPUT_INVALID`
-    /// for no ids or an id outside the vocabulary, `CONTEXT_OVERFLOW` if they do not fit.
-    pub fn check_input(&self, state: &State, ids: &[u32]) -> Result<()> {
-        if ids.is_empty() {
-            return Err(KylinError::input_invalid("prefill needs at least one token id; got none"));
-        }
-        let capacity = state.capacity();
-        let needed = state.position.saturating_add(ids.len());
-        if needed > capacity {
-            return Err(KylinError::context_overflow(format!(
-                "{} tokens after {} cached need a context of {needed} positions, but the context size is {capacity}; \
-                 pass a larger --ctx-size (the model supports up to {})",
-                ids.len(),
-                state.position,
-                self.max_position_embeddings
-            )));
-        }
-        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= self.dims.vocab) {
-            return Err(KylinError::input_invalid(format!(
-                "token id {bad} is outside the model's vocabulary of {} ids",
-                self.dims.vocab
-            )));
-        }
-        Ok(())
+    /// RoPE tables for positions `0..context`.
+    pub fn rope(&self, context: usize) -> Result<Rope> {
+        Rope::new(&self.rope_config, self.dims.head_dim, context)
     }
 
-    /// Appends `ids` to the sequence (in chunks of the planned size) and returns the logits of
-    /// the last one, `(vocab)`.
-    pub fn prefill<'s>(&self, pool: &ThreadPool, state: &'s mut State, ids: &[u32]) -> Result<&'s [f32]> {
-        self.check_input(state, ids)?;
-        // RoPE sees the whole call at once, as transformers does for a single forward.
-        state.rope.prepare(state.position, state.position + ids.len());
-        let chunk = state.scratch.max_tokens;
-        let n_chunks = ids.len().div_ceil(chunk);
-        for (i, part) in ids.chunks(chunk).enumerate() {
-            let logits = if i + 1 == n_chunks { Logits::Last } else { Logits::Skip };
-            self.forward(pool, state, part, logits);
-        }
-        Ok(&state.scratch.logits)
-    }
-
-    /// Appends `ids` and writes the logits of every position into `out`, `(ids.len(), vocab)`.
-    /// `INPUT_INVALID` if `out` has the wrong length.
-    pub fn prefill_all_logits(&self, pool: &ThreadPool, state: &mut State, ids: &[u32], out: &mut [f32]) -> Result<()> {
-        self.check_input(state, ids)?;
-        if out.len() != ids.len() * self.dims.vocab {
-            return Err(KylinError::input_invalid(format!(
-                "logits buffer holds {} values; expected {} tokens x {} vocab",
-                out.len(),
-                ids.len(),
-                self.dims.vocab
-            )));
-        }
-        state.rope.prepare(state.position, state.position + ids.len());
-        let chunk = state.scratch.max_tokens;
-        for (part, rows) in ids.chunks(chunk).zip(out.chunks_mut(chunk * self.dims.vocab)) {
-            self.forward(pool, state, part, Logits::All(rows));
-        }
-        Ok(())
-    }
-
-    /// Appends one token and returns its logits, `(vocab)`. Allocates nothing.
-    pub fn decode<'s>(&self, pool: &ThreadPool, state: &'s mut State, id: u32) -> Result<&'s [f32]> {
-        let ids = std::slice::from_ref(&id);
-        self.check_input(state, ids)?;
-        state.rope.prepare(state.position, state.position + 1);
-        self.forward(pool, state, ids, Logits::Last);
-        Ok(&state.scratch.logits)
-    }
-
-    /// One forward call over `ids` at positions `position..position + n`, `n <= max_tokens`,
-    /// with the RoPE rows already prepared. Appends to the KV cache.
-    fn forward(&self, pool: &ThreadPool, state: &mut State, ids: &[u32], logits: Logits<'_>) {
+    /// One forward pass over every segment of `plan`: appends each segment's keys and values to
+    /// its blocks in `kv` and writes the logits of the segments that want them into `s`
+    /// (read them with [`Scratch::logits`]). With `all_logits`, the plan must hold one segment,
+    /// and the logits of all its positions are written there, `(n, vocab)`.
+    ///
+    /// The caller guarantees (the engine plans it so): at most `max_tokens` tokens and
+    /// `max_segments` segments, ids inside the vocabulary, block tables covering every position
+    /// up to `start + n <= context`, and RoPE prepared for those positions. Allocates nothing.
+    pub fn forward(
+        &self,
+        pool: &ThreadPool,
+        kv: &mut KvPool,
+        rope: &Rope,
+        s: &mut Scratch,
+        plan: &BatchPlan,
+        all_logits: Option<&mut [f32]>,
+    ) {
         let d = &self.dims;
-        let n = ids.len();
-        let start = state.position;
+        let n = plan.tokens();
         let h = d.hidden;
+        assert!(n <= s.max_tokens && plan.segments.len() <= s.max_segments, "batch larger than planned");
 
         // 1. Embedding lookup: ids (n) -> x (n, hidden).
         let embed = self.embed.matrix();
-        for (&id, row) in ids.iter().zip(state.scratch.x.chunks_exact_mut(h)) {
+        for (&id, row) in plan.ids.iter().zip(s.x.chunks_exact_mut(h)) {
             kernels::widen_row(embed, id as usize, row);
         }
 
         // 2. The decoder layers, each updating the residual stream x (n, hidden) in place.
         for (index, layer) in self.layers.iter().enumerate() {
-            self.attention_block(pool, layer, index, state, start, n);
-            self.mlp_block(pool, layer, &mut state.scratch, n);
+            self.attention_block(pool, layer, index, kv, rope, s, plan);
+            self.mlp_block(pool, layer, s, n);
         }
-        state.position = start + n;
 
         // 3. Final norm and head, only for the rows whose logits are wanted.
-        let s = &mut state.scratch;
         let norm = self.final_norm.view();
-        match logits {
-            Logits::Skip => {}
-            Logits::Last => {
-                // x[n - 1] (hidden) -> last_hidden (hidden) -> logits (1, vocab).
-                kernels::rms_norm(&s.x[(n - 1) * h..n * h], norm, d.eps, &mut s.last_hidden);
-                self.lm_head.forward(pool, &s.last_hidden, 1, &mut s.logits);
-            }
-            Logits::All(out) => {
+        match all_logits {
+            Some(out) => {
                 // x (n, hidden) -> xn (n, hidden) -> out (n, vocab).
                 for (x, xn) in s.x[..n * h].chunks_exact(h).zip(s.xn.chunks_exact_mut(h)) {
                     kernels::rms_norm(x, norm, d.eps, xn);
                 }
                 self.lm_head.forward(pool, &s.xn[..n * h], n, out);
             }
+            None => {
+                let rows = plan.logit_rows;
+                if rows == 0 {
+                    return;
+                }
+                // Last row of each segment that wants logits: x[t0 + n - 1] (hidden) ->
+                // logit_hidden[row] (hidden); then logit_hidden (rows, hidden) -> logits (rows, vocab).
+                for seg in &plan.segments {
+                    if let Some(row) = seg.logits_row {
+                        let t = seg.t0 + seg.n - 1;
+                        kernels::rms_norm(
+                            &s.x[t * h..(t + 1) * h],
+                            norm,
+                            d.eps,
+                            &mut s.logit_hidden[row * h..(row + 1) * h],
+                        );
+                    }
+                }
+                self.lm_head.forward(pool, &s.logit_hidden[..rows * h], rows, &mut s.logits[..rows * d.vocab]);
+            }
         }
     }
 
-    /// Pre-norm self-attention with grouped KV heads: `x += o_proj(attention(rope(q), rope(k), v))`.
+    /// Pre-norm self-attention with grouped KV heads over every segment of the batch:
+    /// `x += o_proj(attention(rope(q), rope(k), v))`.
+    #[allow(clippy::too_many_arguments)]
     fn attention_block(
         &self,
         pool: &ThreadPool,
         layer: &Layer,
         index: usize,
-        state: &mut State,
-        start: usize,
-        n: usize,
+        kv: &mut KvPool,
+        rope: &Rope,
+        s: &mut Scratch,
+        plan: &BatchPlan,
     ) {
         let d = &self.dims;
+        let n = plan.tokens();
         let (h, hd, q_dim, kv_dim) = (d.hidden, d.head_dim, d.q_dim(), d.kv_dim());
-        let State { rope, cache, scratch: s, .. } = state;
 
         // 1. RMSNorm: x (n, hidden) -> xn (n, hidden).
         let norm = layer.attn_norm.view();
@@ -586,7 +613,8 @@ impl Model {
             kernels::rms_norm(x, norm, d.eps, xn);
         }
 
-        // 2. Projections: xn (n, hidden) -> q (n, n_heads * head_dim), k and v (n, n_kv_heads * head_dim).
+        // 2. Projections over all tokens of all segments: xn (n, hidden) -> q (n, n_heads * head_dim),
+        //    k and v (n, n_kv_heads * head_dim).
         Linear::forward_many(
             pool,
             &s.xn[..n * h],
@@ -598,52 +626,73 @@ impl Model {
             ],
         );
 
-        // 3. Per-head RMSNorm (Qwen3), then RoPE, on every (token, head) row of q and k,
-        //    viewed as (n, heads, head_dim).
+        // 3. Per-head RMSNorm (Qwen3), then RoPE at each token's own position, on every
+        //    (token, head) row of q and k, viewed as (n, heads, head_dim); then the token's keys
+        //    and values go to its sequence's blocks.
         let tmp = &mut s.head_tmp;
-        for (qk, head_norm) in [(&mut s.q[..n * q_dim], &layer.q_norm), (&mut s.k[..n * kv_dim], &layer.k_norm)] {
-            let heads_per_token = qk.len() / (n * hd);
-            for (row, head) in qk.chunks_exact_mut(hd).enumerate() {
-                if let Some(w) = head_norm {
-                    tmp.copy_from_slice(head);
-                    kernels::rms_norm(tmp, w.view(), d.eps, head);
+        for seg in &plan.segments {
+            let blocks = &plan.block_ids[seg.b0..seg.b0 + seg.nb];
+            for t in seg.t0..seg.t0 + seg.n {
+                let pos = seg.start + (t - seg.t0);
+                let (cos, sin) = (rope.cos(pos), rope.sin(pos));
+                for (row, width, head_norm) in [
+                    (&mut s.q[t * q_dim..(t + 1) * q_dim], q_dim, &layer.q_norm),
+                    (&mut s.k[t * kv_dim..(t + 1) * kv_dim], kv_dim, &layer.k_norm),
+                ] {
+                    debug_assert_eq!(row.len(), width);
+                    for head in row.chunks_exact_mut(hd) {
+                        if let Some(w) = head_norm {
+                            tmp.copy_from_slice(head);
+                            kernels::rms_norm(tmp, w.view(), d.eps, head);
+                        }
+                        kernels::rope_rotate_half(head, cos, sin);
+                    }
                 }
-                let pos = start + row / heads_per_token;
-                kernels::rope_rotate_half(head, rope.cos(pos), rope.sin(pos));
+                // (n_kv_heads * head_dim) -> block slot of position `pos`, per KV head.
+                kv.store(index, blocks, pos, &s.k[t * kv_dim..(t + 1) * kv_dim], &s.v[t * kv_dim..(t + 1) * kv_dim]);
             }
         }
 
-        // 4. Append k and v to the cache: (n, n_kv_heads, head_dim) -> (n_kv_heads, position, head_dim).
-        cache.store(index, start, &s.k[..n * kv_dim], &s.v[..n * kv_dim]);
-
-        // 5. Causal attention, one pool task per KV head and its group of query heads, so each
-        //    head's cached keys and values are read once per token while they are in cache:
-        //    query t of head h attends to positions 0..=start + t of KV head h / group.
+        // 4. Causal attention, one pool task per (segment, KV head) with its group of query
+        //    heads, so a head's cached keys and values are read once per token while they are in
+        //    cache: query t of a segment attends to positions 0..=start + t of its own sequence.
         //    q (n, n_heads, head_dim) -> attn (n, n_heads, head_dim).
-        let cache: &KvCache = cache;
-        let context = cache.capacity();
-        let total = start + n;
+        let kv: &KvPool = kv;
+        let (keys, values) = kv.views();
+        let context = s.context;
         let group = d.group();
         let scale = d.attn_scale;
+        let n_kv = d.n_kv_heads;
+        let n_heads = d.n_heads;
         let q = &s.q[..n * q_dim];
         let attn = SharedMut::new(&mut s.attn[..n * q_dim]);
         let scores = SharedMut::new(&mut s.scores);
-        pool.run(d.n_kv_heads, &|kv_head| {
-            let keys = cache.keys(index, kv_head, total);
-            let values = cache.values(index, kv_head, total);
-            for t in 0..n {
+        let segments = &plan.segments;
+        let block_ids = &plan.block_ids;
+        pool.run(segments.len() * n_kv, &|task| {
+            let (si, kv_head) = (task / n_kv, task % n_kv);
+            let seg = segments[si];
+            let blocks = &block_ids[seg.b0..seg.b0 + seg.nb];
+            let offset = kv.head_offset(index, kv_head);
+            for t in 0..seg.n {
+                let row = seg.t0 + t;
                 for head in kv_head * group..(kv_head + 1) * group {
-                    // SAFETY: score row `head` and the (t, head) block of attn belong to the
-                    // query heads of `kv_head`, which only this task touches.
-                    let (scores, out) =
-                        unsafe { (scores.slice(head * context, context), attn.slice(t * q_dim + head * hd, hd)) };
-                    let offset = t * q_dim + head * hd;
-                    kernels::attention_head(
-                        &q[offset..offset + hd],
+                    // SAFETY: score row (si, head) and the (row, head) block of attn belong to
+                    // this task's segment and KV head group, which no other task touches.
+                    let (scores, out) = unsafe {
+                        (
+                            scores.slice((si * n_heads + head) * context, context),
+                            attn.slice(row * q_dim + head * hd, hd),
+                        )
+                    };
+                    let at = row * q_dim + head * hd;
+                    kernels::paged::attention_paged(
+                        &q[at..at + hd],
                         keys,
                         values,
-                        start + t + 1,
-                        hd,
+                        blocks,
+                        offset,
+                        seg.start + t + 1,
                         scale,
                         scores,
                         out,
@@ -652,7 +701,7 @@ impl Model {
             }
         });
 
-        // 6. Output projection and residual: attn (n, n_heads * head_dim) -> proj (n, hidden); x += proj.
+        // 5. Output projection and residual: attn (n, n_heads * head_dim) -> proj (n, hidden); x += proj.
         layer.o_proj.forward(pool, &s.attn[..n * q_dim], n, &mut s.proj[..n * h]);
         kernels::add_assign(&mut s.x[..n * h], &s.proj[..n * h]);
     }

@@ -1,32 +1,36 @@
-//! Kylin's native backend: the [`Model`] forward pass, its planned [`State`] and the model's
-//! [`TextCodec`] behind the [`Backend`] interface.
+//! Kylin's native backend: one sequence over the batching engine's [`EngineCore`] behind the
+//! [`Backend`] interface, for `run`, `chat` and `logits`.
 //!
-//! Guarantees: all memory for a sequence (KV cache, RoPE tables, activations) is planned in
-//! [`NativeBackend::new`] from the configuration and the context size; `decode` allocates
-//! nothing. A prompt that does not fit is `CONTEXT_OVERFLOW`, naming both sizes and `--ctx-size`.
+//! It is the same engine as [`crate::batch::BatchEngine`] with a batch of one: the same forward
+//! pass, the same paged KV pool and the same prefix cache. A new prompt (after [`Backend::reset`]
+//! or a rewind) takes the blocks the cache holds for its beginning, so a chat turn or a repeated
+//! prompt computes only what is new.
+//!
+//! Guarantees: all memory (KV pool, RoPE tables, activations) is planned in
+//! [`NativeBackend::new`]; `decode` allocates nothing. A prompt that does not fit is
+//! `CONTEXT_OVERFLOW`, naming both sizes and `--ctx-size`.
 
-use kylin_kernels::ThreadPool;
 use kylin_loader::{GenerationDefaults, KylinError, LoadedModel, ModelConfig, ModelWeights, Result, TokenizerBundle};
 
 use crate::backend::{Backend, BackendSummary, ChatMessage};
-use crate::model::{DEFAULT_MAX_CHUNK, Model, State};
-use crate::text::TextCodec;
+use crate::batch::{EngineCore, EngineOptions, KvBudget, SeqKv};
 
-/// The context size used when none is given, capped by the model's `max_position_embeddings`.
-pub const DEFAULT_CONTEXT: usize = 4096;
+pub use crate::batch::DEFAULT_CONTEXT;
 
-/// How to run the native engine.
+/// How to run the native engine for one sequence.
 #[derive(Debug, Clone, Default)]
 pub struct NativeOptions {
     /// Worker threads for matmuls and attention (0 is treated as 1).
     pub threads: usize,
-    /// Maximum tokens in the KV cache; default `min(max_position_embeddings, 4096)`.
+    /// Maximum tokens in the sequence; default `min(max_position_embeddings, 4096)`.
     pub ctx_size: Option<usize>,
     /// A chat template (its text) replacing the model's own.
     pub chat_template_override: Option<String>,
+    /// The engine's sizing; `max_seqs` is 1 whatever is given. `None`: the defaults.
+    pub engine: Option<EngineOptions>,
 }
 
-/// The parts of a loaded model the native backend uses.
+/// The parts of a loaded model the native engine uses.
 pub struct ModelParts<'a> {
     pub config: &'a ModelConfig,
     pub weights: &'a ModelWeights,
@@ -35,25 +39,23 @@ pub struct ModelParts<'a> {
     pub eos_ids: Vec<u32>,
 }
 
-/// A Hugging Face model run by Kylin's own kernels.
+/// The one sequence: its ids, how many of them are computed, and its blocks.
+#[derive(Debug, Default)]
+struct Direct {
+    tokens: Vec<u32>,
+    computed: usize,
+    kv: SeqKv,
+}
+
+/// A Hugging Face model run by Kylin's own kernels, one sequence at a time.
 pub struct NativeBackend {
-    model: Model,
-    state: State,
-    pool: ThreadPool,
-    text: Option<TextCodec>,
-    generation: GenerationDefaults,
-    eos_ids: Vec<u32>,
-    architecture: String,
+    core: EngineCore,
+    seq: Direct,
 }
 
 impl std::fmt::Debug for NativeBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NativeBackend")
-            .field("architecture", &self.architecture)
-            .field("dims", self.model.dims())
-            .field("context", &self.state.capacity())
-            .field("position", &self.state.position())
-            .finish()
+        f.debug_struct("NativeBackend").field("core", &self.core).field("position", &self.seq.tokens.len()).finish()
     }
 }
 
@@ -68,99 +70,144 @@ impl NativeBackend {
 
     /// Binds the weights, builds the text codec and plans all run-time memory.
     ///
-    /// `CONFIG_INVALID` for a zero or too-large `ctx_size`, `TENSOR_SHAPE_MISMATCH` /
-    /// `TENSOR_DTYPE_UNSUPPORTED` if a weight does not fit the configuration, `CONFIG_INVALID`
-    /// if the chat template does not compile.
+    /// `CONFIG_INVALID` for a zero or too-large `ctx_size` or a KV budget below one sequence,
+    /// `TENSOR_SHAPE_MISMATCH` / `TENSOR_DTYPE_UNSUPPORTED` if a weight does not fit the
+    /// configuration, `CONFIG_INVALID` if the chat template does not compile.
     pub fn from_parts(parts: ModelParts<'_>, opts: NativeOptions) -> Result<Self> {
-        let config = parts.config;
-        let model = Model::new(config, parts.weights)?;
-        let max_pos = config.max_position_embeddings;
-        let context = match opts.ctx_size {
-            None => max_pos.min(DEFAULT_CONTEXT),
-            Some(0) => {
-                return Err(KylinError::config_invalid("--ctx-size must be at least 1; got 0"));
-            }
-            Some(n) if n > max_pos => {
+        let mut engine =
+            opts.engine.unwrap_or(EngineOptions { kv_budget: KvBudget::Default, ..EngineOptions::default() });
+        engine.threads = opts.threads;
+        engine.ctx_size = opts.ctx_size.or(engine.ctx_size);
+        engine.chat_template_override = opts.chat_template_override.or(engine.chat_template_override);
+        engine.max_seqs = 1;
+        let core = EngineCore::new(parts, &engine)?;
+        let max_blocks = core.context().div_ceil(core.block_size()) + 1;
+        let seq =
+            Direct { tokens: Vec::with_capacity(core.context()), computed: 0, kv: SeqKv::with_capacity(max_blocks) };
+        Ok(NativeBackend { core, seq })
+    }
+
+    /// The engine underneath (for its KV pool figures).
+    pub fn core(&self) -> &EngineCore {
+        &self.core
+    }
+
+    /// Bytes of the KV pool.
+    pub fn kv_cache_bytes(&self) -> usize {
+        self.core.kv.bytes() as usize
+    }
+
+    /// Checks ids before they join the sequence: `INPUT_INVALID` for none or one outside the
+    /// vocabulary, `CONTEXT_OVERFLOW` when they do not fit.
+    fn check_input(&self, ids: &[u32]) -> Result<()> {
+        if ids.is_empty() {
+            return Err(KylinError::input_invalid("prefill needs at least one token id; got none"));
+        }
+        let capacity = self.core.context();
+        let cached = self.seq.tokens.len();
+        let needed = cached.saturating_add(ids.len());
+        if needed > capacity {
+            return Err(KylinError::context_overflow(format!(
+                "{} tokens after {cached} cached need a context of {needed} positions, but the context size is {capacity}; \
+                 pass a larger --ctx-size (the model supports up to {})",
+                ids.len(),
+                self.core.model().max_position_embeddings()
+            )));
+        }
+        let vocab = self.core.model().dims().vocab;
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(KylinError::input_invalid(format!(
+                "token id {bad} is outside the model's vocabulary of {vocab} ids"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Computes every token of the sequence not computed yet, in chunks of the planned batch
+    /// size; the last chunk's logits go to logits row 0, or all of the new rows to `all_logits`
+    /// (whose length is then `(tokens - computed) * vocab`). Takes cached prefix blocks first
+    /// when the sequence has none (not with `all_logits`: every row must be computed).
+    fn compute(&mut self, mut all_logits: Option<&mut [f32]>) -> Result<()> {
+        let bs = self.core.block_size();
+        let vocab = self.core.model().dims().vocab;
+        let seq = &mut self.seq;
+        if seq.kv.blocks.is_empty() && all_logits.is_none() {
+            let limit = seq.tokens.len().saturating_sub(1);
+            seq.computed = seq.kv.match_prefix(&mut self.core.kv.alloc, &seq.tokens, limit, bs);
+        }
+        let first = seq.computed;
+        while seq.computed < seq.tokens.len() {
+            let len = (seq.tokens.len() - seq.computed).min(self.core.max_batch_tokens);
+            let end = seq.computed + len;
+            if !seq.kv.grow(&mut self.core.kv.alloc, end, bs) {
                 return Err(KylinError::config_invalid(format!(
-                    "--ctx-size {n} exceeds the model's max_position_embeddings of {max_pos}; pass at most {max_pos}"
+                    "the KV pool of {} blocks cannot hold {end} positions; raise --kv-memory",
+                    self.core.total_blocks()
                 )));
             }
-            Some(n) => n,
-        };
-        let state = model.plan(context, DEFAULT_MAX_CHUNK)?;
-        let text =
-            parts.tokenizer.map(|bundle| TextCodec::new(bundle, opts.chat_template_override.clone())).transpose()?;
-        Ok(NativeBackend {
-            model,
-            state,
-            pool: ThreadPool::new(opts.threads.max(1)),
-            text,
-            generation: parts.generation,
-            eos_ids: parts.eos_ids,
-            architecture: config.architecture.hf_name().to_string(),
-        })
-    }
-
-    /// The text codec, or `CONFIG_MISSING` when the model directory has no tokenizer.
-    fn text(&self) -> Result<&TextCodec> {
-        self.text.as_ref().ok_or_else(|| {
-            KylinError::config_missing(
-                "model has no tokenizer (tokenizer.json or vocab.json + merges.txt); \
-                 pass token ids instead of text, or add the tokenizer files to the model directory",
-            )
-        })
-    }
-
-    /// Bytes of the planned KV cache.
-    pub fn kv_cache_bytes(&self) -> usize {
-        self.state.kv_cache_bytes()
+            self.core.plan.clear();
+            let last = end == seq.tokens.len();
+            self.core.plan.push(
+                &seq.tokens[seq.computed..end],
+                seq.computed,
+                &seq.kv.blocks,
+                last && all_logits.is_none(),
+            );
+            let rows =
+                all_logits.as_deref_mut().map(|out| &mut out[(seq.computed - first) * vocab..(end - first) * vocab]);
+            self.core.forward(rows);
+            seq.computed = end;
+            seq.kv.register_full(&mut self.core.kv.alloc, &seq.tokens, seq.computed, bs);
+        }
+        Ok(())
     }
 }
 
 impl Backend for NativeBackend {
     fn summary(&self) -> BackendSummary {
+        let bs = self.core.block_size() as u64;
         BackendSummary {
             backend: "kylin".to_string(),
-            architecture: self.architecture.clone(),
-            parameters: self.model.parameter_count(),
-            weight_bytes_per_token: self.model.weight_bytes_per_token(),
-            kv_bytes_per_position: Some(self.state.kv_cache_bytes() as u64 / self.state.capacity().max(1) as u64),
-            vocab_size: self.model.dims().vocab,
-            context_size: self.state.capacity(),
-            threads: self.pool.threads(),
+            architecture: self.core.architecture.clone(),
+            parameters: self.core.model().parameter_count(),
+            weight_bytes_per_token: self.core.model().weight_bytes_per_token(),
+            kv_bytes_per_position: Some(self.core.kv.bytes() / (self.core.total_blocks() as u64 * bs).max(1)),
+            vocab_size: self.core.model().dims().vocab,
+            context_size: self.core.context(),
+            threads: self.core.pool.threads(),
         }
     }
 
     fn generation_defaults(&self) -> GenerationDefaults {
-        self.generation.clone()
+        self.core.generation.clone()
     }
 
     fn eos_ids(&self) -> &[u32] {
-        &self.eos_ids
+        &self.core.eos_ids
     }
 
     fn vocab_size(&self) -> usize {
-        self.model.dims().vocab
+        self.core.model().dims().vocab
     }
 
     fn context_size(&self) -> usize {
-        self.state.capacity()
+        self.core.context()
     }
 
     fn position(&self) -> usize {
-        self.state.position()
+        self.seq.tokens.len()
     }
 
     fn has_tokenizer(&self) -> bool {
-        self.text.is_some()
+        self.core.text.is_some()
     }
 
     fn tokenize(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
-        self.text()?.tokenize(text, add_special)
+        self.core.text()?.tokenize(text, add_special)
     }
 
     fn detokenize(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        self.text()?.detokenize(ids, skip_special)
+        self.core.text()?.detokenize(ids, skip_special)
     }
 
     fn apply_chat_template(
@@ -169,35 +216,55 @@ impl Backend for NativeBackend {
         add_generation_prompt: bool,
         kwargs: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String> {
-        self.text()?.apply_chat_template(messages, add_generation_prompt, kwargs)
+        self.core.text()?.apply_chat_template(messages, add_generation_prompt, kwargs)
     }
 
+    /// Releases the sequence's blocks; its full blocks stay in the prefix cache.
     fn reset(&mut self) {
-        self.state.reset();
+        self.seq.kv.release_all(&mut self.core.kv.alloc);
+        self.seq.tokens.clear();
+        self.seq.computed = 0;
     }
 
+    /// Keeps the first `len` tokens. Blocks past the last full block of them are released; the
+    /// few tokens of a partial last block are recomputed with the next call (a block shared
+    /// with the prefix cache is never written).
     fn rewind(&mut self, len: usize) {
-        self.state.truncate(len);
+        if len >= self.seq.tokens.len() {
+            return;
+        }
+        let bs = self.core.block_size();
+        let keep = (len / bs).min(self.seq.kv.blocks.len());
+        self.seq.kv.truncate(&mut self.core.kv.alloc, keep);
+        self.seq.tokens.truncate(len);
+        self.seq.computed = self.seq.computed.min(keep * bs);
     }
 
     fn prefill(&mut self, ids: &[u32]) -> Result<&[f32]> {
-        self.model.prefill(&self.pool, &mut self.state, ids)
+        self.check_input(ids)?;
+        self.seq.tokens.extend_from_slice(ids);
+        self.compute(None)?;
+        Ok(self.core.logits(0))
     }
 
     fn decode(&mut self, id: u32) -> Result<&[f32]> {
-        self.model.decode(&self.pool, &mut self.state, id)
+        self.prefill(std::slice::from_ref(&id))
     }
 
     fn prefill_all_logits(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
-        let vocab = self.model.dims().vocab;
+        self.check_input(ids)?;
+        let vocab = self.core.model().dims().vocab;
         let len = ids
             .len()
             .checked_mul(vocab)
             .ok_or_else(|| KylinError::input_invalid(format!("{} tokens x {vocab} logits overflows", ids.len())))?;
-        // Checked before allocating: the buffer is only sized once the ids are known to fit.
-        self.model.check_input(&self.state, ids)?;
+        // Tokens already in the sequence but not computed (after a rewind) go first, without logits.
+        if self.seq.computed < self.seq.tokens.len() {
+            self.compute(None)?;
+        }
         let mut out = vec![0.0f32; len];
-        self.model.prefill_all_logits(&self.pool, &mut self.state, ids, &mut out)?;
+        self.seq.tokens.extend_from_slice(ids);
+        self.compute(Some(&mut out))?;
         Ok(out)
     }
 }

@@ -76,7 +76,14 @@ pub struct SerialEngine {
 impl SerialEngine {
     pub fn new(backend: Box<dyn Backend>) -> Self {
         let logits = vec![0.0; backend.vocab_size()];
-        SerialEngine { backend, queue: VecDeque::new(), running: None, cached: Vec::new(), logits, stats: EngineStats::default() }
+        SerialEngine {
+            backend,
+            queue: VecDeque::new(),
+            running: None,
+            cached: Vec::new(),
+            logits,
+            stats: EngineStats::default(),
+        }
     }
 
     /// Starts choice `index` of `request`: reuses the cached prefix, prefills the rest and
@@ -165,7 +172,8 @@ impl Serving for SerialEngine {
         // One sequence at a time, but `n` choices run one after the other, so any n up to the
         // OpenAI limit is accepted.
         validate_request(&request, self.backend.vocab_size(), self.backend.context_size(), 128)?;
-        if self.queue.iter().any(|r| r.id == request.id) || self.running.as_ref().is_some_and(|r| r.request.id == request.id)
+        if self.queue.iter().any(|r| r.id == request.id)
+            || self.running.as_ref().is_some_and(|r| r.request.id == request.id)
         {
             return Err(KylinError::input_invalid(format!("request id {} is already in the engine", request.id)));
         }

@@ -14,6 +14,7 @@
 //! forces the portable scalar kernels (for debugging and comparison).
 
 mod matmul;
+pub mod paged;
 pub mod pool;
 pub mod reference;
 #[cfg(target_arch = "x86_64")]

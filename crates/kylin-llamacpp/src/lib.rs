@@ -23,6 +23,8 @@
 //! `kwargs`, and misses template logic such as the default system prompt that Qwen2.5 and
 //! SmolLM2 insert when the conversation has none.
 
+pub mod concurrent;
+
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::Instant;
@@ -44,7 +46,7 @@ const DEFAULT_MAX_CONTEXT: usize = 4096;
 /// The largest number of tokens decoded in one `llama_decode` call (llama.cpp's own default
 /// micro-batch). Longer prompts are split into chunks of this size. A larger batch would make
 /// llama.cpp reserve a compute buffer for `batch x vocab` logits at context creation.
-const MAX_BATCH: usize = 512;
+pub(crate) const MAX_BATCH: usize = 512;
 
 /// Texts and conversations longer than this are refused before they reach llama.cpp, whose
 /// interfaces count bytes and tokens in `i32`.
@@ -72,7 +74,7 @@ impl Default for LlamaCppOptions {
 static LLAMA: OnceLock<std::result::Result<LlamaBackend, String>> = OnceLock::new();
 
 /// Initialises llama.cpp once per process and returns the proof of initialisation.
-fn llama_backend() -> Result<&'static LlamaBackend> {
+pub(crate) fn llama_backend() -> Result<&'static LlamaBackend> {
     let state = LLAMA.get_or_init(|| {
         if std::env::var("KYLIN_LLAMA_LOG").as_deref() != Ok("1") {
             // Routes llama.cpp and ggml logs to a callback that drops them.
@@ -442,7 +444,7 @@ impl Backend for LlamaCppBackend {
 }
 
 /// Checks the file with Kylin's GGUF reader; returns `general.architecture` when present.
-fn validate_gguf(path: &Path) -> Result<Option<String>> {
+pub(crate) fn validate_gguf(path: &Path) -> Result<Option<String>> {
     if !path.is_file() {
         return Err(KylinError::file_not_found(format!(
             "GGUF file {} does not exist or is not a file",
@@ -460,7 +462,7 @@ fn validate_gguf(path: &Path) -> Result<Option<String>> {
 }
 
 /// The number of threads to use: `requested`, or every available core when 0.
-fn resolve_threads(requested: usize) -> Result<usize> {
+pub(crate) fn resolve_threads(requested: usize) -> Result<usize> {
     if requested > 4096 {
         return Err(KylinError::input_invalid(format!("{requested} threads requested; at most 4096 are supported")));
     }

@@ -1,0 +1,311 @@
+//! `kylin bench --concurrency N`: N sequences submitted at once to the batching engine (or, for
+//! a GGUF file, to llama.cpp as one multi-sequence batch per step), each with its own prompt of
+//! `--prompt-tokens` tokens (the first `--shared-prefix` of them shared by all) and
+//! `--gen-tokens` greedy tokens.
+//!
+//! Figures, from the time every token arrived:
+//! - `aggregate_decode_tok_s`: the tokens generated after the last sequence received its first
+//!   token, divided by the time from then to the last token (steady batched decode, prefill
+//!   excluded);
+//! - `decode_tok_s`: the median over sequences of (tokens - 1) / (last - first token time);
+//! - `ttft_ms_p50/p99` (from submission), `itl_ms_p50/p99` (gaps between a sequence's tokens);
+//! - the KV pool (`kv_blocks`, `kv_tokens`), `preemptions`, and `prefix_hit_rate` (prompt
+//!   tokens served by the prefix cache / prompt tokens looked up).
+//!
+//! Every repetition runs in a fresh worker process, the models alternating, as in `bench`.
+
+use std::time::Instant;
+
+use anyhow::Result;
+use kylin_engine::batch::BatchEngine;
+use kylin_engine::serving::{Event, EventKind, Request, Serving};
+use kylin_loader::{Format, KylinError, LoadOptions};
+use serde::{Deserialize, Serialize};
+
+use crate::args::BenchWorkerArgs;
+use crate::bench::{bench_prompt_seeded, median, peak_rss_mb};
+use crate::open::{engine_options, threads};
+
+/// What one worker measured.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ConcurrentSample {
+    pub model: String,
+    pub backend: String,
+    pub threads: usize,
+    pub concurrency: usize,
+    pub prompt_tokens: usize,
+    pub gen_tokens: usize,
+    pub shared_prefix: usize,
+    pub load_ms: f64,
+    pub aggregate_decode_tok_s: f64,
+    pub decode_tok_s: f64,
+    pub ttft_ms_p50: f64,
+    pub ttft_ms_p99: f64,
+    pub itl_ms_p50: f64,
+    pub itl_ms_p99: f64,
+    /// From submission to the last token of the last sequence.
+    pub total_s: f64,
+    pub kv_blocks: Option<usize>,
+    pub kv_tokens: Option<usize>,
+    pub kv_dtype: Option<String>,
+    pub preemptions: Option<u64>,
+    pub prefix_hit_rate: Option<f64>,
+    /// Time to first token of the first sequence and the median of the others (shared prefix).
+    pub ttft_first_ms: f64,
+    pub ttft_rest_ms_p50: f64,
+    pub peak_rss_mb: f64,
+}
+
+/// The `p`-th percentile (0..=100) by nearest rank.
+pub fn percentile(values: &[f64], p: f64) -> f64 {
+    if values.is_empty() {
+        return f64::NAN;
+    }
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
+    v[rank.clamp(1, v.len()) - 1]
+}
+
+/// The figures from every sequence's token arrival times (seconds from submission).
+fn summarize(times: &[Vec<f64>]) -> (f64, f64, [f64; 4], f64, f64, f64) {
+    let firsts: Vec<f64> = times.iter().filter_map(|t| t.first().copied()).collect();
+    let steady_from = firsts.iter().copied().fold(0.0, f64::max);
+    let end = times.iter().filter_map(|t| t.last().copied()).fold(0.0, f64::max);
+    let steady_tokens: usize = times.iter().map(|t| t.iter().filter(|&&x| x > steady_from).count()).sum();
+    let aggregate = if end > steady_from { steady_tokens as f64 / (end - steady_from) } else { f64::NAN };
+    let per_seq: Vec<f64> = times
+        .iter()
+        .filter(|t| t.len() > 1)
+        .map(|t| (t.len() - 1) as f64 / (t[t.len() - 1] - t[0]).max(1e-9))
+        .collect();
+    let itl: Vec<f64> = times.iter().flat_map(|t| t.windows(2).map(|w| (w[1] - w[0]) * 1e3)).collect();
+    let ttft: Vec<f64> = firsts.iter().map(|t| t * 1e3).collect();
+    let rest: Vec<f64> = ttft.iter().skip(1).copied().collect();
+    (
+        aggregate,
+        median(per_seq),
+        [percentile(&ttft, 50.0), percentile(&ttft, 99.0), percentile(&itl, 50.0), percentile(&itl, 99.0)],
+        end,
+        ttft.first().copied().unwrap_or(f64::NAN),
+        if rest.is_empty() { f64::NAN } else { median(rest) },
+    )
+}
+
+/// The prompts: distinct per sequence, the first `shared` tokens common to all.
+fn prompts(n: usize, len: usize, shared: usize, vocab: usize) -> Vec<Vec<u32>> {
+    let common = bench_prompt_seeded(shared.min(len), vocab, 0);
+    (0..n)
+        .map(|i| {
+            let mut p = common.clone();
+            p.extend(bench_prompt_seeded(len - common.len(), vocab, i as u64 + 1));
+            p
+        })
+        .collect()
+}
+
+/// One repetition in this process: load, warm up, submit every sequence, print one JSON object.
+pub fn worker(args: &BenchWorkerArgs, n: usize) -> Result<()> {
+    let mut model_args = args.model.clone();
+    if model_args.ctx_size.is_none() {
+        model_args.ctx_size = Some(args.prompt_tokens + args.gen_tokens + 1);
+    }
+    let threads = threads(&model_args)?;
+    let format = kylin_loader::detect(&model_args.model)?;
+    let started = Instant::now();
+    let sample = if matches!(format, Format::Gguf { .. }) {
+        gguf_worker(args, n, threads, started)?
+    } else {
+        let model = kylin_loader::load(&model_args.model, &LoadOptions { prefetch: true, ..LoadOptions::default() })?;
+        let opts = engine_options(&model_args, threads, n)?;
+        let mut engine = BatchEngine::new(model, &opts)?;
+        let load_ms = started.elapsed().as_secs_f64() * 1e3;
+        let info = engine.info();
+        let vocab = info.vocab_size;
+
+        // Warm-up: every code path once, with a prompt no measured one begins with.
+        let warm: Vec<u32> = bench_prompt_seeded(16, vocab, u64::MAX);
+        let mut events: Vec<Event> = Vec::with_capacity(4 * n);
+        engine.add_request(ids_request(u64::MAX, warm, 2))?;
+        while engine.has_work() {
+            events.clear();
+            engine.step(&mut events)?;
+        }
+
+        let before = engine.stats();
+        let t0 = Instant::now();
+        for (i, p) in prompts(n, args.prompt_tokens, args.shared_prefix, vocab).into_iter().enumerate() {
+            engine.add_request(ids_request(i as u64, p, args.gen_tokens))?;
+        }
+        let mut times: Vec<Vec<f64>> = vec![Vec::with_capacity(args.gen_tokens); n];
+        while engine.has_work() {
+            events.clear();
+            engine.step(&mut events)?;
+            let now = t0.elapsed().as_secs_f64();
+            for e in &events {
+                if let EventKind::Token { .. } = e.kind {
+                    times[e.request as usize].push(now);
+                }
+            }
+        }
+        let after = engine.stats();
+        let (aggregate, per_seq, [t50, t99, i50, i99], total, first, rest) = summarize(&times);
+        let queries = after.prefix_cache_queries - before.prefix_cache_queries;
+        let hits = after.prefix_cache_hits - before.prefix_cache_hits;
+        ConcurrentSample {
+            model: args.model.model.display().to_string(),
+            backend: "kylin".to_string(),
+            threads,
+            concurrency: n,
+            prompt_tokens: args.prompt_tokens,
+            gen_tokens: args.gen_tokens,
+            shared_prefix: args.shared_prefix,
+            load_ms,
+            aggregate_decode_tok_s: aggregate,
+            decode_tok_s: per_seq,
+            ttft_ms_p50: t50,
+            ttft_ms_p99: t99,
+            itl_ms_p50: i50,
+            itl_ms_p99: i99,
+            total_s: total,
+            kv_blocks: Some(info.kv_blocks),
+            kv_tokens: Some(info.kv_tokens),
+            kv_dtype: Some(info.kv_dtype),
+            preemptions: Some(after.preemptions - before.preemptions),
+            prefix_hit_rate: (queries > 0).then(|| hits as f64 / queries as f64),
+            ttft_first_ms: first,
+            ttft_rest_ms_p50: rest,
+            peak_rss_mb: peak_rss_mb(),
+        }
+    };
+    println!("{}", serde_json::to_string(&sample)?);
+    Ok(())
+}
+
+/// A greedy request that streams ids only and ignores EOS.
+fn ids_request(id: u64, prompt: Vec<u32>, gen_tokens: usize) -> Request {
+    let mut r = Request::new(id, prompt, gen_tokens);
+    r.detokenize = false;
+    r.ignore_eos = true;
+    r
+}
+
+#[cfg(feature = "llamacpp")]
+fn gguf_worker(args: &BenchWorkerArgs, n: usize, threads: usize, _started: Instant) -> Result<ConcurrentSample> {
+    let info = kylin_loader::read_gguf_info(&args.model.model)?;
+    let vocab = info.vocab_size.and_then(|v| usize::try_from(v).ok()).unwrap_or(32_000);
+    let prompts = prompts(n, args.prompt_tokens, args.shared_prefix, vocab);
+    let (seqs, load_ms) =
+        kylin_llamacpp::concurrent::run_concurrent(&args.model.model, threads, &prompts, args.gen_tokens)?;
+    let times: Vec<Vec<f64>> = seqs.into_iter().map(|s| s.token_times).collect();
+    let (aggregate, per_seq, [t50, t99, i50, i99], total, first, rest) = summarize(&times);
+    Ok(ConcurrentSample {
+        model: args.model.model.display().to_string(),
+        backend: "llama.cpp".to_string(),
+        threads,
+        concurrency: n,
+        prompt_tokens: args.prompt_tokens,
+        gen_tokens: args.gen_tokens,
+        shared_prefix: args.shared_prefix,
+        load_ms,
+        aggregate_decode_tok_s: aggregate,
+        decode_tok_s: per_seq,
+        ttft_ms_p50: t50,
+        ttft_ms_p99: t99,
+        itl_ms_p50: i50,
+        itl_ms_p99: i99,
+        total_s: total,
+        kv_blocks: None,
+        kv_tokens: None,
+        kv_dtype: None,
+        preemptions: None,
+        prefix_hit_rate: None,
+        ttft_first_ms: first,
+        ttft_rest_ms_p50: rest,
+        peak_rss_mb: peak_rss_mb(),
+    })
+}
+
+#[cfg(not(feature = "llamacpp"))]
+fn gguf_worker(args: &BenchWorkerArgs, _n: usize, _threads: usize, _started: Instant) -> Result<ConcurrentSample> {
+    Err(KylinError::operator_unsupported(format!(
+        "{} is a GGUF file, which runs through llama.cpp, but this kylin was built without the `llamacpp` feature",
+        args.model.model.display()
+    ))
+    .into())
+}
+
+/// Medians over repetitions of one model.
+pub fn summarize_samples(samples: &[ConcurrentSample]) -> serde_json::Value {
+    let m = |f: fn(&ConcurrentSample) -> f64| median(samples.iter().map(f).collect());
+    let first = &samples[0];
+    serde_json::json!({
+        "model": first.model,
+        "backend": first.backend,
+        "threads": first.threads,
+        "concurrency": first.concurrency,
+        "prompt_tokens": first.prompt_tokens,
+        "gen_tokens": first.gen_tokens,
+        "shared_prefix": first.shared_prefix,
+        "load_ms": m(|s| s.load_ms),
+        "aggregate_decode_tok_s": m(|s| s.aggregate_decode_tok_s),
+        "decode_tok_s": m(|s| s.decode_tok_s),
+        "ttft_ms_p50": m(|s| s.ttft_ms_p50),
+        "ttft_ms_p99": m(|s| s.ttft_ms_p99),
+        "itl_ms_p50": m(|s| s.itl_ms_p50),
+        "itl_ms_p99": m(|s| s.itl_ms_p99),
+        "ttft_first_ms": m(|s| s.ttft_first_ms),
+        "ttft_rest_ms_p50": m(|s| s.ttft_rest_ms_p50),
+        "total_s": m(|s| s.total_s),
+        "kv_blocks": first.kv_blocks,
+        "kv_tokens": first.kv_tokens,
+        "kv_dtype": first.kv_dtype,
+        "preemptions": first.preemptions.map(|_| m(|s| s.preemptions.unwrap_or(0) as f64)),
+        "prefix_hit_rate": first.prefix_hit_rate.map(|_| m(|s| s.prefix_hit_rate.unwrap_or(f64::NAN))),
+        "peak_rss_mb": m(|s| s.peak_rss_mb),
+        "samples": samples,
+    })
+}
+
+/// `--concurrency` input checks.
+pub fn check(n: usize, prompt_tokens: usize, shared: usize) -> Result<()> {
+    if n == 0 || n > 256 {
+        return Err(KylinError::input_invalid(format!("--concurrency must be between 1 and 256; got {n}")).into());
+    }
+    if shared > prompt_tokens {
+        return Err(KylinError::input_invalid(format!(
+            "--shared-prefix {shared} is longer than --prompt-tokens {prompt_tokens}"
+        ))
+        .into());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn steady_decode_starts_when_the_last_sequence_has_its_first_token() {
+        // Two sequences: first tokens at 1 s and 2 s, then one token every 0.5 s.
+        let times = vec![vec![1.0, 1.5, 2.0, 2.5, 3.0], vec![2.0, 2.5, 3.0]];
+        let (aggregate, per_seq, [t50, _, i50, _], total, first, rest) = summarize(&times);
+        // After 2 s: 2.5, 3.0 (first) and 2.5, 3.0 (second) = 4 tokens in 1 s.
+        assert!((aggregate - 4.0).abs() < 1e-9);
+        assert!((per_seq - 2.0).abs() < 1e-9);
+        assert_eq!((t50, i50, total, first, rest), (1000.0, 500.0, 3.0, 1000.0, 2000.0));
+    }
+
+    #[test]
+    fn prompts_share_exactly_the_prefix() {
+        let p = prompts(3, 20, 8, 1000);
+        assert!(p.iter().all(|x| x.len() == 20 && x[..8] == p[0][..8]));
+        assert_ne!(p[0][8..], p[1][8..]);
+    }
+
+    #[test]
+    fn percentile_by_nearest_rank() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!((percentile(&v, 50.0), percentile(&v, 99.0)), (50.0, 99.0));
+    }
+}

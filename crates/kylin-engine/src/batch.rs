@@ -1,0 +1,839 @@
+//! The continuous-batching engine: many sequences per forward pass over one paged KV cache.
+//!
+//! [`EngineCore`] owns what a forward pass needs, planned once: the model, the thread pool, the
+//! [`KvPool`] sized from a memory budget, RoPE tables, activation buffers for
+//! `max_batch_tokens` tokens and `max_seqs` sequences. [`BatchEngine`] schedules requests over
+//! it (the [`Serving`] interface); [`crate::native::NativeBackend`] runs one sequence over it
+//! (the [`crate::Backend`] interface used by `run`, `chat` and `logits`).
+//!
+//! The scheduler, one [`BatchEngine::step`] at a time (vLLM's v1 loop, on the CPU):
+//! 1. Cancelled sequences end and free their blocks.
+//! 2. Every running sequence that is decoding gets its one token, in admission order. When no
+//!    block is free for it, the most recently admitted running sequence is preempted: its blocks
+//!    are released (full ones stay in the prefix cache) and it goes back to the front of the
+//!    queue, to be recomputed later. The engine never fails because the pool is full.
+//! 3. Running sequences whose prompt is partly computed get the next chunk, then waiting
+//!    sequences are admitted (FCFS, while fewer than `max_seqs` run) with whatever prefix the
+//!    cache holds for them, and get a chunk, until the step holds `max_batch_tokens` tokens
+//!    (chunked prefill: a long prompt never stalls decoding sequences for more than one step).
+//! 4. One forward pass over all of it; sequences that reached the end of their tokens sample
+//!    the next one. A request with `n > 1` runs one sequence for the prompt, and when it samples
+//!    its first token, `n - 1` siblings fork from it: they share its full prompt blocks, and the
+//!    partly filled last block is copied for each.
+//!
+//! Guarantees: a step allocates nothing for the compute and the bookkeeping (text pieces and
+//! log-probability lists handed out are the only allocations; a request that streams ids only
+//! allocates nothing); block references always return to zero when sequences end; a sequence's
+//! tokens do not depend on what else runs or on preemption (the kernels are batch invariant and
+//! a preempted sequence recomputes the same keys and values).
+
+use std::collections::VecDeque;
+
+use kylin_kernels::{ThreadPool, WeightDType};
+use kylin_loader::{GenerationDefaults, KylinError, LoadedModel, Result};
+
+use crate::backend::ChatMessage;
+use crate::kv_pool::{BlockAllocator, KvPool};
+use crate::model::{BatchPlan, Model, Scratch};
+use crate::native::ModelParts;
+use crate::rope::Rope;
+use crate::sequence::Decoding;
+use crate::serial::validate_request;
+use crate::serving::{EngineInfo, EngineStats, Event, EventKind, Request, Serving, StopReason, Usage};
+use crate::text::TextCodec;
+
+/// The context size used when none is given, capped by the model's `max_position_embeddings`.
+pub const DEFAULT_CONTEXT: usize = 4096;
+/// Positions per KV block unless `--kv-block-size` says otherwise.
+pub const DEFAULT_BLOCK_SIZE: usize = 16;
+/// Tokens per step unless `--max-batch-tokens` says otherwise.
+pub const DEFAULT_MAX_BATCH_TOKENS: usize = 512;
+/// Sequences per batch unless `--max-seqs` says otherwise (the server and `bench`).
+pub const DEFAULT_MAX_SEQS: usize = 16;
+/// Share of the memory available after the weights that the default KV budget may take.
+pub const DEFAULT_MEMORY_SHARE: f64 = 0.5;
+
+/// How much memory the KV cache may take.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum KvBudget {
+    /// Room for `max_seqs` sequences of the full context, but at most half the memory
+    /// available after the weights and activations (and at least one sequence).
+    Default,
+    /// This many bytes (`--kv-memory`).
+    Bytes(u64),
+    /// This share of the memory available after the weights and activations (`--memory-fraction`).
+    Fraction(f64),
+}
+
+/// How to build the engine.
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    pub threads: usize,
+    /// Longest sequence; default `min(max_position_embeddings, 4096)`.
+    pub ctx_size: Option<usize>,
+    pub kv_budget: KvBudget,
+    pub kv_dtype: WeightDType,
+    pub max_seqs: usize,
+    pub max_batch_tokens: usize,
+    pub block_size: usize,
+    /// A chat template (its text) replacing the model's own.
+    pub chat_template_override: Option<String>,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            threads: 1,
+            ctx_size: None,
+            kv_budget: KvBudget::Default,
+            kv_dtype: WeightDType::F32,
+            max_seqs: DEFAULT_MAX_SEQS,
+            max_batch_tokens: DEFAULT_MAX_BATCH_TOKENS,
+            block_size: DEFAULT_BLOCK_SIZE,
+            chat_template_override: None,
+        }
+    }
+}
+
+/// `f32`, `f16` or `bf16`.
+pub fn dtype_name(dtype: WeightDType) -> &'static str {
+    match dtype {
+        WeightDType::F32 => "f32",
+        WeightDType::F16 => "f16",
+        WeightDType::BF16 => "bf16",
+    }
+}
+
+/// Bytes the OS says can still be allocated (`MemAvailable`), where /proc tells.
+pub fn memory_available() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kb.checked_mul(1024)
+}
+
+/// A byte count for messages: `1.50 GiB`, `12.0 MiB`.
+pub fn human_bytes(bytes: u64) -> String {
+    let b = bytes as f64;
+    if b >= (1u64 << 30) as f64 {
+        format!("{:.2} GiB", b / (1u64 << 30) as f64)
+    } else {
+        format!("{:.1} MiB", b / (1u64 << 20) as f64)
+    }
+}
+
+/// The blocks of one sequence: its block table and the chained hashes of its registered blocks.
+#[derive(Debug, Default)]
+pub(crate) struct SeqKv {
+    pub blocks: Vec<u32>,
+    /// `hashes[i]` is block `i`'s chained hash, for the full blocks registered so far.
+    pub hashes: Vec<u64>,
+}
+
+impl SeqKv {
+    pub fn with_capacity(max_blocks: usize) -> Self {
+        SeqKv { blocks: Vec::with_capacity(max_blocks), hashes: Vec::with_capacity(max_blocks) }
+    }
+
+    /// Blocks still to allocate to hold positions `0..len`.
+    pub fn missing(&self, len: usize, block_size: usize) -> usize {
+        len.div_ceil(block_size).saturating_sub(self.blocks.len())
+    }
+
+    /// Allocates blocks until positions `0..len` are covered; false (and nothing allocated)
+    /// when too few blocks are free.
+    pub fn grow(&mut self, alloc: &mut BlockAllocator, len: usize, block_size: usize) -> bool {
+        let missing = self.missing(len, block_size);
+        if missing > alloc.free() {
+            return false;
+        }
+        for _ in 0..missing {
+            match alloc.allocate() {
+                Some(b) => self.blocks.push(b),
+                None => return false,
+            }
+        }
+        true
+    }
+
+    /// On an empty table: takes the cached blocks that hold a prefix of `tokens`, at most
+    /// `limit` tokens' worth; returns the number of tokens they hold.
+    pub fn match_prefix(
+        &mut self,
+        alloc: &mut BlockAllocator,
+        tokens: &[u32],
+        limit: usize,
+        block_size: usize,
+    ) -> usize {
+        debug_assert!(self.blocks.is_empty());
+        let mut parent = 0u64;
+        for chunk in tokens[..limit.min(tokens.len())].chunks_exact(block_size) {
+            match alloc.lookup(parent, chunk) {
+                Some((b, h)) => {
+                    self.blocks.push(b);
+                    self.hashes.push(h);
+                    parent = h;
+                }
+                None => break,
+            }
+        }
+        self.blocks.len() * block_size
+    }
+
+    /// Registers the blocks that `computed` tokens fill and that are not registered yet.
+    pub fn register_full(&mut self, alloc: &mut BlockAllocator, tokens: &[u32], computed: usize, block_size: usize) {
+        let full = (computed / block_size).min(self.blocks.len());
+        while self.hashes.len() < full {
+            let i = self.hashes.len();
+            let parent = self.hashes.last().copied().unwrap_or(0);
+            let h = alloc.register(self.blocks[i], parent, &tokens[i * block_size..(i + 1) * block_size]);
+            self.hashes.push(h);
+        }
+    }
+
+    /// Keeps the first `keep` blocks and releases the rest.
+    pub fn truncate(&mut self, alloc: &mut BlockAllocator, keep: usize) {
+        while self.blocks.len() > keep {
+            if let Some(b) = self.blocks.pop() {
+                alloc.release(b);
+            }
+        }
+        self.hashes.truncate(keep);
+    }
+
+    pub fn release_all(&mut self, alloc: &mut BlockAllocator) {
+        self.truncate(alloc, 0);
+    }
+}
+
+/// Everything a forward pass needs, planned once.
+pub struct EngineCore {
+    pub(crate) model: Model,
+    pub(crate) pool: ThreadPool,
+    pub(crate) kv: KvPool,
+    pub(crate) rope: Rope,
+    pub(crate) scratch: Scratch,
+    pub(crate) plan: BatchPlan,
+    pub(crate) text: Option<TextCodec>,
+    pub(crate) eos_ids: Vec<u32>,
+    pub(crate) generation: GenerationDefaults,
+    pub(crate) architecture: String,
+    pub(crate) context: usize,
+    pub(crate) max_seqs: usize,
+    pub(crate) max_batch_tokens: usize,
+}
+
+impl std::fmt::Debug for EngineCore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineCore")
+            .field("architecture", &self.architecture)
+            .field("dims", self.model.dims())
+            .field("context", &self.context)
+            .field("kv_blocks", &self.kv.alloc.total())
+            .finish()
+    }
+}
+
+impl EngineCore {
+    /// Binds the weights, builds the text codec, sizes the KV pool from the budget and plans
+    /// every buffer.
+    ///
+    /// `CONFIG_INVALID` for a zero or too-large `ctx_size`, zero limits, or a KV budget too
+    /// small for one sequence of the context (with the numbers); the binding errors of
+    /// [`Model::new`].
+    pub fn new(parts: ModelParts<'_>, opts: &EngineOptions) -> Result<Self> {
+        let config = parts.config;
+        let model = Model::new(config, parts.weights)?;
+        let max_pos = config.max_position_embeddings;
+        let context = match opts.ctx_size {
+            None => max_pos.min(DEFAULT_CONTEXT),
+            Some(0) => return Err(KylinError::config_invalid("--ctx-size must be at least 1; got 0")),
+            Some(n) if n > max_pos => {
+                return Err(KylinError::config_invalid(format!(
+                    "--ctx-size {n} exceeds the model's max_position_embeddings of {max_pos}; pass at most {max_pos}"
+                )));
+            }
+            Some(n) => n,
+        };
+        for (name, value) in [
+            ("--max-seqs", opts.max_seqs),
+            ("--max-batch-tokens", opts.max_batch_tokens),
+            ("--kv-block-size", opts.block_size),
+        ] {
+            if value == 0 {
+                return Err(KylinError::config_invalid(format!("{name} must be at least 1; got 0")));
+            }
+        }
+        if opts.block_size > 1024 {
+            return Err(KylinError::config_invalid(format!(
+                "--kv-block-size {} is too large; pass at most 1024",
+                opts.block_size
+            )));
+        }
+        let max_seqs = opts.max_seqs.min(opts.max_batch_tokens);
+        let max_batch_tokens = opts.max_batch_tokens.min(context.max(1) * max_seqs);
+        let d = *model.dims();
+        let scratch = model.plan_scratch(max_batch_tokens, max_seqs, context)?;
+        let n_blocks = kv_blocks(opts, &model, &scratch, context, max_seqs)?;
+        let kv = KvPool::new(opts.kv_dtype, n_blocks, opts.block_size, d.n_layers, d.n_kv_heads, d.head_dim)?;
+        let max_blocks_per_seq = context.div_ceil(opts.block_size) + 1;
+        let plan = BatchPlan::with_capacity(max_batch_tokens, max_seqs, max_seqs * max_blocks_per_seq);
+        let text =
+            parts.tokenizer.map(|bundle| TextCodec::new(bundle, opts.chat_template_override.clone())).transpose()?;
+        Ok(EngineCore {
+            rope: model.rope(context)?,
+            model,
+            pool: ThreadPool::new(opts.threads.max(1)),
+            kv,
+            scratch,
+            plan,
+            text,
+            eos_ids: parts.eos_ids,
+            generation: parts.generation,
+            architecture: config.architecture.hf_name().to_string(),
+            context,
+            max_seqs,
+            max_batch_tokens,
+        })
+    }
+
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    pub fn context(&self) -> usize {
+        self.context
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.kv.block_size
+    }
+
+    /// Blocks with no reference (free or holding an evictable cached prefix).
+    pub fn free_blocks(&self) -> usize {
+        self.kv.alloc.free()
+    }
+
+    pub fn total_blocks(&self) -> usize {
+        self.kv.alloc.total()
+    }
+
+    /// Runs the current plan (RoPE prepared up to the plan's last position).
+    pub(crate) fn forward(&mut self, all_logits: Option<&mut [f32]>) {
+        let end = self.plan.segments.iter().map(|s| s.start + s.n).max().unwrap_or(0);
+        self.rope.prepare(0, end);
+        self.model.forward(&self.pool, &mut self.kv, &self.rope, &mut self.scratch, &self.plan, all_logits);
+    }
+
+    /// Logits row `row` of the last forward pass.
+    pub(crate) fn logits(&self, row: usize) -> &[f32] {
+        self.scratch.logits(row, self.model.dims().vocab)
+    }
+
+    pub(crate) fn info(&self, backend: &str) -> EngineInfo {
+        let bs = self.kv.block_size;
+        EngineInfo {
+            backend: backend.to_string(),
+            architecture: self.architecture.clone(),
+            vocab_size: self.model.dims().vocab,
+            context_size: self.context,
+            max_seqs: self.max_seqs,
+            max_batch_tokens: self.max_batch_tokens,
+            kv_block_size: bs,
+            kv_blocks: self.kv.alloc.total(),
+            kv_tokens: self.kv.alloc.total() * bs,
+            kv_bytes: self.kv.bytes(),
+            kv_dtype: dtype_name(self.kv.dtype).to_string(),
+            threads: self.pool.threads(),
+            has_tokenizer: self.text.is_some(),
+            eos_ids: self.eos_ids.clone(),
+        }
+    }
+
+    /// The text codec, or `CONFIG_MISSING` when the model directory has no tokenizer.
+    pub(crate) fn text(&self) -> Result<&TextCodec> {
+        self.text.as_ref().ok_or_else(|| {
+            KylinError::config_missing(
+                "model has no tokenizer (tokenizer.json or vocab.json + merges.txt); \
+                 pass token ids instead of text, or add the tokenizer files to the model directory",
+            )
+        })
+    }
+}
+
+/// The number of KV blocks the budget buys; `CONFIG_INVALID` if fewer than one sequence of the
+/// context needs.
+fn kv_blocks(opts: &EngineOptions, model: &Model, scratch: &Scratch, context: usize, max_seqs: usize) -> Result<usize> {
+    let d = model.dims();
+    let bs = opts.block_size;
+    let per_block = KvPool::block_bytes(opts.kv_dtype, d.n_layers, d.n_kv_heads, d.head_dim, bs)
+        .filter(|&b| b > 0)
+        .ok_or_else(|| KylinError::config_invalid("the KV block size overflows; pass a smaller --kv-block-size"))?;
+    let per_seq = context.div_ceil(bs);
+    let after_weights =
+        || memory_available().map(|m| m.saturating_sub(model.weight_bytes_per_token()).saturating_sub(scratch.bytes()));
+    let too_small = |what: String, blocks: u64| {
+        KylinError::config_invalid(format!(
+            "{what} holds {blocks} KV blocks of {bs} positions ({} tokens, {} per block in {}), but one sequence of \
+             the context ({context} tokens) needs {per_seq} blocks ({}); raise the budget or lower --ctx-size",
+            blocks * bs as u64,
+            human_bytes(per_block),
+            dtype_name(opts.kv_dtype),
+            human_bytes(per_seq as u64 * per_block)
+        ))
+    };
+    let blocks = match opts.kv_budget {
+        KvBudget::Bytes(bytes) => {
+            let blocks = bytes / per_block;
+            if blocks < per_seq as u64 {
+                return Err(too_small(format!("--kv-memory {}", human_bytes(bytes)), blocks));
+            }
+            blocks
+        }
+        KvBudget::Fraction(f) => {
+            if !(f > 0.0 && f <= 1.0) {
+                return Err(KylinError::config_invalid(format!("--memory-fraction must be in (0, 1]; got {f}")));
+            }
+            let available = after_weights().ok_or_else(|| {
+                KylinError::config_invalid(
+                    "--memory-fraction needs the available memory, which /proc/meminfo does not tell here; pass --kv-memory",
+                )
+            })?;
+            let bytes = (available as f64 * f) as u64;
+            let blocks = bytes / per_block;
+            if blocks < per_seq as u64 {
+                return Err(too_small(
+                    format!("--memory-fraction {f} of {} available after the weights", human_bytes(available)),
+                    blocks,
+                ));
+            }
+            blocks
+        }
+        KvBudget::Default => {
+            let wanted = (per_seq as u64).saturating_mul(max_seqs as u64);
+            let cap = after_weights().map_or(wanted, |a| (a as f64 * DEFAULT_MEMORY_SHARE) as u64 / per_block);
+            wanted.min(cap).max(per_seq as u64)
+        }
+    };
+    usize::try_from(blocks.min(u32::MAX as u64 - 1))
+        .map_err(|_| KylinError::config_invalid("the KV budget overflows; pass a smaller --kv-memory"))
+}
+
+/// Where a sequence is in its life.
+#[derive(Debug)]
+struct Seq {
+    request: u64,
+    index: usize,
+    /// Prompt, then generated ids; the last one is not computed yet once decoding.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    /// Tokens whose keys and values are in the cache.
+    computed: usize,
+    kv: SeqKv,
+    decoding: Decoding,
+    /// The request, kept by a choice-0 sequence whose `n - 1` siblings fork after its prompt.
+    fork: Option<Box<Request>>,
+    cancel: crate::serving::CancelHandle,
+    /// Prompt tokens the prefix cache supplied at its first admission.
+    cached_prompt: Option<usize>,
+}
+
+impl Seq {
+    fn is_decoding(&self) -> bool {
+        self.computed + 1 == self.tokens.len() && self.computed >= self.prompt_len
+    }
+}
+
+/// One scheduled piece of work: running sequence `slot` computes `len` tokens.
+#[derive(Debug, Clone, Copy)]
+struct Scheduled {
+    slot: usize,
+    len: usize,
+    logits_row: Option<usize>,
+}
+
+/// The continuous-batching engine (see the module documentation).
+pub struct BatchEngine {
+    core: EngineCore,
+    /// Running sequences in admission order (the last is preempted first).
+    running: Vec<Seq>,
+    waiting: VecDeque<Seq>,
+    scheduled: Vec<Scheduled>,
+    /// Slots of running sequences that finished in this step.
+    finished: Vec<usize>,
+    stats: EngineStats,
+}
+
+impl std::fmt::Debug for BatchEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchEngine")
+            .field("core", &self.core)
+            .field("running", &self.running.len())
+            .field("waiting", &self.waiting.len())
+            .finish()
+    }
+}
+
+impl BatchEngine {
+    /// Builds the engine for a model from [`kylin_loader::load`].
+    pub fn new(model: LoadedModel, opts: &EngineOptions) -> Result<Self> {
+        let LoadedModel { config, weights, tokenizer, generation, eos_ids, .. } = model;
+        let parts =
+            ModelParts { config: &config, weights: &weights, tokenizer: tokenizer.as_ref(), generation, eos_ids };
+        BatchEngine::from_parts(parts, opts)
+    }
+
+    pub fn from_parts(parts: ModelParts<'_>, opts: &EngineOptions) -> Result<Self> {
+        let core = EngineCore::new(parts, opts)?;
+        let max_seqs = core.max_seqs;
+        Ok(BatchEngine {
+            core,
+            running: Vec::with_capacity(max_seqs),
+            waiting: VecDeque::with_capacity(64),
+            scheduled: Vec::with_capacity(max_seqs),
+            finished: Vec::with_capacity(max_seqs),
+            stats: EngineStats::default(),
+        })
+    }
+
+    pub fn core(&self) -> &EngineCore {
+        &self.core
+    }
+
+    /// A fresh sequence for choice `index` of `request`, with nothing computed.
+    fn new_seq(&self, request: &Request, index: usize) -> Seq {
+        let core = &self.core;
+        let cap = (request.prompt_ids.len() + request.max_new_tokens + 1).min(core.context + 1);
+        let mut tokens = Vec::with_capacity(cap);
+        tokens.extend_from_slice(&request.prompt_ids);
+        Seq {
+            request: request.id,
+            index,
+            tokens,
+            prompt_len: request.prompt_ids.len(),
+            computed: 0,
+            kv: SeqKv::with_capacity(core.context.div_ceil(core.kv.block_size) + 1),
+            decoding: Decoding::new(request, index, core.model.dims().vocab, &core.eos_ids),
+            fork: None,
+            cancel: request.cancel.clone(),
+            cached_prompt: None,
+        }
+    }
+
+    /// Ends a sequence that is not running (waiting or never admitted).
+    fn end_waiting(&mut self, mut seq: Seq, reason: StopReason, events: &mut Vec<Event>) {
+        seq.kv.release_all(&mut self.core.kv.alloc);
+        let text = self.core.text.as_ref();
+        if let Ok(kind) = seq.decoding.finish(reason, text) {
+            events.push(Event { request: seq.request, index: seq.index, kind });
+        }
+        if let Some(request) = seq.fork.take() {
+            // Siblings that were never forked end too.
+            for index in 1..request.n {
+                let usage = Usage { prompt_tokens: request.prompt_ids.len(), ..Usage::default() };
+                let kind = EventKind::Finished { reason, text: String::new(), usage };
+                events.push(Event { request: request.id, index, kind });
+            }
+        }
+    }
+
+    /// Moves the last running sequence back to the front of the queue, its blocks released.
+    fn preempt_last(&mut self) {
+        if let Some(mut seq) = self.running.pop() {
+            seq.kv.release_all(&mut self.core.kv.alloc);
+            seq.computed = 0;
+            self.stats.preemptions += 1;
+            self.waiting.push_front(seq);
+        }
+    }
+
+    /// Tokens a sequence can compute this step given `budget` and the free blocks.
+    fn fit(&self, seq: &Seq, budget: usize) -> usize {
+        let bs = self.core.kv.block_size;
+        let want = (seq.tokens.len() - seq.computed).min(budget);
+        let coverable = (seq.kv.blocks.len() + self.core.kv.alloc.free()) * bs;
+        want.min(coverable.saturating_sub(seq.computed))
+    }
+
+    /// Steps 1-3 of the module documentation: fills `scheduled`.
+    fn schedule(&mut self, events: &mut Vec<Event>) {
+        let bs = self.core.kv.block_size;
+        self.scheduled.clear();
+
+        // 1. Cancelled sequences end.
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].cancel.is_cancelled() {
+                let seq = self.running.remove(i);
+                self.end_waiting(seq, StopReason::Cancelled, events);
+            } else {
+                i += 1;
+            }
+        }
+        let mut i = 0;
+        while i < self.waiting.len() {
+            if self.waiting[i].cancel.is_cancelled() {
+                if let Some(seq) = self.waiting.remove(i) {
+                    self.end_waiting(seq, StopReason::Cancelled, events);
+                }
+            } else {
+                i += 1;
+            }
+        }
+
+        let mut budget = self.core.max_batch_tokens;
+        // 2. One token for every decoding sequence, preempting from the back when blocks run out.
+        let mut slot = 0;
+        while slot < self.running.len() && budget > 0 {
+            if !self.running[slot].is_decoding() {
+                slot += 1;
+                continue;
+            }
+            let need = self.running[slot].computed + 1;
+            let mut preempted_self = false;
+            while self.running[slot].kv.missing(need, bs) > self.core.kv.alloc.free() {
+                let last = self.running.len() - 1;
+                self.preempt_last();
+                if last == slot {
+                    preempted_self = true;
+                    break;
+                }
+            }
+            if preempted_self {
+                break;
+            }
+            let seq = &mut self.running[slot];
+            let grown = seq.kv.grow(&mut self.core.kv.alloc, need, bs);
+            debug_assert!(grown);
+            self.scheduled.push(Scheduled { slot, len: 1, logits_row: None });
+            budget -= 1;
+            slot += 1;
+        }
+
+        // 3a. Running sequences with a partly computed prompt get their next chunk.
+        for slot in 0..self.running.len() {
+            if budget == 0 {
+                break;
+            }
+            let seq = &self.running[slot];
+            if seq.is_decoding() || seq.computed >= seq.tokens.len() {
+                continue;
+            }
+            let len = self.fit(seq, budget);
+            if len == 0 {
+                continue;
+            }
+            let end = seq.computed + len;
+            let seq = &mut self.running[slot];
+            if seq.kv.grow(&mut self.core.kv.alloc, end, bs) {
+                self.scheduled.push(Scheduled { slot, len, logits_row: None });
+                budget -= len;
+            }
+        }
+
+        // 3b. Admit waiting sequences, first come first served.
+        while budget > 0 && self.running.len() < self.core.max_seqs {
+            let Some(mut seq) = self.waiting.pop_front() else { break };
+            if seq.kv.blocks.is_empty() {
+                let limit = seq.tokens.len() - 1;
+                let matched = seq.kv.match_prefix(&mut self.core.kv.alloc, &seq.tokens, limit, bs);
+                seq.computed = matched;
+                self.stats.prefix_cache_queries += seq.tokens.len() as u64;
+                self.stats.prefix_cache_hits += matched as u64;
+                if seq.cached_prompt.is_none() {
+                    let cached = matched.min(seq.prompt_len);
+                    seq.cached_prompt = Some(cached);
+                    seq.decoding.usage.cached_prompt_tokens = cached;
+                    self.stats.prompt_tokens_total += seq.prompt_len as u64;
+                }
+            }
+            let len = self.fit(&seq, budget);
+            let end = seq.computed + len;
+            if len == 0 || !seq.kv.grow(&mut self.core.kv.alloc, end, bs) {
+                // Not even one token fits: give the matched blocks back and wait.
+                seq.kv.release_all(&mut self.core.kv.alloc);
+                seq.computed = 0;
+                self.waiting.push_front(seq);
+                break;
+            }
+            self.running.push(seq);
+            self.scheduled.push(Scheduled { slot: self.running.len() - 1, len, logits_row: None });
+            budget -= len;
+        }
+    }
+
+    /// Creates the siblings of `leader` (choice 0 of a request with `n > 1`) right after its
+    /// prompt was computed, sampling their first tokens from the same logits `row`.
+    fn fork(&mut self, leader_slot: usize, request: &Request, row: usize, events: &mut Vec<Event>) -> Result<()> {
+        let bs = self.core.kv.block_size;
+        let prompt_len = request.prompt_ids.len();
+        let full = prompt_len / bs;
+        let partial = prompt_len % bs;
+        for index in 1..request.n {
+            let mut seq = self.new_seq(request, index);
+            seq.cached_prompt = self.running[leader_slot].cached_prompt;
+            seq.decoding.usage.cached_prompt_tokens = seq.cached_prompt.unwrap_or(0);
+            // Share the full prompt blocks; copy the partly filled last one.
+            let alloc = &mut self.core.kv.alloc;
+            for i in 0..full {
+                let b = self.running[leader_slot].kv.blocks[i];
+                alloc.retain(b);
+                seq.kv.blocks.push(b);
+            }
+            let leader_hashes = &self.running[leader_slot].kv.hashes;
+            seq.kv.hashes.extend_from_slice(&leader_hashes[..full.min(leader_hashes.len())]);
+            seq.computed = full * bs;
+            if partial > 0
+                && let Some(copy) = self.core.kv.alloc.allocate()
+            {
+                let source = self.running[leader_slot].kv.blocks[full];
+                self.core.kv.copy_block(source, copy, partial);
+                seq.kv.blocks.push(copy);
+                seq.computed = prompt_len;
+            }
+            // Without a free block for the copy, the sibling recomputes the last partial block.
+            let at_end = prompt_len + 1 > self.core.context;
+            let text = self.core.text.as_ref();
+            let (id, token, reason) =
+                seq.decoding.accept(self.core.scratch.logits(row, self.core.model.dims().vocab), text, at_end)?;
+            seq.tokens.push(id);
+            self.stats.generation_tokens_total += 1;
+            events.push(Event { request: request.id, index, kind: token });
+            match reason {
+                Some(reason) => self.end_waiting(seq, reason, events),
+                None if seq.computed == prompt_len && self.running.len() < self.core.max_seqs => self.running.push(seq),
+                None => {
+                    // Recomputed later (the partial block), or no room to run now.
+                    seq.kv.truncate(&mut self.core.kv.alloc, full);
+                    seq.computed = full * bs;
+                    if self.running.len() < self.core.max_seqs {
+                        self.running.push(seq)
+                    } else {
+                        seq.kv.release_all(&mut self.core.kv.alloc);
+                        seq.computed = 0;
+                        self.waiting.push_back(seq)
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Step 4: the forward pass and what follows it.
+    fn run_scheduled(&mut self, events: &mut Vec<Event>) -> Result<()> {
+        let bs = self.core.kv.block_size;
+        self.core.plan.clear();
+        for s in self.scheduled.iter_mut() {
+            let seq = &self.running[s.slot];
+            let end = seq.computed + s.len;
+            let ids = &seq.tokens[seq.computed..end];
+            s.logits_row = self.core.plan.push(ids, seq.computed, &seq.kv.blocks, end == seq.tokens.len());
+        }
+        self.core.forward(None);
+        self.stats.steps += 1;
+
+        self.finished.clear();
+        let vocab = self.core.model.dims().vocab;
+        let n_scheduled = self.scheduled.len();
+        for k in 0..n_scheduled {
+            let Scheduled { slot, len, logits_row } = self.scheduled[k];
+            let seq = &mut self.running[slot];
+            seq.computed += len;
+            seq.kv.register_full(&mut self.core.kv.alloc, &seq.tokens, seq.computed, bs);
+            let Some(row) = logits_row else { continue };
+            let at_end = seq.tokens.len() + 1 > self.core.context;
+            let text = self.core.text.as_ref();
+            let (id, token, reason) = seq.decoding.accept(self.core.scratch.logits(row, vocab), text, at_end)?;
+            seq.tokens.push(id);
+            self.stats.generation_tokens_total += 1;
+            events.push(Event { request: seq.request, index: seq.index, kind: token });
+            if let Some(reason) = reason {
+                let kind = seq.decoding.finish(reason, text)?;
+                events.push(Event { request: seq.request, index: seq.index, kind });
+                self.finished.push(slot);
+            }
+            if let Some(request) = self.running[slot].fork.take() {
+                self.fork(slot, &request, row, events)?;
+            }
+        }
+        // Finished sequences leave, highest slot first so the others keep their slots.
+        self.finished.sort_unstable();
+        while let Some(slot) = self.finished.pop() {
+            let mut seq = self.running.remove(slot);
+            seq.kv.release_all(&mut self.core.kv.alloc);
+        }
+        Ok(())
+    }
+}
+
+impl Serving for BatchEngine {
+    fn info(&self) -> EngineInfo {
+        self.core.info("kylin")
+    }
+
+    fn generation_defaults(&self) -> GenerationDefaults {
+        self.core.generation.clone()
+    }
+
+    fn add_request(&mut self, request: Request) -> Result<()> {
+        validate_request(&request, self.core.model.dims().vocab, self.core.context, self.core.max_seqs)?;
+        let duplicate = self.running.iter().chain(self.waiting.iter()).any(|s| s.request == request.id);
+        if duplicate {
+            return Err(KylinError::input_invalid(format!("request id {} is already in the engine", request.id)));
+        }
+        let mut seq = self.new_seq(&request, 0);
+        if request.n > 1 {
+            seq.fork = Some(Box::new(request));
+        }
+        self.waiting.push_back(seq);
+        Ok(())
+    }
+
+    fn step(&mut self, events: &mut Vec<Event>) -> Result<()> {
+        self.schedule(events);
+        // Running sequences that all wait for blocks (partly computed prompts filled the pool):
+        // preempt from the back until one of them can go on. The pool holds at least one
+        // sequence of the full context, so the front sequence always fits on its own.
+        while self.scheduled.is_empty() && !self.running.is_empty() {
+            self.preempt_last();
+            self.schedule(events);
+        }
+        if self.scheduled.is_empty() {
+            return Ok(());
+        }
+        self.run_scheduled(events)
+    }
+
+    fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    fn stats(&self) -> EngineStats {
+        let alloc = &self.core.kv.alloc;
+        EngineStats {
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            kv_blocks_total: alloc.total(),
+            kv_blocks_used: alloc.total() - alloc.free(),
+            kv_blocks_cached: alloc.cached_free(),
+            ..self.stats
+        }
+    }
+
+    fn tokenize(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        self.core.text()?.tokenize(text, add_special)
+    }
+
+    fn detokenize(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.core.text()?.detokenize(ids, skip_special)
+    }
+
+    fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String> {
+        self.core.text()?.apply_chat_template(messages, add_generation_prompt, kwargs)
+    }
+}

@@ -1,0 +1,372 @@
+//! The paged KV cache: one pool of fixed-size blocks shared by every sequence, a block
+//! allocator with reference counts, and a prefix cache over full blocks.
+//!
+//! - **Storage** ([`KvPool`]): keys and values of `block_size` positions of every layer and KV
+//!   head per block, laid out block, layer, head, slot, `head_dim` (what
+//!   [`kylin_kernels::paged::KvView`] reads), in f32, f16 or bf16. Allocated once; the pages are
+//!   zeroed lazily by the OS, so memory is touched only as blocks are first used.
+//! - **Allocation** ([`BlockAllocator`]): a reference count per block and one free list in
+//!   least-recently-used order (a doubly linked list over block ids, so any block can leave it
+//!   in O(1)). Free blocks that still hold a cached prefix stay in that list and are evicted
+//!   (their hash forgotten) only when they are handed out again.
+//! - **Prefix cache**: a full block is registered under a hash chained from the previous
+//!   block's hash and its own token ids (vLLM's scheme); a later sequence whose tokens begin the
+//!   same way finds the block, checks the ids, and shares it instead of computing it.
+//!
+//! Guarantees: nothing here allocates after construction (the hash table is created with room
+//! for every block); reference counts never underflow (a double release panics: an engine bug);
+//! a block with a non-zero count is never handed out.
+
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+
+use kylin_kernels::WeightDType;
+use kylin_kernels::paged::KvView;
+use kylin_loader::{KylinError, Result};
+
+/// "No block" in the free list links.
+const NIL: u32 = u32::MAX;
+
+/// Reference counts, the LRU free list and the prefix-cache index of a pool of blocks.
+#[derive(Debug)]
+pub struct BlockAllocator {
+    block_size: usize,
+    ref_count: Vec<u32>,
+    /// Free-list links; `head` is the least recently freed block.
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    in_free: Vec<bool>,
+    head: u32,
+    tail: u32,
+    free: usize,
+    /// Hash of each registered (cached) block.
+    hash: Vec<Option<u64>>,
+    /// The hash of the block before it in its sequence (0 for the first), to check a match.
+    parent: Vec<u64>,
+    /// The token ids of each registered block, `(n_blocks, block_size)`, to check a match.
+    tokens: Vec<u32>,
+    /// Registered blocks by hash.
+    index: HashMap<u64, u32>,
+    /// Unreferenced blocks that are registered.
+    cached_free: usize,
+}
+
+impl BlockAllocator {
+    /// `n_blocks` free blocks of `block_size` positions.
+    pub fn new(n_blocks: usize, block_size: usize) -> Self {
+        let n = n_blocks as u32;
+        BlockAllocator {
+            block_size,
+            ref_count: vec![0; n_blocks],
+            prev: (0..n).map(|i| if i == 0 { NIL } else { i - 1 }).collect(),
+            next: (0..n).map(|i| if i + 1 == n { NIL } else { i + 1 }).collect(),
+            in_free: vec![true; n_blocks],
+            head: if n_blocks == 0 { NIL } else { 0 },
+            tail: if n_blocks == 0 { NIL } else { n - 1 },
+            free: n_blocks,
+            hash: vec![None; n_blocks],
+            parent: vec![0; n_blocks],
+            tokens: vec![0; n_blocks * block_size],
+            index: HashMap::with_capacity(n_blocks),
+            cached_free: 0,
+        }
+    }
+
+    pub fn total(&self) -> usize {
+        self.ref_count.len()
+    }
+
+    /// Blocks with no reference (never used, or holding an evictable cached prefix).
+    pub fn free(&self) -> usize {
+        self.free
+    }
+
+    /// Free blocks that still hold a cached prefix.
+    pub fn cached_free(&self) -> usize {
+        self.cached_free
+    }
+
+    pub fn ref_count(&self, block: u32) -> u32 {
+        self.ref_count[block as usize]
+    }
+
+    fn unlink(&mut self, b: u32) {
+        let (p, n) = (self.prev[b as usize], self.next[b as usize]);
+        if p == NIL {
+            self.head = n
+        } else {
+            self.next[p as usize] = n
+        }
+        if n == NIL {
+            self.tail = p
+        } else {
+            self.prev[n as usize] = p
+        }
+        self.in_free[b as usize] = false;
+        self.free -= 1;
+        if self.hash[b as usize].is_some() {
+            self.cached_free -= 1;
+        }
+    }
+
+    fn push_back(&mut self, b: u32) {
+        self.prev[b as usize] = self.tail;
+        self.next[b as usize] = NIL;
+        if self.tail == NIL {
+            self.head = b
+        } else {
+            self.next[self.tail as usize] = b
+        }
+        self.tail = b;
+        self.in_free[b as usize] = true;
+        self.free += 1;
+        if self.hash[b as usize].is_some() {
+            self.cached_free += 1;
+        }
+    }
+
+    /// Takes the least recently used free block (evicting its cached prefix), with one reference.
+    pub fn allocate(&mut self) -> Option<u32> {
+        let b = self.head;
+        if b == NIL {
+            return None;
+        }
+        self.unlink(b);
+        if let Some(h) = self.hash[b as usize].take()
+            && self.index.get(&h) == Some(&b)
+        {
+            self.index.remove(&h);
+        }
+        self.ref_count[b as usize] = 1;
+        Some(b)
+    }
+
+    /// Adds a reference to a block (taking it out of the free list if it was there).
+    pub fn retain(&mut self, b: u32) {
+        if self.in_free[b as usize] {
+            self.unlink(b);
+        }
+        self.ref_count[b as usize] += 1;
+    }
+
+    /// Drops a reference; an unreferenced block joins the free list as the most recently used.
+    pub fn release(&mut self, b: u32) {
+        let count = &mut self.ref_count[b as usize];
+        assert!(*count > 0, "block {b} released more often than retained");
+        *count -= 1;
+        if *count == 0 {
+            self.push_back(b);
+        }
+    }
+
+    /// The chained hash of a full block of `tokens` that follows a block hashed `parent`.
+    pub fn chain_hash(parent: u64, tokens: &[u32]) -> u64 {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        parent.hash(&mut h);
+        tokens.hash(&mut h);
+        // Never 0, which stands for "no parent".
+        h.finish() | 1
+    }
+
+    /// The cached block holding `tokens` after a block hashed `parent`, with a reference added;
+    /// None when there is none.
+    pub fn lookup(&mut self, parent: u64, tokens: &[u32]) -> Option<(u32, u64)> {
+        let h = Self::chain_hash(parent, tokens);
+        let &b = self.index.get(&h)?;
+        let bs = self.block_size;
+        let stored = &self.tokens[b as usize * bs..(b as usize + 1) * bs];
+        if self.parent[b as usize] != parent || stored != tokens {
+            return None;
+        }
+        self.retain(b);
+        Some((b, h))
+    }
+
+    /// Registers a referenced, full block holding `tokens` after a block hashed `parent`;
+    /// returns its hash. A block with the same contents already registered keeps its place.
+    pub fn register(&mut self, b: u32, parent: u64, tokens: &[u32]) -> u64 {
+        let h = Self::chain_hash(parent, tokens);
+        if self.hash[b as usize].is_none() && !self.index.contains_key(&h) {
+            let bs = self.block_size;
+            self.tokens[b as usize * bs..(b as usize + 1) * bs].copy_from_slice(tokens);
+            self.parent[b as usize] = parent;
+            self.hash[b as usize] = Some(h);
+            self.index.insert(h, b);
+        }
+        h
+    }
+}
+
+/// Keys and values of every block, in one element type.
+#[derive(Debug)]
+pub struct KvPool {
+    pub dtype: WeightDType,
+    pub block_size: usize,
+    pub n_layers: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    /// Elements per block for keys (and for values): `n_layers * n_kv_heads * block_size * head_dim`.
+    pub block_stride: usize,
+    keys: Vec<u8>,
+    values: Vec<u8>,
+    pub alloc: BlockAllocator,
+}
+
+impl KvPool {
+    /// Bytes one block takes (keys and values).
+    pub fn block_bytes(
+        dtype: WeightDType,
+        n_layers: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        block_size: usize,
+    ) -> Option<u64> {
+        (n_layers as u64)
+            .checked_mul(n_kv_heads as u64)?
+            .checked_mul(head_dim as u64)?
+            .checked_mul(block_size as u64)?
+            .checked_mul(2 * dtype.size_in_bytes() as u64)
+    }
+
+    /// Allocates `n_blocks` blocks. `CONFIG_INVALID` if the size overflows.
+    pub fn new(
+        dtype: WeightDType,
+        n_blocks: usize,
+        block_size: usize,
+        n_layers: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<Self> {
+        let overflow = || {
+            KylinError::config_invalid(format!("a KV pool of {n_blocks} blocks overflows; pass a smaller --kv-memory"))
+        };
+        let block_stride = n_layers
+            .checked_mul(n_kv_heads)
+            .and_then(|x| x.checked_mul(block_size))
+            .and_then(|x| x.checked_mul(head_dim))
+            .ok_or_else(overflow)?;
+        let bytes = block_stride
+            .checked_mul(n_blocks)
+            .and_then(|x| x.checked_mul(dtype.size_in_bytes()))
+            .ok_or_else(overflow)?;
+        if n_blocks >= u32::MAX as usize {
+            return Err(overflow());
+        }
+        Ok(KvPool {
+            dtype,
+            block_size,
+            n_layers,
+            n_kv_heads,
+            head_dim,
+            block_stride,
+            keys: vec![0u8; bytes],
+            values: vec![0u8; bytes],
+            alloc: BlockAllocator::new(n_blocks, block_size),
+        })
+    }
+
+    /// Bytes of keys and values together.
+    pub fn bytes(&self) -> u64 {
+        (self.keys.len() + self.values.len()) as u64
+    }
+
+    /// Element offset of (`layer`, `head`) inside a block.
+    #[inline]
+    pub fn head_offset(&self, layer: usize, head: usize) -> usize {
+        (layer * self.n_kv_heads + head) * self.block_size * self.head_dim
+    }
+
+    /// The keys and values as views for the attention kernel.
+    pub fn views(&self) -> (KvView<'_>, KvView<'_>) {
+        let geometry = KvView {
+            dtype: self.dtype,
+            data: &self.keys,
+            block_stride: self.block_stride,
+            block_size: self.block_size,
+            head_dim: self.head_dim,
+        };
+        (geometry, KvView { data: &self.values, ..geometry })
+    }
+
+    /// Stores the keys and values of one token at position `pos` of a sequence whose block
+    /// table is `blocks`, for `layer`: `k` and `v` are `(n_kv_heads * head_dim)`.
+    pub fn store(&mut self, layer: usize, blocks: &[u32], pos: usize, k: &[f32], v: &[f32]) {
+        let hd = self.head_dim;
+        let block = blocks[pos / self.block_size] as usize;
+        let slot = pos % self.block_size;
+        for h in 0..self.n_kv_heads {
+            let at = block * self.block_stride + self.head_offset(layer, h) + slot * hd;
+            kylin_kernels::paged::store_row(self.dtype, &mut self.keys, at, &k[h * hd..(h + 1) * hd]);
+            kylin_kernels::paged::store_row(self.dtype, &mut self.values, at, &v[h * hd..(h + 1) * hd]);
+        }
+    }
+
+    /// Copies the first `positions` slots of every layer and head of block `from` to block `to`
+    /// (a partly filled block before two sequences diverge).
+    pub fn copy_block(&mut self, from: u32, to: u32, positions: usize) {
+        let size = self.dtype.size_in_bytes();
+        let span = positions * self.head_dim * size;
+        for data in [&mut self.keys, &mut self.values] {
+            for lh in 0..self.n_layers * self.n_kv_heads {
+                let inner = lh * self.block_size * self.head_dim * size;
+                let src = from as usize * self.block_stride * size + inner;
+                let dst = to as usize * self.block_stride * size + inner;
+                data.copy_within(src..src + span, dst);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allocation_is_lru_and_release_returns_blocks() {
+        let mut a = BlockAllocator::new(3, 2);
+        let b0 = a.allocate().unwrap();
+        let b1 = a.allocate().unwrap();
+        let b2 = a.allocate().unwrap();
+        assert_eq!((b0, b1, b2), (0, 1, 2));
+        assert!(a.allocate().is_none());
+        a.release(b1);
+        a.release(b0);
+        assert_eq!(a.free(), 2);
+        // b1 was freed first, so it is handed out first.
+        assert_eq!(a.allocate(), Some(b1));
+        a.release(b1);
+        a.release(b2);
+        assert_eq!(a.free(), 3);
+    }
+
+    #[test]
+    fn prefix_blocks_are_found_by_chained_hash_and_evicted_when_reused() {
+        let mut a = BlockAllocator::new(2, 2);
+        let b = a.allocate().unwrap();
+        let h = a.register(b, 0, &[7, 8]);
+        a.release(b);
+        assert_eq!(a.cached_free(), 1);
+        // Same tokens after a different parent: no hit.
+        assert!(a.lookup(5, &[7, 8]).is_none());
+        let (hit, hash) = a.lookup(0, &[7, 8]).unwrap();
+        assert_eq!((hit, hash), (b, h));
+        assert_eq!(a.ref_count(b), 1);
+        a.release(b);
+        // Allocating both blocks evicts the cached one.
+        let x = a.allocate().unwrap();
+        let y = a.allocate().unwrap();
+        assert!(a.lookup(0, &[7, 8]).is_none());
+        assert_eq!(a.cached_free(), 0);
+        a.release(x);
+        a.release(y);
+    }
+
+    #[test]
+    #[should_panic(expected = "released more often")]
+    fn double_release_is_caught() {
+        let mut a = BlockAllocator::new(1, 2);
+        let b = a.allocate().unwrap();
+        a.release(b);
+        a.release(b);
+    }
+}

@@ -1,0 +1,73 @@
+//! A step of the batching engine with 8 running sequences allocates nothing: scheduling, block
+//! allocation, the forward pass over the batch, sampling and the bookkeeping after it. The
+//! requests stream ids only (text pieces are the one allocation a step makes for a request that
+//! asks for text). A counting global allocator checks it; this file holds one test so nothing
+//! else allocates concurrently.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use kylin_engine::batch::{BatchEngine, EngineOptions};
+use kylin_engine::serving::{Request, Serving};
+
+struct Counting;
+
+static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: forwards to the system allocator unchanged, only counting calls.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::SeqCst);
+        // SAFETY: same contract as our caller's.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: same contract as our caller's.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::SeqCst);
+        // SAFETY: same contract as our caller's.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared");
+
+#[test]
+fn a_step_with_eight_running_sequences_allocates_nothing() {
+    for name in ["tiny-qwen2-f16", "tiny-qwen3-yarn"] {
+        let path = Path::new(SHARED).join("fixtures").join(name);
+        let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
+        let opts = EngineOptions { threads: 2, ctx_size: Some(256), max_seqs: 8, ..EngineOptions::default() };
+        let mut engine = BatchEngine::new(model, &opts).unwrap();
+        for i in 0..8u32 {
+            let mut r = Request::new(u64::from(i), (1..20 + 3 * i).collect(), 64);
+            r.detokenize = false;
+            r.ignore_eos = true;
+            engine.add_request(r).unwrap();
+        }
+        let mut events = Vec::with_capacity(64);
+        // Admission and prefill (which allocate the sequences' first blocks and samplers).
+        for _ in 0..3 {
+            events.clear();
+            engine.step(&mut events).unwrap();
+        }
+        assert_eq!(engine.stats().running, 8);
+        let before = ALLOCATIONS.load(Ordering::SeqCst);
+        for _ in 0..16 {
+            events.clear();
+            engine.step(&mut events).unwrap();
+        }
+        let after = ALLOCATIONS.load(Ordering::SeqCst);
+        assert_eq!(after - before, 0, "{name}: 16 steps of 8 sequences allocated {} times", after - before);
+        assert_eq!(events.len(), 8, "one token per sequence per step");
+        assert_eq!(engine.stats().running, 8);
+    }
+}

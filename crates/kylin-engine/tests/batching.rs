@@ -1,0 +1,322 @@
+//! The continuous-batching engine: batch invariance, preemption under a small KV budget,
+//! cancellation, prefix reuse, parallel sampling, and block accounting, on the tiny fixtures and
+//! a real model.
+//!
+//! Token ids and log-probabilities (computed from the raw logits, so equal bits mean equal
+//! logits) are compared bit for bit between a request run alone and the same request among
+//! others.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use kylin_engine::batch::{BatchEngine, EngineOptions, KvBudget};
+use kylin_engine::kv_pool::KvPool;
+use kylin_engine::sampler::SamplingParams;
+use kylin_engine::serving::{Event, EventKind, Request, Serving, StopReason, TokenLogprob};
+
+const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared");
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(SHARED).join("fixtures").join(name)
+}
+
+fn engine(path: &Path, opts: EngineOptions) -> BatchEngine {
+    let model = kylin_loader::load(path, &kylin_loader::LoadOptions::default()).unwrap();
+    BatchEngine::new(model, &opts).unwrap()
+}
+
+fn options(threads: usize) -> EngineOptions {
+    EngineOptions { threads, ctx_size: Some(256), ..EngineOptions::default() }
+}
+
+/// What one choice produced.
+#[derive(Debug, Clone, PartialEq)]
+struct Output {
+    ids: Vec<u32>,
+    logprobs: Vec<TokenLogprob>,
+    reason: Option<StopReason>,
+    cached: usize,
+}
+
+/// Steps until idle; returns every choice's output, keyed by (request, index).
+fn drain(engine: &mut dyn Serving) -> BTreeMap<(u64, usize), Output> {
+    let mut out: BTreeMap<(u64, usize), Output> = BTreeMap::new();
+    drain_into(engine, &mut out);
+    out
+}
+
+/// Steps until idle, adding to `out`.
+fn drain_into(engine: &mut dyn Serving, out: &mut BTreeMap<(u64, usize), Output>) {
+    let mut events: Vec<Event> = Vec::new();
+    let mut steps = 0;
+    while engine.has_work() {
+        events.clear();
+        engine.step(&mut events).unwrap();
+        collect(&events, out);
+        steps += 1;
+        assert!(steps < 100_000, "the engine does not finish");
+    }
+}
+
+fn collect(events: &[Event], out: &mut BTreeMap<(u64, usize), Output>) {
+    for e in events {
+        let o = out.entry((e.request, e.index)).or_insert(Output {
+            ids: vec![],
+            logprobs: vec![],
+            reason: None,
+            cached: 0,
+        });
+        match &e.kind {
+            EventKind::Token { id, logprob, .. } => {
+                assert!(o.reason.is_none(), "token after the end");
+                o.ids.push(*id);
+                if let Some(lp) = logprob {
+                    o.logprobs.push(lp.clone());
+                }
+            }
+            EventKind::Finished { reason, usage, .. } => {
+                assert!(o.reason.is_none(), "finished twice");
+                o.reason = Some(*reason);
+                o.cached = usage.cached_prompt_tokens;
+                assert_eq!(usage.completion_tokens, o.ids.len());
+            }
+        }
+    }
+}
+
+/// Deterministic prompt ids in `1..span`.
+fn prompt(len: usize, seed: u64, span: u32) -> Vec<u32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            1 + (s % u64::from(span - 1)) as u32
+        })
+        .collect()
+}
+
+fn request(id: u64, prompt: Vec<u32>, max_new: usize) -> Request {
+    let mut r = Request::new(id, prompt, max_new);
+    r.detokenize = false;
+    r.ignore_eos = true;
+    r.logprobs = Some(5);
+    r
+}
+
+/// `requests` run one at a time on fresh engines.
+fn alone(path: &Path, opts: &EngineOptions, requests: &[Request]) -> BTreeMap<(u64, usize), Output> {
+    let mut all = BTreeMap::new();
+    for r in requests {
+        let mut e = engine(path, opts.clone());
+        e.add_request(r.clone()).unwrap();
+        all.extend(drain(&mut e));
+    }
+    all
+}
+
+fn assert_same(alone: &BTreeMap<(u64, usize), Output>, together: &BTreeMap<(u64, usize), Output>, what: &str) {
+    assert_eq!(alone.len(), together.len(), "{what}: choice count");
+    for (key, a) in alone {
+        let b = &together[key];
+        assert_eq!(a.ids, b.ids, "{what}: ids of request {key:?}");
+        assert_eq!(a.reason, b.reason, "{what}: finish of request {key:?}");
+        for (i, (x, y)) in a.logprobs.iter().zip(&b.logprobs).enumerate() {
+            assert_eq!(x.logprob.to_bits(), y.logprob.to_bits(), "{what}: logprob {i} of request {key:?}");
+            assert_eq!(x.top.len(), y.top.len());
+            for (p, q) in x.top.iter().zip(&y.top) {
+                assert_eq!((p.0, p.1.to_bits()), (q.0, q.1.to_bits()), "{what}: top logprob {i} of request {key:?}");
+            }
+        }
+    }
+}
+
+fn assert_all_blocks_free(e: &BatchEngine) {
+    let stats = e.stats();
+    assert_eq!(stats.kv_blocks_used, 0, "blocks still referenced after all requests ended");
+    assert_eq!(e.core().free_blocks(), e.core().total_blocks());
+    assert_eq!((stats.running, stats.waiting), (0, 0));
+}
+
+#[test]
+fn sixteen_requests_together_equal_each_alone_on_every_fixture() {
+    for name in ["tiny-qwen3", "tiny-qwen2-f16", "tiny-llama-rope3", "tiny-qwen3-sharded-f32"] {
+        let path = fixture(name);
+        // Small steps so that prompts are chunked differently from when they run alone.
+        let opts = EngineOptions { max_batch_tokens: 48, ..options(2) };
+        let requests: Vec<Request> =
+            (0..16).map(|i| request(i, prompt(3 + 11 * i as usize % 70, i + 1, 1000), 6 + i as usize % 5)).collect();
+        let single = alone(&path, &opts, &requests);
+        let mut e = engine(&path, opts.clone());
+        for r in &requests {
+            e.add_request(r.clone()).unwrap();
+        }
+        let together = drain(&mut e);
+        assert_same(&single, &together, name);
+        assert_all_blocks_free(&e);
+        // Chunked into 48-token steps, every prompt took at least one step of its own.
+        assert!(e.stats().steps > 16);
+    }
+}
+
+#[test]
+fn a_budget_for_three_sequences_finishes_eight_with_preemption() {
+    let path = fixture("tiny-qwen2-f16");
+    let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
+    let c = &model.config;
+    let per_block =
+        KvPool::block_bytes(kylin_kernels::WeightDType::F32, c.num_layers, c.num_kv_heads, c.head_dim, 16).unwrap();
+    // Context 64 = 4 blocks per sequence; 12 blocks hold three sequences.
+    let opts =
+        EngineOptions { ctx_size: Some(64), kv_budget: KvBudget::Bytes(12 * per_block), max_seqs: 8, ..options(2) };
+    let requests: Vec<Request> = (0..8).map(|i| request(i, prompt(20 + i as usize, 50 + i, 500), 40)).collect();
+    let single = alone(&path, &opts, &requests);
+    let mut e = BatchEngine::new(model, &opts).unwrap();
+    assert_eq!(e.info().kv_blocks, 12);
+    for r in &requests {
+        e.add_request(r.clone()).unwrap();
+    }
+    let together = drain(&mut e);
+    assert_same(&single, &together, "preemption");
+    assert!(e.stats().preemptions > 0, "8 sequences of 4 blocks in 12 blocks must preempt");
+    assert_all_blocks_free(&e);
+}
+
+#[test]
+fn a_budget_below_one_sequence_is_config_invalid_with_the_numbers() {
+    let path = fixture("tiny-qwen3");
+    let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
+    let opts = EngineOptions { ctx_size: Some(256), kv_budget: KvBudget::Bytes(1000), ..options(1) };
+    let err = BatchEngine::new(model, &opts).unwrap_err();
+    assert_eq!(err.code(), kylin_loader::ErrorCode::ConfigInvalid);
+    assert!(err.message.contains("needs 16 blocks"), "{}", err.message);
+    assert!(err.message.contains("256 tokens"), "{}", err.message);
+}
+
+#[test]
+fn cancellation_ends_the_request_and_frees_its_blocks_at_the_next_step() {
+    let path = fixture("tiny-qwen3");
+    let mut e = engine(&path, options(2));
+    let requests: Vec<Request> = (0..4).map(|i| request(i, prompt(40, i + 9, 1000), 200)).collect();
+    let cancel = requests[2].cancel.clone();
+    for r in &requests {
+        e.add_request(r.clone()).unwrap();
+    }
+    let mut out = BTreeMap::new();
+    let mut events = Vec::new();
+    for _ in 0..5 {
+        events.clear();
+        e.step(&mut events).unwrap();
+        collect(&events, &mut out);
+    }
+    let used_before = e.stats().kv_blocks_used;
+    cancel.cancel();
+    events.clear();
+    e.step(&mut events).unwrap();
+    collect(&events, &mut out);
+    assert_eq!(out[&(2, 0)].reason, Some(StopReason::Cancelled));
+    assert_eq!(e.stats().running, 3);
+    // 40 prompt tokens + 5 generated = 3 blocks freed; the others grew by at most one block each.
+    assert!(e.stats().kv_blocks_used < used_before, "{} -> {}", used_before, e.stats().kv_blocks_used);
+    drain_into(&mut e, &mut out);
+    assert_eq!(out[&(0, 0)].ids.len(), 200);
+    assert_all_blocks_free(&e);
+}
+
+#[test]
+fn prefix_reuse_gives_the_same_outputs_as_no_reuse() {
+    let path = fixture("tiny-llama-rope3");
+    let shared = prompt(40, 77, 1000);
+    let mut second = shared.clone();
+    second.extend(prompt(9, 78, 1000));
+    let first = request(1, shared, 8);
+    let follow = request(2, second, 8);
+
+    let cold = alone(&path, &options(2), std::slice::from_ref(&follow));
+    let mut e = engine(&path, options(2));
+    e.add_request(first).unwrap();
+    drain(&mut e);
+    let stats_before = e.stats();
+    assert!(stats_before.kv_blocks_cached >= 2, "full prompt blocks stay cached");
+    e.add_request(follow).unwrap();
+    let warm = drain(&mut e);
+    assert_same(&cold, &warm, "prefix reuse");
+    // Two full blocks (32 tokens) of the 40 shared ones came from the cache.
+    assert_eq!(warm[&(2, 0)].cached, 32);
+    assert_eq!(cold[&(2, 0)].cached, 0);
+    assert!(e.stats().prefix_cache_hits - stats_before.prefix_cache_hits >= 32);
+    assert_all_blocks_free(&e);
+}
+
+#[test]
+fn parallel_choices_share_the_prompt_and_equal_separate_seeds() {
+    let path = fixture("tiny-qwen3");
+    let mut r = request(5, prompt(37, 3, 1000), 12);
+    r.sampling = SamplingParams { temperature: 0.9, top_k: 40, seed: 11, ..SamplingParams::greedy() };
+    r.n = 3;
+    let mut e = engine(&path, options(2));
+    e.add_request(r.clone()).unwrap();
+    let mut out = BTreeMap::new();
+    let mut events = Vec::new();
+    let mut peak_used = 0;
+    while e.has_work() {
+        events.clear();
+        e.step(&mut events).unwrap();
+        collect(&events, &mut out);
+        peak_used = peak_used.max(e.stats().kv_blocks_used);
+    }
+    assert_eq!(out.len(), 3);
+    // Three separate sequences of 37 + 12 tokens would hold 3 x 4 blocks; the two full prompt
+    // blocks are shared, so at most 2 + 3 x 2 are held.
+    assert!(peak_used <= 8, "peak {peak_used} blocks: the prompt blocks are not shared");
+    for i in 0..3 {
+        let mut single = r.clone();
+        single.n = 1;
+        single.sampling.seed = 11 + i as u64;
+        let alone = alone(&path, &options(2), &[single]);
+        assert_eq!(alone[&(5, 0)].ids, out[&(5, i)].ids, "choice {i} equals seed {}", 11 + i);
+    }
+    assert!(out[&(5, 0)].ids != out[&(5, 1)].ids || out[&(5, 1)].ids != out[&(5, 2)].ids, "choices differ");
+    assert_all_blocks_free(&e);
+}
+
+#[test]
+fn invalid_requests_are_refused_and_nothing_is_queued() {
+    let path = fixture("tiny-qwen3");
+    let mut e = engine(&path, options(1));
+    let vocab = e.info().vocab_size as u32;
+    let cases = [
+        (request(1, vec![], 4), "no tokens"),
+        (request(2, vec![vocab], 4), "outside the model's vocabulary"),
+        (request(3, vec![1; 256], 4), "leaves no room"),
+        (Request { n: 0, ..request(4, vec![1], 4) }, "n must be"),
+        (Request { logprobs: Some(21), ..request(5, vec![1], 4) }, "top_logprobs"),
+    ];
+    for (r, message) in cases {
+        let err = e.add_request(r).unwrap_err();
+        assert!(err.message.contains(message), "{}", err.message);
+    }
+    assert!(!e.has_work());
+}
+
+#[test]
+fn a_real_model_batches_sixteen_greedy_requests_invariantly() {
+    let models = std::env::var("KYLIN_MODELS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/kylin-models"));
+    let path = models.join("smollm2-135m-instruct");
+    assert!(path.is_dir(), "run ../shared/models/fetch.sh first: {} is missing", path.display());
+    let opts = EngineOptions { ctx_size: Some(512), max_batch_tokens: 128, ..EngineOptions::default() };
+    let opts = EngineOptions { threads: 2, ..opts };
+    let requests: Vec<Request> =
+        (0..16).map(|i| request(i, prompt(5 + 23 * i as usize % 150, 100 + i, 40_000), 16)).collect();
+    let single = alone(&path, &opts, &requests);
+    let mut e = engine(&path, opts);
+    for r in &requests {
+        e.add_request(r.clone()).unwrap();
+    }
+    let together = drain(&mut e);
+    assert_same(&single, &together, "smollm2");
+    assert_all_blocks_free(&e);
+}
