@@ -244,6 +244,10 @@ pub struct BenchArgs {
     /// With --concurrency: every prompt begins with the same N tokens (a shared system prompt).
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub shared_prefix: usize,
+    /// With --concurrency: once every sequence decodes, submit one more request with a prompt
+    /// of N tokens and report how much it delays the decoding ones (`itl_ms_max`).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub late_prompt_tokens: usize,
     #[arg(long)]
     pub json: bool,
 }
@@ -263,4 +267,6 @@ pub struct BenchWorkerArgs {
     pub concurrency: Option<usize>,
     #[arg(long, default_value_t = 0)]
     pub shared_prefix: usize,
+    #[arg(long, default_value_t = 0)]
+    pub late_prompt_tokens: usize,
 }

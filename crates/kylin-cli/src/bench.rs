@@ -228,7 +228,17 @@ fn run_concurrent(args: &BenchArgs, models: &[ModelArgs], threads: usize) -> Res
             opt("preemptions"),
             figure(s, "peak_rss_mb"),
         );
-        if let Some(rate) = s.get("prefix_hit_rate").and_then(|x| x.as_f64()) {
+        if let Some(late) = s.get("late_ttft_ms").and_then(|x| x.as_f64()) {
+            println!(
+                "{}: a late {}-token request got its first token after {:.1} ms; the decoding sequences' longest gap was {:.1} ms (p99 {:.1} ms)",
+                s["backend"].as_str().unwrap_or("?"),
+                args.late_prompt_tokens,
+                late,
+                figure(s, "itl_ms_max"),
+                figure(s, "itl_ms_p99")
+            );
+        }
+        if let Some(rate) = s.get("prefix_hit_rate").and_then(|x| x.as_f64()).filter(|_| args.shared_prefix > 0) {
             println!(
                 "{}: prefix hit rate {:.1}%, ttft of the first request {:.1} ms, of the others (median) {:.1} ms",
                 s["backend"].as_str().unwrap_or("?"),
@@ -377,7 +387,9 @@ fn spawn_worker_json(model: &ModelArgs, threads: usize, args: &BenchArgs) -> Res
         cmd.arg("--tensor-map").arg(map);
     }
     if let Some(n) = args.concurrency {
-        cmd.args(["--concurrency", &n.to_string()]).args(["--shared-prefix", &args.shared_prefix.to_string()]);
+        cmd.args(["--concurrency", &n.to_string()])
+            .args(["--shared-prefix", &args.shared_prefix.to_string()])
+            .args(["--late-prompt-tokens", &args.late_prompt_tokens.to_string()]);
     }
     let e = &model.engine;
     for (flag, value) in [

@@ -12,6 +12,11 @@
 //! - the KV pool (`kv_blocks`, `kv_tokens`), `preemptions`, and `prefix_hit_rate` (prompt
 //!   tokens served by the prefix cache / prompt tokens looked up).
 //!
+//! With `--shared-prefix`, the first sequence is submitted alone and the others when it has
+//! its first token (a shared system prompt that is already cached); each sequence's times count
+//! from its own submission, and `ttft_first_ms` / `ttft_rest_ms_p50` set them side by side.
+//! (For llama.cpp all sequences go at once: it has no prefix cache across sequences here.)
+//!
 //! Every repetition runs in a fresh worker process, the models alternating, as in `bench`.
 
 use std::time::Instant;
@@ -43,6 +48,10 @@ pub struct ConcurrentSample {
     pub ttft_ms_p99: f64,
     pub itl_ms_p50: f64,
     pub itl_ms_p99: f64,
+    /// The longest gap between two tokens of one of the `N` sequences.
+    pub itl_ms_max: f64,
+    /// With `--late-prompt-tokens`: time to first token of the late request.
+    pub late_ttft_ms: Option<f64>,
     /// From submission to the last token of the last sequence.
     pub total_s: f64,
     pub kv_blocks: Option<usize>,
@@ -67,8 +76,9 @@ pub fn percentile(values: &[f64], p: f64) -> f64 {
     v[rank.clamp(1, v.len()) - 1]
 }
 
-/// The figures from every sequence's token arrival times (seconds from submission).
-fn summarize(times: &[Vec<f64>]) -> (f64, f64, [f64; 4], f64, f64, f64) {
+/// The figures from every sequence's token arrival times (seconds from the start) and the time
+/// each sequence was submitted.
+fn summarize(times: &[Vec<f64>], submitted: &[f64]) -> (f64, f64, [f64; 5], f64, f64, f64) {
     let firsts: Vec<f64> = times.iter().filter_map(|t| t.first().copied()).collect();
     let steady_from = firsts.iter().copied().fold(0.0, f64::max);
     let end = times.iter().filter_map(|t| t.last().copied()).fold(0.0, f64::max);
@@ -80,12 +90,22 @@ fn summarize(times: &[Vec<f64>]) -> (f64, f64, [f64; 4], f64, f64, f64) {
         .map(|t| (t.len() - 1) as f64 / (t[t.len() - 1] - t[0]).max(1e-9))
         .collect();
     let itl: Vec<f64> = times.iter().flat_map(|t| t.windows(2).map(|w| (w[1] - w[0]) * 1e3)).collect();
-    let ttft: Vec<f64> = firsts.iter().map(|t| t * 1e3).collect();
+    let ttft: Vec<f64> = times
+        .iter()
+        .zip(submitted)
+        .filter_map(|(t, s)| t.first().map(|f| (f - s) * 1e3))
+        .collect();
     let rest: Vec<f64> = ttft.iter().skip(1).copied().collect();
     (
         aggregate,
         median(per_seq),
-        [percentile(&ttft, 50.0), percentile(&ttft, 99.0), percentile(&itl, 50.0), percentile(&itl, 99.0)],
+        [
+            percentile(&ttft, 50.0),
+            percentile(&ttft, 99.0),
+            percentile(&itl, 50.0),
+            percentile(&itl, 99.0),
+            itl.iter().copied().fold(f64::NAN, f64::max),
+        ],
         end,
         ttft.first().copied().unwrap_or(f64::NAN),
         if rest.is_empty() { f64::NAN } else { median(rest) },
@@ -108,7 +128,7 @@ fn prompts(n: usize, len: usize, shared: usize, vocab: usize) -> Vec<Vec<u32>> {
 pub fn worker(args: &BenchWorkerArgs, n: usize) -> Result<()> {
     let mut model_args = args.model.clone();
     if model_args.ctx_size.is_none() {
-        model_args.ctx_size = Some(args.prompt_tokens + args.gen_tokens + 1);
+        model_args.ctx_size = Some(args.prompt_tokens.max(args.late_prompt_tokens) + args.gen_tokens + 1);
     }
     let threads = threads(&model_args)?;
     let format = kylin_loader::detect(&model_args.model)?;
@@ -117,7 +137,8 @@ pub fn worker(args: &BenchWorkerArgs, n: usize) -> Result<()> {
         gguf_worker(args, n, threads, started)?
     } else {
         let model = kylin_loader::load(&model_args.model, &LoadOptions { prefetch: true, ..LoadOptions::default() })?;
-        let opts = engine_options(&model_args, threads, n)?;
+        // Room for every sequence, and for the late request too.
+        let opts = engine_options(&model_args, threads, n + usize::from(args.late_prompt_tokens > 0))?;
         let mut engine = BatchEngine::new(model, &opts)?;
         let load_ms = started.elapsed().as_secs_f64() * 1e3;
         let info = engine.info();
@@ -134,9 +155,19 @@ pub fn worker(args: &BenchWorkerArgs, n: usize) -> Result<()> {
 
         let before = engine.stats();
         let t0 = Instant::now();
-        for (i, p) in prompts(n, args.prompt_tokens, args.shared_prefix, vocab).into_iter().enumerate() {
+        // With a shared prefix, the first request goes alone and the others follow once it has
+        // its first token (a system prompt already in the cache); otherwise all go at once.
+        // Times are measured from each request's own submission.
+        let mut pending: Vec<(usize, Vec<u32>)> =
+            prompts(n, args.prompt_tokens, args.shared_prefix, vocab).into_iter().enumerate().collect();
+        let mut submitted = vec![0.0f64; n];
+        let later = if args.shared_prefix > 0 { pending.split_off(1) } else { Vec::new() };
+        for (i, p) in pending {
             engine.add_request(ids_request(i as u64, p, args.gen_tokens))?;
         }
+        let mut later = Some(later).filter(|l| !l.is_empty());
+        let late_id = n as u64;
+        let mut late: Option<(f64, Option<f64>)> = None;
         let mut times: Vec<Vec<f64>> = vec![Vec::with_capacity(args.gen_tokens); n];
         while engine.has_work() {
             events.clear();
@@ -144,12 +175,34 @@ pub fn worker(args: &BenchWorkerArgs, n: usize) -> Result<()> {
             let now = t0.elapsed().as_secs_f64();
             for e in &events {
                 if let EventKind::Token { .. } = e.kind {
+                    if e.request == late_id {
+                        if let Some((at, first @ None)) = late.as_mut() {
+                            *first = Some(now - *at);
+                        }
+                        continue;
+                    }
                     times[e.request as usize].push(now);
+                }
+            }
+            // Every sequence decodes: the late request arrives.
+            if args.late_prompt_tokens > 0 && late.is_none() && later.is_none() && times.iter().all(|t| t.len() >= 2) {
+                let prompt = bench_prompt_seeded(args.late_prompt_tokens, vocab, u64::MAX - 1);
+                late = Some((now, None));
+                engine.add_request(ids_request(late_id, prompt, 1))?;
+            }
+            if !times[0].is_empty()
+                && let Some(rest) = later.take()
+            {
+                let at = t0.elapsed().as_secs_f64();
+                for (i, p) in rest {
+                    submitted[i] = at;
+                    engine.add_request(ids_request(i as u64, p, args.gen_tokens))?;
                 }
             }
         }
         let after = engine.stats();
-        let (aggregate, per_seq, [t50, t99, i50, i99], total, first, rest) = summarize(&times);
+        let late_ttft_ms = late.and_then(|(_, first)| first).map(|s| s * 1e3);
+        let (aggregate, per_seq, [t50, t99, i50, i99, imax], total, first, rest) = summarize(&times, &submitted);
         let queries = after.prefix_cache_queries - before.prefix_cache_queries;
         let hits = after.prefix_cache_hits - before.prefix_cache_hits;
         ConcurrentSample {
@@ -167,6 +220,8 @@ pub fn worker(args: &BenchWorkerArgs, n: usize) -> Result<()> {
             ttft_ms_p99: t99,
             itl_ms_p50: i50,
             itl_ms_p99: i99,
+            itl_ms_max: imax,
+            late_ttft_ms,
             total_s: total,
             kv_blocks: Some(info.kv_blocks),
             kv_tokens: Some(info.kv_tokens),
@@ -198,7 +253,7 @@ fn gguf_worker(args: &BenchWorkerArgs, n: usize, threads: usize, _started: Insta
     let (seqs, load_ms) =
         kylin_llamacpp::concurrent::run_concurrent(&args.model.model, threads, &prompts, args.gen_tokens)?;
     let times: Vec<Vec<f64>> = seqs.into_iter().map(|s| s.token_times).collect();
-    let (aggregate, per_seq, [t50, t99, i50, i99], total, first, rest) = summarize(&times);
+    let (aggregate, per_seq, [t50, t99, i50, i99, imax], total, first, rest) = summarize(&times, &vec![0.0; n]);
     Ok(ConcurrentSample {
         model: args.model.model.display().to_string(),
         backend: "llama.cpp".to_string(),
@@ -214,6 +269,8 @@ fn gguf_worker(args: &BenchWorkerArgs, n: usize, threads: usize, _started: Insta
         ttft_ms_p99: t99,
         itl_ms_p50: i50,
         itl_ms_p99: i99,
+        itl_ms_max: imax,
+        late_ttft_ms: None,
         total_s: total,
         kv_blocks: None,
         kv_tokens: None,
@@ -254,6 +311,8 @@ pub fn summarize_samples(samples: &[ConcurrentSample]) -> serde_json::Value {
         "ttft_ms_p99": m(|s| s.ttft_ms_p99),
         "itl_ms_p50": m(|s| s.itl_ms_p50),
         "itl_ms_p99": m(|s| s.itl_ms_p99),
+        "itl_ms_max": m(|s| s.itl_ms_max),
+        "late_ttft_ms": first.late_ttft_ms.map(|_| m(|s| s.late_ttft_ms.unwrap_or(f64::NAN))),
         "ttft_first_ms": m(|s| s.ttft_first_ms),
         "ttft_rest_ms_p50": m(|s| s.ttft_rest_ms_p50),
         "total_s": m(|s| s.total_s),
@@ -289,7 +348,7 @@ mod tests {
     fn steady_decode_starts_when_the_last_sequence_has_its_first_token() {
         // Two sequences: first tokens at 1 s and 2 s, then one token every 0.5 s.
         let times = vec![vec![1.0, 1.5, 2.0, 2.5, 3.0], vec![2.0, 2.5, 3.0]];
-        let (aggregate, per_seq, [t50, _, i50, _], total, first, rest) = summarize(&times);
+        let (aggregate, per_seq, [t50, _, i50, _, _], total, first, rest) = summarize(&times, &[0.0, 0.0]);
         // After 2 s: 2.5, 3.0 (first) and 2.5, 3.0 (second) = 4 tokens in 1 s.
         assert!((aggregate - 4.0).abs() < 1e-9);
         assert!((per_seq - 2.0).abs() < 1e-9);

@@ -167,7 +167,7 @@ pub fn engine_options(args: &ModelArgs, threads: usize, default_max_seqs: usize)
         ctx_size: args.ctx_size,
         kv_budget,
         kv_dtype,
-        max_seqs: e.max_seqs.unwrap_or(default_max_seqs.min(DEFAULT_MAX_SEQS).max(1)),
+        max_seqs: e.max_seqs.unwrap_or(default_max_seqs.max(1)),
         max_batch_tokens: e.max_batch_tokens.unwrap_or(DEFAULT_MAX_BATCH_TOKENS),
         block_size: e.kv_block_size.unwrap_or(DEFAULT_BLOCK_SIZE),
         chat_template_override: read_chat_template(args)?,
