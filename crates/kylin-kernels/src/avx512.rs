@@ -23,7 +23,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::x86::{BF16, F16, hsum, load1, load8};
+use crate::x86::{BF16, F16, load1, load8};
 
 /// Tokens per full tile.
 pub const MT: usize = 4;
@@ -50,11 +50,31 @@ unsafe fn load16<const D: u8>(p: *const u8, i: usize) -> __m512 {
     }
 }
 
-/// The upper eight lanes of a zmm.
+/// Step 3 of the canonical order for four pairs at once: `out[k] = hsum((a0 + a1) + (a2 + a3))`
+/// for the pair `pk = [a0 | a1, a2 | a3]`, with exactly the additions of the GEMV (each
+/// addition below is the GEMV's addition on the same two values, in other lanes).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 #[inline]
-fn high8(v: __m512) -> __m256 {
-    _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)))
+fn combine4(p0: [__m512; 2], p1: [__m512; 2], p2: [__m512; 2], p3: [__m512; 2], out: &mut [f32]) {
+    // `v = (a0 + a1) + (a2 + a3)` for two pairs: 128-bit blocks 0-1 of the result are the first
+    // pair's `v`, blocks 2-3 the second's.
+    let v2 = |p: [__m512; 2], q: [__m512; 2]| {
+        let a01 = _mm512_add_ps(_mm512_shuffle_f32x4::<0b01_00_01_00>(p[0], q[0]), _mm512_shuffle_f32x4::<0b11_10_11_10>(p[0], q[0]));
+        let a23 = _mm512_add_ps(_mm512_shuffle_f32x4::<0b01_00_01_00>(p[1], q[1]), _mm512_shuffle_f32x4::<0b11_10_11_10>(p[1], q[1]));
+        _mm512_add_ps(a01, a23)
+    };
+    let (v01, v23) = (v2(p0, p1), v2(p2, p3));
+    // `hsum(v)`: `s_i = v_i + v_(i+4)` (block k of `s` is pair k's), then `s_0 + s_2` and
+    // `s_1 + s_3`, then their sum, in lane 0 of each block.
+    let s = _mm512_add_ps(_mm512_shuffle_f32x4::<0b10_00_10_00>(v01, v23), _mm512_shuffle_f32x4::<0b11_01_11_01>(v01, v23));
+    let s = _mm512_add_ps(s, _mm512_permute_ps::<0b01_00_11_10>(s));
+    let s = _mm512_add_ps(s, _mm512_permute_ps::<0b00_00_00_01>(s));
+    let mut lanes = [0.0f32; 16];
+    // SAFETY: `lanes` is 64 bytes, the size of one unaligned store.
+    unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), s) };
+    for (k, o) in out.iter_mut().enumerate().take(4) {
+        *o = lanes[4 * k];
+    }
 }
 
 /// One GEMM tile: `y[t * y_stride + r] = Σ_c w[r, c] · x[t * x_stride + c]` for `t < MT_`,
@@ -112,15 +132,19 @@ pub unsafe fn gemm_tile<const D: u8, const MT_: usize, const NR_: usize>(
             }
             c += 8;
         }
-        // Steps 3 and 4: the GEMV's combination and scalar tail.
-        for (t, acc_t) in acc.iter().enumerate() {
-            for (r, a) in acc_t.iter().enumerate() {
-                let s01 = _mm256_add_ps(_mm512_castps512_ps256(a[0]), high8(a[0]));
-                let s23 = _mm256_add_ps(_mm512_castps512_ps256(a[1]), high8(a[1]));
-                let mut sum = hsum(_mm256_add_ps(s01, s23));
+        // Step 3 for four pairs at a time, then step 4 per pair.
+        let mut sums = [0.0f32; 16];
+        let zero = [_mm512_setzero_ps(); 2];
+        let pair = |i: usize| if i < MT_ * NR_ { acc[i / NR_][i % NR_] } else { zero };
+        for g in (0..MT_ * NR_).step_by(4) {
+            combine4(pair(g), pair(g + 1), pair(g + 2), pair(g + 3), &mut sums[g..g + 4]);
+        }
+        for t in 0..MT_ {
+            for (r, row) in rows.iter().enumerate() {
+                let mut sum = sums[t * NR_ + r];
                 let mut k = main8;
                 while k < cols {
-                    sum += load1::<D>(rows[r], k) * *xs[t].add(k);
+                    sum += load1::<D>(*row, k) * *xs[t].add(k);
                     k += 1;
                 }
                 *y.add(t * y_stride + r) = sum;
@@ -162,6 +186,51 @@ pub unsafe fn gemm_tile_dyn<const D: u8>(
             (_, 3) => gemm_tile::<D, 1, 3>(w, row_bytes, cols, x, x_stride, y, y_stride),
             (_, 2) => gemm_tile::<D, 1, 2>(w, row_bytes, cols, x, x_stride, y, y_stride),
             _ => gemm_tile::<D, 1, 1>(w, row_bytes, cols, x, x_stride, y, y_stride),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Kernel throughput with everything in L1 (a measuring aid, not a check):
+    /// `TILE_COLS=1024 cargo test --release -p kylin-kernels --lib tile_throughput -- --ignored
+    /// --nocapture` (default 512 columns).
+    #[test]
+    #[ignore]
+    fn tile_throughput() {
+        if crate::isa() != crate::Isa::Avx512 {
+            return;
+        }
+        let cols: usize = std::env::var("TILE_COLS").ok().and_then(|v| v.parse().ok()).unwrap_or(512);
+        // Weights near 0.5 in every dtype: 0x3F00 as BF16 and F32's upper half, 0x3800 as F16.
+        let w: Vec<u8> = (0..NR * cols * 2).flat_map(|i| [(i % 7) as u8, 0x38, (i % 5) as u8, 0x3F]).collect();
+        let x: Vec<f32> = (0..MT * cols).map(|i| (i % 13) as f32 * 0.01).collect();
+        let mut y = [0.0f32; MT * NR];
+        let reps = 50_000_000 / cols;
+        let mut best = [f64::INFINITY; 3];
+        for _round in 0..8 {
+            for (v, b) in best.iter_mut().enumerate() {
+                let start = std::time::Instant::now();
+                for _ in 0..reps {
+                    // SAFETY: `w` holds NR rows of `cols` elements of every dtype (`cols * 4`
+                    // bytes per row), `x` MT rows, `y` MT × NR outputs; AVX-512 was detected.
+                    unsafe {
+                        let (w, x, y) = (std::hint::black_box(w.as_ptr()), x.as_ptr(), y.as_mut_ptr());
+                        let c = cols;
+                        match v {
+                            0 => gemm_tile::<BF16, MT, NR>(w, c * 2, c, x, c, y, NR),
+                            1 => gemm_tile::<F16, MT, NR>(w, c * 2, c, x, c, y, NR),
+                            _ => gemm_tile::<{ crate::x86::F32 }, MT, NR>(w, c * 4, c, x, c, y, NR),
+                        }
+                    }
+                }
+                *b = b.min(start.elapsed().as_secs_f64());
+            }
+        }
+        for (name, t) in ["bf16", "f16", "f32"].iter().zip(best) {
+            println!("{name} {MT}x{NR}: {:.1} GF/s per core", 2.0 * (MT * NR * cols * reps) as f64 / t / 1e9);
         }
     }
 }

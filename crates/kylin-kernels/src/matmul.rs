@@ -15,7 +15,7 @@
 use crate::{Isa, ThreadPool, WeightDType, WeightMatrix, isa};
 
 /// From this many tokens on, the packed GEMM is used instead of per-token GEMV.
-pub const GEMM_MIN_TOKENS: usize = 4;
+pub const GEMM_MIN_TOKENS: usize = 2;
 /// Matrices handled by one fused pool job; longer lists are processed in chunks.
 const MAX_FUSED: usize = 8;
 /// Weight bytes below which a GEMV is not worth splitting across threads.
@@ -55,7 +55,7 @@ fn run_chunk(pool: &ThreadPool, x: &[f32], n_tokens: usize, jobs: &mut [(WeightM
         return;
     }
     let isa = isa();
-    let gemm = isa == Isa::Avx512 && n_tokens >= GEMM_MIN_TOKENS;
+    let gemm = matches!(isa, Isa::Avx512 | Isa::Avx2Fma) && n_tokens >= GEMM_MIN_TOKENS;
     // Tasks own whole GEMV blocks (4 rows) or whole GEMM row tiles (a multiple of 3 rows).
     let unit = if gemm { 24 } else { 4 };
 
@@ -172,9 +172,9 @@ unsafe fn compute_rows(
                     (WeightDType::BF16, false) => gemv_avx2::<BF16>(w, x, n_tokens, out, r0, r1),
                     (WeightDType::F16, false) => gemv_avx2::<F16>(w, x, n_tokens, out, r0, r1),
                     (WeightDType::F32, false) => gemv_avx2::<F32>(w, x, n_tokens, out, r0, r1),
-                    (WeightDType::BF16, true) => gemm_avx512::<BF16>(w, x, n_tokens, out, r0, r1),
-                    (WeightDType::F16, true) => gemm_avx512::<F16>(w, x, n_tokens, out, r0, r1),
-                    (WeightDType::F32, true) => gemm_avx512::<F32>(w, x, n_tokens, out, r0, r1),
+                    (WeightDType::BF16, true) => gemm_x86::<BF16>(isa, w, x, n_tokens, out, r0, r1),
+                    (WeightDType::F16, true) => gemm_x86::<F16>(isa, w, x, n_tokens, out, r0, r1),
+                    (WeightDType::F32, true) => gemm_x86::<F32>(isa, w, x, n_tokens, out, r0, r1),
                 }
             }
         }
@@ -220,51 +220,85 @@ unsafe fn gemv_avx2<const D: u8>(w: WeightMatrix<'_>, x: &[f32], n_tokens: usize
     }
 }
 
-/// Weight bytes of one GEMM row block: the block is read from memory once and then from L2 by
-/// every token tile, so it takes about a quarter of a 1 MiB L2 (x tiles and outputs use the rest).
-const ROW_BLOCK_BYTES: usize = 256 * 1024;
+/// Bytes of `x` one GEMM token block may take: the block's `x` rows stay in L2 (about half
+/// of a 1 MiB L2) while the task's weight rows stream past them once per block.
+const TOKEN_BLOCK_BYTES: usize = 512 * 1024;
+/// Widest rows the GEMM widens to f32 once per token block (3 rows of f32: 36 KiB).
+const PACK_MAX_COLS: usize = 3072;
+/// Fewest tokens in a block for which widening the weights once pays.
+const PACK_MIN_TOKENS: usize = 8;
 
-/// The AVX-512 GEMM on rows `r0..r1`: row blocks of about [`ROW_BLOCK_BYTES`] (read from
-/// memory once, reused from L2), and inside a block every token tile (`MT` tokens, whose
-/// `x` rows stay in L1) runs across the block's row tiles (`NR` rows).
+/// A row tile widened to f32, aligned to cache lines.
+#[repr(C, align(64))]
+struct Panel([f32; 3 * PACK_MAX_COLS]);
+
+/// The GEMM on rows `r0..r1` (AVX-512 tiles of 4 tokens × 3 rows, or AVX2 tiles of 3 tokens ×
+/// 1 row): token blocks whose `x` rows (at most [`TOKEN_BLOCK_BYTES`]) stay in L2; inside a
+/// block, each row tile (whose weights stay in L1) runs across the block's token tiles. Each
+/// weight byte is read from memory once per token block, i.e. once per call up to
+/// `TOKEN_BLOCK_BYTES / (4 · cols)` tokens. With enough tokens in a block, the row tile is
+/// first widened to f32 (exactly: BF16 and F16 are subsets of f32) into a stack panel, and the
+/// tiles read the panel as F32 weights: the same values, so the same results.
 ///
 /// # Safety
-/// As [`compute_rows`], and AVX-512 F/BW/VL, AVX2, FMA and F16C are available.
+/// As [`compute_rows`]; AVX2, FMA and F16C are available, and AVX-512 F/BW/VL with `Avx512`.
 #[cfg(target_arch = "x86_64")]
-unsafe fn gemm_avx512<const D: u8>(w: WeightMatrix<'_>, x: &[f32], n_tokens: usize, out: OutPtr, r0: usize, r1: usize) {
-    use crate::avx512::{MT, NR, gemm_tile_dyn};
+unsafe fn gemm_x86<const D: u8>(
+    isa: Isa,
+    w: WeightMatrix<'_>,
+    x: &[f32],
+    n_tokens: usize,
+    out: OutPtr,
+    r0: usize,
+    r1: usize,
+) {
+    use crate::x86::F32;
+    let (mt_max, nr_max) = if isa == Isa::Avx512 { (crate::avx512::MT, crate::avx512::NR) } else { (crate::x86::GEMM_MT, 1) };
     let cols = w.cols;
     let row_bytes = cols * w.dtype.size_in_bytes();
-    let block = (ROW_BLOCK_BYTES / row_bytes.max(1) / NR * NR).max(NR);
-    let mut b0 = r0;
-    while b0 < r1 {
-        let b1 = (b0 + block).min(r1);
-        let mut t = 0;
-        while t < n_tokens {
-            let mt = MT.min(n_tokens - t);
-            let mut p = b0;
-            while p < b1 {
-                let nr = NR.min(b1 - p);
-                // SAFETY: weight rows `p..p + nr` exist (`p + nr <= r1 <= rows`, data length
-                // checked by the caller); tokens `t..t + mt` exist; rows `p..p + nr` of the
-                // output belong to this task.
+    let block = (TOKEN_BLOCK_BYTES / (4 * cols).max(1) / mt_max * mt_max).max(mt_max);
+    let mut panel = Panel([0.0; 3 * PACK_MAX_COLS]);
+    let mut t0 = 0;
+    while t0 < n_tokens {
+        let t1 = (t0 + block).min(n_tokens);
+        let pack = D != F32 && cols <= PACK_MAX_COLS && t1 - t0 >= PACK_MIN_TOKENS;
+        let mut p = r0;
+        while p < r1 {
+            let nr = nr_max.min(r1 - p);
+            // SAFETY: weight rows `p..p + nr` exist (`p + nr <= r1 <= rows`, data length checked
+            // by the caller) and hold `nr * cols <= panel.len()` elements when packed.
+            let (wp, stride) = unsafe {
+                let wp = w.data.as_ptr().add(p * row_bytes);
+                if pack {
+                    crate::x86::widen::<D>(wp, &mut panel.0[..nr * cols]);
+                    (panel.0.as_ptr() as *const u8, cols * 4)
+                } else {
+                    (wp, row_bytes)
+                }
+            };
+            let mut t = t0;
+            while t < t1 {
+                let mt = mt_max.min(t1 - t);
+                // SAFETY: `wp` holds `nr` rows of `cols` elements at stride `stride` (the weight
+                // rows or their widened copy); tokens `t..t + mt` exist; rows `p..p + nr` of
+                // the output belong to this task; the ISA was detected.
                 unsafe {
-                    gemm_tile_dyn::<D>(
-                        mt,
-                        nr,
-                        w.data.as_ptr().add(p * row_bytes),
-                        row_bytes,
-                        cols,
-                        x.as_ptr().add(t * cols),
-                        cols,
-                        out.0.add(t * w.rows + p),
-                        w.rows,
-                    )
+                    let (x, y) = (x.as_ptr().add(t * cols), out.0.add(t * w.rows + p));
+                    match (isa, pack) {
+                        (Isa::Avx512, true) => {
+                            crate::avx512::gemm_tile_dyn::<F32>(mt, nr, wp, stride, cols, x, cols, y, w.rows)
+                        }
+                        (Isa::Avx512, false) => {
+                            crate::avx512::gemm_tile_dyn::<D>(mt, nr, wp, stride, cols, x, cols, y, w.rows)
+                        }
+                        (_, true) => crate::x86::gemm_tile_dyn::<F32>(mt, wp, cols, x, cols, y, w.rows),
+                        (_, false) => crate::x86::gemm_tile_dyn::<D>(mt, wp, cols, x, cols, y, w.rows),
+                    }
                 };
-                p += nr;
+                t += mt;
             }
-            t += mt;
+            p += nr;
         }
-        b0 = b1;
+        t0 = t1;
     }
 }

@@ -113,6 +113,80 @@ pub unsafe fn gemv_rows<const D: u8>(w: *const u8, cols: usize, x: &[f32], y: &m
     }
 }
 
+/// Tokens per AVX2 GEMM tile (one weight row): `3 × 4` ymm accumulators of the 16.
+pub const GEMM_MT: usize = 3;
+
+/// AVX2 GEMM tile: `y[t * y_stride] = Σ_c w[c] · x[t * x_stride + c]` for `t < MT`, one weight
+/// row, each output reduced with exactly the operations of [`gemv_rows`] (four 8-lane
+/// accumulators per token, the 8-wide middle into the first, the same `hsum` and scalar tail):
+/// bit for bit the GEMV's result. Each weight vector is widened once per step and used for
+/// the `MT` tokens.
+///
+/// # Safety
+/// `w` must be valid for `cols` elements of dtype `D`; `x` for reading `x[t * x_stride + c]`,
+/// `t < MT`, `c < cols`; `y` for writing `y[t * y_stride]`, `t < MT`, with no one else
+/// accessing those meanwhile.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn gemm_tile<const D: u8, const MT: usize>(
+    w: *const u8,
+    cols: usize,
+    x: *const f32,
+    x_stride: usize,
+    y: *mut f32,
+    y_stride: usize,
+) {
+    let main32 = cols & !31;
+    let main8 = cols & !7;
+    let mut acc = [[_mm256_setzero_ps(); 4]; MT];
+    // SAFETY (whole body): weight reads are at columns `< cols`, token reads at tokens `< MT`
+    // and columns `< cols`, output writes at tokens `< MT`: inside the caller's extents.
+    unsafe {
+        let xs: [*const f32; MT] = std::array::from_fn(|t| x.add(t * x_stride));
+        let mut c = 0;
+        while c < main32 {
+            for j in 0..4 {
+                let wv = load8::<D>(w, c + 8 * j);
+                for (t, a) in acc.iter_mut().enumerate() {
+                    a[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[t].add(c + 8 * j)), a[j]);
+                }
+            }
+            c += 32;
+        }
+        while c < main8 {
+            let wv = load8::<D>(w, c);
+            for (t, a) in acc.iter_mut().enumerate() {
+                a[0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[t].add(c)), a[0]);
+            }
+            c += 8;
+        }
+        for (t, a) in acc.iter().enumerate() {
+            let mut sum = hsum(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+            let mut k = main8;
+            while k < cols {
+                sum += load1::<D>(w, k) * *xs[t].add(k);
+                k += 1;
+            }
+            *y.add(t * y_stride) = sum;
+        }
+    }
+}
+
+/// [`gemm_tile`] for `1 <= mt <= GEMM_MT` tokens.
+///
+/// # Safety
+/// As [`gemm_tile`] with `MT = mt`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn gemm_tile_dyn<const D: u8>(mt: usize, w: *const u8, cols: usize, x: *const f32, xs: usize, y: *mut f32, ys: usize) {
+    // SAFETY: the caller's contract, for the tile size chosen by `mt`.
+    unsafe {
+        match mt {
+            3 => gemm_tile::<D, 3>(w, cols, x, xs, y, ys),
+            2 => gemm_tile::<D, 2>(w, cols, x, xs, y, ys),
+            _ => gemm_tile::<D, 1>(w, cols, x, xs, y, ys),
+        }
+    }
+}
+
 /// Widens `out.len()` elements of dtype `D` starting at `w` into `out`.
 ///
 /// # Safety

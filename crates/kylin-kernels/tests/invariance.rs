@@ -48,13 +48,16 @@ impl Rng {
 
 const DTYPES: [WeightDType; 3] = [WeightDType::BF16, WeightDType::F16, WeightDType::F32];
 const ROWS: [usize; 6] = [1, 5, 23, 24, 25, 97];
-const COLS: [usize; 10] = [1, 7, 8, 31, 32, 33, 100, 257, 1000, 1031];
+const COLS: [usize; 11] = [1, 7, 8, 31, 32, 33, 100, 257, 1000, 1031, 3100];
 /// Distinct token vectors per shape; batches pick from them at shifting positions.
 const POOL_TOKENS: usize = 67;
 
-/// Batch sizes to check for a shape with `cols` columns: all of 1..=40 and some larger ones
-/// (513, past every token block, only where it is cheap).
+/// Batch sizes to check for a shape: all of 1..=40 and some larger ones (513, past every token
+/// block, only where it is cheap). The widest rows (beyond the GEMM's f32 panel) get fewer.
 fn batch_sizes(rows: usize, cols: usize) -> Vec<usize> {
+    if cols > 2000 {
+        return vec![1, 2, 3, 4, 5, 7, 8, 9, 13, 40, 100, 171];
+    }
     let mut sizes: Vec<usize> = (1..=40).chain([64, 100]).collect();
     if rows * cols <= 25 * 1031 {
         sizes.push(513);
