@@ -172,9 +172,12 @@ unsafe fn compute_rows(
                     (WeightDType::BF16, false) => gemv_avx2::<BF16>(w, x, n_tokens, out, r0, r1),
                     (WeightDType::F16, false) => gemv_avx2::<F16>(w, x, n_tokens, out, r0, r1),
                     (WeightDType::F32, false) => gemv_avx2::<F32>(w, x, n_tokens, out, r0, r1),
-                    (WeightDType::BF16, true) => gemm_x86::<BF16>(isa, w, x, n_tokens, out, r0, r1),
-                    (WeightDType::F16, true) => gemm_x86::<F16>(isa, w, x, n_tokens, out, r0, r1),
-                    (WeightDType::F32, true) => gemm_x86::<F32>(isa, w, x, n_tokens, out, r0, r1),
+                    (WeightDType::BF16, true) if isa == Isa::Avx512 => gemm_avx512::<BF16>(w, x, n_tokens, out, r0, r1),
+                    (WeightDType::F16, true) if isa == Isa::Avx512 => gemm_avx512::<F16>(w, x, n_tokens, out, r0, r1),
+                    (WeightDType::F32, true) if isa == Isa::Avx512 => gemm_avx512::<F32>(w, x, n_tokens, out, r0, r1),
+                    (WeightDType::BF16, true) => gemm_avx2::<BF16>(w, x, n_tokens, out, r0, r1),
+                    (WeightDType::F16, true) => gemm_avx2::<F16>(w, x, n_tokens, out, r0, r1),
+                    (WeightDType::F32, true) => gemm_avx2::<F32>(w, x, n_tokens, out, r0, r1),
                 }
             }
         }
@@ -232,8 +235,7 @@ const PACK_MIN_TOKENS: usize = 8;
 #[repr(C, align(64))]
 struct Panel([f32; 3 * PACK_MAX_COLS]);
 
-/// The GEMM on rows `r0..r1` (AVX-512 tiles of 4 tokens × 3 rows, or AVX2 tiles of 3 tokens ×
-/// 1 row): token blocks whose `x` rows (at most [`TOKEN_BLOCK_BYTES`]) stay in L2; inside a
+/// The AVX-512 GEMM on rows `r0..r1` (tiles of 4 tokens × 3 rows): token blocks whose `x` rows (at most [`TOKEN_BLOCK_BYTES`]) stay in L2; inside a
 /// block, each row tile (whose weights stay in L1) runs across the block's token tiles. Each
 /// weight byte is read from memory once per token block, i.e. once per call up to
 /// `TOKEN_BLOCK_BYTES / (4 · cols)` tokens. With enough tokens in a block, the row tile is
@@ -241,19 +243,12 @@ struct Panel([f32; 3 * PACK_MAX_COLS]);
 /// tiles read the panel as F32 weights: the same values, so the same results.
 ///
 /// # Safety
-/// As [`compute_rows`]; AVX2, FMA and F16C are available, and AVX-512 F/BW/VL with `Avx512`.
+/// As [`compute_rows`], and AVX-512 F/BW/VL, AVX2, FMA and F16C are available.
 #[cfg(target_arch = "x86_64")]
-unsafe fn gemm_x86<const D: u8>(
-    isa: Isa,
-    w: WeightMatrix<'_>,
-    x: &[f32],
-    n_tokens: usize,
-    out: OutPtr,
-    r0: usize,
-    r1: usize,
-) {
+unsafe fn gemm_avx512<const D: u8>(w: WeightMatrix<'_>, x: &[f32], n_tokens: usize, out: OutPtr, r0: usize, r1: usize) {
+    use crate::avx512::{MT, NR, gemm_tile_dyn};
     use crate::x86::F32;
-    let (mt_max, nr_max) = if isa == Isa::Avx512 { (crate::avx512::MT, crate::avx512::NR) } else { (crate::x86::GEMM_MT, 1) };
+    let (mt_max, nr_max) = (MT, NR);
     let cols = w.cols;
     let row_bytes = cols * w.dtype.size_in_bytes();
     let block = (TOKEN_BLOCK_BYTES / (4 * cols).max(1) / mt_max * mt_max).max(mt_max);
@@ -281,18 +276,13 @@ unsafe fn gemm_x86<const D: u8>(
                 let mt = mt_max.min(t1 - t);
                 // SAFETY: `wp` holds `nr` rows of `cols` elements at stride `stride` (the weight
                 // rows or their widened copy); tokens `t..t + mt` exist; rows `p..p + nr` of
-                // the output belong to this task; the ISA was detected.
+                // the output belong to this task.
                 unsafe {
                     let (x, y) = (x.as_ptr().add(t * cols), out.0.add(t * w.rows + p));
-                    match (isa, pack) {
-                        (Isa::Avx512, true) => {
-                            crate::avx512::gemm_tile_dyn::<F32>(mt, nr, wp, stride, cols, x, cols, y, w.rows)
-                        }
-                        (Isa::Avx512, false) => {
-                            crate::avx512::gemm_tile_dyn::<D>(mt, nr, wp, stride, cols, x, cols, y, w.rows)
-                        }
-                        (_, true) => crate::x86::gemm_tile_dyn::<F32>(mt, wp, cols, x, cols, y, w.rows),
-                        (_, false) => crate::x86::gemm_tile_dyn::<D>(mt, wp, cols, x, cols, y, w.rows),
+                    if pack {
+                        gemm_tile_dyn::<F32>(mt, nr, wp, stride, cols, x, cols, y, w.rows)
+                    } else {
+                        gemm_tile_dyn::<D>(mt, nr, wp, stride, cols, x, cols, y, w.rows)
                     }
                 };
                 t += mt;
@@ -300,5 +290,42 @@ unsafe fn gemm_x86<const D: u8>(
             p += nr;
         }
         t0 = t1;
+    }
+}
+
+/// Weight bytes of one AVX2 GEMM row block: read from memory once, then from L2 by every token
+/// tile (a quarter of a 1 MiB L2).
+const ROW_BLOCK_BYTES: usize = 256 * 1024;
+
+/// The AVX2 GEMM on rows `r0..r1` (tiles of 3 tokens × 1 row): row blocks of about
+/// [`ROW_BLOCK_BYTES`], and inside a block each token tile (whose `x` rows stay in L1) runs
+/// across the block's rows (read from L2). A tile of one row reuses each token vector only once,
+/// so the token rows, not the weights, are what must stay closest.
+///
+/// # Safety
+/// As [`compute_rows`], and AVX2, FMA and F16C are available.
+#[cfg(target_arch = "x86_64")]
+unsafe fn gemm_avx2<const D: u8>(w: WeightMatrix<'_>, x: &[f32], n_tokens: usize, out: OutPtr, r0: usize, r1: usize) {
+    use crate::x86::{GEMM_MT, gemm_tile_dyn};
+    let cols = w.cols;
+    let row_bytes = cols * w.dtype.size_in_bytes();
+    let block = (ROW_BLOCK_BYTES / row_bytes.max(1)).max(1);
+    let mut b0 = r0;
+    while b0 < r1 {
+        let b1 = (b0 + block).min(r1);
+        let mut t = 0;
+        while t < n_tokens {
+            let mt = GEMM_MT.min(n_tokens - t);
+            for r in b0..b1 {
+                // SAFETY: weight row `r < rows` exists (data length checked by the caller);
+                // tokens `t..t + mt` exist; row `r` of the output belongs to this task.
+                unsafe {
+                    let (wp, xp, yp) = (w.data.as_ptr().add(r * row_bytes), x.as_ptr().add(t * cols), out.0.add(t * w.rows + r));
+                    gemm_tile_dyn::<D>(mt, wp, cols, xp, cols, yp, w.rows)
+                };
+            }
+            t += mt;
+        }
+        b0 = b1;
     }
 }
