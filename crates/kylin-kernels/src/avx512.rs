@@ -59,14 +59,21 @@ fn combine4(p0: [__m512; 2], p1: [__m512; 2], p2: [__m512; 2], p3: [__m512; 2], 
     // `v = (a0 + a1) + (a2 + a3)` for two pairs: 128-bit blocks 0-1 of the result are the first
     // pair's `v`, blocks 2-3 the second's.
     let v2 = |p: [__m512; 2], q: [__m512; 2]| {
-        let a01 = _mm512_add_ps(_mm512_shuffle_f32x4::<0b01_00_01_00>(p[0], q[0]), _mm512_shuffle_f32x4::<0b11_10_11_10>(p[0], q[0]));
-        let a23 = _mm512_add_ps(_mm512_shuffle_f32x4::<0b01_00_01_00>(p[1], q[1]), _mm512_shuffle_f32x4::<0b11_10_11_10>(p[1], q[1]));
+        let a01 = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b01_00_01_00>(p[0], q[0]),
+            _mm512_shuffle_f32x4::<0b11_10_11_10>(p[0], q[0]),
+        );
+        let a23 = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b01_00_01_00>(p[1], q[1]),
+            _mm512_shuffle_f32x4::<0b11_10_11_10>(p[1], q[1]),
+        );
         _mm512_add_ps(a01, a23)
     };
     let (v01, v23) = (v2(p0, p1), v2(p2, p3));
     // `hsum(v)`: `s_i = v_i + v_(i+4)` (block k of `s` is pair k's), then `s_0 + s_2` and
     // `s_1 + s_3`, then their sum, in lane 0 of each block.
-    let s = _mm512_add_ps(_mm512_shuffle_f32x4::<0b10_00_10_00>(v01, v23), _mm512_shuffle_f32x4::<0b11_01_11_01>(v01, v23));
+    let s =
+        _mm512_add_ps(_mm512_shuffle_f32x4::<0b10_00_10_00>(v01, v23), _mm512_shuffle_f32x4::<0b11_01_11_01>(v01, v23));
     let s = _mm512_add_ps(s, _mm512_permute_ps::<0b01_00_11_10>(s));
     let s = _mm512_add_ps(s, _mm512_permute_ps::<0b00_00_00_01>(s));
     let mut lanes = [0.0f32; 16];
@@ -110,7 +117,8 @@ pub unsafe fn gemm_tile<const D: u8, const MT_: usize, const NR_: usize>(
         // Step 1: 32 columns per step, lanes 0-15 (a0 | a1) and 16-31 (a2 | a3).
         let mut c = 0;
         while c < main32 {
-            let wv: [[__m512; 2]; NR_] = std::array::from_fn(|r| [load16::<D>(rows[r], c), load16::<D>(rows[r], c + 16)]);
+            let wv: [[__m512; 2]; NR_] =
+                std::array::from_fn(|r| [load16::<D>(rows[r], c), load16::<D>(rows[r], c + 16)]);
             for (t, acc_t) in acc.iter_mut().enumerate() {
                 let x0 = _mm512_loadu_ps(xs[t].add(c));
                 let x1 = _mm512_loadu_ps(xs[t].add(c + 16));

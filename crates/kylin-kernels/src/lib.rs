@@ -19,11 +19,11 @@
 //! number of tokens, the token's position in the batch, the thread count or the grouping of
 //! matrices (see `matmul.rs`), so a sequence's results do not depend on what shares its batch.
 
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod matmul;
 pub mod pool;
 pub mod reference;
-#[cfg(target_arch = "x86_64")]
-mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

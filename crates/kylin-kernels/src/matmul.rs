@@ -124,27 +124,6 @@ fn guided_partition(units: usize, threads: usize, bounds: &mut [usize; MAX_TASKS
     n
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn guided_partition_covers_every_unit_once_in_decreasing_chunks() {
-        for units in [0, 1, 2, 7, 64, 100, 853, 6_331, 37_984] {
-            for threads in [1, 2, 3, 8] {
-                let mut bounds = [0; MAX_TASKS + 1];
-                let n = guided_partition(units, threads, &mut bounds);
-                assert!(n >= 1 && n <= MAX_TASKS, "units={units} threads={threads}: {n} tasks");
-                assert_eq!(bounds[n], units);
-                assert!(bounds[..=n].windows(2).all(|w| w[0] <= w[1]));
-                let sizes: Vec<usize> = bounds[..=n].windows(2).map(|w| w[1] - w[0]).collect();
-                // Non-increasing except for the final remainder.
-                assert!(sizes.windows(2).take(n.saturating_sub(2)).all(|w| w[0] >= w[1]), "{sizes:?}");
-            }
-        }
-    }
-}
-
 /// Computes output rows `r0..r1` of `y = x · Wᵀ` for all tokens.
 ///
 /// # Safety
@@ -320,12 +299,34 @@ unsafe fn gemm_avx2<const D: u8>(w: WeightMatrix<'_>, x: &[f32], n_tokens: usize
                 // SAFETY: weight row `r < rows` exists (data length checked by the caller);
                 // tokens `t..t + mt` exist; row `r` of the output belongs to this task.
                 unsafe {
-                    let (wp, xp, yp) = (w.data.as_ptr().add(r * row_bytes), x.as_ptr().add(t * cols), out.0.add(t * w.rows + r));
+                    let (wp, xp, yp) =
+                        (w.data.as_ptr().add(r * row_bytes), x.as_ptr().add(t * cols), out.0.add(t * w.rows + r));
                     gemm_tile_dyn::<D>(mt, wp, cols, xp, cols, yp, w.rows)
                 };
             }
             t += mt;
         }
         b0 = b1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn guided_partition_covers_every_unit_once_in_decreasing_chunks() {
+        for units in [0, 1, 2, 7, 64, 100, 853, 6_331, 37_984] {
+            for threads in [1, 2, 3, 8] {
+                let mut bounds = [0; MAX_TASKS + 1];
+                let n = guided_partition(units, threads, &mut bounds);
+                assert!((1..=MAX_TASKS).contains(&n), "units={units} threads={threads}: {n} tasks");
+                assert_eq!(bounds[n], units);
+                assert!(bounds[..=n].windows(2).all(|w| w[0] <= w[1]));
+                let sizes: Vec<usize> = bounds[..=n].windows(2).map(|w| w[1] - w[0]).collect();
+                // Non-increasing except for the final remainder.
+                assert!(sizes.windows(2).take(n.saturating_sub(2)).all(|w| w[0] >= w[1]), "{sizes:?}");
+            }
+        }
     }
 }

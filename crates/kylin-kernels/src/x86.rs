@@ -176,7 +176,15 @@ pub unsafe fn gemm_tile<const D: u8, const MT: usize>(
 /// # Safety
 /// As [`gemm_tile`] with `MT = mt`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn gemm_tile_dyn<const D: u8>(mt: usize, w: *const u8, cols: usize, x: *const f32, xs: usize, y: *mut f32, ys: usize) {
+pub unsafe fn gemm_tile_dyn<const D: u8>(
+    mt: usize,
+    w: *const u8,
+    cols: usize,
+    x: *const f32,
+    xs: usize,
+    y: *mut f32,
+    ys: usize,
+) {
     // SAFETY: the caller's contract, for the tile size chosen by `mt`.
     unsafe {
         match mt {
@@ -280,7 +288,7 @@ pub(crate) fn exp8(x: __m256) -> __m256 {
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
     let mut p = _mm256_set1_ps(1.987_569_1e-4);
-    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1] {
+    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5e-1] {
         p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
     }
     let r2 = _mm256_mul_ps(r, r);
@@ -426,12 +434,12 @@ pub fn weighted_sum(scores: &[f32], values: &[f32], head_dim: usize, out: &mut [
             }
             c0 += width * 8;
         }
-        for c in main8..head_dim {
+        for (c, o) in out.iter_mut().enumerate().skip(main8) {
             let mut sum = 0.0f32;
             for (p, &s) in scores.iter().enumerate() {
                 sum = s.mul_add(*vp.add(p * head_dim + c), sum);
             }
-            out[c] = sum;
+            *o = sum;
         }
     }
 }

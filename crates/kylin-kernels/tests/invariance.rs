@@ -114,7 +114,7 @@ fn assert_rows_match(y: &[f32], rows: usize, n: usize, alone: &[Vec<u32>], what:
 #[test]
 fn matmul_is_batch_invariant() {
     let pools: Vec<ThreadPool> = (1..=3).map(ThreadPool::new).collect();
-    let mut rng = Rng(0x5EED_0F_1A7E);
+    let mut rng = Rng(0x5EED_0F1A);
     for dtype in DTYPES {
         for cols in COLS {
             let tokens = rng.vec(POOL_TOKENS * cols);
@@ -138,7 +138,7 @@ fn matmul_is_batch_invariant() {
 #[test]
 fn matmul_many_is_batch_invariant() {
     let pools: Vec<ThreadPool> = (1..=3).map(ThreadPool::new).collect();
-    let mut rng = Rng(0xB47C_4ED);
+    let mut rng = Rng(0x0B47_C4ED);
     for cols in COLS {
         let tokens = rng.vec(POOL_TOKENS * cols);
         // q/k/v-like and gate/up-like groups: several dtypes and row counts sharing one input.
