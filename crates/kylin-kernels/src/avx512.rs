@@ -88,12 +88,15 @@ fn combine4(p0: [__m512; 2], p1: [__m512; 2], p2: [__m512; 2], p3: [__m512; 2], 
 /// `r < NR_`, each output reduced in the GEMV's order (module header).
 ///
 /// Per 32-column step: `2·NR_` weight vectors widened, `2·MT_` token vectors loaded,
-/// `2·MT_·NR_` fused multiply-adds.
+/// `2·MT_·NR_` fused multiply-adds, and a share of the `pf_len` bytes at `pf` prefetched into
+/// L1 (the driver passes the next row tile's weights, so memory streams while this tile
+/// computes; `pf_len = 0` prefetches nothing).
 ///
 /// # Safety
 /// `w` must be valid for `NR_` rows of `cols` elements of dtype `D` (row stride `row_bytes`
 /// bytes); `x` for reading `x[t * x_stride + c]`, `t < MT_`, `c < cols`; `y` for writing
-/// `y[t * y_stride + r]`, `t < MT_`, `r < NR_`, with no one else accessing those meanwhile.
+/// `y[t * y_stride + r]`, `t < MT_`, `r < NR_`, with no one else accessing those meanwhile;
+/// `pf..pf + pf_len` must lie inside one allocation (it is only prefetched, never read).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn gemm_tile<const D: u8, const MT_: usize, const NR_: usize>(
@@ -104,9 +107,14 @@ pub unsafe fn gemm_tile<const D: u8, const MT_: usize, const NR_: usize>(
     x_stride: usize,
     y: *mut f32,
     y_stride: usize,
+    pf: *const u8,
+    pf_len: usize,
 ) {
     let main32 = cols & !31;
     let main8 = cols & !7;
+    let pf_lines = pf_len.div_ceil(64);
+    let pf_per_step = pf_lines.div_ceil((main32 / 32).max(1));
+    let mut pf_next = 0;
     let mut acc = [[[_mm512_setzero_ps(); 2]; NR_]; MT_];
     // SAFETY (whole body): weight reads are at rows `< NR_` and columns `< cols`, token reads at
     // tokens `< MT_` and columns `< cols`, output writes at tokens `< MT_` and rows `< NR_`: all
@@ -117,6 +125,13 @@ pub unsafe fn gemm_tile<const D: u8, const MT_: usize, const NR_: usize>(
         // Step 1: 32 columns per step, lanes 0-15 (a0 | a1) and 16-31 (a2 | a3).
         let mut c = 0;
         while c < main32 {
+            for _ in 0..pf_per_step {
+                if pf_next < pf_lines {
+                    // `pf_next * 64 < pf_len`: inside the caller's extent.
+                    _mm_prefetch::<_MM_HINT_T0>(pf.add(pf_next * 64) as *const i8);
+                    pf_next += 1;
+                }
+            }
             let wv: [[__m512; 2]; NR_] =
                 std::array::from_fn(|r| [load16::<D>(rows[r], c), load16::<D>(rows[r], c + 16)]);
             for (t, acc_t) in acc.iter_mut().enumerate() {
@@ -178,22 +193,24 @@ pub unsafe fn gemm_tile_dyn<const D: u8>(
     x_stride: usize,
     y: *mut f32,
     y_stride: usize,
+    pf: *const u8,
+    pf_len: usize,
 ) {
     // SAFETY: the caller's contract, for the tile size chosen by `mt` and `nr`.
     unsafe {
         match (mt, nr) {
-            (4, 3) => gemm_tile::<D, 4, 3>(w, row_bytes, cols, x, x_stride, y, y_stride),
-            (4, 2) => gemm_tile::<D, 4, 2>(w, row_bytes, cols, x, x_stride, y, y_stride),
-            (4, _) => gemm_tile::<D, 4, 1>(w, row_bytes, cols, x, x_stride, y, y_stride),
-            (3, 3) => gemm_tile::<D, 3, 3>(w, row_bytes, cols, x, x_stride, y, y_stride),
-            (3, 2) => gemm_tile::<D, 3, 2>(w, row_bytes, cols, x, x_stride, y, y_stride),
-            (3, _) => gemm_tile::<D, 3, 1>(w, row_bytes, cols, x, x_stride, y, y_stride),
-            (2, 3) => gemm_tile::<D, 2, 3>(w, row_bytes, cols, x, x_stride, y, y_stride),
-            (2, 2) => gemm_tile::<D, 2, 2>(w, row_bytes, cols, x, x_stride, y, y_stride),
-            (2, _) => gemm_tile::<D, 2, 1>(w, row_bytes, cols, x, x_stride, y, y_stride),
-            (_, 3) => gemm_tile::<D, 1, 3>(w, row_bytes, cols, x, x_stride, y, y_stride),
-            (_, 2) => gemm_tile::<D, 1, 2>(w, row_bytes, cols, x, x_stride, y, y_stride),
-            _ => gemm_tile::<D, 1, 1>(w, row_bytes, cols, x, x_stride, y, y_stride),
+            (4, 3) => gemm_tile::<D, 4, 3>(w, row_bytes, cols, x, x_stride, y, y_stride, pf, pf_len),
+            (4, 2) => gemm_tile::<D, 4, 2>(w, row_bytes, cols, x, x_stride, y, y_stride, pf, pf_len),
+            (4, _) => gemm_tile::<D, 4, 1>(w, row_bytes, cols, x, x_stride, y, y_stride, pf, pf_len),
+            (3, 3) => gemm_tile::<D, 3, 3>(w, row_bytes, cols, x, x_stride, y, y_stride, pf, pf_len),
+            (3, 2) => gemm_tile::<D, 3, 2>(w, row_bytes, cols, x, x_stride, y, y_stride, pf, pf_len),
+            (3, _) => gemm_tile::<D, 3, 1>(w, row_bytes, cols, x, x_stride, y, y_stride, pf, pf_len),
+            (2, 3) => gemm_tile::<D, 2, 3>(w, row_bytes, cols, x, x_stride, y, y_stride, pf, pf_len),
+            (2, 2) => gemm_tile::<D, 2, 2>(w, row_bytes, cols, x, x_stride, y, y_stride, pf, pf_len),
+            (2, _) => gemm_tile::<D, 2, 1>(w, row_bytes, cols, x, x_stride, y, y_stride, pf, pf_len),
+            (_, 3) => gemm_tile::<D, 1, 3>(w, row_bytes, cols, x, x_stride, y, y_stride, pf, pf_len),
+            (_, 2) => gemm_tile::<D, 1, 2>(w, row_bytes, cols, x, x_stride, y, y_stride, pf, pf_len),
+            _ => gemm_tile::<D, 1, 1>(w, row_bytes, cols, x, x_stride, y, y_stride, pf, pf_len),
         }
     }
 }
@@ -228,9 +245,9 @@ mod tests {
                         let (w, x, y) = (std::hint::black_box(w.as_ptr()), x.as_ptr(), y.as_mut_ptr());
                         let c = cols;
                         match v {
-                            0 => gemm_tile::<BF16, MT, NR>(w, c * 2, c, x, c, y, NR),
-                            1 => gemm_tile::<F16, MT, NR>(w, c * 2, c, x, c, y, NR),
-                            _ => gemm_tile::<{ crate::x86::F32 }, MT, NR>(w, c * 4, c, x, c, y, NR),
+                            0 => gemm_tile::<BF16, MT, NR>(w, c * 2, c, x, c, y, NR, w, 0),
+                            1 => gemm_tile::<F16, MT, NR>(w, c * 2, c, x, c, y, NR, w, 0),
+                            _ => gemm_tile::<{ crate::x86::F32 }, MT, NR>(w, c * 4, c, x, c, y, NR, w, 0),
                         }
                     }
                 }

@@ -38,8 +38,8 @@ fn kernels_do_not_allocate() {
     let w = WeightMatrix { dtype: WeightDType::BF16, rows, cols, data: &data };
     let norm = vec![0x3Fu8; cols * 2];
     let norm = WeightVector { dtype: WeightDType::BF16, data: &norm };
-    let x = vec![0.5f32; 16 * cols];
-    let mut y = vec![0.0f32; 16 * rows];
+    let x = vec![0.5f32; 40 * cols];
+    let mut y = vec![0.0f32; 40 * rows];
     let mut y2 = vec![0.0f32; 16 * rows];
     let mut scratch = vec![0.0f32; 64];
     let mut out = vec![0.0f32; 128];
@@ -58,11 +58,12 @@ fn kernels_do_not_allocate() {
     let before = ALLOCATIONS.load(Ordering::SeqCst);
     for _ in 0..10 {
         kylin_kernels::matmul(&pool, w, &x[..cols], 1, &mut y[..rows]);
-        kylin_kernels::matmul(&pool, w, &x, 16, &mut y);
+        kylin_kernels::matmul(&pool, w, &x[..16 * cols], 16, &mut y[..16 * rows]);
         kylin_kernels::matmul(&pool, w, &x[..3 * cols], 3, &mut y[..3 * rows]);
-        kylin_kernels::matmul(&pool, f16, &x, 16, &mut y);
+        // 40 tokens: the GEMM widens each row tile into its f32 panel first.
+        kylin_kernels::matmul(&pool, f16, &x, 40, &mut y);
         kylin_kernels::matmul(&pool, f32w, &x[..5 * cols], 5, &mut y[..5 * rows]);
-        kylin_kernels::matmul(&pool, wide, &x[..4 * 4096], 4, &mut y[..4 * 16]);
+        kylin_kernels::matmul(&pool, wide, &x[..9 * 4096], 9, &mut y[..9 * 16]);
         kylin_kernels::matmul_many(&pool, &x[..2 * cols], 2, &mut [(w, &mut y[..2 * rows]), (w, &mut y2[..2 * rows])]);
         kylin_kernels::rms_norm(&x[..cols], norm, 1e-6, &mut normed);
         kylin_kernels::rope_rotate_half(&mut out, &cos, &sin);
