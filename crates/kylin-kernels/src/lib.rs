@@ -126,8 +126,10 @@ impl WeightVector<'_> {
 /// `y = x · Wᵀ`: x is `(n_tokens, w.cols)`, y is `(n_tokens, w.rows)`, both row-major.
 ///
 /// Runs on `pool`, output rows split across its threads. With `n_tokens <
-/// GEMM_MIN_TOKENS` (decode) it streams each weight once (GEMV); otherwise it runs a packed,
-/// register-blocked GEMM. Allocates nothing. Panics if a length disagrees with the shapes.
+/// GEMM_MIN_TOKENS` (decode) it streams each weight once (GEMV); otherwise it runs a
+/// register-blocked GEMM that reads each weight once per token block. Batch invariant: row `t`
+/// of `y` has the same bits as `matmul` of token `t` alone, whatever else is in `x`, on any
+/// pool. Allocates nothing. Panics if a length disagrees with the shapes.
 pub fn matmul(pool: &ThreadPool, w: WeightMatrix<'_>, x: &[f32], n_tokens: usize, y: &mut [f32]) {
     matmul::matmul_many(pool, x, n_tokens, &mut [(w, y)])
 }
@@ -136,8 +138,8 @@ pub fn matmul(pool: &ThreadPool, w: WeightMatrix<'_>, x: &[f32], n_tokens: usize
 /// `(W_i, y_i)` in `jobs` (e.g. q/k/v projections, or gate/up).
 ///
 /// Shapes: `x` is `(n_tokens, cols)`; every `W_i` is `(rows_i, cols)`; `y_i` is
-/// `(n_tokens, rows_i)`. Same results as calling [`matmul`] for each, with one thread-pool
-/// synchronisation instead of one per matrix. Allocates nothing.
+/// `(n_tokens, rows_i)`. Same results (bit for bit) as calling [`matmul`] for each, with one
+/// thread-pool synchronisation instead of one per matrix. Allocates nothing.
 pub fn matmul_many(pool: &ThreadPool, x: &[f32], n_tokens: usize, jobs: &mut [(WeightMatrix<'_>, &mut [f32])]) {
     matmul::matmul_many(pool, x, n_tokens, jobs)
 }

@@ -1,20 +1,32 @@
 //! Matmul drivers: `y = x · Wᵀ` for one or several weight matrices sharing the same input,
 //! split across the thread pool by output rows so each weight byte is read by one core.
 //!
-//! Two regimes, chosen per call:
-//! - **GEMV** (`n_tokens < GEMM_MIN_TOKENS`, the decode path): every task streams a contiguous
-//!   block of weight rows once, widening to f32 in registers, four rows at a time.
-//! - **GEMM** (prefill): every task packs panels of `NR` weight rows × `KC` columns into an
-//!   f32 buffer on its own stack (24 KiB, so nothing is allocated) and runs a register-blocked
-//!   microkernel of `MR` tokens × `NR` rows over all tokens, reusing each packed panel
-//!   `n_tokens` times.
+//! Two regimes, chosen per call by speed alone, since both give the same bits:
+//! - **GEMV** (`n_tokens < GEMM_MIN_TOKENS`, decode): every task streams a contiguous block of
+//!   weight rows once, one row at a time ([`crate::x86::gemv_rows`]).
+//! - **GEMM** (`n_tokens >= GEMM_MIN_TOKENS`: batched decode and prefill): register tiles of a
+//!   few tokens × a few weight rows, vectorised along the columns like the GEMV. AVX-512: 4
+//!   tokens × 3 rows, token blocks whose `x` stays in L2 while each row tile (prefetched one
+//!   tile ahead, and widened to an f32 panel on the stack when the block has enough tokens)
+//!   serves all the block's tokens from L1. AVX2: 3 tokens × 1 row, row blocks in L2.
 //!
-//! Guarantees: no allocation on either path; f32 accumulation (the summation order differs
-//! from [`crate::reference::matmul`], so results agree to about 1e-6 relative to `Σ|w·x|`).
+//! Guarantees:
+//! - **Batch invariance** (DESIGN.md invariant 7): within one process, every output `y[t, r]`
+//!   is computed by the same sequence of f32 operations — the GEMV's: 32 lanes of fused
+//!   multiply-adds over `c ≡ lane (mod 32)`, the 8-wide middle into the first 8 lanes, the
+//!   fixed `hsum((a0 + a1) + (a2 + a3))` tree, then the scalar tail — whatever `n_tokens`, the
+//!   token's place in the batch, the tile it lands in, the thread count or the grouping of
+//!   matrices in [`matmul_many`]. The scalar path is a plain sequential sum per output, also
+//!   independent of the batch. (Another ISA, e.g. `KYLIN_KERNELS_ISA=avx2`, gives other bits.)
+//! - No allocation on any path (the f32 panel is a 36 KiB stack array).
+//! - f32 accumulation; the order differs from [`crate::reference::matmul`]'s, so results agree
+//!   with it to about 1e-6 relative to `Σ|w·x|`.
 
 use crate::{Isa, ThreadPool, WeightDType, WeightMatrix, isa};
 
-/// From this many tokens on, the packed GEMM is used instead of per-token GEMV.
+/// From this many tokens on, the GEMM is used instead of per-token GEMV (measured on AVX-512:
+/// with 2 tokens the GEMM reads the weights once and takes about the time of one GEMV; the
+/// results are the same bits either way).
 pub const GEMM_MIN_TOKENS: usize = 2;
 /// Matrices handled by one fused pool job; longer lists are processed in chunks.
 const MAX_FUSED: usize = 8;
