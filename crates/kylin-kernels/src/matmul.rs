@@ -244,11 +244,21 @@ unsafe fn gemm_avx512<const D: u8>(w: WeightMatrix<'_>, x: &[f32], n_tokens: usi
     let cols = w.cols;
     let row_bytes = cols * w.dtype.size_in_bytes();
     let block = (TOKEN_BLOCK_BYTES / (4 * cols).max(1) / mt_max * mt_max).max(mt_max);
-    let mut panel = Panel([0.0; 3 * PACK_MAX_COLS]);
+    // The panel (36 KiB to clear) only exists when some block will be widened: batched decode
+    // calls run many small tasks and would pay for clearing it in each.
+    let packs = D != F32 && cols <= PACK_MAX_COLS && block.min(n_tokens) >= PACK_MIN_TOKENS;
+    let mut big_panel;
+    let mut no_panel = [0.0f32; 0];
+    let panel: &mut [f32] = if packs {
+        big_panel = Panel([0.0; 3 * PACK_MAX_COLS]);
+        &mut big_panel.0
+    } else {
+        &mut no_panel
+    };
     let mut t0 = 0;
     while t0 < n_tokens {
         let t1 = (t0 + block).min(n_tokens);
-        let pack = D != F32 && cols <= PACK_MAX_COLS && t1 - t0 >= PACK_MIN_TOKENS;
+        let pack = packs && t1 - t0 >= PACK_MIN_TOKENS;
         let mut p = r0;
         while p < r1 {
             let nr = nr_max.min(r1 - p);
@@ -257,8 +267,8 @@ unsafe fn gemm_avx512<const D: u8>(w: WeightMatrix<'_>, x: &[f32], n_tokens: usi
             let (wp, stride) = unsafe {
                 let wp = w.data.as_ptr().add(p * row_bytes);
                 if pack {
-                    crate::x86::widen::<D>(wp, &mut panel.0[..nr * cols]);
-                    (panel.0.as_ptr() as *const u8, cols * 4)
+                    crate::x86::widen::<D>(wp, &mut panel[..nr * cols]);
+                    (panel.as_ptr() as *const u8, cols * 4)
                 } else {
                     (wp, row_bytes)
                 }
