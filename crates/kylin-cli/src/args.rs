@@ -23,6 +23,8 @@ pub enum Command {
     Logits(LogitsArgs),
     /// Measure load time, prefill and decode speed, and peak memory.
     Bench(BenchArgs),
+    /// Perplexity on a text (llama-perplexity semantics), and KL divergence against a saved run.
+    Perplexity(PerplexityArgs),
     /// One measured repetition of `bench` in a fresh process (used by `bench`).
     #[command(hide = true)]
     BenchWorker(BenchWorkerArgs),
@@ -36,6 +38,7 @@ impl Command {
             Command::Chat(_) => false,
             Command::Logits(a) => a.json,
             Command::Bench(a) => a.json,
+            Command::Perplexity(a) => a.json,
             Command::BenchWorker(_) => true,
         }
     }
@@ -248,6 +251,26 @@ pub struct BenchArgs {
     /// of N tokens and report how much it delays the decoding ones (`itl_ms_max`).
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub late_prompt_tokens: usize,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct PerplexityArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The text to score.
+    #[arg(long, value_name = "TEXT")]
+    pub file: PathBuf,
+    /// Tokens per window; the second half of each window is scored.
+    #[arg(long, default_value_t = 512)]
+    pub ctx: usize,
+    /// Score at most this many windows.
+    #[arg(long)]
+    pub chunks: Option<usize>,
+    /// Save the distributions here (first run) or compare with them (when the file exists).
+    #[arg(long, value_name = "FILE")]
+    pub kl_divergence_base: Option<PathBuf>,
     #[arg(long)]
     pub json: bool,
 }

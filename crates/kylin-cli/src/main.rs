@@ -12,6 +12,7 @@ mod chat;
 mod inspect;
 mod logits;
 mod open;
+mod perplexity;
 mod run;
 
 use std::process::ExitCode;
@@ -30,6 +31,7 @@ fn main() -> ExitCode {
         Command::Chat(a) => chat::run(a),
         Command::Logits(a) => logits::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Perplexity(a) => perplexity::run(a),
         Command::BenchWorker(a) => bench::worker(a),
     };
     match result {

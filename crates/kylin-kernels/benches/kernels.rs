@@ -2,7 +2,8 @@
 //! the GEMV (decode) and multiply-adds per second for the GEMM (prefill).
 //!
 //! `cargo bench -p kylin-kernels --bench kernels` (add `-- gemv` to pick). Shapes are the
-//! Qwen3-0.6B projections; `head` is its 151936-row output head (311 MB in BF16, far beyond
+//! Qwen3-0.6B projections (`layer_bf16` and `tokens_3072x1024_bf16` sweep the token count, for
+//! batched decode; `KYLIN_KERNELS_ISA=avx2` measures the AVX2 path on an AVX-512 machine); `head` is its 151936-row output head (311 MB in BF16, far beyond
 //! every cache, so it measures memory bandwidth). `KYLIN_BENCH_THREADS` sets the pool size
 //! (default: physical cores).
 
@@ -54,7 +55,16 @@ fn gemv<const D: u8>(bencher: Bencher, shape: (&str, usize, usize)) {
         .bench_local(|| kylin_kernels::matmul(&pool, w, black_box(&x), 1, black_box(&mut y)));
 }
 
-#[divan::bench(args = [("gate_proj", 3072, 1024), ("down_proj", 1024, 3072)], consts = [64, 512])]
+/// `(name, rows, cols)` of one Qwen3-0.6B layer's matmuls as the engine runs them (q/k/v fused).
+const LAYER: [(&str, usize, usize); 5] = [
+    ("qkv_proj", 4096, 1024),
+    ("o_proj", 1024, 2048),
+    ("gate_proj", 3072, 1024),
+    ("up_proj", 3072, 1024),
+    ("down_proj", 1024, 3072),
+];
+
+#[divan::bench(args = LAYER, consts = [512])]
 fn gemm_bf16<const TOKENS: usize>(bencher: Bencher, shape: (&str, usize, usize)) {
     let (_, rows, cols) = shape;
     let pool = ThreadPool::new(threads());
@@ -66,6 +76,41 @@ fn gemm_bf16<const TOKENS: usize>(bencher: Bencher, shape: (&str, usize, usize))
     bencher
         .counter(ItemsCount::new(rows * cols * TOKENS))
         .bench_local(|| kylin_kernels::matmul(&pool, w, black_box(&x), TOKENS, black_box(&mut y)));
+}
+
+/// Batched decode and short prefills: one 3072×1024 BF16 matrix for `TOKENS` tokens (the GEMV
+/// for one token, the GEMM from two), weights counted once per call.
+#[divan::bench(consts = [1, 2, 4, 8, 16, 32, 64, 512])]
+fn tokens_3072x1024_bf16<const TOKENS: usize>(bencher: Bencher) {
+    let (rows, cols) = (3072, 1024);
+    let pool = ThreadPool::new(threads());
+    let data = weights(WeightDType::BF16, rows * cols);
+    let w = WeightMatrix { dtype: WeightDType::BF16, rows, cols, data: &data };
+    let x = vec![0.5f32; TOKENS * cols];
+    let mut y = vec![0.0f32; TOKENS * rows];
+    bencher
+        .counter(ItemsCount::new(rows * cols * TOKENS))
+        .bench_local(|| kylin_kernels::matmul(&pool, w, black_box(&x), TOKENS, black_box(&mut y)));
+}
+
+/// One whole layer (the five matmuls of [`LAYER`]) for `TOKENS` tokens.
+#[divan::bench(consts = [1, 2, 4, 8, 16, 32, 64, 512])]
+fn layer_bf16<const TOKENS: usize>(bencher: Bencher) {
+    let pool = ThreadPool::new(threads());
+    let datas: Vec<Vec<u8>> = LAYER.iter().map(|(_, r, c)| weights(WeightDType::BF16, r * c)).collect();
+    let ws: Vec<WeightMatrix<'_>> = LAYER
+        .iter()
+        .zip(&datas)
+        .map(|((_, rows, cols), data)| WeightMatrix { dtype: WeightDType::BF16, rows: *rows, cols: *cols, data })
+        .collect();
+    let xs: Vec<Vec<f32>> = ws.iter().map(|w| vec![0.5f32; TOKENS * w.cols]).collect();
+    let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0.0f32; TOKENS * w.rows]).collect();
+    let macs: usize = ws.iter().map(|w| w.rows * w.cols * TOKENS).sum();
+    bencher.counter(ItemsCount::new(macs)).bench_local(|| {
+        for ((w, x), y) in ws.iter().zip(&xs).zip(ys.iter_mut()) {
+            kylin_kernels::matmul(&pool, *w, black_box(x), TOKENS, black_box(y));
+        }
+    });
 }
 
 #[divan::bench(args = [64, 576, 4096])]

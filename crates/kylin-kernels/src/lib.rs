@@ -11,8 +11,16 @@
 //! the output rows across the pool so each weight byte is read by one core.
 //!
 //! Setting the environment variable `KYLIN_KERNELS_ISA=scalar` before the first kernel call
-//! forces the portable scalar kernels (for debugging and comparison).
+//! forces the portable scalar kernels, and `KYLIN_KERNELS_ISA=avx2` the AVX2 kernels on an
+//! AVX-512 machine (for debugging, comparison and tests of every path).
+//!
+//! Batch invariance: within one process, every output element of [`matmul`] and
+//! [`matmul_many`] is computed by the same sequence of floating-point operations whatever the
+//! number of tokens, the token's position in the batch, the thread count or the grouping of
+//! matrices (see `matmul.rs`), so a sequence's results do not depend on what shares its batch.
 
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod matmul;
 pub mod paged;
 pub mod pool;
@@ -28,6 +36,9 @@ use std::sync::OnceLock;
 /// The instruction set the kernels use on this machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
+    /// x86_64 with AVX-512 F/BW/VL as well as AVX2, FMA and F16C: the batched matmul runs the
+    /// AVX-512 GEMM, every other kernel the AVX2 one.
+    Avx512,
     /// x86_64 with AVX2, FMA and F16C.
     Avx2Fma,
     /// Portable scalar code.
@@ -35,15 +46,26 @@ pub enum Isa {
 }
 
 /// The instruction set chosen for this process (detected on first use, then cached).
+///
+/// `KYLIN_KERNELS_ISA=scalar` or `KYLIN_KERNELS_ISA=avx2` caps it (a cap the CPU does not
+/// reach is ignored).
 pub fn isa() -> Isa {
     static ISA: OnceLock<Isa> = OnceLock::new();
     *ISA.get_or_init(|| {
-        if std::env::var("KYLIN_KERNELS_ISA").is_ok_and(|v| v.eq_ignore_ascii_case("scalar")) {
+        let cap = std::env::var("KYLIN_KERNELS_ISA").unwrap_or_default();
+        if cap.eq_ignore_ascii_case("scalar") {
             return Isa::Scalar;
         }
         #[cfg(target_arch = "x86_64")]
         {
             if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+                if !cap.eq_ignore_ascii_case("avx2")
+                    && is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
+                {
+                    return Isa::Avx512;
+                }
                 return Isa::Avx2Fma;
             }
         }
@@ -105,8 +127,10 @@ impl WeightVector<'_> {
 /// `y = x · Wᵀ`: x is `(n_tokens, w.cols)`, y is `(n_tokens, w.rows)`, both row-major.
 ///
 /// Runs on `pool`, output rows split across its threads. With `n_tokens <
-/// GEMM_MIN_TOKENS` (decode) it streams each weight once (GEMV); otherwise it runs a packed,
-/// register-blocked GEMM. Allocates nothing. Panics if a length disagrees with the shapes.
+/// GEMM_MIN_TOKENS` (decode) it streams each weight once (GEMV); otherwise it runs a
+/// register-blocked GEMM that reads each weight once per token block. Batch invariant: row `t`
+/// of `y` has the same bits as `matmul` of token `t` alone, whatever else is in `x`, on any
+/// pool. Allocates nothing. Panics if a length disagrees with the shapes.
 pub fn matmul(pool: &ThreadPool, w: WeightMatrix<'_>, x: &[f32], n_tokens: usize, y: &mut [f32]) {
     matmul::matmul_many(pool, x, n_tokens, &mut [(w, y)])
 }
@@ -115,8 +139,8 @@ pub fn matmul(pool: &ThreadPool, w: WeightMatrix<'_>, x: &[f32], n_tokens: usize
 /// `(W_i, y_i)` in `jobs` (e.g. q/k/v projections, or gate/up).
 ///
 /// Shapes: `x` is `(n_tokens, cols)`; every `W_i` is `(rows_i, cols)`; `y_i` is
-/// `(n_tokens, rows_i)`. Same results as calling [`matmul`] for each, with one thread-pool
-/// synchronisation instead of one per matrix. Allocates nothing.
+/// `(n_tokens, rows_i)`. Same results (bit for bit) as calling [`matmul`] for each, with one
+/// thread-pool synchronisation instead of one per matrix. Allocates nothing.
 pub fn matmul_many(pool: &ThreadPool, x: &[f32], n_tokens: usize, jobs: &mut [(WeightMatrix<'_>, &mut [f32])]) {
     matmul::matmul_many(pool, x, n_tokens, jobs)
 }
@@ -131,7 +155,7 @@ pub fn widen_row(w: WeightMatrix<'_>, row: usize, out: &mut [f32]) {
     match isa() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX2/FMA/F16C were detected; elements `0..n` of the row are inside `w.data`.
-        Isa::Avx2Fma => unsafe {
+        Isa::Avx2Fma | Isa::Avx512 => unsafe {
             let p = w.data.as_ptr().add(start);
             match w.dtype {
                 WeightDType::BF16 => x86::widen::<{ x86::BF16 }>(p, &mut out[..n]),
@@ -147,7 +171,7 @@ pub fn widen_row(w: WeightMatrix<'_>, row: usize, out: &mut [f32]) {
 pub fn rms_norm(x: &[f32], weight: WeightVector<'_>, eps: f32, out: &mut [f32]) {
     match isa() {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2Fma => {
+        Isa::Avx2Fma | Isa::Avx512 => {
             // This check makes the unsafe weight reads below sound.
             assert!(weight.len() >= out.len() && x.len() >= out.len(), "rms_norm: lengths disagree");
             // SAFETY: AVX2/FMA/F16C were detected; `weight` holds at least `out.len()` elements.
@@ -188,7 +212,7 @@ pub fn softmax(x: &mut [f32]) {
     match isa() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX2/FMA/F16C were detected.
-        Isa::Avx2Fma => unsafe { x86::softmax(x) },
+        Isa::Avx2Fma | Isa::Avx512 => unsafe { x86::softmax(x) },
         _ => reference::softmax(x),
     }
 }
@@ -199,7 +223,7 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     match isa() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX2/FMA/F16C were detected.
-        Isa::Avx2Fma => unsafe { x86::silu_mul(gate, up) },
+        Isa::Avx2Fma | Isa::Avx512 => unsafe { x86::silu_mul(gate, up) },
         _ => reference::silu_mul(gate, up),
     }
 }
@@ -222,7 +246,7 @@ pub fn attention_head(
 ) {
     match isa() {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2Fma => {
+        Isa::Avx2Fma | Isa::Avx512 => {
             let scores = &mut scores[..len];
             for (p, s) in scores.iter_mut().enumerate() {
                 let k = &keys[p * head_dim..(p + 1) * head_dim];
@@ -271,7 +295,7 @@ fn read_sum(data: &[u8]) -> u64 {
     match isa() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX2/FMA/F16C were detected.
-        Isa::Avx2Fma => unsafe { x86::read_sum(data) },
+        Isa::Avx2Fma | Isa::Avx512 => unsafe { x86::read_sum(data) },
         _ => {
             let mut words = data.chunks_exact(8);
             let mut acc = [0u64; 4];

@@ -1,21 +1,33 @@
 //! Matmul drivers: `y = x · Wᵀ` for one or several weight matrices sharing the same input,
 //! split across the thread pool by output rows so each weight byte is read by one core.
 //!
-//! Two regimes, chosen per call:
-//! - **GEMV** (`n_tokens < GEMM_MIN_TOKENS`, the decode path): every task streams a contiguous
-//!   block of weight rows once, widening to f32 in registers, four rows at a time.
-//! - **GEMM** (prefill): every task packs panels of `NR` weight rows × `KC` columns into an
-//!   f32 buffer on its own stack (24 KiB, so nothing is allocated) and runs a register-blocked
-//!   microkernel of `MR` tokens × `NR` rows over all tokens, reusing each packed panel
-//!   `n_tokens` times.
+//! Two regimes, chosen per call by speed alone, since both give the same bits:
+//! - **GEMV** (`n_tokens < GEMM_MIN_TOKENS`, decode): every task streams a contiguous block of
+//!   weight rows once, one row at a time ([`crate::x86::gemv_rows`]).
+//! - **GEMM** (`n_tokens >= GEMM_MIN_TOKENS`: batched decode and prefill): register tiles of a
+//!   few tokens × a few weight rows, vectorised along the columns like the GEMV. AVX-512: 4
+//!   tokens × 3 rows, token blocks whose `x` stays in L2 while each row tile (prefetched one
+//!   tile ahead, and widened to an f32 panel on the stack when the block has enough tokens)
+//!   serves all the block's tokens from L1. AVX2: 3 tokens × 1 row, row blocks in L2.
 //!
-//! Guarantees: no allocation on either path; f32 accumulation (the summation order differs
-//! from [`crate::reference::matmul`], so results agree to about 1e-6 relative to `Σ|w·x|`).
+//! Guarantees:
+//! - **Batch invariance** (DESIGN.md invariant 7): within one process, every output `y[t, r]`
+//!   is computed by the same sequence of f32 operations — the GEMV's: 32 lanes of fused
+//!   multiply-adds over `c ≡ lane (mod 32)`, the 8-wide middle into the first 8 lanes, the
+//!   fixed `hsum((a0 + a1) + (a2 + a3))` tree, then the scalar tail — whatever `n_tokens`, the
+//!   token's place in the batch, the tile it lands in, the thread count or the grouping of
+//!   matrices in [`matmul_many`]. The scalar path is a plain sequential sum per output, also
+//!   independent of the batch. (Another ISA, e.g. `KYLIN_KERNELS_ISA=avx2`, gives other bits.)
+//! - No allocation on any path (the f32 panel is a 36 KiB stack array).
+//! - f32 accumulation; the order differs from [`crate::reference::matmul`]'s, so results agree
+//!   with it to about 1e-6 relative to `Σ|w·x|`.
 
 use crate::{Isa, ThreadPool, WeightDType, WeightMatrix, isa};
 
-/// From this many tokens on, the packed GEMM is used instead of per-token GEMV.
-pub const GEMM_MIN_TOKENS: usize = 4;
+/// From this many tokens on, the GEMM is used instead of per-token GEMV (measured on AVX-512:
+/// with 2 tokens the GEMM reads the weights once and takes about the time of one GEMV; the
+/// results are the same bits either way).
+pub const GEMM_MIN_TOKENS: usize = 2;
 /// Matrices handled by one fused pool job; longer lists are processed in chunks.
 const MAX_FUSED: usize = 8;
 /// Weight bytes below which a GEMV is not worth splitting across threads.
@@ -55,8 +67,9 @@ fn run_chunk(pool: &ThreadPool, x: &[f32], n_tokens: usize, jobs: &mut [(WeightM
         return;
     }
     let isa = isa();
-    let gemm = isa == Isa::Avx2Fma && n_tokens >= GEMM_MIN_TOKENS;
-    let unit = if gemm { crate_nr() } else { 4 };
+    let gemm = matches!(isa, Isa::Avx512 | Isa::Avx2Fma) && n_tokens >= GEMM_MIN_TOKENS;
+    // Tasks own whole GEMV blocks (4 rows) or whole GEMM row tiles (a multiple of 3 rows).
+    let unit = if gemm { 24 } else { 4 };
 
     let mut mats: [Option<WeightMatrix<'_>>; MAX_FUSED] = [None; MAX_FUSED];
     let mut outs = [OutPtr(std::ptr::null_mut()); MAX_FUSED];
@@ -123,42 +136,11 @@ fn guided_partition(units: usize, threads: usize, bounds: &mut [usize; MAX_TASKS
     n
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn guided_partition_covers_every_unit_once_in_decreasing_chunks() {
-        for units in [0, 1, 2, 7, 64, 100, 853, 6_331, 37_984] {
-            for threads in [1, 2, 3, 8] {
-                let mut bounds = [0; MAX_TASKS + 1];
-                let n = guided_partition(units, threads, &mut bounds);
-                assert!(n >= 1 && n <= MAX_TASKS, "units={units} threads={threads}: {n} tasks");
-                assert_eq!(bounds[n], units);
-                assert!(bounds[..=n].windows(2).all(|w| w[0] <= w[1]));
-                let sizes: Vec<usize> = bounds[..=n].windows(2).map(|w| w[1] - w[0]).collect();
-                // Non-increasing except for the final remainder.
-                assert!(sizes.windows(2).take(n.saturating_sub(2)).all(|w| w[0] >= w[1]), "{sizes:?}");
-            }
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-fn crate_nr() -> usize {
-    crate::x86::NR
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-fn crate_nr() -> usize {
-    24
-}
-
 /// Computes output rows `r0..r1` of `y = x · Wᵀ` for all tokens.
 ///
 /// # Safety
 /// `out` must point to the `(n_tokens, w.rows)` output, rows `r0..r1` of which no one else
-/// accesses meanwhile; `w` and `x` must have the checked shapes; `gemm` only with `Avx2Fma`.
+/// accesses meanwhile; `w` and `x` must have the checked shapes; `gemm` only with `Avx512`.
 #[allow(clippy::too_many_arguments)]
 unsafe fn compute_rows(
     isa: Isa,
@@ -172,14 +154,18 @@ unsafe fn compute_rows(
 ) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2Fma => {
+        Isa::Avx2Fma | Isa::Avx512 => {
             use crate::x86::{BF16, F16, F32};
-            // SAFETY: the caller's contract, and AVX2/FMA/F16C were detected (`isa`).
+            // SAFETY: the caller's contract, AVX2/FMA/F16C were detected (`isa`), and AVX-512
+            // too when `gemm` is set.
             unsafe {
                 match (w.dtype, gemm) {
                     (WeightDType::BF16, false) => gemv_avx2::<BF16>(w, x, n_tokens, out, r0, r1),
                     (WeightDType::F16, false) => gemv_avx2::<F16>(w, x, n_tokens, out, r0, r1),
                     (WeightDType::F32, false) => gemv_avx2::<F32>(w, x, n_tokens, out, r0, r1),
+                    (WeightDType::BF16, true) if isa == Isa::Avx512 => gemm_avx512::<BF16>(w, x, n_tokens, out, r0, r1),
+                    (WeightDType::F16, true) if isa == Isa::Avx512 => gemm_avx512::<F16>(w, x, n_tokens, out, r0, r1),
+                    (WeightDType::F32, true) if isa == Isa::Avx512 => gemm_avx512::<F32>(w, x, n_tokens, out, r0, r1),
                     (WeightDType::BF16, true) => gemm_avx2::<BF16>(w, x, n_tokens, out, r0, r1),
                     (WeightDType::F16, true) => gemm_avx2::<F16>(w, x, n_tokens, out, r0, r1),
                     (WeightDType::F32, true) => gemm_avx2::<F32>(w, x, n_tokens, out, r0, r1),
@@ -228,49 +214,150 @@ unsafe fn gemv_avx2<const D: u8>(w: WeightMatrix<'_>, x: &[f32], n_tokens: usize
     }
 }
 
+/// Bytes of `x` one GEMM token block may take: the block's `x` rows stay in L2 (about half
+/// of a 1 MiB L2) while the task's weight rows stream past them once per block.
+const TOKEN_BLOCK_BYTES: usize = 512 * 1024;
+/// Widest rows the GEMM widens to f32 once per token block (3 rows of f32: 36 KiB).
+const PACK_MAX_COLS: usize = 3072;
+/// Fewest tokens in a block for which widening the weights once pays (measured: with 8 or 16
+/// tokens the widening pass costs more than it saves).
+const PACK_MIN_TOKENS: usize = 32;
+
+/// A row tile widened to f32, aligned to cache lines.
+#[repr(C, align(64))]
+struct Panel([f32; 3 * PACK_MAX_COLS]);
+
+/// The AVX-512 GEMM on rows `r0..r1` (tiles of 4 tokens × 3 rows): token blocks whose `x` rows (at most [`TOKEN_BLOCK_BYTES`]) stay in L2; inside a
+/// block, each row tile (whose weights stay in L1) runs across the block's token tiles. Each
+/// weight byte is read from memory once per token block, i.e. once per call up to
+/// `TOKEN_BLOCK_BYTES / (4 · cols)` tokens. With enough tokens in a block, the row tile is
+/// first widened to f32 (exactly: BF16 and F16 are subsets of f32) into a stack panel, and the
+/// tiles read the panel as F32 weights: the same values, so the same results.
+///
 /// # Safety
-/// As [`compute_rows`], `r0` is a multiple of `NR`, and AVX2/FMA/F16C are available.
+/// As [`compute_rows`], and AVX-512 F/BW/VL, AVX2, FMA and F16C are available.
 #[cfg(target_arch = "x86_64")]
-unsafe fn gemm_avx2<const D: u8>(w: WeightMatrix<'_>, x: &[f32], n_tokens: usize, out: OutPtr, r0: usize, r1: usize) {
-    use crate::x86::{KC, MR, NR, Panel, gemm_kernel, pack_panel};
+unsafe fn gemm_avx512<const D: u8>(w: WeightMatrix<'_>, x: &[f32], n_tokens: usize, out: OutPtr, r0: usize, r1: usize) {
+    use crate::avx512::{MT, NR, gemm_tile_dyn};
+    use crate::x86::F32;
+    let (mt_max, nr_max) = (MT, NR);
     let cols = w.cols;
     let row_bytes = cols * w.dtype.size_in_bytes();
-    if cols == 0 {
-        for t in 0..n_tokens {
-            // SAFETY: rows `r0..r1` of token `t` are inside the output and belong to this task.
-            unsafe { std::slice::from_raw_parts_mut(out.0.add(t * w.rows + r0), r1 - r0).fill(0.0) };
-        }
-        return;
-    }
-    let mut panel = Panel([0.0; NR * KC]);
-    let mut p = r0;
-    while p < r1 {
-        let nr = NR.min(r1 - p);
-        let mut kb = 0;
-        while kb < cols {
-            let kc = KC.min(cols - kb);
-            // SAFETY: weight rows `p..p + nr` exist (`p + nr <= r1 <= rows`), columns
-            // `kb..kb + kc` are inside a row; tokens `t..t + mt` exist and rows `p..p + nr` of
-            // the output belong to this task.
-            unsafe {
-                pack_panel::<D>(w.data.as_ptr().add(p * row_bytes), cols, nr, kb, kc, &mut panel);
-                let mut t = 0;
-                while t < n_tokens {
-                    let mt = MR.min(n_tokens - t);
-                    let xp = x.as_ptr().add(t * cols + kb);
-                    let yp = out.0.add(t * w.rows + p);
-                    let acc = kb > 0;
-                    match mt {
-                        4 => gemm_kernel::<4>(&panel, kc, xp, cols, yp, w.rows, nr, acc),
-                        3 => gemm_kernel::<3>(&panel, kc, xp, cols, yp, w.rows, nr, acc),
-                        2 => gemm_kernel::<2>(&panel, kc, xp, cols, yp, w.rows, nr, acc),
-                        _ => gemm_kernel::<1>(&panel, kc, xp, cols, yp, w.rows, nr, acc),
-                    }
-                    t += mt;
+    let block = (TOKEN_BLOCK_BYTES / (4 * cols).max(1) / mt_max * mt_max).max(mt_max);
+    // The panel (36 KiB to clear) only exists when some block will be widened: batched decode
+    // calls run many small tasks and would pay for clearing it in each.
+    let packs = D != F32 && cols <= PACK_MAX_COLS && block.min(n_tokens) >= PACK_MIN_TOKENS;
+    let mut big_panel;
+    let mut no_panel = [0.0f32; 0];
+    let panel: &mut [f32] = if packs {
+        big_panel = Panel([0.0; 3 * PACK_MAX_COLS]);
+        &mut big_panel.0
+    } else {
+        &mut no_panel
+    };
+    let mut t0 = 0;
+    while t0 < n_tokens {
+        let t1 = (t0 + block).min(n_tokens);
+        let pack = packs && t1 - t0 >= PACK_MIN_TOKENS;
+        let mut p = r0;
+        while p < r1 {
+            let nr = nr_max.min(r1 - p);
+            // SAFETY: weight rows `p..p + nr` exist (`p + nr <= r1 <= rows`, data length checked
+            // by the caller) and hold `nr * cols <= panel.len()` elements when packed.
+            let (wp, stride) = unsafe {
+                let wp = w.data.as_ptr().add(p * row_bytes);
+                if pack {
+                    crate::x86::widen::<D>(wp, &mut panel[..nr * cols]);
+                    (panel.as_ptr() as *const u8, cols * 4)
+                } else {
+                    (wp, row_bytes)
                 }
+            };
+            // The next row tile's weights, prefetched by this tile's first token tile.
+            let next_rows = nr_max.min(r1 - p - nr);
+            let mut t = t0;
+            while t < t1 {
+                let mt = mt_max.min(t1 - t);
+                let (pf, pf_len) = if t == t0 {
+                    (w.data.as_ptr().wrapping_add((p + nr) * row_bytes), next_rows * row_bytes)
+                } else {
+                    (wp, 0)
+                };
+                // SAFETY: `wp` holds `nr` rows of `cols` elements at stride `stride` (the weight
+                // rows or their widened copy); tokens `t..t + mt` exist; rows `p..p + nr` of
+                // the output belong to this task; the prefetched rows `p + nr..p + nr +
+                // next_rows` lie inside `w.data` (`<= r1 <= rows`).
+                unsafe {
+                    let (x, y) = (x.as_ptr().add(t * cols), out.0.add(t * w.rows + p));
+                    if pack {
+                        gemm_tile_dyn::<F32>(mt, nr, wp, stride, cols, x, cols, y, w.rows, pf, pf_len)
+                    } else {
+                        gemm_tile_dyn::<D>(mt, nr, wp, stride, cols, x, cols, y, w.rows, pf, pf_len)
+                    }
+                };
+                t += mt;
             }
-            kb += kc;
+            p += nr;
         }
-        p += nr;
+        t0 = t1;
+    }
+}
+
+/// Weight bytes of one AVX2 GEMM row block: read from memory once, then from L2 by every token
+/// tile (a quarter of a 1 MiB L2).
+const ROW_BLOCK_BYTES: usize = 256 * 1024;
+
+/// The AVX2 GEMM on rows `r0..r1` (tiles of 3 tokens × 1 row): row blocks of about
+/// [`ROW_BLOCK_BYTES`], and inside a block each token tile (whose `x` rows stay in L1) runs
+/// across the block's rows (read from L2). A tile of one row reuses each token vector only once,
+/// so the token rows, not the weights, are what must stay closest.
+///
+/// # Safety
+/// As [`compute_rows`], and AVX2, FMA and F16C are available.
+#[cfg(target_arch = "x86_64")]
+unsafe fn gemm_avx2<const D: u8>(w: WeightMatrix<'_>, x: &[f32], n_tokens: usize, out: OutPtr, r0: usize, r1: usize) {
+    use crate::x86::{GEMM_MT, gemm_tile_dyn};
+    let cols = w.cols;
+    let row_bytes = cols * w.dtype.size_in_bytes();
+    let block = (ROW_BLOCK_BYTES / row_bytes.max(1)).max(1);
+    let mut b0 = r0;
+    while b0 < r1 {
+        let b1 = (b0 + block).min(r1);
+        let mut t = 0;
+        while t < n_tokens {
+            let mt = GEMM_MT.min(n_tokens - t);
+            for r in b0..b1 {
+                // SAFETY: weight row `r < rows` exists (data length checked by the caller);
+                // tokens `t..t + mt` exist; row `r` of the output belongs to this task.
+                unsafe {
+                    let (wp, xp, yp) =
+                        (w.data.as_ptr().add(r * row_bytes), x.as_ptr().add(t * cols), out.0.add(t * w.rows + r));
+                    gemm_tile_dyn::<D>(mt, wp, cols, xp, cols, yp, w.rows)
+                };
+            }
+            t += mt;
+        }
+        b0 = b1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn guided_partition_covers_every_unit_once_in_decreasing_chunks() {
+        for units in [0, 1, 2, 7, 64, 100, 853, 6_331, 37_984] {
+            for threads in [1, 2, 3, 8] {
+                let mut bounds = [0; MAX_TASKS + 1];
+                let n = guided_partition(units, threads, &mut bounds);
+                assert!((1..=MAX_TASKS).contains(&n), "units={units} threads={threads}: {n} tasks");
+                assert_eq!(bounds[n], units);
+                assert!(bounds[..=n].windows(2).all(|w| w[0] <= w[1]));
+                let sizes: Vec<usize> = bounds[..=n].windows(2).map(|w| w[1] - w[0]).collect();
+                // Non-increasing except for the final remainder.
+                assert!(sizes.windows(2).take(n.saturating_sub(2)).all(|w| w[0] >= w[1]), "{sizes:?}");
+            }
+        }
     }
 }

@@ -142,7 +142,7 @@ impl ThreadPool {
         let mut spins = 0u32;
         while shared.completed.load(Ordering::Acquire) < n_tasks {
             spins = spins.wrapping_add(1);
-            if spins % 1024 == 0 {
+            if spins.is_multiple_of(1024) {
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
@@ -226,7 +226,7 @@ fn worker_loop(shared: &Shared, mut seen: u64) {
                 break None;
             }
             spins = spins.wrapping_add(1);
-            if spins % 256 == 0 && start.elapsed() > SPIN_TIME {
+            if spins.is_multiple_of(256) && start.elapsed() > SPIN_TIME {
                 let mut guard = shared.lock.lock().unwrap_or_else(|e| e.into_inner());
                 shared.sleepers.fetch_add(1, Ordering::SeqCst);
                 let woken = loop {

@@ -1,9 +1,12 @@
 //! AVX2 + FMA + F16C kernels for x86_64 (no AVX-512 is assumed).
 //!
 //! Every function here carries `#[target_feature(enable = "avx2,fma,f16c")]` and must only be
-//! called after [`crate::isa`] reported [`crate::Isa::Avx2Fma`]. Weights are read with
+//! called after [`crate::isa`] reported [`crate::Isa::Avx2Fma`] or [`crate::Isa::Avx512`]. Weights are read with
 //! unaligned loads (they come from an mmap at 2-byte alignment) and widened to f32 in
 //! registers (BF16: shift left by 16; F16: `vcvtph2ps`); all accumulation is in f32.
+//!
+//! [`gemv_rows`] defines the canonical summation order of every matmul output (see
+//! `avx512.rs` and `matmul.rs`): any other matmul kernel must reproduce it bit for bit.
 //!
 //! Pointer arguments are raw because the matmul drivers hand disjoint output rows to several
 //! threads; each function states the extents it reads and writes.
@@ -14,17 +17,6 @@ use std::arch::x86_64::*;
 pub const BF16: u8 = 0;
 pub const F16: u8 = 1;
 pub const F32: u8 = 2;
-
-/// Rows per packed GEMM panel (three 8-wide vectors).
-pub const NR: usize = 24;
-/// Depth of a packed GEMM panel: `NR * KC` f32 = 24 KiB, which stays in L1.
-pub const KC: usize = 256;
-/// Tokens per GEMM microkernel call.
-pub const MR: usize = 4;
-
-/// Packed-panel storage (aligned so the microkernel's loads never split a cache line).
-#[repr(C, align(64))]
-pub struct Panel(pub [f32; NR * KC]);
 
 /// Eight weights starting at element `i`, widened to f32.
 ///
@@ -121,151 +113,84 @@ pub unsafe fn gemv_rows<const D: u8>(w: *const u8, cols: usize, x: &[f32], y: &m
     }
 }
 
-/// Transposes an 8×8 block held as eight row vectors into eight column vectors.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
-    let t0 = _mm256_unpacklo_ps(r[0], r[1]);
-    let t1 = _mm256_unpackhi_ps(r[0], r[1]);
-    let t2 = _mm256_unpacklo_ps(r[2], r[3]);
-    let t3 = _mm256_unpackhi_ps(r[2], r[3]);
-    let t4 = _mm256_unpacklo_ps(r[4], r[5]);
-    let t5 = _mm256_unpackhi_ps(r[4], r[5]);
-    let t6 = _mm256_unpacklo_ps(r[6], r[7]);
-    let t7 = _mm256_unpackhi_ps(r[6], r[7]);
-    let s0 = _mm256_shuffle_ps::<0x44>(t0, t2);
-    let s1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
-    let s2 = _mm256_shuffle_ps::<0x44>(t1, t3);
-    let s3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
-    let s4 = _mm256_shuffle_ps::<0x44>(t4, t6);
-    let s5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
-    let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
-    let s7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
-    [
-        _mm256_permute2f128_ps::<0x20>(s0, s4),
-        _mm256_permute2f128_ps::<0x20>(s1, s5),
-        _mm256_permute2f128_ps::<0x20>(s2, s6),
-        _mm256_permute2f128_ps::<0x20>(s3, s7),
-        _mm256_permute2f128_ps::<0x31>(s0, s4),
-        _mm256_permute2f128_ps::<0x31>(s1, s5),
-        _mm256_permute2f128_ps::<0x31>(s2, s6),
-        _mm256_permute2f128_ps::<0x31>(s3, s7),
-    ]
-}
+/// Tokens per AVX2 GEMM tile (one weight row): `3 × 4` ymm accumulators of the 16.
+pub const GEMM_MT: usize = 3;
 
-/// Packs rows `0..nr` (`nr <= NR`) and columns `k0..k0 + kc` (`kc <= KC`) of the weight block
-/// starting at `w` into `panel` as f32 in `[k][NR]` order; rows `nr..NR` are zero.
+/// AVX2 GEMM tile: `y[t * y_stride] = Σ_c w[c] · x[t * x_stride + c]` for `t < MT`, one weight
+/// row, each output reduced with exactly the operations of [`gemv_rows`] (four 8-lane
+/// accumulators per token, the 8-wide middle into the first, the same `hsum` and scalar tail):
+/// bit for bit the GEMV's result. Each weight vector is widened once per step and used for
+/// the `MT` tokens.
 ///
 /// # Safety
-/// `w` must be valid for `nr` rows of `cols` elements of dtype `D`; `k0 + kc <= cols`.
+/// `w` must be valid for `cols` elements of dtype `D`; `x` for reading `x[t * x_stride + c]`,
+/// `t < MT`, `c < cols`; `y` for writing `y[t * y_stride]`, `t < MT`, with no one else
+/// accessing those meanwhile.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn pack_panel<const D: u8>(w: *const u8, cols: usize, nr: usize, k0: usize, kc: usize, panel: &mut Panel) {
-    debug_assert!(nr <= NR && kc <= KC && k0 + kc <= cols);
-    let size = if D == F32 { 4 } else { 2 };
-    let row_bytes = cols * size;
-    let out = &mut panel.0;
-    // SAFETY (whole body): weight reads are at rows `< nr` and columns `k0..k0 + kc`, inside the
-    // caller's extent; writes are at `k * NR + r` with `k < kc <= KC`, `r < NR`, inside `panel`.
-    unsafe {
-        for g in 0..NR / 8 {
-            let g0 = g * 8;
-            let valid = nr.saturating_sub(g0).min(8);
-            let mut k = 0;
-            if valid == 8 {
-                let rows: [*const u8; 8] = std::array::from_fn(|i| w.add((g0 + i) * row_bytes));
-                while k + 8 <= kc {
-                    let v: [__m256; 8] = std::array::from_fn(|i| load8::<D>(rows[i], k0 + k));
-                    let cols8 = transpose8(v);
-                    for (j, col) in cols8.iter().enumerate() {
-                        _mm256_storeu_ps(out.as_mut_ptr().add((k + j) * NR + g0), *col);
-                    }
-                    k += 8;
-                }
-            }
-            while k < kc {
-                for i in 0..8 {
-                    out[k * NR + g0 + i] =
-                        if i < valid { load1::<D>(w.add((g0 + i) * row_bytes), k0 + k) } else { 0.0 };
-                }
-                k += 1;
-            }
-        }
-    }
-}
-
-/// GEMM microkernel: for `MT` tokens and the `NR` rows of a packed panel of depth `kc`,
-/// `y[t, r] (+)= Σ_k panel[k][r] · x[t, k]` for `r < nr`.
-///
-/// `MT × 3` ymm accumulators (12 for `MT = 4`): per `k`, three panel loads and `MT`
-/// broadcasts feed `3·MT` FMAs.
-///
-/// # Safety
-/// `x` must be valid for reading `x[t * x_stride + k]`, `t < MT`, `k < kc`; `y` must be valid
-/// for reading and writing `y[t * y_stride + r]`, `t < MT`, `r < nr`, and not be written by
-/// anyone else meanwhile.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn gemm_kernel<const MT: usize>(
-    panel: &Panel,
-    kc: usize,
+pub unsafe fn gemm_tile<const D: u8, const MT: usize>(
+    w: *const u8,
+    cols: usize,
     x: *const f32,
     x_stride: usize,
     y: *mut f32,
     y_stride: usize,
-    nr: usize,
-    accumulate: bool,
 ) {
-    debug_assert!(kc <= KC && nr <= NR);
-    let p = panel.0.as_ptr();
-    let mut acc = [[_mm256_setzero_ps(); 3]; MT];
-    // SAFETY: panel reads are at `k * NR + 0..24` with `k < kc <= KC`; `x` and `y` accesses
-    // stay in the extents the caller guaranteed.
+    let main32 = cols & !31;
+    let main8 = cols & !7;
+    let mut acc = [[_mm256_setzero_ps(); 4]; MT];
+    // SAFETY (whole body): weight reads are at columns `< cols`, token reads at tokens `< MT`
+    // and columns `< cols`, output writes at tokens `< MT`: inside the caller's extents.
     unsafe {
-        // One step of depth `k`: three panel vectors times one broadcast per token.
-        let step = |k: usize, acc: &mut [[__m256; 3]; MT]| {
-            let w0 = _mm256_load_ps(p.add(k * NR));
-            let w1 = _mm256_load_ps(p.add(k * NR + 8));
-            let w2 = _mm256_load_ps(p.add(k * NR + 16));
-            for (t, a) in acc.iter_mut().enumerate() {
-                let b = _mm256_broadcast_ss(&*x.add(t * x_stride + k));
-                a[0] = _mm256_fmadd_ps(w0, b, a[0]);
-                a[1] = _mm256_fmadd_ps(w1, b, a[1]);
-                a[2] = _mm256_fmadd_ps(w2, b, a[2]);
+        let xs: [*const f32; MT] = std::array::from_fn(|t| x.add(t * x_stride));
+        let mut c = 0;
+        while c < main32 {
+            for j in 0..4 {
+                let wv = load8::<D>(w, c + 8 * j);
+                for (t, a) in acc.iter_mut().enumerate() {
+                    a[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[t].add(c + 8 * j)), a[j]);
+                }
             }
-        };
-        // Unrolled by four: the loop overhead and the dependency between a step's loads and
-        // its FMAs are spread over four steps, which keeps both FMA pipes busy (1.6x faster
-        // on Zen 4 than the plain loop).
-        let mut k = 0;
-        while k + 4 <= kc {
-            step(k, &mut acc);
-            step(k + 1, &mut acc);
-            step(k + 2, &mut acc);
-            step(k + 3, &mut acc);
-            k += 4;
+            c += 32;
         }
-        while k < kc {
-            step(k, &mut acc);
-            k += 1;
+        while c < main8 {
+            let wv = load8::<D>(w, c);
+            for (t, a) in acc.iter_mut().enumerate() {
+                a[0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[t].add(c)), a[0]);
+            }
+            c += 8;
         }
         for (t, a) in acc.iter().enumerate() {
-            let yp = y.add(t * y_stride);
-            if nr == NR {
-                for (j, v) in a.iter().enumerate() {
-                    let dst = yp.add(j * 8);
-                    let v = if accumulate { _mm256_add_ps(_mm256_loadu_ps(dst), *v) } else { *v };
-                    _mm256_storeu_ps(dst, v);
-                }
-            } else {
-                let mut tmp = [0.0f32; NR];
-                for (j, v) in a.iter().enumerate() {
-                    _mm256_storeu_ps(tmp.as_mut_ptr().add(j * 8), *v);
-                }
-                for (r, v) in tmp.iter().enumerate().take(nr) {
-                    let dst = yp.add(r);
-                    *dst = if accumulate { *dst + v } else { *v };
-                }
+            let mut sum = hsum(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+            let mut k = main8;
+            while k < cols {
+                sum += load1::<D>(w, k) * *xs[t].add(k);
+                k += 1;
             }
+            *y.add(t * y_stride) = sum;
+        }
+    }
+}
+
+/// [`gemm_tile`] for `1 <= mt <= GEMM_MT` tokens.
+///
+/// # Safety
+/// As [`gemm_tile`] with `MT = mt`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn gemm_tile_dyn<const D: u8>(
+    mt: usize,
+    w: *const u8,
+    cols: usize,
+    x: *const f32,
+    xs: usize,
+    y: *mut f32,
+    ys: usize,
+) {
+    // SAFETY: the caller's contract, for the tile size chosen by `mt`.
+    unsafe {
+        match mt {
+            3 => gemm_tile::<D, 3>(w, cols, x, xs, y, ys),
+            2 => gemm_tile::<D, 2>(w, cols, x, xs, y, ys),
+            _ => gemm_tile::<D, 1>(w, cols, x, xs, y, ys),
         }
     }
 }
@@ -363,7 +288,7 @@ pub(crate) fn exp8(x: __m256) -> __m256 {
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
     let mut p = _mm256_set1_ps(1.987_569_1e-4);
-    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1] {
+    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5e-1] {
         p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
     }
     let r2 = _mm256_mul_ps(r, r);
@@ -509,12 +434,12 @@ pub fn weighted_sum(scores: &[f32], values: &[f32], head_dim: usize, out: &mut [
             }
             c0 += width * 8;
         }
-        for c in main8..head_dim {
+        for (c, o) in out.iter_mut().enumerate().skip(main8) {
             let mut sum = 0.0f32;
             for (p, &s) in scores.iter().enumerate() {
                 sum = s.mul_add(*vp.add(p * head_dim + c), sum);
             }
-            out[c] = sum;
+            *o = sum;
         }
     }
 }

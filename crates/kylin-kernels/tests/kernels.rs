@@ -1,4 +1,5 @@
-//! Every dispatched kernel against the scalar reference, on odd sizes and for every dtype.
+//! Every dispatched kernel against the scalar reference, on odd sizes and for every dtype
+//! (the matmul checks also under `KYLIN_KERNELS_ISA=avx2`).
 //!
 //! Matmul results may differ from the reference only by summation order, so each output is
 //! compared with a tolerance of 1e-5 of `Σ|w·x|` (the scale of the rounding error of any
@@ -105,11 +106,42 @@ fn matmul_matches_reference_across_panel_depth_and_threads() {
     for threads in 1..=3 {
         let pool = ThreadPool::new(threads);
         for dtype in DTYPES {
-            for (rows, cols, n_tokens) in [(50, 300, 9), (97, 513, 5), (200, 1024, 1), (200, 1024, 7), (75, 1000, 3)] {
+            for (rows, cols, n_tokens) in [
+                (50, 300, 9),
+                (97, 513, 5),
+                (200, 1024, 1),
+                (200, 1024, 7),
+                (75, 1000, 3),
+                (97, 513, 40),
+                (29, 3100, 9),
+                (25, 1031, 300),
+            ] {
                 check_matmul(&pool, &mut rng, dtype, rows, cols, n_tokens);
             }
         }
     }
+}
+
+/// Re-runs the matmul checks above in a child process capped to AVX2 (on an AVX-512 machine),
+/// so both SIMD GEMMs meet the reference.
+#[test]
+fn matmul_matches_reference_under_avx2() {
+    if std::env::var_os("KYLIN_KERNELS_ISA").is_some() {
+        return;
+    }
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let status = std::process::Command::new(exe)
+        .args([
+            "--exact",
+            "matmul_matches_reference_on_odd_sizes",
+            "matmul_matches_reference_across_panel_depth_and_threads",
+            "matmul_many_matches_separate_references",
+            "matmul_with_zero_columns_or_tokens",
+        ])
+        .env("KYLIN_KERNELS_ISA", "avx2")
+        .status()
+        .expect("spawn the test binary");
+    assert!(status.success(), "matmul disagrees with the reference under KYLIN_KERNELS_ISA=avx2");
 }
 
 #[test]

@@ -1,7 +1,8 @@
-//! The decode path allocates nothing: after the pool exists, `matmul` (GEMV and GEMM),
-//! `matmul_many` and every element-wise kernel run without a single heap allocation on any
-//! thread. A counting global allocator checks it; this file holds one test so nothing else
-//! allocates concurrently.
+//! The decode path allocates nothing: after the pool exists, `matmul` (GEMV and GEMM, with and
+//! without the widened weight panel, for every dtype), `matmul_many` and every element-wise
+//! kernel run without a single heap allocation on any thread. A counting global allocator
+//! checks it; this file holds one test so nothing else allocates concurrently. The test re-runs
+//! itself in a child process with `KYLIN_KERNELS_ISA=avx2` so the AVX2 GEMM is checked too.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -37,8 +38,8 @@ fn kernels_do_not_allocate() {
     let w = WeightMatrix { dtype: WeightDType::BF16, rows, cols, data: &data };
     let norm = vec![0x3Fu8; cols * 2];
     let norm = WeightVector { dtype: WeightDType::BF16, data: &norm };
-    let x = vec![0.5f32; 16 * cols];
-    let mut y = vec![0.0f32; 16 * rows];
+    let x = vec![0.5f32; 40 * cols];
+    let mut y = vec![0.0f32; 40 * rows];
     let mut y2 = vec![0.0f32; 16 * rows];
     let mut scratch = vec![0.0f32; 64];
     let mut out = vec![0.0f32; 128];
@@ -48,10 +49,21 @@ fn kernels_do_not_allocate() {
     // Warm up: the ISA detection and the workers' first wake-up happen here.
     kylin_kernels::matmul(&pool, w, &x[..cols], 1, &mut y[..rows]);
 
+    let f16 = WeightMatrix { dtype: WeightDType::F16, ..w };
+    let f32_data = vec![0x3Fu8; rows * cols * 4];
+    let f32w = WeightMatrix { dtype: WeightDType::F32, rows, cols, data: &f32_data };
+    // Rows wider than the GEMM's f32 panel (3072 columns): the unpacked tile.
+    let wide = WeightMatrix { dtype: WeightDType::BF16, rows: 16, cols: 4096, data: &data[..16 * 4096 * 2] };
+
     let before = ALLOCATIONS.load(Ordering::SeqCst);
     for _ in 0..10 {
         kylin_kernels::matmul(&pool, w, &x[..cols], 1, &mut y[..rows]);
-        kylin_kernels::matmul(&pool, w, &x, 16, &mut y);
+        kylin_kernels::matmul(&pool, w, &x[..16 * cols], 16, &mut y[..16 * rows]);
+        kylin_kernels::matmul(&pool, w, &x[..3 * cols], 3, &mut y[..3 * rows]);
+        // 40 tokens: the GEMM widens each row tile into its f32 panel first.
+        kylin_kernels::matmul(&pool, f16, &x, 40, &mut y);
+        kylin_kernels::matmul(&pool, f32w, &x[..5 * cols], 5, &mut y[..5 * rows]);
+        kylin_kernels::matmul(&pool, wide, &x[..9 * 4096], 9, &mut y[..9 * 16]);
         kylin_kernels::matmul_many(&pool, &x[..2 * cols], 2, &mut [(w, &mut y[..2 * rows]), (w, &mut y2[..2 * rows])]);
         kylin_kernels::rms_norm(&x[..cols], norm, 1e-6, &mut normed);
         kylin_kernels::rope_rotate_half(&mut out, &cos, &sin);
@@ -63,4 +75,14 @@ fn kernels_do_not_allocate() {
     let after = ALLOCATIONS.load(Ordering::SeqCst);
     assert_eq!(after - before, 0, "kernels allocated {} times", after - before);
     assert!(y.iter().all(|v| v.is_finite()));
+
+    if std::env::var_os("KYLIN_KERNELS_ISA").is_none() {
+        let exe = std::env::current_exe().expect("the test binary's path");
+        let status = std::process::Command::new(exe)
+            .args(["--exact", "kernels_do_not_allocate"])
+            .env("KYLIN_KERNELS_ISA", "avx2")
+            .status()
+            .expect("spawn the test binary");
+        assert!(status.success(), "kernels allocate with KYLIN_KERNELS_ISA=avx2");
+    }
 }

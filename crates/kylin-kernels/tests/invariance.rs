@@ -1,0 +1,185 @@
+//! Batch invariance (DESIGN.md invariant 7): every output row of `matmul` and `matmul_many` is
+//! bit for bit the row computed for that token alone (`n_tokens = 1`), whatever the batch size,
+//! the token's position in the batch, the thread count and the grouping of matrices.
+//!
+//! The checks run under the instruction set detected for this process; a second test re-runs
+//! this test binary with `KYLIN_KERNELS_ISA=avx2` and `KYLIN_KERNELS_ISA=scalar`, so every
+//! kernel path the machine has is checked.
+
+use kylin_kernels::{ThreadPool, WeightDType, WeightMatrix};
+
+/// A small deterministic generator (xorshift64*).
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// Mixed signs and magnitudes: a value in [-1, 1) scaled by 2^e, e in -8..8.
+    fn next_f32(&mut self) -> f32 {
+        let bits = self.next_u64();
+        let unit = (bits >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
+        let exp = (bits & 15) as i32 - 8;
+        unit * 2f32.powi(exp)
+    }
+
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.next_f32()).collect()
+    }
+
+    /// `n` values encoded as little-endian `dtype` bytes.
+    fn weights(&mut self, dtype: WeightDType, n: usize) -> Vec<u8> {
+        let mut out = Vec::with_capacity(n * dtype.size_in_bytes());
+        for _ in 0..n {
+            let v = self.next_f32();
+            match dtype {
+                WeightDType::F32 => out.extend_from_slice(&v.to_le_bytes()),
+                WeightDType::F16 => out.extend_from_slice(&half::f16::from_f32(v).to_le_bytes()),
+                WeightDType::BF16 => out.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
+            }
+        }
+        out
+    }
+}
+
+const DTYPES: [WeightDType; 3] = [WeightDType::BF16, WeightDType::F16, WeightDType::F32];
+const ROWS: [usize; 6] = [1, 5, 23, 24, 25, 97];
+const COLS: [usize; 11] = [1, 7, 8, 31, 32, 33, 100, 257, 1000, 1031, 3100];
+/// Distinct token vectors per shape; batches pick from them at shifting positions.
+const POOL_TOKENS: usize = 67;
+
+/// Batch sizes to check for a shape: all of 1..=40 and some larger ones (513, past every token
+/// block, only where it is cheap). The widest rows (beyond the GEMM's f32 panel) get fewer.
+fn batch_sizes(rows: usize, cols: usize) -> Vec<usize> {
+    if cols > 2000 {
+        return vec![1, 2, 3, 4, 5, 7, 8, 9, 13, 40, 100, 171];
+    }
+    let mut sizes: Vec<usize> = (1..=40).chain([64, 100]).collect();
+    if rows * cols <= 25 * 1031 {
+        sizes.push(513);
+    }
+    sizes
+}
+
+/// Token `i` of batch `n`: a different arrangement of the pool for every batch size, so one
+/// token lands at many positions.
+fn token_of(n: usize, i: usize) -> usize {
+    (i * 7 + n * 3) % POOL_TOKENS
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|f| f.to_bits()).collect()
+}
+
+/// The output rows of each pool token computed alone.
+fn singles(pool: &ThreadPool, w: WeightMatrix<'_>, tokens: &[f32]) -> Vec<Vec<u32>> {
+    (0..POOL_TOKENS)
+        .map(|i| {
+            let mut y = vec![f32::NAN; w.rows];
+            kylin_kernels::matmul(pool, w, &tokens[i * w.cols..(i + 1) * w.cols], 1, &mut y);
+            bits(&y)
+        })
+        .collect()
+}
+
+/// `(n_tokens, cols)` batch `n` gathered from the pool.
+fn batch(tokens: &[f32], cols: usize, n: usize) -> Vec<f32> {
+    let mut x = Vec::with_capacity(n * cols);
+    for i in 0..n {
+        let k = token_of(n, i);
+        x.extend_from_slice(&tokens[k * cols..(k + 1) * cols]);
+    }
+    x
+}
+
+fn assert_rows_match(y: &[f32], rows: usize, n: usize, alone: &[Vec<u32>], what: &str) {
+    for i in 0..n {
+        let got = bits(&y[i * rows..(i + 1) * rows]);
+        let want = &alone[token_of(n, i)];
+        if got != *want {
+            let r = got.iter().zip(want).position(|(a, b)| a != b).unwrap_or(0);
+            panic!(
+                "{what} n_tokens={n}: token {i} row {r}: {} in the batch, {} alone",
+                f32::from_bits(got[r]),
+                f32::from_bits(want[r])
+            );
+        }
+    }
+}
+
+#[test]
+fn matmul_is_batch_invariant() {
+    let pools: Vec<ThreadPool> = (1..=3).map(ThreadPool::new).collect();
+    let mut rng = Rng(0x5EED_0F1A);
+    for dtype in DTYPES {
+        for cols in COLS {
+            let tokens = rng.vec(POOL_TOKENS * cols);
+            for rows in ROWS {
+                let data = rng.weights(dtype, rows * cols);
+                let w = WeightMatrix { dtype, rows, cols, data: &data };
+                let alone = singles(&pools[0], w, &tokens);
+                for n in batch_sizes(rows, cols) {
+                    let x = batch(&tokens, cols, n);
+                    let pool = &pools[n % 3];
+                    let mut y = vec![f32::NAN; n * rows];
+                    kylin_kernels::matmul(pool, w, &x, n, &mut y);
+                    let what = format!("matmul {dtype:?} {rows}x{cols} threads={}", pool.threads());
+                    assert_rows_match(&y, rows, n, &alone, &what);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_many_is_batch_invariant() {
+    let pools: Vec<ThreadPool> = (1..=3).map(ThreadPool::new).collect();
+    let mut rng = Rng(0x0B47_C4ED);
+    for cols in COLS {
+        let tokens = rng.vec(POOL_TOKENS * cols);
+        // q/k/v-like and gate/up-like groups: several dtypes and row counts sharing one input.
+        let shapes = [(WeightDType::BF16, 97), (WeightDType::F16, 24), (WeightDType::F32, 5), (WeightDType::BF16, 25)];
+        let datas: Vec<Vec<u8>> = shapes.iter().map(|(d, r)| rng.weights(*d, r * cols)).collect();
+        let ws: Vec<WeightMatrix<'_>> =
+            shapes.iter().zip(&datas).map(|((d, r), data)| WeightMatrix { dtype: *d, rows: *r, cols, data }).collect();
+        let alone: Vec<Vec<Vec<u32>>> = ws.iter().map(|w| singles(&pools[0], *w, &tokens)).collect();
+        for n in batch_sizes(97, cols) {
+            let x = batch(&tokens, cols, n);
+            for pool in &pools {
+                let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![f32::NAN; n * w.rows]).collect();
+                {
+                    let mut jobs: Vec<(WeightMatrix<'_>, &mut [f32])> =
+                        ws.iter().zip(ys.iter_mut()).map(|(w, y)| (*w, y.as_mut_slice())).collect();
+                    kylin_kernels::matmul_many(pool, &x, n, &mut jobs);
+                }
+                for ((w, y), alone) in ws.iter().zip(&ys).zip(&alone) {
+                    let what = format!("matmul_many {:?} {}x{cols} threads={}", w.dtype, w.rows, pool.threads());
+                    assert_rows_match(y, w.rows, n, alone, &what);
+                }
+            }
+        }
+    }
+}
+
+/// Re-runs the two tests above in a child process for every instruction set this machine can
+/// be capped to, so the AVX2 and scalar paths are held to the same invariant as the default.
+#[test]
+fn every_isa_is_batch_invariant() {
+    if std::env::var_os("KYLIN_KERNELS_ISA").is_some() {
+        // Already a child (or the caller chose one ISA): the two tests above cover it.
+        return;
+    }
+    let exe = std::env::current_exe().expect("the test binary's path");
+    for cap in ["avx2", "scalar"] {
+        let status = std::process::Command::new(&exe)
+            .args(["--exact", "matmul_is_batch_invariant", "matmul_many_is_batch_invariant", "--test-threads=2"])
+            .env("KYLIN_KERNELS_ISA", cap)
+            .status()
+            .expect("spawn the test binary");
+        assert!(status.success(), "batch invariance fails with KYLIN_KERNELS_ISA={cap}");
+    }
+}
