@@ -12,6 +12,7 @@ mod inspect;
 mod logits;
 mod open;
 mod run;
+mod serve;
 
 use std::process::ExitCode;
 
@@ -30,6 +31,7 @@ fn main() -> ExitCode {
         Command::Logits(a) => logits::run(a),
         Command::Bench(a) => bench::run(a),
         Command::BenchWorker(a) => bench::worker(a),
+        Command::Serve(a) => serve::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -3,8 +3,8 @@
 use std::time::Instant;
 
 use anyhow::Result;
-use kylin_engine::Backend;
 use kylin_engine::native::{NativeBackend, NativeOptions};
+use kylin_engine::{Backend, SerialEngine, Serving};
 use kylin_loader::{Format, KylinError, LoadOptions};
 
 use crate::args::{BackendChoice, ModelArgs};
@@ -86,6 +86,17 @@ pub fn open(args: &ModelArgs, require_tokenizer: bool) -> Result<Opened> {
         load_ms: started.elapsed().as_secs_f64() * 1e3,
         tokenizer_ms: Some(tokenizer_ms),
     })
+}
+
+/// The serving engine for `kylin serve` (and anything else that serves requests): the one place
+/// that chooses it. Today every model is served one sequence at a time by [`SerialEngine`]
+/// (native models through `NativeBackend`, GGUF files through llama.cpp); the continuous-batching
+/// engine replaces the native case here, sized by `args.engine`.
+///
+/// Called on the thread that will drive the engine (llama.cpp's context is not `Send`).
+pub fn open_engine(args: &ModelArgs) -> Result<Box<dyn Serving>> {
+    let opened = open(args, false)?;
+    Ok(Box::new(SerialEngine::new(opened.backend)))
 }
 
 /// Loader warnings go to stderr, once, prefixed so scripts can filter them.

@@ -219,7 +219,10 @@ impl Common {
                 -1 | 0 => 0,
                 k if k > 0 => usize::try_from(k).unwrap_or(usize::MAX),
                 _ => {
-                    return Err(ApiError::invalid("top_k", format!("`top_k` must be -1, 0 (off) or positive; got {k}")));
+                    return Err(ApiError::invalid(
+                        "top_k",
+                        format!("`top_k` must be -1, 0 (off) or positive; got {k}"),
+                    ));
                 }
             };
         }
