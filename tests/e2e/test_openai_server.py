@@ -68,6 +68,13 @@ class Server:
                 "--served-model-name", NAME, "--api-key", KEY, "--max-queue", str(MAX_QUEUE),
                 "--max-body-bytes", "65536", "--ctx-size", "2048", *extra]
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.kill()
+            raise
+
+    def wait_ready(self):
         deadline = time.time() + 120
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -78,7 +85,6 @@ class Server:
             except OSError:
                 pass
             time.sleep(0.2)
-        self.kill()
         raise RuntimeError("kylin serve was not ready within 120 s")
 
     def client(self, key=KEY):

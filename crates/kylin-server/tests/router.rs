@@ -515,3 +515,17 @@ async fn seeds_make_sampling_reproducible() {
     let (_, b) = send_json(&state, post("/v1/completions", body)).await;
     assert_eq!(a["choices"], b["choices"]);
 }
+
+#[tokio::test]
+async fn a_client_that_never_finishes_its_body_gets_408() {
+    let mut c = config();
+    c.body_timeout = Duration::from_millis(200);
+    let state = start(c).await;
+    let first = futures_util::stream::iter(vec![Ok::<_, std::io::Error>("{\"prompt\": ".to_string())]);
+    let never = futures_util::stream::pending::<Result<String, std::io::Error>>();
+    let body = Body::from_stream(futures_util::StreamExt::chain(first, never));
+    let (status, v) = send_json(&state, Request::post("/v1/completions").body(body).unwrap()).await;
+    assert_eq!(status, StatusCode::REQUEST_TIMEOUT);
+    assert_eq!(v["error"]["code"], "body_timeout");
+    assert_eq!(state.in_flight(), 0);
+}
