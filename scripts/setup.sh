@@ -13,3 +13,15 @@ if ! command -v cmake >/dev/null || ! command -v clang >/dev/null || ! dpkg -s l
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q cmake clang libclang-dev
 fi
 bash "$ROOT/../shared/models/fetch.sh" --bench
+# The Python side of the end-to-end test of `kylin serve`: the official openai client and
+# pytest, in a git-ignored venv ($ROOT/.venv), created once.
+if ! command -v python3 >/dev/null || ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
+  echo "installing python3-venv"
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q python3 python3-venv
+fi
+if [ ! -x "$ROOT/.venv/bin/pytest" ] || ! "$ROOT/.venv/bin/python" -c 'import openai, pytest' 2>/dev/null; then
+  echo "creating $ROOT/.venv with openai and pytest"
+  python3 -m venv "$ROOT/.venv"
+  "$ROOT/.venv/bin/pip" install -q --disable-pip-version-check "openai>=3,<4" "pytest>=9,<10"
+fi

@@ -8,3 +8,8 @@ export KYLIN_MODELS="${KYLIN_MODELS:-$HOME/.cache/kylin-models}"
 cargo test --release --workspace --no-fail-fast
 # The build without llama.cpp: GGUF files get a clear error, Hugging Face models still run.
 cargo test --release -p kylin-cli --no-default-features --test without_llamacpp
+# The end-to-end test of `kylin serve` (default features) with the official openai client: the
+# suite starts the server on a free 127.0.0.1 port, waits for /health and stops it with SIGTERM.
+cargo build --release -p kylin-cli
+TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
+KYLIN_BIN="$TARGET_DIR/release/kylin" timeout 900 "$ROOT/.venv/bin/pytest" -q "$ROOT/tests/e2e"

@@ -25,6 +25,8 @@ pub enum Command {
     Bench(BenchArgs),
     /// Perplexity on a text (llama-perplexity semantics), and KL divergence against a saved run.
     Perplexity(PerplexityArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    Serve(ServeArgs),
     /// One measured repetition of `bench` in a fresh process (used by `bench`).
     #[command(hide = true)]
     BenchWorker(BenchWorkerArgs),
@@ -39,6 +41,7 @@ impl Command {
             Command::Logits(a) => a.json,
             Command::Bench(a) => a.json,
             Command::Perplexity(a) => a.json,
+            Command::Serve(_) => false,
             Command::BenchWorker(_) => true,
         }
     }
@@ -292,4 +295,37 @@ pub struct BenchWorkerArgs {
     pub shared_prefix: usize,
     #[arg(long, default_value_t = 0)]
     pub late_prompt_tokens: usize,
+}
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0 picks a free one, printed at start).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// The model name clients send in `model` (default: the model's directory or file name).
+    #[arg(long, value_name = "NAME")]
+    pub served_model_name: Option<String>,
+    /// Require `Authorization: Bearer KEY` on every route but /health.
+    #[arg(long, value_name = "KEY", conflicts_with = "api_key_file")]
+    pub api_key: Option<String>,
+    /// Read the API key from a file (its first line), so it stays out of the process list.
+    #[arg(long, value_name = "FILE")]
+    pub api_key_file: Option<PathBuf>,
+    /// Requests admitted beyond the engine's --max-seqs; more get 429 with Retry-After.
+    #[arg(long, value_name = "N", default_value_t = 64)]
+    pub max_queue: usize,
+    /// Largest request body in bytes (larger ones get 413).
+    #[arg(long, value_name = "BYTES", default_value_t = 4 << 20)]
+    pub max_body_bytes: usize,
+    /// Seconds a client has to send its request body (then 408).
+    #[arg(long, value_name = "SECONDS", default_value_t = 30)]
+    pub body_timeout: u64,
+    /// Seconds running requests get to finish after SIGTERM or Ctrl-C.
+    #[arg(long, value_name = "SECONDS", default_value_t = 30)]
+    pub grace_period: u64,
 }

@@ -14,6 +14,7 @@ mod logits;
 mod open;
 mod perplexity;
 mod run;
+mod serve;
 
 use std::process::ExitCode;
 
@@ -33,6 +34,7 @@ fn main() -> ExitCode {
         Command::Bench(a) => bench::run(a),
         Command::Perplexity(a) => perplexity::run(a),
         Command::BenchWorker(a) => bench::worker(a),
+        Command::Serve(a) => serve::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -3,7 +3,7 @@
 use std::time::Instant;
 
 use anyhow::Result;
-use kylin_engine::Backend;
+use kylin_engine::{Backend, Serving};
 use kylin_engine::batch::{DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_SEQS, EngineOptions, KvBudget};
 use kylin_engine::native::{NativeBackend, NativeOptions};
 use kylin_kernels::WeightDType;
@@ -96,7 +96,7 @@ pub fn open(args: &ModelArgs, require_tokenizer: bool) -> Result<Opened> {
 /// Opens a model as a request-level engine for `serve`: the continuous-batching engine for
 /// Hugging Face models, llama.cpp one sequence at a time for GGUF files. Called on the thread
 /// that will drive the engine (llama.cpp's context must stay on one thread).
-pub fn open_engine(args: &ModelArgs) -> Result<Box<dyn kylin_engine::Serving>> {
+pub fn open_engine(args: &ModelArgs) -> Result<Box<dyn Serving>> {
     let format = kylin_loader::detect(&args.model)?;
     let gguf = matches!(format, Format::Gguf { .. });
     if gguf || args.backend == BackendChoice::LlamaCpp {

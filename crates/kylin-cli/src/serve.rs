@@ -1,0 +1,134 @@
+//! `kylin serve`: the OpenAI-compatible server (crate `kylin-server`) over the engine that
+//! [`crate::open::open_engine`] chooses.
+//!
+//! The socket is bound first and its address printed at once, then the model loads on the
+//! engine thread (`/health` answers 503 meanwhile); the model, the engine and its KV capacity are
+//! printed when it is ready. SIGTERM or Ctrl-C stops accepting, gives running requests the grace
+//! period, and exits 0.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use kylin_loader::KylinError;
+use kylin_server::{AppState, EngineFactory, ServerConfig};
+
+use crate::args::ServeArgs;
+use crate::open::open_engine;
+
+pub fn run(args: ServeArgs) -> Result<()> {
+    let config = server_config(&args)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("kylin-http")
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(serve(args, config))
+}
+
+fn server_config(args: &ServeArgs) -> Result<ServerConfig> {
+    let name = match &args.served_model_name {
+        Some(name) => name.clone(),
+        None => args
+            .model
+            .model
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| args.model.model.display().to_string()),
+    };
+    let api_key = match (&args.api_key, &args.api_key_file) {
+        (Some(key), _) => Some(key.clone()),
+        (None, Some(path)) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| KylinError::io(path, "cannot read the --api-key-file", &e))?;
+            let key = text.lines().next().unwrap_or("").trim().to_string();
+            if key.is_empty() {
+                return Err(KylinError::input_invalid(format!("{} holds no API key", path.display())).into());
+            }
+            Some(key)
+        }
+        (None, None) => None,
+    };
+    if api_key.as_deref() == Some("") {
+        return Err(KylinError::input_invalid("--api-key must not be empty").into());
+    }
+    if args.max_body_bytes < 1024 {
+        return Err(KylinError::input_invalid("--max-body-bytes must be at least 1024").into());
+    }
+    Ok(ServerConfig {
+        served_model_name: name,
+        api_key,
+        max_queue: args.max_queue,
+        max_body_bytes: args.max_body_bytes,
+        body_timeout: Duration::from_secs(args.body_timeout.max(1)),
+        grace_period: Duration::from_secs(args.grace_period),
+    })
+}
+
+async fn serve(args: ServeArgs, config: ServerConfig) -> Result<()> {
+    let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+        .await
+        .map_err(|e| KylinError::input_invalid(format!("cannot listen on {}:{}: {e}", args.host, args.port)))?;
+    let address = listener.local_addr().context("the listener has no address")?;
+    let name = config.served_model_name.clone();
+    println!("kylin serve: listening on http://{address} (model `{name}` loading)");
+    let model_args = args.model.clone();
+    let factory: EngineFactory = Box::new(move || {
+        open_engine(&model_args).map_err(|e| match e.downcast::<KylinError>() {
+            Ok(k) => k,
+            Err(other) => KylinError::backend_failed(format!("{other:#}")),
+        })
+    });
+    let (state, engine_thread) = AppState::start(config, factory).context("cannot start the engine thread")?;
+    let announce = state.engine().clone();
+    let path = args.model.model.display().to_string();
+    tokio::spawn(async move {
+        if let Ok(p) = announce.wait_ready().await {
+            let info = &p.info;
+            let engine = if info.max_seqs <= 1 { "one sequence at a time" } else { "continuous batching" };
+            println!(
+                "kylin serve: model `{name}` from {path}: {} {} ({engine}, up to {} sequences), context {} tokens, \
+                 KV cache {} tokens in {} blocks ({:.1} MiB, {}), {} threads",
+                info.backend,
+                info.architecture,
+                info.max_seqs,
+                info.context_size,
+                info.kv_tokens,
+                info.kv_blocks,
+                info.kv_bytes as f64 / (1u64 << 20) as f64,
+                info.kv_dtype,
+                info.threads
+            );
+            println!("kylin serve: ready on http://{address}/v1 (GET /health says 200)");
+        }
+    });
+    kylin_server::serve(listener, state, engine_thread, shutdown_signal()).await.map_err(|e| match e {
+        kylin_server::ServerError::EngineFailed(k) => anyhow::Error::new(k),
+        other => anyhow::Error::new(other),
+    })?;
+    println!("kylin serve: stopped");
+    Ok(())
+}
+
+/// SIGTERM or Ctrl-C (SIGINT).
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+    eprintln!("kylin serve: shutting down (running requests get the grace period)");
+}

@@ -1,0 +1,573 @@
+//! The HTTP handlers: OpenAI's chat and completions (whole or streamed as Server-Sent Events),
+//! models, health, metrics, tokenize and detokenize.
+//!
+//! Guarantees:
+//! * Every failure is an OpenAI-shaped [`ApiError`]; nothing a client sends reaches a panic.
+//! * A generation request holds an admission slot from its acceptance until its response is
+//!   complete or dropped; when the response is dropped early (the client disconnected), its
+//!   engine requests are cancelled, so the engine frees them at its next step.
+//! * Streamed text is the engine's text events as they come: never a broken UTF-8 character,
+//!   never any part of a stop string.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use kylin_engine::{CancelHandle, StopReason};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use crate::api::{ChatRequest, Common, CompletionRequest, DetokenizeRequest, PromptInput, TokenizeRequest};
+use crate::engine::{LogprobInfo, Out, Prompt, Published, Status, Submission, TextJob, TextReply};
+use crate::error::ApiError;
+use crate::{Admission, AppState};
+
+/// `GET /health`: 200 when ready, 503 while loading or shutting down.
+pub async fn health(State(state): State<AppState>) -> Response {
+    match state.engine().status() {
+        Status::Ready => (StatusCode::OK, axum::Json(json!({"status": "ok"}))).into_response(),
+        Status::Loading => ApiError::unavailable("the model is loading").into_response(),
+        Status::ShuttingDown => ApiError::unavailable("the server is shutting down").into_response(),
+        Status::Failed(e) => ApiError::unavailable(format!("the model failed to load: {e}")).into_response(),
+    }
+}
+
+/// `GET /metrics`: Prometheus text.
+pub async fn metrics(State(state): State<AppState>) -> Response {
+    let text = state.metrics().render(&state.engine().stats());
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+}
+
+/// `GET /v1/models`: the one served model.
+pub async fn models(State(state): State<AppState>) -> Result<Response, ApiError> {
+    let published = ready(&state)?;
+    Ok(axum::Json(json!({
+        "object": "list",
+        "data": [{
+            "id": state.config().served_model_name,
+            "object": "model",
+            "created": state.started(),
+            "owned_by": "kylin",
+            "root": state.config().served_model_name,
+            "max_model_len": published.info.context_size,
+        }],
+    }))
+    .into_response())
+}
+
+/// Any other route: 404 in OpenAI's shape.
+pub async fn not_found(request: Request) -> ApiError {
+    ApiError::route_not_found(request.method().as_str(), request.uri().path())
+}
+
+/// The engine's description, or 503 while loading or shutting down.
+fn ready(state: &AppState) -> Result<&Published, ApiError> {
+    match state.engine().status() {
+        Status::Ready => state.engine().published().ok_or_else(|| ApiError::unavailable("the model is loading")),
+        Status::Loading => Err(ApiError::unavailable("the model is loading")),
+        Status::ShuttingDown => Err(ApiError::unavailable("the server is shutting down")),
+        Status::Failed(e) => Err(ApiError::unavailable(format!("the model failed to load: {e}"))),
+    }
+}
+
+/// Reads the whole body within the size limit and the body timeout.
+async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<axum::body::Bytes, ApiError> {
+    let limit = state.config().max_body_bytes;
+    let declared =
+        headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(ApiError::too_large(limit));
+    }
+    let timeout = state.config().body_timeout;
+    match tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await {
+        Err(_) => Err(ApiError::body_timeout(timeout.as_secs())),
+        Ok(Ok(bytes)) => Ok(bytes),
+        Ok(Err(e)) => {
+            let inner = e.into_inner();
+            if inner.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
+                Err(ApiError::too_large(limit))
+            } else {
+                Err(ApiError::invalid_body(format!("could not read the request body: {inner}")))
+            }
+        }
+    }
+}
+
+fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
+    let served = &state.config().served_model_name;
+    match model {
+        Some(m) if m != served => Err(ApiError::model_not_found(m, served)),
+        _ => Ok(()),
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat(State(state): State<AppState>, request: Request) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let published = ready(&state)?.clone();
+    let (parts, body) = request.into_parts();
+    let body = read_body(&state, &parts.headers, body).await?;
+    let req = ChatRequest::parse(&body)?;
+    check_model(&state, req.common.model.as_deref())?;
+    let sampling = req.common.sampling(&published.defaults, state.random_seed())?;
+    let admission = state.admit()?;
+    let prompt = Prompt::Chat {
+        messages: req.messages,
+        kwargs: req.chat_template_kwargs,
+        add_generation_prompt: req.add_generation_prompt,
+    };
+    let job = Job { kind: Kind::Chat, common: req.common, logprobs: req.logprobs, prompts: vec![prompt], sampling };
+    run(state, job, admission, arrived, "messages").await
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(State(state): State<AppState>, request: Request) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let published = ready(&state)?.clone();
+    let (parts, body) = request.into_parts();
+    let body = read_body(&state, &parts.headers, body).await?;
+    let req = CompletionRequest::parse(&body)?;
+    check_model(&state, req.common.model.as_deref())?;
+    let sampling = req.common.sampling(&published.defaults, state.random_seed())?;
+    let admission = state.admit()?;
+    let prompts = req
+        .prompts
+        .into_iter()
+        .map(|p| match p {
+            PromptInput::Text(t) => Prompt::Text(t),
+            PromptInput::Ids(ids) => Prompt::Ids(ids),
+        })
+        .collect();
+    let job = Job { kind: Kind::Completion, common: req.common, logprobs: req.logprobs, prompts, sampling };
+    run(state, job, admission, arrived, "prompt").await
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Completion,
+}
+
+impl Kind {
+    fn object(self, stream: bool) -> &'static str {
+        match (self, stream) {
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Completion, _) => "text_completion",
+        }
+    }
+
+    fn id_prefix(self) -> &'static str {
+        match self {
+            Kind::Chat => "chatcmpl",
+            Kind::Completion => "cmpl",
+        }
+    }
+}
+
+struct Job {
+    kind: Kind,
+    common: Common,
+    logprobs: Option<usize>,
+    prompts: Vec<Prompt>,
+    sampling: kylin_engine::sampler::SamplingParams,
+}
+
+/// The engine requests of one HTTP request; dropping it before the end cancels them.
+struct Running {
+    cancels: Vec<CancelHandle>,
+    done: bool,
+    _admission: Admission,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if !self.done {
+            self.cancels.iter().for_each(CancelHandle::cancel);
+        }
+    }
+}
+
+/// Submits every prompt, then answers whole or as a stream.
+async fn run(
+    state: AppState,
+    job: Job,
+    admission: Admission,
+    arrived: Instant,
+    param: &str,
+) -> Result<Response, ApiError> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let n = job.common.n;
+    let mut running = Running { cancels: Vec::new(), done: false, _admission: admission };
+    let mut prompt_tokens = 0;
+    for (i, prompt) in job.prompts.into_iter().enumerate() {
+        let cancel = CancelHandle::new();
+        running.cancels.push(cancel.clone());
+        let submission = Submission {
+            prompt,
+            sampling: job.sampling,
+            max_tokens: job.common.max_tokens,
+            stop: job.common.stop.clone(),
+            ignore_eos: job.common.ignore_eos,
+            n,
+            logprobs: job.logprobs,
+            cancel,
+            index_offset: i * n,
+            events: tx.clone(),
+            arrived,
+        };
+        let accepted = state.engine().submit(submission).await.map_err(|e| {
+            // A context overflow caused by max_tokens names that field; others name the prompt.
+            let param = if e.message.contains("max_tokens") { "max_tokens" } else { param };
+            ApiError::from_engine(&e, param)
+        })?;
+        prompt_tokens += accepted.prompt_tokens;
+    }
+    drop(tx);
+    let choices = running.cancels.len() * n;
+    let header = Header {
+        id: format!("{}-{}", job.kind.id_prefix(), state.next_response_id()),
+        created: unix_now(),
+        model: state.config().served_model_name.clone(),
+        kind: job.kind,
+    };
+    let collector = Collector::new(choices, prompt_tokens);
+    if job.common.stream {
+        let stream = StreamState {
+            rx,
+            running,
+            header,
+            collector,
+            include_usage: job.common.include_usage,
+            logprobs: job.logprobs.is_some(),
+            pending: VecDeque::new(),
+            started: false,
+            ended: false,
+        };
+        let events = futures_util::stream::unfold(stream, |mut s| async move {
+            s.next().await.map(|data| (Ok::<_, Infallible>(SseEvent::default().data(data)), s))
+        });
+        return Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response());
+    }
+    let mut rx = rx;
+    let mut collector = collector;
+    while !collector.all_finished() {
+        match rx.recv().await {
+            Some(Out::Failed { message }) => return Err(ApiError::internal(message)),
+            Some(out) => collector.absorb(&out),
+            None => return Err(ApiError::internal("the engine stopped before the request finished")),
+        }
+    }
+    running.done = true;
+    Ok(axum::Json(whole_response(&header, &collector, job.logprobs.is_some())).into_response())
+}
+
+struct Header {
+    id: String,
+    created: u64,
+    model: String,
+    kind: Kind,
+}
+
+/// What the choices produced so far.
+struct Collector {
+    texts: Vec<String>,
+    reasons: Vec<Option<StopReason>>,
+    logprobs: Vec<Vec<LogprobInfo>>,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    open: usize,
+}
+
+impl Collector {
+    fn new(choices: usize, prompt_tokens: usize) -> Self {
+        Collector {
+            texts: vec![String::new(); choices],
+            reasons: vec![None; choices],
+            logprobs: vec![Vec::new(); choices],
+            prompt_tokens,
+            completion_tokens: 0,
+            open: choices,
+        }
+    }
+
+    fn all_finished(&self) -> bool {
+        self.open == 0
+    }
+
+    fn absorb(&mut self, out: &Out) {
+        match out {
+            Out::Token { index, text, logprob } => {
+                if let Some(t) = self.texts.get_mut(*index) {
+                    t.push_str(text);
+                }
+                if let (Some(lp), Some(list)) = (logprob, self.logprobs.get_mut(*index)) {
+                    list.push(lp.clone());
+                }
+            }
+            Out::Finished { index, reason, text, usage } => {
+                if let Some(t) = self.texts.get_mut(*index) {
+                    t.push_str(text);
+                }
+                if let Some(r) = self.reasons.get_mut(*index)
+                    && r.is_none()
+                {
+                    *r = Some(*reason);
+                    self.open = self.open.saturating_sub(1);
+                    self.completion_tokens += usage.completion_tokens;
+                }
+            }
+            Out::Failed { .. } => {}
+        }
+    }
+
+    fn usage(&self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        })
+    }
+}
+
+fn finish_reason(reason: Option<StopReason>) -> Value {
+    match reason {
+        Some(StopReason::Cancelled) => json!("abort"),
+        Some(r) => json!(r.openai()),
+        None => Value::Null,
+    }
+}
+
+/// A log-probability as JSON can hold it (`-inf` becomes a very small number, as vLLM does).
+fn finite(lp: f32) -> f32 {
+    if lp.is_finite() { lp } else { -9999.0 }
+}
+
+fn chat_logprob(lp: &LogprobInfo) -> Value {
+    json!({
+        "token": lp.token,
+        "logprob": finite(lp.logprob),
+        "bytes": lp.token.as_bytes(),
+        "top_logprobs": lp.top.iter().map(|(t, p)| json!({"token": t, "logprob": finite(*p), "bytes": t.as_bytes()})).collect::<Vec<_>>(),
+    })
+}
+
+/// The completions API's log-probabilities of a run of tokens; offsets count characters from
+/// `offset`.
+fn completion_logprobs(list: &[LogprobInfo], mut offset: usize) -> Value {
+    let mut text_offset = Vec::with_capacity(list.len());
+    for lp in list {
+        text_offset.push(offset);
+        offset += lp.token.chars().count();
+    }
+    json!({
+        "tokens": list.iter().map(|lp| lp.token.as_str()).collect::<Vec<_>>(),
+        "token_logprobs": list.iter().map(|lp| finite(lp.logprob)).collect::<Vec<_>>(),
+        "top_logprobs": list.iter().map(|lp| {
+            lp.top.iter().map(|(t, p)| (t.clone(), json!(finite(*p)))).collect::<serde_json::Map<_, _>>()
+        }).collect::<Vec<_>>(),
+        "text_offset": text_offset,
+    })
+}
+
+fn whole_response(header: &Header, c: &Collector, logprobs: bool) -> Value {
+    let choices: Vec<Value> = (0..c.texts.len())
+        .map(|i| match header.kind {
+            Kind::Chat => json!({
+                "index": i,
+                "message": {"role": "assistant", "content": c.texts[i]},
+                "logprobs": if logprobs { json!({"content": c.logprobs[i].iter().map(chat_logprob).collect::<Vec<_>>()}) } else { Value::Null },
+                "finish_reason": finish_reason(c.reasons[i]),
+            }),
+            Kind::Completion => json!({
+                "index": i,
+                "text": c.texts[i],
+                "logprobs": if logprobs { completion_logprobs(&c.logprobs[i], 0) } else { Value::Null },
+                "finish_reason": finish_reason(c.reasons[i]),
+            }),
+        })
+        .collect();
+    json!({
+        "id": header.id,
+        "object": header.kind.object(false),
+        "created": header.created,
+        "model": header.model,
+        "choices": choices,
+        "usage": c.usage(),
+    })
+}
+
+/// A streamed response being produced, chunk by chunk.
+struct StreamState {
+    rx: mpsc::UnboundedReceiver<Out>,
+    running: Running,
+    header: Header,
+    collector: Collector,
+    include_usage: bool,
+    logprobs: bool,
+    pending: VecDeque<String>,
+    started: bool,
+    ended: bool,
+}
+
+impl StreamState {
+    /// The next `data:` payload, or `None` after `[DONE]`.
+    async fn next(&mut self) -> Option<String> {
+        loop {
+            if let Some(data) = self.pending.pop_front() {
+                return Some(data);
+            }
+            if self.ended {
+                return None;
+            }
+            if !self.started {
+                self.started = true;
+                if self.header.kind == Kind::Chat {
+                    for i in 0..self.collector.texts.len() {
+                        let delta = json!({"role": "assistant", "content": ""});
+                        self.push_choice(json!({"index": i, "delta": delta, "logprobs": null, "finish_reason": null}));
+                    }
+                }
+                continue;
+            }
+            if self.collector.all_finished() {
+                self.running.done = true;
+                if self.include_usage {
+                    let mut chunk = self.chunk(Vec::new());
+                    chunk["usage"] = self.collector.usage();
+                    self.pending.push_back(chunk.to_string());
+                }
+                self.pending.push_back("[DONE]".to_string());
+                self.ended = true;
+                continue;
+            }
+            match self.rx.recv().await {
+                Some(Out::Failed { message }) => self.fail(&message),
+                None => self.fail("the engine stopped before the request finished"),
+                Some(out) => {
+                    let offset = match &out {
+                        Out::Token { index, .. } | Out::Finished { index, .. } => {
+                            self.collector.texts.get(*index).map_or(0, |t| t.chars().count())
+                        }
+                        Out::Failed { .. } => 0,
+                    };
+                    self.collector.absorb(&out);
+                    self.emit(&out, offset);
+                }
+            }
+        }
+    }
+
+    fn fail(&mut self, message: &str) {
+        self.pending.push_back(ApiError::internal(message).body().to_string());
+        self.pending.push_back("[DONE]".to_string());
+        self.ended = true;
+    }
+
+    fn chunk(&self, choices: Vec<Value>) -> Value {
+        let mut chunk = json!({
+            "id": self.header.id,
+            "object": self.header.kind.object(true),
+            "created": self.header.created,
+            "model": self.header.model,
+            "choices": choices,
+        });
+        if self.include_usage {
+            chunk["usage"] = Value::Null;
+        }
+        chunk
+    }
+
+    fn push_choice(&mut self, choice: Value) {
+        let chunk = self.chunk(vec![choice]);
+        self.pending.push_back(chunk.to_string());
+    }
+
+    fn emit(&mut self, out: &Out, offset: usize) {
+        let chat = self.header.kind == Kind::Chat;
+        match out {
+            Out::Token { index, text, logprob } => {
+                if text.is_empty() && !(self.logprobs && logprob.is_some()) {
+                    return;
+                }
+                let lp = match (self.logprobs, logprob) {
+                    (true, Some(lp)) if chat => json!({"content": [chat_logprob(lp)]}),
+                    (true, Some(lp)) => completion_logprobs(std::slice::from_ref(lp), offset),
+                    _ => Value::Null,
+                };
+                let choice = if chat {
+                    json!({"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": null})
+                } else {
+                    json!({"index": index, "text": text, "logprobs": lp, "finish_reason": null})
+                };
+                self.push_choice(choice);
+            }
+            Out::Finished { index, reason, text, .. } => {
+                let reason = finish_reason(Some(*reason));
+                let choice = match (chat, text.is_empty()) {
+                    (true, true) => json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": reason}),
+                    (true, false) => {
+                        json!({"index": index, "delta": {"content": text}, "logprobs": null, "finish_reason": reason})
+                    }
+                    (false, _) => json!({"index": index, "text": text, "logprobs": null, "finish_reason": reason}),
+                };
+                self.push_choice(choice);
+            }
+            Out::Failed { .. } => {}
+        }
+    }
+}
+
+/// `POST /tokenize`: `{"prompt"}` or `{"messages"}` to `{"tokens", "count", "max_model_len"}`.
+pub async fn tokenize(State(state): State<AppState>, request: Request) -> Result<Response, ApiError> {
+    let published = ready(&state)?.clone();
+    let (parts, body) = request.into_parts();
+    let body = read_body(&state, &parts.headers, body).await?;
+    let (model, job, param) = match TokenizeRequest::parse(&body)? {
+        TokenizeRequest::Text { model, text, add_special_tokens } => {
+            (model, TextJob::Tokenize { prompt: Prompt::Text(text), add_special: add_special_tokens }, "prompt")
+        }
+        TokenizeRequest::Chat { model, messages, kwargs, add_generation_prompt } => (
+            model,
+            TextJob::Tokenize { prompt: Prompt::Chat { messages, kwargs, add_generation_prompt }, add_special: false },
+            "messages",
+        ),
+    };
+    check_model(&state, model.as_deref())?;
+    match state.engine().text(job).await.map_err(|e| ApiError::from_engine(&e, param))? {
+        TextReply::Ids(ids) => Ok(axum::Json(json!({
+            "count": ids.len(),
+            "max_model_len": published.info.context_size,
+            "tokens": ids,
+        }))
+        .into_response()),
+        TextReply::Text(_) => Err(ApiError::internal("the engine answered a tokenize job with text")),
+    }
+}
+
+/// `POST /detokenize`: `{"tokens"}` to `{"prompt"}`.
+pub async fn detokenize(State(state): State<AppState>, request: Request) -> Result<Response, ApiError> {
+    ready(&state)?;
+    let (parts, body) = request.into_parts();
+    let body = read_body(&state, &parts.headers, body).await?;
+    let req = DetokenizeRequest::parse(&body)?;
+    check_model(&state, req.model.as_deref())?;
+    match state
+        .engine()
+        .text(TextJob::Detokenize { ids: req.tokens })
+        .await
+        .map_err(|e| ApiError::from_engine(&e, "tokens"))?
+    {
+        TextReply::Text(text) => Ok(axum::Json(json!({"prompt": text})).into_response()),
+        TextReply::Ids(_) => Err(ApiError::internal("the engine answered a detokenize job with ids")),
+    }
+}

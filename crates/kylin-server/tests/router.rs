@@ -1,0 +1,531 @@
+//! The router without a socket (`app()` + `tower::ServiceExt::oneshot`), over a scripted engine.
+//!
+//! The engine here is a small [`Serving`] whose "model" always wants to write
+//! `Hello world! The answer is 42.` then EOS, one byte per token (ids 0..=255 are bytes, 256 is
+//! EOS), several sequences per step. Its per-choice logic is the real engines' (`Decoding`:
+//! sampling, streaming detokenization, stop strings, log-probabilities), so what is tested here
+//! is the HTTP layer: shapes, streaming, errors, admission, cancellation and health.
+
+use std::collections::VecDeque;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use kylin_engine::detok::Detokenize;
+use kylin_engine::sequence::Decoding;
+use kylin_engine::{ChatMessage, EngineInfo, EngineStats, Event, Request as EngineRequest, Serving, StopReason};
+use kylin_loader::{GenerationDefaults, KylinError, Result as KResult};
+use kylin_server::{AppState, EngineFactory, ServerConfig, app};
+use serde_json::{Value, json};
+use tower::ServiceExt;
+
+const SCRIPT: &[u8] = b"Hello world! The answer is 42.";
+const EOS: u32 = 256;
+const VOCAB: usize = 257;
+const CONTEXT: usize = 64;
+const MAX_SEQS: usize = 4;
+
+struct Bytes;
+
+impl Detokenize for Bytes {
+    fn detokenize(&self, ids: &[u32], _skip_special: bool) -> KResult<String> {
+        let bytes: Vec<u8> = ids.iter().filter(|&&i| i < 256).map(|&i| i as u8).collect();
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    }
+}
+
+struct Choice {
+    request: u64,
+    index: usize,
+    decoding: Decoding,
+    cancel: kylin_engine::CancelHandle,
+    slow: bool,
+}
+
+#[derive(Default)]
+struct Scripted {
+    waiting: VecDeque<EngineRequest>,
+    running: Vec<Choice>,
+    stats: EngineStats,
+}
+
+impl Scripted {
+    fn logits(generated: usize) -> Vec<f32> {
+        let mut logits = vec![0.0; VOCAB];
+        let next = SCRIPT.get(generated).map_or(EOS, |&b| u32::from(b));
+        logits[next as usize] = 10.0;
+        logits
+    }
+}
+
+impl Serving for Scripted {
+    fn info(&self) -> EngineInfo {
+        EngineInfo {
+            backend: "scripted".into(),
+            architecture: "Script".into(),
+            vocab_size: VOCAB,
+            context_size: CONTEXT,
+            max_seqs: MAX_SEQS,
+            max_batch_tokens: 64,
+            kv_block_size: 16,
+            kv_blocks: 16,
+            kv_tokens: 256,
+            kv_bytes: 1024,
+            kv_dtype: "f32".into(),
+            threads: 1,
+            has_tokenizer: true,
+            eos_ids: vec![EOS],
+        }
+    }
+
+    fn generation_defaults(&self) -> GenerationDefaults {
+        GenerationDefaults::default()
+    }
+
+    fn add_request(&mut self, request: EngineRequest) -> KResult<()> {
+        kylin_engine::serial::validate_request(&request, VOCAB, CONTEXT, MAX_SEQS)?;
+        self.waiting.push_back(request);
+        Ok(())
+    }
+
+    fn step(&mut self, events: &mut Vec<Event>) -> KResult<()> {
+        self.stats.steps += 1;
+        // Requests whose prompt is "slow" take 10 ms per step, so tests can watch them run.
+        if self.running.iter().any(|c| c.slow) || self.waiting.iter().any(|r| r.prompt_ids == b"slow".map(u32::from)) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        while self.running.len() < MAX_SEQS
+            && let Some(r) = self.waiting.pop_front()
+        {
+            self.stats.prompt_tokens_total += r.prompt_ids.len() as u64;
+            for index in 0..r.n {
+                let decoding = Decoding::new(&r, index, VOCAB, &[EOS]);
+                let slow = r.prompt_ids == b"slow".map(u32::from);
+                self.running.push(Choice { request: r.id, index, decoding, cancel: r.cancel.clone(), slow });
+            }
+        }
+        let mut still = Vec::new();
+        for mut c in self.running.drain(..) {
+            if c.cancel.is_cancelled() {
+                let kind = c.decoding.finish(StopReason::Cancelled, Some(&Bytes))?;
+                events.push(Event { request: c.request, index: c.index, kind });
+                continue;
+            }
+            let logits = Scripted::logits(c.decoding.generated);
+            let (_, token, reason) = c.decoding.accept(&logits, Some(&Bytes), false)?;
+            self.stats.generation_tokens_total += 1;
+            events.push(Event { request: c.request, index: c.index, kind: token });
+            match reason {
+                Some(reason) => {
+                    let kind = c.decoding.finish(reason, Some(&Bytes))?;
+                    events.push(Event { request: c.request, index: c.index, kind });
+                }
+                None => still.push(c),
+            }
+        }
+        self.running = still;
+        Ok(())
+    }
+
+    fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    fn stats(&self) -> EngineStats {
+        EngineStats {
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            kv_blocks_total: 16,
+            kv_blocks_used: self.running.len(),
+            ..self.stats
+        }
+    }
+
+    fn tokenize(&self, text: &str, _add_special: bool) -> KResult<Vec<u32>> {
+        Ok(text.bytes().map(u32::from).collect())
+    }
+
+    fn detokenize(&self, ids: &[u32], skip_special: bool) -> KResult<String> {
+        Bytes.detokenize(ids, skip_special)
+    }
+
+    fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, Value>,
+    ) -> KResult<String> {
+        let mut text: String = messages.iter().map(|m| format!("{}: {}\n", m.role, m.content)).collect();
+        if kwargs.get("enable_thinking") == Some(&Value::Bool(false)) {
+            text.push_str("(no thinking)\n");
+        }
+        if add_generation_prompt {
+            text.push_str("assistant: ");
+        }
+        Ok(text)
+    }
+}
+
+fn config() -> ServerConfig {
+    let mut c = ServerConfig::new("scripted");
+    c.max_queue = 2;
+    c.max_body_bytes = 4096;
+    c
+}
+
+async fn start(config: ServerConfig) -> AppState {
+    let factory: EngineFactory = Box::new(|| Ok(Box::new(Scripted::default()) as Box<dyn Serving>));
+    let (state, _thread) = AppState::start(config, factory).unwrap();
+    state.engine().wait_ready().await.unwrap();
+    state
+}
+
+fn post(path: &str, body: Value) -> Request<Body> {
+    Request::post(path).header("content-type", "application/json").body(Body::from(body.to_string())).unwrap()
+}
+
+async fn send(state: &AppState, request: Request<Body>) -> (StatusCode, axum::http::HeaderMap, String) {
+    let response = app(state.clone()).oneshot(request).await.unwrap();
+    let status = response.status();
+    let headers = response.headers().clone();
+    let bytes = axum::body::to_bytes(response.into_body(), usize::MAX).await.unwrap();
+    (status, headers, String::from_utf8(bytes.to_vec()).unwrap())
+}
+
+async fn send_json(state: &AppState, request: Request<Body>) -> (StatusCode, Value) {
+    let (status, _, body) = send(state, request).await;
+    (status, serde_json::from_str(&body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}")))
+}
+
+fn user(text: &str) -> Value {
+    json!([{"role": "user", "content": text}])
+}
+
+/// The `data:` payloads of an SSE body.
+fn sse_data(body: &str) -> Vec<String> {
+    body.lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_string).collect()
+}
+
+#[tokio::test]
+async fn chat_completion_has_openai_shape() {
+    let state = start(config()).await;
+    let (status, v) =
+        send_json(&state, post("/v1/chat/completions", json!({"model": "scripted", "messages": user("hi")}))).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    assert_eq!(v["model"], "scripted");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(v["choices"][0]["message"]["content"], "Hello world! The answer is 42.");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert_eq!(v["choices"][0]["logprobs"], Value::Null);
+    // "user: hi\nassistant: " is 20 bytes; 30 bytes of script and EOS.
+    assert_eq!(v["usage"], json!({"prompt_tokens": 20, "completion_tokens": 31, "total_tokens": 51}));
+}
+
+#[tokio::test]
+async fn text_parts_template_kwargs_and_max_tokens() {
+    let state = start(config()).await;
+    let messages = json!([{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}]);
+    let body =
+        json!({"messages": messages, "max_completion_tokens": 5, "chat_template_kwargs": {"enable_thinking": false}});
+    let (status, v) = send_json(&state, post("/v1/chat/completions", body)).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], "Hello");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["prompt_tokens"], 20 + "(no thinking)\n".len());
+}
+
+#[tokio::test]
+async fn stop_strings_are_never_emitted_streamed_or_not() {
+    let state = start(config()).await;
+    let (_, v) = send_json(&state, post("/v1/completions", json!({"prompt": "x", "stop": ["answer", "zzz"]}))).await;
+    assert_eq!(v["choices"][0]["text"], "Hello world! The ");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    let (_, _, body) =
+        send(&state, post("/v1/completions", json!({"prompt": "x", "stop": "answer", "stream": true}))).await;
+    let text: String = sse_data(&body)
+        .iter()
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str::<Value>(d).unwrap()["choices"][0]["text"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(text, "Hello world! The ");
+}
+
+#[tokio::test]
+async fn chat_stream_has_role_first_then_usage_then_done() {
+    let state = start(config()).await;
+    let body = json!({"messages": user("hi"), "stream": true, "stream_options": {"include_usage": true}, "n": 2});
+    let (status, headers, body) = send(&state, post("/v1/chat/completions", body)).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(headers["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+    let data = sse_data(&body);
+    assert_eq!(data.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    for (i, chunk) in chunks[..2].iter().enumerate() {
+        assert_eq!(chunk["object"], "chat.completion.chunk");
+        assert_eq!(chunk["choices"][0]["index"], i);
+        assert_eq!(chunk["choices"][0]["delta"]["role"], "assistant");
+    }
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], 62);
+    for index in 0..2 {
+        let mine: Vec<&Value> =
+            chunks.iter().filter(|c| c["choices"].get(0).is_some_and(|x| x["index"] == index)).collect();
+        let text: String = mine.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+        assert_eq!(text, "Hello world! The answer is 42.");
+        assert_eq!(mine.last().unwrap()["choices"][0]["finish_reason"], "stop");
+        assert!(mine.iter().all(|c| c["usage"].is_null()));
+    }
+}
+
+#[tokio::test]
+async fn logprobs_in_both_apis() {
+    let state = start(config()).await;
+    let body = json!({"messages": user("hi"), "logprobs": true, "top_logprobs": 2, "max_tokens": 3});
+    let (_, v) = send_json(&state, post("/v1/chat/completions", body)).await;
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 3);
+    assert_eq!(content[0]["token"], "H");
+    assert_eq!(content[0]["bytes"], json!([72]));
+    assert!(content[0]["logprob"].as_f64().unwrap() < 0.0);
+    assert_eq!(content[0]["top_logprobs"].as_array().unwrap().len(), 2);
+    assert_eq!(content[0]["top_logprobs"][0]["token"], "H");
+    let (_, v) =
+        send_json(&state, post("/v1/completions", json!({"prompt": "x", "logprobs": 1, "max_tokens": 2}))).await;
+    let lp = &v["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"], json!(["H", "e"]));
+    assert_eq!(lp["text_offset"], json!([0, 1]));
+    assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn several_prompts_and_token_ids() {
+    let state = start(config()).await;
+    let (status, v) =
+        send_json(&state, post("/v1/completions", json!({"prompt": [[1, 2], [3]], "n": 2, "max_tokens": 2}))).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 4);
+    assert!(choices.iter().enumerate().all(|(i, c)| c["index"] == i && c["text"] == "He"));
+    assert_eq!(v["usage"]["prompt_tokens"], 3);
+}
+
+#[tokio::test]
+async fn invalid_requests_are_400_naming_the_field() {
+    let state = start(config()).await;
+    let cases = [
+        (json!({"messages": user("hi"), "temperature": -1}), "temperature"),
+        (json!({"messages": user("hi"), "top_p": "x"}), "top_p"),
+        (json!({"messages": user("hi"), "tools": [{"type": "function", "function": {"name": "f"}}]}), "tools"),
+        (json!({"messages": user("hi"), "response_format": {"type": "json_schema"}}), "response_format"),
+        (json!({"messages": user("hi"), "logit_bias": {"1": 5}}), "logit_bias"),
+        (json!({"messages": user("hi"), "top_logprobs": 21, "logprobs": true}), "top_logprobs"),
+        (json!({"messages": user("hi"), "n": 0}), "n"),
+        (json!({"messages": user("hi"), "made_up_field": 1}), "made_up_field"),
+        (json!({"messages": [{"role": "tool", "content": "x"}]}), "messages[0].role"),
+        (json!({"messages": []}), "messages"),
+        (json!({"model": "scripted"}), "messages"),
+    ];
+    for (body, param) in cases {
+        let (status, v) = send_json(&state, post("/v1/chat/completions", body.clone())).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body} -> {v}");
+        assert_eq!(v["error"]["param"], param, "{body} -> {v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert!(v["error"]["message"].is_string());
+    }
+    let harmless = json!({"messages": user("hi"), "user": "u", "metadata": {"a": "b"}, "max_tokens": 1, "tools": []});
+    assert_eq!(send_json(&state, post("/v1/chat/completions", harmless)).await.0, StatusCode::OK);
+    let bad_json = Request::post("/v1/completions").body(Body::from("{not json")).unwrap();
+    assert_eq!(send_json(&state, bad_json).await.0, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn a_prompt_longer_than_the_context_is_400_with_both_numbers() {
+    let state = start(config()).await;
+    let (status, v) = send_json(&state, post("/v1/completions", json!({"prompt": "x".repeat(100)}))).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(v["error"]["code"], "context_length_exceeded");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(message.contains("100") && message.contains("64"), "{message}");
+    let (status, v) = send_json(&state, post("/v1/completions", json!({"prompt": "xx", "max_tokens": 100}))).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(v["error"]["param"], "max_tokens");
+}
+
+#[tokio::test]
+async fn unknown_model_route_and_method_are_openai_errors() {
+    let state = start(config()).await;
+    let (status, v) =
+        send_json(&state, post("/v1/chat/completions", json!({"model": "gpt-4", "messages": user("hi")}))).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(v["error"]["code"], "model_not_found");
+    let (status, v) = send_json(&state, Request::get("/v1/nothing").body(Body::empty()).unwrap()).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert!(v["error"]["message"].as_str().unwrap().contains("/v1/nothing"));
+    let (status, v) = send_json(&state, Request::get("/v1/chat/completions").body(Body::empty()).unwrap()).await;
+    assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED);
+    assert!(v["error"].is_object());
+}
+
+#[tokio::test]
+async fn oversized_bodies_are_413() {
+    let state = start(config()).await;
+    let body = json!({"prompt": "x".repeat(10_000)});
+    let (status, v) = send_json(&state, post("/v1/completions", body.clone())).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(v["error"]["code"], "body_too_large");
+    // Without a Content-Length (a streamed body), the limit holds while reading.
+    let chunks = futures_util::stream::iter(vec![Ok::<_, std::io::Error>(body.to_string())]);
+    let request = Request::post("/v1/completions").body(Body::from_stream(chunks)).unwrap();
+    assert_eq!(send_json(&state, request).await.0, StatusCode::PAYLOAD_TOO_LARGE);
+}
+
+#[tokio::test]
+async fn the_api_key_guards_everything_but_health() {
+    let mut c = config();
+    c.api_key = Some("sekret".into());
+    let state = start(c).await;
+    let (status, v) = send_json(&state, post("/v1/completions", json!({"prompt": "x", "max_tokens": 1}))).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(v["error"]["code"], "invalid_api_key");
+    let wrong = Request::get("/v1/models").header("authorization", "Bearer nope").body(Body::empty()).unwrap();
+    assert_eq!(send(&state, wrong).await.0, StatusCode::UNAUTHORIZED);
+    let right = Request::get("/v1/models").header("authorization", "Bearer sekret").body(Body::empty()).unwrap();
+    let (status, v) = send_json(&state, right).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(v["data"][0]["id"], "scripted");
+    assert_eq!(send(&state, Request::get("/health").body(Body::empty()).unwrap()).await.0, StatusCode::OK);
+}
+
+/// Waits (bounded) until the engine's published statistics satisfy `f`.
+async fn wait_stats(state: &AppState, f: impl Fn(&EngineStats) -> bool) -> EngineStats {
+    for _ in 0..200 {
+        let s = state.engine().stats();
+        if f(&s) {
+            return s;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    state.engine().stats()
+}
+
+#[tokio::test]
+async fn a_full_queue_is_429_and_disconnects_free_their_sequences() {
+    let state = start(config()).await;
+    // max_seqs 4 + max_queue 2: six streams are admitted, the seventh is refused.
+    let mut open = Vec::new();
+    for _ in 0..6 {
+        let body = json!({"prompt": "slow", "stream": true, "ignore_eos": true, "max_tokens": 60});
+        let response = app(state.clone()).oneshot(post("/v1/completions", body)).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        open.push(response);
+    }
+    assert_eq!(state.in_flight(), 6);
+    let (status, headers, body) = send(&state, post("/v1/completions", json!({"prompt": "x"}))).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{body}");
+    assert_eq!(headers["retry-after"], "1");
+    let s = wait_stats(&state, |s| s.running == 4).await;
+    assert_eq!((s.running, s.waiting), (4, 2));
+    // The clients go away without reading: every sequence is cancelled and its blocks freed.
+    drop(open);
+    let s = wait_stats(&state, |s| s.running == 0 && s.waiting == 0).await;
+    assert_eq!((s.running, s.waiting, s.kv_blocks_used), (0, 0, 0));
+    assert_eq!(state.in_flight(), 0);
+    let (_, _, metrics) = send(&state, Request::get("/metrics").body(Body::empty()).unwrap()).await;
+    assert!(metrics.contains("kylin:num_requests_running{model_name=\"scripted\"} 0"), "{metrics}");
+    assert!(metrics.contains("kylin:kv_cache_usage_perc{model_name=\"scripted\"} 0"), "{metrics}");
+    assert!(metrics.contains("kylin:request_rejected_queue_full_total{model_name=\"scripted\"} 1"));
+    assert!(metrics.contains("kylin:request_success_total{model_name=\"scripted\",finished_reason=\"abort\"} 6"));
+}
+
+#[tokio::test]
+async fn metrics_count_tokens_and_latencies() {
+    let state = start(config()).await;
+    send(&state, post("/v1/completions", json!({"prompt": "abc", "max_tokens": 4}))).await;
+    let (status, headers, text) = send(&state, Request::get("/metrics").body(Body::empty()).unwrap()).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(headers["content-type"].to_str().unwrap().starts_with("text/plain"));
+    assert!(text.contains("kylin:prompt_tokens_total{model_name=\"scripted\"} 3"), "{text}");
+    assert!(text.contains("kylin:generation_tokens_total{model_name=\"scripted\"} 4"));
+    assert!(text.contains("kylin:time_to_first_token_seconds_count{model_name=\"scripted\"} 1"));
+    assert!(text.contains("kylin:inter_token_latency_seconds_count{model_name=\"scripted\"} 3"));
+    assert!(text.contains("kylin:e2e_request_latency_seconds_count{model_name=\"scripted\"} 1"));
+    assert!(text.contains("kylin:request_success_total{model_name=\"scripted\",finished_reason=\"length\"} 1"));
+}
+
+#[tokio::test]
+async fn tokenize_and_detokenize() {
+    let state = start(config()).await;
+    let (status, v) = send_json(&state, post("/tokenize", json!({"prompt": "Hi"}))).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(v, json!({"count": 2, "max_model_len": 64, "tokens": [72, 105]}));
+    let (_, v) = send_json(&state, post("/tokenize", json!({"messages": user("hi")}))).await;
+    assert_eq!(v["count"], 20);
+    let (_, v) = send_json(&state, post("/detokenize", json!({"tokens": [72, 105]}))).await;
+    assert_eq!(v, json!({"prompt": "Hi"}));
+    let (status, v) = send_json(&state, post("/detokenize", json!({"tokens": [999]}))).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(v["error"]["param"], "tokens");
+}
+
+#[tokio::test]
+async fn health_is_503_while_loading_and_requests_too() {
+    let (release, wait) = mpsc::channel::<()>();
+    let factory: EngineFactory = Box::new(move || {
+        let _ = wait.recv();
+        Ok(Box::new(Scripted::default()) as Box<dyn Serving>)
+    });
+    let (state, _thread) = AppState::start(config(), factory).unwrap();
+    let (status, headers, _) = send(&state, Request::get("/health").body(Body::empty()).unwrap()).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(headers.contains_key("retry-after"));
+    let (status, v) = send_json(&state, post("/v1/completions", json!({"prompt": "x"}))).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(v["error"]["type"], "service_unavailable");
+    release.send(()).unwrap();
+    state.engine().wait_ready().await.unwrap();
+    assert_eq!(send(&state, Request::get("/health").body(Body::empty()).unwrap()).await.0, StatusCode::OK);
+    state.engine().begin_shutdown();
+    assert_eq!(
+        send(&state, Request::get("/health").body(Body::empty()).unwrap()).await.0,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+}
+
+#[tokio::test]
+async fn a_failed_load_is_reported() {
+    let factory: EngineFactory = Box::new(|| Err(KylinError::file_not_found("no such model")));
+    let (state, _thread) = AppState::start(config(), factory).unwrap();
+    let err = state.engine().wait_ready().await.unwrap_err();
+    assert!(err.message.contains("no such model"));
+    assert_eq!(
+        send(&state, Request::get("/health").body(Body::empty()).unwrap()).await.0,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+}
+
+#[tokio::test]
+async fn seeds_make_sampling_reproducible() {
+    let state = start(config()).await;
+    let body = json!({"prompt": "x", "temperature": 5.0, "seed": 7, "max_tokens": 8, "n": 2});
+    let (_, a) = send_json(&state, post("/v1/completions", body.clone())).await;
+    let (_, b) = send_json(&state, post("/v1/completions", body)).await;
+    assert_eq!(a["choices"], b["choices"]);
+}
+
+#[tokio::test]
+async fn a_client_that_never_finishes_its_body_gets_408() {
+    let mut c = config();
+    c.body_timeout = Duration::from_millis(200);
+    let state = start(c).await;
+    let first = futures_util::stream::iter(vec![Ok::<_, std::io::Error>("{\"prompt\": ".to_string())]);
+    let never = futures_util::stream::pending::<Result<String, std::io::Error>>();
+    let body = Body::from_stream(futures_util::StreamExt::chain(first, never));
+    let (status, v) = send_json(&state, Request::post("/v1/completions").body(body).unwrap()).await;
+    assert_eq!(status, StatusCode::REQUEST_TIMEOUT);
+    assert_eq!(v["error"]["code"], "body_timeout");
+    assert_eq!(state.in_flight(), 0);
+}
