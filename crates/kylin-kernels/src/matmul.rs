@@ -228,9 +228,10 @@ const PACK_MIN_TOKENS: usize = 32;
 #[repr(C, align(64))]
 struct Panel([f32; 3 * PACK_MAX_COLS]);
 
-/// The AVX-512 GEMM on rows `r0..r1` (tiles of 4 tokens × 3 rows): token blocks whose `x` rows (at most [`TOKEN_BLOCK_BYTES`]) stay in L2; inside a
-/// block, each row tile (whose weights stay in L1) runs across the block's token tiles. Each
-/// weight byte is read from memory once per token block, i.e. once per call up to
+/// The AVX-512 GEMM on rows `r0..r1` (tiles of 4 tokens × 3 rows): token blocks whose `x` rows
+/// (at most [`TOKEN_BLOCK_BYTES`]) stay in L2; inside a block, each row tile (whose weights stay
+/// in L1) runs across the block's token tiles, the first of which prefetches the next row tile.
+/// Each weight byte is read from memory once per token block, i.e. once per call up to
 /// `TOKEN_BLOCK_BYTES / (4 · cols)` tokens. With enough tokens in a block, the row tile is
 /// first widened to f32 (exactly: BF16 and F16 are subsets of f32) into a stack panel, and the
 /// tiles read the panel as F32 weights: the same values, so the same results.
