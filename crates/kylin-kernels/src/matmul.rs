@@ -17,7 +17,8 @@
 //!   fixed `hsum((a0 + a1) + (a2 + a3))` tree, then the scalar tail — whatever `n_tokens`, the
 //!   token's place in the batch, the tile it lands in, the thread count or the grouping of
 //!   matrices in [`matmul_many`]. The scalar path is a plain sequential sum per output, also
-//!   independent of the batch. (Another ISA, e.g. `KYLIN_KERNELS_ISA=avx2`, gives other bits.)
+//!   independent of the batch. (The AVX2 and AVX-512 paths give the same bits, both being
+//!   the GEMV's; the scalar path, a sequential sum, gives others.)
 //! - No allocation on any path (the f32 panel is a 24 KiB stack array).
 //! - f32 accumulation; the order differs from [`crate::reference::matmul`]'s, so results agree
 //!   with it to about 1e-6 relative to `Σ|w·x|`.
