@@ -17,8 +17,9 @@
 //!   fixed `hsum((a0 + a1) + (a2 + a3))` tree, then the scalar tail — whatever `n_tokens`, the
 //!   token's place in the batch, the tile it lands in, the thread count or the grouping of
 //!   matrices in [`matmul_many`]. The scalar path is a plain sequential sum per output, also
-//!   independent of the batch. (Another ISA, e.g. `KYLIN_KERNELS_ISA=avx2`, gives other bits.)
-//! - No allocation on any path (the f32 panel is a 36 KiB stack array).
+//!   independent of the batch. (The AVX2 and AVX-512 paths give the same bits, both being
+//!   the GEMV's; the scalar path, a sequential sum, gives others.)
+//! - No allocation on any path (the f32 panel is a 24 KiB stack array).
 //! - f32 accumulation; the order differs from [`crate::reference::matmul`]'s, so results agree
 //!   with it to about 1e-6 relative to `Σ|w·x|`.
 
@@ -217,8 +218,9 @@ unsafe fn gemv_avx2<const D: u8>(w: WeightMatrix<'_>, x: &[f32], n_tokens: usize
 /// Bytes of `x` one GEMM token block may take: the block's `x` rows stay in L2 (about half
 /// of a 1 MiB L2) while the task's weight rows stream past them once per block.
 const TOKEN_BLOCK_BYTES: usize = 512 * 1024;
-/// Widest rows the GEMM widens to f32 once per token block (3 rows of f32: 36 KiB).
-const PACK_MAX_COLS: usize = 3072;
+/// Widest rows the GEMM widens to f32 once per token block (3 rows of f32: 24 KiB, so the panel
+/// and a token tile's `x` share L1; measured: 3072-column rows ran faster unwidened).
+const PACK_MAX_COLS: usize = 2048;
 /// Fewest tokens in a block for which widening the weights once pays (measured: with 8 or 16
 /// tokens the widening pass costs more than it saves).
 const PACK_MIN_TOKENS: usize = 32;
@@ -227,9 +229,10 @@ const PACK_MIN_TOKENS: usize = 32;
 #[repr(C, align(64))]
 struct Panel([f32; 3 * PACK_MAX_COLS]);
 
-/// The AVX-512 GEMM on rows `r0..r1` (tiles of 4 tokens × 3 rows): token blocks whose `x` rows (at most [`TOKEN_BLOCK_BYTES`]) stay in L2; inside a
-/// block, each row tile (whose weights stay in L1) runs across the block's token tiles. Each
-/// weight byte is read from memory once per token block, i.e. once per call up to
+/// The AVX-512 GEMM on rows `r0..r1` (tiles of 4 tokens × 3 rows): token blocks whose `x` rows
+/// (at most [`TOKEN_BLOCK_BYTES`]) stay in L2; inside a block, each row tile (whose weights stay
+/// in L1) runs across the block's token tiles, the first of which prefetches the next row tile.
+/// Each weight byte is read from memory once per token block, i.e. once per call up to
 /// `TOKEN_BLOCK_BYTES / (4 · cols)` tokens. With enough tokens in a block, the row tile is
 /// first widened to f32 (exactly: BF16 and F16 are subsets of f32) into a stack panel, and the
 /// tiles read the panel as F32 weights: the same values, so the same results.
@@ -244,7 +247,7 @@ unsafe fn gemm_avx512<const D: u8>(w: WeightMatrix<'_>, x: &[f32], n_tokens: usi
     let cols = w.cols;
     let row_bytes = cols * w.dtype.size_in_bytes();
     let block = (TOKEN_BLOCK_BYTES / (4 * cols).max(1) / mt_max * mt_max).max(mt_max);
-    // The panel (36 KiB to clear) only exists when some block will be widened: batched decode
+    // The panel (24 KiB to clear) only exists when some block will be widened: batched decode
     // calls run many small tasks and would pay for clearing it in each.
     let packs = D != F32 && cols <= PACK_MAX_COLS && block.min(n_tokens) >= PACK_MIN_TOKENS;
     let mut big_panel;

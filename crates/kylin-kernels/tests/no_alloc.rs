@@ -52,7 +52,7 @@ fn kernels_do_not_allocate() {
     let f16 = WeightMatrix { dtype: WeightDType::F16, ..w };
     let f32_data = vec![0x3Fu8; rows * cols * 4];
     let f32w = WeightMatrix { dtype: WeightDType::F32, rows, cols, data: &f32_data };
-    // Rows wider than the GEMM's f32 panel (3072 columns): the unpacked tile.
+    // Rows wider than the GEMM's f32 panel (2048 columns): the unpacked tile.
     let wide = WeightMatrix { dtype: WeightDType::BF16, rows: 16, cols: 4096, data: &data[..16 * 4096 * 2] };
 
     let before = ALLOCATIONS.load(Ordering::SeqCst);
