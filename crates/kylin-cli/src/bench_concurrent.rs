@@ -90,11 +90,7 @@ fn summarize(times: &[Vec<f64>], submitted: &[f64]) -> (f64, f64, [f64; 5], f64,
         .map(|t| (t.len() - 1) as f64 / (t[t.len() - 1] - t[0]).max(1e-9))
         .collect();
     let itl: Vec<f64> = times.iter().flat_map(|t| t.windows(2).map(|w| (w[1] - w[0]) * 1e3)).collect();
-    let ttft: Vec<f64> = times
-        .iter()
-        .zip(submitted)
-        .filter_map(|(t, s)| t.first().map(|f| (f - s) * 1e3))
-        .collect();
+    let ttft: Vec<f64> = times.iter().zip(submitted).filter_map(|(t, s)| t.first().map(|f| (f - s) * 1e3)).collect();
     let rest: Vec<f64> = ttft.iter().skip(1).copied().collect();
     (
         aggregate,

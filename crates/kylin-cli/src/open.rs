@@ -3,9 +3,9 @@
 use std::time::Instant;
 
 use anyhow::Result;
-use kylin_engine::{Backend, Serving};
 use kylin_engine::batch::{DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_SEQS, EngineOptions, KvBudget};
 use kylin_engine::native::{NativeBackend, NativeOptions};
+use kylin_engine::{Backend, Serving};
 use kylin_kernels::WeightDType;
 use kylin_loader::{Format, KylinError, LoadOptions};
 
@@ -114,7 +114,8 @@ pub fn open_engine(args: &ModelArgs) -> Result<Box<dyn Serving>> {
     for warning in &model.warnings {
         tracing_warning(warning);
     }
-    let engine = engine_options(args, threads, DEFAULT_MAX_SEQS)?;
+    // A server holds its memory from the start: the footprint does not grow with traffic.
+    let engine = EngineOptions { prefault: true, ..engine_options(args, threads, DEFAULT_MAX_SEQS)? };
     Ok(Box::new(kylin_engine::batch::BatchEngine::new(model, &engine)?))
 }
 
@@ -171,6 +172,7 @@ pub fn engine_options(args: &ModelArgs, threads: usize, default_max_seqs: usize)
         max_batch_tokens: e.max_batch_tokens.unwrap_or(DEFAULT_MAX_BATCH_TOKENS),
         block_size: e.kv_block_size.unwrap_or(DEFAULT_BLOCK_SIZE),
         chat_template_override: read_chat_template(args)?,
+        prefault: false,
     })
 }
 

@@ -110,7 +110,8 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
             base_reader = Some(reader);
             base_ppl = Some(ppl);
         } else {
-            let file = std::fs::File::create(path).map_err(|e| KylinError::io(path, "cannot create the KL base", &e))?;
+            let file =
+                std::fs::File::create(path).map_err(|e| KylinError::io(path, "cannot create the KL base", &e))?;
             let mut w = BufWriter::new(file);
             w.write_all(MAGIC)?;
             for v in [vocab as u64, args.ctx as u64, windows as u64] {

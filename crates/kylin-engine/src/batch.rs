@@ -78,6 +78,9 @@ pub struct EngineOptions {
     pub block_size: usize,
     /// A chat template (its text) replacing the model's own.
     pub chat_template_override: Option<String>,
+    /// Touch the whole KV pool and every activation buffer at start-up, so the memory is
+    /// resident from the first request on and does not grow with traffic (the server does).
+    pub prefault: bool,
 }
 
 impl Default for EngineOptions {
@@ -91,6 +94,7 @@ impl Default for EngineOptions {
             max_batch_tokens: DEFAULT_MAX_BATCH_TOKENS,
             block_size: DEFAULT_BLOCK_SIZE,
             chat_template_override: None,
+            prefault: false,
         }
     }
 }
@@ -273,9 +277,13 @@ impl EngineCore {
         let max_seqs = opts.max_seqs.min(opts.max_batch_tokens);
         let max_batch_tokens = opts.max_batch_tokens.min(context.max(1) * max_seqs);
         let d = *model.dims();
-        let scratch = model.plan_scratch(max_batch_tokens, max_seqs, context)?;
+        let mut scratch = model.plan_scratch(max_batch_tokens, max_seqs, context)?;
         let n_blocks = kv_blocks(opts, &model, &scratch, context, max_seqs)?;
-        let kv = KvPool::new(opts.kv_dtype, n_blocks, opts.block_size, d.n_layers, d.n_kv_heads, d.head_dim)?;
+        let mut kv = KvPool::new(opts.kv_dtype, n_blocks, opts.block_size, d.n_layers, d.n_kv_heads, d.head_dim)?;
+        if opts.prefault {
+            kv.prefault();
+            scratch.prefault();
+        }
         let max_blocks_per_seq = context.div_ceil(opts.block_size) + 1;
         let plan = BatchPlan::with_capacity(max_batch_tokens, max_seqs, max_seqs * max_blocks_per_seq);
         let text =

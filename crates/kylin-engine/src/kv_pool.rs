@@ -265,6 +265,19 @@ impl KvPool {
         })
     }
 
+    /// Touches every page of the pool now, so its memory is resident from the start and the
+    /// process's footprint does not grow with traffic (a server wants its memory up front).
+    pub fn prefault(&mut self) {
+        for data in [&mut self.keys, &mut self.values] {
+            for page in data.chunks_mut(4096) {
+                // A volatile write, so the compiler cannot drop it as a store of zero into
+                // memory it knows to be zeroed.
+                // SAFETY: `page` is a non-empty slice, so its first byte is valid for writes.
+                unsafe { std::ptr::write_volatile(page.as_mut_ptr(), 0) };
+            }
+        }
+    }
+
     /// Bytes of keys and values together.
     pub fn bytes(&self) -> u64 {
         (self.keys.len() + self.values.len()) as u64

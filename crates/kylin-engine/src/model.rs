@@ -345,6 +345,31 @@ impl Scratch {
         (elements * std::mem::size_of::<f32>()) as u64
     }
 
+    /// Touches every buffer now, so their memory is resident from the start.
+    pub fn prefault(&mut self) {
+        for buffer in [
+            &mut self.x,
+            &mut self.xn,
+            &mut self.q,
+            &mut self.k,
+            &mut self.v,
+            &mut self.attn,
+            &mut self.proj,
+            &mut self.gate,
+            &mut self.up,
+            &mut self.scores,
+            &mut self.logit_hidden,
+            &mut self.logits,
+        ] {
+            for page in buffer.chunks_mut(1024) {
+                // A volatile write, so the compiler cannot drop it as a store of zero into
+                // memory it knows to be zeroed.
+                // SAFETY: `page` is a non-empty slice, so its first element is valid for writes.
+                unsafe { std::ptr::write_volatile(page.as_mut_ptr(), 0.0) };
+            }
+        }
+    }
+
     /// Logits row `row` of the last forward pass, `(vocab)`.
     pub fn logits(&self, row: usize, vocab: usize) -> &[f32] {
         &self.logits[row * vocab..(row + 1) * vocab]
