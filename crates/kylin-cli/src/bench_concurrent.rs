@@ -63,6 +63,8 @@ pub struct ConcurrentSample {
     pub ttft_first_ms: f64,
     pub ttft_rest_ms_p50: f64,
     pub peak_rss_mb: f64,
+    /// Weights + KV pool + planned activations, MiB (what peak RSS should stay near).
+    pub planned_mb: Option<f64>,
 }
 
 /// The `p`-th percentile (0..=100) by nearest rank.
@@ -139,6 +141,8 @@ pub fn worker(args: &BenchWorkerArgs, n: usize) -> Result<()> {
         let load_ms = started.elapsed().as_secs_f64() * 1e3;
         let info = engine.info();
         let vocab = info.vocab_size;
+        let core = engine.core();
+        let planned = core.model().weight_bytes_per_token() + core.kv_bytes() + core.activation_bytes();
 
         // Warm-up: every code path once, with a prompt no measured one begins with.
         let warm: Vec<u32> = bench_prompt_seeded(16, vocab, u64::MAX);
@@ -227,6 +231,7 @@ pub fn worker(args: &BenchWorkerArgs, n: usize) -> Result<()> {
             ttft_first_ms: first,
             ttft_rest_ms_p50: rest,
             peak_rss_mb: peak_rss_mb(),
+            planned_mb: Some(planned as f64 / (1u64 << 20) as f64),
         }
     };
     println!("{}", serde_json::to_string(&sample)?);
@@ -276,6 +281,7 @@ fn gguf_worker(args: &BenchWorkerArgs, n: usize, threads: usize, _started: Insta
         ttft_first_ms: first,
         ttft_rest_ms_p50: rest,
         peak_rss_mb: peak_rss_mb(),
+        planned_mb: None,
     })
 }
 
@@ -318,6 +324,7 @@ pub fn summarize_samples(samples: &[ConcurrentSample]) -> serde_json::Value {
         "preemptions": first.preemptions.map(|_| m(|s| s.preemptions.unwrap_or(0) as f64)),
         "prefix_hit_rate": first.prefix_hit_rate.map(|_| m(|s| s.prefix_hit_rate.unwrap_or(f64::NAN))),
         "peak_rss_mb": m(|s| s.peak_rss_mb),
+        "planned_mb": first.planned_mb,
         "samples": samples,
     })
 }

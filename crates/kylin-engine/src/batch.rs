@@ -317,6 +317,16 @@ impl EngineCore {
         self.kv.block_size
     }
 
+    /// Bytes of the planned activation buffers.
+    pub fn activation_bytes(&self) -> u64 {
+        self.scratch.bytes()
+    }
+
+    /// Bytes of the KV pool.
+    pub fn kv_bytes(&self) -> u64 {
+        self.kv.bytes()
+    }
+
     /// Blocks with no reference (free or holding an evictable cached prefix).
     pub fn free_blocks(&self) -> usize {
         self.kv.alloc.free()

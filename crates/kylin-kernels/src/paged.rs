@@ -69,7 +69,7 @@ pub fn attention_paged(
     let scores = &mut scores[..len];
     match isa() {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2Fma => {
+        Isa::Avx2Fma | Isa::Avx512 => {
             use crate::x86::{BF16, F16, F32};
             // SAFETY: AVX2/FMA/F16C were detected; every row read is inside the pool (checked).
             unsafe {
