@@ -41,18 +41,27 @@ pub struct ConcurrentSample {
     pub prompt_tokens: usize,
     pub gen_tokens: usize,
     pub shared_prefix: usize,
+    #[serde(deserialize_with = "nan_if_null")]
     pub load_ms: f64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub aggregate_decode_tok_s: f64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub decode_tok_s: f64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub ttft_ms_p50: f64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub ttft_ms_p99: f64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub itl_ms_p50: f64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub itl_ms_p99: f64,
     /// The longest gap between two tokens of one of the `N` sequences.
+    #[serde(deserialize_with = "nan_if_null")]
     pub itl_ms_max: f64,
     /// With `--late-prompt-tokens`: time to first token of the late request.
     pub late_ttft_ms: Option<f64>,
     /// From submission to the last token of the last sequence.
+    #[serde(deserialize_with = "nan_if_null")]
     pub total_s: f64,
     pub kv_blocks: Option<usize>,
     pub kv_tokens: Option<usize>,
@@ -60,11 +69,19 @@ pub struct ConcurrentSample {
     pub preemptions: Option<u64>,
     pub prefix_hit_rate: Option<f64>,
     /// Time to first token of the first sequence and the median of the others (shared prefix).
+    #[serde(deserialize_with = "nan_if_null")]
     pub ttft_first_ms: f64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub ttft_rest_ms_p50: f64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub peak_rss_mb: f64,
     /// Weights + KV pool + planned activations, MiB (what peak RSS should stay near).
     pub planned_mb: Option<f64>,
+}
+
+/// Reads an f64 that JSON wrote as `null` (serde_json writes NaN so) back as NaN.
+fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
 /// The `p`-th percentile (0..=100) by nearest rank.
