@@ -264,3 +264,70 @@ fn bench_json_reports_both_engines_and_their_ratios() {
     assert!(r["ratios"]["decode_tok_s"].as_f64().unwrap() > 0.0);
     assert!(r["machine_read_gb_s"].as_f64().unwrap() > 0.0);
 }
+
+#[test]
+fn bench_concurrency_json_reports_the_batching_figures_for_both_engines() {
+    let hf = model("smollm2-135m-instruct");
+    let gguf = model("gguf/smollm2-135m-instruct-q4_1.gguf");
+    let r = ok_json(&[
+        "bench",
+        s(&hf),
+        "--vs",
+        s(&gguf),
+        "--concurrency",
+        "3",
+        "--prompt-tokens",
+        "24",
+        "--gen-tokens",
+        "6",
+        "--repetitions",
+        "1",
+        "--shared-prefix",
+        "16",
+        "--json",
+    ]);
+    for key in ["aggregate_decode_tok_s", "decode_tok_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99"] {
+        assert!(r[key].as_f64().unwrap() > 0.0, "{key}: {}", r[key]);
+    }
+    assert_eq!(r["concurrency"], 3);
+    assert!(r["kv_blocks"].as_u64().unwrap() >= 2 && r["kv_tokens"].as_u64().unwrap() >= 31);
+    assert_eq!(r["preemptions"].as_f64(), Some(0.0));
+    // The shared 16 tokens are one full block, found by the two later requests: 2 x 16 of 72.
+    let rate = r["prefix_hit_rate"].as_f64().unwrap();
+    assert!((rate - 32.0 / 72.0).abs() < 1e-9, "prefix hit rate {rate}");
+    let results = r["results"].as_array().unwrap();
+    assert_eq!((results[0]["backend"].as_str(), results[1]["backend"].as_str()), (Some("kylin"), Some("llama.cpp")));
+    assert!(r["ratios"]["aggregate_decode_tok_s"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn perplexity_saves_a_base_and_compares_a_16_bit_kv_cache_with_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("base.kl");
+    let hf = model("smollm2-135m-instruct");
+    let text = Path::new(SHARED).join("data/gpl-3.0.txt");
+    let args = |extra: &[&'static str]| {
+        let mut a = vec!["perplexity", s(&hf), "--file", s(&text), "--ctx", "128", "--chunks", "2", "--json"];
+        a.extend_from_slice(&["--kl-divergence-base", s(&base)]);
+        a.extend_from_slice(extra);
+        a.into_iter().map(str::to_string).collect::<Vec<_>>()
+    };
+    let run = |a: Vec<String>| ok_json(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    let saved = run(args(&[]));
+    assert_eq!(saved["kl"]["mode"], "saved");
+    assert_eq!(saved["scored_tokens"], 2 * 63);
+    let ppl = saved["perplexity"].as_f64().unwrap();
+    assert!(ppl > 1.0 && ppl < 1000.0, "{ppl}");
+    // The same run again: nothing differs.
+    let same = run(args(&[]));
+    assert_eq!(same["kl"]["mean_kl_divergence"].as_f64(), Some(0.0));
+    assert_eq!(same["kl"]["top1_agreement"].as_f64(), Some(1.0));
+    // A bf16 cache differs a little, measurably.
+    let bf16 = run(args(&["--kv-dtype", "bf16"]));
+    let kl = bf16["kl"]["mean_kl_divergence"].as_f64().unwrap();
+    assert!(kl > 0.0 && kl < 0.01, "{kl}");
+    // A base from another window size is refused with the numbers.
+    let out = kylin(&["perplexity", s(&hf), "--file", s(&text), "--ctx", "64", "--chunks", "2", "--kl-divergence-base", s(&base)]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("ctx 128"), "{}", String::from_utf8_lossy(&out.stderr));
+}
