@@ -163,7 +163,8 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
                 for (b, c) in base_row.iter_mut().zip(raw.chunks_exact(4)) {
                     *b = f64::from(f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
                 }
-                let kl: f64 = base_row.iter().zip(&logp).map(|(&b, &c)| b.exp() * (b - c)).sum();
+                // This run's row rounded to f32 as the base's was, so identical runs give 0.
+                let kl: f64 = base_row.iter().zip(&logp).map(|(&b, &c)| b.exp() * (b - f64::from(c as f32))).sum();
                 kl_sum += kl.max(0.0);
                 agree += usize::from(argmax64(&base_row) == argmax64(&logp));
                 dp_sum += logp[target].exp() - base_row[target].exp();

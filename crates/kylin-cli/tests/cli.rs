@@ -327,7 +327,18 @@ fn perplexity_saves_a_base_and_compares_a_16_bit_kv_cache_with_it() {
     let kl = bf16["kl"]["mean_kl_divergence"].as_f64().unwrap();
     assert!(kl > 0.0 && kl < 0.01, "{kl}");
     // A base from another window size is refused with the numbers.
-    let out = kylin(&["perplexity", s(&hf), "--file", s(&text), "--ctx", "64", "--chunks", "2", "--kl-divergence-base", s(&base)]);
+    let out = kylin(&[
+        "perplexity",
+        s(&hf),
+        "--file",
+        s(&text),
+        "--ctx",
+        "64",
+        "--chunks",
+        "2",
+        "--kl-divergence-base",
+        s(&base),
+    ]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("ctx 128"), "{}", String::from_utf8_lossy(&out.stderr));
 }
