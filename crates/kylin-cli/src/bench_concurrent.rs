@@ -79,6 +79,50 @@ pub struct ConcurrentSample {
     pub planned_mb: Option<f64>,
 }
 
+impl ConcurrentSample {
+    /// The figures every backend reports, from the token times (seconds from the start) and the
+    /// submission times of the sequences; the engine-specific ones are left empty.
+    fn measured(
+        args: &BenchWorkerArgs,
+        n: usize,
+        threads: usize,
+        backend: &str,
+        load_ms: f64,
+        times: &[Vec<f64>],
+        submitted: &[f64],
+    ) -> Self {
+        let (aggregate, per_seq, [t50, t99, i50, i99, imax], total, first, rest) = summarize(times, submitted);
+        ConcurrentSample {
+            model: args.model.model.display().to_string(),
+            backend: backend.to_string(),
+            threads,
+            concurrency: n,
+            prompt_tokens: args.prompt_tokens,
+            gen_tokens: args.gen_tokens,
+            shared_prefix: args.shared_prefix,
+            load_ms,
+            aggregate_decode_tok_s: aggregate,
+            decode_tok_s: per_seq,
+            ttft_ms_p50: t50,
+            ttft_ms_p99: t99,
+            itl_ms_p50: i50,
+            itl_ms_p99: i99,
+            itl_ms_max: imax,
+            late_ttft_ms: None,
+            total_s: total,
+            kv_blocks: None,
+            kv_tokens: None,
+            kv_dtype: None,
+            preemptions: None,
+            prefix_hit_rate: None,
+            ttft_first_ms: first,
+            ttft_rest_ms_p50: rest,
+            peak_rss_mb: peak_rss_mb(),
+            planned_mb: None,
+        }
+    }
+}
+
 /// Reads an f64 that JSON wrote as `null` (serde_json writes NaN so) back as NaN.
 fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<f64, D::Error> {
     Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
@@ -219,36 +263,17 @@ pub fn worker(args: &BenchWorkerArgs, n: usize) -> Result<()> {
         }
         let after = engine.stats();
         let late_ttft_ms = late.and_then(|(_, first)| first).map(|s| s * 1e3);
-        let (aggregate, per_seq, [t50, t99, i50, i99, imax], total, first, rest) = summarize(&times, &submitted);
         let queries = after.prefix_cache_queries - before.prefix_cache_queries;
         let hits = after.prefix_cache_hits - before.prefix_cache_hits;
         ConcurrentSample {
-            model: args.model.model.display().to_string(),
-            backend: "kylin".to_string(),
-            threads,
-            concurrency: n,
-            prompt_tokens: args.prompt_tokens,
-            gen_tokens: args.gen_tokens,
-            shared_prefix: args.shared_prefix,
-            load_ms,
-            aggregate_decode_tok_s: aggregate,
-            decode_tok_s: per_seq,
-            ttft_ms_p50: t50,
-            ttft_ms_p99: t99,
-            itl_ms_p50: i50,
-            itl_ms_p99: i99,
-            itl_ms_max: imax,
             late_ttft_ms,
-            total_s: total,
             kv_blocks: Some(info.kv_blocks),
             kv_tokens: Some(info.kv_tokens),
             kv_dtype: Some(info.kv_dtype),
             preemptions: Some(after.preemptions - before.preemptions),
             prefix_hit_rate: (queries > 0).then(|| hits as f64 / queries as f64),
-            ttft_first_ms: first,
-            ttft_rest_ms_p50: rest,
-            peak_rss_mb: peak_rss_mb(),
             planned_mb: Some(planned as f64 / (1u64 << 20) as f64),
+            ..ConcurrentSample::measured(args, n, threads, "kylin", load_ms, &times, &submitted)
         }
     };
     println!("{}", serde_json::to_string(&sample)?);
@@ -271,35 +296,7 @@ fn gguf_worker(args: &BenchWorkerArgs, n: usize, threads: usize, _started: Insta
     let (seqs, load_ms) =
         kylin_llamacpp::concurrent::run_concurrent(&args.model.model, threads, &prompts, args.gen_tokens)?;
     let times: Vec<Vec<f64>> = seqs.into_iter().map(|s| s.token_times).collect();
-    let (aggregate, per_seq, [t50, t99, i50, i99, imax], total, first, rest) = summarize(&times, &vec![0.0; n]);
-    Ok(ConcurrentSample {
-        model: args.model.model.display().to_string(),
-        backend: "llama.cpp".to_string(),
-        threads,
-        concurrency: n,
-        prompt_tokens: args.prompt_tokens,
-        gen_tokens: args.gen_tokens,
-        shared_prefix: args.shared_prefix,
-        load_ms,
-        aggregate_decode_tok_s: aggregate,
-        decode_tok_s: per_seq,
-        ttft_ms_p50: t50,
-        ttft_ms_p99: t99,
-        itl_ms_p50: i50,
-        itl_ms_p99: i99,
-        itl_ms_max: imax,
-        late_ttft_ms: None,
-        total_s: total,
-        kv_blocks: None,
-        kv_tokens: None,
-        kv_dtype: None,
-        preemptions: None,
-        prefix_hit_rate: None,
-        ttft_first_ms: first,
-        ttft_rest_ms_p50: rest,
-        peak_rss_mb: peak_rss_mb(),
-        planned_mb: None,
-    })
+    Ok(ConcurrentSample::measured(args, n, threads, "llama.cpp", load_ms, &times, &vec![0.0; n]))
 }
 
 #[cfg(not(feature = "llamacpp"))]
