@@ -190,13 +190,13 @@ unsafe fn x86_weighted<const D: u8>(
             }
             c0 += width * 8;
         }
-        for c in main8..hd {
+        for (c, o) in out.iter_mut().enumerate().take(hd).skip(main8) {
             let mut sum = 0.0f32;
             for (p, &s) in scores.iter().enumerate() {
                 let row = base.add(values.row(blocks, offset, p) * size);
                 sum = s.mul_add(crate::x86::load1::<D>(row, c), sum);
             }
-            out[c] = sum;
+            *o = sum;
         }
     }
 }
