@@ -92,3 +92,22 @@ fn a_block_outside_the_pool_panics_instead_of_reading() {
     let mut out = [0.0; 4];
     attention_paged(&[0.0; 4], view, view, &[9], 0, 2, 1.0, &mut scores, &mut out);
 }
+
+/// Re-runs the reference comparison in a child process under every instruction set this
+/// machine can be capped to, so the AVX2 and scalar paths are checked as well as the default.
+#[test]
+fn every_isa_matches_the_reference() {
+    if std::env::var_os("KYLIN_KERNELS_ISA").is_some() {
+        // Already a child (or the caller chose one ISA): the test above covers it.
+        return;
+    }
+    let exe = std::env::current_exe().expect("the test binary's path");
+    for cap in ["avx2", "scalar"] {
+        let status = std::process::Command::new(&exe)
+            .args(["--exact", "paged_attention_matches_the_reference"])
+            .env("KYLIN_KERNELS_ISA", cap)
+            .status()
+            .expect("spawn the test binary");
+        assert!(status.success(), "paged attention differs from the reference with KYLIN_KERNELS_ISA={cap}");
+    }
+}
