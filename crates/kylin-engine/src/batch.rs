@@ -521,7 +521,8 @@ impl BatchEngine {
     /// A fresh sequence for choice `index` of `request`, with nothing computed.
     fn new_seq(&self, request: &Request, index: usize) -> Seq {
         let core = &self.core;
-        let cap = (request.prompt_ids.len() + request.max_new_tokens + 1).min(core.context + 1);
+        let cap =
+            request.prompt_ids.len().saturating_add(request.max_new_tokens).saturating_add(1).min(core.context + 1);
         let mut tokens = Vec::with_capacity(cap);
         tokens.extend_from_slice(&request.prompt_ids);
         Seq {

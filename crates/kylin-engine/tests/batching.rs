@@ -320,3 +320,16 @@ fn a_real_model_batches_sixteen_greedy_requests_invariantly() {
     assert_same(&single, &together, "smollm2");
     assert_all_blocks_free(&e);
 }
+
+#[test]
+fn an_unbounded_token_limit_ends_at_the_context() {
+    let path = fixture("tiny-qwen2-f16");
+    let mut e = engine(&path, EngineOptions { ctx_size: Some(40), ..options(1) });
+    e.add_request(request(1, prompt(10, 5, 1000), usize::MAX)).unwrap();
+    let out = drain(&mut e);
+    // 10 prompt tokens and 30 computed generated ones fill the 40 positions; the 31st sampled
+    // token is emitted but has no room to be computed.
+    assert_eq!(out[&(1, 0)].reason, Some(StopReason::ContextFull));
+    assert_eq!(out[&(1, 0)].ids.len(), 31);
+    assert_all_blocks_free(&e);
+}
