@@ -9,8 +9,9 @@ use kylin_loader::{KylinError, Result};
 use serde::Serialize;
 
 use crate::backend::{Backend, ChatMessage};
-use crate::detok::{StopMatcher, StopOutcome, StreamDecoder};
-use crate::sampler::{Sampler, SamplingParams};
+use crate::sampler::SamplingParams;
+use crate::sequence::Decoding;
+use crate::serving::{EventKind, Request, StopReason};
 
 /// What to generate.
 #[derive(Debug, Clone)]
@@ -36,6 +37,18 @@ pub enum FinishReason {
     Length,
     /// The KV cache is full.
     ContextFull,
+}
+
+impl From<StopReason> for FinishReason {
+    fn from(reason: StopReason) -> Self {
+        match reason {
+            StopReason::Eos => FinishReason::Eos,
+            // A cancelled generation ends like one stopped by a stop string.
+            StopReason::StopString | StopReason::Cancelled => FinishReason::Stop,
+            StopReason::Length => FinishReason::Length,
+            StopReason::ContextFull => FinishReason::ContextFull,
+        }
+    }
 }
 
 impl FinishReason {
@@ -108,60 +121,53 @@ fn generate_from(
             backend.context_size()
         )));
     }
-    let eos: Vec<u32> = if request.ignore_eos { Vec::new() } else { backend.eos_ids().to_vec() };
-    let mut sampler = Sampler::new(backend.vocab_size(), request.sampling);
-    sampler.observe_all(prompt);
-    // Without a tokenizer (a model run from ids) there is no text: ids only.
+    // The per-token logic (sampling, EOS, stop strings, streaming text, limits) is the one the
+    // serving engines use; without a tokenizer (a model run from ids) there is no text.
     let has_text = backend.has_tokenizer();
-    let mut decoder = StreamDecoder::new(true);
-    let mut stops = StopMatcher::new(&request.stop);
+    let mut as_request = Request::new(0, Vec::new(), request.max_new_tokens);
+    as_request.sampling = request.sampling;
+    as_request.stop = request.stop.clone();
+    as_request.ignore_eos = request.ignore_eos;
+    as_request.detokenize = has_text;
+    as_request.prompt_ids = prompt.clone();
+    let mut decoding = Decoding::new(&as_request, 0, backend.vocab_size(), backend.eos_ids());
+    // The logits are copied out so the backend can detokenize while they are sampled.
+    let mut logits = vec![0.0f32; backend.vocab_size()];
     let mut text = String::new();
     let mut generated = Vec::new();
 
     let started = Instant::now();
-    let mut next = sampler.sample(backend.prefill(&prompt[reuse..])?)?;
-    let ttft = started.elapsed().as_secs_f64();
-    let decode_started = Instant::now();
+    logits.copy_from_slice(backend.prefill(&prompt[reuse..])?);
+    let mut ttft = None;
+    let mut decode_started = started;
     let finish = loop {
-        generated.push(next);
-        sampler.observe_generated(next);
-        if eos.contains(&next) {
-            break FinishReason::Eos;
+        let at_end = backend.position() >= backend.context_size();
+        let reader = has_text.then_some(&*backend);
+        let (id, token, reason) = decoding.accept(&logits, reader, at_end)?;
+        if ttft.is_none() {
+            // Time to first token covers prefill and the first sampling step; decode starts after.
+            ttft = Some(started.elapsed().as_secs_f64());
+            decode_started = Instant::now();
         }
-        let piece = if has_text { decoder.push(&*backend, next)? } else { String::new() };
-        if !piece.is_empty() {
-            match stops.push(&piece) {
-                StopOutcome::Continue(out) => {
-                    on_text(&out);
-                    text.push_str(&out);
-                }
-                StopOutcome::Stopped(out) => {
-                    on_text(&out);
-                    text.push_str(&out);
-                    break FinishReason::Stop;
-                }
+        generated.push(id);
+        if let EventKind::Token { text: piece, .. } = &token
+            && !piece.is_empty()
+        {
+            on_text(piece);
+            text.push_str(piece);
+        }
+        if let Some(reason) = reason {
+            if let EventKind::Finished { text: rest, .. } = decoding.finish(reason, reader)?
+                && !rest.is_empty()
+            {
+                on_text(&rest);
+                text.push_str(&rest);
             }
+            break FinishReason::from(reason);
         }
-        if generated.len() >= request.max_new_tokens {
-            break FinishReason::Length;
-        }
-        if backend.position() >= backend.context_size() {
-            break FinishReason::ContextFull;
-        }
-        next = sampler.sample(backend.decode(next)?)?;
+        logits.copy_from_slice(backend.decode(id)?);
     };
-    if finish != FinishReason::Stop && has_text {
-        let mut rest = decoder.flush(&*backend)?;
-        if let StopOutcome::Stopped(out) = stops.push(&rest) {
-            rest = out;
-        } else {
-            rest = stops.finish();
-        }
-        if !rest.is_empty() {
-            on_text(&rest);
-            text.push_str(&rest);
-        }
-    }
+    let ttft = ttft.unwrap_or(0.0);
     let decode_s = decode_started.elapsed().as_secs_f64();
     let decoded = generated.len().saturating_sub(1);
     let computed = prompt.len() - reuse;
