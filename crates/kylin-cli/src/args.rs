@@ -94,6 +94,17 @@ pub enum KvDTypeArg {
     Bf16,
 }
 
+/// Arithmetic of the native engine's matrix products.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrecisionArg {
+    /// f32 activations: the exact match with transformers' float32.
+    F32,
+    /// Activations rounded to BF16 at each matrix product (f32 accumulation); BF16 weights only.
+    Bf16,
+    /// bf16 for BF16 weights on a CPU with BF16 matrix kernels (AMX-BF16), else f32.
+    Auto,
+}
+
 /// How the batching engine is sized (native models; llama.cpp runs one sequence at a time).
 #[derive(Args, Debug, Clone, Default)]
 pub struct EngineArgs {
@@ -116,6 +127,9 @@ pub struct EngineArgs {
     /// Positions per KV block (default 16).
     #[arg(long)]
     pub kv_block_size: Option<usize>,
+    /// Arithmetic of the matrix products (default auto); `f32` reproduces transformers' float32.
+    #[arg(long, value_enum)]
+    pub precision: Option<PrecisionArg>,
 }
 
 #[derive(Args, Debug)]

@@ -25,6 +25,10 @@ pub struct BenchSample {
     pub backend: String,
     pub architecture: String,
     pub threads: usize,
+    /// Arithmetic of the matrix products (`f32`, `bf16`; llama.cpp: `ggml`).
+    pub precision: String,
+    /// Kernel family running them (`amx-bf16`, `avx512`, …; llama.cpp: its build's features).
+    pub kernels: String,
     pub prompt_tokens: usize,
     pub gen_tokens: usize,
     /// Path to ready backend (weights, tokenizer, buffers).
@@ -52,6 +56,8 @@ pub struct BenchSummary {
     pub backend: String,
     pub architecture: String,
     pub threads: usize,
+    pub precision: String,
+    pub kernels: String,
     pub load_ms: f64,
     pub tokenizer_ms: Option<f64>,
     pub ttft_ms: f64,
@@ -82,6 +88,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
         let mut b = args.model.clone();
         b.model = vs.clone();
         b.backend = args.vs_backend;
+        // `--precision` chooses the native engine's arithmetic; the peer keeps its own.
+        b.engine.precision = None;
         models.push(b);
     }
 
@@ -299,6 +307,8 @@ fn summarize(samples: Vec<BenchSample>, read_gb_s: f64) -> BenchSummary {
         backend: first.backend,
         architecture: first.architecture,
         threads: first.threads,
+        precision: first.precision,
+        kernels: first.kernels,
         load_ms: m(|s| s.load_ms),
         tokenizer_ms,
         ttft_ms: m(|s| s.ttft_ms),
@@ -337,6 +347,7 @@ fn print_table(summaries: &[BenchSummary], ratios: Option<&BenchRatios>, args: &
         );
     }
     for s in summaries {
+        println!("{}: precision {}, kernels {}", s.backend, s.precision, s.kernels);
         if let Some(tok) = s.tokenizer_ms {
             println!("{}: load {:.0} ms, of which the tokenizer {:.0} ms", s.backend, s.load_ms, tok);
         }
@@ -501,6 +512,8 @@ pub fn worker(args: BenchWorkerArgs) -> Result<()> {
         backend: summary.backend,
         architecture: summary.architecture,
         threads: summary.threads,
+        precision: summary.precision,
+        kernels: summary.kernels,
         prompt_tokens: args.prompt_tokens,
         gen_tokens: args.gen_tokens,
         load_ms: opened.load_ms,

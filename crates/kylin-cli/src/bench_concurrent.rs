@@ -37,6 +37,12 @@ pub struct ConcurrentSample {
     pub model: String,
     pub backend: String,
     pub threads: usize,
+    /// Arithmetic of the matrix products (`f32`, `bf16`; llama.cpp: `ggml`).
+    #[serde(default)]
+    pub precision: String,
+    /// Kernel family running them.
+    #[serde(default)]
+    pub kernels: String,
     pub concurrency: usize,
     pub prompt_tokens: usize,
     pub gen_tokens: usize,
@@ -96,6 +102,8 @@ impl ConcurrentSample {
             model: args.model.model.display().to_string(),
             backend: backend.to_string(),
             threads,
+            precision: String::new(),
+            kernels: String::new(),
             concurrency: n,
             prompt_tokens: args.prompt_tokens,
             gen_tokens: args.gen_tokens,
@@ -273,6 +281,8 @@ pub fn worker(args: &BenchWorkerArgs, n: usize) -> Result<()> {
             preemptions: Some(after.preemptions - before.preemptions),
             prefix_hit_rate: (queries > 0).then(|| hits as f64 / queries as f64),
             planned_mb: Some(planned as f64 / (1u64 << 20) as f64),
+            precision: info.precision.clone(),
+            kernels: info.kernels.clone(),
             ..ConcurrentSample::measured(args, n, threads, "kylin", load_ms, &times, &submitted)
         }
     };
@@ -296,7 +306,11 @@ fn gguf_worker(args: &BenchWorkerArgs, n: usize, threads: usize, _started: Insta
     let (seqs, load_ms) =
         kylin_llamacpp::concurrent::run_concurrent(&args.model.model, threads, &prompts, args.gen_tokens)?;
     let times: Vec<Vec<f64>> = seqs.into_iter().map(|s| s.token_times).collect();
-    Ok(ConcurrentSample::measured(args, n, threads, "llama.cpp", load_ms, &times, &vec![0.0; n]))
+    Ok(ConcurrentSample {
+        precision: "ggml".to_string(),
+        kernels: kylin_llamacpp::ggml_features(),
+        ..ConcurrentSample::measured(args, n, threads, "llama.cpp", load_ms, &times, &vec![0.0; n])
+    })
 }
 
 #[cfg(not(feature = "llamacpp"))]
@@ -316,6 +330,8 @@ pub fn summarize_samples(samples: &[ConcurrentSample]) -> serde_json::Value {
         "model": first.model,
         "backend": first.backend,
         "threads": first.threads,
+        "precision": first.precision,
+        "kernels": first.kernels,
         "concurrency": first.concurrency,
         "prompt_tokens": first.prompt_tokens,
         "gen_tokens": first.gen_tokens,

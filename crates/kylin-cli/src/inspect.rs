@@ -1,7 +1,9 @@
-//! `kylin inspect`: validate a model and describe it.
+//! `kylin inspect`: validate a model and describe it, with the kernels that would run it.
 
 use anyhow::Result;
+use kylin_kernels::Precision;
 use kylin_loader::LoadOptions;
+use serde_json::json;
 
 use crate::args::InspectArgs;
 
@@ -13,10 +15,36 @@ pub fn run(args: InspectArgs) -> Result<()> {
         prefetch: false,
     };
     let report = kylin_loader::inspect(&args.model, &opts)?;
+    let kernels = kernels_report(&report);
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        let mut value = serde_json::to_value(&report)?;
+        if let Some(obj) = value.as_object_mut() {
+            obj.insert("kernels".into(), kernels);
+        }
+        println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
         print!("{}", report.to_human());
+        if report.backend == "kylin" {
+            println!(
+                "kernels: f32 {}, bf16 {}; --precision auto runs {}",
+                kernels["f32"].as_str().unwrap_or("?"),
+                kernels["bf16"].as_str().unwrap_or("none (this CPU has no BF16 matrix kernels)"),
+                kernels["auto_precision"].as_str().unwrap_or("?"),
+            );
+        }
     }
     Ok(())
+}
+
+/// The kernel families of this machine and the precision `--precision auto` picks for this
+/// model (`bf16` when every weight is BF16 and the CPU has BF16 kernels; llama.cpp: `null`).
+fn kernels_report(report: &kylin_loader::InspectReport) -> serde_json::Value {
+    let bf16 = kylin_kernels::bf16_kernels().map(|k| k.name());
+    let all_bf16 = report.dtypes.keys().all(|d| d.eq_ignore_ascii_case("bf16"));
+    let auto = (report.backend == "kylin").then(|| if bf16.is_some() && all_bf16 { "bf16" } else { "f32" });
+    json!({
+        "f32": kylin_kernels::kernel_family(Precision::F32),
+        "bf16": bf16,
+        "auto_precision": auto,
+    })
 }

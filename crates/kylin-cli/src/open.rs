@@ -5,11 +5,11 @@ use std::time::Instant;
 use anyhow::Result;
 use kylin_engine::batch::{DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_SEQS, EngineOptions, KvBudget};
 use kylin_engine::native::{NativeBackend, NativeOptions};
-use kylin_engine::{Backend, Serving};
+use kylin_engine::{Backend, PrecisionChoice, Serving};
 use kylin_kernels::WeightDType;
 use kylin_loader::{Format, KylinError, LoadOptions};
 
-use crate::args::{BackendChoice, KvDTypeArg, ModelArgs};
+use crate::args::{BackendChoice, KvDTypeArg, ModelArgs, PrecisionArg};
 
 /// A ready backend and what it cost to get there.
 pub struct Opened {
@@ -68,6 +68,15 @@ pub fn open(args: &ModelArgs, require_tokenizer: bool) -> Result<Opened> {
         (BackendChoice::Native, _) => false,
     };
     if use_llama {
+        if let Some(p @ (PrecisionArg::F32 | PrecisionArg::Bf16)) = args.engine.precision {
+            return Err(KylinError::config_invalid(format!(
+                "--precision {} applies to the native engine; llama.cpp computes {} in the types \
+                 of its GGUF weights (omit --precision or pass auto)",
+                if p == PrecisionArg::F32 { "f32" } else { "bf16" },
+                args.model.display()
+            ))
+            .into());
+        }
         return open_llama(args, threads, chat_template_override, started);
     }
     let opts = LoadOptions {
@@ -173,6 +182,11 @@ pub fn engine_options(args: &ModelArgs, threads: usize, default_max_seqs: usize)
         block_size: e.kv_block_size.unwrap_or(DEFAULT_BLOCK_SIZE),
         chat_template_override: read_chat_template(args)?,
         prefault: false,
+        precision: match e.precision.unwrap_or(PrecisionArg::Auto) {
+            PrecisionArg::F32 => PrecisionChoice::F32,
+            PrecisionArg::Bf16 => PrecisionChoice::Bf16,
+            PrecisionArg::Auto => PrecisionChoice::Auto,
+        },
     })
 }
 

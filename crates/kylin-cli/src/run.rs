@@ -182,8 +182,11 @@ pub fn summary_line(result: &GenerationResult) -> String {
 }
 
 fn result_json(result: &GenerationResult, backend: &dyn Backend) -> Value {
+    let summary = backend.summary();
     serde_json::json!({
-        "backend": backend.summary().backend,
+        "backend": summary.backend,
+        "precision": summary.precision,
+        "kernels": summary.kernels,
         "prompt_ids": result.prompt_ids,
         "generated_ids": result.generated_ids,
         "text": result.text,

@@ -88,7 +88,7 @@ async fn serve(args: ServeArgs, config: ServerConfig) -> Result<()> {
             let engine = if info.max_seqs <= 1 { "one sequence at a time" } else { "continuous batching" };
             println!(
                 "kylin serve: model `{name}` from {path}: {} {} ({engine}, up to {} sequences), context {} tokens, \
-                 KV cache {} tokens in {} blocks ({:.1} MiB, {}), {} threads",
+                 KV cache {} tokens in {} blocks ({:.1} MiB, {}), {} threads, precision {} ({})",
                 info.backend,
                 info.architecture,
                 info.max_seqs,
@@ -97,7 +97,9 @@ async fn serve(args: ServeArgs, config: ServerConfig) -> Result<()> {
                 info.kv_blocks,
                 info.kv_bytes as f64 / (1u64 << 20) as f64,
                 info.kv_dtype,
-                info.threads
+                info.threads,
+                info.precision,
+                info.kernels
             );
             println!("kylin serve: ready on http://{address}/v1 (GET /health says 200)");
         }

@@ -165,8 +165,20 @@ fn run_json_matches_the_reference_greedy_ids() {
     let prompt = case["prompt_text"].as_str().unwrap();
     let want: Vec<u64> = case["greedy_new_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
     let dir = model("qwen2.5-coder-0.5b-instruct");
-    let r =
-        ok_json(&["run", s(&dir), "-p", prompt, "--temperature", "0", "--max-tokens", "12", "--ignore-eos", "--json"]);
+    let r = ok_json(&[
+        "run",
+        s(&dir),
+        "-p",
+        prompt,
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "12",
+        "--ignore-eos",
+        "--json",
+        "--precision",
+        "f32",
+    ]);
     assert_eq!(r["prompt_ids"], case["input_ids"]);
     let got: Vec<u64> = r["generated_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
     assert_eq!(got, want[..12]);
@@ -341,4 +353,36 @@ fn perplexity_saves_a_base_and_compares_a_16_bit_kv_cache_with_it() {
     ]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("ctx 128"), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn precision_is_reported_and_refused_where_it_cannot_apply() {
+    // inspect names the kernel families and what `--precision auto` runs.
+    let bf16_dir = model("smollm2-135m-instruct");
+    let r = ok_json(&["inspect", s(&bf16_dir), "--json"]);
+    let f32_kernels = r["kernels"]["f32"].as_str().unwrap();
+    assert!(["avx512", "avx2", "scalar"].contains(&f32_kernels), "{f32_kernels}");
+    let has_bf16 = r["kernels"]["bf16"].is_string();
+    assert_eq!(r["kernels"]["auto_precision"], if has_bf16 { "bf16" } else { "f32" });
+    let f32_fixture = Path::new(SHARED).join("fixtures/tiny-qwen3-sharded-f32");
+    assert_eq!(ok_json(&["inspect", s(&f32_fixture), "--json"])["kernels"]["auto_precision"], "f32");
+
+    // bf16 on F32 weights (or on a CPU without BF16 kernels) is CONFIG_INVALID, naming why.
+    let out = kylin(&["run", s(&f32_fixture), "-p", "x", "--precision", "bf16"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.starts_with("[CONFIG_INVALID] ") && err.contains("--precision bf16"), "{err}");
+    if has_bf16 {
+        assert!(err.contains("stored as F32"), "{err}");
+    }
+    // GGUF runs through llama.cpp, which picks its own arithmetic.
+    let gguf = model("gguf/smollm2-135m-instruct-q4_1.gguf");
+    let out = kylin(&["run", s(&gguf), "-p", "x", "--precision", "f32"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.starts_with("[CONFIG_INVALID] ") && err.contains("native engine"), "{err}");
+
+    // run --json says which precision ran.
+    let r = ok_json(&["run", s(&bf16_dir), "-p", "Hi", "--max-tokens", "2", "--json"]);
+    assert_eq!(r["precision"], if has_bf16 { "bf16" } else { "f32" });
+    let r = ok_json(&["run", s(&bf16_dir), "-p", "Hi", "--max-tokens", "2", "--json", "--precision", "f32"]);
+    assert_eq!(r["precision"], "f32");
 }

@@ -29,6 +29,12 @@ pub struct BackendSummary {
     pub vocab_size: usize,
     pub context_size: usize,
     pub threads: usize,
+    /// Arithmetic of the matrix products: `f32` or `bf16` (llama.cpp: `ggml`, its own choice
+    /// per weight type).
+    pub precision: String,
+    /// Kernel family running them: `amx-bf16`, `avx512`, `avx2`, `scalar`; for llama.cpp, the
+    /// CPU features its build uses (`ggml: AVX512_BF16, AMX_INT8, …`).
+    pub kernels: String,
 }
 
 /// A loaded model that turns token ids into next-token logits.

@@ -34,7 +34,7 @@ use kylin_loader::{GenerationDefaults, KylinError, LoadedModel, Result};
 
 use crate::backend::ChatMessage;
 use crate::kv_pool::{BlockAllocator, KvPool};
-use crate::model::{BatchPlan, Model, Scratch};
+use crate::model::{BatchPlan, Model, PrecisionChoice, Scratch};
 use crate::native::ModelParts;
 use crate::rope::Rope;
 use crate::sequence::Decoding;
@@ -81,6 +81,9 @@ pub struct EngineOptions {
     /// Touch the whole KV pool and every activation buffer at start-up, so the memory is
     /// resident from the first request on and does not grow with traffic (the server does).
     pub prefault: bool,
+    /// Arithmetic of the matrix products (`--precision`); the library default is `F32`, exact
+    /// against transformers' float32.
+    pub precision: PrecisionChoice,
 }
 
 impl Default for EngineOptions {
@@ -95,7 +98,16 @@ impl Default for EngineOptions {
             block_size: DEFAULT_BLOCK_SIZE,
             chat_template_override: None,
             prefault: false,
+            precision: PrecisionChoice::F32,
         }
+    }
+}
+
+/// `f32` or `bf16`.
+pub fn precision_name(precision: kylin_kernels::Precision) -> &'static str {
+    match precision {
+        kylin_kernels::Precision::F32 => "f32",
+        kylin_kernels::Precision::Bf16 => "bf16",
     }
 }
 
@@ -247,7 +259,8 @@ impl EngineCore {
     /// [`Model::new`].
     pub fn new(parts: ModelParts<'_>, opts: &EngineOptions) -> Result<Self> {
         let config = parts.config;
-        let model = Model::new(config, parts.weights)?;
+        let mut model = Model::new(config, parts.weights)?;
+        model.set_precision(opts.precision)?;
         let max_pos = config.max_position_embeddings;
         let context = match opts.ctx_size {
             None => max_pos.min(DEFAULT_CONTEXT),
@@ -363,6 +376,8 @@ impl EngineCore {
             kv_bytes: self.kv.bytes(),
             kv_dtype: dtype_name(self.kv.dtype).to_string(),
             threads: self.pool.threads(),
+            precision: precision_name(self.model.precision()).to_string(),
+            kernels: self.model.kernel_family().to_string(),
             has_tokenizer: self.text.is_some(),
             eos_ids: self.eos_ids.clone(),
         }

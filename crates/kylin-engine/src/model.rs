@@ -16,9 +16,36 @@
 //!   Linear layers run once over all tokens; norms and RoPE per token; attention per sequence
 //!   over its own blocks. A token's result does not depend on the other segments (batch
 //!   invariance), as long as the kernels reduce in the same order for any token count.
-//! - Compute is float32 in the same order of operations as transformers' eager float32 path.
+//! - Compute is float32 in the same order of operations as transformers' eager float32 path,
+//!   except under `Precision::Bf16` ([`PrecisionChoice`]), where the inputs of the matrix
+//!   products are rounded to BF16 (products and sums stay f32), as transformers computes a
+//!   BF16 model's linear layers.
 
-use kylin_kernels::{self as kernels, ThreadPool, WeightDType, WeightMatrix, WeightVector};
+/// The arithmetic of the matrix products, as asked for (`--precision`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PrecisionChoice {
+    /// f32 activations: exact match with transformers' float32 references.
+    #[default]
+    F32,
+    /// BF16 activations at every matrix product; needs BF16 weights and a BF16 kernel family.
+    Bf16,
+    /// `bf16` when the weights are BF16 and the CPU has a BF16 kernel family, else `f32`.
+    Auto,
+}
+
+impl PrecisionChoice {
+    /// Parses `f32`, `bf16` or `auto`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" => Some(PrecisionChoice::F32),
+            "bf16" => Some(PrecisionChoice::Bf16),
+            "auto" => Some(PrecisionChoice::Auto),
+            _ => None,
+        }
+    }
+}
+
+use kylin_kernels::{self as kernels, Bf16Kernels, Precision, ThreadPool, WeightDType, WeightMatrix, WeightVector};
 use kylin_loader::{DType, KylinError, LayerWeights, ModelConfig, ModelWeights, Result, RopeConfig, WeightTensor};
 
 use crate::kv_pool::KvPool;
@@ -48,6 +75,14 @@ fn shape_error(t: &WeightTensor, expected: &[usize]) -> KylinError {
         "tensor '{}' has wrong shape; expected {:?}, got {:?}",
         t.name, expected, t.shape
     ))
+}
+
+/// How one forward pass runs its matrix products: the pool, and the BF16 kernels under
+/// `Precision::Bf16`.
+#[derive(Clone, Copy)]
+struct Matmul<'a> {
+    pool: &'a ThreadPool,
+    bf16: Option<Bf16Kernels>,
 }
 
 /// A vector weight (norm scale or bias) of a checked length.
@@ -104,10 +139,14 @@ impl Linear {
         WeightMatrix { dtype: self.dtype, rows: self.rows, cols: self.cols, data: self.weight.bytes() }
     }
 
-    /// `y (n, rows) = x (n, cols) · Wᵀ (cols, rows) (+ b)`.
+    /// `y (n, rows) = x (n, cols) · Wᵀ (cols, rows) (+ b)`, with BF16 inputs when `bf16` names
+    /// the kernels (`xb` then receives the rounded `x`).
     #[inline]
-    fn forward(&self, pool: &ThreadPool, x: &[f32], n: usize, y: &mut [f32]) {
-        kernels::matmul(pool, self.matrix(), x, n, y);
+    fn forward(&self, mm: Matmul<'_>, x: &[f32], n: usize, y: &mut [f32], xb: &mut [u16]) {
+        match mm.bf16 {
+            Some(k) => kernels::matmul_many_bf16(mm.pool, k, x, n, xb, &mut [(self.matrix(), y)]),
+            None => kernels::matmul(mm.pool, self.matrix(), x, n, y),
+        }
         if let Some(bias) = &self.bias {
             for row in y.chunks_exact_mut(self.rows) {
                 kernels::add_bias(row, bias.view());
@@ -118,9 +157,18 @@ impl Linear {
     /// Several linear layers over the same input in one pool job:
     /// `y_i (n, rows_i) = x (n, cols) · W_iᵀ (cols, rows_i) (+ b_i)`.
     #[inline]
-    fn forward_many<const N: usize>(pool: &ThreadPool, x: &[f32], n: usize, mut layers: [(&Linear, &mut [f32]); N]) {
+    fn forward_many<const N: usize>(
+        mm: Matmul<'_>,
+        x: &[f32],
+        n: usize,
+        mut layers: [(&Linear, &mut [f32]); N],
+        xb: &mut [u16],
+    ) {
         let mut mats: [(WeightMatrix<'_>, &mut [f32]); N] = layers.each_mut().map(|(l, y)| (l.matrix(), &mut **y));
-        kernels::matmul_many(pool, x, n, &mut mats);
+        match mm.bf16 {
+            Some(k) => kernels::matmul_many_bf16(mm.pool, k, x, n, xb, &mut mats),
+            None => kernels::matmul_many(mm.pool, x, n, &mut mats),
+        }
         for (l, y) in layers.iter_mut() {
             if let Some(bias) = &l.bias {
                 for row in y.chunks_exact_mut(l.rows) {
@@ -320,6 +368,8 @@ pub struct Scratch {
     logit_hidden: Vec<f32>,
     /// Their logits, `(max_segments, vocab)`.
     logits: Vec<f32>,
+    /// BF16 activations of one matrix product (`Precision::Bf16` only; else empty).
+    xb: Vec<u16>,
 }
 
 impl Scratch {
@@ -342,7 +392,7 @@ impl Scratch {
             + self.head_tmp.len()
             + self.logit_hidden.len()
             + self.logits.len();
-        (elements * std::mem::size_of::<f32>()) as u64
+        (elements * std::mem::size_of::<f32>() + self.xb.len() * std::mem::size_of::<u16>()) as u64
     }
 
     /// Touches every buffer now, so their memory is resident from the start.
@@ -367,6 +417,10 @@ impl Scratch {
                 // SAFETY: `page` is a non-empty slice, so its first element is valid for writes.
                 unsafe { std::ptr::write_volatile(page.as_mut_ptr(), 0.0) };
             }
+        }
+        for page in self.xb.chunks_mut(2048) {
+            // SAFETY: as above.
+            unsafe { std::ptr::write_volatile(page.as_mut_ptr(), 0) };
         }
     }
 
@@ -420,6 +474,8 @@ pub struct Model {
     /// `[vocab, hidden]`; the embedding's bytes when tied.
     lm_head: Linear,
     tied: bool,
+    /// The BF16 kernels when the matrix products run in `Precision::Bf16`.
+    bf16: Option<Bf16Kernels>,
 }
 
 impl Model {
@@ -465,7 +521,51 @@ impl Model {
             final_norm: Vector::new(&weights.final_norm, dims.hidden)?,
             lm_head: Linear::new(&weights.lm_head, None, dims.vocab, dims.hidden)?,
             tied: weights.lm_head.same_bytes(&weights.embed_tokens),
+            bf16: None,
         })
+    }
+
+    /// Chooses the arithmetic of the matrix products (before [`Model::plan_scratch`]).
+    ///
+    /// `CONFIG_INVALID` for `Bf16` when a matrix is not stored in BF16 (naming it and its
+    /// dtype) or the CPU has no BF16 kernels.
+    pub fn set_precision(&mut self, choice: PrecisionChoice) -> Result<()> {
+        let non_bf16 = self
+            .layers
+            .iter()
+            .flat_map(|l| l.linears())
+            .chain(std::iter::once(&self.lm_head))
+            .find(|m| m.dtype != WeightDType::BF16);
+        self.bf16 = match choice {
+            PrecisionChoice::F32 => None,
+            PrecisionChoice::Auto => kernels::bf16_kernels().filter(|_| non_bf16.is_none()),
+            PrecisionChoice::Bf16 => {
+                if let Some(m) = non_bf16 {
+                    return Err(KylinError::config_invalid(format!(
+                        "--precision bf16 needs BF16 weights; tensor '{}' is stored as {:?}; use --precision f32 or auto",
+                        m.weight.name, m.dtype
+                    )));
+                }
+                let Some(k) = kernels::bf16_kernels() else {
+                    return Err(KylinError::config_invalid(format!(
+                        "--precision bf16 needs BF16 matrix kernels (AMX-BF16), which this CPU lacks (kernels: {}); use --precision f32 or auto",
+                        kernels::kernel_family(Precision::F32)
+                    )));
+                };
+                Some(k)
+            }
+        };
+        Ok(())
+    }
+
+    /// The arithmetic of the matrix products.
+    pub fn precision(&self) -> Precision {
+        if self.bf16.is_some() { Precision::Bf16 } else { Precision::F32 }
+    }
+
+    /// The kernel family running the matrix products (`amx-bf16`, `avx512`, `avx2`, `scalar`).
+    pub fn kernel_family(&self) -> &'static str {
+        kernels::kernel_family(self.precision())
     }
 
     pub fn dims(&self) -> &Dims {
@@ -540,6 +640,12 @@ impl Model {
             head_tmp: sized(1, d.head_dim, "head")?,
             logit_hidden: sized(max_segments, d.hidden, "hidden")?,
             logits: sized(max_segments, d.vocab, "logits")?,
+            xb: if self.bf16.is_some() {
+                let widest = d.hidden.max(d.q_dim()).max(d.intermediate);
+                vec![0; kernels::bf16_scratch_len(max_tokens, widest)]
+            } else {
+                Vec::new()
+            },
         })
     }
 
@@ -568,6 +674,7 @@ impl Model {
         let d = &self.dims;
         let n = plan.tokens();
         let h = d.hidden;
+        let mm = Matmul { pool, bf16: self.bf16 };
         assert!(n <= s.max_tokens && plan.segments.len() <= s.max_segments, "batch larger than planned");
 
         // 1. Embedding lookup: ids (n) -> x (n, hidden).
@@ -578,8 +685,8 @@ impl Model {
 
         // 2. The decoder layers, each updating the residual stream x (n, hidden) in place.
         for (index, layer) in self.layers.iter().enumerate() {
-            self.attention_block(pool, layer, index, kv, rope, s, plan);
-            self.mlp_block(pool, layer, s, n);
+            self.attention_block(mm, layer, index, kv, rope, s, plan);
+            self.mlp_block(mm, layer, s, n);
         }
 
         // 3. Final norm and head, only for the rows whose logits are wanted.
@@ -590,7 +697,7 @@ impl Model {
                 for (x, xn) in s.x[..n * h].chunks_exact(h).zip(s.xn.chunks_exact_mut(h)) {
                     kernels::rms_norm(x, norm, d.eps, xn);
                 }
-                self.lm_head.forward(pool, &s.xn[..n * h], n, out);
+                self.lm_head.forward(mm, &s.xn[..n * h], n, out, &mut s.xb);
             }
             None => {
                 let rows = plan.logit_rows;
@@ -610,7 +717,7 @@ impl Model {
                         );
                     }
                 }
-                self.lm_head.forward(pool, &s.logit_hidden[..rows * h], rows, &mut s.logits[..rows * d.vocab]);
+                self.lm_head.forward(mm, &s.logit_hidden[..rows * h], rows, &mut s.logits[..rows * d.vocab], &mut s.xb);
             }
         }
     }
@@ -620,7 +727,7 @@ impl Model {
     #[allow(clippy::too_many_arguments)]
     fn attention_block(
         &self,
-        pool: &ThreadPool,
+        mm: Matmul<'_>,
         layer: &Layer,
         index: usize,
         kv: &mut KvPool,
@@ -641,7 +748,7 @@ impl Model {
         // 2. Projections over all tokens of all segments: xn (n, hidden) -> q (n, n_heads * head_dim),
         //    k and v (n, n_kv_heads * head_dim).
         Linear::forward_many(
-            pool,
+            mm,
             &s.xn[..n * h],
             n,
             [
@@ -649,6 +756,7 @@ impl Model {
                 (&layer.k_proj, &mut s.k[..n * kv_dim]),
                 (&layer.v_proj, &mut s.v[..n * kv_dim]),
             ],
+            &mut s.xb,
         );
 
         // 3. Per-head RMSNorm (Qwen3), then RoPE at each token's own position, on every
@@ -694,7 +802,7 @@ impl Model {
         let scores = SharedMut::new(&mut s.scores);
         let segments = &plan.segments;
         let block_ids = &plan.block_ids;
-        pool.run(segments.len() * n_kv, &|task| {
+        mm.pool.run(segments.len() * n_kv, &|task| {
             let (si, kv_head) = (task / n_kv, task % n_kv);
             let seg = segments[si];
             let blocks = &block_ids[seg.b0..seg.b0 + seg.nb];
@@ -727,12 +835,12 @@ impl Model {
         });
 
         // 5. Output projection and residual: attn (n, n_heads * head_dim) -> proj (n, hidden); x += proj.
-        layer.o_proj.forward(pool, &s.attn[..n * q_dim], n, &mut s.proj[..n * h]);
+        layer.o_proj.forward(mm, &s.attn[..n * q_dim], n, &mut s.proj[..n * h], &mut s.xb);
         kernels::add_assign(&mut s.x[..n * h], &s.proj[..n * h]);
     }
 
     /// Pre-norm SwiGLU MLP: `x += down_proj(silu(gate_proj(xn)) * up_proj(xn))`.
-    fn mlp_block(&self, pool: &ThreadPool, layer: &Layer, s: &mut Scratch, n: usize) {
+    fn mlp_block(&self, mm: Matmul<'_>, layer: &Layer, s: &mut Scratch, n: usize) {
         let d = &self.dims;
         let (h, i) = (d.hidden, d.intermediate);
 
@@ -744,15 +852,16 @@ impl Model {
 
         // 2. gate and up: xn (n, hidden) -> (n, intermediate) each; gate = silu(gate) * up.
         Linear::forward_many(
-            pool,
+            mm,
             &s.xn[..n * h],
             n,
             [(&layer.gate_proj, &mut s.gate[..n * i]), (&layer.up_proj, &mut s.up[..n * i])],
+            &mut s.xb,
         );
         kernels::silu_mul(&mut s.gate[..n * i], &s.up[..n * i]);
 
         // 3. down and residual: gate (n, intermediate) -> proj (n, hidden); x += proj.
-        layer.down_proj.forward(pool, &s.gate[..n * i], n, &mut s.proj[..n * h]);
+        layer.down_proj.forward(mm, &s.gate[..n * i], n, &mut s.proj[..n * h], &mut s.xb);
         kernels::add_assign(&mut s.x[..n * h], &s.proj[..n * h]);
     }
 }

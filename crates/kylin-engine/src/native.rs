@@ -175,6 +175,8 @@ impl Backend for NativeBackend {
             vocab_size: self.core.model().dims().vocab,
             context_size: self.core.context(),
             threads: self.core.pool.threads(),
+            precision: crate::batch::precision_name(self.core.model().precision()).to_string(),
+            kernels: self.core.model().kernel_family().to_string(),
         }
     }
 

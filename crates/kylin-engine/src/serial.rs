@@ -159,6 +159,8 @@ impl Serving for SerialEngine {
             kv_bytes: summary.kv_bytes_per_position.unwrap_or(0) * context as u64,
             kv_dtype: "f16".to_string(),
             threads: summary.threads,
+            precision: summary.precision,
+            kernels: summary.kernels,
             has_tokenizer: self.backend.has_tokenizer(),
             eos_ids: self.backend.eos_ids().to_vec(),
         }

@@ -202,6 +202,10 @@ pub struct EngineInfo {
     /// `f32`, `f16` or `bf16`.
     pub kv_dtype: String,
     pub threads: usize,
+    /// Arithmetic of the matrix products: `f32` or `bf16` (the llama.cpp backend: `ggml`).
+    pub precision: String,
+    /// Kernel family running them: `amx-bf16`, `avx512`, `avx2`, `scalar` (llama.cpp: `ggml`).
+    pub kernels: String,
     pub has_tokenizer: bool,
     pub eos_ids: Vec<u32>,
 }

@@ -20,6 +20,8 @@
 //! matrices (see `matmul.rs`), so a sequence's results do not depend on what shares its batch.
 
 #[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(target_arch = "x86_64")]
 mod avx512;
 mod matmul;
 pub mod paged;
@@ -28,7 +30,7 @@ pub mod reference;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-pub use matmul::GEMM_MIN_TOKENS;
+pub use matmul::{GEMM_MIN_TOKENS, bf16_scratch_len};
 pub use pool::{ThreadPool, physical_cores};
 
 use std::sync::OnceLock;
@@ -71,6 +73,93 @@ pub fn isa() -> Isa {
         }
         Isa::Scalar
     })
+}
+
+/// How matrix products treat their inputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Precision {
+    /// Weights widened to f32 exactly, activations kept in f32, f32 accumulation: matches
+    /// transformers' float32 references.
+    F32,
+    /// Activations rounded to BF16 (nearest even) at the input of each matrix product, BF16
+    /// weights used as stored, products and accumulation in f32: what transformers computes for
+    /// a BF16 model, and llama.cpp for a BF16 GGUF.
+    Bf16,
+}
+
+/// The kernel family that runs [`Precision::Bf16`] matrix products on this machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bf16Kernels {
+    /// Intel AMX tiles (`tdpbf16ps`).
+    Amx,
+}
+
+impl Bf16Kernels {
+    /// A short name for reports (`amx-bf16`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Bf16Kernels::Amx => "amx-bf16",
+        }
+    }
+}
+
+/// The BF16 kernel family of this process, if the CPU (and OS) has one: AMX-BF16 (after this
+/// process obtained the kernel's permission to use AMX state). Detected once, then cached;
+/// `KYLIN_KERNELS_ISA=avx2|scalar` turns it off.
+pub fn bf16_kernels() -> Option<Bf16Kernels> {
+    static KERNELS: OnceLock<Option<Bf16Kernels>> = OnceLock::new();
+    *KERNELS.get_or_init(|| {
+        if isa() != Isa::Avx512 {
+            return None;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            let cap = std::env::var("KYLIN_KERNELS_ISA").unwrap_or_default();
+            if !cap.eq_ignore_ascii_case("avx512") && amx::request_permission() {
+                return Some(Bf16Kernels::Amx);
+            }
+        }
+        None
+    })
+}
+
+/// A short name of the kernel family that runs matrix products of `precision`: `amx-bf16`,
+/// `avx512`, `avx2` or `scalar`.
+pub fn kernel_family(precision: Precision) -> &'static str {
+    if precision == Precision::Bf16
+        && let Some(k) = bf16_kernels()
+    {
+        return k.name();
+    }
+    match isa() {
+        Isa::Avx512 => "avx512",
+        Isa::Avx2Fma => "avx2",
+        Isa::Scalar => "scalar",
+    }
+}
+
+/// `y_i = bf16(x) · W_iᵀ` for every `(W_i, y_i)` in `jobs`: [`Precision::Bf16`] products.
+///
+/// Shapes: `x` is `(n_tokens, cols)`; every `W_i` is `(rows_i, cols)` and stored in BF16;
+/// `y_i` is `(n_tokens, rows_i)`. `scratch` receives the rounded activations and must hold
+/// [`bf16_scratch_len`]`(n_tokens, cols)` elements. Batch invariant like [`matmul_many`]:
+/// row `t` of `y_i` has the same bits whatever else is in `x` (a one-token call included).
+/// Allocates nothing. Panics on a shape disagreement or a non-BF16 weight.
+pub fn matmul_many_bf16(
+    pool: &ThreadPool,
+    kernels: Bf16Kernels,
+    x: &[f32],
+    n_tokens: usize,
+    scratch: &mut [u16],
+    jobs: &mut [(WeightMatrix<'_>, &mut [f32])],
+) {
+    matmul::matmul_many_bf16(pool, kernels, x, n_tokens, scratch, jobs)
+}
+
+/// `f32` → BF16 bits, rounded to nearest even (NaN stays NaN): the rounding
+/// [`matmul_many_bf16`] applies to its activations.
+pub fn round_bf16(v: f32) -> u16 {
+    reference::round_bf16(v)
 }
 
 /// Stored element type of a weight.

@@ -344,6 +344,139 @@ unsafe fn gemm_avx2<const D: u8>(w: WeightMatrix<'_>, x: &[f32], n_tokens: usize
     }
 }
 
+/// Rows per task unit of the BF16 kernels (one AMX row pair).
+const BF16_UNIT: usize = 32;
+
+/// `y_i = bf16(x) · W_iᵀ` for every `(W_i, y_i)` in `jobs` (all BF16), with the activations
+/// rounded to BF16 once into `packed` (at least [`bf16_scratch_len`]`(n_tokens, cols)`
+/// elements) and f32 accumulation, on the kernel family `kernels`.
+///
+/// Shapes as [`matmul_many`]. Panics if a shape or a data length disagrees, a weight is not
+/// BF16 or `packed` is too short (caller bugs).
+pub fn matmul_many_bf16(
+    pool: &ThreadPool,
+    kernels: crate::Bf16Kernels,
+    x: &[f32],
+    n_tokens: usize,
+    packed: &mut [u16],
+    jobs: &mut [(WeightMatrix<'_>, &mut [f32])],
+) {
+    let Some((first, _)) = jobs.first() else { return };
+    let cols = first.cols;
+    for (w, y) in jobs.iter() {
+        // These checks make the unsafe reads and writes below sound.
+        assert_eq!(w.dtype, WeightDType::BF16, "matmul_many_bf16 needs BF16 weights");
+        assert_eq!(w.cols, cols, "matrices sharing an input must have the same columns");
+        assert_eq!(w.data.len(), w.rows * w.cols * 2, "weight data length != rows * cols * 2");
+        assert_eq!(x.len(), n_tokens * cols, "x.len() != n_tokens * cols");
+        assert_eq!(y.len(), n_tokens * w.rows, "y.len() != n_tokens * rows");
+    }
+    let needed = bf16_scratch_len(n_tokens, cols);
+    assert!(packed.len() >= needed, "bf16 scratch holds {} elements, {needed} needed", packed.len());
+    if n_tokens == 0 {
+        return;
+    }
+    let packed = &mut packed[..needed];
+    match kernels {
+        #[cfg(target_arch = "x86_64")]
+        crate::Bf16Kernels::Amx => {
+            // 1. Round and pack the activations, token blocks split across the pool.
+            let blocks = n_tokens.div_ceil(crate::amx::TILE);
+            let out = SharedU16(packed.as_mut_ptr(), packed.len());
+            let threads = if n_tokens * cols >= 1 << 16 { pool.threads().min(blocks) } else { 1 };
+            pool.run(threads, &|t| {
+                let (b0, b1) = (blocks * t / threads, blocks * (t + 1) / threads);
+                let (t0, t1) = (b0 * crate::amx::TILE, (b1 * crate::amx::TILE).min(n_tokens));
+                // SAFETY: tasks write the disjoint tiles of their own token blocks.
+                crate::amx::pack_tokens(x, cols, t0, t1, unsafe { out.slice() });
+            });
+            let packed: &[u16] = packed;
+            // 2. The products, output rows split across the pool in 32-row units.
+            for chunk in jobs.chunks_mut(MAX_FUSED) {
+                let mut mats: [Option<WeightMatrix<'_>>; MAX_FUSED] = [None; MAX_FUSED];
+                let mut outs = [OutPtr(std::ptr::null_mut()); MAX_FUSED];
+                let mut total_units = 0;
+                let mut macs = 0;
+                for (i, (w, y)) in chunk.iter_mut().enumerate() {
+                    mats[i] = Some(*w);
+                    outs[i] = OutPtr(y.as_mut_ptr());
+                    total_units += w.rows.div_ceil(BF16_UNIT);
+                    macs += w.rows * w.cols * n_tokens.next_multiple_of(crate::amx::TILE);
+                }
+                let threads = if macs >= 4 * MIN_PARALLEL_MACS { pool.threads() } else { 1 };
+                let mut bounds = [0usize; MAX_TASKS + 1];
+                let n_tasks = guided_partition(total_units, threads, &mut bounds);
+                pool.run(n_tasks, &|t| {
+                    let (u0, u1) = (bounds[n_tasks - 1 - t], bounds[n_tasks - t]);
+                    let mut start = 0;
+                    for (w, out) in mats.iter().zip(outs.iter()) {
+                        let Some(w) = w else { break };
+                        let units = w.rows.div_ceil(BF16_UNIT);
+                        let (a, b) = (u0.max(start), u1.min(start + units));
+                        if a < b {
+                            let r0 = (a - start) * BF16_UNIT;
+                            let r1 = ((b - start) * BF16_UNIT).min(w.rows);
+                            // SAFETY: AMX permission was granted (`Bf16Kernels::Amx` exists only
+                            // then); shapes were checked; the unit ranges of different tasks are
+                            // disjoint, so rows `r0..r1` of `out` belong to this task.
+                            unsafe {
+                                crate::amx::gemm_rows(
+                                    w.data.as_ptr(),
+                                    w.rows,
+                                    w.cols,
+                                    packed,
+                                    n_tokens,
+                                    out.0,
+                                    w.rows,
+                                    r0,
+                                    r1,
+                                )
+                            };
+                        }
+                        start += units;
+                    }
+                });
+            }
+        }
+        #[allow(unreachable_patterns)]
+        _ => unreachable!("no BF16 kernels on this architecture"),
+    }
+}
+
+/// Elements of the BF16 activation scratch that [`matmul_many_bf16`] needs for `n_tokens`
+/// tokens of `cols` columns.
+pub fn bf16_scratch_len(n_tokens: usize, cols: usize) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    {
+        crate::amx::packed_len(n_tokens, cols)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        n_tokens * cols
+    }
+}
+
+/// A `u16` buffer that pool tasks write disjoint parts of.
+#[derive(Clone, Copy)]
+struct SharedU16(*mut u16, usize);
+// SAFETY: tasks write disjoint tiles through this pointer, and the caller holds the `&mut`
+// it came from until all tasks have returned.
+unsafe impl Send for SharedU16 {}
+// SAFETY: as above.
+unsafe impl Sync for SharedU16 {}
+
+impl SharedU16 {
+    /// The whole buffer.
+    ///
+    /// # Safety
+    /// Concurrent users must write disjoint parts of it.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice(&self) -> &mut [u16] {
+        // SAFETY: the pointer and length came from one `&mut [u16]`; the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.0, self.1) }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

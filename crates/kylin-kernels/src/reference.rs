@@ -114,3 +114,28 @@ pub fn attention_head(
         }
     }
 }
+
+/// `f32` → BF16 bits, rounded to nearest even (NaN stays a quiet NaN).
+#[inline]
+pub fn round_bf16(v: f32) -> u16 {
+    let bits = v.to_bits();
+    if v.is_nan() {
+        return ((bits >> 16) | 0x40) as u16;
+    }
+    ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) as u16
+}
+
+/// `y = bf16(x) · Wᵀ` for BF16 `w`, summed in f64 (the accuracy reference for the BF16
+/// kernels): x is `(n_tokens, w.cols)`, y is `(n_tokens, w.rows)`.
+pub fn matmul_bf16(w: WeightMatrix<'_>, x: &[f32], n_tokens: usize, y: &mut [f32]) {
+    for t in 0..n_tokens {
+        for r in 0..w.rows {
+            let mut acc = 0.0f64;
+            for c in 0..w.cols {
+                let xv = f32::from_bits((round_bf16(x[t * w.cols + c]) as u32) << 16);
+                acc += load_f32(w.dtype, w.data, r * w.cols + c) as f64 * xv as f64;
+            }
+            y[t * w.rows + r] = acc as f32;
+        }
+    }
+}

@@ -307,6 +307,8 @@ impl Backend for LlamaCppBackend {
             vocab_size: self.n_vocab,
             context_size: self.n_ctx,
             threads: self.threads,
+            precision: "ggml".to_string(),
+            kernels: ggml_features(),
         }
     }
 
@@ -473,6 +475,23 @@ pub(crate) fn resolve_threads(requested: usize) -> Result<usize> {
 }
 
 /// The KV cache size: the caller's, else `min(n_ctx_train, 4096)`.
+/// The CPU features llama.cpp's ggml was built with, from `llama_print_system_info` (e.g.
+/// `ggml: AVX2 AVX512 AVX512_BF16 AMX_INT8`): the `= 1` entries of its CPU section.
+pub fn ggml_features() -> String {
+    // SAFETY: `llama_print_system_info` returns a pointer to a static NUL-terminated string
+    // owned by llama.cpp, valid until the next call; it is copied out at once.
+    let info = unsafe {
+        let p = llama_cpp_sys_2::llama_print_system_info();
+        if p.is_null() { String::new() } else { std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned() }
+    };
+    let features: Vec<&str> = info
+        .split('|')
+        .filter_map(|entry| entry.rsplit(':').next()?.trim().strip_suffix("= 1").map(str::trim))
+        .filter(|name| !name.is_empty())
+        .collect();
+    format!("ggml: {}", features.join(" "))
+}
+
 fn resolve_ctx(requested: Option<usize>, n_ctx_train: usize) -> Result<usize> {
     match requested {
         Some(0) => Err(KylinError::input_invalid("a context size of 0 tokens is impossible")),

@@ -74,6 +74,8 @@ impl Serving for Scripted {
             kv_bytes: 1024,
             kv_dtype: "f32".into(),
             threads: 1,
+            precision: "f32".into(),
+            kernels: "scalar".into(),
             has_tokenizer: true,
             eos_ids: vec![EOS],
         }

@@ -1,0 +1,312 @@
+//! BF16 matrix products on Intel AMX tiles (`tdpbf16ps`): `y = bf16(x) · Wᵀ` with f32
+//! accumulation, for BF16 weights, under `Precision::Bf16`.
+//!
+//! One AMX instruction multiplies a 16 × 32 BF16 tile by a 32 × 16 one into a 16 × 16 f32 tile
+//! (16 384 FLOP); a core sustains about one per 16 cycles, some 2 TFLOP/s, fifteen times what
+//! the f32 FMA units deliver. The formulation here needs no repacking of the weights:
+//!
+//! - **A** (16 rows × 64 bytes): 16 weight rows × 32 columns, loaded straight from the
+//!   row-major `[rows, cols]` weight with the row stride.
+//! - **B** (16 rows × 64 bytes): the activations of 16 tokens × 32 columns in AMX's pair
+//!   layout, row `i` holding `(x[t][2i], x[t][2i + 1])` for `t = 0..16`. [`pack_tokens`] writes
+//!   this layout once per call, rounding to BF16 (round to nearest even) and padding with zeros
+//!   to whole tiles.
+//! - **C** (16 × 16 f32): `C[r][t] += Σ A[r][k] · B[k][t]`, stored and written transposed into
+//!   `y[t][r]`.
+//!
+//! **Batch invariance** (DESIGN.md invariant 7): an output `y[t, r]` is `tdpbf16ps` applied
+//! to `C[r][t] = 0` for column chunks `0..32, 32..64, …` in order, each chunk's contribution
+//! depending only on weight row `r` and token `t`'s packed values; the last partial chunk is
+//! zero-padded on both sides (zero products add exactly nothing). So every output has the same
+//! bits whatever the number of tokens, the tile it lands in, the thread or the grouping of
+//! matrices: decode (one token) runs this same code with a zero-padded B tile.
+//!
+//! Every function here must only be called once [`crate::amx_available`] returned true (which
+//! also obtained the kernel's permission for this process to use AMX state).
+
+use std::arch::asm;
+
+use crate::reference::round_bf16;
+
+/// Rows, tokens and packed pair rows per tile.
+pub const TILE: usize = 16;
+/// Columns (BF16 elements) per tile's K dimension.
+pub const TILE_K: usize = 32;
+/// `u16` elements of one packed B tile (16 pair rows × 16 tokens × 2).
+pub const PACKED_TILE: usize = TILE * TILE_K;
+
+/// The tile configuration (`ldtilecfg`'s 64-byte operand): palette 1, tiles 0-7 all 16 rows of
+/// 64 bytes.
+#[repr(C, align(64))]
+struct TileConfig {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    bytes_per_row: [u16; 16],
+    rows: [u8; 16],
+}
+
+const CONFIG: TileConfig = TileConfig {
+    palette: 1,
+    start_row: 0,
+    reserved: [0; 14],
+    bytes_per_row: [64, 64, 64, 64, 64, 64, 64, 64, 0, 0, 0, 0, 0, 0, 0, 0],
+    rows: [16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0],
+};
+
+/// Asks Linux for permission to use AMX tile data in this process (`arch_prctl(
+/// ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`) after checking CPUID for AMX-TILE and AMX-BF16.
+/// Returns whether AMX BF16 can be used.
+pub fn request_permission() -> bool {
+    // CPUID leaf 7 exists on every x86_64 CPU that reports AVX-512 (checked by the caller).
+    let leaf7 = std::arch::x86_64::__cpuid_count(7, 0);
+    let (amx_bf16, amx_tile) = (leaf7.edx & (1 << 22) != 0, leaf7.edx & (1 << 24) != 0);
+    if !(amx_bf16 && amx_tile) {
+        return false;
+    }
+    #[cfg(target_os = "linux")]
+    {
+        const SYS_ARCH_PRCTL: i64 = 158;
+        const ARCH_REQ_XCOMP_PERM: i64 = 0x1023;
+        const XFEATURE_XTILEDATA: i64 = 18;
+        let ret: i64;
+        // SAFETY: `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)` only changes this
+        // process's permitted XSAVE features; it takes two integer arguments and clobbers rcx
+        // and r11 as every syscall does.
+        unsafe {
+            asm!(
+                "syscall",
+                inlateout("rax") SYS_ARCH_PRCTL => ret,
+                in("rdi") ARCH_REQ_XCOMP_PERM,
+                in("rsi") XFEATURE_XTILEDATA,
+                lateout("rcx") _,
+                lateout("r11") _,
+                options(nostack),
+            );
+        }
+        ret == 0
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        false
+    }
+}
+
+/// `u16` elements [`pack_tokens`] writes for `n_tokens` tokens of `cols` columns.
+pub fn packed_len(n_tokens: usize, cols: usize) -> usize {
+    n_tokens.div_ceil(TILE) * cols.div_ceil(TILE_K) * PACKED_TILE
+}
+
+/// Packs tokens `t0..t1` of `x` (`(n_tokens, cols)` row-major, `t0` a multiple of 16) into
+/// their B tiles: for token block `b` and column chunk `c`, the tile at `out[(b · chunks + c) ·
+/// 512 ..]` holds in row `i`, lane pair `t`, the BF16 values of `x[16b + t][32c + 2i ..= 32c +
+/// 2i + 1]`, zero beyond the last token or column.
+///
+/// `out` is the whole packed buffer ([`packed_len`] of all tokens); only the tiles of blocks
+/// `t0 / 16 .. t1.div_ceil(16)` are written.
+pub fn pack_tokens(x: &[f32], cols: usize, t0: usize, t1: usize, out: &mut [u16]) {
+    let chunks = cols.div_ceil(TILE_K);
+    debug_assert!(t0.is_multiple_of(TILE));
+    for b in t0 / TILE..t1.div_ceil(TILE) {
+        for c in 0..chunks {
+            let tile = &mut out[(b * chunks + c) * PACKED_TILE..(b * chunks + c + 1) * PACKED_TILE];
+            let k0 = c * TILE_K;
+            let kn = TILE_K.min(cols - k0);
+            for t in 0..TILE {
+                let token = b * TILE + t;
+                if token >= t1 {
+                    for i in 0..TILE {
+                        tile[i * 2 * TILE + 2 * t] = 0;
+                        tile[i * 2 * TILE + 2 * t + 1] = 0;
+                    }
+                    continue;
+                }
+                let row = &x[token * cols + k0..token * cols + k0 + kn];
+                for k in 0..TILE_K {
+                    let v = if k < kn { round_bf16(row[k]) } else { 0 };
+                    tile[(k / 2) * 2 * TILE + 2 * t + (k & 1)] = v;
+                }
+            }
+        }
+    }
+}
+
+/// Bytes of packed activations one token super-block may take (half of a 2 MiB L2).
+const TOKEN_BLOCK_BYTES: usize = 1024 * 1024;
+
+/// A 16 × 16 f32 result tile.
+#[repr(C, align(64))]
+struct CTile([f32; TILE * TILE]);
+
+/// A zero-padded 16 × 32 BF16 weight tile, for row and column tails.
+#[repr(C, align(64))]
+struct ATile([u16; TILE * TILE_K]);
+
+/// Writes `tile[r][t]` (`r < nr`, `t < nt`) to `y[t * y_stride + r]`.
+///
+/// # Safety
+/// `y` must be valid for those writes.
+#[inline]
+unsafe fn store_transposed(tile: &CTile, nr: usize, nt: usize, y: *mut f32, y_stride: usize) {
+    for t in 0..nt {
+        for r in 0..nr {
+            // SAFETY: the caller's contract.
+            unsafe { *y.add(t * y_stride + r) = tile.0[r * TILE + t] };
+        }
+    }
+}
+
+/// Computes output rows `r0..r1` of `y = bf16(x) · Wᵀ` for all `n_tokens` tokens from the
+/// packed activations.
+///
+/// Rows go in pairs of 16-row tiles (four C tiles for two A and two B tiles, 8 tile registers);
+/// inside a row pair, token blocks go in pairs. Each weight tile is read from memory once per
+/// token block pair and from cache after; `r0` must be a multiple of 16 or `r1 == rows`
+/// (callers split work in 32-row units), so only the matrix's last rows take the padded path.
+///
+/// # Safety
+/// AMX permission was granted ([`request_permission`]); `w` points to `rows × cols` BF16
+/// weights (row stride `cols · 2` bytes) with `r1 <= rows`; `packed` holds [`packed_len`]
+/// `(n_tokens, cols)` elements written by [`pack_tokens`]; `y` is valid for writing
+/// `y[t * y_stride + r]` for `t < n_tokens`, `r0 <= r < r1`, which no one else accesses
+/// meanwhile.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_rows(
+    w: *const u8,
+    rows: usize,
+    cols: usize,
+    packed: &[u16],
+    n_tokens: usize,
+    y: *mut f32,
+    y_stride: usize,
+    r0: usize,
+    r1: usize,
+) {
+    debug_assert!(r1 <= rows && packed.len() >= packed_len(n_tokens, cols));
+    let row_bytes = cols * 2;
+    let chunks = cols.div_ceil(TILE_K);
+    // Chunks whose 32 columns all lie inside the row, loaded straight from the weights.
+    let full_chunks = cols / TILE_K;
+    let blocks = n_tokens.div_ceil(TILE);
+    let mut c_tiles =
+        [CTile([0.0; TILE * TILE]), CTile([0.0; TILE * TILE]), CTile([0.0; TILE * TILE]), CTile([0.0; TILE * TILE])];
+    let mut pad = [ATile([0; TILE * TILE_K]), ATile([0; TILE * TILE_K])];
+    // SAFETY (whole body): AMX is permitted; every tile load reads 16 rows of 64 bytes from
+    // either weight rows `< r1 <= rows` at columns `< 32 · full_chunks <= cols`, a padded stack
+    // tile, or a packed B tile inside `packed`; stores go to the stack C tiles.
+    unsafe {
+        asm!("ldtilecfg [{0}]", in(reg) &CONFIG as *const TileConfig, options(nostack, readonly));
+        // Token super-blocks whose packed tiles (about `TOKEN_BLOCK_BYTES`) stay in L2 while
+        // every row pair of the task runs over them; the weights are read once per super-block.
+        let super_blocks = (TOKEN_BLOCK_BYTES / (chunks * PACKED_TILE * 2)).max(2) & !1;
+        let mut sb = 0;
+        while sb < blocks {
+            let sb_end = (sb + super_blocks).min(blocks);
+            let mut r = r0;
+            while r < r1 {
+                let nr = (r1 - r).min(2 * TILE);
+                // Row tiles of this step: (rows in tile, direct pointer or None for the padded path).
+                let rows_a = [nr.min(TILE), nr.saturating_sub(TILE)];
+                let two_a = rows_a[1] > 0;
+                let mut b = sb;
+                while b < sb_end {
+                    let two_b = b + 1 < sb_end;
+                    asm!("tilezero tmm4", "tilezero tmm5", "tilezero tmm6", "tilezero tmm7", options(nostack, nomem));
+                    for c in 0..chunks {
+                        // A tiles: tmm0 (rows r..r+16), tmm1 (rows r+16..r+32).
+                        for (i, &n_rows) in rows_a.iter().enumerate() {
+                            if n_rows == 0 {
+                                continue;
+                            }
+                            let first = r + i * TILE;
+                            let (ptr, stride) = if n_rows == TILE && c < full_chunks {
+                                (w.add(first * row_bytes + c * TILE_K * 2), row_bytes)
+                            } else {
+                                // The padded path: copy the rows' chunk, zeros elsewhere.
+                                let k0 = c * TILE_K;
+                                let kn = TILE_K.min(cols - k0);
+                                let tile = &mut pad[i].0;
+                                tile.fill(0);
+                                for rr in 0..n_rows {
+                                    let src = w.add((first + rr) * row_bytes + k0 * 2) as *const u16;
+                                    for k in 0..kn {
+                                        tile[rr * TILE_K + k] = std::ptr::read_unaligned(src.add(k));
+                                    }
+                                }
+                                (tile.as_ptr() as *const u8, TILE_K * 2)
+                            };
+                            if i == 0 {
+                                asm!("tileloadd tmm0, [{0} + {1}*1]", in(reg) ptr, in(reg) stride, options(nostack, readonly));
+                            } else {
+                                asm!("tileloadd tmm1, [{0} + {1}*1]", in(reg) ptr, in(reg) stride, options(nostack, readonly));
+                            }
+                        }
+                        // B tiles: tmm2 (tokens 16b..16b+16), tmm3 (the next block).
+                        let b0 = packed.as_ptr().add((b * chunks + c) * PACKED_TILE);
+                        asm!("tileloadd tmm2, [{0} + {1}*1]", in(reg) b0, in(reg) 64usize, options(nostack, readonly));
+                        if two_b {
+                            let b1 = packed.as_ptr().add(((b + 1) * chunks + c) * PACKED_TILE);
+                            asm!("tileloadd tmm3, [{0} + {1}*1]", in(reg) b1, in(reg) 64usize, options(nostack, readonly));
+                        }
+                        // C: tmm4 = A0·B0, tmm5 = A0·B1, tmm6 = A1·B0, tmm7 = A1·B1.
+                        match (two_a, two_b) {
+                            (true, true) => asm!(
+                                "tdpbf16ps tmm4, tmm0, tmm2",
+                                "tdpbf16ps tmm5, tmm0, tmm3",
+                                "tdpbf16ps tmm6, tmm1, tmm2",
+                                "tdpbf16ps tmm7, tmm1, tmm3",
+                                options(nostack, nomem)
+                            ),
+                            (true, false) => {
+                                asm!(
+                                    "tdpbf16ps tmm4, tmm0, tmm2",
+                                    "tdpbf16ps tmm6, tmm1, tmm2",
+                                    options(nostack, nomem)
+                                )
+                            }
+                            (false, true) => {
+                                asm!(
+                                    "tdpbf16ps tmm4, tmm0, tmm2",
+                                    "tdpbf16ps tmm5, tmm0, tmm3",
+                                    options(nostack, nomem)
+                                )
+                            }
+                            (false, false) => asm!("tdpbf16ps tmm4, tmm0, tmm2", options(nostack, nomem)),
+                        }
+                    }
+                    // Store the C tiles and write them transposed into y.
+                    let stride = TILE * 4;
+                    asm!(
+                        "tilestored [{0} + {s}*1], tmm4",
+                        "tilestored [{1} + {s}*1], tmm5",
+                        "tilestored [{2} + {s}*1], tmm6",
+                        "tilestored [{3} + {s}*1], tmm7",
+                        in(reg) c_tiles[0].0.as_mut_ptr(),
+                        in(reg) c_tiles[1].0.as_mut_ptr(),
+                        in(reg) c_tiles[2].0.as_mut_ptr(),
+                        in(reg) c_tiles[3].0.as_mut_ptr(),
+                        s = in(reg) stride,
+                        options(nostack)
+                    );
+                    let nt0 = TILE.min(n_tokens - b * TILE);
+                    let nt1 = if two_b { TILE.min(n_tokens - (b + 1) * TILE) } else { 0 };
+                    let y0 = y.add(b * TILE * y_stride + r);
+                    store_transposed(&c_tiles[0], rows_a[0], nt0, y0, y_stride);
+                    if two_b {
+                        store_transposed(&c_tiles[1], rows_a[0], nt1, y0.add(TILE * y_stride), y_stride);
+                    }
+                    if two_a {
+                        store_transposed(&c_tiles[2], rows_a[1], nt0, y0.add(TILE), y_stride);
+                        if two_b {
+                            store_transposed(&c_tiles[3], rows_a[1], nt1, y0.add(TILE * y_stride + TILE), y_stride);
+                        }
+                    }
+                    b += if two_b { 2 } else { 1 };
+                }
+                r += nr;
+            }
+            sb = sb_end;
+        }
+        asm!("tilerelease", options(nostack, nomem));
+    }
+}
