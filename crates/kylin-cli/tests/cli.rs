@@ -368,7 +368,7 @@ fn precision_is_reported_and_refused_where_it_cannot_apply() {
     assert_eq!(ok_json(&["inspect", s(&f32_fixture), "--json"])["kernels"]["auto_precision"], "f32");
 
     // bf16 on F32 weights (or on a CPU without BF16 kernels) is CONFIG_INVALID, naming why.
-    let out = kylin(&["run", s(&f32_fixture), "-p", "x", "--precision", "bf16"]);
+    let out = kylin(&["run", s(&f32_fixture), "--ids", "1,2", "--precision", "bf16"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.starts_with("[CONFIG_INVALID] ") && err.contains("--precision bf16"), "{err}");
     if has_bf16 {

@@ -103,31 +103,79 @@ pub fn packed_len(n_tokens: usize, cols: usize) -> usize {
 /// 2i + 1]`, zero beyond the last token or column.
 ///
 /// `out` is the whole packed buffer ([`packed_len`] of all tokens); only the tiles of blocks
-/// `t0 / 16 .. t1.div_ceil(16)` are written.
+/// `t0 / 16 .. t1.div_ceil(16)` are written. Rounding is [`round_bf16`]'s, bit for bit.
 pub fn pack_tokens(x: &[f32], cols: usize, t0: usize, t1: usize, out: &mut [u16]) {
     let chunks = cols.div_ceil(TILE_K);
-    debug_assert!(t0.is_multiple_of(TILE));
-    for b in t0 / TILE..t1.div_ceil(TILE) {
+    assert!(t0.is_multiple_of(TILE) && x.len() >= t1 * cols, "pack_tokens: bad token range");
+    let (b0, b1) = (t0 / TILE, t1.div_ceil(TILE));
+    assert!(out.len() >= b1 * chunks * PACKED_TILE, "pack_tokens: output too short");
+    // Padding tokens of the last block are zero in every tile.
+    if t1 < b1 * TILE {
+        let b = b1 - 1;
         for c in 0..chunks {
             let tile = &mut out[(b * chunks + c) * PACKED_TILE..(b * chunks + c + 1) * PACKED_TILE];
-            let k0 = c * TILE_K;
-            let kn = TILE_K.min(cols - k0);
-            for t in 0..TILE {
-                let token = b * TILE + t;
-                if token >= t1 {
-                    for i in 0..TILE {
-                        tile[i * 2 * TILE + 2 * t] = 0;
-                        tile[i * 2 * TILE + 2 * t + 1] = 0;
-                    }
-                    continue;
-                }
-                let row = &x[token * cols + k0..token * cols + k0 + kn];
-                for k in 0..TILE_K {
-                    let v = if k < kn { round_bf16(row[k]) } else { 0 };
-                    tile[(k / 2) * 2 * TILE + 2 * t + (k & 1)] = v;
+            for i in 0..TILE {
+                for t in t1 - b * TILE..TILE {
+                    tile[i * 2 * TILE + 2 * t] = 0;
+                    tile[i * 2 * TILE + 2 * t + 1] = 0;
                 }
             }
         }
+    }
+    for token in t0..t1 {
+        let (b, t) = (token / TILE, token % TILE);
+        let row = &x[token * cols..(token + 1) * cols];
+        for c in 0..chunks {
+            let k0 = c * TILE_K;
+            let kn = TILE_K.min(cols - k0);
+            let tile = &mut out[(b * chunks + c) * PACKED_TILE..(b * chunks + c + 1) * PACKED_TILE];
+            let mut pairs = [0u16; TILE_K];
+            // SAFETY: the AMX kernels exist only where AVX-512 F/BW was detected; `row[k0..k0 +
+            // kn]` is readable and `pairs` holds 32 elements.
+            unsafe { round_chunk(row.as_ptr().add(k0), kn, &mut pairs) };
+            // Pair `i` (elements 2i, 2i + 1) goes to tile row `i`, lane pair `t`.
+            for i in 0..TILE {
+                tile[i * 2 * TILE + 2 * t] = pairs[2 * i];
+                tile[i * 2 * TILE + 2 * t + 1] = pairs[2 * i + 1];
+            }
+        }
+    }
+}
+
+/// Rounds `n <= 32` consecutive f32 at `src` to BF16 (as [`round_bf16`]) into `out`, zeros
+/// after them.
+///
+/// # Safety
+/// AVX-512 F/BW are available; `src` is valid for reading `n` f32.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn round_chunk(src: *const f32, n: usize, out: &mut [u16; TILE_K]) {
+    use std::arch::x86_64::*;
+    let lo_mask: __mmask16 = if n >= 16 { 0xFFFF } else { ((1u32 << n) - 1) as __mmask16 };
+    let hi_mask: __mmask16 = if n >= 32 {
+        0xFFFF
+    } else if n > 16 {
+        ((1u32 << (n - 16)) - 1) as __mmask16
+    } else {
+        0
+    };
+    // SAFETY: masked loads read only the `n` valid elements; `out` is 64 bytes.
+    unsafe {
+        let round = |v: __m512| -> __m512i {
+            let bits = _mm512_castps_si512(v);
+            let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+            let rounded =
+                _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))));
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+            let quiet = _mm512_or_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(0x40));
+            _mm512_mask_blend_epi32(nan, rounded, quiet)
+        };
+        let r0 = round(_mm512_maskz_loadu_ps(lo_mask, src));
+        let r1 = round(_mm512_maskz_loadu_ps(hi_mask, src.add(16.min(n))));
+        // Each lane holds a value below 2^16, so the signed-saturating pack is exact; it packs
+        // per 128-bit lane, which the permutation puts back in order.
+        let packed = _mm512_packus_epi32(r0, r1);
+        let ordered = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), packed);
+        _mm512_storeu_si512(out.as_mut_ptr() as *mut __m512i, ordered);
     }
 }
 
@@ -308,5 +356,46 @@ pub unsafe fn gemm_rows(
             sb = sb_end;
         }
         asm!("tilerelease", options(nostack, nomem));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The vectorised packing rounds exactly as `round_bf16` and puts every value at its tile
+    /// position, with zeros in the padding (17 tokens and 45 columns: both padded).
+    #[test]
+    fn packing_rounds_like_the_scalar_rounding_and_pads_with_zeros() {
+        if crate::isa() != crate::Isa::Avx512 {
+            return;
+        }
+        let (n, cols) = (17, 45);
+        let specials = [
+            0.0f32,
+            -0.0,
+            1.0 + 1.0 / 256.0,
+            1.0 + 3.0 / 256.0,
+            f32::MAX,
+            f32::MIN,
+            f32::INFINITY,
+            f32::NAN,
+            1e-40,
+            -1e-40,
+        ];
+        let x: Vec<f32> = (0..n * cols)
+            .map(|i| if i % 7 == 0 { specials[(i / 7) % specials.len()] } else { (i as f32 * 0.377).sin() * 3.1 })
+            .collect();
+        let mut out = vec![0xFFFFu16; packed_len(n, cols)];
+        pack_tokens(&x, cols, 0, n, &mut out);
+        let chunks = cols.div_ceil(TILE_K);
+        for token in 0..32 {
+            for k in 0..chunks * TILE_K {
+                let (b, t, c, kk) = (token / TILE, token % TILE, k / TILE_K, k % TILE_K);
+                let got = out[(b * chunks + c) * PACKED_TILE + (kk / 2) * 2 * TILE + 2 * t + (kk & 1)];
+                let want = if token < n && k < cols { round_bf16(x[token * cols + k]) } else { 0 };
+                assert_eq!(got, want, "token {token} column {k}");
+            }
+        }
     }
 }
