@@ -417,6 +417,14 @@ fn spawn_worker_json(model: &ModelArgs, threads: usize, args: &BenchArgs) -> Res
                 crate::args::KvDTypeArg::Bf16 => "bf16".to_string(),
             }),
         ),
+        (
+            "--precision",
+            e.precision.map(|p| match p {
+                crate::args::PrecisionArg::F32 => "f32".to_string(),
+                crate::args::PrecisionArg::Bf16 => "bf16".to_string(),
+                crate::args::PrecisionArg::Auto => "auto".to_string(),
+            }),
+        ),
     ] {
         if let Some(v) = value {
             cmd.args([flag, &v]);

@@ -380,6 +380,25 @@ fn precision_is_reported_and_refused_where_it_cannot_apply() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.starts_with("[CONFIG_INVALID] ") && err.contains("native engine"), "{err}");
 
+    // bench passes --precision to its workers and reports what ran.
+    let tiny_bf16 = Path::new(SHARED).join("fixtures/tiny-qwen3");
+    for (flag, want) in [("f32", "f32"), ("auto", if has_bf16 { "bf16" } else { "f32" })] {
+        let r = ok_json(&[
+            "bench",
+            s(&tiny_bf16),
+            "--prompt-tokens",
+            "8",
+            "--gen-tokens",
+            "2",
+            "--repetitions",
+            "1",
+            "--json",
+            "--precision",
+            flag,
+        ]);
+        assert_eq!(r["results"][0]["precision"], want, "bench --precision {flag}");
+    }
+
     // run --json says which precision ran.
     let r = ok_json(&["run", s(&bf16_dir), "-p", "Hi", "--max-tokens", "2", "--json"]);
     assert_eq!(r["precision"], if has_bf16 { "bf16" } else { "f32" });

@@ -21,11 +21,12 @@
 //! bits whatever the number of tokens, the tile it lands in, the thread or the grouping of
 //! matrices: decode (one token) runs this same code with a zero-padded B tile.
 //!
-//! Every function here must only be called once [`crate::amx_available`] returned true (which
+//! Every function here must only be called once [`crate::bf16_kernels`] returned `Amx` (which
 //! also obtained the kernel's permission for this process to use AMX state).
 
 use std::arch::asm;
 
+#[cfg(test)]
 use crate::reference::round_bf16;
 
 /// Rows, tokens and packed pair rows per tile.
@@ -103,11 +104,11 @@ pub fn packed_len(n_tokens: usize, cols: usize) -> usize {
 /// 2i + 1]`, zero beyond the last token or column.
 ///
 /// `out` is the whole packed buffer ([`packed_len`] of all tokens); only the tiles of blocks
-/// `t0 / 16 .. t1.div_ceil(16)` are written. Rounding is [`round_bf16`]'s, bit for bit.
+/// `t0 / 16 .. t1.div_ceil(16)` are written. Rounding is `reference::round_bf16`'s, bit for bit.
 pub fn pack_tokens(x: &[f32], cols: usize, t0: usize, t1: usize, out: &mut [u16]) {
     let chunks = cols.div_ceil(TILE_K);
     assert!(t0.is_multiple_of(TILE) && x.len() >= t1 * cols, "pack_tokens: bad token range");
-    let (b0, b1) = (t0 / TILE, t1.div_ceil(TILE));
+    let b1 = t1.div_ceil(TILE);
     assert!(out.len() >= b1 * chunks * PACKED_TILE, "pack_tokens: output too short");
     // Padding tokens of the last block are zero in every tile.
     if t1 < b1 * TILE {
@@ -142,7 +143,7 @@ pub fn pack_tokens(x: &[f32], cols: usize, t0: usize, t1: usize, out: &mut [u16]
     }
 }
 
-/// Rounds `n <= 32` consecutive f32 at `src` to BF16 (as [`round_bf16`]) into `out`, zeros
+/// Rounds `n <= 32` consecutive f32 at `src` to BF16 (as `reference::round_bf16`) into `out`, zeros
 /// after them.
 ///
 /// # Safety
