@@ -101,7 +101,7 @@ pub enum PrecisionArg {
     F32,
     /// Activations rounded to BF16 at each matrix product (f32 accumulation); BF16 weights only.
     Bf16,
-    /// bf16 for BF16 weights on a CPU with BF16 matrix kernels (AMX-BF16), else f32.
+    /// bf16 for BF16 weights on a CPU with BF16 matrix kernels (AMX-BF16 or AVX-512 BF16), else f32.
     Auto,
 }
 
@@ -339,6 +339,9 @@ pub struct ServeArgs {
     /// Seconds a client has to send its request body (then 408).
     #[arg(long, value_name = "SECONDS", default_value_t = 30)]
     pub body_timeout: u64,
+    /// Seconds a connection has to send a request's headers (then it is closed).
+    #[arg(long, value_name = "SECONDS", default_value_t = 30)]
+    pub header_timeout: u64,
     /// Seconds running requests get to finish after SIGTERM or Ctrl-C.
     #[arg(long, value_name = "SECONDS", default_value_t = 30)]
     pub grace_period: u64,

@@ -61,6 +61,7 @@ fn server_config(args: &ServeArgs) -> Result<ServerConfig> {
         max_queue: args.max_queue,
         max_body_bytes: args.max_body_bytes,
         body_timeout: Duration::from_secs(args.body_timeout.max(1)),
+        header_read_timeout: Duration::from_secs(args.header_timeout.max(1)),
         grace_period: Duration::from_secs(args.grace_period),
     })
 }

@@ -548,7 +548,7 @@ impl Model {
                 }
                 let Some(k) = kernels::bf16_kernels() else {
                     return Err(KylinError::config_invalid(format!(
-                        "--precision bf16 needs BF16 matrix kernels (AMX-BF16), which this CPU lacks (kernels: {}); use --precision f32 or auto",
+                        "--precision bf16 needs BF16 matrix kernels (AMX-BF16 or AVX-512 BF16), which this CPU lacks (kernels: {}); use --precision f32 or auto",
                         kernels::kernel_family(Precision::F32)
                     )));
                 };

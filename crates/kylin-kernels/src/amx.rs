@@ -149,7 +149,7 @@ pub fn pack_tokens(x: &[f32], cols: usize, t0: usize, t1: usize, out: &mut [u16]
 /// # Safety
 /// AVX-512 F/BW are available; `src` is valid for reading `n` f32.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn round_chunk(src: *const f32, n: usize, out: &mut [u16; TILE_K]) {
+pub(crate) unsafe fn round_chunk(src: *const f32, n: usize, out: &mut [u16; TILE_K]) {
     use std::arch::x86_64::*;
     let lo_mask: __mmask16 = if n >= 16 { 0xFFFF } else { ((1u32 << n) - 1) as __mmask16 };
     let hi_mask: __mmask16 = if n >= 32 {

@@ -23,6 +23,8 @@
 mod amx;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod avx512bf16;
 mod matmul;
 pub mod paged;
 pub mod pool;
@@ -92,6 +94,8 @@ pub enum Precision {
 pub enum Bf16Kernels {
     /// Intel AMX tiles (`tdpbf16ps`).
     Amx,
+    /// AVX-512 BF16 dot products (`vdpbf16ps`), on CPUs without AMX (e.g. AMD Zen 4).
+    Avx512Bf16,
 }
 
 impl Bf16Kernels {
@@ -99,13 +103,14 @@ impl Bf16Kernels {
     pub fn name(self) -> &'static str {
         match self {
             Bf16Kernels::Amx => "amx-bf16",
+            Bf16Kernels::Avx512Bf16 => "avx512-bf16",
         }
     }
 }
 
 /// The BF16 kernel family of this process, if the CPU (and OS) has one: AMX-BF16 (after this
-/// process obtained the kernel's permission to use AMX state). Detected once, then cached;
-/// `KYLIN_KERNELS_ISA=avx2|scalar` turns it off.
+/// process obtained the kernel's permission to use AMX state), else AVX-512 BF16. Detected once,
+/// then cached; `KYLIN_KERNELS_ISA=avx512` skips AMX, `avx2|scalar` turns both off.
 pub fn bf16_kernels() -> Option<Bf16Kernels> {
     static KERNELS: OnceLock<Option<Bf16Kernels>> = OnceLock::new();
     *KERNELS.get_or_init(|| {
@@ -118,13 +123,16 @@ pub fn bf16_kernels() -> Option<Bf16Kernels> {
             if !cap.eq_ignore_ascii_case("avx512") && amx::request_permission() {
                 return Some(Bf16Kernels::Amx);
             }
+            if is_x86_feature_detected!("avx512bf16") {
+                return Some(Bf16Kernels::Avx512Bf16);
+            }
         }
         None
     })
 }
 
 /// A short name of the kernel family that runs matrix products of `precision`: `amx-bf16`,
-/// `avx512`, `avx2` or `scalar`.
+/// `avx512-bf16`, `avx512`, `avx2` or `scalar`.
 pub fn kernel_family(precision: Precision) -> &'static str {
     if precision == Precision::Bf16
         && let Some(k) = bf16_kernels()

@@ -344,9 +344,6 @@ unsafe fn gemm_avx2<const D: u8>(w: WeightMatrix<'_>, x: &[f32], n_tokens: usize
     }
 }
 
-/// Rows per task unit of the BF16 kernels (one AMX row pair).
-const BF16_UNIT: usize = 32;
-
 /// `y_i = bf16(x) · W_iᵀ` for every `(W_i, y_i)` in `jobs` (all BF16), with the activations
 /// rounded to BF16 once into `packed` (at least [`bf16_scratch_len`]`(n_tokens, cols)`
 /// elements) and f32 accumulation, on the kernel family `kernels`.
@@ -377,69 +374,107 @@ pub fn matmul_many_bf16(
         return;
     }
     let packed = &mut packed[..needed];
+    #[cfg(target_arch = "x86_64")]
     match kernels {
-        #[cfg(target_arch = "x86_64")]
-        crate::Bf16Kernels::Amx => {
-            // 1. Round and pack the activations, token blocks split across the pool.
-            let blocks = n_tokens.div_ceil(crate::amx::TILE);
-            let out = SharedU16(packed.as_mut_ptr(), packed.len());
-            let threads = if n_tokens * cols >= 1 << 16 { pool.threads().min(blocks) } else { 1 };
-            pool.run(threads, &|t| {
-                let (b0, b1) = (blocks * t / threads, blocks * (t + 1) / threads);
-                let (t0, t1) = (b0 * crate::amx::TILE, (b1 * crate::amx::TILE).min(n_tokens));
-                // SAFETY: tasks write the disjoint tiles of their own token blocks.
-                crate::amx::pack_tokens(x, cols, t0, t1, unsafe { out.slice() });
-            });
-            let packed: &[u16] = packed;
-            // 2. The products, output rows split across the pool in 32-row units.
-            for chunk in jobs.chunks_mut(MAX_FUSED) {
-                let mut mats: [Option<WeightMatrix<'_>>; MAX_FUSED] = [None; MAX_FUSED];
-                let mut outs = [OutPtr(std::ptr::null_mut()); MAX_FUSED];
-                let mut total_units = 0;
-                let mut macs = 0;
-                for (i, (w, y)) in chunk.iter_mut().enumerate() {
-                    mats[i] = Some(*w);
-                    outs[i] = OutPtr(y.as_mut_ptr());
-                    total_units += w.rows.div_ceil(BF16_UNIT);
-                    macs += w.rows * w.cols * n_tokens.next_multiple_of(crate::amx::TILE);
-                }
-                let threads = if macs >= 4 * MIN_PARALLEL_MACS { pool.threads() } else { 1 };
-                let mut bounds = [0usize; MAX_TASKS + 1];
-                let n_tasks = guided_partition(total_units, threads, &mut bounds);
-                pool.run(n_tasks, &|t| {
-                    let (u0, u1) = (bounds[n_tasks - 1 - t], bounds[n_tasks - t]);
-                    let mut start = 0;
-                    for (w, out) in mats.iter().zip(outs.iter()) {
-                        let Some(w) = w else { break };
-                        let units = w.rows.div_ceil(BF16_UNIT);
-                        let (a, b) = (u0.max(start), u1.min(start + units));
-                        if a < b {
-                            let r0 = (a - start) * BF16_UNIT;
-                            let r1 = ((b - start) * BF16_UNIT).min(w.rows);
-                            // SAFETY: AMX permission was granted (`Bf16Kernels::Amx` exists only
-                            // then); shapes were checked; the unit ranges of different tasks are
-                            // disjoint, so rows `r0..r1` of `out` belong to this task.
-                            unsafe {
-                                crate::amx::gemm_rows(
-                                    w.data.as_ptr(),
-                                    w.rows,
-                                    w.cols,
-                                    packed,
-                                    n_tokens,
-                                    out.0,
-                                    w.rows,
-                                    r0,
-                                    r1,
-                                )
-                            };
-                        }
-                        start += units;
-                    }
-                });
-            }
+        crate::Bf16Kernels::Amx => run_bf16(
+            pool,
+            x,
+            n_tokens,
+            cols,
+            packed,
+            jobs,
+            crate::amx::TILE,
+            32,
+            crate::amx::pack_tokens,
+            // SAFETY: AMX permission was granted (`Bf16Kernels::Amx` exists only then); the
+            // driver checked the shapes and hands each task its own rows.
+            &|w, packed, out, r0, r1| unsafe {
+                crate::amx::gemm_rows(w.data.as_ptr(), w.rows, w.cols, packed, n_tokens, out, w.rows, r0, r1)
+            },
+        ),
+        crate::Bf16Kernels::Avx512Bf16 => run_bf16(
+            pool,
+            x,
+            n_tokens,
+            cols,
+            packed,
+            jobs,
+            1,
+            4 * crate::avx512bf16::NR,
+            crate::avx512bf16::pack_rows,
+            // SAFETY: AVX-512 BF16 was detected (`Bf16Kernels::Avx512Bf16` exists only then);
+            // the driver checked the shapes and hands each task its own rows.
+            &|w, packed, out, r0, r1| unsafe {
+                crate::avx512bf16::gemm_rows(w.data.as_ptr(), w.cols, packed, n_tokens, out, w.rows, r0, r1)
+            },
+        ),
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (pool, x, kernels);
+        unreachable!("no BF16 kernels on this architecture")
+    }
+}
+
+/// The BF16 driver: packs the activations (token groups of `pack_unit` split across the pool),
+/// then computes each matrix's output rows in units of `unit` rows split across the pool.
+#[allow(clippy::too_many_arguments)]
+#[cfg(target_arch = "x86_64")]
+fn run_bf16(
+    pool: &ThreadPool,
+    x: &[f32],
+    n_tokens: usize,
+    cols: usize,
+    packed: &mut [u16],
+    jobs: &mut [(WeightMatrix<'_>, &mut [f32])],
+    pack_unit: usize,
+    unit: usize,
+    pack: fn(&[f32], usize, usize, usize, &mut [u16]),
+    compute: &(dyn Fn(WeightMatrix<'_>, &[u16], *mut f32, usize, usize) + Sync),
+) {
+    // 1. Round and pack the activations, token groups split across the pool.
+    let groups = n_tokens.div_ceil(pack_unit);
+    let out = SharedU16(packed.as_mut_ptr(), packed.len());
+    let threads = if n_tokens * cols >= 1 << 16 { pool.threads().min(groups) } else { 1 };
+    pool.run(threads, &|t| {
+        let (g0, g1) = (groups * t / threads, groups * (t + 1) / threads);
+        let (t0, t1) = (g0 * pack_unit, (g1 * pack_unit).min(n_tokens));
+        // SAFETY: tasks write the disjoint parts of their own token groups.
+        pack(x, cols, t0, t1, unsafe { out.slice() });
+    });
+    let packed: &[u16] = packed;
+    // 2. The products, output rows split across the pool in `unit`-row pieces.
+    for chunk in jobs.chunks_mut(MAX_FUSED) {
+        let mut mats: [Option<WeightMatrix<'_>>; MAX_FUSED] = [None; MAX_FUSED];
+        let mut outs = [OutPtr(std::ptr::null_mut()); MAX_FUSED];
+        let mut total_units = 0;
+        let mut macs = 0;
+        for (i, (w, y)) in chunk.iter_mut().enumerate() {
+            mats[i] = Some(*w);
+            outs[i] = OutPtr(y.as_mut_ptr());
+            total_units += w.rows.div_ceil(unit);
+            macs += w.rows * w.cols * n_tokens.max(16);
         }
-        #[allow(unreachable_patterns)]
-        _ => unreachable!("no BF16 kernels on this architecture"),
+        let threads = if macs >= 4 * MIN_PARALLEL_MACS { pool.threads() } else { 1 };
+        let mut bounds = [0usize; MAX_TASKS + 1];
+        let n_tasks = guided_partition(total_units, threads, &mut bounds);
+        pool.run(n_tasks, &|t| {
+            let (u0, u1) = (bounds[n_tasks - 1 - t], bounds[n_tasks - t]);
+            let mut start = 0;
+            for (w, out) in mats.iter().zip(outs.iter()) {
+                let Some(w) = w else { break };
+                let units = w.rows.div_ceil(unit);
+                let (a, b) = (u0.max(start), u1.min(start + units));
+                if a < b {
+                    let r0 = (a - start) * unit;
+                    let r1 = ((b - start) * unit).min(w.rows);
+                    // The unit ranges of different tasks are disjoint, so rows `r0..r1` of
+                    // `out` belong to this task.
+                    compute(*w, packed, out.0, r0, r1);
+                }
+                start += units;
+            }
+        });
     }
 }
 

@@ -50,6 +50,7 @@ fn bf16_matmul_matches_the_reference_and_is_batch_invariant() {
         eprintln!("no BF16 kernels on this machine: nothing to check");
         return;
     };
+    eprintln!("checking the {} kernels", kernels.name());
     let pools = [ThreadPool::new(1), ThreadPool::new(2)];
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     for &rows in &ROWS {
@@ -103,6 +104,23 @@ fn bf16_matmul_matches_the_reference_and_is_batch_invariant() {
             }
         }
     }
+}
+
+/// Re-runs the test above with AMX turned off (`KYLIN_KERNELS_ISA=avx512`), so the AVX-512
+/// BF16 kernels are checked too on a machine that has both.
+#[test]
+fn the_avx512_bf16_kernels_pass_the_same_checks() {
+    if std::env::var_os("KYLIN_KERNELS_ISA").is_some() {
+        // Already a child (or the caller chose the kernels): the test above covers it.
+        return;
+    }
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let output = std::process::Command::new(&exe)
+        .args(["--exact", "bf16_matmul_matches_the_reference_and_is_batch_invariant", "--nocapture"])
+        .env("KYLIN_KERNELS_ISA", "avx512")
+        .output()
+        .expect("spawn the test binary");
+    assert!(output.status.success(), "the BF16 products fail with KYLIN_KERNELS_ISA=avx512: {output:?}");
 }
 
 #[test]

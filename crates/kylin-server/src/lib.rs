@@ -49,6 +49,9 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// Time a client has to send its whole body.
     pub body_timeout: Duration,
+    /// Time a client has to send a request's headers (a connection that sends them slowly, or
+    /// opens and says nothing, is closed): the slow-client guard before the body's.
+    pub header_read_timeout: Duration,
     /// Time running requests get to finish after a shutdown signal.
     pub grace_period: Duration,
 }
@@ -61,6 +64,7 @@ impl ServerConfig {
             max_queue: 64,
             max_body_bytes: 4 << 20,
             body_timeout: Duration::from_secs(30),
+            header_read_timeout: Duration::from_secs(30),
             grace_period: Duration::from_secs(30),
         }
     }
@@ -197,6 +201,70 @@ pub fn app(state: AppState) -> Router {
         .with_state(state)
 }
 
+/// Accepts HTTP/1 connections on `listener` and serves `app` on each until `shutdown`
+/// resolves; then stops accepting, asks every connection to finish its request in flight and
+/// close, and returns once all have closed.
+///
+/// Each connection has a timer and `header_timeout` to deliver a request's headers (hyper
+/// closes it otherwise), which `axum::serve` does not set. Accept errors (a peer that reset
+/// before being accepted, or no file descriptors left) never stop the loop; the latter backs
+/// off for a moment.
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    header_timeout: Duration,
+    shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()> {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    use hyper_util::service::TowerToHyperService;
+    use tokio::sync::watch;
+
+    // Dropping `stop_tx` tells the connections to finish; `done_tx.closed()` resolves once every
+    // connection task has dropped its `done_rx`.
+    let (stop_tx, stop_rx) = watch::channel(());
+    let (done_tx, done_rx) = watch::channel(());
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) if matches!(e.raw_os_error(), Some(23 | 24)) => {
+                    // ENFILE / EMFILE: wait for connections to close rather than spin.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+                Err(_) => continue,
+            },
+            () = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let service = TowerToHyperService::new(app.clone());
+        let mut stop_rx = stop_rx.clone();
+        let done_rx = done_rx.clone();
+        tokio::spawn(async move {
+            let mut builder = hyper::server::conn::http1::Builder::new();
+            builder.timer(TokioTimer::new()).header_read_timeout(header_timeout);
+            let mut conn = std::pin::pin!(builder.serve_connection(TokioIo::new(stream), service));
+            let mut stopping = false;
+            loop {
+                tokio::select! {
+                    _ = conn.as_mut() => break,
+                    _ = stop_rx.changed(), if !stopping => {
+                        stopping = true;
+                        conn.as_mut().graceful_shutdown();
+                    }
+                }
+            }
+            drop(done_rx);
+        });
+    }
+    drop(listener);
+    drop(stop_tx);
+    drop(done_rx);
+    done_tx.closed().await;
+    Ok(())
+}
+
 /// Serves `state` on `listener` until `shutdown` resolves (or the engine fails to load), then
 /// stops accepting, lets running requests finish for up to the grace period, cancels what is
 /// left, and stops the engine thread.
@@ -216,8 +284,9 @@ pub async fn serve(
         signal_engine.begin_shutdown();
     };
     let grace = state.config().grace_period;
-    let server = axum::serve(listener, app(state)).with_graceful_shutdown(signal);
-    let mut server = std::pin::pin!(server.into_future());
+    let header_timeout = state.config().header_read_timeout;
+    let server = accept_loop(listener, app(state), header_timeout, signal);
+    let mut server = std::pin::pin!(server);
     let result = tokio::select! {
         r = &mut server => r,
         () = async { engine.wait_shutdown().await; tokio::time::sleep(grace).await } => {

@@ -531,3 +531,45 @@ async fn a_client_that_never_finishes_its_body_gets_408() {
     assert_eq!(v["error"]["code"], "body_timeout");
     assert_eq!(state.in_flight(), 0);
 }
+
+/// Over a real loopback socket: a client that sends its headers too slowly is disconnected
+/// after the header-read timeout, while a complete request on another connection is served,
+/// and a shutdown signal stops the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_client_is_cut_off_by_the_header_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut c = config();
+    c.header_read_timeout = std::time::Duration::from_millis(500);
+    c.grace_period = std::time::Duration::from_secs(1);
+    let factory: EngineFactory = Box::new(|| Ok(Box::new(Scripted::default()) as Box<dyn Serving>));
+    let (state, thread) = AppState::start(c, factory).unwrap();
+    state.engine().wait_ready().await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(kylin_server::serve(listener, state, thread, async {
+        let _ = stopped.await;
+    }));
+
+    // Half a request line and one header, then silence.
+    let mut slow = tokio::net::TcpStream::connect(address).await.unwrap();
+    slow.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+    let started = std::time::Instant::now();
+    let mut buf = Vec::new();
+    let read = tokio::time::timeout(std::time::Duration::from_secs(5), slow.read_to_end(&mut buf)).await;
+    assert!(read.is_ok(), "the slow connection was still open after 5 s");
+    let waited = started.elapsed();
+    assert!(waited >= std::time::Duration::from_millis(400), "closed after {waited:?}, before the timeout");
+    assert!(!String::from_utf8_lossy(&buf).contains("200 OK"), "a partial request got an answer: {buf:?}");
+
+    // A complete request is served.
+    let mut ok = tokio::net::TcpStream::connect(address).await.unwrap();
+    ok.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.unwrap();
+    let mut answer = String::new();
+    ok.read_to_string(&mut answer).await.unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+
+    stop.send(()).unwrap();
+    let result = tokio::time::timeout(std::time::Duration::from_secs(10), server).await;
+    assert!(matches!(result, Ok(Ok(Ok(())))), "the server did not stop cleanly: {result:?}");
+}

@@ -1,0 +1,201 @@
+//! BF16 matrix products with AVX-512 BF16 (`vdpbf16ps`), for CPUs that have it but no AMX
+//! (AMD Zen 4, Intel Cooper Lake): `y = bf16(x) · Wᵀ`, f32 accumulation, BF16 weights read in
+//! place.
+//!
+//! One `vdpbf16ps` multiplies 32 BF16 pairs into 16 f32 lanes (64 FLOP), twice an f32 FMA's
+//! work, and needs no widening of the weights. The activations are rounded once per product into
+//! BF16 rows of `cols.next_multiple_of(32)` elements, zero-padded ([`pack_rows`]).
+//!
+//! **Canonical order** (batch invariance, DESIGN.md invariant 7): an output `y[t, r]` is one
+//! 16-lane accumulator, `acc = vdpbf16ps(acc, x[t, c..c + 32], w[r, c..c + 32])` for the column
+//! chunks `c = 0, 32, 64, …` in order (the last one zero-masked on the weight side and
+//! zero-padded on the activation side, so its padding adds exact zeros), then
+//! `hsum(lo256 + hi256)` with [`crate::x86::hsum`]'s tree. A tile of `MT` tokens × `NR` rows runs
+//! that sequence for each of its outputs independently, so every tile shape (decode's one token
+//! included) gives the same bits.
+//!
+//! Every function here must only be called once [`crate::bf16_kernels`] returned `Avx512Bf16`.
+
+use std::arch::x86_64::*;
+
+/// Tokens per full tile.
+pub const MT: usize = 4;
+/// Weight rows per full tile (`MT × NR = 24` accumulators, `NR` weight vectors and one
+/// activation vector: 31 of the 32 zmm registers).
+pub const NR: usize = 6;
+/// Columns per step.
+const K: usize = 32;
+
+/// Elements of one packed activation row for `cols` columns.
+pub fn row_len(cols: usize) -> usize {
+    cols.next_multiple_of(K)
+}
+
+/// Rounds tokens `t0..t1` of `x` (`(n_tokens, cols)` row-major) to BF16 rows of
+/// [`row_len`]`(cols)` elements in `out`, zero-padded.
+pub fn pack_rows(x: &[f32], cols: usize, t0: usize, t1: usize, out: &mut [u16]) {
+    let kp = row_len(cols);
+    assert!(x.len() >= t1 * cols && out.len() >= t1 * kp, "pack_rows: buffers too short");
+    for t in t0..t1 {
+        let row = &x[t * cols..(t + 1) * cols];
+        for c in (0..kp).step_by(K) {
+            let chunk: &mut [u16; K] = (&mut out[t * kp + c..t * kp + c + K]).try_into().expect("32 elements");
+            // SAFETY: this family exists only where AVX-512 F/BW was detected; `row[c..c + n]`
+            // is readable.
+            unsafe { crate::amx::round_chunk(row.as_ptr().add(c), K.min(cols - c), chunk) };
+        }
+    }
+}
+
+/// The sum of the 16 lanes in the canonical tree: `hsum(lo256 + hi256)`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+#[inline]
+fn reduce16(v: __m512) -> f32 {
+    let lo = _mm512_castps512_ps256(v);
+    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+    crate::x86::hsum(_mm256_add_ps(lo, hi))
+}
+
+/// One tile: `y[t * y_stride + r] = Σ_c w[r, c] · bf16(x)[t, c]` for `t < MT_`, `r < NR_`, in
+/// the canonical order (module header).
+///
+/// # Safety
+/// AVX-512 F/BW/VL/BF16 are available; `w` is valid for `NR_` rows of `cols` BF16 elements
+/// (row stride `cols · 2` bytes); `xb` for `MT_` packed rows of [`row_len`]`(cols)` elements
+/// (stride `kp`); `y` for writing the `MT_ × NR_` outputs, which no one else accesses meanwhile.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+unsafe fn tile<const MT_: usize, const NR_: usize>(
+    w: *const u8,
+    cols: usize,
+    xb: *const u16,
+    kp: usize,
+    y: *mut f32,
+    y_stride: usize,
+) {
+    let full = cols / K * K;
+    let mut acc = [[_mm512_setzero_ps(); NR_]; MT_];
+    // SAFETY (whole body): weight reads stay inside rows `< NR_` and columns `< cols` (the tail
+    // is a masked load), activation reads inside packed rows `< MT_` of `kp` elements, writes at
+    // the caller's outputs.
+    unsafe {
+        let rows: [*const u16; NR_] = std::array::from_fn(|r| w.add(r * cols * 2) as *const u16);
+        let mut c = 0;
+        while c < full {
+            let wv: [__m512bh; NR_] = std::array::from_fn(|r| {
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(rows[r].add(c) as *const __m512i))
+            });
+            for (t, acc_t) in acc.iter_mut().enumerate() {
+                let xv =
+                    std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(xb.add(t * kp + c) as *const __m512i));
+                for (r, a) in acc_t.iter_mut().enumerate() {
+                    *a = _mm512_dpbf16_ps(*a, xv, wv[r]);
+                }
+            }
+            c += K;
+        }
+        if c < cols {
+            let mask: __mmask32 = ((1u64 << (cols - c)) - 1) as __mmask32;
+            let wv: [__m512bh; NR_] = std::array::from_fn(|r| {
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_maskz_loadu_epi16(mask, rows[r].add(c) as *const i16))
+            });
+            for (t, acc_t) in acc.iter_mut().enumerate() {
+                let xv =
+                    std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(xb.add(t * kp + c) as *const __m512i));
+                for (r, a) in acc_t.iter_mut().enumerate() {
+                    *a = _mm512_dpbf16_ps(*a, xv, wv[r]);
+                }
+            }
+        }
+        for (t, acc_t) in acc.iter().enumerate() {
+            for (r, a) in acc_t.iter().enumerate() {
+                *y.add(t * y_stride + r) = reduce16(*a);
+            }
+        }
+    }
+}
+
+/// Dispatches to the tile for `mt <= MT` tokens and `nr <= NR` rows (arguments as [`tile`]).
+///
+/// # Safety
+/// As [`tile`] with `MT_ = mt`, `NR_ = nr`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+unsafe fn tile_dyn(mt: usize, nr: usize, w: *const u8, cols: usize, xb: *const u16, kp: usize, y: *mut f32, ys: usize) {
+    macro_rules! rows {
+        ($m:literal) => {
+            match nr {
+                6 => tile::<$m, 6>(w, cols, xb, kp, y, ys),
+                5 => tile::<$m, 5>(w, cols, xb, kp, y, ys),
+                4 => tile::<$m, 4>(w, cols, xb, kp, y, ys),
+                3 => tile::<$m, 3>(w, cols, xb, kp, y, ys),
+                2 => tile::<$m, 2>(w, cols, xb, kp, y, ys),
+                _ => tile::<$m, 1>(w, cols, xb, kp, y, ys),
+            }
+        };
+    }
+    // SAFETY: the caller's contract, for the tile chosen by `mt` and `nr`.
+    unsafe {
+        match mt {
+            4 => rows!(4),
+            3 => rows!(3),
+            2 => rows!(2),
+            _ => rows!(1),
+        }
+    }
+}
+
+/// Bytes of packed activations one token block may take (they stay in L2 while the task's
+/// weight rows stream past them once per block).
+const TOKEN_BLOCK_BYTES: usize = 512 * 1024;
+
+/// Computes output rows `r0..r1` of `y = bf16(x) · Wᵀ` for all `n_tokens` tokens from the rows
+/// [`pack_rows`] wrote: token blocks whose packed rows stay in L2; inside a block, each tile of
+/// `NR` weight rows (in L1) runs across the block's token tiles.
+///
+/// # Safety
+/// AVX-512 F/BW/VL/BF16 are available; `w` points to `rows × cols` BF16 weights with `r1 <=
+/// rows`; `xb` holds `n_tokens` packed rows; `y` is valid for writing `y[t * y_stride + r]`,
+/// `t < n_tokens`, `r0 <= r < r1`, which no one else accesses meanwhile.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_rows(
+    w: *const u8,
+    cols: usize,
+    xb: &[u16],
+    n_tokens: usize,
+    y: *mut f32,
+    y_stride: usize,
+    r0: usize,
+    r1: usize,
+) {
+    let kp = row_len(cols);
+    debug_assert!(xb.len() >= n_tokens * kp);
+    let block = (TOKEN_BLOCK_BYTES / (kp * 2).max(1) / MT * MT).max(MT);
+    let mut t0 = 0;
+    while t0 < n_tokens {
+        let t1 = (t0 + block).min(n_tokens);
+        let mut r = r0;
+        while r < r1 {
+            let nr = NR.min(r1 - r);
+            let mut t = t0;
+            while t < t1 {
+                let mt = MT.min(t1 - t);
+                // SAFETY: rows `r..r + nr <= r1` and tokens `t..t + mt <= n_tokens` exist, and
+                // their outputs belong to the caller's range.
+                unsafe {
+                    tile_dyn(
+                        mt,
+                        nr,
+                        w.add(r * cols * 2),
+                        cols,
+                        xb.as_ptr().add(t * kp),
+                        kp,
+                        y.add(t * y_stride + r),
+                        y_stride,
+                    )
+                };
+                t += mt;
+            }
+            r += nr;
+        }
+        t0 = t1;
+    }
+}
