@@ -11,8 +11,13 @@
 //! the output rows across the pool so each weight byte is read by one core.
 //!
 //! Setting the environment variable `KYLIN_KERNELS_ISA=scalar` before the first kernel call
-//! forces the portable scalar kernels, and `KYLIN_KERNELS_ISA=avx2` the AVX2 kernels on an
-//! AVX-512 machine (for debugging, comparison and tests of every path).
+//! forces the portable scalar kernels, `KYLIN_KERNELS_ISA=avx2` the AVX2 kernels on an AVX-512
+//! machine, and `KYLIN_KERNELS_ISA=avx512` the AVX-512 BF16 products instead of AMX (for
+//! debugging, comparison and tests of every path).
+//!
+//! Two arithmetics ([`Precision`]): f32 ([`matmul`], [`matmul_many`]: weights widened exactly,
+//! f32 activations) and BF16 ([`matmul_many_bf16`]: activations rounded to BF16, products
+//! summed in f32) on AMX (`amx.rs`) or AVX-512 BF16 (`avx512bf16.rs`), see [`bf16_kernels`].
 //!
 //! Batch invariance: within one process, every output element of [`matmul`] and
 //! [`matmul_many`] is computed by the same sequence of floating-point operations whatever the
