@@ -50,6 +50,7 @@ use kylin_loader::{DType, KylinError, LayerWeights, ModelConfig, ModelWeights, R
 
 use crate::kv_pool::KvPool;
 use crate::rope::Rope;
+use kylin_kernels::paged::{MAX_QUERIES, PagedQuery};
 
 /// The largest number of prompt tokens run through the layers at once; longer prompts are
 /// processed in chunks of this size so activation buffers stay bounded.
@@ -360,7 +361,8 @@ pub struct Scratch {
     /// MLP gate and up projections, `(max_tokens, intermediate)`.
     gate: Vec<f32>,
     up: Vec<f32>,
-    /// One score row per segment and query head, `(max_segments, n_heads, context)`.
+    /// Score rows of the queries one attention call groups, per segment and KV head,
+    /// `(max_segments, n_kv_heads, MAX_QUERIES, context)`.
     scores: Vec<f32>,
     /// One head for the in-place q/k norm, `(head_dim)`.
     head_tmp: Vec<f32>,
@@ -620,8 +622,8 @@ impl Model {
             })?;
             Ok(vec![0.0; len])
         };
-        let score_rows = max_segments.checked_mul(d.n_heads).ok_or_else(|| {
-            KylinError::config_invalid(format!("{max_segments} sequences x {} heads overflows", d.n_heads))
+        let score_rows = max_segments.checked_mul(d.n_kv_heads * kernels::paged::MAX_QUERIES).ok_or_else(|| {
+            KylinError::config_invalid(format!("{max_segments} sequences x {} KV heads overflows", d.n_kv_heads))
         })?;
         Ok(Scratch {
             max_tokens,
@@ -796,7 +798,6 @@ impl Model {
         let group = d.group();
         let scale = d.attn_scale;
         let n_kv = d.n_kv_heads;
-        let n_heads = d.n_heads;
         let q = &s.q[..n * q_dim];
         let attn = SharedMut::new(&mut s.attn[..n * q_dim]);
         let scores = SharedMut::new(&mut s.scores);
@@ -807,30 +808,32 @@ impl Model {
             let seg = segments[si];
             let blocks = &block_ids[seg.b0..seg.b0 + seg.nb];
             let offset = kv.head_offset(index, kv_head);
-            for t in 0..seg.n {
-                let row = seg.t0 + t;
-                for head in kv_head * group..(kv_head + 1) * group {
-                    // SAFETY: score row (si, head) and the (row, head) block of attn belong to
-                    // this task's segment and KV head group, which no other task touches.
+            // The (token, query head) rows of this KV head, token-major, in groups of up to
+            // MAX_QUERIES that read each cached key and value once (same bits as one by one).
+            let rows = seg.n * group;
+            let mut first = 0;
+            while first < rows {
+                let count = MAX_QUERIES.min(rows - first);
+                let mut queries: [Option<PagedQuery<'_>>; MAX_QUERIES] = [None, None, None, None];
+                for (slot, query) in queries.iter_mut().enumerate().take(count) {
+                    let (t, head) = ((first + slot) / group, kv_head * group + (first + slot) % group);
+                    let row = seg.t0 + t;
+                    let at = row * q_dim + head * hd;
+                    // SAFETY: score row (si, kv_head, slot) and the (row, head) block of attn
+                    // belong to this task's segment and KV head group, which no other task
+                    // touches, and each slot of this call is a different row.
                     let (scores, out) = unsafe {
                         (
-                            scores.slice((si * n_heads + head) * context, context),
-                            attn.slice(row * q_dim + head * hd, hd),
+                            scores.slice(((si * n_kv + kv_head) * MAX_QUERIES + slot) * context, context),
+                            attn.slice(at, hd),
                         )
                     };
-                    let at = row * q_dim + head * hd;
-                    kernels::paged::attention_paged(
-                        &q[at..at + hd],
-                        keys,
-                        values,
-                        blocks,
-                        offset,
-                        seg.start + t + 1,
-                        scale,
-                        scores,
-                        out,
-                    );
+                    *query = Some(PagedQuery { q: &q[at..at + hd], len: seg.start + t + 1, scores, out });
                 }
+                let mut group_queries: [PagedQuery<'_>; MAX_QUERIES] =
+                    queries.map(|q| q.unwrap_or(PagedQuery { q: &[], len: 0, scores: &mut [], out: &mut [] }));
+                kernels::paged::attention_paged_many(&mut group_queries[..count], keys, values, blocks, offset, scale);
+                first += count;
             }
         });
 

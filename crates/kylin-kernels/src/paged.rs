@@ -108,6 +108,220 @@ pub fn attention_paged(
     }
 }
 
+/// Most query rows [`attention_paged_many`] computes together.
+pub const MAX_QUERIES: usize = 4;
+
+/// One query row of [`attention_paged_many`]: its vector `(head_dim)`, the positions it attends
+/// to (`0..len`), its score scratch (at least `len`) and its output `(head_dim)`.
+pub struct PagedQuery<'a> {
+    pub q: &'a [f32],
+    pub len: usize,
+    pub scores: &'a mut [f32],
+    pub out: &'a mut [f32],
+}
+
+/// [`attention_paged`] for up to [`MAX_QUERIES`] query rows over the same KV head (the query
+/// heads of a GQA group, consecutive tokens of a prompt): each key and value row is read once
+/// for all of them. Every query's output has the bits [`attention_paged`] gives it alone (the
+/// same operations per query, interleaved), so grouping never changes a result.
+pub fn attention_paged_many(
+    queries: &mut [PagedQuery<'_>],
+    keys: KvView<'_>,
+    values: KvView<'_>,
+    blocks: &[u32],
+    offset: usize,
+    scale: f32,
+) {
+    let hd = keys.head_dim;
+    assert!(queries.len() <= MAX_QUERIES, "at most {MAX_QUERIES} queries per call");
+    let Some(max_len) = queries.iter().map(|q| q.len).max() else { return };
+    for q in queries.iter() {
+        assert!(q.q.len() >= hd && q.out.len() >= hd && q.scores.len() >= q.len && values.head_dim == hd);
+    }
+    keys.check(blocks, offset, max_len);
+    values.check(blocks, offset, max_len);
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2Fma | Isa::Avx512 => {
+            use crate::x86::{BF16, F16, F32};
+            // SAFETY: AVX2/FMA/F16C were detected; every row read is inside the pool (checked),
+            // every query's buffers hold what it needs (checked).
+            unsafe {
+                match queries.len() {
+                    4 => many_x86::<4>(queries, keys, values, blocks, offset, scale),
+                    3 => many_x86::<3>(queries, keys, values, blocks, offset, scale),
+                    2 => many_x86::<2>(queries, keys, values, blocks, offset, scale),
+                    _ => {
+                        for q in queries.iter_mut() {
+                            match keys.dtype {
+                                WeightDType::BF16 => {
+                                    x86_scores::<BF16>(q.q, keys, blocks, offset, scale, &mut q.scores[..q.len])
+                                }
+                                WeightDType::F16 => {
+                                    x86_scores::<F16>(q.q, keys, blocks, offset, scale, &mut q.scores[..q.len])
+                                }
+                                WeightDType::F32 => {
+                                    x86_scores::<F32>(q.q, keys, blocks, offset, scale, &mut q.scores[..q.len])
+                                }
+                            }
+                            crate::x86::softmax(&mut q.scores[..q.len]);
+                            match values.dtype {
+                                WeightDType::BF16 => {
+                                    x86_weighted::<BF16>(&q.scores[..q.len], values, blocks, offset, q.out)
+                                }
+                                WeightDType::F16 => {
+                                    x86_weighted::<F16>(&q.scores[..q.len], values, blocks, offset, q.out)
+                                }
+                                WeightDType::F32 => {
+                                    x86_weighted::<F32>(&q.scores[..q.len], values, blocks, offset, q.out)
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        _ => {
+            for q in queries.iter_mut() {
+                attention_paged(q.q, keys, values, blocks, offset, q.len, scale, q.scores, q.out);
+            }
+        }
+    }
+}
+
+/// The x86 body of [`attention_paged_many`] for `NQ` queries (dispatching on the dtypes).
+///
+/// # Safety
+/// As [`attention_paged_many`] after its checks; AVX2/FMA/F16C are available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn many_x86<const NQ: usize>(
+    queries: &mut [PagedQuery<'_>],
+    keys: KvView<'_>,
+    values: KvView<'_>,
+    blocks: &[u32],
+    offset: usize,
+    scale: f32,
+) {
+    use crate::x86::{BF16, F16, F32};
+    // SAFETY: the caller's contract.
+    unsafe {
+        match keys.dtype {
+            WeightDType::BF16 => scores_many::<BF16, NQ>(queries, keys, blocks, offset, scale),
+            WeightDType::F16 => scores_many::<F16, NQ>(queries, keys, blocks, offset, scale),
+            WeightDType::F32 => scores_many::<F32, NQ>(queries, keys, blocks, offset, scale),
+        }
+        for q in queries.iter_mut() {
+            crate::x86::softmax(&mut q.scores[..q.len]);
+        }
+        match values.dtype {
+            WeightDType::BF16 => weighted_many::<BF16, NQ>(queries, values, blocks, offset),
+            WeightDType::F16 => weighted_many::<F16, NQ>(queries, values, blocks, offset),
+            WeightDType::F32 => weighted_many::<F32, NQ>(queries, values, blocks, offset),
+        }
+    }
+}
+
+/// Scores of `NQ` queries: positions every query attends to together, the rest per query.
+///
+/// # Safety
+/// As [`many_x86`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scores_many<const D: u8, const NQ: usize>(
+    queries: &mut [PagedQuery<'_>],
+    keys: KvView<'_>,
+    blocks: &[u32],
+    offset: usize,
+    scale: f32,
+) {
+    let size = keys.dtype.size_in_bytes();
+    let hd = keys.head_dim;
+    let common = queries.iter().map(|q| q.len).min().unwrap_or(0);
+    let qs: [*const f32; NQ] = std::array::from_fn(|i| queries[i].q.as_ptr());
+    // SAFETY: rows `< max len` are inside the pool and every query holds `hd` elements and a
+    // score row of its length (the caller's checks).
+    unsafe {
+        for p in 0..common {
+            let row = keys.data.as_ptr().add(keys.row(blocks, offset, p) * size);
+            let s = x86_score_many::<D, NQ>(row, qs, hd, scale);
+            for (q, v) in queries.iter_mut().zip(s) {
+                q.scores[p] = v;
+            }
+        }
+        for q in queries.iter_mut() {
+            for p in common..q.len {
+                let row = keys.data.as_ptr().add(keys.row(blocks, offset, p) * size);
+                q.scores[p] = x86_score_many::<D, 1>(row, [q.q.as_ptr()], hd, scale)[0];
+            }
+        }
+    }
+}
+
+/// `out_i = Σ_p scores_i[p] · v_p` for `NQ` queries, 32 columns per pass, each column
+/// accumulated over the positions in order (as [`x86_weighted`]): the shared positions for all
+/// queries together, then each query's own.
+///
+/// # Safety
+/// As [`many_x86`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn weighted_many<const D: u8, const NQ: usize>(
+    queries: &mut [PagedQuery<'_>],
+    values: KvView<'_>,
+    blocks: &[u32],
+    offset: usize,
+) {
+    use std::arch::x86_64::*;
+    let hd = values.head_dim;
+    let size = values.dtype.size_in_bytes();
+    let main8 = hd & !7;
+    let base = values.data.as_ptr();
+    let common = queries.iter().map(|q| q.len).min().unwrap_or(0);
+    let mut c0 = 0;
+    // SAFETY (whole body): value reads are at rows named by the block table (inside the pool)
+    // and columns `< hd`; writes are inside each query's `out` (`>= hd` elements).
+    unsafe {
+        while c0 < main8 {
+            let width = (main8 - c0).min(32) / 8;
+            let mut acc = [[_mm256_setzero_ps(); 4]; NQ];
+            for p in 0..common {
+                let row = base.add(values.row(blocks, offset, p) * size);
+                let sv: [__m256; NQ] = std::array::from_fn(|i| _mm256_set1_ps(queries[i].scores[p]));
+                for j in 0..width {
+                    let v = crate::x86::load8::<D>(row, c0 + 8 * j);
+                    for (a, s) in acc.iter_mut().zip(&sv) {
+                        a[j] = _mm256_fmadd_ps(*s, v, a[j]);
+                    }
+                }
+            }
+            for (q, a) in queries.iter_mut().zip(acc.iter_mut()) {
+                for p in common..q.len {
+                    let row = base.add(values.row(blocks, offset, p) * size);
+                    let sv = _mm256_set1_ps(q.scores[p]);
+                    for (j, aj) in a.iter_mut().enumerate().take(width) {
+                        *aj = _mm256_fmadd_ps(sv, crate::x86::load8::<D>(row, c0 + 8 * j), *aj);
+                    }
+                }
+                for (j, aj) in a.iter().enumerate().take(width) {
+                    _mm256_storeu_ps(q.out.as_mut_ptr().add(c0 + 8 * j), *aj);
+                }
+            }
+            c0 += width * 8;
+        }
+        for q in queries.iter_mut() {
+            for c in main8..hd {
+                let mut sum = 0.0f32;
+                for p in 0..q.len {
+                    let row = base.add(values.row(blocks, offset, p) * size);
+                    sum = q.scores[p].mul_add(crate::x86::load1::<D>(row, c), sum);
+                }
+                q.out[c] = sum;
+            }
+        }
+    }
+}
+
 /// `scores[p] = scale · q · k_p` for every position.
 ///
 /// # Safety
@@ -122,35 +336,67 @@ unsafe fn x86_scores<const D: u8>(
     scale: f32,
     scores: &mut [f32],
 ) {
-    use std::arch::x86_64::*;
-    let hd = keys.head_dim;
     let size = keys.dtype.size_in_bytes();
-    let main = hd & !7;
     let qp = q.as_ptr();
     for (p, s) in scores.iter_mut().enumerate() {
         // SAFETY: the row's `hd` elements are inside the pool (the caller's contract), and `q`
         // holds `hd` elements.
         unsafe {
             let row = keys.data.as_ptr().add(keys.row(blocks, offset, p) * size);
-            let mut acc = [_mm256_setzero_ps(); 2];
-            let mut c = 0;
-            while c + 16 <= main {
-                acc[0] = _mm256_fmadd_ps(crate::x86::load8::<D>(row, c), _mm256_loadu_ps(qp.add(c)), acc[0]);
-                acc[1] = _mm256_fmadd_ps(crate::x86::load8::<D>(row, c + 8), _mm256_loadu_ps(qp.add(c + 8)), acc[1]);
-                c += 16;
-            }
-            while c < main {
-                acc[0] = _mm256_fmadd_ps(crate::x86::load8::<D>(row, c), _mm256_loadu_ps(qp.add(c)), acc[0]);
-                c += 8;
-            }
-            let mut dot = crate::x86::hsum(_mm256_add_ps(acc[0], acc[1]));
-            while c < hd {
-                dot += crate::x86::load1::<D>(row, c) * *qp.add(c);
-                c += 1;
-            }
-            *s = dot * scale;
+            *s = x86_score_many::<D, 1>(row, [qp], keys.head_dim, scale)[0];
         }
     }
+}
+
+/// `scale · q_i · k` for `NQ` queries against one key row, each in the canonical order of a
+/// score: two 8-lane accumulators over 16-column steps, an 8-column step into the first,
+/// `hsum(a0 + a1)`, the scalar tail, then the scale. The queries share the key's loads; each
+/// query's operations are the same whatever `NQ`, so its score has the same bits.
+///
+/// # Safety
+/// AVX2/FMA/F16C are available; `row` holds `hd` elements of dtype `D`, each `q[i]` `hd` f32.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn x86_score_many<const D: u8, const NQ: usize>(
+    row: *const u8,
+    q: [*const f32; NQ],
+    hd: usize,
+    scale: f32,
+) -> [f32; NQ] {
+    use std::arch::x86_64::*;
+    let main = hd & !7;
+    let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
+    let mut out = [0.0f32; NQ];
+    // SAFETY: reads stay inside the `hd` elements of `row` and of each query.
+    unsafe {
+        let mut c = 0;
+        while c + 16 <= main {
+            let (k0, k1) = (crate::x86::load8::<D>(row, c), crate::x86::load8::<D>(row, c + 8));
+            for (a, qp) in acc.iter_mut().zip(q) {
+                a[0] = _mm256_fmadd_ps(k0, _mm256_loadu_ps(qp.add(c)), a[0]);
+                a[1] = _mm256_fmadd_ps(k1, _mm256_loadu_ps(qp.add(c + 8)), a[1]);
+            }
+            c += 16;
+        }
+        while c < main {
+            let k0 = crate::x86::load8::<D>(row, c);
+            for (a, qp) in acc.iter_mut().zip(q) {
+                a[0] = _mm256_fmadd_ps(k0, _mm256_loadu_ps(qp.add(c)), a[0]);
+            }
+            c += 8;
+        }
+        for ((o, a), qp) in out.iter_mut().zip(&acc).zip(q) {
+            let mut dot = crate::x86::hsum(_mm256_add_ps(a[0], a[1]));
+            let mut k = main;
+            while k < hd {
+                dot += crate::x86::load1::<D>(row, k) * *qp.add(k);
+                k += 1;
+            }
+            *o = dot * scale;
+        }
+    }
+    out
 }
 
 /// `out = Σ_p scores[p] · v_p`, 64 output columns held in registers per pass over the positions.

@@ -3,7 +3,7 @@
 //! scattered block tables.
 
 use kylin_kernels::WeightDType;
-use kylin_kernels::paged::{KvView, attention_paged, store_row};
+use kylin_kernels::paged::{KvView, MAX_QUERIES, PagedQuery, attention_paged, attention_paged_many, store_row};
 
 /// Deterministic values in [-1, 1).
 fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -83,6 +83,70 @@ fn paged_attention_matches_the_reference() {
     }
 }
 
+/// Several query rows at once (a GQA group, consecutive tokens with growing lengths) give each
+/// query the bits it gets alone: grouping is a speed choice, never a change of result.
+#[test]
+fn grouped_queries_have_the_bits_of_each_query_alone() {
+    let (block_size, n_blocks) = (4usize, 40usize);
+    for dtype in [WeightDType::F32, WeightDType::F16, WeightDType::BF16] {
+        for head_dim in [1, 7, 8, 31, 64, 100, 128] {
+            let stride = block_size * head_dim;
+            let size = dtype.size_in_bytes();
+            let max_len: usize = 90;
+            let mut keys = vec![0u8; n_blocks * stride * size];
+            let mut vals = vec![0u8; n_blocks * stride * size];
+            let blocks: Vec<u32> = (0..max_len.div_ceil(block_size)).map(|i| (n_blocks - 1 - i) as u32).collect();
+            let k = values(max_len * head_dim, 11 + head_dim as u64);
+            let v = values(max_len * head_dim, 12 + head_dim as u64);
+            for p in 0..max_len {
+                let at = blocks[p / block_size] as usize * stride + (p % block_size) * head_dim;
+                store_row(dtype, &mut keys, at, &k[p * head_dim..(p + 1) * head_dim]);
+                store_row(dtype, &mut vals, at, &v[p * head_dim..(p + 1) * head_dim]);
+            }
+            let view = |data| KvView { dtype, data, block_stride: stride, block_size, head_dim };
+            let scale = (head_dim as f32).powf(-0.5);
+            for nq in 1..=MAX_QUERIES {
+                for lens in [[1usize, 1, 2, 2], [17, 17, 18, 18], [5, 40, 3, 89], [64, 65, 66, 67]] {
+                    let qs: Vec<Vec<f32>> = (0..nq).map(|i| values(head_dim, 100 + i as u64)).collect();
+                    // Alone.
+                    let alone: Vec<Vec<u32>> = (0..nq)
+                        .map(|i| {
+                            let mut scores = vec![0.0; lens[i]];
+                            let mut out = vec![0.0; head_dim];
+                            attention_paged(
+                                &qs[i],
+                                view(&keys),
+                                view(&vals),
+                                &blocks,
+                                0,
+                                lens[i],
+                                scale,
+                                &mut scores,
+                                &mut out,
+                            );
+                            out.iter().map(|x| x.to_bits()).collect()
+                        })
+                        .collect();
+                    // Together.
+                    let mut scores = vec![vec![0.0f32; max_len]; nq];
+                    let mut outs = vec![vec![0.0f32; head_dim]; nq];
+                    let mut queries: Vec<PagedQuery<'_>> = scores
+                        .iter_mut()
+                        .zip(outs.iter_mut())
+                        .enumerate()
+                        .map(|(i, (s, o))| PagedQuery { q: &qs[i], len: lens[i], scores: s, out: o })
+                        .collect();
+                    attention_paged_many(&mut queries, view(&keys), view(&vals), &blocks, 0, scale);
+                    for i in 0..nq {
+                        let got: Vec<u32> = outs[i].iter().map(|x| x.to_bits()).collect();
+                        assert_eq!(got, alone[i], "{dtype:?} head_dim {head_dim} nq {nq} lens {lens:?} query {i}");
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 #[should_panic(expected = "outside the KV pool")]
 fn a_block_outside_the_pool_panics_instead_of_reading() {
@@ -103,11 +167,13 @@ fn every_isa_matches_the_reference() {
     }
     let exe = std::env::current_exe().expect("the test binary's path");
     for cap in ["avx2", "scalar"] {
-        let status = std::process::Command::new(&exe)
-            .args(["--exact", "paged_attention_matches_the_reference"])
-            .env("KYLIN_KERNELS_ISA", cap)
-            .status()
-            .expect("spawn the test binary");
-        assert!(status.success(), "paged attention differs from the reference with KYLIN_KERNELS_ISA={cap}");
+        for test in ["paged_attention_matches_the_reference", "grouped_queries_have_the_bits_of_each_query_alone"] {
+            let status = std::process::Command::new(&exe)
+                .args(["--exact", test])
+                .env("KYLIN_KERNELS_ISA", cap)
+                .status()
+                .expect("spawn the test binary");
+            assert!(status.success(), "{test} fails with KYLIN_KERNELS_ISA={cap}");
+        }
     }
 }
