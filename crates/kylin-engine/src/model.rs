@@ -483,7 +483,7 @@ pub struct Model {
 impl Model {
     /// Binds the weights, checking every shape and dtype against the configuration.
     pub fn new(config: &ModelConfig, weights: &ModelWeights) -> Result<Self> {
-        if config.num_heads == 0 || config.num_kv_heads == 0 || config.num_heads % config.num_kv_heads != 0 {
+        if config.num_heads == 0 || config.num_kv_heads == 0 || !config.num_heads.is_multiple_of(config.num_kv_heads) {
             return Err(KylinError::config_invalid(format!(
                 "num_attention_heads ({}) must be a non-zero multiple of num_key_value_heads ({})",
                 config.num_heads, config.num_kv_heads

@@ -55,7 +55,7 @@ impl Rope {
                 config.partial_rotary_factor
             )));
         }
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(KylinError::operator_unsupported(format!(
                 "RoPE needs an even, non-zero head_dim; got {head_dim}"
             )));

@@ -119,6 +119,7 @@ unsafe fn tile<const MT_: usize, const NR_: usize>(
 /// # Safety
 /// As [`tile`] with `MT_ = mt`, `NR_ = nr`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn tile_dyn(mt: usize, nr: usize, w: *const u8, cols: usize, xb: *const u16, kp: usize, y: *mut f32, ys: usize) {
     macro_rules! rows {
         ($m:literal) => {

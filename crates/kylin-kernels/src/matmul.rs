@@ -416,6 +416,11 @@ pub fn matmul_many_bf16(
     }
 }
 
+/// Computes output rows `r0..r1` of one matrix from the packed activations into `out`:
+/// `(weights, packed, out, r0, r1)`.
+#[cfg(target_arch = "x86_64")]
+type ComputeRows<'a> = dyn Fn(WeightMatrix<'_>, &[u16], *mut f32, usize, usize) + Sync + 'a;
+
 /// The BF16 driver: packs the activations (token groups of `pack_unit` split across the pool),
 /// then computes each matrix's output rows in units of `unit` rows split across the pool.
 #[allow(clippy::too_many_arguments)]
@@ -430,7 +435,7 @@ fn run_bf16(
     pack_unit: usize,
     unit: usize,
     pack: fn(&[f32], usize, usize, usize, &mut [u16]),
-    compute: &(dyn Fn(WeightMatrix<'_>, &[u16], *mut f32, usize, usize) + Sync),
+    compute: &ComputeRows<'_>,
 ) {
     // 1. Round and pack the activations, token groups split across the pool.
     let groups = n_tokens.div_ceil(pack_unit);

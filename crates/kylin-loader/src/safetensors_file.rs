@@ -143,7 +143,7 @@ pub(crate) fn parse_header(path: &Path, bytes: &[u8]) -> Result<Vec<RawTensor>> 
         }
         // elements <= 8 * file_len, so the bit count cannot overflow u64.
         let nbits = elements * bits as u64;
-        if nbits % 8 != 0 {
+        if !nbits.is_multiple_of(8) {
             return Err(corrupted(path, format!("tensor '{name}' does not fill a whole number of bytes")));
         }
         let expected = nbits / 8;
