@@ -8,6 +8,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use kylin_engine::PrecisionChoice;
 use kylin_engine::batch::{BatchEngine, EngineOptions};
 use kylin_engine::serving::{Request, Serving};
 
@@ -42,10 +43,16 @@ const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared");
 
 #[test]
 fn a_step_with_eight_running_sequences_allocates_nothing() {
-    for name in ["tiny-qwen2-f16", "tiny-qwen3-yarn"] {
+    // `Auto` on the BF16 fixture runs the BF16 products where the CPU has them.
+    for (name, precision) in [
+        ("tiny-qwen2-f16", PrecisionChoice::F32),
+        ("tiny-qwen3-yarn", PrecisionChoice::F32),
+        ("tiny-qwen3-yarn", PrecisionChoice::Auto),
+    ] {
         let path = Path::new(SHARED).join("fixtures").join(name);
         let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
-        let opts = EngineOptions { threads: 2, ctx_size: Some(256), max_seqs: 8, ..EngineOptions::default() };
+        let opts =
+            EngineOptions { threads: 2, ctx_size: Some(256), max_seqs: 8, precision, ..EngineOptions::default() };
         let mut engine = BatchEngine::new(model, &opts).unwrap();
         for i in 0..8u32 {
             let mut r = Request::new(u64::from(i), (1..20 + 3 * i).collect(), 64);
@@ -66,7 +73,12 @@ fn a_step_with_eight_running_sequences_allocates_nothing() {
             engine.step(&mut events).unwrap();
         }
         let after = ALLOCATIONS.load(Ordering::SeqCst);
-        assert_eq!(after - before, 0, "{name}: 16 steps of 8 sequences allocated {} times", after - before);
+        assert_eq!(
+            after - before,
+            0,
+            "{name} {precision:?}: 16 steps of 8 sequences allocated {} times",
+            after - before
+        );
         assert_eq!(events.len(), 8, "one token per sequence per step");
         assert_eq!(engine.stats().running, 8);
     }
