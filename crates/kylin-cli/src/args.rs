@@ -94,6 +94,11 @@ pub enum KvDTypeArg {
     Bf16,
 }
 
+/// The command-line spelling of a flag value (`f32`, `bf16`, `auto`, ...), as clap parses it.
+pub fn flag_value(value: &impl ValueEnum) -> String {
+    value.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default()
+}
+
 /// Arithmetic of the native engine's matrix products.
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PrecisionArg {

@@ -409,22 +409,8 @@ fn spawn_worker_json(model: &ModelArgs, threads: usize, args: &BenchArgs) -> Res
         ("--max-seqs", e.max_seqs.map(|v| v.to_string())),
         ("--max-batch-tokens", e.max_batch_tokens.map(|v| v.to_string())),
         ("--kv-block-size", e.kv_block_size.map(|v| v.to_string())),
-        (
-            "--kv-dtype",
-            e.kv_dtype.map(|d| match d {
-                crate::args::KvDTypeArg::F32 => "f32".to_string(),
-                crate::args::KvDTypeArg::F16 => "f16".to_string(),
-                crate::args::KvDTypeArg::Bf16 => "bf16".to_string(),
-            }),
-        ),
-        (
-            "--precision",
-            e.precision.map(|p| match p {
-                crate::args::PrecisionArg::F32 => "f32".to_string(),
-                crate::args::PrecisionArg::Bf16 => "bf16".to_string(),
-                crate::args::PrecisionArg::Auto => "auto".to_string(),
-            }),
-        ),
+        ("--kv-dtype", e.kv_dtype.map(|d| crate::args::flag_value(&d))),
+        ("--precision", e.precision.map(|p| crate::args::flag_value(&p))),
     ] {
         if let Some(v) = value {
             cmd.args([flag, &v]);

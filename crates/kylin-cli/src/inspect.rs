@@ -37,11 +37,14 @@ pub fn run(args: InspectArgs) -> Result<()> {
 }
 
 /// The kernel families of this machine and the precision `--precision auto` picks for this
-/// model (`bf16` when every weight is BF16 and the CPU has BF16 kernels; llama.cpp: `null`).
+/// model (the engine's rule: `bf16` when every matrix is BF16 and the CPU has BF16 kernels;
+/// llama.cpp: `null`).
 fn kernels_report(report: &kylin_loader::InspectReport) -> serde_json::Value {
     let bf16 = kylin_kernels::bf16_kernels().map(|k| k.name());
-    let all_bf16 = report.dtypes.keys().all(|d| d.eq_ignore_ascii_case("bf16"));
-    let auto = (report.backend == "kylin").then(|| if bf16.is_some() && all_bf16 { "bf16" } else { "f32" });
+    let auto = report.binding.as_ref().map(|b| {
+        let all_bf16 = b.matrix_dtypes.keys().all(|d| d == "BF16");
+        if bf16.is_some() && all_bf16 { "bf16" } else { "f32" }
+    });
     json!({
         "f32": kylin_kernels::kernel_family(Precision::F32),
         "bf16": bf16,

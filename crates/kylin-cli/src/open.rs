@@ -72,7 +72,7 @@ pub fn open(args: &ModelArgs, require_tokenizer: bool) -> Result<Opened> {
             return Err(KylinError::config_invalid(format!(
                 "--precision {} applies to the native engine; llama.cpp computes {} in the types \
                  of its GGUF weights (omit --precision or pass auto)",
-                if p == PrecisionArg::F32 { "f32" } else { "bf16" },
+                crate::args::flag_value(&p),
                 args.model.display()
             ))
             .into());

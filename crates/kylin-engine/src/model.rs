@@ -814,7 +814,8 @@ impl Model {
             let mut first = 0;
             while first < rows {
                 let count = MAX_QUERIES.min(rows - first);
-                let mut queries: [Option<PagedQuery<'_>>; MAX_QUERIES] = [None, None, None, None];
+                let mut queries: [PagedQuery<'_>; MAX_QUERIES] =
+                    std::array::from_fn(|_| PagedQuery { q: &[], len: 0, scores: &mut [], out: &mut [] });
                 for (slot, query) in queries.iter_mut().enumerate().take(count) {
                     let (t, head) = ((first + slot) / group, kv_head * group + (first + slot) % group);
                     let row = seg.t0 + t;
@@ -828,11 +829,9 @@ impl Model {
                             attn.slice(at, hd),
                         )
                     };
-                    *query = Some(PagedQuery { q: &q[at..at + hd], len: seg.start + t + 1, scores, out });
+                    *query = PagedQuery { q: &q[at..at + hd], len: seg.start + t + 1, scores, out };
                 }
-                let mut group_queries: [PagedQuery<'_>; MAX_QUERIES] =
-                    queries.map(|q| q.unwrap_or(PagedQuery { q: &[], len: 0, scores: &mut [], out: &mut [] }));
-                kernels::paged::attention_paged_many(&mut group_queries[..count], keys, values, blocks, offset, scale);
+                kernels::paged::attention_paged_many(&mut queries[..count], keys, values, blocks, offset, scale);
                 first += count;
             }
         });

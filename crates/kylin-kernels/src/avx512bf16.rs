@@ -38,8 +38,10 @@ pub fn pack_rows(x: &[f32], cols: usize, t0: usize, t1: usize, out: &mut [u16]) 
     assert!(x.len() >= t1 * cols && out.len() >= t1 * kp, "pack_rows: buffers too short");
     for t in t0..t1 {
         let row = &x[t * cols..(t + 1) * cols];
-        for c in (0..kp).step_by(K) {
-            let chunk: &mut [u16; K] = (&mut out[t * kp + c..t * kp + c + K]).try_into().expect("32 elements");
+        // `kp` is a multiple of 32, so the row splits into whole chunks.
+        let (chunks, _) = out[t * kp..(t + 1) * kp].as_chunks_mut::<K>();
+        for (i, chunk) in chunks.iter_mut().enumerate() {
+            let c = i * K;
             // SAFETY: this family exists only where AVX-512 F/BW was detected; `row[c..c + n]`
             // is readable.
             unsafe { crate::amx::round_chunk(row.as_ptr().add(c), K.min(cols - c), chunk) };

@@ -72,24 +72,40 @@ fn run_chunk(pool: &ThreadPool, x: &[f32], n_tokens: usize, jobs: &mut [(WeightM
     // Tasks own whole GEMV blocks (4 rows) or whole GEMM row tiles (a multiple of 3 rows).
     let unit = if gemm { 24 } else { 4 };
 
+    let bytes: usize = jobs.iter().map(|(w, _)| w.data.len()).sum();
+    let macs: usize = jobs.iter().map(|(w, _)| w.rows * w.cols * n_tokens).sum();
+    let parallel = if gemm { macs >= MIN_PARALLEL_MACS } else { bytes >= MIN_PARALLEL_BYTES };
+    let threads = if parallel { pool.threads() } else { 1 };
+    // SAFETY: `split_rows` hands each task row ranges no other task gets, so each writes only
+    // rows `r0..r1` of `out`; shapes were checked above.
+    split_rows(pool, jobs, unit, threads, &|w, out, r0, r1| unsafe {
+        compute_rows(isa, gemm, w, x, n_tokens, out, r0, r1)
+    });
+}
+
+/// Splits the output rows of every matrix in `jobs` (at most [`MAX_FUSED`]) into pieces of
+/// `unit` rows, hands them to pool tasks for `threads` threads ([`guided_partition`]) and runs
+/// `compute(w, out, r0, r1)` on each piece: rows `r0..r1` of matrix `w`, whose output starts at
+/// `out`. Different calls of `compute` get disjoint rows.
+fn split_rows(
+    pool: &ThreadPool,
+    jobs: &mut [(WeightMatrix<'_>, &mut [f32])],
+    unit: usize,
+    threads: usize,
+    compute: &(dyn Fn(WeightMatrix<'_>, OutPtr, usize, usize) + Sync),
+) {
+    debug_assert!(jobs.len() <= MAX_FUSED);
     let mut mats: [Option<WeightMatrix<'_>>; MAX_FUSED] = [None; MAX_FUSED];
     let mut outs = [OutPtr(std::ptr::null_mut()); MAX_FUSED];
     let mut total_units = 0;
-    let mut bytes = 0;
-    let mut macs = 0;
     for (i, (w, y)) in jobs.iter_mut().enumerate() {
         mats[i] = Some(*w);
         outs[i] = OutPtr(y.as_mut_ptr());
         total_units += w.rows.div_ceil(unit);
-        bytes += w.data.len();
-        macs += w.rows * w.cols * n_tokens;
     }
-    let parallel = if gemm { macs >= MIN_PARALLEL_MACS } else { bytes >= MIN_PARALLEL_BYTES };
-    let threads = if parallel { pool.threads() } else { 1 };
     let mut bounds = [0usize; MAX_TASKS + 1];
     let n_tasks = guided_partition(total_units, threads, &mut bounds);
-
-    let task = |t: usize| {
+    pool.run(n_tasks, &|t: usize| {
         // The pool hands out task indices from the highest down; the highest are the largest.
         let (u0, u1) = (bounds[n_tasks - 1 - t], bounds[n_tasks - t]);
         let mut start = 0;
@@ -98,16 +114,12 @@ fn run_chunk(pool: &ThreadPool, x: &[f32], n_tokens: usize, jobs: &mut [(WeightM
             let units = w.rows.div_ceil(unit);
             let (a, b) = (u0.max(start), u1.min(start + units));
             if a < b {
-                let r0 = (a - start) * unit;
-                let r1 = ((b - start) * unit).min(w.rows);
-                // SAFETY: the unit ranges of different tasks are disjoint, so each task writes
-                // only rows `r0..r1` of `out`, which no other task touches; shapes were checked.
-                unsafe { compute_rows(isa, gemm, *w, x, n_tokens, *out, r0, r1) };
+                // The unit ranges of different tasks are disjoint.
+                compute(*w, *out, (a - start) * unit, ((b - start) * unit).min(w.rows));
             }
             start += units;
         }
-    };
-    pool.run(n_tasks, &task);
+    });
 }
 
 /// Most tasks one matmul job is split into.
@@ -450,36 +462,9 @@ fn run_bf16(
     let packed: &[u16] = packed;
     // 2. The products, output rows split across the pool in `unit`-row pieces.
     for chunk in jobs.chunks_mut(MAX_FUSED) {
-        let mut mats: [Option<WeightMatrix<'_>>; MAX_FUSED] = [None; MAX_FUSED];
-        let mut outs = [OutPtr(std::ptr::null_mut()); MAX_FUSED];
-        let mut total_units = 0;
-        let mut macs = 0;
-        for (i, (w, y)) in chunk.iter_mut().enumerate() {
-            mats[i] = Some(*w);
-            outs[i] = OutPtr(y.as_mut_ptr());
-            total_units += w.rows.div_ceil(unit);
-            macs += w.rows * w.cols * n_tokens.max(16);
-        }
+        let macs: usize = chunk.iter().map(|(w, _)| w.rows * w.cols * n_tokens.max(16)).sum();
         let threads = if macs >= 4 * MIN_PARALLEL_MACS { pool.threads() } else { 1 };
-        let mut bounds = [0usize; MAX_TASKS + 1];
-        let n_tasks = guided_partition(total_units, threads, &mut bounds);
-        pool.run(n_tasks, &|t| {
-            let (u0, u1) = (bounds[n_tasks - 1 - t], bounds[n_tasks - t]);
-            let mut start = 0;
-            for (w, out) in mats.iter().zip(outs.iter()) {
-                let Some(w) = w else { break };
-                let units = w.rows.div_ceil(unit);
-                let (a, b) = (u0.max(start), u1.min(start + units));
-                if a < b {
-                    let r0 = (a - start) * unit;
-                    let r1 = ((b - start) * unit).min(w.rows);
-                    // The unit ranges of different tasks are disjoint, so rows `r0..r1` of
-                    // `out` belong to this task.
-                    compute(*w, packed, out.0, r0, r1);
-                }
-                start += units;
-            }
-        });
+        split_rows(pool, chunk, unit, threads, &|w, out, r0, r1| compute(w, packed, out.0, r0, r1));
     }
 }
 

@@ -140,47 +140,17 @@ pub fn attention_paged_many(
     }
     keys.check(blocks, offset, max_len);
     values.check(blocks, offset, max_len);
-    match isa() {
+    let simd = matches!(isa(), Isa::Avx2Fma | Isa::Avx512);
+    match queries.len() {
+        // SAFETY (each arm): AVX2/FMA/F16C were detected (`simd`); every row read is inside the
+        // pool (checked), every query's buffers hold what it needs (checked).
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2Fma | Isa::Avx512 => {
-            use crate::x86::{BF16, F16, F32};
-            // SAFETY: AVX2/FMA/F16C were detected; every row read is inside the pool (checked),
-            // every query's buffers hold what it needs (checked).
-            unsafe {
-                match queries.len() {
-                    4 => many_x86::<4>(queries, keys, values, blocks, offset, scale),
-                    3 => many_x86::<3>(queries, keys, values, blocks, offset, scale),
-                    2 => many_x86::<2>(queries, keys, values, blocks, offset, scale),
-                    _ => {
-                        for q in queries.iter_mut() {
-                            match keys.dtype {
-                                WeightDType::BF16 => {
-                                    x86_scores::<BF16>(q.q, keys, blocks, offset, scale, &mut q.scores[..q.len])
-                                }
-                                WeightDType::F16 => {
-                                    x86_scores::<F16>(q.q, keys, blocks, offset, scale, &mut q.scores[..q.len])
-                                }
-                                WeightDType::F32 => {
-                                    x86_scores::<F32>(q.q, keys, blocks, offset, scale, &mut q.scores[..q.len])
-                                }
-                            }
-                            crate::x86::softmax(&mut q.scores[..q.len]);
-                            match values.dtype {
-                                WeightDType::BF16 => {
-                                    x86_weighted::<BF16>(&q.scores[..q.len], values, blocks, offset, q.out)
-                                }
-                                WeightDType::F16 => {
-                                    x86_weighted::<F16>(&q.scores[..q.len], values, blocks, offset, q.out)
-                                }
-                                WeightDType::F32 => {
-                                    x86_weighted::<F32>(&q.scores[..q.len], values, blocks, offset, q.out)
-                                }
-                            }
-                        }
-                    }
-                }
-            }
-        }
+        4 if simd => unsafe { many_x86::<4>(queries, keys, values, blocks, offset, scale) },
+        #[cfg(target_arch = "x86_64")]
+        3 if simd => unsafe { many_x86::<3>(queries, keys, values, blocks, offset, scale) },
+        #[cfg(target_arch = "x86_64")]
+        2 if simd => unsafe { many_x86::<2>(queries, keys, values, blocks, offset, scale) },
+        // One query, or the scalar kernels: each query alone.
         _ => {
             for q in queries.iter_mut() {
                 attention_paged(q.q, keys, values, blocks, offset, q.len, scale, q.scores, q.out);

@@ -8,33 +8,10 @@ use kylin_kernels::{
     ThreadPool, WeightDType, WeightMatrix, bf16_kernels, bf16_scratch_len, matmul_many_bf16, reference,
 };
 
-/// A small deterministic generator (xorshift64*).
-struct Rng(u64);
+#[path = "support/rng.rs"]
+mod rng;
 
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    /// Mixed signs and magnitudes: a value in [-1, 1) scaled by 2^e, e in -8..8.
-    fn next_f32(&mut self) -> f32 {
-        let bits = self.next_u64();
-        let unit = (bits >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
-        let exp = (bits & 15) as i32 - 8;
-        unit * 2f32.powi(exp)
-    }
-
-    fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.next_f32()).collect()
-    }
-
-    fn bf16_weights(&mut self, n: usize) -> Vec<u8> {
-        (0..n).flat_map(|_| half::bf16::from_f32(self.next_f32()).to_le_bytes()).collect()
-    }
-}
+use rng::Rng;
 
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|f| f.to_bits()).collect()

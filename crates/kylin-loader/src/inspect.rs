@@ -28,6 +28,8 @@ pub struct BindingReport {
     pub bound_tensors: usize,
     /// Checkpoint tensors the architecture's table did not use.
     pub unused_tensors: Vec<String>,
+    /// Stored dtype -> count of the matrices of the matrix products ([`crate::ModelWeights::matrices`]).
+    pub matrix_dtypes: BTreeMap<String, usize>,
 }
 
 /// The tokenizer as the report shows it.
@@ -143,6 +145,10 @@ fn hf_report(path: &Path, opts: &LoadOptions) -> Result<InspectReport> {
             head: model.weights.head.clone(),
             bound_tensors,
             unused_tensors: model.unused_tensors.clone(),
+            matrix_dtypes: model.weights.matrices().fold(BTreeMap::new(), |mut counts, t| {
+                *counts.entry(t.dtype.as_str().to_string()).or_insert(0) += 1;
+                counts
+            }),
         }),
         tokenizer,
         generation_defaults: model.generation.clone(),

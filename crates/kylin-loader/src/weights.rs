@@ -59,6 +59,15 @@ pub struct ModelWeights {
 }
 
 impl ModelWeights {
+    /// The matrices of the matrix products: every layer's seven projections, then the head
+    /// (the embedding's bytes when tied).
+    pub fn matrices(&self) -> impl Iterator<Item = &WeightTensor> {
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj])
+            .chain(std::iter::once(&self.lm_head))
+    }
+
     /// Every bound tensor once (a tied head is the embedding, listed once).
     pub fn tensors(&self) -> Vec<&WeightTensor> {
         let mut out = vec![&self.embed_tokens, &self.final_norm];
