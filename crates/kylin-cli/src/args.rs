@@ -120,7 +120,8 @@ pub struct EngineArgs {
     /// Share (0, 1] of the memory available after the weights and activations to use for the KV cache.
     #[arg(long, value_name = "F")]
     pub memory_fraction: Option<f64>,
-    /// Element type of the KV cache (default f32, which matches transformers exactly).
+    /// Element type of the KV cache (default: bf16 under --precision bf16, as transformers keeps
+    /// it for a BF16 model; f32 under --precision f32, which matches transformers' float32 exactly).
     #[arg(long, value_enum)]
     pub kv_dtype: Option<KvDTypeArg>,
     /// Sequences that run in one batch at most (default 16; 1 for run, chat and logits).

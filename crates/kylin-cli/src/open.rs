@@ -167,11 +167,11 @@ pub fn engine_options(args: &ModelArgs, threads: usize, default_max_seqs: usize)
         (None, Some(f)) => KvBudget::Fraction(f),
         (None, None) => KvBudget::Default,
     };
-    let kv_dtype = match e.kv_dtype.unwrap_or(KvDTypeArg::F32) {
+    let kv_dtype = e.kv_dtype.map(|d| match d {
         KvDTypeArg::F32 => WeightDType::F32,
         KvDTypeArg::F16 => WeightDType::F16,
         KvDTypeArg::Bf16 => WeightDType::BF16,
-    };
+    });
     Ok(EngineOptions {
         threads,
         ctx_size: args.ctx_size,

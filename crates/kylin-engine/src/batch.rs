@@ -72,7 +72,10 @@ pub struct EngineOptions {
     /// Longest sequence; default `min(max_position_embeddings, 4096)`.
     pub ctx_size: Option<usize>,
     pub kv_budget: KvBudget,
-    pub kv_dtype: WeightDType,
+    /// Element type of the KV cache; `None` follows the precision: BF16 under
+    /// `Precision::Bf16` (what transformers keeps for a BF16 model), f32 under `Precision::F32`
+    /// (exact against the float32 references).
+    pub kv_dtype: Option<WeightDType>,
     pub max_seqs: usize,
     pub max_batch_tokens: usize,
     pub block_size: usize,
@@ -92,7 +95,7 @@ impl Default for EngineOptions {
             threads: 1,
             ctx_size: None,
             kv_budget: KvBudget::Default,
-            kv_dtype: WeightDType::F32,
+            kv_dtype: None,
             max_seqs: DEFAULT_MAX_SEQS,
             max_batch_tokens: DEFAULT_MAX_BATCH_TOKENS,
             block_size: DEFAULT_BLOCK_SIZE,
@@ -290,9 +293,13 @@ impl EngineCore {
         let max_seqs = opts.max_seqs.min(opts.max_batch_tokens);
         let max_batch_tokens = opts.max_batch_tokens.min(context.max(1) * max_seqs);
         let d = *model.dims();
-        let mut scratch = model.plan_scratch(max_batch_tokens, max_seqs, context)?;
-        let n_blocks = kv_blocks(opts, &model, &scratch, context, max_seqs)?;
-        let mut kv = KvPool::new(opts.kv_dtype, n_blocks, opts.block_size, d.n_layers, d.n_kv_heads, d.head_dim)?;
+        let mut scratch = model.plan_scratch(max_batch_tokens, max_seqs)?;
+        let kv_dtype = opts.kv_dtype.unwrap_or(match model.precision() {
+            kylin_kernels::Precision::Bf16 => WeightDType::BF16,
+            kylin_kernels::Precision::F32 => WeightDType::F32,
+        });
+        let n_blocks = kv_blocks(opts, kv_dtype, &model, &scratch, context, max_seqs)?;
+        let mut kv = KvPool::new(kv_dtype, n_blocks, opts.block_size, d.n_layers, d.n_kv_heads, d.head_dim)?;
         if opts.prefault {
             kv.prefault();
             scratch.prefault();
@@ -377,7 +384,7 @@ impl EngineCore {
             kv_dtype: dtype_name(self.kv.dtype).to_string(),
             threads: self.pool.threads(),
             precision: precision_name(self.model.precision()).to_string(),
-            kernels: self.model.kernel_family().to_string(),
+            kernels: self.model.kernels_report(self.kv.block_size),
             has_tokenizer: self.text.is_some(),
             eos_ids: self.eos_ids.clone(),
         }
@@ -396,10 +403,17 @@ impl EngineCore {
 
 /// The number of KV blocks the budget buys; `CONFIG_INVALID` if fewer than one sequence of the
 /// context needs.
-fn kv_blocks(opts: &EngineOptions, model: &Model, scratch: &Scratch, context: usize, max_seqs: usize) -> Result<usize> {
+fn kv_blocks(
+    opts: &EngineOptions,
+    kv_dtype: WeightDType,
+    model: &Model,
+    scratch: &Scratch,
+    context: usize,
+    max_seqs: usize,
+) -> Result<usize> {
     let d = model.dims();
     let bs = opts.block_size;
-    let per_block = KvPool::block_bytes(opts.kv_dtype, d.n_layers, d.n_kv_heads, d.head_dim, bs)
+    let per_block = KvPool::block_bytes(kv_dtype, d.n_layers, d.n_kv_heads, d.head_dim, bs)
         .filter(|&b| b > 0)
         .ok_or_else(|| KylinError::config_invalid("the KV block size overflows; pass a smaller --kv-block-size"))?;
     let per_seq = context.div_ceil(bs);
@@ -411,7 +425,7 @@ fn kv_blocks(opts: &EngineOptions, model: &Model, scratch: &Scratch, context: us
              the context ({context} tokens) needs {per_seq} blocks ({}); raise the budget or lower --ctx-size",
             blocks * bs as u64,
             human_bytes(per_block),
-            dtype_name(opts.kv_dtype),
+            dtype_name(kv_dtype),
             human_bytes(per_seq as u64 * per_block)
         ))
     };
@@ -721,7 +735,7 @@ impl BatchEngine {
                 && let Some(copy) = self.core.kv.alloc.allocate()
             {
                 let source = self.running[leader_slot].kv.blocks[full];
-                self.core.kv.copy_block(source, copy, partial);
+                self.core.kv.copy_block(source, copy);
                 seq.kv.blocks.push(copy);
                 seq.computed = prompt_len;
             }

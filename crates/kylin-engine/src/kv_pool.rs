@@ -302,30 +302,35 @@ impl KvPool {
     }
 
     /// Stores the keys and values of one token at position `pos` of a sequence whose block
-    /// table is `blocks`, for `layer`: `k` and `v` are `(n_kv_heads * head_dim)`.
+    /// table is `blocks`, for `layer`: `k` and `v` are `(n_kv_heads * head_dim)`. Keys go to the
+    /// transposed `(head_dim, block_size)` tile of their (block, layer, head), values to row
+    /// `slot` of the `(block_size, head_dim)` one (the layout `kylin_kernels::paged` reads).
     pub fn store(&mut self, layer: usize, blocks: &[u32], pos: usize, k: &[f32], v: &[f32]) {
         let hd = self.head_dim;
         let block = blocks[pos / self.block_size] as usize;
         let slot = pos % self.block_size;
         for h in 0..self.n_kv_heads {
-            let at = block * self.block_stride + self.head_offset(layer, h) + slot * hd;
-            kylin_kernels::paged::store_row(self.dtype, &mut self.keys, at, &k[h * hd..(h + 1) * hd]);
-            kylin_kernels::paged::store_row(self.dtype, &mut self.values, at, &v[h * hd..(h + 1) * hd]);
+            let tile = block * self.block_stride + self.head_offset(layer, h);
+            kylin_kernels::paged::store_key(
+                self.dtype,
+                &mut self.keys,
+                tile,
+                self.block_size,
+                slot,
+                &k[h * hd..(h + 1) * hd],
+            );
+            kylin_kernels::paged::store_row(self.dtype, &mut self.values, tile + slot * hd, &v[h * hd..(h + 1) * hd]);
         }
     }
 
-    /// Copies the first `positions` slots of every layer and head of block `from` to block `to`
-    /// (a partly filled block before two sequences diverge).
-    pub fn copy_block(&mut self, from: u32, to: u32, positions: usize) {
-        let size = self.dtype.size_in_bytes();
-        let span = positions * self.head_dim * size;
+    /// Copies block `from` to block `to` (a partly filled block before two sequences diverge).
+    /// The whole block is copied: keys are stored transposed, so the filled positions are not
+    /// one span, and the slots past the filled ones are never read before they are written.
+    pub fn copy_block(&mut self, from: u32, to: u32) {
+        let bytes = self.block_stride * self.dtype.size_in_bytes();
         for data in [&mut self.keys, &mut self.values] {
-            for lh in 0..self.n_layers * self.n_kv_heads {
-                let inner = lh * self.block_size * self.head_dim * size;
-                let src = from as usize * self.block_stride * size + inner;
-                let dst = to as usize * self.block_stride * size + inner;
-                data.copy_within(src..src + span, dst);
-            }
+            let src = from as usize * bytes;
+            data.copy_within(src..src + bytes, to as usize * bytes);
         }
     }
 }

@@ -50,7 +50,7 @@ use kylin_loader::{DType, KylinError, LayerWeights, ModelConfig, ModelWeights, R
 
 use crate::kv_pool::KvPool;
 use crate::rope::Rope;
-use kylin_kernels::paged::{MAX_QUERIES, PagedQuery};
+use kylin_kernels::paged::{MAX_HEAD_DIM, MAX_ROWS, QueryRow};
 
 /// The largest number of prompt tokens run through the layers at once; longer prompts are
 /// processed in chunks of this size so activation buffers stay bounded.
@@ -339,12 +339,11 @@ impl BatchPlan {
 }
 
 /// Activation buffers for up to `max_tokens` tokens and `max_segments` segments per forward
-/// pass, with attention scores for sequences of up to `context` positions.
+/// pass over sequences of up to `context` positions.
 #[derive(Debug)]
 pub struct Scratch {
     max_tokens: usize,
     max_segments: usize,
-    context: usize,
     /// Residual stream, `(max_tokens, hidden)`.
     x: Vec<f32>,
     /// Normalised input of a block, `(max_tokens, hidden)`.
@@ -361,9 +360,8 @@ pub struct Scratch {
     /// MLP gate and up projections, `(max_tokens, intermediate)`.
     gate: Vec<f32>,
     up: Vec<f32>,
-    /// Score rows of the queries one attention call groups, per segment and KV head,
-    /// `(max_segments, n_kv_heads, MAX_QUERIES, context)`.
-    scores: Vec<f32>,
+    /// First attention task of each segment, and the total, `(max_segments + 1)`.
+    attention_tasks: Vec<usize>,
     /// One head for the in-place q/k norm, `(head_dim)`.
     head_tmp: Vec<f32>,
     /// Final-normed last rows of the segments that want logits, `(max_segments, hidden)`.
@@ -390,7 +388,6 @@ impl Scratch {
             + self.proj.len()
             + self.gate.len()
             + self.up.len()
-            + self.scores.len()
             + self.head_tmp.len()
             + self.logit_hidden.len()
             + self.logits.len();
@@ -409,7 +406,6 @@ impl Scratch {
             &mut self.proj,
             &mut self.gate,
             &mut self.up,
-            &mut self.scores,
             &mut self.logit_hidden,
             &mut self.logits,
         ] {
@@ -487,6 +483,12 @@ impl Model {
             return Err(KylinError::config_invalid(format!(
                 "num_attention_heads ({}) must be a non-zero multiple of num_key_value_heads ({})",
                 config.num_heads, config.num_kv_heads
+            )));
+        }
+        if config.head_dim == 0 || config.head_dim > MAX_HEAD_DIM {
+            return Err(KylinError::operator_unsupported(format!(
+                "head_dim {} is outside the attention kernels' range 1..={MAX_HEAD_DIM}",
+                config.head_dim
             )));
         }
         if weights.layers.len() != config.num_layers {
@@ -570,6 +572,18 @@ impl Model {
         kernels::kernel_family(self.precision())
     }
 
+    /// What reports name as the kernels: the matrix products' family, and attention's path
+    /// when it differs (`amx-bf16`, or `avx512, attention f32`).
+    pub fn kernels_report(&self, block_size: usize) -> String {
+        let attention = kernels::paged::attention_path(self.precision(), self.dims.head_dim, block_size);
+        let family = self.kernel_family();
+        if attention.name() == family {
+            family.to_string()
+        } else {
+            format!("{family}, attention {}", attention.name())
+        }
+    }
+
     pub fn dims(&self) -> &Dims {
         &self.dims
     }
@@ -608,9 +622,9 @@ impl Model {
     }
 
     /// Plans the activation buffers for forward passes of up to `max_tokens` tokens in up to
-    /// `max_segments` segments over sequences of up to `context` positions. `CONFIG_INVALID` if
-    /// a size overflows.
-    pub fn plan_scratch(&self, max_tokens: usize, max_segments: usize, context: usize) -> Result<Scratch> {
+    /// `max_segments` segments (attention needs no buffer sized by the context: its state is
+    /// per tile). `CONFIG_INVALID` if a size overflows.
+    pub fn plan_scratch(&self, max_tokens: usize, max_segments: usize) -> Result<Scratch> {
         let d = &self.dims;
         let max_tokens = max_tokens.max(1);
         let max_segments = max_segments.clamp(1, max_tokens);
@@ -622,13 +636,9 @@ impl Model {
             })?;
             Ok(vec![0.0; len])
         };
-        let score_rows = max_segments.checked_mul(d.n_kv_heads * kernels::paged::MAX_QUERIES).ok_or_else(|| {
-            KylinError::config_invalid(format!("{max_segments} sequences x {} KV heads overflows", d.n_kv_heads))
-        })?;
         Ok(Scratch {
             max_tokens,
             max_segments,
-            context,
             x: sized(max_tokens, d.hidden, "residual")?,
             xn: sized(max_tokens, d.hidden, "norm")?,
             q: sized(max_tokens, d.q_dim(), "query")?,
@@ -638,7 +648,7 @@ impl Model {
             proj: sized(max_tokens, d.hidden, "projection")?,
             gate: sized(max_tokens, d.intermediate, "gate")?,
             up: sized(max_tokens, d.intermediate, "up")?,
-            scores: sized(score_rows, context, "attention score")?,
+            attention_tasks: vec![0; max_segments + 1],
             head_tmp: sized(1, d.head_dim, "head")?,
             logit_hidden: sized(max_segments, d.hidden, "hidden")?,
             logits: sized(max_segments, d.vocab, "logits")?,
@@ -788,50 +798,57 @@ impl Model {
             }
         }
 
-        // 4. Causal attention, one pool task per (segment, KV head) with its group of query
-        //    heads, so a head's cached keys and values are read once per token while they are in
-        //    cache: query t of a segment attends to positions 0..=start + t of its own sequence.
+        // 4. Causal attention, blocked: one pool task per (segment, KV head, chunk of up to
+        //    MAX_ROWS of its (token, query head) rows, token-major), so each tile of the head's
+        //    cached keys and values is read once for the whole chunk; query t of a segment attends
+        //    to positions 0..=start + t of its own sequence. The kernel gives every row the same
+        //    bits whatever chunk it is in (batch invariance).
         //    q (n, n_heads, head_dim) -> attn (n, n_heads, head_dim).
         let kv: &KvPool = kv;
         let (keys, values) = kv.views();
-        let context = s.context;
         let group = d.group();
         let scale = d.attn_scale;
+        let precision = self.precision();
         let n_kv = d.n_kv_heads;
         let q = &s.q[..n * q_dim];
         let attn = SharedMut::new(&mut s.attn[..n * q_dim]);
-        let scores = SharedMut::new(&mut s.scores);
         let segments = &plan.segments;
         let block_ids = &plan.block_ids;
-        mm.pool.run(segments.len() * n_kv, &|task| {
-            let (si, kv_head) = (task / n_kv, task % n_kv);
+        // Tasks of segment i are task_start[i]..task_start[i + 1]: its KV heads, each cut into
+        // chunks of MAX_ROWS rows.
+        let chunks = |seg: &Segment| (seg.n * group).div_ceil(MAX_ROWS);
+        let task_start = &mut s.attention_tasks[..segments.len() + 1];
+        task_start[0] = 0;
+        for (i, seg) in segments.iter().enumerate() {
+            task_start[i + 1] = task_start[i] + n_kv * chunks(seg);
+        }
+        let task_start = &*task_start;
+        mm.pool.run(task_start[segments.len()], &|task| {
+            // The task's segment, KV head and range of rows.
+            let si = task_start.partition_point(|&t| t <= task) - 1;
             let seg = segments[si];
+            let rows = seg.n * group;
+            let local = task - task_start[si];
+            let (kv_head, chunk) = (local / chunks(&seg), local % chunks(&seg));
+            let (row0, row_end) = (chunk * MAX_ROWS, ((chunk + 1) * MAX_ROWS).min(rows));
             let blocks = &block_ids[seg.b0..seg.b0 + seg.nb];
             let offset = kv.head_offset(index, kv_head);
-            // The (token, query head) rows of this KV head, token-major, in groups of up to
-            // MAX_QUERIES that read each cached key and value once (same bits as one by one).
-            let rows = seg.n * group;
-            let mut first = 0;
-            while first < rows {
-                let count = MAX_QUERIES.min(rows - first);
-                let mut queries: [PagedQuery<'_>; MAX_QUERIES] =
-                    std::array::from_fn(|_| PagedQuery { q: &[], len: 0, scores: &mut [], out: &mut [] });
-                for (slot, query) in queries.iter_mut().enumerate().take(count) {
+            let mut first = row0;
+            while first < row_end {
+                let count = MAX_ROWS.min(row_end - first);
+                let mut rows: [QueryRow<'_>; MAX_ROWS] =
+                    std::array::from_fn(|_| QueryRow { q: &[], len: 0, out: &mut [] });
+                for (slot, row) in rows.iter_mut().enumerate().take(count) {
                     let (t, head) = ((first + slot) / group, kv_head * group + (first + slot) % group);
-                    let row = seg.t0 + t;
-                    let at = row * q_dim + head * hd;
-                    // SAFETY: score row (si, kv_head, slot) and the (row, head) block of attn
-                    // belong to this task's segment and KV head group, which no other task
-                    // touches, and each slot of this call is a different row.
-                    let (scores, out) = unsafe {
-                        (
-                            scores.slice(((si * n_kv + kv_head) * MAX_QUERIES + slot) * context, context),
-                            attn.slice(at, hd),
-                        )
-                    };
-                    *query = PagedQuery { q: &q[at..at + hd], len: seg.start + t + 1, scores, out };
+                    let token = seg.t0 + t;
+                    let at = token * q_dim + head * hd;
+                    // SAFETY: the (token, head) block of attn belongs to this task's segment, KV
+                    // head group and row range, which no other task touches, and each slot of
+                    // this call is a different row.
+                    let out = unsafe { attn.slice(at, hd) };
+                    *row = QueryRow { q: &q[at..at + hd], len: seg.start + t + 1, out };
                 }
-                kernels::paged::attention_paged_many(&mut queries[..count], keys, values, blocks, offset, scale);
+                kernels::paged::attention_rows(&mut rows[..count], keys, values, blocks, offset, scale, precision);
                 first += count;
             }
         });

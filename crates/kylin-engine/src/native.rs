@@ -176,7 +176,7 @@ impl Backend for NativeBackend {
             context_size: self.core.context(),
             threads: self.core.pool.threads(),
             precision: crate::batch::precision_name(self.core.model().precision()).to_string(),
-            kernels: self.core.model().kernel_family().to_string(),
+            kernels: self.core.model().kernels_report(self.core.block_size()),
         }
     }
 

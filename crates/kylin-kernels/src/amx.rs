@@ -39,7 +39,7 @@ pub const PACKED_TILE: usize = TILE * TILE_K;
 /// The tile configuration (`ldtilecfg`'s 64-byte operand): palette 1, tiles 0-7 all 16 rows of
 /// 64 bytes.
 #[repr(C, align(64))]
-struct TileConfig {
+pub(crate) struct TileConfig {
     palette: u8,
     start_row: u8,
     reserved: [u8; 14],
@@ -47,7 +47,7 @@ struct TileConfig {
     rows: [u8; 16],
 }
 
-const CONFIG: TileConfig = TileConfig {
+pub(crate) const CONFIG: TileConfig = TileConfig {
     palette: 1,
     start_row: 0,
     reserved: [0; 14],

@@ -1,17 +1,70 @@
-//! Attention over a paged KV cache: a sequence's keys and values live in fixed-size blocks
-//! scattered through one pool, found through the sequence's block table.
+//! Blocked ("flash") attention over a paged KV cache: a sequence's keys and values live in
+//! fixed-size blocks scattered through one pool, found through the sequence's block table, and
+//! are read tile by tile with an online softmax, so no score row of the whole context is ever
+//! materialised and each tile of keys and values is read once for many query rows.
 //!
-//! Pool layout (what [`KvView`] describes): block-major, then layer, then KV head, then slot,
-//! then `head_dim`, so the `block_size` rows of one (block, layer, head) are contiguous. Element
-//! type F32, F16 or BF16 ([`WeightDType`]); attention widens to f32 in registers and
-//! accumulates in f32.
+//! # Pool layout ([`KvView`])
+//!
+//! Block-major, then layer, then KV head: the `block_size × head_dim` elements of one
+//! (block, layer, head) are contiguous. Inside that tile, **keys are stored transposed**,
+//! `(head_dim, block_size)` (element `(c, slot)` at `c · block_size + slot`), so sixteen
+//! consecutive positions of one key dimension are one vector; **values are stored by row**,
+//! `(block_size, head_dim)`. Element type F32, F16 or BF16 ([`WeightDType`]); everything is
+//! widened to f32 in registers and accumulated in f32. Write keys with [`store_key`] and values
+//! with [`store_row`].
+//!
+//! # The canonical computation (what batch invariance rests on)
+//!
+//! Every query row, whatever it is computed with (alone in a decode step, among 47 others of a
+//! prefill chunk, in any chunking of its prompt), goes through exactly these floating-point
+//! operations, so its output has the same bits (DESIGN.md invariant 7):
+//!
+//! 1. Its positions `0..len` are cut at absolute multiples of [`PARTITION`] into partitions,
+//!    and each partition at absolute multiples of [`TILE`] into tiles.
+//! 2. Per partition a fresh state `(m = -inf, l = 0, o = 0)`; per tile, in order:
+//!    - scores `s_j = (Σ_c q_c · k_jc) · scale` (one fused multiply-add per dimension `c` in
+//!      order, from zero; then the scale), positions `>= len` set to `-inf`;
+//!    - `m' = max(m, max_j s_j)`, `corr = e^(m - m')`, `p_j = e^(s_j - m')` (0 beyond `len`);
+//!    - `l = fma(l, corr, sum(p))` (the sum in a fixed tree: the tile's two halves added lane by
+//!      lane, then the eight-lane tree of `hsum`);
+//!    - `o = o · corr`, then `o = fma(p_j, v_j, o)` for each valid position `j` in order.
+//! 3. Partitions fold in order into `(M, L, O)`: `M' = max(M, m)`, `a = e^(M - M')`,
+//!    `b = e^(m - M')`, `L = fma(l, b, L · a)`, `O = fma(o, b, O · a)`.
+//! 4. `out = O · (1 / L)`.
+//!
+//! The exponential is [`crate::x86`]'s `exp8` on x86 (`f32::exp` in the portable path); the
+//! partitions exist so that a long context can later be split across threads (each partition
+//! computed on its own, then folded in the same order) without changing a bit.
 //!
 //! Guarantees: nothing here allocates; every block id is checked against the pool before any
-//! read, so a wrong block table panics instead of reading out of bounds; the computation for a
-//! query row depends only on that row, the cached rows and their order, never on other queries
-//! (batch invariance).
+//! read, so a wrong block table panics instead of reading out of bounds.
 
-use crate::{Isa, WeightDType, isa, reference};
+// Register-blocked loops index several arrays by row on purpose (fixed trip counts the
+// compiler unrolls into registers).
+#![allow(clippy::needless_range_loop)]
+
+use crate::{Bf16Kernels, Isa, Precision, WeightDType, bf16_kernels, isa};
+
+#[cfg(target_arch = "x86_64")]
+#[path = "paged_amx.rs"]
+mod paged_amx;
+#[cfg(target_arch = "x86_64")]
+pub use paged_amx::AMX_TILE;
+
+/// Positions per tile of the online softmax (absolute: tile `t` is `t·TILE .. (t+1)·TILE`).
+pub const TILE: usize = 32;
+/// Positions per partition (a multiple of [`TILE`]); see the module documentation.
+pub const PARTITION: usize = 1024;
+/// Most query rows one [`attention_rows`] call takes: each tile of keys and values is read
+/// from memory once for all of them.
+pub const MAX_ROWS: usize = 48;
+/// Largest `head_dim` the kernels take (their per-row state lives on the stack).
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// Dtype codes used as const generic parameters (the same numbers as `x86`'s).
+const DT_BF16: u8 = 0;
+const DT_F16: u8 = 1;
+const DT_F32: u8 = 2;
 
 /// One pool of keys (or values) with its geometry.
 #[derive(Debug, Clone, Copy)]
@@ -27,10 +80,11 @@ pub struct KvView<'a> {
 }
 
 impl KvView<'_> {
-    /// Element offset of position `p` given the (layer, head) offset inside a block.
+    /// Element offset of the (layer, head) tile holding position `p`, given the tile's offset
+    /// inside a block.
     #[inline]
-    fn row(&self, blocks: &[u32], offset: usize, p: usize) -> usize {
-        blocks[p / self.block_size] as usize * self.block_stride + offset + (p % self.block_size) * self.head_dim
+    fn tile_base(&self, blocks: &[u32], offset: usize, p: usize) -> usize {
+        blocks[p / self.block_size] as usize * self.block_stride + offset
     }
 
     /// Panics unless positions `0..len` of the (layer, head) at `offset` are inside the pool.
@@ -45,11 +99,85 @@ impl KvView<'_> {
     }
 }
 
-/// Attention of one query head over positions `0..len` of one sequence.
+/// One query row of [`attention_rows`]: its vector `(head_dim)`, the positions it attends to
+/// (`0..len`, `len >= 1`) and its output `(head_dim)`.
+pub struct QueryRow<'a> {
+    pub q: &'a [f32],
+    pub len: usize,
+    pub out: &'a mut [f32],
+}
+
+/// Attention of up to [`MAX_ROWS`] query rows over one KV head of one sequence:
+/// `out_i = softmax(scale · K[0..len_i] · q_i) · V[0..len_i]`, computed tile by tile in the
+/// canonical order of the module documentation (so each row's output has the same bits
+/// whatever other rows share the call).
 ///
-/// `q`: `(head_dim)`; `blocks`: the sequence's block table; `offset`: element offset of the
-/// (layer, KV head) inside a block; `scores`: scratch of at least `len`; `out`: `(head_dim)`.
-/// `out = softmax(scale · K · q) · V`.
+/// `blocks`: the sequence's block table; `offset`: element offset of the (layer, KV head) tile
+/// inside a block. Panics if a row is malformed, `head_dim > MAX_HEAD_DIM`, or a block of the
+/// table lies outside the pool.
+///
+/// `precision`: with [`Precision::Bf16`] on a CPU whose BF16 kernels are AMX, and a head size
+/// that is a multiple of 32 and a block size that is a multiple of 16, both products run on
+/// AMX with BF16 inputs ([`attention_path`] says which path a configuration takes); otherwise
+/// everything is f32.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_rows(
+    rows: &mut [QueryRow<'_>],
+    keys: KvView<'_>,
+    values: KvView<'_>,
+    blocks: &[u32],
+    offset: usize,
+    scale: f32,
+    precision: Precision,
+) {
+    let hd = keys.head_dim;
+    assert!(rows.len() <= MAX_ROWS, "at most {MAX_ROWS} rows per call");
+    assert!(hd <= MAX_HEAD_DIM, "head_dim {hd} above {MAX_HEAD_DIM}");
+    assert!(values.head_dim == hd && values.block_size == keys.block_size && values.dtype == keys.dtype);
+    let Some(max_len) = rows.iter().map(|r| r.len).max() else { return };
+    for r in rows.iter() {
+        assert!(r.len >= 1 && r.q.len() >= hd && r.out.len() >= hd, "a query row needs len >= 1 and head_dim elements");
+    }
+    keys.check(blocks, offset, max_len);
+    values.check(blocks, offset, max_len);
+    let job = Job { keys, values, blocks, offset, scale };
+    #[cfg(target_arch = "x86_64")]
+    if attention_path(precision, hd, keys.block_size) == AttentionPath::AmxBf16 {
+        // SAFETY: AMX was detected and permitted (`bf16_kernels`), which implies AVX-512;
+        // the shape conditions hold; the checks above passed.
+        unsafe {
+            match keys.dtype {
+                WeightDType::BF16 => paged_amx::rows_amx::<DT_BF16>(rows, &job),
+                WeightDType::F16 => paged_amx::rows_amx::<DT_F16>(rows, &job),
+                WeightDType::F32 => paged_amx::rows_amx::<DT_F32>(rows, &job),
+            }
+        }
+        return;
+    }
+    // SAFETY (each arm): the ISA was detected; every position below each row's `len` lies in a
+    // block of the table inside the pool (checked), every row holds `head_dim` elements.
+    unsafe {
+        match (isa(), keys.dtype) {
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx512, WeightDType::BF16) => simd::rows_avx512::<DT_BF16>(rows, &job),
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx512, WeightDType::F16) => simd::rows_avx512::<DT_F16>(rows, &job),
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx512, WeightDType::F32) => simd::rows_avx512::<DT_F32>(rows, &job),
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx2Fma, WeightDType::BF16) => simd::rows_avx2::<DT_BF16>(rows, &job),
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx2Fma, WeightDType::F16) => simd::rows_avx2::<DT_F16>(rows, &job),
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx2Fma, WeightDType::F32) => simd::rows_avx2::<DT_F32>(rows, &job),
+            (_, WeightDType::BF16) => rows_body::<Portable, DT_BF16>(rows, &job),
+            (_, WeightDType::F16) => rows_body::<Portable, DT_F16>(rows, &job),
+            (_, WeightDType::F32) => rows_body::<Portable, DT_F32>(rows, &job),
+        }
+    }
+}
+
+/// [`attention_rows`] for one query row.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_paged(
     q: &[f32],
@@ -59,384 +187,774 @@ pub fn attention_paged(
     offset: usize,
     len: usize,
     scale: f32,
-    scores: &mut [f32],
+    precision: Precision,
     out: &mut [f32],
 ) {
-    let hd = keys.head_dim;
-    assert!(q.len() >= hd && out.len() >= hd && scores.len() >= len && values.head_dim == hd);
-    keys.check(blocks, offset, len);
-    values.check(blocks, offset, len);
-    let scores = &mut scores[..len];
-    match isa() {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2Fma | Isa::Avx512 => {
-            use crate::x86::{BF16, F16, F32};
-            // SAFETY: AVX2/FMA/F16C were detected; every row read is inside the pool (checked).
-            unsafe {
-                match keys.dtype {
-                    WeightDType::BF16 => x86_scores::<BF16>(q, keys, blocks, offset, scale, scores),
-                    WeightDType::F16 => x86_scores::<F16>(q, keys, blocks, offset, scale, scores),
-                    WeightDType::F32 => x86_scores::<F32>(q, keys, blocks, offset, scale, scores),
-                }
-                crate::x86::softmax(scores);
-                match values.dtype {
-                    WeightDType::BF16 => x86_weighted::<BF16>(scores, values, blocks, offset, out),
-                    WeightDType::F16 => x86_weighted::<F16>(scores, values, blocks, offset, out),
-                    WeightDType::F32 => x86_weighted::<F32>(scores, values, blocks, offset, out),
-                }
-            }
-        }
-        _ => {
-            for (p, s) in scores.iter_mut().enumerate() {
-                let base = keys.row(blocks, offset, p);
-                let mut dot = 0.0f32;
-                for (c, qv) in q[..hd].iter().enumerate() {
-                    dot += qv * reference::load_f32(keys.dtype, keys.data, base + c);
-                }
-                *s = dot * scale;
-            }
-            reference::softmax(scores);
-            let out = &mut out[..hd];
-            out.fill(0.0);
-            for (p, &s) in scores.iter().enumerate() {
-                let base = values.row(blocks, offset, p);
-                for (c, o) in out.iter_mut().enumerate() {
-                    *o += s * reference::load_f32(values.dtype, values.data, base + c);
-                }
-            }
+    attention_rows(&mut [QueryRow { q, len, out }], keys, values, blocks, offset, scale, precision);
+}
+
+/// Which arithmetic attention uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionPath {
+    /// f32 products on the SIMD lanes of this CPU (or the portable code).
+    F32,
+    /// BF16 inputs, f32 accumulation, on AMX tiles.
+    AmxBf16,
+}
+
+impl AttentionPath {
+    /// A short name for reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionPath::F32 => "f32",
+            AttentionPath::AmxBf16 => "amx-bf16",
         }
     }
 }
 
-/// Most query rows [`attention_paged_many`] computes together.
-pub const MAX_QUERIES: usize = 4;
-
-/// One query row of [`attention_paged_many`]: its vector `(head_dim)`, the positions it attends
-/// to (`0..len`), its score scratch (at least `len`) and its output `(head_dim)`.
-pub struct PagedQuery<'a> {
-    pub q: &'a [f32],
-    pub len: usize,
-    pub scores: &'a mut [f32],
-    pub out: &'a mut [f32],
+/// The path [`attention_rows`] takes for this precision, head size and block size on this CPU.
+pub fn attention_path(precision: Precision, head_dim: usize, block_size: usize) -> AttentionPath {
+    let amx = precision == Precision::Bf16 && bf16_kernels() == Some(Bf16Kernels::Amx);
+    if cfg!(target_arch = "x86_64") && amx && head_dim.is_multiple_of(32) && block_size.is_multiple_of(16) {
+        AttentionPath::AmxBf16
+    } else {
+        AttentionPath::F32
+    }
 }
 
-/// [`attention_paged`] for up to [`MAX_QUERIES`] query rows over the same KV head (the query
-/// heads of a GQA group, consecutive tokens of a prompt): each key and value row is read once
-/// for all of them. Every query's output has the bits [`attention_paged`] gives it alone (the
-/// same operations per query, interleaved), so grouping never changes a result.
-pub fn attention_paged_many(
-    queries: &mut [PagedQuery<'_>],
-    keys: KvView<'_>,
-    values: KvView<'_>,
-    blocks: &[u32],
+/// What every row of one call shares.
+struct Job<'a> {
+    keys: KvView<'a>,
+    values: KvView<'a>,
+    blocks: &'a [u32],
     offset: usize,
     scale: f32,
-) {
-    let hd = keys.head_dim;
-    assert!(queries.len() <= MAX_QUERIES, "at most {MAX_QUERIES} queries per call");
-    let Some(max_len) = queries.iter().map(|q| q.len).max() else { return };
-    for q in queries.iter() {
-        assert!(q.q.len() >= hd && q.out.len() >= hd && q.scores.len() >= q.len && values.head_dim == hd);
-    }
-    keys.check(blocks, offset, max_len);
-    values.check(blocks, offset, max_len);
-    let simd = matches!(isa(), Isa::Avx2Fma | Isa::Avx512);
-    match queries.len() {
-        // SAFETY (each arm): AVX2/FMA/F16C were detected (`simd`); every row read is inside the
-        // pool (checked), every query's buffers hold what it needs (checked).
-        #[cfg(target_arch = "x86_64")]
-        4 if simd => unsafe { many_x86::<4>(queries, keys, values, blocks, offset, scale) },
-        #[cfg(target_arch = "x86_64")]
-        3 if simd => unsafe { many_x86::<3>(queries, keys, values, blocks, offset, scale) },
-        #[cfg(target_arch = "x86_64")]
-        2 if simd => unsafe { many_x86::<2>(queries, keys, values, blocks, offset, scale) },
-        // One query, or the scalar kernels: each query alone.
-        _ => {
-            for q in queries.iter_mut() {
-                attention_paged(q.q, keys, values, blocks, offset, q.len, scale, q.scores, q.out);
-            }
-        }
-    }
 }
 
-/// The x86 body of [`attention_paged_many`] for `NQ` queries (dispatching on the dtypes).
+/// Sixteen f32 lanes, the unit of the kernel: one per ISA. Every method is a plain lane-wise
+/// IEEE operation (or the documented reduction), so the generic body below performs the same
+/// operations whatever implementation runs it.
+trait Lanes: Copy {
+    /// Rows one register-blocked micro-kernel takes.
+    const MICRO_ROWS: usize;
+    /// Runs [`micro`] for `count` rows (`1..=MICRO_ROWS`), each implementation instantiating
+    /// only the row counts it uses.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn micro_rows<const D: u8>(
+        count: usize,
+        rows: &[QueryRow<'_>],
+        first: usize,
+        st: &mut RowState,
+        halves: &[KeyHalf; 2],
+        n_halves: usize,
+        vrows: &[*const u8; TILE],
+        scale: f32,
+        hd: usize,
+    );
+    unsafe fn zero() -> Self;
+    unsafe fn splat(x: f32) -> Self;
+    /// Sixteen elements of dtype `D` from element `i` of `p`, widened.
+    unsafe fn load<const D: u8>(p: *const u8, i: usize) -> Self;
+    unsafe fn load_f32(p: *const f32) -> Self;
+    unsafe fn store_f32(self, p: *mut f32);
+    /// `a · b + c`, fused.
+    unsafe fn fma(a: Self, b: Self, c: Self) -> Self;
+    unsafe fn mul(a: Self, b: Self) -> Self;
+    unsafe fn add(a: Self, b: Self) -> Self;
+    unsafe fn sub(a: Self, b: Self) -> Self;
+    unsafe fn max(a: Self, b: Self) -> Self;
+    /// Lanes `>= valid` replaced by `fill`.
+    unsafe fn keep(self, valid: usize, fill: f32) -> Self;
+    unsafe fn exp(self) -> Self;
+    unsafe fn exp1(x: f32) -> f32;
+    /// Largest lane.
+    unsafe fn reduce_max(self) -> f32;
+    /// `hsum(lo8 + hi8)`, with `x86::hsum`'s tree.
+    unsafe fn reduce_add(self) -> f32;
+    /// One element of dtype `D`, widened.
+    unsafe fn load1<const D: u8>(p: *const u8, i: usize) -> f32;
+    /// `a · b + c`, fused, on one element.
+    unsafe fn fma1(a: f32, b: f32, c: f32) -> f32;
+}
+
+/// Per-row state of one call, on the stack.
+struct RowState {
+    /// Running partition fold: `M`, `L`.
+    big_m: [f32; MAX_ROWS],
+    big_l: [f32; MAX_ROWS],
+    /// Current partition: `m`, `l`, and the tile's rescale factor.
+    m: [f32; MAX_ROWS],
+    l: [f32; MAX_ROWS],
+    corr: [f32; MAX_ROWS],
+    /// Positions of the current tile each row uses.
+    valid: [usize; MAX_ROWS],
+    /// Current partition's `o`, `(MAX_ROWS, MAX_HEAD_DIM)` row-major, of which rows `< n` and
+    /// columns `< head_dim` are initialised (written before they are read).
+    o: *mut f32,
+    /// The tile's `p`, `(MAX_ROWS, TILE)`.
+    p: [[f32; TILE]; MAX_ROWS],
+}
+
+/// Where one 16-position half of a key tile is read: a pointer to element `(0, first)` and the
+/// element stride between dimensions.
+#[derive(Clone, Copy)]
+struct KeyHalf {
+    ptr: *const u8,
+    stride: usize,
+}
+
+/// The body of [`attention_rows`] for lanes `L` and dtype `D`.
 ///
 /// # Safety
-/// As [`attention_paged_many`] after its checks; AVX2/FMA/F16C are available.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn many_x86<const NQ: usize>(
-    queries: &mut [PagedQuery<'_>],
-    keys: KvView<'_>,
-    values: KvView<'_>,
-    blocks: &[u32],
-    offset: usize,
+/// `L`'s instructions are available; the checks of [`attention_rows`] passed.
+#[inline(always)]
+unsafe fn rows_body<L: Lanes, const D: u8>(rows: &mut [QueryRow<'_>], job: &Job<'_>) {
+    let n = rows.len();
+    let hd = job.keys.head_dim;
+    let bs = job.keys.block_size;
+    let size = job.keys.dtype.size_in_bytes();
+    let max_len = rows.iter().map(|r| r.len).max().unwrap_or(0);
+    // Only the part of `o` a call uses is written (zeroed per partition), never all 48 KiB.
+    let mut o_rows = std::mem::MaybeUninit::<[[f32; MAX_HEAD_DIM]; MAX_ROWS]>::uninit();
+    let mut st = RowState {
+        big_m: [f32::NEG_INFINITY; MAX_ROWS],
+        big_l: [0.0; MAX_ROWS],
+        m: [0.0; MAX_ROWS],
+        l: [0.0; MAX_ROWS],
+        corr: [0.0; MAX_ROWS],
+        valid: [0; MAX_ROWS],
+        o: o_rows.as_mut_ptr() as *mut f32,
+        p: [[0.0; TILE]; MAX_ROWS],
+    };
+    // Transposed copies of key halves when the block size is not a multiple of 16 (so sixteen
+    // positions are not contiguous): `(head_dim, 16)` each, in the pool's dtype; every byte
+    // read is written first.
+    let mut pack = std::mem::MaybeUninit::<[[u8; MAX_HEAD_DIM * 16 * 4]; 2]>::uninit();
+    let pack = pack.as_mut_ptr() as *mut u8;
+    let direct = bs.is_multiple_of(16);
+    for r in rows.iter_mut() {
+        r.out[..hd].fill(0.0);
+    }
+    let mut part0 = 0;
+    while part0 < max_len {
+        let part_end = (part0 + PARTITION).min(max_len);
+        for i in 0..n {
+            st.m[i] = f32::NEG_INFINITY;
+            st.l[i] = 0.0;
+            // SAFETY: row `i < n <= MAX_ROWS` of `o` has `MAX_HEAD_DIM >= hd` elements.
+            unsafe { std::ptr::write_bytes(st.o.add(i * MAX_HEAD_DIM), 0, hd) };
+        }
+        let mut t0 = part0;
+        while t0 < part_end {
+            let tile_len = TILE.min(part_end - t0);
+            for (i, r) in rows.iter().enumerate() {
+                st.valid[i] = r.len.saturating_sub(t0).min(TILE);
+            }
+            // Key halves of this tile (positions t0..t0 + 16 and t0 + 16..t0 + 32).
+            let mut halves = [KeyHalf { ptr: std::ptr::null(), stride: 16 }; 2];
+            let n_halves = tile_len.div_ceil(16);
+            for (h, half) in halves.iter_mut().enumerate().take(n_halves) {
+                let first = t0 + 16 * h;
+                // SAFETY: `first < max_len`, so its block is in the table and inside the pool;
+                // with `direct`, the sixteen positions from `first` are in the same block.
+                unsafe {
+                    if direct {
+                        let at = job.keys.tile_base(job.blocks, job.offset, first) + first % bs;
+                        *half = KeyHalf { ptr: job.keys.data.as_ptr().add(at * size), stride: bs };
+                    } else {
+                        let dst = pack.add(h * MAX_HEAD_DIM * 16 * 4);
+                        pack_keys(&job.keys, job.blocks, job.offset, first, max_len, dst);
+                        *half = KeyHalf { ptr: dst, stride: 16 };
+                    }
+                }
+            }
+            if n_halves == 1 {
+                halves[1] = halves[0];
+            }
+            // Value rows of this tile.
+            let mut vrows = [std::ptr::null::<u8>(); TILE];
+            for (j, v) in vrows.iter_mut().enumerate().take(tile_len) {
+                let p = t0 + j;
+                let at = job.values.tile_base(job.blocks, job.offset, p) + (p % bs) * hd;
+                // SAFETY: position `p < max_len` lies in a block of the table inside the pool.
+                *v = unsafe { job.values.data.as_ptr().add(at * size) };
+            }
+            // Micro-kernels over the rows that use this tile.
+            let mut first = 0;
+            while first < n {
+                let count = L::MICRO_ROWS.min(n - first);
+                // SAFETY: the caller's contract; rows `first..first + count` exist.
+                unsafe {
+                    L::micro_rows::<D>(count, rows, first, &mut st, &halves, n_halves, &vrows, job.scale, hd);
+                }
+                first += count;
+            }
+            t0 += TILE;
+        }
+        // Fold the partition into the running state.
+        for (i, r) in rows.iter_mut().enumerate() {
+            if r.len <= part0 {
+                continue;
+            }
+            // SAFETY: scalar operations only.
+            unsafe {
+                let big = st.big_m[i].max(st.m[i]);
+                let a = L::exp1(st.big_m[i] - big);
+                let b = L::exp1(st.m[i] - big);
+                st.big_l[i] = L::fma1(st.l[i], b, st.big_l[i] * a);
+                let o = st.o.add(i * MAX_HEAD_DIM);
+                for (c, out) in r.out[..hd].iter_mut().enumerate() {
+                    *out = L::fma1(*o.add(c), b, *out * a);
+                }
+                st.big_m[i] = big;
+            }
+        }
+        part0 = part_end;
+    }
+    for (i, r) in rows.iter_mut().enumerate() {
+        let inv = 1.0 / st.big_l[i];
+        for out in &mut r.out[..hd] {
+            *out *= inv;
+        }
+    }
+}
+
+/// Copies key positions `first..first + 16` (those below `max_len`; zeros after) of one
+/// (layer, head) into `pack` as `(head_dim, 16)`.
+///
+/// # Safety
+/// Positions below `max_len` lie in blocks of the table inside the pool; `pack` is valid for
+/// `head_dim * 16` elements.
+unsafe fn pack_keys(keys: &KvView<'_>, blocks: &[u32], offset: usize, first: usize, max_len: usize, pack: *mut u8) {
+    let (hd, bs, size) = (keys.head_dim, keys.block_size, keys.dtype.size_in_bytes());
+    for k in 0..16 {
+        let p = first + k;
+        for c in 0..hd {
+            // SAFETY: the caller's contract.
+            let dst = unsafe { pack.add((c * 16 + k) * size) };
+            if p < max_len {
+                let at = (keys.tile_base(blocks, offset, p) + c * bs + p % bs) * size;
+                let src = &keys.data[at..at + size];
+                // SAFETY: `dst` holds `size` bytes (the caller's contract).
+                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, size) };
+            } else {
+                // SAFETY: as above.
+                unsafe { std::ptr::write_bytes(dst, 0, size) };
+            }
+        }
+    }
+}
+
+/// The body of [`Lanes::micro_rows`]: a match over the row counts `1..=MICRO_ROWS`.
+macro_rules! micro_rows_body {
+    ($($k:literal)*) => {
+        #[inline(always)]
+        unsafe fn micro_rows<const D: u8>(
+            count: usize,
+            rows: &[$crate::paged::QueryRow<'_>],
+            first: usize,
+            st: &mut $crate::paged::RowState,
+            halves: &[$crate::paged::KeyHalf; 2],
+            n_halves: usize,
+            vrows: &[*const u8; $crate::paged::TILE],
+            scale: f32,
+            hd: usize,
+        ) {
+            match count {
+                // SAFETY: the caller's contract.
+                $($k => unsafe { $crate::paged::micro::<Self, D, $k>(rows, first, st, halves, n_halves, vrows, scale, hd) },)*
+                _ => unreachable!("a micro-kernel of {count} rows"),
+            }
+        }
+    };
+}
+
+/// One tile for `NR` rows from row `first`: scores, the online-softmax update, and `o += p · V`.
+///
+/// # Safety
+/// As [`rows_body`]; `NR` rows exist from `first`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn micro<L: Lanes, const D: u8, const NR: usize>(
+    rows: &[QueryRow<'_>],
+    first: usize,
+    st: &mut RowState,
+    halves: &[KeyHalf; 2],
+    n_halves: usize,
+    vrows: &[*const u8; TILE],
     scale: f32,
+    hd: usize,
 ) {
-    use crate::x86::{BF16, F16, F32};
+    let valid: [usize; NR] = std::array::from_fn(|i| st.valid[first + i]);
+    let vmax = valid.iter().copied().max().unwrap_or(0);
+    if vmax == 0 {
+        return;
+    }
+    let qs: [*const f32; NR] = std::array::from_fn(|i| rows[first + i].q.as_ptr());
+    // SAFETY (whole body): key reads are dimensions `< hd` of halves inside the pool (or the
+    // pack); value reads are rows of `vrows` (positions `< max_len`) at columns `< hd`; query
+    // reads are `< hd`; state indices are `< MAX_ROWS`, `< MAX_HEAD_DIM`, `< TILE`.
+    unsafe {
+        // 1. Scores: s[i][h] = Σ_c q_i[c] · K[c][16h..16h + 16], in order of c.
+        let mut s = [[L::zero(); 2]; NR];
+        let [k0, k1] = *halves;
+        if n_halves == 2 {
+            for c in 0..hd {
+                let a = L::load::<D>(k0.ptr, c * k0.stride);
+                let b = L::load::<D>(k1.ptr, c * k1.stride);
+                for i in 0..NR {
+                    let q = L::splat(*qs[i].add(c));
+                    s[i][0] = L::fma(q, a, s[i][0]);
+                    s[i][1] = L::fma(q, b, s[i][1]);
+                }
+            }
+        } else {
+            for c in 0..hd {
+                let a = L::load::<D>(k0.ptr, c * k0.stride);
+                for i in 0..NR {
+                    s[i][0] = L::fma(L::splat(*qs[i].add(c)), a, s[i][0]);
+                }
+            }
+        }
+        // The raw scores go to each row's `p` (read back below): the accumulators stay in
+        // registers through the loop above instead of being kept in memory as well.
+        for i in 0..NR {
+            let p = st.p[first + i].as_mut_ptr();
+            s[i][0].store_f32(p);
+            s[i][1].store_f32(p.add(16));
+        }
+        // 2. Online softmax per row.
+        let sc = L::splat(scale);
+        for i in 0..NR {
+            let r = first + i;
+            let v = valid[i];
+            if v == 0 {
+                continue;
+            }
+            let p = st.p[r].as_mut_ptr();
+            let a = L::mul(L::load_f32(p), sc).keep(v, f32::NEG_INFINITY);
+            let b = L::mul(L::load_f32(p.add(16)), sc).keep(v.saturating_sub(16), f32::NEG_INFINITY);
+            let m_new = st.m[r].max(L::max(a, b).reduce_max());
+            let corr = L::exp1(st.m[r] - m_new);
+            let mv = L::splat(m_new);
+            let pa = L::exp(L::sub(a, mv)).keep(v, 0.0);
+            let pb = L::exp(L::sub(b, mv)).keep(v.saturating_sub(16), 0.0);
+            st.l[r] = L::fma1(st.l[r], corr, L::add(pa, pb).reduce_add());
+            st.m[r] = m_new;
+            st.corr[r] = corr;
+            pa.store_f32(p);
+            pb.store_f32(p.add(16));
+        }
+        // 3. o = o · corr, then o += p_j · v_j for each valid position in order.
+        if valid.iter().all(|&v| v == vmax) {
+            let o: [*mut f32; NR] = std::array::from_fn(|i| st.o.add((first + i) * MAX_HEAD_DIM));
+            let p: [*const f32; NR] = std::array::from_fn(|i| st.p[first + i].as_ptr());
+            let corr: [f32; NR] = std::array::from_fn(|i| st.corr[first + i]);
+            weighted::<L, D, NR>(o, p, corr, vrows, vmax, hd);
+        } else {
+            for i in 0..NR {
+                let r = first + i;
+                if valid[i] > 0 {
+                    let p = st.p[r].as_ptr();
+                    weighted::<L, D, 1>([st.o.add(r * MAX_HEAD_DIM)], [p], [st.corr[r]], vrows, valid[i], hd);
+                }
+            }
+        }
+    }
+}
+
+/// `o_i = o_i · corr_i`, then `o_i = fma(p_i[j], v_j, o_i)` for `j in 0..count`, for `NR` rows:
+/// 32 columns per pass (16, then one at a time, at the end).
+///
+/// # Safety
+/// As [`micro`]; `o_i` hold `hd` elements, `p_i` `count`, `vrows[..count]` `hd` each.
+#[inline(always)]
+unsafe fn weighted<L: Lanes, const D: u8, const NR: usize>(
+    o: [*mut f32; NR],
+    p: [*const f32; NR],
+    corr: [f32; NR],
+    vrows: &[*const u8; TILE],
+    count: usize,
+    hd: usize,
+) {
+    let hd16 = hd & !15;
     // SAFETY: the caller's contract.
     unsafe {
-        match keys.dtype {
-            WeightDType::BF16 => scores_many::<BF16, NQ>(queries, keys, blocks, offset, scale),
-            WeightDType::F16 => scores_many::<F16, NQ>(queries, keys, blocks, offset, scale),
-            WeightDType::F32 => scores_many::<F32, NQ>(queries, keys, blocks, offset, scale),
+        let cv: [L; NR] = std::array::from_fn(|i| L::splat(corr[i]));
+        let mut c0 = 0;
+        while c0 + 32 <= hd16 {
+            let mut acc: [[L; 2]; NR] = std::array::from_fn(|i| {
+                [L::mul(L::load_f32(o[i].add(c0)), cv[i]), L::mul(L::load_f32(o[i].add(c0 + 16)), cv[i])]
+            });
+            for (j, &row) in vrows.iter().enumerate().take(count) {
+                let a = L::load::<D>(row, c0);
+                let b = L::load::<D>(row, c0 + 16);
+                for i in 0..NR {
+                    let pj = L::splat(*p[i].add(j));
+                    acc[i][0] = L::fma(pj, a, acc[i][0]);
+                    acc[i][1] = L::fma(pj, b, acc[i][1]);
+                }
+            }
+            for i in 0..NR {
+                acc[i][0].store_f32(o[i].add(c0));
+                acc[i][1].store_f32(o[i].add(c0 + 16));
+            }
+            c0 += 32;
         }
-        for q in queries.iter_mut() {
-            crate::x86::softmax(&mut q.scores[..q.len]);
-        }
-        match values.dtype {
-            WeightDType::BF16 => weighted_many::<BF16, NQ>(queries, values, blocks, offset),
-            WeightDType::F16 => weighted_many::<F16, NQ>(queries, values, blocks, offset),
-            WeightDType::F32 => weighted_many::<F32, NQ>(queries, values, blocks, offset),
-        }
-    }
-}
-
-/// Scores of `NQ` queries: positions every query attends to together, the rest per query.
-///
-/// # Safety
-/// As [`many_x86`].
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scores_many<const D: u8, const NQ: usize>(
-    queries: &mut [PagedQuery<'_>],
-    keys: KvView<'_>,
-    blocks: &[u32],
-    offset: usize,
-    scale: f32,
-) {
-    let size = keys.dtype.size_in_bytes();
-    let hd = keys.head_dim;
-    let common = queries.iter().map(|q| q.len).min().unwrap_or(0);
-    let qs: [*const f32; NQ] = std::array::from_fn(|i| queries[i].q.as_ptr());
-    // SAFETY: rows `< max len` are inside the pool and every query holds `hd` elements and a
-    // score row of its length (the caller's checks).
-    unsafe {
-        for p in 0..common {
-            let row = keys.data.as_ptr().add(keys.row(blocks, offset, p) * size);
-            let s = x86_score_many::<D, NQ>(row, qs, hd, scale);
-            for (q, v) in queries.iter_mut().zip(s) {
-                q.scores[p] = v;
+        if c0 < hd16 {
+            let mut acc: [L; NR] = std::array::from_fn(|i| L::mul(L::load_f32(o[i].add(c0)), cv[i]));
+            for (j, &row) in vrows.iter().enumerate().take(count) {
+                let a = L::load::<D>(row, c0);
+                for i in 0..NR {
+                    acc[i] = L::fma(L::splat(*p[i].add(j)), a, acc[i]);
+                }
+            }
+            for i in 0..NR {
+                acc[i].store_f32(o[i].add(c0));
             }
         }
-        for q in queries.iter_mut() {
-            for p in common..q.len {
-                let row = keys.data.as_ptr().add(keys.row(blocks, offset, p) * size);
-                q.scores[p] = x86_score_many::<D, 1>(row, [q.q.as_ptr()], hd, scale)[0];
+        for c in hd16..hd {
+            for i in 0..NR {
+                let mut x = *o[i].add(c) * corr[i];
+                for (j, &row) in vrows.iter().enumerate().take(count) {
+                    x = L::fma1(*p[i].add(j), L::load1::<D>(row, c), x);
+                }
+                *o[i].add(c) = x;
             }
         }
     }
 }
 
-/// `out_i = Σ_p scores_i[p] · v_p` for `NQ` queries, 32 columns per pass, each column
-/// accumulated over the positions in order (as [`x86_weighted`]): the shared positions for all
-/// queries together, then each query's own.
-///
-/// # Safety
-/// As [`many_x86`].
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn weighted_many<const D: u8, const NQ: usize>(
-    queries: &mut [PagedQuery<'_>],
-    values: KvView<'_>,
-    blocks: &[u32],
-    offset: usize,
-) {
-    use std::arch::x86_64::*;
-    let hd = values.head_dim;
-    let size = values.dtype.size_in_bytes();
-    let main8 = hd & !7;
-    let base = values.data.as_ptr();
-    let common = queries.iter().map(|q| q.len).min().unwrap_or(0);
-    let mut c0 = 0;
-    // SAFETY (whole body): value reads are at rows named by the block table (inside the pool)
-    // and columns `< hd`; writes are inside each query's `out` (`>= hd` elements).
-    unsafe {
-        while c0 < main8 {
-            let width = (main8 - c0).min(32) / 8;
-            let mut acc = [[_mm256_setzero_ps(); 4]; NQ];
-            for p in 0..common {
-                let row = base.add(values.row(blocks, offset, p) * size);
-                let sv: [__m256; NQ] = std::array::from_fn(|i| _mm256_set1_ps(queries[i].scores[p]));
-                for j in 0..width {
-                    let v = crate::x86::load8::<D>(row, c0 + 8 * j);
-                    for (a, s) in acc.iter_mut().zip(&sv) {
-                        a[j] = _mm256_fmadd_ps(*s, v, a[j]);
-                    }
-                }
-            }
-            for (q, a) in queries.iter_mut().zip(acc.iter_mut()) {
-                for p in common..q.len {
-                    let row = base.add(values.row(blocks, offset, p) * size);
-                    let sv = _mm256_set1_ps(q.scores[p]);
-                    for (j, aj) in a.iter_mut().enumerate().take(width) {
-                        *aj = _mm256_fmadd_ps(sv, crate::x86::load8::<D>(row, c0 + 8 * j), *aj);
-                    }
-                }
-                for (j, aj) in a.iter().enumerate().take(width) {
-                    _mm256_storeu_ps(q.out.as_mut_ptr().add(c0 + 8 * j), *aj);
-                }
-            }
-            c0 += width * 8;
-        }
-        for q in queries.iter_mut() {
-            for c in main8..hd {
-                let mut sum = 0.0f32;
-                for p in 0..q.len {
-                    let row = base.add(values.row(blocks, offset, p) * size);
-                    sum = q.scores[p].mul_add(crate::x86::load1::<D>(row, c), sum);
-                }
-                q.out[c] = sum;
-            }
+/// The portable implementation: sixteen scalars.
+#[derive(Clone, Copy)]
+struct Portable([f32; 16]);
+
+impl Lanes for Portable {
+    const MICRO_ROWS: usize = 4;
+    micro_rows_body!(1 2 3 4);
+    unsafe fn zero() -> Self {
+        Portable([0.0; 16])
+    }
+    unsafe fn splat(x: f32) -> Self {
+        Portable([x; 16])
+    }
+    unsafe fn load<const D: u8>(p: *const u8, i: usize) -> Self {
+        // SAFETY: the caller's contract (elements `i..i + 16` readable).
+        Portable(std::array::from_fn(|k| unsafe { Self::load1::<D>(p, i + k) }))
+    }
+    unsafe fn load_f32(p: *const f32) -> Self {
+        // SAFETY: the caller's contract.
+        Portable(std::array::from_fn(|k| unsafe { *p.add(k) }))
+    }
+    unsafe fn store_f32(self, p: *mut f32) {
+        for (k, v) in self.0.iter().enumerate() {
+            // SAFETY: the caller's contract.
+            unsafe { *p.add(k) = *v };
         }
     }
-}
-
-/// `scores[p] = scale · q · k_p` for every position.
-///
-/// # Safety
-/// AVX2/FMA/F16C are available; every row of `keys` named by `blocks` is inside the pool.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn x86_scores<const D: u8>(
-    q: &[f32],
-    keys: KvView<'_>,
-    blocks: &[u32],
-    offset: usize,
-    scale: f32,
-    scores: &mut [f32],
-) {
-    let size = keys.dtype.size_in_bytes();
-    let qp = q.as_ptr();
-    for (p, s) in scores.iter_mut().enumerate() {
-        // SAFETY: the row's `hd` elements are inside the pool (the caller's contract), and `q`
-        // holds `hd` elements.
+    unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
+        Portable(std::array::from_fn(|k| a.0[k].mul_add(b.0[k], c.0[k])))
+    }
+    unsafe fn mul(a: Self, b: Self) -> Self {
+        Portable(std::array::from_fn(|k| a.0[k] * b.0[k]))
+    }
+    unsafe fn add(a: Self, b: Self) -> Self {
+        Portable(std::array::from_fn(|k| a.0[k] + b.0[k]))
+    }
+    unsafe fn sub(a: Self, b: Self) -> Self {
+        Portable(std::array::from_fn(|k| a.0[k] - b.0[k]))
+    }
+    unsafe fn max(a: Self, b: Self) -> Self {
+        Portable(std::array::from_fn(|k| a.0[k].max(b.0[k])))
+    }
+    unsafe fn keep(self, valid: usize, fill: f32) -> Self {
+        Portable(std::array::from_fn(|k| if k < valid { self.0[k] } else { fill }))
+    }
+    unsafe fn exp(self) -> Self {
+        Portable(self.0.map(f32::exp))
+    }
+    unsafe fn exp1(x: f32) -> f32 {
+        x.exp()
+    }
+    unsafe fn reduce_max(self) -> f32 {
+        self.0.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+    }
+    unsafe fn reduce_add(self) -> f32 {
+        let v: [f32; 8] = std::array::from_fn(|k| self.0[k] + self.0[k + 8]);
+        // `x86::hsum`'s tree: halves, then pairs, then the last two.
+        let h: [f32; 4] = std::array::from_fn(|k| v[k] + v[k + 4]);
+        let h = [h[0] + h[2], h[1] + h[3]];
+        h[0] + h[1]
+    }
+    unsafe fn load1<const D: u8>(p: *const u8, i: usize) -> f32 {
+        // SAFETY: the caller's contract (element `i` readable); reads are unaligned.
         unsafe {
-            let row = keys.data.as_ptr().add(keys.row(blocks, offset, p) * size);
-            *s = x86_score_many::<D, 1>(row, [qp], keys.head_dim, scale)[0];
+            match D {
+                DT_BF16 => f32::from_bits((std::ptr::read_unaligned(p.add(i * 2) as *const u16) as u32) << 16),
+                DT_F16 => half::f16::from_bits(std::ptr::read_unaligned(p.add(i * 2) as *const u16)).to_f32(),
+                _ => std::ptr::read_unaligned(p.add(i * 4) as *const f32),
+            }
         }
+    }
+    unsafe fn fma1(a: f32, b: f32, c: f32) -> f32 {
+        a.mul_add(b, c)
     }
 }
 
-/// `scale · q_i · k` for `NQ` queries against one key row, each in the canonical order of a
-/// score: two 8-lane accumulators over 16-column steps, an 8-column step into the first,
-/// `hsum(a0 + a1)`, the scalar tail, then the scale. The queries share the key's loads; each
-/// query's operations are the same whatever `NQ`, so its score has the same bits.
-///
-/// # Safety
-/// AVX2/FMA/F16C are available; `row` holds `hd` elements of dtype `D`, each `q[i]` `hd` f32.
+/// The x86 implementations (AVX-512: one zmm; AVX2: two ymm) and their entry points.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn x86_score_many<const D: u8, const NQ: usize>(
-    row: *const u8,
-    q: [*const f32; NQ],
-    hd: usize,
-    scale: f32,
-) -> [f32; NQ] {
+mod simd {
     use std::arch::x86_64::*;
-    let main = hd & !7;
-    let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
-    let mut out = [0.0f32; NQ];
-    // SAFETY: reads stay inside the `hd` elements of `row` and of each query.
-    unsafe {
-        let mut c = 0;
-        while c + 16 <= main {
-            let (k0, k1) = (crate::x86::load8::<D>(row, c), crate::x86::load8::<D>(row, c + 8));
-            for (a, qp) in acc.iter_mut().zip(q) {
-                a[0] = _mm256_fmadd_ps(k0, _mm256_loadu_ps(qp.add(c)), a[0]);
-                a[1] = _mm256_fmadd_ps(k1, _mm256_loadu_ps(qp.add(c + 8)), a[1]);
-            }
-            c += 16;
+
+    use super::{DT_BF16, DT_F16, Job, Lanes, QueryRow, rows_body};
+    use crate::x86::{exp8, hsum};
+
+    /// # Safety
+    /// AVX-512 F/BW/VL, AVX2, FMA and F16C are available; as [`super::rows_body`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(super) unsafe fn rows_avx512<const D: u8>(rows: &mut [QueryRow<'_>], job: &Job<'_>) {
+        // SAFETY: the caller's contract.
+        unsafe { rows_body::<Zmm, D>(rows, job) }
+    }
+
+    /// # Safety
+    /// AVX2, FMA and F16C are available; as [`super::rows_body`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn rows_avx2<const D: u8>(rows: &mut [QueryRow<'_>], job: &Job<'_>) {
+        // SAFETY: the caller's contract.
+        unsafe { rows_body::<Ymm2, D>(rows, job) }
+    }
+
+    #[derive(Clone, Copy)]
+    pub(super) struct Zmm(pub(super) __m512);
+
+    // SAFETY (every method): only called from `rows_avx512`'s body, where the features are
+    // enabled; pointer arguments follow the trait's contracts.
+    impl Lanes for Zmm {
+        const MICRO_ROWS: usize = 12;
+        micro_rows_body!(1 2 3 4 5 6 7 8 9 10 11 12);
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            unsafe { Zmm(_mm512_setzero_ps()) }
         }
-        while c < main {
-            let k0 = crate::x86::load8::<D>(row, c);
-            for (a, qp) in acc.iter_mut().zip(q) {
-                a[0] = _mm256_fmadd_ps(k0, _mm256_loadu_ps(qp.add(c)), a[0]);
-            }
-            c += 8;
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            unsafe { Zmm(_mm512_set1_ps(x)) }
         }
-        for ((o, a), qp) in out.iter_mut().zip(&acc).zip(q) {
-            let mut dot = crate::x86::hsum(_mm256_add_ps(a[0], a[1]));
-            let mut k = main;
-            while k < hd {
-                dot += crate::x86::load1::<D>(row, k) * *qp.add(k);
-                k += 1;
+        #[inline(always)]
+        unsafe fn load<const D: u8>(p: *const u8, i: usize) -> Self {
+            unsafe {
+                Zmm(match D {
+                    DT_BF16 => {
+                        let h = _mm256_loadu_si256(p.add(i * 2) as *const __m256i);
+                        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+                    }
+                    DT_F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p.add(i * 2) as *const __m256i)),
+                    _ => _mm512_loadu_ps(p.add(i * 4) as *const f32),
+                })
             }
-            *o = dot * scale;
+        }
+        #[inline(always)]
+        unsafe fn load_f32(p: *const f32) -> Self {
+            unsafe { Zmm(_mm512_loadu_ps(p)) }
+        }
+        #[inline(always)]
+        unsafe fn store_f32(self, p: *mut f32) {
+            unsafe { _mm512_storeu_ps(p, self.0) }
+        }
+        #[inline(always)]
+        unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
+            unsafe { Zmm(_mm512_fmadd_ps(a.0, b.0, c.0)) }
+        }
+        #[inline(always)]
+        unsafe fn mul(a: Self, b: Self) -> Self {
+            unsafe { Zmm(_mm512_mul_ps(a.0, b.0)) }
+        }
+        #[inline(always)]
+        unsafe fn add(a: Self, b: Self) -> Self {
+            unsafe { Zmm(_mm512_add_ps(a.0, b.0)) }
+        }
+        #[inline(always)]
+        unsafe fn sub(a: Self, b: Self) -> Self {
+            unsafe { Zmm(_mm512_sub_ps(a.0, b.0)) }
+        }
+        #[inline(always)]
+        unsafe fn max(a: Self, b: Self) -> Self {
+            unsafe { Zmm(_mm512_max_ps(a.0, b.0)) }
+        }
+        #[inline(always)]
+        unsafe fn keep(self, valid: usize, fill: f32) -> Self {
+            if valid >= 16 {
+                return self;
+            }
+            let mask: __mmask16 = ((1u32 << valid) - 1) as u16;
+            unsafe { Zmm(_mm512_mask_blend_ps(mask, _mm512_set1_ps(fill), self.0)) }
+        }
+        #[inline(always)]
+        unsafe fn exp(self) -> Self {
+            unsafe {
+                let lo = exp8(_mm512_castps512_ps256(self.0));
+                let hi = exp8(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(self.0))));
+                Zmm(_mm512_castpd_ps(_mm512_insertf64x4::<1>(
+                    _mm512_castpd256_pd512(_mm256_castps_pd(lo)),
+                    _mm256_castps_pd(hi),
+                )))
+            }
+        }
+        #[inline(always)]
+        unsafe fn exp1(x: f32) -> f32 {
+            unsafe { _mm256_cvtss_f32(exp8(_mm256_set1_ps(x))) }
+        }
+        #[inline(always)]
+        unsafe fn reduce_max(self) -> f32 {
+            unsafe { _mm512_reduce_max_ps(self.0) }
+        }
+        #[inline(always)]
+        unsafe fn reduce_add(self) -> f32 {
+            unsafe {
+                let lo = _mm512_castps512_ps256(self.0);
+                let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(self.0)));
+                hsum(_mm256_add_ps(lo, hi))
+            }
+        }
+        #[inline(always)]
+        unsafe fn load1<const D: u8>(p: *const u8, i: usize) -> f32 {
+            unsafe { crate::x86::load1::<D>(p, i) }
+        }
+        #[inline(always)]
+        unsafe fn fma1(a: f32, b: f32, c: f32) -> f32 {
+            unsafe { _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(a), _mm_set_ss(b), _mm_set_ss(c))) }
         }
     }
-    out
-}
 
-/// `out = Σ_p scores[p] · v_p`, 64 output columns held in registers per pass over the positions.
-///
-/// # Safety
-/// AVX2/FMA/F16C are available; every row of `values` named by `blocks` is inside the pool.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn x86_weighted<const D: u8>(
-    scores: &[f32],
-    values: KvView<'_>,
-    blocks: &[u32],
-    offset: usize,
-    out: &mut [f32],
-) {
-    use std::arch::x86_64::*;
-    let hd = values.head_dim;
-    let size = values.dtype.size_in_bytes();
-    let main8 = hd & !7;
-    let base = values.data.as_ptr();
-    let mut c0 = 0;
-    // SAFETY (whole body): value reads are at rows named by the block table (inside the pool,
-    // the caller's contract) and columns `< hd`; writes are inside `out` (`out.len() >= hd`).
-    unsafe {
-        while c0 < main8 {
-            let width = (main8 - c0).min(64) / 8;
-            let mut acc = [_mm256_setzero_ps(); 8];
-            for (p, &s) in scores.iter().enumerate() {
-                let sv = _mm256_set1_ps(s);
-                let row = base.add(values.row(blocks, offset, p) * size);
-                for (j, a) in acc.iter_mut().enumerate().take(width) {
-                    *a = _mm256_fmadd_ps(sv, crate::x86::load8::<D>(row, c0 + 8 * j), *a);
-                }
-            }
-            for (j, a) in acc.iter().enumerate().take(width) {
-                _mm256_storeu_ps(out.as_mut_ptr().add(c0 + 8 * j), *a);
-            }
-            c0 += width * 8;
+    #[derive(Clone, Copy)]
+    pub(super) struct Ymm2([__m256; 2]);
+
+    // SAFETY (every method): only called from `rows_avx2`'s body, where the features are
+    // enabled; pointer arguments follow the trait's contracts.
+    impl Lanes for Ymm2 {
+        const MICRO_ROWS: usize = 3;
+        micro_rows_body!(1 2 3);
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            unsafe { Ymm2([_mm256_setzero_ps(); 2]) }
         }
-        for (c, o) in out.iter_mut().enumerate().take(hd).skip(main8) {
-            let mut sum = 0.0f32;
-            for (p, &s) in scores.iter().enumerate() {
-                let row = base.add(values.row(blocks, offset, p) * size);
-                sum = s.mul_add(crate::x86::load1::<D>(row, c), sum);
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            unsafe { Ymm2([_mm256_set1_ps(x); 2]) }
+        }
+        #[inline(always)]
+        unsafe fn load<const D: u8>(p: *const u8, i: usize) -> Self {
+            unsafe { Ymm2([crate::x86::load8::<D>(p, i), crate::x86::load8::<D>(p, i + 8)]) }
+        }
+        #[inline(always)]
+        unsafe fn load_f32(p: *const f32) -> Self {
+            unsafe { Ymm2([_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))]) }
+        }
+        #[inline(always)]
+        unsafe fn store_f32(self, p: *mut f32) {
+            unsafe {
+                _mm256_storeu_ps(p, self.0[0]);
+                _mm256_storeu_ps(p.add(8), self.0[1]);
             }
-            *o = sum;
+        }
+        #[inline(always)]
+        unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
+            unsafe { Ymm2([_mm256_fmadd_ps(a.0[0], b.0[0], c.0[0]), _mm256_fmadd_ps(a.0[1], b.0[1], c.0[1])]) }
+        }
+        #[inline(always)]
+        unsafe fn mul(a: Self, b: Self) -> Self {
+            unsafe { Ymm2([_mm256_mul_ps(a.0[0], b.0[0]), _mm256_mul_ps(a.0[1], b.0[1])]) }
+        }
+        #[inline(always)]
+        unsafe fn add(a: Self, b: Self) -> Self {
+            unsafe { Ymm2([_mm256_add_ps(a.0[0], b.0[0]), _mm256_add_ps(a.0[1], b.0[1])]) }
+        }
+        #[inline(always)]
+        unsafe fn sub(a: Self, b: Self) -> Self {
+            unsafe { Ymm2([_mm256_sub_ps(a.0[0], b.0[0]), _mm256_sub_ps(a.0[1], b.0[1])]) }
+        }
+        #[inline(always)]
+        unsafe fn max(a: Self, b: Self) -> Self {
+            unsafe { Ymm2([_mm256_max_ps(a.0[0], b.0[0]), _mm256_max_ps(a.0[1], b.0[1])]) }
+        }
+        #[inline(always)]
+        unsafe fn keep(self, valid: usize, fill: f32) -> Self {
+            if valid >= 16 {
+                return self;
+            }
+            unsafe {
+                let limit = _mm256_set1_epi32(valid as i32);
+                let f = _mm256_set1_ps(fill);
+                let lanes =
+                    [_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15)];
+                let pick = |v: __m256, idx: __m256i| {
+                    // Lanes whose index is below `valid` keep `v`.
+                    let keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(limit, idx));
+                    _mm256_blendv_ps(f, v, keep)
+                };
+                Ymm2([pick(self.0[0], lanes[0]), pick(self.0[1], lanes[1])])
+            }
+        }
+        #[inline(always)]
+        unsafe fn exp(self) -> Self {
+            unsafe { Ymm2([exp8(self.0[0]), exp8(self.0[1])]) }
+        }
+        #[inline(always)]
+        unsafe fn exp1(x: f32) -> f32 {
+            unsafe { _mm256_cvtss_f32(exp8(_mm256_set1_ps(x))) }
+        }
+        #[inline(always)]
+        unsafe fn reduce_max(self) -> f32 {
+            unsafe {
+                let m = _mm256_max_ps(self.0[0], self.0[1]);
+                let s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+                let s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+                let s = _mm_max_ss(s, _mm_shuffle_ps::<1>(s, s));
+                _mm_cvtss_f32(s)
+            }
+        }
+        #[inline(always)]
+        unsafe fn reduce_add(self) -> f32 {
+            unsafe { hsum(_mm256_add_ps(self.0[0], self.0[1])) }
+        }
+        #[inline(always)]
+        unsafe fn load1<const D: u8>(p: *const u8, i: usize) -> f32 {
+            unsafe { crate::x86::load1::<D>(p, i) }
+        }
+        #[inline(always)]
+        unsafe fn fma1(a: f32, b: f32, c: f32) -> f32 {
+            unsafe { _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(a), _mm_set_ss(b), _mm_set_ss(c))) }
         }
     }
 }
 
 /// Writes `src` (f32) into `dst` elements `at..at + src.len()` of a pool of element type `dtype`
-/// (rounding to nearest even for F16 and BF16). Panics if out of range.
+/// (rounding to nearest even for F16 and BF16): a value row. Panics if out of range.
 pub fn store_row(dtype: WeightDType, dst: &mut [u8], at: usize, src: &[f32]) {
     let size = dtype.size_in_bytes();
     let bytes = &mut dst[at * size..(at + src.len()) * size];
+    for (b, v) in bytes.chunks_exact_mut(size).zip(src) {
+        write_element(dtype, b, *v);
+    }
+}
+
+/// Writes the key `src` (f32, `head_dim`) of position `slot` into the transposed
+/// `(head_dim, block_size)` tile that starts at element `tile` of `dst`. Panics if out of range.
+pub fn store_key(dtype: WeightDType, dst: &mut [u8], tile: usize, block_size: usize, slot: usize, src: &[f32]) {
+    let size = dtype.size_in_bytes();
+    assert!(slot < block_size, "slot {slot} outside a block of {block_size}");
+    for (c, v) in src.iter().enumerate() {
+        let at = (tile + c * block_size + slot) * size;
+        write_element(dtype, &mut dst[at..at + size], *v);
+    }
+}
+
+#[inline]
+fn write_element(dtype: WeightDType, b: &mut [u8], v: f32) {
     match dtype {
-        WeightDType::F32 => {
-            for (b, v) in bytes.chunks_exact_mut(4).zip(src) {
-                b.copy_from_slice(&v.to_le_bytes());
-            }
-        }
-        WeightDType::F16 => {
-            for (b, v) in bytes.chunks_exact_mut(2).zip(src) {
-                b.copy_from_slice(&half::f16::from_f32(*v).to_le_bytes());
-            }
-        }
-        WeightDType::BF16 => {
-            for (b, v) in bytes.chunks_exact_mut(2).zip(src) {
-                b.copy_from_slice(&half::bf16::from_f32(*v).to_le_bytes());
-            }
-        }
+        WeightDType::F32 => b.copy_from_slice(&v.to_le_bytes()),
+        WeightDType::F16 => b.copy_from_slice(&half::f16::from_f32(v).to_le_bytes()),
+        WeightDType::BF16 => b.copy_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
     }
 }

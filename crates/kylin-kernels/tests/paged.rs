@@ -1,9 +1,13 @@
-//! Paged attention against the scalar reference on contiguous keys and values: every KV element
-//! type, odd head sizes, odd lengths, block sizes that do and do not divide the length, and
-//! scattered block tables.
+//! Blocked paged attention against the scalar reference on contiguous keys and values: every KV
+//! element type, odd head sizes, odd lengths (across tiles and partitions), block sizes that do
+//! and do not divide the length or sixteen, and scattered block tables; and every row's bits
+//! independent of the rows it is computed with.
 
-use kylin_kernels::WeightDType;
-use kylin_kernels::paged::{KvView, MAX_QUERIES, PagedQuery, attention_paged, attention_paged_many, store_row};
+use kylin_kernels::paged::{
+    AttentionPath, KvView, MAX_ROWS, PARTITION, QueryRow, attention_paged, attention_path, attention_rows, store_key,
+    store_row,
+};
+use kylin_kernels::{Precision, WeightDType};
 
 /// Deterministic values in [-1, 1).
 fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -27,55 +31,87 @@ fn stored(dtype: WeightDType, x: f32) -> f32 {
     }
 }
 
+/// A pool of two layers and three KV heads whose (layer 1, head 2) holds `k` and `v` for
+/// positions `0..len`, in blocks used in reverse order (skipping block 1); the other heads and
+/// every unused slot hold large values, so reading one by mistake shows.
+struct Pool {
+    keys: Vec<u8>,
+    vals: Vec<u8>,
+    blocks: Vec<u32>,
+    offset: usize,
+    stride: usize,
+}
+
+fn pool(dtype: WeightDType, head_dim: usize, block_size: usize, k: &[f32], v: &[f32], len: usize) -> Pool {
+    let (n_layers, n_heads) = (2, 3);
+    let n_blocks = len.div_ceil(block_size) + 3;
+    let stride = n_layers * n_heads * block_size * head_dim;
+    let size = dtype.size_in_bytes();
+    let mut keys = vec![0u8; n_blocks * stride * size];
+    let mut vals = vec![0u8; n_blocks * stride * size];
+    store_row(dtype, &mut keys, 0, &vec![1.0e4; n_blocks * stride]);
+    store_row(dtype, &mut vals, 0, &vec![-1.0e4; n_blocks * stride]);
+    let blocks: Vec<u32> = (0..len.div_ceil(block_size)).map(|i| (n_blocks - 1 - i) as u32).collect();
+    let offset = (n_heads + 2) * block_size * head_dim;
+    for p in 0..len {
+        let tile = blocks[p / block_size] as usize * stride + offset;
+        store_key(dtype, &mut keys, tile, block_size, p % block_size, &k[p * head_dim..(p + 1) * head_dim]);
+        store_row(dtype, &mut vals, tile + (p % block_size) * head_dim, &v[p * head_dim..(p + 1) * head_dim]);
+    }
+    Pool { keys, vals, blocks, offset, stride }
+}
+
+impl Pool {
+    fn views(&self, dtype: WeightDType, block_size: usize, head_dim: usize) -> (KvView<'_>, KvView<'_>) {
+        let view = |data| KvView { dtype, data, block_stride: self.stride, block_size, head_dim };
+        (view(&self.keys), view(&self.vals))
+    }
+}
+
+/// Both precisions against the f32 reference: f32 to 2e-5; BF16 (whose AMX path rounds q, k,
+/// v and the softmax weights to BF16, 8 significant bits) to 2e-2.
 #[test]
 fn paged_attention_matches_the_reference() {
-    let (n_layers, n_heads) = (2, 3);
-    for dtype in [WeightDType::F32, WeightDType::F16, WeightDType::BF16] {
-        for head_dim in [1, 7, 8, 31, 64, 100] {
-            for block_size in [1, 4, 16] {
-                for len in [1usize, 5, 16, 17, 63] {
-                    let n_blocks: usize = len.div_ceil(block_size) + 3;
-                    let stride = n_layers * n_heads * block_size * head_dim;
-                    let size = dtype.size_in_bytes();
-                    let mut keys = vec![0u8; n_blocks * stride * size];
-                    let mut vals = vec![0u8; n_blocks * stride * size];
-                    // A scattered block table: blocks used in reverse order, skipping block 1.
-                    let blocks: Vec<u32> = (0..len.div_ceil(block_size)).map(|i| (n_blocks - 1 - i) as u32).collect();
-                    let (layer, head) = (1, 2);
-                    let offset = (layer * n_heads + head) * block_size * head_dim;
-                    let k = values(len * head_dim, 1 + len as u64);
-                    let v = values(len * head_dim, 2 + head_dim as u64);
-                    for p in 0..len {
-                        let at = blocks[p / block_size] as usize * stride + offset + (p % block_size) * head_dim;
-                        store_row(dtype, &mut keys, at, &k[p * head_dim..(p + 1) * head_dim]);
-                        store_row(dtype, &mut vals, at, &v[p * head_dim..(p + 1) * head_dim]);
-                    }
-                    let q = values(head_dim, 3);
-                    let scale = (head_dim as f32).powf(-0.5);
-                    let view = |data| KvView { dtype, data, block_stride: stride, block_size, head_dim };
-                    let mut scores = vec![0.0; len];
-                    let mut out = vec![0.0; head_dim];
-                    attention_paged(&q, view(&keys), view(&vals), &blocks, offset, len, scale, &mut scores, &mut out);
+    for precision in [Precision::F32, Precision::Bf16] {
+        for dtype in [WeightDType::F32, WeightDType::F16, WeightDType::BF16] {
+            for head_dim in [1, 7, 16, 31, 64, 100, 128] {
+                for block_size in [1, 5, 16, 32] {
+                    let tolerance = match attention_path(precision, head_dim, block_size) {
+                        AttentionPath::F32 => 2e-5,
+                        AttentionPath::AmxBf16 => 2e-2,
+                    };
+                    for len in [1usize, 5, 16, 17, 33, 63, 64, 65, PARTITION + 37] {
+                        let k = values(len * head_dim, 1 + len as u64);
+                        let v = values(len * head_dim, 2 + head_dim as u64);
+                        let pool = pool(dtype, head_dim, block_size, &k, &v, len);
+                        let (keys, vals) = pool.views(dtype, block_size, head_dim);
+                        // Queries large enough that the scores spread (an online softmax that
+                        // rescales wrongly shows).
+                        let q: Vec<f32> = values(head_dim, 3).iter().map(|x| x * 4.0).collect();
+                        let scale = (head_dim as f32).powf(-0.5);
+                        let mut out = vec![0.0; head_dim];
+                        attention_paged(&q, keys, vals, &pool.blocks, pool.offset, len, scale, precision, &mut out);
 
-                    let kr: Vec<f32> = k.iter().map(|&x| stored(dtype, x)).collect();
-                    let vr: Vec<f32> = v.iter().map(|&x| stored(dtype, x)).collect();
-                    let mut ref_scores = vec![0.0; len];
-                    let mut want = vec![0.0; head_dim];
-                    kylin_kernels::reference::attention_head(
-                        &q,
-                        &kr,
-                        &vr,
-                        len,
-                        head_dim,
-                        scale,
-                        &mut ref_scores,
-                        &mut want,
-                    );
-                    for (c, (a, b)) in out.iter().zip(&want).enumerate() {
-                        assert!(
-                            (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
-                            "{dtype:?} head_dim {head_dim} block {block_size} len {len} col {c}: {a} vs {b}"
+                        let kr: Vec<f32> = k.iter().map(|&x| stored(dtype, x)).collect();
+                        let vr: Vec<f32> = v.iter().map(|&x| stored(dtype, x)).collect();
+                        let mut ref_scores = vec![0.0; len];
+                        let mut want = vec![0.0; head_dim];
+                        kylin_kernels::reference::attention_head(
+                            &q,
+                            &kr,
+                            &vr,
+                            len,
+                            head_dim,
+                            scale,
+                            &mut ref_scores,
+                            &mut want,
                         );
+                        for (c, (a, b)) in out.iter().zip(&want).enumerate() {
+                            assert!(
+                                (a - b).abs() <= tolerance * (1.0 + b.abs()),
+                                "{precision:?} {dtype:?} head_dim {head_dim} block {block_size} len {len} col {c}: {a} vs {b}"
+                            );
+                        }
                     }
                 }
             }
@@ -83,63 +119,62 @@ fn paged_attention_matches_the_reference() {
     }
 }
 
-/// Several query rows at once (a GQA group, consecutive tokens with growing lengths) give each
-/// query the bits it gets alone: grouping is a speed choice, never a change of result.
+/// Many query rows at once (the query heads of a GQA group, consecutive tokens of a prompt,
+/// rows of unequal lengths) give each row the bits it gets alone: how rows are grouped (a
+/// prefill chunk, a decode step, another chunking) never changes a result.
 #[test]
-fn grouped_queries_have_the_bits_of_each_query_alone() {
-    let (block_size, n_blocks) = (4usize, 40usize);
-    for dtype in [WeightDType::F32, WeightDType::F16, WeightDType::BF16] {
-        for head_dim in [1, 7, 8, 31, 64, 100, 128] {
-            let stride = block_size * head_dim;
-            let size = dtype.size_in_bytes();
-            let max_len: usize = 90;
-            let mut keys = vec![0u8; n_blocks * stride * size];
-            let mut vals = vec![0u8; n_blocks * stride * size];
-            let blocks: Vec<u32> = (0..max_len.div_ceil(block_size)).map(|i| (n_blocks - 1 - i) as u32).collect();
-            let k = values(max_len * head_dim, 11 + head_dim as u64);
-            let v = values(max_len * head_dim, 12 + head_dim as u64);
-            for p in 0..max_len {
-                let at = blocks[p / block_size] as usize * stride + (p % block_size) * head_dim;
-                store_row(dtype, &mut keys, at, &k[p * head_dim..(p + 1) * head_dim]);
-                store_row(dtype, &mut vals, at, &v[p * head_dim..(p + 1) * head_dim]);
-            }
-            let view = |data| KvView { dtype, data, block_stride: stride, block_size, head_dim };
-            let scale = (head_dim as f32).powf(-0.5);
-            for nq in 1..=MAX_QUERIES {
-                for lens in [[1usize, 1, 2, 2], [17, 17, 18, 18], [5, 40, 3, 89], [64, 65, 66, 67]] {
-                    let qs: Vec<Vec<f32>> = (0..nq).map(|i| values(head_dim, 100 + i as u64)).collect();
-                    // Alone.
-                    let alone: Vec<Vec<u32>> = (0..nq)
+fn rows_have_the_bits_of_each_row_alone() {
+    for precision in [Precision::F32, Precision::Bf16] {
+        for dtype in [WeightDType::F32, WeightDType::F16, WeightDType::BF16] {
+            for (head_dim, block_size) in [(1, 4), (7, 16), (64, 16), (100, 3), (96, 48), (128, 16), (128, 32)] {
+                let max_len: usize = PARTITION + 90;
+                let k = values(max_len * head_dim, 11 + head_dim as u64);
+                let v = values(max_len * head_dim, 12 + head_dim as u64);
+                let pool = pool(dtype, head_dim, block_size, &k, &v, max_len);
+                let (keys, vals) = pool.views(dtype, block_size, head_dim);
+                let scale = (head_dim as f32).powf(-0.5);
+                let qs: Vec<Vec<f32>> = (0..MAX_ROWS).map(|i| values(head_dim, 100 + i as u64)).collect();
+                // Row lengths: a prefill chunk (two heads per token, growing positions) crossing a
+                // tile and a partition boundary, a decode group (equal lengths), and a mix.
+                let prefill: Vec<usize> = (0..MAX_ROWS).map(|i| PARTITION - 20 + i / 2).collect();
+                let decode: Vec<usize> = vec![max_len; MAX_ROWS];
+                let mixed: Vec<usize> = (0..MAX_ROWS).map(|i| 1 + (i * 37) % max_len).collect();
+                for lens in [prefill, decode, mixed] {
+                    let alone: Vec<Vec<u32>> = (0..MAX_ROWS)
                         .map(|i| {
-                            let mut scores = vec![0.0; lens[i]];
                             let mut out = vec![0.0; head_dim];
                             attention_paged(
                                 &qs[i],
-                                view(&keys),
-                                view(&vals),
-                                &blocks,
-                                0,
+                                keys,
+                                vals,
+                                &pool.blocks,
+                                pool.offset,
                                 lens[i],
                                 scale,
-                                &mut scores,
+                                precision,
                                 &mut out,
                             );
                             out.iter().map(|x| x.to_bits()).collect()
                         })
                         .collect();
-                    // Together.
-                    let mut scores = vec![vec![0.0f32; max_len]; nq];
-                    let mut outs = vec![vec![0.0f32; head_dim]; nq];
-                    let mut queries: Vec<PagedQuery<'_>> = scores
-                        .iter_mut()
-                        .zip(outs.iter_mut())
-                        .enumerate()
-                        .map(|(i, (s, o))| PagedQuery { q: &qs[i], len: lens[i], scores: s, out: o })
-                        .collect();
-                    attention_paged_many(&mut queries, view(&keys), view(&vals), &blocks, 0, scale);
-                    for i in 0..nq {
-                        let got: Vec<u32> = outs[i].iter().map(|x| x.to_bits()).collect();
-                        assert_eq!(got, alone[i], "{dtype:?} head_dim {head_dim} nq {nq} lens {lens:?} query {i}");
+                    for n in [2, 3, 5, 12, 13, 25, MAX_ROWS] {
+                        for first in [0, MAX_ROWS - n] {
+                            let mut outs = vec![vec![0.0f32; head_dim]; n];
+                            let mut rows: Vec<QueryRow<'_>> = outs
+                                .iter_mut()
+                                .enumerate()
+                                .map(|(i, out)| QueryRow { q: &qs[first + i], len: lens[first + i], out })
+                                .collect();
+                            attention_rows(&mut rows, keys, vals, &pool.blocks, pool.offset, scale, precision);
+                            for (i, out) in outs.iter().enumerate() {
+                                let got: Vec<u32> = out.iter().map(|x| x.to_bits()).collect();
+                                assert_eq!(
+                                    got,
+                                    alone[first + i],
+                                    "{precision:?} {dtype:?} head_dim {head_dim} block {block_size} rows {n} from {first}: row {i}"
+                                );
+                            }
+                        }
                     }
                 }
             }
@@ -152,22 +187,22 @@ fn grouped_queries_have_the_bits_of_each_query_alone() {
 fn a_block_outside_the_pool_panics_instead_of_reading() {
     let data = vec![0u8; 4 * 8 * 4];
     let view = KvView { dtype: WeightDType::F32, data: &data, block_stride: 8, block_size: 2, head_dim: 4 };
-    let mut scores = [0.0; 2];
     let mut out = [0.0; 4];
-    attention_paged(&[0.0; 4], view, view, &[9], 0, 2, 1.0, &mut scores, &mut out);
+    attention_paged(&[0.0; 4], view, view, &[9], 0, 2, 1.0, Precision::F32, &mut out);
 }
 
-/// Re-runs the reference comparison in a child process under every instruction set this
-/// machine can be capped to, so the AVX2 and scalar paths are checked as well as the default.
+/// Re-runs the tests above in a child process under every instruction set this machine can be
+/// capped to (`avx512` turns AMX off), so the AVX-512, AVX2 and scalar paths are checked as
+/// well as the default.
 #[test]
 fn every_isa_matches_the_reference() {
     if std::env::var_os("KYLIN_KERNELS_ISA").is_some() {
-        // Already a child (or the caller chose one ISA): the test above covers it.
+        // Already a child (or the caller chose one ISA): the tests above cover it.
         return;
     }
     let exe = std::env::current_exe().expect("the test binary's path");
-    for cap in ["avx2", "scalar"] {
-        for test in ["paged_attention_matches_the_reference", "grouped_queries_have_the_bits_of_each_query_alone"] {
+    for cap in ["avx512", "avx2", "scalar"] {
+        for test in ["paged_attention_matches_the_reference", "rows_have_the_bits_of_each_row_alone"] {
             let status = std::process::Command::new(&exe)
                 .args(["--exact", test])
                 .env("KYLIN_KERNELS_ISA", cap)
