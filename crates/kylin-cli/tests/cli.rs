@@ -319,8 +319,9 @@ fn perplexity_saves_a_base_and_compares_a_16_bit_kv_cache_with_it() {
     let hf = model("smollm2-135m-instruct");
     let text = Path::new(SHARED).join("data/gpl-3.0.txt");
     let args = |extra: &[&'static str]| {
+        // f32 products, so the cache follows them in f32 unless a flag says otherwise.
         let mut a = vec!["perplexity", s(&hf), "--file", s(&text), "--ctx", "128", "--chunks", "2", "--json"];
-        a.extend_from_slice(&["--kl-divergence-base", s(&base)]);
+        a.extend_from_slice(&["--precision", "f32", "--kl-divergence-base", s(&base)]);
         a.extend_from_slice(extra);
         a.into_iter().map(str::to_string).collect::<Vec<_>>()
     };
