@@ -212,9 +212,17 @@ impl AttentionPath {
     }
 }
 
+/// Whether the AMX attention path is enabled (`KYLIN_AMX_ATTENTION=1`; off by default: it packs
+/// each tile of keys and values per call, which costs a decode step about a quarter of its
+/// speed at short contexts, while it makes long prefills 1.7x faster; see BENCHMARKS.md).
+fn amx_attention_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KYLIN_AMX_ATTENTION").is_ok_and(|v| v == "1"))
+}
+
 /// The path [`attention_rows`] takes for this precision, head size and block size on this CPU.
 pub fn attention_path(precision: Precision, head_dim: usize, block_size: usize) -> AttentionPath {
-    let amx = precision == Precision::Bf16 && bf16_kernels() == Some(Bf16Kernels::Amx);
+    let amx = precision == Precision::Bf16 && bf16_kernels() == Some(Bf16Kernels::Amx) && amx_attention_enabled();
     if cfg!(target_arch = "x86_64") && amx && head_dim.is_multiple_of(32) && block_size.is_multiple_of(16) {
         AttentionPath::AmxBf16
     } else {

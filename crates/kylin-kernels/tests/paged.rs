@@ -211,4 +211,13 @@ fn every_isa_matches_the_reference() {
             assert!(status.success(), "{test} fails with KYLIN_KERNELS_ISA={cap}");
         }
     }
+    // The AMX attention path (opt-in), where the CPU has it.
+    for test in ["paged_attention_matches_the_reference", "rows_have_the_bits_of_each_row_alone"] {
+        let status = std::process::Command::new(&exe)
+            .args(["--exact", test])
+            .env("KYLIN_AMX_ATTENTION", "1")
+            .status()
+            .expect("spawn the test binary");
+        assert!(status.success(), "{test} fails with KYLIN_AMX_ATTENTION=1");
+    }
 }
