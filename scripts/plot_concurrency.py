@@ -4,7 +4,11 @@ outputs (one file per level, each with Kylin and, with --vs, llama.cpp) as an SV
 prints the table. Standard library only, so it runs anywhere the benchmark runs."""
 import argparse
 import json
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import svgchart  # noqa: E402
 
 
 def load(paths):
@@ -21,40 +25,11 @@ def load(paths):
     return series
 
 
-def svg(series, width=640, height=400, margin=56):
-    xs = sorted({p[0] for pts in series.values() for p in pts})
-    ymax = max(p[1] for pts in series.values() for p in pts) * 1.1
-    colors = {"kylin": "#c0392b", "llama.cpp": "#2c3e50"}
-
-    def x(v):
-        return margin + (xs.index(v) / max(len(xs) - 1, 1)) * (width - 2 * margin)
-
-    def y(v):
-        return height - margin - v / ymax * (height - 2 * margin)
-
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">',
-           f'<rect width="{width}" height="{height}" fill="white"/>',
-           f'<text x="{width / 2}" y="20" text-anchor="middle" font-size="14">Aggregate decode throughput against concurrency</text>',
-           f'<line x1="{margin}" y1="{height - margin}" x2="{width - margin}" y2="{height - margin}" stroke="black"/>',
-           f'<line x1="{margin}" y1="{margin}" x2="{margin}" y2="{height - margin}" stroke="black"/>',
-           f'<text x="{width / 2}" y="{height - 16}" text-anchor="middle">sequences decoding at once</text>',
-           f'<text x="16" y="{height / 2}" text-anchor="middle" transform="rotate(-90 16 {height / 2})">tokens/s (all sequences)</text>']
-    for v in xs:
-        out.append(f'<text x="{x(v)}" y="{height - margin + 16}" text-anchor="middle">{v}</text>')
-    for i in range(6):
-        v = ymax * i / 5
-        out.append(f'<text x="{margin - 6}" y="{y(v) + 4}" text-anchor="end">{v:.0f}</text>')
-        out.append(f'<line x1="{margin}" y1="{y(v)}" x2="{width - margin}" y2="{y(v)}" stroke="#ddd"/>')
-    for k, (name, pts) in enumerate(sorted(series.items())):
-        color = colors.get(name, "#888")
-        path = " ".join(f"{x(c):.1f},{y(t):.1f}" for c, t, _, _ in pts)
-        out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"/>')
-        for c, t, _, _ in pts:
-            out.append(f'<circle cx="{x(c):.1f}" cy="{y(t):.1f}" r="3" fill="{color}"/>')
-            out.append(f'<text x="{x(c):.1f}" y="{y(t) - 8:.1f}" text-anchor="middle" fill="{color}">{t:.0f}</text>')
-        out.append(f'<text x="{margin + 10}" y="{margin + 16 * k}" fill="{color}">{name}</text>')
-    out.append("</svg>")
-    return "\n".join(out)
+def svg(series, width=640, height=400):
+    points = {name: [(c, t) for c, t, _, _ in pts] for name, pts in series.items()}
+    chart = svgchart.panel(points, "Aggregate decode throughput against concurrency", "sequences decoding at once",
+                           "tokens/s (all sequences)", width=width, height=height)
+    return svgchart.document(chart, width, height)
 
 
 def main():

@@ -4,7 +4,11 @@
 two panels, and prints the table. Standard library only."""
 import argparse
 import json
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import svgchart  # noqa: E402
 
 
 def load(paths):
@@ -20,52 +24,19 @@ def load(paths):
     return series
 
 
-def panel(series, index, title, x0, width, height, margin):
-    xs = sorted({p[0] for pts in series.values() for p in pts})
-    ymax = max(p[index] for pts in series.values() for p in pts) * 1.15
-    colors = {"kylin": "#c0392b", "llama.cpp": "#2c3e50"}
-
-    def x(v):
-        return x0 + margin + (xs.index(v) / max(len(xs) - 1, 1)) * (width - 2 * margin)
-
-    def y(v):
-        return height - margin - v / ymax * (height - 2 * margin)
-
-    out = [f'<text x="{x0 + width / 2}" y="20" text-anchor="middle" font-size="14">{title}</text>',
-           f'<line x1="{x0 + margin}" y1="{height - margin}" x2="{x0 + width - margin}" y2="{height - margin}" stroke="black"/>',
-           f'<line x1="{x0 + margin}" y1="{margin}" x2="{x0 + margin}" y2="{height - margin}" stroke="black"/>',
-           f'<text x="{x0 + width / 2}" y="{height - 16}" text-anchor="middle">prompt tokens</text>']
-    for v in xs:
-        out.append(f'<text x="{x(v)}" y="{height - margin + 16}" text-anchor="middle">{v}</text>')
-    for i in range(6):
-        v = ymax * i / 5
-        out.append(f'<text x="{x0 + margin - 6}" y="{y(v) + 4}" text-anchor="end">{v:.0f}</text>')
-        out.append(f'<line x1="{x0 + margin}" y1="{y(v)}" x2="{x0 + width - margin}" y2="{y(v)}" stroke="#ddd"/>')
-    for k, (name, pts) in enumerate(sorted(series.items())):
-        color = colors.get(name, "#888")
-        path = " ".join(f"{x(p[0]):.1f},{y(p[index]):.1f}" for p in pts)
-        out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"/>')
-        for p in pts:
-            out.append(f'<circle cx="{x(p[0]):.1f}" cy="{y(p[index]):.1f}" r="3" fill="{color}"/>')
-            out.append(f'<text x="{x(p[0]):.1f}" y="{y(p[index]) - 8:.1f}" text-anchor="middle" fill="{color}">{p[index]:.0f}</text>')
-        out.append(f'<text x="{x0 + width - margin - 70}" y="{margin + 16 * k}" fill="{color}">{name}</text>')
-    return out
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("files", nargs="+")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     series = load(args.files)
-    width, height, margin = 520, 400, 56
-    body = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * width}" height="{height}" font-family="sans-serif" font-size="12">',
-            f'<rect width="{2 * width}" height="{height}" fill="white"/>']
-    body += panel(series, 1, "Prefill tokens/s against prompt length", 0, width, height, margin)
-    body += panel(series, 2, "Decode tokens/s after the prompt", width, width, height, margin)
-    body.append("</svg>")
+    width, height = 520, 400
+    prefill = {name: [(n, p) for n, p, _ in pts] for name, pts in series.items()}
+    decode = {name: [(n, d) for n, _, d in pts] for name, pts in series.items()}
+    body = svgchart.panel(prefill, "Prefill tokens/s against prompt length", "prompt tokens", width=width, height=height)
+    body += svgchart.panel(decode, "Decode tokens/s after the prompt", "prompt tokens", x0=width, width=width, height=height)
     with open(args.out, "w") as f:
-        f.write("\n".join(body))
+        f.write(svgchart.document(body, 2 * width, height))
     print("| backend | prompt tokens | prefill tok/s | decode tok/s |")
     print("|---|---:|---:|---:|")
     for name, pts in sorted(series.items()):

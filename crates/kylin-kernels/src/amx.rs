@@ -161,23 +161,28 @@ pub(crate) unsafe fn round_chunk(src: *const f32, n: usize, out: &mut [u16; TILE
     };
     // SAFETY: masked loads read only the `n` valid elements; `out` is 64 bytes.
     unsafe {
-        let round = |v: __m512| -> __m512i {
-            let bits = _mm512_castps_si512(v);
-            let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
-            let rounded =
-                _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))));
-            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
-            let quiet = _mm512_or_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(0x40));
-            _mm512_mask_blend_epi32(nan, rounded, quiet)
-        };
-        let r0 = round(_mm512_maskz_loadu_ps(lo_mask, src));
-        let r1 = round(_mm512_maskz_loadu_ps(hi_mask, src.add(16.min(n))));
+        let r0 = round16(_mm512_maskz_loadu_ps(lo_mask, src));
+        let r1 = round16(_mm512_maskz_loadu_ps(hi_mask, src.add(16.min(n))));
         // Each lane holds a value below 2^16, so the signed-saturating pack is exact; it packs
         // per 128-bit lane, which the permutation puts back in order.
         let packed = _mm512_packus_epi32(r0, r1);
         let ordered = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), packed);
         _mm512_storeu_si512(out.as_mut_ptr() as *mut __m512i, ordered);
     }
+}
+
+/// Sixteen f32 rounded to BF16 (nearest even, NaN kept quiet), each in the low half of a u32
+/// lane: `reference::round_bf16` lane by lane.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[inline]
+pub(crate) fn round16(v: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512i {
+    use std::arch::x86_64::*;
+    let bits = _mm512_castps_si512(v);
+    let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+    let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))));
+    let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+    let quiet = _mm512_or_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(0x40));
+    _mm512_mask_blend_epi32(nan, rounded, quiet)
 }
 
 /// Bytes of packed activations one token super-block may take (half of a 2 MiB L2).

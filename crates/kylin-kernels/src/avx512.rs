@@ -36,7 +36,7 @@ pub const NR: usize = 3;
 /// `p` must be valid for reading elements `i..i + 16` of dtype `D`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 #[inline]
-unsafe fn load16<const D: u8>(p: *const u8, i: usize) -> __m512 {
+pub(crate) unsafe fn load16<const D: u8>(p: *const u8, i: usize) -> __m512 {
     // SAFETY: the caller guarantees elements `i..i + 16` are readable; loads are unaligned.
     unsafe {
         match D {

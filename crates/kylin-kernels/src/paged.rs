@@ -714,7 +714,7 @@ impl Lanes for Portable {
 mod simd {
     use std::arch::x86_64::*;
 
-    use super::{DT_BF16, DT_F16, Job, Lanes, QueryRow, rows_body};
+    use super::{Job, Lanes, QueryRow, rows_body};
     use crate::x86::{exp8, hsum};
 
     /// # Safety
@@ -751,16 +751,7 @@ mod simd {
         }
         #[inline(always)]
         unsafe fn load<const D: u8>(p: *const u8, i: usize) -> Self {
-            unsafe {
-                Zmm(match D {
-                    DT_BF16 => {
-                        let h = _mm256_loadu_si256(p.add(i * 2) as *const __m256i);
-                        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
-                    }
-                    DT_F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p.add(i * 2) as *const __m256i)),
-                    _ => _mm512_loadu_ps(p.add(i * 4) as *const f32),
-                })
-            }
+            unsafe { Zmm(crate::avx512::load16::<D>(p, i)) }
         }
         #[inline(always)]
         unsafe fn load_f32(p: *const f32) -> Self {
@@ -914,13 +905,7 @@ mod simd {
         }
         #[inline(always)]
         unsafe fn reduce_max(self) -> f32 {
-            unsafe {
-                let m = _mm256_max_ps(self.0[0], self.0[1]);
-                let s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
-                let s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-                let s = _mm_max_ss(s, _mm_shuffle_ps::<1>(s, s));
-                _mm_cvtss_f32(s)
-            }
+            unsafe { crate::x86::hmax(_mm256_max_ps(self.0[0], self.0[1])) }
         }
         #[inline(always)]
         unsafe fn reduce_add(self) -> f32 {

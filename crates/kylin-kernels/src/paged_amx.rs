@@ -34,6 +34,7 @@ use std::arch::x86_64::*;
 
 use super::simd::Zmm;
 use super::{DT_BF16, Job, KvView, Lanes, MAX_HEAD_DIM, MAX_ROWS, PARTITION, QueryRow};
+use crate::amx::round16;
 
 /// Positions per tile of the AMX path.
 pub const AMX_TILE: usize = 64;
@@ -43,19 +44,6 @@ const _: () = assert!(PARTITION.is_multiple_of(AMX_TILE));
 #[repr(C, align(64))]
 struct Aligned<const N: usize>([u8; N]);
 
-/// Sixteen f32 rounded to BF16 (nearest even, NaN kept quiet), each in the low half of a u32
-/// lane: `reference::round_bf16` lane by lane.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-#[inline]
-fn round16(v: __m512) -> __m512i {
-    let bits = _mm512_castps_si512(v);
-    let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
-    let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))));
-    let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
-    let quiet = _mm512_or_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(0x40));
-    _mm512_mask_blend_epi32(nan, rounded, quiet)
-}
-
 /// One pair row: `lo` and `hi` rounded, interleaved as `(lo[n], hi[n])` for `n = 0..16`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 #[inline]
@@ -63,16 +51,17 @@ fn pair_row(lo: __m512, hi: __m512) -> __m512i {
     _mm512_or_si512(round16(lo), _mm512_slli_epi32::<16>(round16(hi)))
 }
 
-/// Sixteen BF16 values from `lo` and sixteen from `hi` (32 bytes each, the lanes of `live_mask`
-/// read, zeros elsewhere) interleaved as `(lo[n], hi[n])`: a pair row of a BF16 cache, which
+/// Sixteen BF16 values from `lo` and sixteen from `hi` (32 bytes each; the lanes of each mask
+/// are read, zeros elsewhere) interleaved as `(lo[n], hi[n])`: a pair row of a BF16 cache, which
 /// needs no rounding.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 #[inline]
-unsafe fn pair_row_bf16(lo: *const u8, hi: *const u8, live_mask: __mmask16) -> __m512i {
+unsafe fn pair_row_bf16(lo: *const u8, lo_mask: __mmask16, hi: *const u8, hi_mask: __mmask16) -> __m512i {
     // SAFETY: the caller guarantees the masked lanes are readable.
     unsafe {
-        let a = _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(live_mask, lo as *const i16));
-        let b = _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(live_mask, hi as *const i16));
+        let a = _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(lo_mask, lo as *const i16));
+        let b = _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(hi_mask, hi as *const i16));
+        // Lane 2n takes a[n], lane 2n + 1 takes b[n] (index 32 + n).
         let idx = _mm512_set_epi16(
             47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33,
             1, 32, 0,
@@ -156,10 +145,6 @@ pub(super) unsafe fn rows_amx<const D: u8>(rows: &mut [QueryRow<'_>], job: &Job<
         let data_k = keys.data.as_ptr();
         let data_v = job.values.data.as_ptr();
         let scale = _mm512_set1_ps(job.scale);
-        let interleave = _mm512_set_epi16(
-            47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33,
-            1, 32, 0,
-        );
         let o_stride = MAX_HEAD_DIM * 4;
 
         let mut part0 = 0;
@@ -185,7 +170,7 @@ pub(super) unsafe fn rows_amx<const D: u8>(rows: &mut [QueryRow<'_>], job: &Job<
                     for r in 0..half_hd {
                         let row = if D == DT_BF16 {
                             let mask = ((1u32 << live) - 1) as __mmask16;
-                            pair_row_bf16(base.add(2 * r * bs * 2), base.add((2 * r + 1) * bs * 2), mask)
+                            pair_row_bf16(base.add(2 * r * bs * 2), mask, base.add((2 * r + 1) * bs * 2), mask)
                         } else {
                             let lo = Zmm::load::<D>(base, 2 * r * bs).keep(live, 0.0);
                             let hi = Zmm::load::<D>(base, (2 * r + 1) * bs).keep(live, 0.0);
@@ -210,10 +195,7 @@ pub(super) unsafe fn rows_amx<const D: u8>(rows: &mut [QueryRow<'_>], job: &Job<
                         let (m0, m1) = (if p0.is_some() { 0xFFFF } else { 0 }, if p1.is_some() { 0xFFFF } else { 0 });
                         let (a0, a1) = (p0.unwrap_or(data_v), p1.unwrap_or(data_v));
                         for d in 0..hd / 16 {
-                            let (lo, hi) = (a0.add(32 * d), a1.add(32 * d));
-                            let a = _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(m0, lo as *const i16));
-                            let b = _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(m1, hi as *const i16));
-                            let row = _mm512_permutex2var_epi16(a, interleave, b);
+                            let row = pair_row_bf16(a0.add(32 * d), m0, a1.add(32 * d), m1);
                             _mm512_store_si512(vp.add((d * 32 + r) * 64) as *mut __m512i, row);
                         }
                     } else {

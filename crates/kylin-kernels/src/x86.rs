@@ -68,6 +68,16 @@ pub(crate) fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
+/// Largest lane of one vector.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) fn hmax(v: __m256) -> f32 {
+    let s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_max_ss(s, _mm_shuffle_ps::<1>(s, s));
+    _mm_cvtss_f32(s)
+}
+
 /// GEMV on a block of rows: `y[r] = Σ_c w[r, c] · x[c]` for `r in 0..y.len()`.
 ///
 /// One row at a time, four 8-wide accumulators (32 columns per step). Rows are contiguous, so
@@ -325,10 +335,7 @@ pub fn softmax(x: &mut [f32]) {
             m = _mm256_max_ps(m, _mm256_loadu_ps(p.add(i)));
             i += 8;
         }
-        let s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
-        let s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_max_ss(s, _mm_shuffle_ps::<1>(s, s));
-        let mut max = _mm_cvtss_f32(s);
+        let mut max = hmax(m);
         for v in &x[main..] {
             max = max.max(*v);
         }
