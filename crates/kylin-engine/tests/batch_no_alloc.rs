@@ -11,7 +11,7 @@ use kylin_engine::PrecisionChoice;
 use kylin_engine::batch::{BatchEngine, EngineOptions};
 use kylin_engine::serving::{Request, Serving};
 
-#[path = "support/counting_alloc.rs"]
+#[path = "../../kylin-kernels/tests/support/counting_alloc.rs"]
 mod counting_alloc;
 
 use counting_alloc::{ALLOCATIONS, Counting};

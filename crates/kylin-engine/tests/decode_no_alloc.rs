@@ -10,7 +10,7 @@ use kylin_engine::Backend;
 use kylin_engine::native::{NativeBackend, NativeOptions};
 use kylin_engine::sampler::argmax;
 
-#[path = "support/counting_alloc.rs"]
+#[path = "../../kylin-kernels/tests/support/counting_alloc.rs"]
 mod counting_alloc;
 
 use counting_alloc::{ALLOCATIONS, Counting};

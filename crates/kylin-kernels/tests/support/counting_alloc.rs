@@ -1,6 +1,6 @@
-//! A global allocator that counts allocations (shared by the no-allocation tests, each of which
-//! installs it with `#[global_allocator]` in its own binary and holds one test, so nothing else
-//! allocates concurrently).
+//! A global allocator that counts allocations, shared by the no-allocation tests of the kernels
+//! and the engine: each installs it with `#[global_allocator]` in its own binary and holds one
+//! test, so nothing else allocates concurrently.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
