@@ -110,6 +110,14 @@ pub enum PrecisionArg {
     Auto,
 }
 
+/// A weight format to quantize to at load.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuantizeArg {
+    /// GGUF's Q8_0 (blocks of 32 int8 with an f16 scale), int8 activations.
+    #[value(name = "q8_0")]
+    Q8_0,
+}
+
 /// How the batching engine is sized (native models; llama.cpp runs one sequence at a time).
 #[derive(Args, Debug, Clone, Default)]
 pub struct EngineArgs {
@@ -121,7 +129,8 @@ pub struct EngineArgs {
     #[arg(long, value_name = "F")]
     pub memory_fraction: Option<f64>,
     /// Element type of the KV cache (default: bf16 under --precision bf16, as transformers keeps
-    /// it for a BF16 model; f32 under --precision f32, which matches transformers' float32 exactly).
+    /// it for a BF16 model; f32 under --precision f32, which matches transformers' float32
+    /// exactly; f16 with --quantize).
     #[arg(long, value_enum)]
     pub kv_dtype: Option<KvDTypeArg>,
     /// Sequences that run in one batch at most (default 16; 1 for run, chat and logits).
@@ -136,6 +145,10 @@ pub struct EngineArgs {
     /// Arithmetic of the matrix products (default auto); `f32` reproduces transformers' float32.
     #[arg(long, value_enum)]
     pub precision: Option<PrecisionArg>,
+    /// Quantize the linear layers and the head at load (native models): `q8_0` is GGUF's Q8_0,
+    /// the same numbers llama.cpp's Q8_0 file holds, computed with int8 activations.
+    #[arg(long, value_enum)]
+    pub quantize: Option<QuantizeArg>,
 }
 
 #[derive(Args, Debug)]

@@ -35,6 +35,8 @@ pub struct BenchSample {
     pub load_ms: f64,
     /// Part of `load_ms` spent on the tokenizer, where known.
     pub tokenizer_ms: Option<f64>,
+    /// Part of `load_ms` spent quantizing the weights (`--quantize`).
+    pub quantize_ms: Option<f64>,
     /// Prefill of the prompt plus choosing the first token.
     pub ttft_ms: f64,
     pub prefill_tok_s: f64,
@@ -60,6 +62,7 @@ pub struct BenchSummary {
     pub kernels: String,
     pub load_ms: f64,
     pub tokenizer_ms: Option<f64>,
+    pub quantize_ms: Option<f64>,
     pub ttft_ms: f64,
     pub prefill_tok_s: f64,
     pub decode_tok_s: f64,
@@ -90,6 +93,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         b.backend = args.vs_backend;
         // `--precision` chooses the native engine's arithmetic; the peer keeps its own.
         b.engine.precision = None;
+        b.engine.quantize = None;
         models.push(b);
     }
 
@@ -142,6 +146,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             "machine_read_gb_s": read_gb_s,
             "load_ms": a.load_ms,
             "tokenizer_ms": a.tokenizer_ms,
+            "quantize_ms": a.quantize_ms,
             "ttft_ms": a.ttft_ms,
             "prefill_tok_s": a.prefill_tok_s,
             "decode_tok_s": a.decode_tok_s,
@@ -302,6 +307,7 @@ fn summarize(samples: Vec<BenchSample>, read_gb_s: f64) -> BenchSummary {
     let first = samples[0].clone();
     let decode_gb_s = m(|s| s.decode_gb_s);
     let tokenizer_ms = first.tokenizer_ms.map(|_| m(|s| s.tokenizer_ms.unwrap_or(f64::NAN)));
+    let quantize_ms = first.quantize_ms.map(|_| m(|s| s.quantize_ms.unwrap_or(f64::NAN)));
     BenchSummary {
         model: first.model,
         backend: first.backend,
@@ -311,6 +317,7 @@ fn summarize(samples: Vec<BenchSample>, read_gb_s: f64) -> BenchSummary {
         kernels: first.kernels,
         load_ms: m(|s| s.load_ms),
         tokenizer_ms,
+        quantize_ms,
         ttft_ms: m(|s| s.ttft_ms),
         prefill_tok_s: m(|s| s.prefill_tok_s),
         decode_tok_s: m(|s| s.decode_tok_s),
@@ -348,8 +355,13 @@ fn print_table(summaries: &[BenchSummary], ratios: Option<&BenchRatios>, args: &
     }
     for s in summaries {
         println!("{}: precision {}, kernels {}", s.backend, s.precision, s.kernels);
-        if let Some(tok) = s.tokenizer_ms {
-            println!("{}: load {:.0} ms, of which the tokenizer {:.0} ms", s.backend, s.load_ms, tok);
+        match (s.tokenizer_ms, s.quantize_ms) {
+            (Some(tok), Some(q)) => println!(
+                "{}: load {:.0} ms, of which the tokenizer {:.0} ms and quantization {:.0} ms",
+                s.backend, s.load_ms, tok, q
+            ),
+            (Some(tok), None) => println!("{}: load {:.0} ms, of which the tokenizer {:.0} ms", s.backend, s.load_ms, tok),
+            _ => {}
         }
         if let Some(total) = s.decode_with_kv_gb_s {
             println!(
@@ -411,6 +423,7 @@ fn spawn_worker_json(model: &ModelArgs, threads: usize, args: &BenchArgs) -> Res
         ("--kv-block-size", e.kv_block_size.map(|v| v.to_string())),
         ("--kv-dtype", e.kv_dtype.map(|d| crate::args::flag_value(&d))),
         ("--precision", e.precision.map(|p| crate::args::flag_value(&p))),
+        ("--quantize", e.quantize.map(|q| crate::args::flag_value(&q))),
     ] {
         if let Some(v) = value {
             cmd.args([flag, &v]);
@@ -512,6 +525,7 @@ pub fn worker(args: BenchWorkerArgs) -> Result<()> {
         gen_tokens: args.gen_tokens,
         load_ms: opened.load_ms,
         tokenizer_ms: opened.tokenizer_ms,
+        quantize_ms: summary.quantize_ms,
         ttft_ms: ttft * 1e3,
         prefill_tok_s: args.prompt_tokens as f64 / prefill_s,
         decode_tok_s,

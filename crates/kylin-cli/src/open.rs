@@ -3,13 +3,13 @@
 use std::time::Instant;
 
 use anyhow::Result;
-use kylin_engine::batch::{DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_SEQS, EngineOptions, KvBudget};
+use kylin_engine::batch::{DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_SEQS, EngineOptions, KvBudget, QuantizeProgress};
 use kylin_engine::native::{NativeBackend, NativeOptions};
-use kylin_engine::{Backend, PrecisionChoice, Serving};
+use kylin_engine::{Backend, PrecisionChoice, QuantFormat, Serving};
 use kylin_kernels::WeightDType;
 use kylin_loader::{Format, KylinError, LoadOptions};
 
-use crate::args::{BackendChoice, KvDTypeArg, ModelArgs, PrecisionArg};
+use crate::args::{BackendChoice, KvDTypeArg, ModelArgs, PrecisionArg, QuantizeArg};
 
 /// A ready backend and what it cost to get there.
 pub struct Opened {
@@ -187,7 +187,28 @@ pub fn engine_options(args: &ModelArgs, threads: usize, default_max_seqs: usize)
             PrecisionArg::Bf16 => PrecisionChoice::Bf16,
             PrecisionArg::Auto => PrecisionChoice::Auto,
         },
+        quantize: e.quantize.map(|q| match q {
+            QuantizeArg::Q8_0 => QuantFormat::Q8_0,
+        }),
+        quantize_progress: e.quantize.map(|_| quantize_progress_bar()),
     })
+}
+
+/// A progress bar on stderr for the quantization at load (hidden when stderr is not a
+/// terminal, as indicatif does), finished when the last byte is done.
+fn quantize_progress_bar() -> QuantizeProgress {
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("quantizing {bar:40} {binary_bytes}/{binary_total_bytes} {elapsed}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    QuantizeProgress(std::sync::Arc::new(move |done, total| {
+        bar.set_length(total);
+        bar.set_position(done);
+        if done >= total {
+            bar.finish_and_clear();
+        }
+    }))
 }
 
 /// Loader warnings go to stderr, once, prefixed so scripts can filter them.

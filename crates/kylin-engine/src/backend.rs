@@ -35,6 +35,8 @@ pub struct BackendSummary {
     /// Kernel family running them: `amx-bf16`, `avx512`, `avx2`, `scalar`; for llama.cpp, the
     /// CPU features its build uses (`ggml: AVX512_BF16, AMX_INT8, …`).
     pub kernels: String,
+    /// Milliseconds spent quantizing the weights at load (`--quantize`), part of the load time.
+    pub quantize_ms: Option<f64>,
 }
 
 /// A loaded model that turns token ids into next-token logits.

@@ -28,13 +28,14 @@
 //! a preempted sequence recomputes the same keys and values).
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use kylin_kernels::{ThreadPool, WeightDType};
 use kylin_loader::{GenerationDefaults, KylinError, LoadedModel, Result};
 
 use crate::backend::ChatMessage;
 use crate::kv_pool::{BlockAllocator, KvPool};
-use crate::model::{BatchPlan, Model, PrecisionChoice, Scratch};
+use crate::model::{BatchPlan, Model, PrecisionChoice, QuantFormat, Scratch};
 use crate::native::ModelParts;
 use crate::rope::Rope;
 use crate::sequence::Decoding;
@@ -85,8 +86,22 @@ pub struct EngineOptions {
     /// resident from the first request on and does not grow with traffic (the server does).
     pub prefault: bool,
     /// Arithmetic of the matrix products (`--precision`); the library default is `F32`, exact
-    /// against transformers' float32.
+    /// against transformers' float32. A quantized model takes `Auto` only.
     pub precision: PrecisionChoice,
+    /// Quantize the linear layers and the head at load (`--quantize`).
+    pub quantize: Option<QuantFormat>,
+    /// Called with (source bytes done, total) while quantizing.
+    pub quantize_progress: Option<QuantizeProgress>,
+}
+
+/// A progress callback for the quantization at load: `(done, total)` source bytes.
+#[derive(Clone)]
+pub struct QuantizeProgress(pub Arc<dyn Fn(u64, u64) + Send + Sync>);
+
+impl std::fmt::Debug for QuantizeProgress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("QuantizeProgress")
+    }
 }
 
 impl Default for EngineOptions {
@@ -102,15 +117,9 @@ impl Default for EngineOptions {
             chat_template_override: None,
             prefault: false,
             precision: PrecisionChoice::F32,
+            quantize: None,
+            quantize_progress: None,
         }
-    }
-}
-
-/// `f32` or `bf16`.
-pub fn precision_name(precision: kylin_kernels::Precision) -> &'static str {
-    match precision {
-        kylin_kernels::Precision::F32 => "f32",
-        kylin_kernels::Precision::Bf16 => "bf16",
     }
 }
 
@@ -240,6 +249,8 @@ pub struct EngineCore {
     pub(crate) context: usize,
     pub(crate) max_seqs: usize,
     pub(crate) max_batch_tokens: usize,
+    /// Milliseconds spent quantizing the weights at load, if asked to.
+    pub(crate) quantize_ms: Option<f64>,
 }
 
 impl std::fmt::Debug for EngineCore {
@@ -263,6 +274,16 @@ impl EngineCore {
     pub fn new(parts: ModelParts<'_>, opts: &EngineOptions) -> Result<Self> {
         let config = parts.config;
         let mut model = Model::new(config, parts.weights)?;
+        let quantize_started = std::time::Instant::now();
+        if let Some(format) = opts.quantize {
+            let progress = opts.quantize_progress.as_ref().map(|p| p.0.clone());
+            model.quantize(format, opts.threads.max(1), &|done, total| {
+                if let Some(p) = &progress {
+                    p(done, total)
+                }
+            })?;
+        }
+        let quantize_ms = opts.quantize.map(|_| quantize_started.elapsed().as_secs_f64() * 1e3);
         model.set_precision(opts.precision)?;
         let max_pos = config.max_position_embeddings;
         let context = match opts.ctx_size {
@@ -294,10 +315,7 @@ impl EngineCore {
         let max_batch_tokens = opts.max_batch_tokens.min(context.max(1) * max_seqs);
         let d = *model.dims();
         let mut scratch = model.plan_scratch(max_batch_tokens, max_seqs)?;
-        let kv_dtype = opts.kv_dtype.unwrap_or(match model.precision() {
-            kylin_kernels::Precision::Bf16 => WeightDType::BF16,
-            kylin_kernels::Precision::F32 => WeightDType::F32,
-        });
+        let kv_dtype = opts.kv_dtype.unwrap_or(model.default_kv_dtype());
         let n_blocks = kv_blocks(opts, kv_dtype, &model, &scratch, context, max_seqs)?;
         let mut kv = KvPool::new(kv_dtype, n_blocks, opts.block_size, d.n_layers, d.n_kv_heads, d.head_dim)?;
         if opts.prefault {
@@ -322,6 +340,7 @@ impl EngineCore {
             context,
             max_seqs,
             max_batch_tokens,
+            quantize_ms,
         })
     }
 
@@ -383,7 +402,7 @@ impl EngineCore {
             kv_bytes: self.kv.bytes(),
             kv_dtype: dtype_name(self.kv.dtype).to_string(),
             threads: self.pool.threads(),
-            precision: precision_name(self.model.precision()).to_string(),
+            precision: self.model.precision_name().to_string(),
             kernels: self.model.kernels_report(self.kv.block_size),
             has_tokenizer: self.text.is_some(),
             eos_ids: self.eos_ids.clone(),

@@ -18,7 +18,7 @@ pub mod text;
 
 pub use backend::{Backend, BackendSummary, ChatMessage};
 pub use generate::{ChatSession, FinishReason, GenerateRequest, GenerationResult, GenerationTimings, generate};
-pub use model::PrecisionChoice;
+pub use model::{PrecisionChoice, QuantFormat};
 pub use sampler::{Sampler, SamplingParams};
 pub use serial::SerialEngine;
 pub use serving::{CancelHandle, EngineInfo, EngineStats, Event, EventKind, Request, Serving, StopReason, Usage};

@@ -6,7 +6,9 @@
 //! once in [`Model::new`] as `Option` fields and precomputed tables.
 //!
 //! Guarantees:
-//! - Weights are read in place, in their stored dtype (BF16, F16 or F32); nothing is copied.
+//! - Weights are read in place, in their stored dtype (BF16, F16 or F32); nothing is copied,
+//!   except under [`Model::quantize`] (`--quantize q8_0`), which makes Q8_0 copies of the
+//!   linear layers and the head at load, an explicit, reported exception.
 //! - Every shape is checked in [`Model::new`]; the forward pass never re-checks or branches on a
 //!   format.
 //! - Activations ([`Scratch`]) are planned by [`Model::plan_scratch`] from the configuration and
@@ -45,6 +47,33 @@ impl PrecisionChoice {
     }
 }
 
+/// A weight format the linear layers can be quantized to at load (`--quantize`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuantFormat {
+    /// GGUF's Q8_0: blocks of 32 int8 with an f16 scale, int8 activations (`kylin_kernels::quant`).
+    Q8_0,
+}
+
+impl QuantFormat {
+    /// The name used by flags and reports (`q8_0`).
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantFormat::Q8_0 => "q8_0",
+        }
+    }
+
+    /// Parses `q8_0`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "q8_0" => Some(QuantFormat::Q8_0),
+            _ => None,
+        }
+    }
+}
+
+use std::sync::Arc;
+
+use kylin_kernels::quant::{Q8Buffer, Q8Matrix};
 use kylin_kernels::{self as kernels, Bf16Kernels, Precision, ThreadPool, WeightDType, WeightMatrix, WeightVector};
 use kylin_loader::{DType, KylinError, LayerWeights, ModelConfig, ModelWeights, Result, RopeConfig, WeightTensor};
 
@@ -119,6 +148,8 @@ struct Linear {
     rows: usize,
     cols: usize,
     bias: Option<Vector>,
+    /// The Q8_0 copy the products read instead of `weight` ([`Model::quantize`]).
+    q8: Option<Arc<Q8Buffer>>,
 }
 
 impl Linear {
@@ -132,7 +163,15 @@ impl Linear {
             rows,
             cols,
             bias: Vector::optional(bias, rows)?,
+            q8: None,
         })
+    }
+
+    /// The Q8_0 copy, if quantized.
+    #[inline]
+    fn q8_matrix(&self) -> Option<Q8Matrix<'_>> {
+        // The buffer was made for exactly these rows and columns (`Model::quantize`).
+        self.q8.as_ref().and_then(|q| Q8Matrix::new(self.rows, self.cols, q.bytes()))
     }
 
     #[inline]
@@ -140,13 +179,15 @@ impl Linear {
         WeightMatrix { dtype: self.dtype, rows: self.rows, cols: self.cols, data: self.weight.bytes() }
     }
 
-    /// `y (n, rows) = x (n, cols) · Wᵀ (cols, rows) (+ b)`, with BF16 inputs when `bf16` names
-    /// the kernels (`xb` then receives the rounded `x`).
+    /// `y (n, rows) = x (n, cols) · Wᵀ (cols, rows) (+ b)`: int8 activations over the Q8_0
+    /// copy when quantized, else BF16 inputs when `bf16` names the kernels, else f32 (`p`
+    /// receives the quantized or rounded `x`).
     #[inline]
-    fn forward(&self, mm: Matmul<'_>, x: &[f32], n: usize, y: &mut [f32], xb: &mut [u16]) {
-        match mm.bf16 {
-            Some(k) => kernels::matmul_many_bf16(mm.pool, k, x, n, xb, &mut [(self.matrix(), y)]),
-            None => kernels::matmul(mm.pool, self.matrix(), x, n, y),
+    fn forward(&self, mm: Matmul<'_>, x: &[f32], n: usize, y: &mut [f32], p: &mut ProductScratch) {
+        match (self.q8_matrix(), mm.bf16) {
+            (Some(q), _) => kernels::quant::matmul_many_q8(mm.pool, x, n, &mut p.xq, &mut [(q, y)]),
+            (None, Some(k)) => kernels::matmul_many_bf16(mm.pool, k, x, n, &mut p.xb, &mut [(self.matrix(), y)]),
+            (None, None) => kernels::matmul(mm.pool, self.matrix(), x, n, y),
         }
         if let Some(bias) = &self.bias {
             for row in y.chunks_exact_mut(self.rows) {
@@ -163,12 +204,18 @@ impl Linear {
         x: &[f32],
         n: usize,
         mut layers: [(&Linear, &mut [f32]); N],
-        xb: &mut [u16],
+        p: &mut ProductScratch,
     ) {
-        let mut mats: [(WeightMatrix<'_>, &mut [f32]); N] = layers.each_mut().map(|(l, y)| (l.matrix(), &mut **y));
-        match mm.bf16 {
-            Some(k) => kernels::matmul_many_bf16(mm.pool, k, x, n, xb, &mut mats),
-            None => kernels::matmul_many(mm.pool, x, n, &mut mats),
+        // A layer's linears are all quantized or none (`Model::quantize`).
+        if layers.iter().all(|(l, _)| l.q8.is_some()) {
+            let mut mats = layers.each_mut().map(|(l, y)| (l.q8_matrix().expect("quantized"), &mut **y));
+            kernels::quant::matmul_many_q8(mm.pool, x, n, &mut p.xq, &mut mats);
+        } else {
+            let mut mats: [(WeightMatrix<'_>, &mut [f32]); N] = layers.each_mut().map(|(l, y)| (l.matrix(), &mut **y));
+            match mm.bf16 {
+                Some(k) => kernels::matmul_many_bf16(mm.pool, k, x, n, &mut p.xb, &mut mats),
+                None => kernels::matmul_many(mm.pool, x, n, &mut mats),
+            }
         }
         for (l, y) in layers.iter_mut() {
             if let Some(bias) = &l.bias {
@@ -183,8 +230,10 @@ impl Linear {
         self.weight.element_count() as u64 + self.bias.as_ref().map_or(0, |b| b.tensor.element_count() as u64)
     }
 
+    /// Bytes the products read: the Q8_0 copy when quantized, else the stored weight.
     fn byte_len(&self) -> u64 {
-        self.weight.byte_len() as u64 + self.bias.as_ref().map_or(0, |b| b.tensor.byte_len() as u64)
+        let weight = self.q8.as_ref().map_or(self.weight.byte_len(), |q| q.bytes().len());
+        weight as u64 + self.bias.as_ref().map_or(0, |b| b.tensor.byte_len() as u64)
     }
 }
 
@@ -225,6 +274,18 @@ impl Layer {
 
     fn linears(&self) -> [&Linear; 7] {
         [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj, &self.gate_proj, &self.up_proj, &self.down_proj]
+    }
+
+    fn linears_mut(&mut self) -> [&mut Linear; 7] {
+        [
+            &mut self.q_proj,
+            &mut self.k_proj,
+            &mut self.v_proj,
+            &mut self.o_proj,
+            &mut self.gate_proj,
+            &mut self.up_proj,
+            &mut self.down_proj,
+        ]
     }
 
     fn vectors(&self) -> impl Iterator<Item = &Vector> {
@@ -368,8 +429,17 @@ pub struct Scratch {
     logit_hidden: Vec<f32>,
     /// Their logits, `(max_segments, vocab)`.
     logits: Vec<f32>,
-    /// BF16 activations of one matrix product (`Precision::Bf16` only; else empty).
+    /// The quantized or rounded activations of one matrix product.
+    products: ProductScratch,
+}
+
+/// The activations of one matrix product in the form its kernels read.
+#[derive(Debug, Default)]
+pub struct ProductScratch {
+    /// BF16 activations (`Precision::Bf16` only; else empty).
     xb: Vec<u16>,
+    /// Int8 activations with their block scales (quantized models only; else empty).
+    xq: Vec<u8>,
 }
 
 impl Scratch {
@@ -391,7 +461,8 @@ impl Scratch {
             + self.head_tmp.len()
             + self.logit_hidden.len()
             + self.logits.len();
-        (elements * std::mem::size_of::<f32>() + self.xb.len() * std::mem::size_of::<u16>()) as u64
+        (elements * std::mem::size_of::<f32>() + self.products.xb.len() * std::mem::size_of::<u16>() + self.products.xq.len())
+            as u64
     }
 
     /// Touches every buffer now, so their memory is resident from the start.
@@ -416,7 +487,11 @@ impl Scratch {
                 unsafe { std::ptr::write_volatile(page.as_mut_ptr(), 0.0) };
             }
         }
-        for page in self.xb.chunks_mut(2048) {
+        for page in self.products.xb.chunks_mut(2048) {
+            // SAFETY: as above.
+            unsafe { std::ptr::write_volatile(page.as_mut_ptr(), 0) };
+        }
+        for page in self.products.xq.chunks_mut(4096) {
             // SAFETY: as above.
             unsafe { std::ptr::write_volatile(page.as_mut_ptr(), 0) };
         }
@@ -474,6 +549,8 @@ pub struct Model {
     tied: bool,
     /// The BF16 kernels when the matrix products run in `Precision::Bf16`.
     bf16: Option<Bf16Kernels>,
+    /// The format the linear layers and the head were quantized to at load, if any.
+    quantization: Option<QuantFormat>,
 }
 
 impl Model {
@@ -526,7 +603,108 @@ impl Model {
             lm_head: Linear::new(&weights.lm_head, None, dims.vocab, dims.hidden)?,
             tied: weights.lm_head.same_bytes(&weights.embed_tokens),
             bf16: None,
+            quantization: None,
         })
+    }
+
+    /// Quantizes every linear layer and the head to `format` (before
+    /// [`Model::set_precision`] and [`Model::plan_scratch`]): Q8_0 copies with GGUF's numbers,
+    /// made on `threads` threads, `progress(done, total)` called with the source bytes done
+    /// after each piece. The embedding stays as stored (a lookup reads one row per token); a
+    /// tied head is quantized from it. Each quantized matrix's source pages are released from
+    /// resident memory as soon as it is done (the map stays: a lookup faults back the rows it
+    /// reads).
+    ///
+    /// `OPERATOR_UNSUPPORTED` naming the tensor when a matrix's columns are not whole blocks
+    /// of 32.
+    pub fn quantize(&mut self, format: QuantFormat, threads: usize, progress: &(dyn Fn(u64, u64) + Sync)) -> Result<()> {
+        use kylin_kernels::quant::{GROUP_ROWS, QK8_0, q8_0_packed_len, quantize_q8_0_groups};
+        let QuantFormat::Q8_0 = format;
+        if self.quantization.is_some() {
+            return Ok(());
+        }
+        let matrices: Vec<&Linear> =
+            self.layers.iter().flat_map(|l| l.linears()).chain(std::iter::once(&self.lm_head)).collect();
+        let mut buffers = Vec::with_capacity(matrices.len());
+        for m in &matrices {
+            let len = q8_0_packed_len(m.rows, m.cols).ok_or_else(|| {
+                KylinError::operator_unsupported(format!(
+                    "--quantize {} needs matrices whose columns are whole blocks of {QK8_0}; tensor '{}' has {} columns",
+                    format.name(),
+                    m.weight.name,
+                    m.cols
+                ))
+            })?;
+            buffers.push(Q8Buffer::zeroed(len));
+        }
+        // Work items of at most `CHUNK_GROUPS` groups of 16 rows, largest matrices first.
+        const CHUNK_GROUPS: usize = 64;
+        let mut items = Vec::new();
+        for (index, (m, buffer)) in matrices.iter().zip(buffers.iter_mut()).enumerate() {
+            let group_bytes = m.cols / QK8_0 * kylin_kernels::quant::Q8_BLOCK_BYTES;
+            let groups = m.rows.div_ceil(GROUP_ROWS);
+            for (i, out) in buffer.bytes_mut().chunks_mut(CHUNK_GROUPS * group_bytes).enumerate() {
+                let g0 = i * CHUNK_GROUPS;
+                let g1 = (g0 + CHUNK_GROUPS).min(groups);
+                let source_bytes = ((g1 * GROUP_ROWS).min(m.rows) - g0 * GROUP_ROWS) * m.cols * m.dtype.size_in_bytes();
+                items.push((index, m.matrix(), g0..g1, out, source_bytes as u64));
+            }
+        }
+        let total: u64 = items.iter().map(|item| item.4).sum();
+        // Pieces left per matrix: whoever finishes a matrix's last piece releases its source
+        // pages from resident memory, so the peak stays near the quantized size, not the sum.
+        let left: Vec<std::sync::atomic::AtomicUsize> = (0..matrices.len())
+            .map(|i| std::sync::atomic::AtomicUsize::new(items.iter().filter(|item| item.0 == i).count()))
+            .collect();
+        items.reverse();
+        let queue = std::sync::Mutex::new(items);
+        let done = std::sync::atomic::AtomicU64::new(0);
+        std::thread::scope(|scope| {
+            for _ in 0..threads.max(1) {
+                scope.spawn(|| {
+                    let mut row = Vec::new();
+                    loop {
+                        let Some((index, w, groups, out, bytes)) =
+                            queue.lock().unwrap_or_else(|e| e.into_inner()).pop()
+                        else {
+                            break;
+                        };
+                        row.resize(w.cols, 0.0);
+                        quantize_q8_0_groups(w, groups, out, &mut row);
+                        if left[index].fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
+                            // A tied head's pages are the embedding's: a lookup faults back
+                            // only the rows it reads.
+                            matrices[index].weight.advise_dont_need();
+                        }
+                        let now = done.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed) + bytes;
+                        progress(now, total);
+                    }
+                });
+            }
+        });
+        let linears = self.layers.iter_mut().flat_map(|l| l.linears_mut()).chain(std::iter::once(&mut self.lm_head));
+        for (linear, buffer) in linears.zip(buffers) {
+            linear.q8 = Some(Arc::new(buffer));
+        }
+        self.quantization = Some(format);
+        Ok(())
+    }
+
+    /// The format the linear layers were quantized to at load, if any.
+    pub fn quantization(&self) -> Option<QuantFormat> {
+        self.quantization
+    }
+
+    /// The KV cache's element type when none is asked for: BF16 under `Precision::Bf16` (what
+    /// transformers keeps for a BF16 model), F16 for a quantized model (llama.cpp's default;
+    /// measured closest to f32 of the 16-bit types, see BENCHMARKS.md), f32 otherwise (exact
+    /// against the float32 references).
+    pub fn default_kv_dtype(&self) -> WeightDType {
+        match (self.quantization, self.precision()) {
+            (Some(_), _) => WeightDType::F16,
+            (None, Precision::Bf16) => WeightDType::BF16,
+            (None, Precision::F32) => WeightDType::F32,
+        }
     }
 
     /// Chooses the arithmetic of the matrix products (before [`Model::plan_scratch`]).
@@ -534,6 +712,20 @@ impl Model {
     /// `CONFIG_INVALID` for `Bf16` when a matrix is not stored in BF16 (naming it and its
     /// dtype) or the CPU has no BF16 kernels.
     pub fn set_precision(&mut self, choice: PrecisionChoice) -> Result<()> {
+        if let Some(format) = self.quantization {
+            // The quantized products have their own arithmetic: int8 activations.
+            return match choice {
+                PrecisionChoice::Auto => {
+                    self.bf16 = None;
+                    Ok(())
+                }
+                PrecisionChoice::F32 | PrecisionChoice::Bf16 => Err(KylinError::config_invalid(format!(
+                    "--precision {} does not apply to --quantize {}: its matrix products quantize the activations to int8; use --precision auto (the default)",
+                    if choice == PrecisionChoice::F32 { "f32" } else { "bf16" },
+                    format.name()
+                ))),
+            };
+        }
         let non_bf16 = self
             .layers
             .iter()
@@ -567,9 +759,22 @@ impl Model {
         if self.bf16.is_some() { Precision::Bf16 } else { Precision::F32 }
     }
 
-    /// The kernel family running the matrix products (`amx-bf16`, `avx512`, `avx2`, `scalar`).
-    pub fn kernel_family(&self) -> &'static str {
-        kernels::kernel_family(self.precision())
+    /// The kernel family running the matrix products (`amx-bf16`, `avx512`, `avx2`, `scalar`,
+    /// or for a quantized model `avx512-vnni q8_0`, ...).
+    pub fn kernel_family(&self) -> String {
+        match self.quantization {
+            Some(format) => format!("{} {}", kernels::quant::q8_kernels(), format.name()),
+            None => kernels::kernel_family(self.precision()).to_string(),
+        }
+    }
+
+    /// The arithmetic of the matrix products for reports: `f32`, `bf16` or `int8` (quantized).
+    pub fn precision_name(&self) -> &'static str {
+        match (self.quantization, self.precision()) {
+            (Some(_), _) => "int8",
+            (None, Precision::Bf16) => "bf16",
+            (None, Precision::F32) => "f32",
+        }
     }
 
     /// What reports name as the kernels: the matrix products' family, and attention's path
@@ -578,7 +783,7 @@ impl Model {
         let attention = kernels::paged::attention_path(self.precision(), self.dims.head_dim, block_size);
         let family = self.kernel_family();
         if attention.name() == family {
-            family.to_string()
+            family
         } else {
             format!("{family}, attention {}", attention.name())
         }
@@ -652,11 +857,20 @@ impl Model {
             head_tmp: sized(1, d.head_dim, "head")?,
             logit_hidden: sized(max_segments, d.hidden, "hidden")?,
             logits: sized(max_segments, d.vocab, "logits")?,
-            xb: if self.bf16.is_some() {
+            products: {
                 let widest = d.hidden.max(d.q_dim()).max(d.intermediate);
-                vec![0; kernels::bf16_scratch_len(max_tokens, widest)]
-            } else {
-                Vec::new()
+                ProductScratch {
+                    xb: if self.bf16.is_some() {
+                        vec![0; kernels::bf16_scratch_len(max_tokens, widest)]
+                    } else {
+                        Vec::new()
+                    },
+                    xq: if self.quantization.is_some() {
+                        vec![0; kernels::quant::q8_scratch_len(max_tokens, widest)]
+                    } else {
+                        Vec::new()
+                    },
+                }
             },
         })
     }
@@ -709,7 +923,7 @@ impl Model {
                 for (x, xn) in s.x[..n * h].chunks_exact(h).zip(s.xn.chunks_exact_mut(h)) {
                     kernels::rms_norm(x, norm, d.eps, xn);
                 }
-                self.lm_head.forward(mm, &s.xn[..n * h], n, out, &mut s.xb);
+                self.lm_head.forward(mm, &s.xn[..n * h], n, out, &mut s.products);
             }
             None => {
                 let rows = plan.logit_rows;
@@ -729,7 +943,7 @@ impl Model {
                         );
                     }
                 }
-                self.lm_head.forward(mm, &s.logit_hidden[..rows * h], rows, &mut s.logits[..rows * d.vocab], &mut s.xb);
+                self.lm_head.forward(mm, &s.logit_hidden[..rows * h], rows, &mut s.logits[..rows * d.vocab], &mut s.products);
             }
         }
     }
@@ -768,7 +982,7 @@ impl Model {
                 (&layer.k_proj, &mut s.k[..n * kv_dim]),
                 (&layer.v_proj, &mut s.v[..n * kv_dim]),
             ],
-            &mut s.xb,
+            &mut s.products,
         );
 
         // 3. Per-head RMSNorm (Qwen3), then RoPE at each token's own position, on every
@@ -854,7 +1068,7 @@ impl Model {
         });
 
         // 5. Output projection and residual: attn (n, n_heads * head_dim) -> proj (n, hidden); x += proj.
-        layer.o_proj.forward(mm, &s.attn[..n * q_dim], n, &mut s.proj[..n * h], &mut s.xb);
+        layer.o_proj.forward(mm, &s.attn[..n * q_dim], n, &mut s.proj[..n * h], &mut s.products);
         kernels::add_assign(&mut s.x[..n * h], &s.proj[..n * h]);
     }
 
@@ -875,12 +1089,12 @@ impl Model {
             &s.xn[..n * h],
             n,
             [(&layer.gate_proj, &mut s.gate[..n * i]), (&layer.up_proj, &mut s.up[..n * i])],
-            &mut s.xb,
+            &mut s.products,
         );
         kernels::silu_mul(&mut s.gate[..n * i], &s.up[..n * i]);
 
         // 3. down and residual: gate (n, intermediate) -> proj (n, hidden); x += proj.
-        layer.down_proj.forward(mm, &s.gate[..n * i], n, &mut s.proj[..n * h], &mut s.xb);
+        layer.down_proj.forward(mm, &s.gate[..n * i], n, &mut s.proj[..n * h], &mut s.products);
         kernels::add_assign(&mut s.x[..n * h], &s.proj[..n * h]);
     }
 }

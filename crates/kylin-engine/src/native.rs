@@ -175,8 +175,9 @@ impl Backend for NativeBackend {
             vocab_size: self.core.model().dims().vocab,
             context_size: self.core.context(),
             threads: self.core.pool.threads(),
-            precision: crate::batch::precision_name(self.core.model().precision()).to_string(),
+            precision: self.core.model().precision_name().to_string(),
             kernels: self.core.model().kernels_report(self.core.block_size()),
+            quantize_ms: self.core.quantize_ms,
         }
     }
 

@@ -202,7 +202,8 @@ pub struct EngineInfo {
     /// `f32`, `f16` or `bf16`.
     pub kv_dtype: String,
     pub threads: usize,
-    /// Arithmetic of the matrix products: `f32` or `bf16` (the llama.cpp backend: `ggml`).
+    /// Arithmetic of the matrix products: `f32`, `bf16` or `int8` (a quantized model; the
+    /// llama.cpp backend: `ggml`).
     pub precision: String,
     /// Kernel family running them: `amx-bf16`, `avx512`, `avx2`, `scalar` (llama.cpp: `ggml`).
     pub kernels: String,

@@ -33,6 +33,9 @@ mod avx512bf16;
 mod matmul;
 pub mod paged;
 pub mod pool;
+pub mod quant;
+#[cfg(target_arch = "x86_64")]
+mod quant_x86;
 pub mod reference;
 #[cfg(target_arch = "x86_64")]
 mod x86;

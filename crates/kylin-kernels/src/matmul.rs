@@ -30,7 +30,7 @@ use crate::{Isa, ThreadPool, WeightDType, WeightMatrix, isa};
 /// results are the same bits either way).
 pub const GEMM_MIN_TOKENS: usize = 2;
 /// Matrices handled by one fused pool job; longer lists are processed in chunks.
-const MAX_FUSED: usize = 8;
+pub(crate) const MAX_FUSED: usize = 8;
 /// Weight bytes below which a GEMV is not worth splitting across threads.
 const MIN_PARALLEL_BYTES: usize = 64 * 1024;
 /// Multiply-adds below which a GEMM is not worth splitting across threads.
@@ -38,7 +38,7 @@ const MIN_PARALLEL_MACS: usize = 1 << 20;
 
 /// An output pointer shared by the tasks of one job.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+pub(crate) struct OutPtr(pub(crate) *mut f32);
 // SAFETY: tasks of one job write disjoint output rows through this pointer (see `run_chunk`),
 // and the job's caller holds the `&mut [f32]` it came from until all tasks have returned.
 unsafe impl Send for OutPtr {}
@@ -87,21 +87,21 @@ fn run_chunk(pool: &ThreadPool, x: &[f32], n_tokens: usize, jobs: &mut [(WeightM
 /// `unit` rows, hands them to pool tasks for `threads` threads ([`guided_partition`]) and runs
 /// `compute(w, out, r0, r1)` on each piece: rows `r0..r1` of matrix `w`, whose output starts at
 /// `out`. Different calls of `compute` get disjoint rows.
-fn split_rows(
+pub(crate) fn split_rows<M: MatrixRows>(
     pool: &ThreadPool,
-    jobs: &mut [(WeightMatrix<'_>, &mut [f32])],
+    jobs: &mut [(M, &mut [f32])],
     unit: usize,
     threads: usize,
-    compute: &(dyn Fn(WeightMatrix<'_>, OutPtr, usize, usize) + Sync),
+    compute: &(dyn Fn(M, OutPtr, usize, usize) + Sync),
 ) {
     debug_assert!(jobs.len() <= MAX_FUSED);
-    let mut mats: [Option<WeightMatrix<'_>>; MAX_FUSED] = [None; MAX_FUSED];
+    let mut mats: [Option<M>; MAX_FUSED] = [None; MAX_FUSED];
     let mut outs = [OutPtr(std::ptr::null_mut()); MAX_FUSED];
     let mut total_units = 0;
     for (i, (w, y)) in jobs.iter_mut().enumerate() {
         mats[i] = Some(*w);
         outs[i] = OutPtr(y.as_mut_ptr());
-        total_units += w.rows.div_ceil(unit);
+        total_units += w.rows().div_ceil(unit);
     }
     let mut bounds = [0usize; MAX_TASKS + 1];
     let n_tasks = guided_partition(total_units, threads, &mut bounds);
@@ -111,15 +111,26 @@ fn split_rows(
         let mut start = 0;
         for (w, out) in mats.iter().zip(outs.iter()) {
             let Some(w) = w else { break };
-            let units = w.rows.div_ceil(unit);
+            let units = w.rows().div_ceil(unit);
             let (a, b) = (u0.max(start), u1.min(start + units));
             if a < b {
                 // The unit ranges of different tasks are disjoint.
-                compute(*w, *out, (a - start) * unit, ((b - start) * unit).min(w.rows));
+                compute(*w, *out, (a - start) * unit, ((b - start) * unit).min(w.rows()));
             }
             start += units;
         }
     });
+}
+
+/// A matrix whose output rows [`split_rows`] can split.
+pub(crate) trait MatrixRows: Copy + Send + Sync {
+    fn rows(&self) -> usize;
+}
+
+impl MatrixRows for WeightMatrix<'_> {
+    fn rows(&self) -> usize {
+        self.rows
+    }
 }
 
 /// Most tasks one matmul job is split into.

@@ -309,6 +309,7 @@ impl Backend for LlamaCppBackend {
             threads: self.threads,
             precision: "ggml".to_string(),
             kernels: ggml_features(),
+            quantize_ms: None,
         }
     }
 

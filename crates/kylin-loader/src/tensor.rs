@@ -118,6 +118,21 @@ impl WeightTensor {
         }
     }
 
+    /// Tells the operating system this process no longer needs the tensor's pages
+    /// (`madvise(MADV_DONTNEED)`), so they leave its resident memory: after the weights were
+    /// quantized into copies. The map stays valid (it is a read-only file map): a later read
+    /// faults the pages back in from the file. A hint: failures are ignored, and owned storage
+    /// is left alone.
+    pub fn advise_dont_need(&self) {
+        #[cfg(unix)]
+        if let Storage::Mmap(map) = &*self.storage {
+            // SAFETY: the map is a read-only shared file mapping, so dropping its pages loses
+            // nothing: they are read again from the file on the next access; no reference into
+            // them observes a change.
+            let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, self.offset, self.len) };
+        }
+    }
+
     /// Whether two views share the same bytes (a tied head bound to the embedding).
     pub fn same_bytes(&self, other: &WeightTensor) -> bool {
         Arc::ptr_eq(&self.storage, &other.storage) && self.offset == other.offset && self.len == other.len

@@ -1,0 +1,489 @@
+//! Q8_0 weights and their int8 matrix products.
+//!
+//! **The numbers are GGUF's.** Q8_0 splits every weight row into blocks of [`QK8_0`] = 32
+//! columns; a block stores an f16 scale `d = amax / 127` and 32 int8 `q = roundf(w / d)`
+//! (llama.cpp's `quantize_row_q8_0_ref`, rounding half away from zero), and the weight is
+//! `d · q`. [`quantize_row_q8_0`] computes exactly those numbers, so Kylin's quantized weights
+//! are llama.cpp's for the same source weights.
+//!
+//! **The layout is Kylin's** ([`Q8Matrix`]): rows in groups of [`GROUP_ROWS`] = 16 (the last
+//! group padded with zero rows). A group holds, for each block in order, the 16 rows' 32 quants
+//! (512 bytes) in the order `[k4: 8][row: 16][4 consecutive columns]` (what one `vpdpbusd`
+//! multiplies: four columns of sixteen rows), each stored offset-binary (`q + 128` as a `u8`,
+//! so the weight is the instruction's unsigned operand); then, for each block in order, the 16
+//! rows' f16 scales (32 bytes). [`Q8_BLOCK_BYTES`] = 544 bytes per (group, block), as GGUF's
+//! 34 per 32 weights. Quants stay 64-byte aligned (with an even block count and an aligned
+//! buffer, [`Q8Buffer`]), and the groups follow each other, so a task that owns a range of
+//! groups reads one contiguous stream.
+//!
+//! **Activations** are quantized once per matrix product, per token, in blocks of 32
+//! ([`quantize_activations`]): an f32 scale `dx = amax / 127`, `q = round_ties_even(x / dx)`
+//! (as llama.cpp's SIMD `quantize_row_q8_0`), and the block's `−128 · Σq`, which removes the
+//! weights' offset from the integer dot product. Per token, the scratch holds the `cols`
+//! quants, then `nb` scales (f32), then `nb` corrections (i32), `nb = cols / 32`.
+//!
+//! **Canonical order** of one output (DESIGN.md invariant 7):
+//! `acc = 0; for b in 0..nb { acc = fma(f32(isum_b), dx_b · dw_b, acc) }`, where
+//! `isum_b = Σ_k q_w[k] · q_x[k]` over the block's 32 columns is an exact integer (at most
+//! 32 · 127 · 127 in magnitude, exact in f32 too) and `dx_b · dw_b` one rounded f32 product.
+//! Integer sums are exact in any order, so every path here — scalar, AVX2 (`maddubs`),
+//! AVX-512 VNNI (`vpdpbusd`), one token or a tile of eight, any thread — gives the same bits:
+//! a token's outputs do not depend on its batch, and not even on the instruction set.
+
+use crate::matmul::{MatrixRows, OutPtr, split_rows};
+use crate::{Isa, ThreadPool, WeightMatrix, isa};
+
+/// Columns per Q8_0 block.
+pub const QK8_0: usize = 32;
+/// Rows per packed group.
+pub const GROUP_ROWS: usize = 16;
+/// Bytes of one (group, block): 16 × 32 quants and 16 f16 scales.
+pub const Q8_BLOCK_BYTES: usize = GROUP_ROWS * QK8_0 + GROUP_ROWS * 2;
+/// Bytes of one block's quants in a group.
+pub(crate) const QUANTS_BYTES: usize = GROUP_ROWS * QK8_0;
+
+/// Offset inside a group of block `b`'s scales, for `nb` blocks.
+#[inline]
+pub(crate) fn scales_at(nb: usize, b: usize) -> usize {
+    nb * QUANTS_BYTES + b * GROUP_ROWS * 2
+}
+
+/// A Q8_0 weight matrix `[rows, cols]` in Kylin's packed layout (see the module docs).
+///
+/// Invariant (checked by whoever makes one: [`Q8Matrix::new`]): `cols` is a multiple of 32 and
+/// `data.len() == q8_0_packed_len(rows, cols)`.
+#[derive(Debug, Clone, Copy)]
+pub struct Q8Matrix<'a> {
+    rows: usize,
+    cols: usize,
+    data: &'a [u8],
+}
+
+impl<'a> Q8Matrix<'a> {
+    /// A view of packed bytes; `None` if `cols` is not a multiple of 32 or the length is not
+    /// [`q8_0_packed_len`]`(rows, cols)`.
+    pub fn new(rows: usize, cols: usize, data: &'a [u8]) -> Option<Self> {
+        (cols.is_multiple_of(QK8_0) && q8_0_packed_len(rows, cols) == Some(data.len()))
+            .then_some(Q8Matrix { rows, cols, data })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    pub fn data(&self) -> &'a [u8] {
+        self.data
+    }
+
+    /// Blocks per row.
+    fn blocks(&self) -> usize {
+        self.cols / QK8_0
+    }
+
+    /// Bytes of one group of 16 rows.
+    fn group_bytes(&self) -> usize {
+        self.blocks() * Q8_BLOCK_BYTES
+    }
+}
+
+impl MatrixRows for Q8Matrix<'_> {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+}
+
+/// Bytes of a packed `[rows, cols]` Q8_0 matrix (rows rounded up to a group of 16); `None` if
+/// `cols` is not a multiple of 32 or the size overflows.
+pub fn q8_0_packed_len(rows: usize, cols: usize) -> Option<usize> {
+    if !cols.is_multiple_of(QK8_0) {
+        return None;
+    }
+    rows.div_ceil(GROUP_ROWS).checked_mul(cols / QK8_0)?.checked_mul(Q8_BLOCK_BYTES)
+}
+
+/// GGUF's Q8_0 quantization of one row (llama.cpp's `quantize_row_q8_0_ref`): for each block of
+/// 32, `d = amax / 127`, `q = roundf(x · (1 / d))` (0 when `d` is 0), `d` stored as f16 bits
+/// (rounded to nearest even). `x.len()` must be a multiple of 32; `qs` holds `x.len()` and
+/// `scales` `x.len() / 32` elements.
+pub fn quantize_row_q8_0(x: &[f32], qs: &mut [i8], scales: &mut [u16]) {
+    assert!(x.len().is_multiple_of(QK8_0), "row length {} is not a multiple of 32", x.len());
+    assert_eq!(qs.len(), x.len());
+    assert_eq!(scales.len(), x.len() / QK8_0);
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx512 {
+        // SAFETY: AVX-512 F/BW/VL were detected; the lengths were checked above.
+        unsafe { crate::quant_x86::quantize_weights_avx512(x, qs, scales) };
+        return;
+    }
+    for ((block, q), scale) in x.chunks_exact(QK8_0).zip(qs.chunks_exact_mut(QK8_0)).zip(scales.iter_mut()) {
+        let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        *scale = half::f16::from_f32(d).to_bits();
+        for (q, v) in q.iter_mut().zip(block) {
+            *q = round_half_away(v * id) as i8;
+        }
+    }
+}
+
+/// `roundf` for `|v| < 2^23` (here at most 127.x): rounds half away from zero, without the
+/// library call `f32::round` compiles to on baseline x86_64.
+#[inline]
+fn round_half_away(v: f32) -> i32 {
+    let a = v.abs();
+    let t = a as i32;
+    let r = t + ((a - t as f32) >= 0.5) as i32;
+    if v < 0.0 { -r } else { r }
+}
+
+/// Writes groups `groups` of `w` (any float dtype), quantized to Q8_0, into `out`, which holds
+/// exactly those groups (`groups.len() · (cols / 32) · 544` bytes). `row` is scratch for one
+/// widened row (`cols` elements). Rows past `w.rows` in the last group are zero.
+pub fn quantize_q8_0_groups(w: WeightMatrix<'_>, groups: std::ops::Range<usize>, out: &mut [u8], row: &mut [f32]) {
+    let nb = w.cols / QK8_0;
+    let group_bytes = nb * Q8_BLOCK_BYTES;
+    assert!(w.cols.is_multiple_of(QK8_0), "Q8_0 needs columns in multiples of 32; got {}", w.cols);
+    assert_eq!(out.len(), groups.len() * group_bytes, "output length != groups * group bytes");
+    assert_eq!(row.len(), w.cols);
+    let mut qs = vec![0i8; w.cols];
+    let mut scales = vec![0u16; nb];
+    for (g, dst) in groups.zip(out.chunks_exact_mut(group_bytes)) {
+        for lane in 0..GROUP_ROWS {
+            let r = g * GROUP_ROWS + lane;
+            if r < w.rows {
+                crate::widen_row(w, r, row);
+                quantize_row_q8_0(row, &mut qs, &mut scales);
+            } else {
+                qs.fill(0);
+                scales.fill(0);
+            }
+            write_lane(dst, nb, lane, &qs, &scales);
+        }
+    }
+}
+
+/// Packs one row's GGUF numbers (`qs`, f16 `scales`) as lane `lane` of a group.
+fn write_lane(group: &mut [u8], nb: usize, lane: usize, qs: &[i8], scales: &[u16]) {
+    for b in 0..nb {
+        let block = &mut group[b * QUANTS_BYTES..(b + 1) * QUANTS_BYTES];
+        for (k4, four) in qs[b * QK8_0..(b + 1) * QK8_0].chunks_exact(4).enumerate() {
+            let at = k4 * 64 + lane * 4;
+            let bytes = [four[0] as u8, four[1] as u8, four[2] as u8, four[3] as u8];
+            block[at..at + 4].copy_from_slice(&(u32::from_le_bytes(bytes) ^ 0x8080_8080).to_le_bytes());
+        }
+        let at = scales_at(nb, b) + 2 * lane;
+        group[at..at + 2].copy_from_slice(&scales[b].to_le_bytes());
+    }
+}
+
+/// The GGUF numbers of row `r`: its 32-column blocks' quants and f16 scales.
+pub fn row_q8_0(m: Q8Matrix<'_>, r: usize, qs: &mut [i8], scales: &mut [u16]) {
+    let (nb, g, lane) = (m.blocks(), r / GROUP_ROWS, r % GROUP_ROWS);
+    assert!(r < m.rows && qs.len() == m.cols && scales.len() == nb);
+    let group = &m.data[g * m.group_bytes()..(g + 1) * m.group_bytes()];
+    for b in 0..nb {
+        let block = &group[b * QUANTS_BYTES..(b + 1) * QUANTS_BYTES];
+        for k in 0..QK8_0 {
+            qs[b * QK8_0 + k] = (block[(k / 4) * 64 + lane * 4 + k % 4] ^ 0x80) as i8;
+        }
+        let at = scales_at(nb, b) + 2 * lane;
+        scales[b] = u16::from_le_bytes([group[at], group[at + 1]]);
+    }
+}
+
+/// Row `r` dequantized (`d · q`, exact in f32) into `out` (`cols` elements): an embedding lookup
+/// in a quantized matrix.
+pub fn dequantize_row_q8_0(m: Q8Matrix<'_>, r: usize, out: &mut [f32]) {
+    let (nb, g, lane) = (m.blocks(), r / GROUP_ROWS, r % GROUP_ROWS);
+    assert!(r < m.rows && out.len() == m.cols);
+    let group = &m.data[g * m.group_bytes()..(g + 1) * m.group_bytes()];
+    for (b, o) in out.chunks_exact_mut(QK8_0).enumerate().take(nb) {
+        let block = &group[b * QUANTS_BYTES..(b + 1) * QUANTS_BYTES];
+        let at = scales_at(nb, b) + 2 * lane;
+        let d = half::f16::from_le_bytes([group[at], group[at + 1]]).to_f32();
+        for (k, o) in o.iter_mut().enumerate() {
+            *o = d * ((block[(k / 4) * 64 + lane * 4 + k % 4] ^ 0x80) as i8) as f32;
+        }
+    }
+}
+
+/// Bytes of one token's quantized activations for rows of `cols` columns.
+fn activation_stride(cols: usize) -> usize {
+    cols + 8 * (cols / QK8_0)
+}
+
+/// Bytes of the activation scratch [`matmul_many_q8`] needs for `n_tokens` tokens of `cols`
+/// columns.
+pub fn q8_scratch_len(n_tokens: usize, cols: usize) -> usize {
+    n_tokens * activation_stride(cols)
+}
+
+/// Quantizes tokens `t0..t1` of `x` (`(n, cols)`) into their rows of `out` (the layout of the
+/// module docs), on `isa`'s kernels (all give the same bytes).
+fn quantize_tokens(isa: Isa, x: &[f32], cols: usize, t0: usize, t1: usize, out: &mut [u8]) {
+    let stride = activation_stride(cols);
+    for t in t0..t1 {
+        let xt = &x[t * cols..(t + 1) * cols];
+        let dst = &mut out[t * stride..(t + 1) * stride];
+        match isa {
+            // SAFETY: AVX-512 F/BW/VL, AVX2, FMA and F16C were detected; lengths as above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { crate::quant_x86::quantize_row_avx512(xt, dst) },
+            _ => quantize_row_scalar(xt, dst),
+        }
+    }
+}
+
+/// The scalar definition of one token's activation quantization.
+fn quantize_row_scalar(x: &[f32], dst: &mut [u8]) {
+    let (cols, nb) = (x.len(), x.len() / QK8_0);
+    for (b, block) in x.chunks_exact(QK8_0).enumerate() {
+        let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let mut sum = 0i32;
+        for (k, v) in block.iter().enumerate() {
+            let q = (v * id).round_ties_even() as i32;
+            let q = q.clamp(-128, 127);
+            sum += q;
+            dst[b * QK8_0 + k] = q as i8 as u8;
+        }
+        dst[cols + 4 * b..cols + 4 * b + 4].copy_from_slice(&d.to_le_bytes());
+        dst[cols + 4 * nb + 4 * b..cols + 4 * nb + 4 * b + 4].copy_from_slice(&(-128 * sum).to_le_bytes());
+    }
+}
+
+/// The activation quantization of [`matmul_many_q8`], exposed for tests: `x` is `(n, cols)`,
+/// `out` holds [`q8_scratch_len`]`(n, cols)` bytes.
+pub fn quantize_activations(x: &[f32], n_tokens: usize, cols: usize, out: &mut [u8]) {
+    assert_eq!(x.len(), n_tokens * cols);
+    assert!(cols.is_multiple_of(QK8_0));
+    assert!(out.len() >= q8_scratch_len(n_tokens, cols));
+    quantize_tokens(isa(), x, cols, 0, n_tokens, out)
+}
+
+/// The kernel family of the int8 products on this machine (`avx512-vnni`, `avx2`, `scalar`).
+pub fn q8_kernels() -> &'static str {
+    match q8_isa() {
+        Q8Isa::Vnni => "avx512-vnni",
+        Q8Isa::Avx2 => "avx2",
+        Q8Isa::Scalar => "scalar",
+    }
+}
+
+/// Which int8 dot-product kernels run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Q8Isa {
+    Vnni,
+    Avx2,
+    Scalar,
+}
+
+fn q8_isa() -> Q8Isa {
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if std::arch::is_x86_feature_detected!("avx512vnni") => Q8Isa::Vnni,
+        Isa::Avx512 | Isa::Avx2Fma => Q8Isa::Avx2,
+        _ => Q8Isa::Scalar,
+    }
+}
+
+/// Tokens per GEMM tile of the VNNI kernel (8 weight vectors + 8 accumulators + temporaries
+/// of the 32 zmm registers).
+pub(crate) const Q8_MT: usize = 8;
+
+/// `y_i = q8(x) · W_iᵀ` for every `(W_i, y_i)` in `jobs` (all Q8_0 with the same columns),
+/// with the activations quantized once into `scratch` (at least
+/// [`q8_scratch_len`]`(n_tokens, cols)` bytes).
+///
+/// Shapes: `x` is `(n_tokens, cols)`, every `W_i` is `(rows_i, cols)`, `y_i` is
+/// `(n_tokens, rows_i)`. Every output follows the canonical order of the module docs, so row
+/// `t` of `y_i` has the same bits whatever else is in `x`, on any pool and any instruction
+/// set. Allocates nothing. Panics on a shape disagreement (a caller bug).
+pub fn matmul_many_q8(
+    pool: &ThreadPool,
+    x: &[f32],
+    n_tokens: usize,
+    scratch: &mut [u8],
+    jobs: &mut [(Q8Matrix<'_>, &mut [f32])],
+) {
+    let Some((first, _)) = jobs.first() else { return };
+    let cols = first.cols;
+    for (w, y) in jobs.iter() {
+        // These checks make the unsafe reads and writes below sound.
+        assert_eq!(w.cols, cols, "matrices sharing an input must have the same columns");
+        assert_eq!(Some(w.data.len()), q8_0_packed_len(w.rows, w.cols), "packed Q8_0 length");
+        assert_eq!(x.len(), n_tokens * cols, "x.len() != n_tokens * cols");
+        assert_eq!(y.len(), n_tokens * w.rows, "y.len() != n_tokens * rows");
+    }
+    let needed = q8_scratch_len(n_tokens, cols);
+    assert!(scratch.len() >= needed, "q8 scratch holds {} bytes, {needed} needed", scratch.len());
+    if n_tokens == 0 {
+        return;
+    }
+    let isa = isa();
+    // 1. Quantize the activations, tokens split across the pool when there are many.
+    let stride = activation_stride(cols);
+    let shared = SharedBytes(scratch.as_mut_ptr(), needed);
+    let threads = if n_tokens * cols >= 1 << 16 { pool.threads().min(n_tokens) } else { 1 };
+    pool.run(threads, &|t| {
+        let (t0, t1) = (n_tokens * t / threads, n_tokens * (t + 1) / threads);
+        // SAFETY: each task writes only the rows of its own tokens `t0..t1`.
+        quantize_tokens(isa, x, cols, t0, t1, unsafe { shared.slice() });
+    });
+    let xq: &[u8] = &scratch[..needed];
+    // 2. The products, output rows split across the pool in groups of 16.
+    let kernels = q8_isa();
+    for chunk in jobs.chunks_mut(crate::matmul::MAX_FUSED) {
+        let bytes: usize = chunk.iter().map(|(w, _)| w.data.len()).sum();
+        let macs: usize = chunk.iter().map(|(w, _)| w.rows * w.cols * n_tokens).sum();
+        let parallel = if n_tokens == 1 { bytes >= 64 * 1024 } else { macs >= 1 << 20 };
+        let threads = if parallel { pool.threads() } else { 1 };
+        split_rows(pool, chunk, GROUP_ROWS, threads, &|w: Q8Matrix<'_>, out: OutPtr, r0, r1| {
+            // SAFETY: `split_rows` hands this call rows `r0..r1` (whole groups, the last one
+            // possibly partial) of `out`, which no other call touches; shapes were checked.
+            unsafe { compute_groups(kernels, w, xq, stride, n_tokens, out, r0, r1) }
+        });
+    }
+}
+
+/// Output rows `r0..r1` (`r0` a multiple of 16) of `y = q8(x) · Wᵀ` for all tokens.
+///
+/// # Safety
+/// `out` points to the `(n_tokens, w.rows)` output whose rows `r0..r1` no one else accesses
+/// meanwhile; `xq` holds `n_tokens` quantized rows of `stride` bytes for `w.cols` columns; the
+/// CPU has `kernels`' instructions.
+#[allow(clippy::too_many_arguments)]
+unsafe fn compute_groups(
+    kernels: Q8Isa,
+    w: Q8Matrix<'_>,
+    xq: &[u8],
+    stride: usize,
+    n_tokens: usize,
+    out: OutPtr,
+    r0: usize,
+    r1: usize,
+) {
+    debug_assert!(r0.is_multiple_of(GROUP_ROWS));
+    let nb = w.blocks();
+    for g in r0 / GROUP_ROWS..r1.div_ceil(GROUP_ROWS) {
+        let valid = (w.rows - g * GROUP_ROWS).min(GROUP_ROWS);
+        let wg = &w.data[g * w.group_bytes()..(g + 1) * w.group_bytes()];
+        let mut t = 0;
+        while t < n_tokens {
+            let mt = Q8_MT.min(n_tokens - t);
+            let xt = &xq[t * stride..(t + mt) * stride];
+            // SAFETY: rows `g·16 .. g·16 + valid` of tokens `t..t + mt` lie inside the output
+            // and belong to this call; `wg` is one whole group and `xt` `mt` whole token rows.
+            unsafe {
+                let y = out.0.add(t * w.rows + g * GROUP_ROWS);
+                match kernels {
+                    #[cfg(target_arch = "x86_64")]
+                    Q8Isa::Vnni => crate::quant_x86::tile_vnni_dyn(mt, wg, nb, xt, stride, y, w.rows, valid),
+                    #[cfg(target_arch = "x86_64")]
+                    Q8Isa::Avx2 => crate::quant_x86::tile_avx2(mt, wg, nb, xt, stride, y, w.rows, valid),
+                    _ => tile_scalar(mt, wg, nb, xt, stride, y, w.rows, valid),
+                }
+            }
+            t += mt;
+        }
+    }
+}
+
+/// The scalar definition of a tile: tokens `0..mt` of `xq` × the `valid` rows of group `wg`,
+/// each output in the canonical order.
+///
+/// # Safety
+/// `y` is valid for writing rows `0..valid` of `mt` tokens at row stride `y_stride`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_scalar(
+    mt: usize,
+    wg: &[u8],
+    nb: usize,
+    xq: &[u8],
+    stride: usize,
+    y: *mut f32,
+    y_stride: usize,
+    valid: usize,
+) {
+    let cols = nb * QK8_0;
+    for t in 0..mt {
+        let xt = &xq[t * stride..(t + 1) * stride];
+        for lane in 0..valid {
+            let mut acc = 0.0f32;
+            for b in 0..nb {
+                let block = &wg[b * QUANTS_BYTES..(b + 1) * QUANTS_BYTES];
+                let mut isum = 0i32;
+                for k in 0..QK8_0 {
+                    let wq = (block[(k / 4) * 64 + lane * 4 + k % 4] ^ 0x80) as i8 as i32;
+                    isum += wq * (xt[b * QK8_0 + k] as i8 as i32);
+                }
+                let at = scales_at(nb, b) + 2 * lane;
+                let dw = half::f16::from_le_bytes([wg[at], wg[at + 1]]);
+                let dx = f32::from_le_bytes(xt[cols + 4 * b..cols + 4 * b + 4].try_into().expect("4 bytes"));
+                acc = (isum as f32).mul_add(dx * dw.to_f32(), acc);
+            }
+            // SAFETY: the caller's contract.
+            unsafe { *y.add(t * y_stride + lane) = acc };
+        }
+    }
+}
+
+/// A byte buffer that pool tasks write disjoint parts of.
+#[derive(Clone, Copy)]
+struct SharedBytes(*mut u8, usize);
+// SAFETY: tasks write disjoint token rows through this pointer, and the caller holds the
+// `&mut` it came from until all tasks have returned.
+unsafe impl Send for SharedBytes {}
+// SAFETY: as above.
+unsafe impl Sync for SharedBytes {}
+
+impl SharedBytes {
+    /// # Safety
+    /// Concurrent users must write disjoint parts of it.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice(&self) -> &mut [u8] {
+        // SAFETY: the pointer and length came from one `&mut [u8]`; the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.0, self.1) }
+    }
+}
+
+/// One cache line.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+
+/// An owned byte buffer aligned to 64 bytes: packed Q8_0 weights made at load time, whose
+/// quants the kernels then read in whole cache lines.
+pub struct Q8Buffer {
+    lines: Vec<Line>,
+    len: usize,
+}
+
+impl std::fmt::Debug for Q8Buffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Q8Buffer").field("len", &self.len).finish()
+    }
+}
+
+impl Q8Buffer {
+    /// `len` zero bytes (the caller checked `len`: it comes from [`q8_0_packed_len`]).
+    pub fn zeroed(len: usize) -> Self {
+        Q8Buffer { lines: vec![Line([0; 64]); len.div_ceil(64)], len }
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: `lines` holds at least `len` initialized bytes, contiguous (`Line` is 64
+        // bytes with no padding), borrowed for as long as `self`.
+        unsafe { std::slice::from_raw_parts(self.lines.as_ptr() as *const u8, self.len) }
+    }
+
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `bytes`, borrowed mutably.
+        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr() as *mut u8, self.len) }
+    }
+}

@@ -1,0 +1,224 @@
+//! x86_64 kernels of the Q8_0 products (`quant.rs` defines the layout and the canonical order):
+//! the activation quantization on AVX-512, the tile on AVX-512 VNNI (`vpdpbusd`) and on AVX2
+//! (`vpmaddubsw`). Each computes every block's integer dot product exactly and combines the
+//! blocks in the canonical order, so both tiles give the scalar tile's bits.
+
+use std::arch::x86_64::*;
+
+use crate::quant::{GROUP_ROWS, Q8_BLOCK_BYTES, Q8_MT, QK8_0, QUANTS_BYTES, scales_at};
+
+/// One token's activation quantization (see `quant::quantize_row_scalar`, whose bytes this
+/// reproduces): per block `d = amax / 127`, `q = round_ties_even(x · (1 / d))` (the default
+/// rounding of `vcvtps2dq`), and `−128 · Σq`.
+///
+/// # Safety
+/// AVX-512 F/BW/VL must be available; `x.len()` is a multiple of 32 and `dst` holds
+/// `x.len() + 8 · x.len() / 32` bytes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub(crate) unsafe fn quantize_row_avx512(x: &[f32], dst: &mut [u8]) {
+    let (cols, nb) = (x.len(), x.len() / QK8_0);
+    assert!(dst.len() >= cols + 8 * nb);
+    for b in 0..nb {
+        // SAFETY: elements `32b..32b + 32` of `x` and bytes `32b..32b + 32` of `dst` exist.
+        unsafe {
+            let v0 = _mm512_loadu_ps(x.as_ptr().add(b * QK8_0));
+            let v1 = _mm512_loadu_ps(x.as_ptr().add(b * QK8_0 + 16));
+            let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+            let d = amax / 127.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            let q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+            let q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+            let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            let out = dst.as_mut_ptr().add(b * QK8_0);
+            _mm_storeu_si128(out as *mut __m128i, _mm512_cvtsepi32_epi8(q0));
+            _mm_storeu_si128(out.add(16) as *mut __m128i, _mm512_cvtsepi32_epi8(q1));
+            std::ptr::write_unaligned(dst.as_mut_ptr().add(cols + 4 * b) as *mut f32, d);
+            std::ptr::write_unaligned(dst.as_mut_ptr().add(cols + 4 * nb + 4 * b) as *mut i32, -128 * sum);
+        }
+    }
+}
+
+/// GGUF's Q8_0 of a weight row (`quant::quantize_row_q8_0`'s scalar loop, whose numbers this
+/// reproduces): `d = amax / 127` stored as f16, `q = roundf(x · (1 / d))`, rounding half away
+/// from zero computed exactly as `trunc(|v|) + (frac(|v|) >= 0.5)` with the sign put back.
+///
+/// # Safety
+/// AVX-512 F/BW/VL and F16C must be available; `x.len()` is a multiple of 32, `qs` as long,
+/// `scales` a 32nd of it.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub(crate) unsafe fn quantize_weights_avx512(x: &[f32], qs: &mut [i8], scales: &mut [u16]) {
+    let nb = x.len() / QK8_0;
+    assert!(qs.len() == x.len() && scales.len() == nb);
+    for b in 0..nb {
+        // SAFETY: elements `32b..32b + 32` of `x` and `qs` exist.
+        unsafe {
+            let v = [_mm512_loadu_ps(x.as_ptr().add(b * QK8_0)), _mm512_loadu_ps(x.as_ptr().add(b * QK8_0 + 16))];
+            let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+            let d = amax / 127.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            scales[b] = half::f16::from_f32(d).to_bits();
+            for (h, v) in v.iter().enumerate() {
+                let scaled = _mm512_mul_ps(*v, _mm512_set1_ps(id));
+                let a = _mm512_abs_ps(scaled);
+                let t = _mm512_cvttps_epi32(a);
+                let frac = _mm512_sub_ps(a, _mm512_cvtepi32_ps(t));
+                let up = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(frac, _mm512_set1_ps(0.5));
+                let r = _mm512_mask_add_epi32(t, up, t, _mm512_set1_epi32(1));
+                let negative = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(scaled, _mm512_setzero_ps());
+                let r = _mm512_mask_sub_epi32(r, negative, _mm512_setzero_si512(), r);
+                _mm_storeu_si128(qs.as_mut_ptr().add(b * QK8_0 + 16 * h) as *mut __m128i, _mm512_cvtsepi32_epi8(r));
+            }
+        }
+    }
+}
+
+/// [`tile_vnni`] for `mt` (1..=8) tokens.
+///
+/// # Safety
+/// As [`tile_vnni`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn tile_vnni_dyn(
+    mt: usize,
+    wg: &[u8],
+    nb: usize,
+    xq: &[u8],
+    stride: usize,
+    y: *mut f32,
+    y_stride: usize,
+    valid: usize,
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match mt {
+            1 => tile_vnni::<1>(wg, nb, xq, stride, y, y_stride, valid),
+            2 => tile_vnni::<2>(wg, nb, xq, stride, y, y_stride, valid),
+            3 => tile_vnni::<3>(wg, nb, xq, stride, y, y_stride, valid),
+            4 => tile_vnni::<4>(wg, nb, xq, stride, y, y_stride, valid),
+            5 => tile_vnni::<5>(wg, nb, xq, stride, y, y_stride, valid),
+            6 => tile_vnni::<6>(wg, nb, xq, stride, y, y_stride, valid),
+            7 => tile_vnni::<7>(wg, nb, xq, stride, y, y_stride, valid),
+            _ => tile_vnni::<Q8_MT>(wg, nb, xq, stride, y, y_stride, valid),
+        }
+    }
+}
+
+/// `MT` tokens × one group of 16 rows on AVX-512 VNNI: per block, the 8 weight vectors
+/// (`[row: 16][4 columns]` each) are loaded once and multiplied by each token's broadcast
+/// groups of four activations (`vpdpbusd`: unsigned offset weights × signed activations),
+/// the accumulator starting at the token's `−128 · Σq`, so the 16 lanes end on each row's
+/// exact dot product; then `acc = fma(f32(isum), dx · dw, acc)` per lane.
+///
+/// # Safety
+/// AVX-512 F/BW/VL/VNNI must be available; `wg` is one whole group of `nb` blocks; `xq` holds
+/// `MT` token rows of `stride` bytes for `32 · nb` columns; `y` is valid for writing rows
+/// `0..valid` (`<= 16`) of `MT` tokens at row stride `y_stride`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_vnni<const MT: usize>(
+    wg: &[u8],
+    nb: usize,
+    xq: &[u8],
+    stride: usize,
+    y: *mut f32,
+    y_stride: usize,
+    valid: usize,
+) {
+    debug_assert!(wg.len() >= nb * Q8_BLOCK_BYTES && xq.len() >= MT * stride && valid <= GROUP_ROWS);
+    let cols = nb * QK8_0;
+    let (wp, xp) = (wg.as_ptr(), xq.as_ptr());
+    let mut acc = [_mm512_setzero_ps(); MT];
+    for b in 0..nb {
+        // SAFETY: block `b` of the group and every token's block `b` lie inside the slices
+        // (checked above); all loads are unaligned.
+        unsafe {
+            let wb = wp.add(b * QUANTS_BYTES);
+            let w: [__m512i; 8] = std::array::from_fn(|k| _mm512_loadu_si512(wb.add(64 * k) as *const _));
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(wp.add(scales_at(nb, b)) as *const __m256i));
+            for (t, acc) in acc.iter_mut().enumerate() {
+                let xt = xp.add(t * stride);
+                let xb = xt.add(b * QK8_0);
+                let four = |k: usize| _mm512_set1_epi32(std::ptr::read_unaligned(xb.add(4 * k) as *const i32));
+                let corr = std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * b) as *const i32);
+                let mut i0 = _mm512_set1_epi32(corr);
+                let mut i1 = _mm512_setzero_si512();
+                i0 = _mm512_dpbusd_epi32(i0, w[0], four(0));
+                i1 = _mm512_dpbusd_epi32(i1, w[1], four(1));
+                i0 = _mm512_dpbusd_epi32(i0, w[2], four(2));
+                i1 = _mm512_dpbusd_epi32(i1, w[3], four(3));
+                i0 = _mm512_dpbusd_epi32(i0, w[4], four(4));
+                i1 = _mm512_dpbusd_epi32(i1, w[5], four(5));
+                i0 = _mm512_dpbusd_epi32(i0, w[6], four(6));
+                i1 = _mm512_dpbusd_epi32(i1, w[7], four(7));
+                let dx = _mm512_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * b) as *const f32));
+                let isum = _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
+                *acc = _mm512_fmadd_ps(isum, _mm512_mul_ps(dx, dw), *acc);
+            }
+        }
+    }
+    let mask: __mmask16 = if valid >= GROUP_ROWS { 0xffff } else { (1u16 << valid) - 1 };
+    for (t, acc) in acc.iter().enumerate() {
+        // SAFETY: the caller's contract: rows `0..valid` of token `t` are writable.
+        unsafe { _mm512_mask_storeu_ps(y.add(t * y_stride), mask, *acc) };
+    }
+}
+
+/// `mt` tokens × one group of 16 rows on AVX2 (no VNNI): the weights are turned back into
+/// signed bytes, and `vpmaddubsw(|x|, sign(w, x))` multiplies them by the activations without
+/// saturating (`|x| ≤ 128`, `|w| ≤ 127`), `vpmaddwd` by ones widens the pairs to i32: the same
+/// exact block sums as the VNNI tile, combined in the same order.
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available; otherwise as [`tile_vnni`].
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn tile_avx2(
+    mt: usize,
+    wg: &[u8],
+    nb: usize,
+    xq: &[u8],
+    stride: usize,
+    y: *mut f32,
+    y_stride: usize,
+    valid: usize,
+) {
+    debug_assert!(wg.len() >= nb * Q8_BLOCK_BYTES && xq.len() >= mt * stride && valid <= GROUP_ROWS);
+    let cols = nb * QK8_0;
+    let (wp, xp) = (wg.as_ptr(), xq.as_ptr());
+    let (offset, ones) = (_mm256_set1_epi8(0x80u8 as i8), _mm256_set1_epi16(1));
+    for t in 0..mt {
+        let mut acc = [_mm256_setzero_ps(); 2];
+        for b in 0..nb {
+            // SAFETY: as in `tile_vnni`.
+            unsafe {
+                let wb = wp.add(b * QUANTS_BYTES);
+                let xt = xp.add(t * stride);
+                let xb = xt.add(b * QK8_0);
+                let mut ii = [_mm256_setzero_si256(); 2];
+                for k in 0..8 {
+                    let x4 = _mm256_set1_epi32(std::ptr::read_unaligned(xb.add(4 * k) as *const i32));
+                    let ax = _mm256_abs_epi8(x4);
+                    for (h, ii) in ii.iter_mut().enumerate() {
+                        let wv = _mm256_xor_si256(_mm256_loadu_si256(wb.add(64 * k + 32 * h) as *const __m256i), offset);
+                        let pairs = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv, x4));
+                        *ii = _mm256_add_epi32(*ii, _mm256_madd_epi16(pairs, ones));
+                    }
+                }
+                let dx = _mm256_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * b) as *const f32));
+                for (h, acc) in acc.iter_mut().enumerate() {
+                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(wp.add(scales_at(nb, b) + 16 * h) as *const __m128i));
+                    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ii[h]), _mm256_mul_ps(dx, dw), *acc);
+                }
+            }
+        }
+        let mut lanes = [0.0f32; GROUP_ROWS];
+        // SAFETY: `lanes` holds 16 floats, two unaligned 8-float stores.
+        unsafe {
+            _mm256_storeu_ps(lanes.as_mut_ptr(), acc[0]);
+            _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc[1]);
+        }
+        for (lane, v) in lanes.iter().enumerate().take(valid) {
+            // SAFETY: the caller's contract: rows `0..valid` of token `t` are writable.
+            unsafe { *y.add(t * y_stride + lane) = *v };
+        }
+    }
+}
