@@ -27,6 +27,8 @@ pub enum Command {
     Perplexity(PerplexityArgs),
     /// Serve the model over an OpenAI-compatible HTTP API.
     Serve(ServeArgs),
+    /// Write a quantized copy of a model directory that loads without re-quantizing.
+    Quantize(QuantizeArgs),
     /// One measured repetition of `bench` in a fresh process (used by `bench`).
     #[command(hide = true)]
     BenchWorker(BenchWorkerArgs),
@@ -42,6 +44,7 @@ impl Command {
             Command::Bench(a) => a.json,
             Command::Perplexity(a) => a.json,
             Command::Serve(_) => false,
+            Command::Quantize(_) => false,
             Command::BenchWorker(_) => true,
         }
     }
@@ -149,6 +152,23 @@ pub struct EngineArgs {
     /// the same numbers llama.cpp's Q8_0 file holds, computed with int8 activations.
     #[arg(long, value_enum)]
     pub quantize: Option<QuantizeArg>,
+}
+
+#[derive(Args, Debug)]
+pub struct QuantizeArgs {
+    /// A Hugging Face model directory (or a .safetensors file with config.json beside it) with
+    /// BF16, F16 or F32 weights.
+    pub model: PathBuf,
+    /// The format to write.
+    #[arg(long, value_enum)]
+    pub to: QuantizeArg,
+    /// The directory to write (created; must not already hold a model).
+    pub out_dir: PathBuf,
+    /// Worker threads for the quantization (default: the machine's physical cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    #[arg(long, value_name = "FILE.json")]
+    pub tensor_map: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]

@@ -13,6 +13,7 @@ mod inspect;
 mod logits;
 mod open;
 mod perplexity;
+mod quantize;
 mod run;
 mod serve;
 
@@ -35,6 +36,7 @@ fn main() -> ExitCode {
         Command::Perplexity(a) => perplexity::run(a),
         Command::BenchWorker(a) => bench::worker(a),
         Command::Serve(a) => serve::run(a),
+        Command::Quantize(a) => quantize::run(&a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

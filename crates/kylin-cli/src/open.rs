@@ -77,6 +77,15 @@ pub fn open(args: &ModelArgs, require_tokenizer: bool) -> Result<Opened> {
             ))
             .into());
         }
+        if let Some(q) = args.engine.quantize {
+            return Err(KylinError::config_invalid(format!(
+                "--quantize {} applies to the native engine; {} runs through llama.cpp in the types of its GGUF \
+                 weights (pick a GGUF file of the type you want, or quantize the Hugging Face directory)",
+                crate::args::flag_value(&q),
+                args.model.display()
+            ))
+            .into());
+        }
         return open_llama(args, threads, chat_template_override, started);
     }
     let opts = LoadOptions {

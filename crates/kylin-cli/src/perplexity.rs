@@ -128,6 +128,13 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
     let mut logp = vec![0.0f64; vocab];
     let mut base_row = vec![0.0f64; vocab];
     let mut raw = vec![0u8; vocab * 4];
+    // A progress bar on stderr (indicatif hides it when stderr is not a terminal; `--json`
+    // turns it off).
+    let bar = if args.json { indicatif::ProgressBar::hidden() } else { indicatif::ProgressBar::new(windows as u64) };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} windows {elapsed} (eta {eta}) {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
     for w in 0..windows {
         let mut window = tokens[w * args.ctx..(w + 1) * args.ctx].to_vec();
         if let Some(b) = bos {
@@ -170,14 +177,10 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
                 dp_sum += logp[target].exp() - base_row[target].exp();
             }
         }
-        if !args.json {
-            let ppl = (nll_sum / count as f64).exp();
-            eprint!("\r[{}/{windows}] perplexity so far {ppl:.4}   ", w + 1);
-        }
+        bar.set_message(format!("perplexity so far {:.4}", (nll_sum / count as f64).exp()));
+        bar.inc(1);
     }
-    if !args.json {
-        eprintln!();
-    }
+    bar.finish_and_clear();
     let mean = nll_sum / count as f64;
     let var = (nll_sq / count as f64 - mean * mean).max(0.0);
     let stderr = (var / (count.max(2) - 1) as f64).sqrt();

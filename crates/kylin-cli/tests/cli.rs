@@ -406,3 +406,78 @@ fn precision_is_reported_and_refused_where_it_cannot_apply() {
     let r = ok_json(&["run", s(&bf16_dir), "-p", "Hi", "--max-tokens", "2", "--json", "--precision", "f32"]);
     assert_eq!(r["precision"], "f32");
 }
+
+/// `kylin quantize` writes a directory that loads in place and computes exactly what
+/// `--quantize q8_0` computes on the original: the same logits, bit for bit, on a fixture and a
+/// real model (with a tied head, stored separately). It refuses what it cannot do, and a
+/// broken quantized directory gets its error code.
+#[test]
+fn quantize_writes_a_q8_0_directory_that_loads_in_place_with_the_same_logits() {
+    let out_root = std::env::temp_dir().join(format!("kylin-quantize-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out_root);
+    for (name, source) in [
+        ("tiny-llama-rope3", Path::new(SHARED).join("fixtures/tiny-llama-rope3")),
+        ("smollm2", model("smollm2-135m-instruct")),
+    ] {
+        let out = out_root.join(name);
+        let q = kylin(&["quantize", s(&source), "--to", "q8_0", s(&out)]);
+        assert!(q.status.success(), "{}", String::from_utf8_lossy(&q.stderr));
+        let config: Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+        assert_eq!(config["quantization_config"]["quant_method"], "kylin");
+        assert_eq!(config["tie_word_embeddings"], false);
+        let ids = "1,5,9,200,17,3,44";
+        let logits = |dir: &Path, extra: &[&str]| {
+            let mut a = vec!["logits", s(dir), "--ids", ids, "--top", "8", "--json"];
+            a.extend_from_slice(extra);
+            ok_json(&a)["positions"].clone()
+        };
+        let stored = logits(&out, &[]);
+        let at_load = logits(&source, &["--quantize", "q8_0"]);
+        assert_eq!(stored, at_load, "{name}: the stored Q8_0 model differs from --quantize q8_0");
+        let float = logits(&source, &["--precision", "f32"]);
+        assert_ne!(stored, float, "{name}: the quantized logits equal the f32 ones: nothing was quantized");
+        // inspect describes the stored quantization.
+        let r = ok_json(&["inspect", s(&out), "--json"]);
+        assert!(r.to_string().contains("q8_0"), "{r}");
+    }
+    // A directory that already holds a model is not overwritten; GGUF files are refused.
+    let again = kylin(&["quantize", s(&Path::new(SHARED).join("fixtures/tiny-qwen3")), "--to", "q8_0", s(&out_root.join("smollm2"))]);
+    assert!(String::from_utf8_lossy(&again.stderr).starts_with("[INPUT_INVALID] "), "{}", String::from_utf8_lossy(&again.stderr));
+    let gguf = model("gguf/smollm2-135m-instruct-q4_1.gguf");
+    let out = kylin(&["quantize", s(&gguf), "--to", "q8_0", s(&out_root.join("gguf"))]);
+    assert!(String::from_utf8_lossy(&out.stderr).starts_with("[INPUT_INVALID] "), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = kylin(&["run", s(&gguf), "-p", "x", "--quantize", "q8_0"]);
+    assert!(String::from_utf8_lossy(&out.stderr).starts_with("[CONFIG_INVALID] "), "{}", String::from_utf8_lossy(&out.stderr));
+
+    // Broken copies of the quantized fixture: each gets its code.
+    let good = out_root.join("tiny-llama-rope3");
+    let broken = |what: &str, edit: &dyn Fn(&mut Value)| {
+        let dir = out_root.join(format!("broken-{what}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in ["model.safetensors", "tokenizer.json", "tokenizer_config.json"] {
+            if good.join(f).exists() {
+                std::fs::copy(good.join(f), dir.join(f)).unwrap();
+            }
+        }
+        let mut config: Value = serde_json::from_str(&std::fs::read_to_string(good.join("config.json")).unwrap()).unwrap();
+        edit(&mut config);
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+        let out = kylin(&["run", s(&dir), "--ids", "1,2"]);
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    let err = broken("method", &|c| c["quantization_config"]["quant_method"] = "gptq".into());
+    assert!(err.starts_with("[OPERATOR_UNSUPPORTED] ") && err.contains("gptq"), "{err}");
+    let err = broken("format", &|c| c["quantization_config"]["format"] = "q4_k".into());
+    assert!(err.starts_with("[OPERATOR_UNSUPPORTED] ") && err.contains("q4_k"), "{err}");
+    let err = broken("version", &|c| c["quantization_config"]["version"] = 2.into());
+    assert!(err.starts_with("[MODEL_VERSION_INCOMPATIBLE] "), "{err}");
+    // Without quantization_config, the U8 planes are not float matrices.
+    let err = broken("plain", &|c| {
+        c.as_object_mut().unwrap().remove("quantization_config");
+    });
+    assert!(err.starts_with("[TENSOR_SHAPE_MISMATCH] ") || err.starts_with("[TENSOR_DTYPE_UNSUPPORTED] "), "{err}");
+    // A different intermediate size makes the planes the wrong shape, named.
+    let err = broken("shape", &|c| c["intermediate_size"] = 256.into());
+    assert!(err.starts_with("[TENSOR_SHAPE_MISMATCH] ") && err.contains("Q8_0 planes"), "{err}");
+    let _ = std::fs::remove_dir_all(&out_root);
+}

@@ -71,6 +71,7 @@ impl QuantFormat {
     }
 }
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use kylin_kernels::quant::{Q8Buffer, Q8Matrix};
@@ -148,8 +149,18 @@ struct Linear {
     rows: usize,
     cols: usize,
     bias: Option<Vector>,
-    /// The Q8_0 copy the products read instead of `weight` ([`Model::quantize`]).
-    q8: Option<Arc<Q8Buffer>>,
+    /// The Q8_0 planes the products read instead of a float `weight`.
+    q8: Option<Q8Source>,
+}
+
+/// Where a quantized linear layer's planes live.
+#[derive(Debug, Clone)]
+enum Q8Source {
+    /// Made at load ([`Model::quantize`]).
+    Owned(Arc<Q8Buffer>),
+    /// Read in place from a checkpoint written by `kylin quantize`: `weight` (the `Linear`'s
+    /// own tensor) holds the quants, this the scales. Checked against the shape when bound.
+    Mapped(WeightTensor),
 }
 
 impl Linear {
@@ -167,11 +178,58 @@ impl Linear {
         })
     }
 
-    /// The Q8_0 copy, if quantized.
+    /// A linear layer stored quantized (`kylin quantize`): `quants` and `scales` are the planes,
+    /// checked against `[rows, cols]` (`TENSOR_SHAPE_MISMATCH` naming the tensor otherwise).
+    fn stored_q8(
+        quants: &WeightTensor,
+        scales: &WeightTensor,
+        bias: Option<&WeightTensor>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self> {
+        if Q8Matrix::new(rows, cols, quants.bytes(), scales.bytes()).is_none() {
+            return Err(KylinError::tensor_shape_mismatch(format!(
+                "tensors '{}' ({} bytes) and '{}' ({} bytes) are not the Q8_0 planes of a [{rows}, {cols}] matrix",
+                quants.name,
+                quants.byte_len(),
+                scales.name,
+                scales.byte_len()
+            )));
+        }
+        Ok(Linear {
+            weight: quants.clone(),
+            // Not read: the products use the planes.
+            dtype: WeightDType::F32,
+            rows,
+            cols,
+            bias: Vector::optional(bias, rows)?,
+            q8: Some(Q8Source::Mapped(scales.clone())),
+        })
+    }
+
+    /// A float linear layer, or a stored-quantized one when `scales` has its weight's plane.
+    fn bind(
+        weight: &WeightTensor,
+        bias: Option<&WeightTensor>,
+        rows: usize,
+        cols: usize,
+        scales: &BTreeMap<String, WeightTensor>,
+    ) -> Result<Self> {
+        match scales.get(&weight.name) {
+            Some(scale) => Linear::stored_q8(weight, scale, bias, rows, cols),
+            None => Linear::new(weight, bias, rows, cols),
+        }
+    }
+
+    /// The Q8_0 planes, if quantized.
     #[inline]
     fn q8_matrix(&self) -> Option<Q8Matrix<'_>> {
-        // The buffer was made for exactly these rows and columns (`Model::quantize`).
-        self.q8.as_ref().and_then(|q| Q8Matrix::new(self.rows, self.cols, q.bytes()))
+        match self.q8.as_ref()? {
+            // The buffer was made for exactly these rows and columns (`Model::quantize`).
+            Q8Source::Owned(buffer) => Some(buffer.matrix()),
+            // Checked in `stored_q8`; a mismatch here would be a bug, and falls back to None.
+            Q8Source::Mapped(scales) => Q8Matrix::new(self.rows, self.cols, self.weight.bytes(), scales.bytes()),
+        }
     }
 
     #[inline]
@@ -227,12 +285,12 @@ impl Linear {
     }
 
     fn element_count(&self) -> u64 {
-        self.weight.element_count() as u64 + self.bias.as_ref().map_or(0, |b| b.tensor.element_count() as u64)
+        (self.rows * self.cols) as u64 + self.bias.as_ref().map_or(0, |b| b.tensor.element_count() as u64)
     }
 
     /// Bytes the products read: the Q8_0 copy when quantized, else the stored weight.
     fn byte_len(&self) -> u64 {
-        let weight = self.q8.as_ref().map_or(self.weight.byte_len(), |q| q.bytes().len());
+        let weight = self.q8_matrix().map_or(self.weight.byte_len(), |q| q.byte_len());
         weight as u64 + self.bias.as_ref().map_or(0, |b| b.tensor.byte_len() as u64)
     }
 }
@@ -255,20 +313,24 @@ struct Layer {
 }
 
 impl Layer {
-    fn new(w: &LayerWeights, d: &Dims) -> Result<Self> {
+    /// `scales` holds the scale planes of a checkpoint stored quantized (empty otherwise).
+    fn new(w: &LayerWeights, d: &Dims, scales: &BTreeMap<String, WeightTensor>) -> Result<Self> {
         let (hidden, q_dim, kv_dim) = (d.hidden, d.q_dim(), d.kv_dim());
+        let linear = |weight: &WeightTensor, bias: Option<&WeightTensor>, rows: usize, cols: usize| {
+            Linear::bind(weight, bias, rows, cols, scales)
+        };
         Ok(Layer {
             attn_norm: Vector::new(&w.attn_norm, hidden)?,
-            q_proj: Linear::new(&w.q_proj, w.q_bias.as_ref(), q_dim, hidden)?,
-            k_proj: Linear::new(&w.k_proj, w.k_bias.as_ref(), kv_dim, hidden)?,
-            v_proj: Linear::new(&w.v_proj, w.v_bias.as_ref(), kv_dim, hidden)?,
-            o_proj: Linear::new(&w.o_proj, w.o_bias.as_ref(), hidden, q_dim)?,
+            q_proj: linear(&w.q_proj, w.q_bias.as_ref(), q_dim, hidden)?,
+            k_proj: linear(&w.k_proj, w.k_bias.as_ref(), kv_dim, hidden)?,
+            v_proj: linear(&w.v_proj, w.v_bias.as_ref(), kv_dim, hidden)?,
+            o_proj: linear(&w.o_proj, w.o_bias.as_ref(), hidden, q_dim)?,
             q_norm: Vector::optional(w.q_norm.as_ref(), d.head_dim)?,
             k_norm: Vector::optional(w.k_norm.as_ref(), d.head_dim)?,
             mlp_norm: Vector::new(&w.mlp_norm, hidden)?,
-            gate_proj: Linear::new(&w.gate_proj, w.gate_bias.as_ref(), d.intermediate, hidden)?,
-            up_proj: Linear::new(&w.up_proj, w.up_bias.as_ref(), d.intermediate, hidden)?,
-            down_proj: Linear::new(&w.down_proj, w.down_bias.as_ref(), hidden, d.intermediate)?,
+            gate_proj: linear(&w.gate_proj, w.gate_bias.as_ref(), d.intermediate, hidden)?,
+            up_proj: linear(&w.up_proj, w.up_bias.as_ref(), d.intermediate, hidden)?,
+            down_proj: linear(&w.down_proj, w.down_bias.as_ref(), hidden, d.intermediate)?,
         })
     }
 
@@ -592,7 +654,20 @@ impl Model {
             eps: config.rms_norm_eps as f32,
             attn_scale: (config.head_dim as f64).powf(-0.5) as f32,
         };
-        let layers = weights.layers.iter().map(|w| Layer::new(w, &dims)).collect::<Result<Vec<_>>>()?;
+        let scales = &weights.scales;
+        let layers = weights.layers.iter().map(|w| Layer::new(w, &dims, scales)).collect::<Result<Vec<_>>>()?;
+        let lm_head = Linear::bind(&weights.lm_head, None, dims.vocab, dims.hidden, scales)?;
+        let quantization = match config.quantization {
+            None => None,
+            Some(kylin_loader::StoredQuantization::KylinQ8_0) => {
+                if lm_head.q8.is_none() {
+                    return Err(KylinError::operator_unsupported(
+                        "a checkpoint stored in Q8_0 must store its head quantized (lm_head.weight and lm_head.weight_scale, tie_word_embeddings false), as kylin quantize writes it",
+                    ));
+                }
+                Some(QuantFormat::Q8_0)
+            }
+        };
         Ok(Model {
             dims,
             rope_config: config.rope.clone(),
@@ -600,10 +675,10 @@ impl Model {
             embed: Linear::new(&weights.embed_tokens, None, dims.vocab, dims.hidden)?,
             layers,
             final_norm: Vector::new(&weights.final_norm, dims.hidden)?,
-            lm_head: Linear::new(&weights.lm_head, None, dims.vocab, dims.hidden)?,
+            lm_head,
             tied: weights.lm_head.same_bytes(&weights.embed_tokens),
             bf16: None,
-            quantization: None,
+            quantization,
         })
     }
 
@@ -618,7 +693,7 @@ impl Model {
     /// `OPERATOR_UNSUPPORTED` naming the tensor when a matrix's columns are not whole blocks
     /// of 32.
     pub fn quantize(&mut self, format: QuantFormat, threads: usize, progress: &(dyn Fn(u64, u64) + Sync)) -> Result<()> {
-        use kylin_kernels::quant::{GROUP_ROWS, QK8_0, q8_0_packed_len, quantize_q8_0_groups};
+        use kylin_kernels::quant::{GROUP_ROWS, QK8_0, quantize_q8_0_groups};
         let QuantFormat::Q8_0 = format;
         if self.quantization.is_some() {
             return Ok(());
@@ -627,7 +702,7 @@ impl Model {
             self.layers.iter().flat_map(|l| l.linears()).chain(std::iter::once(&self.lm_head)).collect();
         let mut buffers = Vec::with_capacity(matrices.len());
         for m in &matrices {
-            let len = q8_0_packed_len(m.rows, m.cols).ok_or_else(|| {
+            let buffer = Q8Buffer::zeroed(m.rows, m.cols).ok_or_else(|| {
                 KylinError::operator_unsupported(format!(
                     "--quantize {} needs matrices whose columns are whole blocks of {QK8_0}; tensor '{}' has {} columns",
                     format.name(),
@@ -635,15 +710,19 @@ impl Model {
                     m.cols
                 ))
             })?;
-            buffers.push(Q8Buffer::zeroed(len));
+            buffers.push(buffer);
         }
         // Work items of at most `CHUNK_GROUPS` groups of 16 rows, largest matrices first.
         const CHUNK_GROUPS: usize = 64;
         let mut items = Vec::new();
         for (index, (m, buffer)) in matrices.iter().zip(buffers.iter_mut()).enumerate() {
-            let group_bytes = m.cols / QK8_0 * kylin_kernels::quant::Q8_BLOCK_BYTES;
+            let blocks = m.cols / QK8_0;
             let groups = m.rows.div_ceil(GROUP_ROWS);
-            for (i, out) in buffer.bytes_mut().chunks_mut(CHUNK_GROUPS * group_bytes).enumerate() {
+            let (quants, scales) = buffer.planes_mut();
+            let pieces = quants
+                .chunks_mut(CHUNK_GROUPS * blocks * GROUP_ROWS * QK8_0)
+                .zip(scales.chunks_mut(CHUNK_GROUPS * blocks * GROUP_ROWS * 2));
+            for (i, out) in pieces.enumerate() {
                 let g0 = i * CHUNK_GROUPS;
                 let g1 = (g0 + CHUNK_GROUPS).min(groups);
                 let source_bytes = ((g1 * GROUP_ROWS).min(m.rows) - g0 * GROUP_ROWS) * m.cols * m.dtype.size_in_bytes();
@@ -664,13 +743,13 @@ impl Model {
                 scope.spawn(|| {
                     let mut row = Vec::new();
                     loop {
-                        let Some((index, w, groups, out, bytes)) =
+                        let Some((index, w, groups, (quants, scales), bytes)) =
                             queue.lock().unwrap_or_else(|e| e.into_inner()).pop()
                         else {
                             break;
                         };
                         row.resize(w.cols, 0.0);
-                        quantize_q8_0_groups(w, groups, out, &mut row);
+                        quantize_q8_0_groups(w, groups, quants, scales, &mut row);
                         if left[index].fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
                             // A tied head's pages are the embedding's: a lookup faults back
                             // only the rows it reads.
@@ -684,10 +763,21 @@ impl Model {
         });
         let linears = self.layers.iter_mut().flat_map(|l| l.linears_mut()).chain(std::iter::once(&mut self.lm_head));
         for (linear, buffer) in linears.zip(buffers) {
-            linear.q8 = Some(Arc::new(buffer));
+            linear.q8 = Some(Q8Source::Owned(Arc::new(buffer)));
         }
         self.quantization = Some(format);
         Ok(())
+    }
+
+    /// The quantized matrices, for `kylin quantize` to store: `(name, planes)` for every layer's
+    /// projections (their checkpoint names) and the head (`lm_head.weight`, also when it was
+    /// tied to the embedding). Empty unless quantized.
+    pub fn quantized_matrices(&self) -> Vec<(String, Q8Matrix<'_>)> {
+        let layers = self.layers.iter().flat_map(|l| l.linears()).map(|m| (m.weight.name.clone(), m));
+        layers
+            .chain(std::iter::once(("lm_head.weight".to_string(), &self.lm_head)))
+            .filter_map(|(name, m)| m.q8_matrix().map(|q| (name, q)))
+            .collect()
     }
 
     /// The format the linear layers were quantized to at load, if any.

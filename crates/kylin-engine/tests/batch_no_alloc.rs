@@ -7,7 +7,7 @@
 use std::path::Path;
 use std::sync::atomic::Ordering;
 
-use kylin_engine::PrecisionChoice;
+use kylin_engine::{PrecisionChoice, QuantFormat};
 use kylin_engine::batch::{BatchEngine, EngineOptions};
 use kylin_engine::serving::{Request, Serving};
 
@@ -23,16 +23,18 @@ const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared");
 
 #[test]
 fn a_step_with_eight_running_sequences_allocates_nothing() {
-    // `Auto` on the BF16 fixture runs the BF16 products where the CPU has them.
-    for (name, precision) in [
-        ("tiny-qwen2-f16", PrecisionChoice::F32),
-        ("tiny-qwen3-yarn", PrecisionChoice::F32),
-        ("tiny-qwen3-yarn", PrecisionChoice::Auto),
+    // `Auto` on the BF16 fixture runs the BF16 products where the CPU has them; with
+    // `--quantize q8_0` the int8 products.
+    for (name, precision, quantize) in [
+        ("tiny-qwen2-f16", PrecisionChoice::F32, None),
+        ("tiny-qwen3-yarn", PrecisionChoice::F32, None),
+        ("tiny-qwen3-yarn", PrecisionChoice::Auto, None),
+        ("tiny-qwen3-yarn", PrecisionChoice::Auto, Some(QuantFormat::Q8_0)),
     ] {
         let path = Path::new(SHARED).join("fixtures").join(name);
         let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
         let opts =
-            EngineOptions { threads: 2, ctx_size: Some(256), max_seqs: 8, precision, ..EngineOptions::default() };
+            EngineOptions { threads: 2, ctx_size: Some(256), max_seqs: 8, precision, quantize, ..EngineOptions::default() };
         let mut engine = BatchEngine::new(model, &opts).unwrap();
         for i in 0..8u32 {
             let mut r = Request::new(u64::from(i), (1..20 + 3 * i).collect(), 64);
@@ -56,7 +58,7 @@ fn a_step_with_eight_running_sequences_allocates_nothing() {
         assert_eq!(
             after - before,
             0,
-            "{name} {precision:?}: 16 steps of 8 sequences allocated {} times",
+            "{name} {precision:?} {quantize:?}: 16 steps of 8 sequences allocated {} times",
             after - before
         );
         assert_eq!(events.len(), 8, "one token per sequence per step");

@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use kylin_engine::PrecisionChoice;
+use kylin_engine::{PrecisionChoice, QuantFormat};
 use kylin_engine::batch::{BatchEngine, EngineOptions, KvBudget};
 use kylin_engine::kv_pool::KvPool;
 use kylin_engine::sampler::SamplingParams;
@@ -315,8 +315,15 @@ fn smollm2() -> PathBuf {
 /// Sixteen greedy requests of different lengths on SmolLM2-135M (BF16 weights), each equal to
 /// itself run alone, in `precision`.
 fn real_model_batch_invariance(precision: PrecisionChoice) {
+    real_model_batch_invariance_with(EngineOptions { precision, ..EngineOptions::default() });
+}
+
+/// As [`real_model_batch_invariance`], with `base`'s precision and quantization.
+fn real_model_batch_invariance_with(base: EngineOptions) {
     let path = smollm2();
-    let opts = EngineOptions { ctx_size: Some(512), max_batch_tokens: 128, precision, ..EngineOptions::default() };
+    let precision = base.precision;
+    let what = format!("smollm2 {precision:?} {:?}", base.quantize);
+    let opts = EngineOptions { ctx_size: Some(512), max_batch_tokens: 128, ..base };
     let opts = EngineOptions { threads: 2, ..opts };
     let requests: Vec<Request> =
         (0..16).map(|i| request(i, prompt(5 + 23 * i as usize % 150, 100 + i, 40_000), 16)).collect();
@@ -326,7 +333,7 @@ fn real_model_batch_invariance(precision: PrecisionChoice) {
         e.add_request(r.clone()).unwrap();
     }
     let together = drain(&mut e);
-    assert_same(&single, &together, &format!("smollm2 {precision:?}"));
+    assert_same(&single, &together, &what);
     assert_all_blocks_free(&e);
 }
 
@@ -392,6 +399,70 @@ fn bf16_precision_stays_close_to_f32_on_a_real_model() {
         }
         let (x, y) = (a.logprobs[0].logprob, b.logprobs[0].logprob);
         assert!((x - y).abs() < 0.15, "request {key:?}: logprob {x} in f32, {y} in bf16");
+    }
+}
+
+/// Q8_0 weights (`--quantize q8_0`): every sequence's tokens and log-probabilities equal its
+/// own run alone, on the fixtures and on SmolLM2.
+#[test]
+fn q8_0_batches_invariantly_on_fixtures_and_a_real_model() {
+    let q8 = |opts: EngineOptions| EngineOptions {
+        quantize: Some(QuantFormat::Q8_0),
+        precision: PrecisionChoice::Auto,
+        ..opts
+    };
+    for name in ["tiny-qwen3", "tiny-llama-rope3"] {
+        let path = fixture(name);
+        let opts = q8(EngineOptions { max_batch_tokens: 48, ..options(2) });
+        let requests: Vec<Request> =
+            (0..16).map(|i| request(i, prompt(3 + 11 * i as usize % 70, i + 1, 1000), 6 + i as usize % 5)).collect();
+        let single = alone(&path, &opts, &requests);
+        let mut e = engine(&path, opts.clone());
+        assert_eq!(e.info().precision, "int8");
+        assert!(e.info().kernels.contains("q8_0"), "{}", e.info().kernels);
+        for r in &requests {
+            e.add_request(r.clone()).unwrap();
+        }
+        assert_same(&single, &drain(&mut e), name);
+        assert_all_blocks_free(&e);
+    }
+    real_model_batch_invariance_with(q8(EngineOptions::default()));
+}
+
+/// Q8_0 moves the logits a little more than BF16 activations: on SmolLM2, the first generated
+/// token of each prompt is f32's unless f32's top two were close, and its log-probability stays
+/// within 0.3 (the perplexity and KL divergence over real text are in BENCHMARKS.md). Asking
+/// for f32 or bf16 arithmetic with it is refused.
+#[test]
+fn q8_0_stays_close_to_f32_on_a_real_model() {
+    let path = smollm2();
+    let requests: Vec<Request> = (0..6).map(|i| request(i, prompt(40 + 17 * i as usize, 500 + i, 40_000), 1)).collect();
+    let run = |precision, quantize| {
+        let opts = EngineOptions { ctx_size: Some(256), precision, quantize, threads: 2, ..EngineOptions::default() };
+        let mut e = engine(&path, opts);
+        for r in &requests {
+            e.add_request(r.clone()).unwrap();
+        }
+        drain(&mut e)
+    };
+    let f32_out = run(PrecisionChoice::F32, None);
+    let q8_out = run(PrecisionChoice::Auto, Some(QuantFormat::Q8_0));
+    for (key, a) in &f32_out {
+        let b = &q8_out[key];
+        let top = &a.logprobs[0].top;
+        if top[0].1 - top[1].1 > 0.3 {
+            assert_eq!(a.ids, b.ids, "request {key:?}: greedy token differs between f32 and q8_0");
+        }
+        let (x, y) = (a.logprobs[0].logprob, b.logprobs[0].logprob);
+        assert_ne!(x.to_bits(), y.to_bits(), "request {key:?}: q8_0 gave f32's bits: it did not run");
+        assert!((x - y).abs() < 0.3, "request {key:?}: logprob {x} in f32, {y} in q8_0");
+    }
+    for precision in [PrecisionChoice::F32, PrecisionChoice::Bf16] {
+        let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
+        let opts = EngineOptions { precision, quantize: Some(QuantFormat::Q8_0), ..EngineOptions::default() };
+        let err = BatchEngine::new(model, &opts).unwrap_err();
+        assert_eq!(err.code(), kylin_loader::ErrorCode::ConfigInvalid, "{}", err.message);
+        assert!(err.message.contains("--quantize q8_0"), "{}", err.message);
     }
 }
 

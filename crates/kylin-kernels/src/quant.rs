@@ -7,14 +7,17 @@
 //! are llama.cpp's for the same source weights.
 //!
 //! **The layout is Kylin's** ([`Q8Matrix`]): rows in groups of [`GROUP_ROWS`] = 16 (the last
-//! group padded with zero rows). A group holds, for each block in order, the 16 rows' 32 quants
-//! (512 bytes) in the order `[k4: 8][row: 16][4 consecutive columns]` (what one `vpdpbusd`
-//! multiplies: four columns of sixteen rows), each stored offset-binary (`q + 128` as a `u8`,
-//! so the weight is the instruction's unsigned operand); then, for each block in order, the 16
-//! rows' f16 scales (32 bytes). [`Q8_BLOCK_BYTES`] = 544 bytes per (group, block), as GGUF's
-//! 34 per 32 weights. Quants stay 64-byte aligned (with an even block count and an aligned
-//! buffer, [`Q8Buffer`]), and the groups follow each other, so a task that owns a range of
-//! groups reads one contiguous stream.
+//! group padded with zero rows), in two planes:
+//! - quants `[group][block][k4: 8][row: 16][4 consecutive columns]`: per (group, block) 512
+//!   bytes, each 64 of them what one `vpdpbusd` multiplies (four columns of sixteen rows),
+//!   each stored offset-binary (`q + 128` as a `u8`, so the weight is the instruction's
+//!   unsigned operand);
+//! - scales `[group][block][row: 16]` as f16: 32 bytes per (group, block).
+//!
+//! That is [`Q8_BLOCK_BYTES`] = 544 bytes per 16 × 32 weights, as GGUF's 34 per 32. A task that
+//! owns a range of groups reads one contiguous stream in each plane; the quants of an aligned
+//! buffer ([`Q8Buffer`]) are read in whole cache lines. The planes are what `kylin quantize`
+//! stores (`weight` and `weight_scale`), so a quantized checkpoint loads without a copy.
 //!
 //! **Activations** are quantized once per matrix product, per token, in blocks of 32
 //! ([`quantize_activations`]): an f32 scale `dx = amax / 127`, `q = round_ties_even(x / dx)`
@@ -42,29 +45,27 @@ pub const Q8_BLOCK_BYTES: usize = GROUP_ROWS * QK8_0 + GROUP_ROWS * 2;
 /// Bytes of one block's quants in a group.
 pub(crate) const QUANTS_BYTES: usize = GROUP_ROWS * QK8_0;
 
-/// Offset inside a group of block `b`'s scales, for `nb` blocks.
-#[inline]
-pub(crate) fn scales_at(nb: usize, b: usize) -> usize {
-    nb * QUANTS_BYTES + b * GROUP_ROWS * 2
-}
+/// Bytes of one block's scales in a group.
+pub(crate) const SCALES_BYTES: usize = GROUP_ROWS * 2;
 
 /// A Q8_0 weight matrix `[rows, cols]` in Kylin's packed layout (see the module docs).
 ///
 /// Invariant (checked by whoever makes one: [`Q8Matrix::new`]): `cols` is a multiple of 32 and
-/// `data.len() == q8_0_packed_len(rows, cols)`.
+/// the planes have the lengths [`q8_0_plane_lens`] gives.
 #[derive(Debug, Clone, Copy)]
 pub struct Q8Matrix<'a> {
     rows: usize,
     cols: usize,
-    data: &'a [u8],
+    quants: &'a [u8],
+    scales: &'a [u8],
 }
 
 impl<'a> Q8Matrix<'a> {
-    /// A view of packed bytes; `None` if `cols` is not a multiple of 32 or the length is not
-    /// [`q8_0_packed_len`]`(rows, cols)`.
-    pub fn new(rows: usize, cols: usize, data: &'a [u8]) -> Option<Self> {
-        (cols.is_multiple_of(QK8_0) && q8_0_packed_len(rows, cols) == Some(data.len()))
-            .then_some(Q8Matrix { rows, cols, data })
+    /// A view of the two planes; `None` if `cols` is not a multiple of 32 or a length is not
+    /// what [`q8_0_plane_lens`]`(rows, cols)` gives.
+    pub fn new(rows: usize, cols: usize, quants: &'a [u8], scales: &'a [u8]) -> Option<Self> {
+        (q8_0_plane_lens(rows, cols) == Some((quants.len(), scales.len())))
+            .then_some(Q8Matrix { rows, cols, quants, scales })
     }
 
     pub fn rows(&self) -> usize {
@@ -75,8 +76,19 @@ impl<'a> Q8Matrix<'a> {
         self.cols
     }
 
-    pub fn data(&self) -> &'a [u8] {
-        self.data
+    /// The quants plane (see the module docs).
+    pub fn quants(&self) -> &'a [u8] {
+        self.quants
+    }
+
+    /// The scales plane (f16, little-endian).
+    pub fn scales(&self) -> &'a [u8] {
+        self.scales
+    }
+
+    /// Bytes the products read.
+    pub fn byte_len(&self) -> usize {
+        self.quants.len() + self.scales.len()
     }
 
     /// Blocks per row.
@@ -84,9 +96,13 @@ impl<'a> Q8Matrix<'a> {
         self.cols / QK8_0
     }
 
-    /// Bytes of one group of 16 rows.
-    fn group_bytes(&self) -> usize {
-        self.blocks() * Q8_BLOCK_BYTES
+    /// Group `g`'s quants and scales.
+    fn group(&self, g: usize) -> (&'a [u8], &'a [u8]) {
+        let nb = self.blocks();
+        (
+            &self.quants[g * nb * QUANTS_BYTES..(g + 1) * nb * QUANTS_BYTES],
+            &self.scales[g * nb * SCALES_BYTES..(g + 1) * nb * SCALES_BYTES],
+        )
     }
 }
 
@@ -96,13 +112,21 @@ impl MatrixRows for Q8Matrix<'_> {
     }
 }
 
-/// Bytes of a packed `[rows, cols]` Q8_0 matrix (rows rounded up to a group of 16); `None` if
-/// `cols` is not a multiple of 32 or the size overflows.
-pub fn q8_0_packed_len(rows: usize, cols: usize) -> Option<usize> {
+/// Bytes of the quants and scales planes of a packed `[rows, cols]` Q8_0 matrix (rows rounded
+/// up to a group of 16); `None` if `cols` is not a multiple of 32 or a size overflows.
+pub fn q8_0_plane_lens(rows: usize, cols: usize) -> Option<(usize, usize)> {
     if !cols.is_multiple_of(QK8_0) {
         return None;
     }
-    rows.div_ceil(GROUP_ROWS).checked_mul(cols / QK8_0)?.checked_mul(Q8_BLOCK_BYTES)
+    let blocks = rows.div_ceil(GROUP_ROWS).checked_mul(cols / QK8_0)?;
+    Some((blocks.checked_mul(QUANTS_BYTES)?, blocks.checked_mul(SCALES_BYTES)?))
+}
+
+/// The shapes `kylin quantize` gives the planes: quants `[groups, blocks, 512]` (U8) and scales
+/// `[groups, blocks, 16]` (F16).
+pub fn q8_0_plane_shapes(rows: usize, cols: usize) -> ([usize; 3], [usize; 3]) {
+    let (groups, blocks) = (rows.div_ceil(GROUP_ROWS), cols / QK8_0);
+    ([groups, blocks, QUANTS_BYTES], [groups, blocks, GROUP_ROWS])
 }
 
 /// GGUF's Q8_0 quantization of one row (llama.cpp's `quantize_row_q8_0_ref`): for each block of
@@ -140,43 +164,51 @@ fn round_half_away(v: f32) -> i32 {
     if v < 0.0 { -r } else { r }
 }
 
-/// Writes groups `groups` of `w` (any float dtype), quantized to Q8_0, into `out`, which holds
-/// exactly those groups (`groups.len() · (cols / 32) · 544` bytes). `row` is scratch for one
-/// widened row (`cols` elements). Rows past `w.rows` in the last group are zero.
-pub fn quantize_q8_0_groups(w: WeightMatrix<'_>, groups: std::ops::Range<usize>, out: &mut [u8], row: &mut [f32]) {
+/// Writes groups `groups` of `w` (any float dtype), quantized to Q8_0, into `quants` and
+/// `scales`, which hold exactly those groups' parts of the planes (`groups.len() · (cols / 32)`
+/// times 512 and 32 bytes). `row` is scratch for one widened row (`cols` elements). Rows past
+/// `w.rows` in the last group are zero.
+pub fn quantize_q8_0_groups(
+    w: WeightMatrix<'_>,
+    groups: std::ops::Range<usize>,
+    quants: &mut [u8],
+    scales: &mut [u8],
+    row: &mut [f32],
+) {
     let nb = w.cols / QK8_0;
-    let group_bytes = nb * Q8_BLOCK_BYTES;
     assert!(w.cols.is_multiple_of(QK8_0), "Q8_0 needs columns in multiples of 32; got {}", w.cols);
-    assert_eq!(out.len(), groups.len() * group_bytes, "output length != groups * group bytes");
+    assert_eq!(quants.len(), groups.len() * nb * QUANTS_BYTES, "quants length != groups * group bytes");
+    assert_eq!(scales.len(), groups.len() * nb * SCALES_BYTES, "scales length != groups * group bytes");
     assert_eq!(row.len(), w.cols);
     let mut qs = vec![0i8; w.cols];
-    let mut scales = vec![0u16; nb];
-    for (g, dst) in groups.zip(out.chunks_exact_mut(group_bytes)) {
+    let mut row_scales = vec![0u16; nb];
+    let planes = quants.chunks_exact_mut(nb * QUANTS_BYTES).zip(scales.chunks_exact_mut(nb * SCALES_BYTES));
+    for (g, (gq, gs)) in groups.zip(planes) {
         for lane in 0..GROUP_ROWS {
             let r = g * GROUP_ROWS + lane;
             if r < w.rows {
                 crate::widen_row(w, r, row);
-                quantize_row_q8_0(row, &mut qs, &mut scales);
+                quantize_row_q8_0(row, &mut qs, &mut row_scales);
             } else {
                 qs.fill(0);
-                scales.fill(0);
+                row_scales.fill(0);
             }
-            write_lane(dst, nb, lane, &qs, &scales);
+            write_lane(gq, gs, lane, &qs, &row_scales);
         }
     }
 }
 
-/// Packs one row's GGUF numbers (`qs`, f16 `scales`) as lane `lane` of a group.
-fn write_lane(group: &mut [u8], nb: usize, lane: usize, qs: &[i8], scales: &[u16]) {
-    for b in 0..nb {
-        let block = &mut group[b * QUANTS_BYTES..(b + 1) * QUANTS_BYTES];
+/// Packs one row's GGUF numbers (`qs`, f16 `scales`) as lane `lane` of a group's planes.
+fn write_lane(gq: &mut [u8], gs: &mut [u8], lane: usize, qs: &[i8], scales: &[u16]) {
+    for (b, scale) in scales.iter().enumerate() {
+        let block = &mut gq[b * QUANTS_BYTES..(b + 1) * QUANTS_BYTES];
         for (k4, four) in qs[b * QK8_0..(b + 1) * QK8_0].chunks_exact(4).enumerate() {
             let at = k4 * 64 + lane * 4;
             let bytes = [four[0] as u8, four[1] as u8, four[2] as u8, four[3] as u8];
             block[at..at + 4].copy_from_slice(&(u32::from_le_bytes(bytes) ^ 0x8080_8080).to_le_bytes());
         }
-        let at = scales_at(nb, b) + 2 * lane;
-        group[at..at + 2].copy_from_slice(&scales[b].to_le_bytes());
+        let at = b * SCALES_BYTES + 2 * lane;
+        gs[at..at + 2].copy_from_slice(&scale.to_le_bytes());
     }
 }
 
@@ -184,14 +216,14 @@ fn write_lane(group: &mut [u8], nb: usize, lane: usize, qs: &[i8], scales: &[u16
 pub fn row_q8_0(m: Q8Matrix<'_>, r: usize, qs: &mut [i8], scales: &mut [u16]) {
     let (nb, g, lane) = (m.blocks(), r / GROUP_ROWS, r % GROUP_ROWS);
     assert!(r < m.rows && qs.len() == m.cols && scales.len() == nb);
-    let group = &m.data[g * m.group_bytes()..(g + 1) * m.group_bytes()];
+    let (gq, gs) = m.group(g);
     for b in 0..nb {
-        let block = &group[b * QUANTS_BYTES..(b + 1) * QUANTS_BYTES];
+        let block = &gq[b * QUANTS_BYTES..(b + 1) * QUANTS_BYTES];
         for k in 0..QK8_0 {
             qs[b * QK8_0 + k] = (block[(k / 4) * 64 + lane * 4 + k % 4] ^ 0x80) as i8;
         }
-        let at = scales_at(nb, b) + 2 * lane;
-        scales[b] = u16::from_le_bytes([group[at], group[at + 1]]);
+        let at = b * SCALES_BYTES + 2 * lane;
+        scales[b] = u16::from_le_bytes([gs[at], gs[at + 1]]);
     }
 }
 
@@ -200,11 +232,11 @@ pub fn row_q8_0(m: Q8Matrix<'_>, r: usize, qs: &mut [i8], scales: &mut [u16]) {
 pub fn dequantize_row_q8_0(m: Q8Matrix<'_>, r: usize, out: &mut [f32]) {
     let (nb, g, lane) = (m.blocks(), r / GROUP_ROWS, r % GROUP_ROWS);
     assert!(r < m.rows && out.len() == m.cols);
-    let group = &m.data[g * m.group_bytes()..(g + 1) * m.group_bytes()];
+    let (gq, gs) = m.group(g);
     for (b, o) in out.chunks_exact_mut(QK8_0).enumerate().take(nb) {
-        let block = &group[b * QUANTS_BYTES..(b + 1) * QUANTS_BYTES];
-        let at = scales_at(nb, b) + 2 * lane;
-        let d = half::f16::from_le_bytes([group[at], group[at + 1]]).to_f32();
+        let block = &gq[b * QUANTS_BYTES..(b + 1) * QUANTS_BYTES];
+        let at = b * SCALES_BYTES + 2 * lane;
+        let d = half::f16::from_le_bytes([gs[at], gs[at + 1]]).to_f32();
         for (k, o) in o.iter_mut().enumerate() {
             *o = d * ((block[(k / 4) * 64 + lane * 4 + k % 4] ^ 0x80) as i8) as f32;
         }
@@ -316,7 +348,7 @@ pub fn matmul_many_q8(
     for (w, y) in jobs.iter() {
         // These checks make the unsafe reads and writes below sound.
         assert_eq!(w.cols, cols, "matrices sharing an input must have the same columns");
-        assert_eq!(Some(w.data.len()), q8_0_packed_len(w.rows, w.cols), "packed Q8_0 length");
+        assert_eq!(Some((w.quants.len(), w.scales.len())), q8_0_plane_lens(w.rows, w.cols), "packed Q8_0 lengths");
         assert_eq!(x.len(), n_tokens * cols, "x.len() != n_tokens * cols");
         assert_eq!(y.len(), n_tokens * w.rows, "y.len() != n_tokens * rows");
     }
@@ -339,7 +371,7 @@ pub fn matmul_many_q8(
     // 2. The products, output rows split across the pool in groups of 16.
     let kernels = q8_isa();
     for chunk in jobs.chunks_mut(crate::matmul::MAX_FUSED) {
-        let bytes: usize = chunk.iter().map(|(w, _)| w.data.len()).sum();
+        let bytes: usize = chunk.iter().map(|(w, _)| w.byte_len()).sum();
         let macs: usize = chunk.iter().map(|(w, _)| w.rows * w.cols * n_tokens).sum();
         let parallel = if n_tokens == 1 { bytes >= 64 * 1024 } else { macs >= 1 << 20 };
         let threads = if parallel { pool.threads() } else { 1 };
@@ -372,21 +404,22 @@ unsafe fn compute_groups(
     let nb = w.blocks();
     for g in r0 / GROUP_ROWS..r1.div_ceil(GROUP_ROWS) {
         let valid = (w.rows - g * GROUP_ROWS).min(GROUP_ROWS);
-        let wg = &w.data[g * w.group_bytes()..(g + 1) * w.group_bytes()];
+        let (wq, ws) = w.group(g);
         let mut t = 0;
         while t < n_tokens {
             let mt = Q8_MT.min(n_tokens - t);
             let xt = &xq[t * stride..(t + mt) * stride];
             // SAFETY: rows `g·16 .. g·16 + valid` of tokens `t..t + mt` lie inside the output
-            // and belong to this call; `wg` is one whole group and `xt` `mt` whole token rows.
+            // and belong to this call; `wq`, `ws` are one whole group and `xt` `mt` whole
+            // token rows.
             unsafe {
                 let y = out.0.add(t * w.rows + g * GROUP_ROWS);
                 match kernels {
                     #[cfg(target_arch = "x86_64")]
-                    Q8Isa::Vnni => crate::quant_x86::tile_vnni_dyn(mt, wg, nb, xt, stride, y, w.rows, valid),
+                    Q8Isa::Vnni => crate::quant_x86::tile_vnni_dyn(mt, wq, ws, nb, xt, stride, y, w.rows, valid),
                     #[cfg(target_arch = "x86_64")]
-                    Q8Isa::Avx2 => crate::quant_x86::tile_avx2(mt, wg, nb, xt, stride, y, w.rows, valid),
-                    _ => tile_scalar(mt, wg, nb, xt, stride, y, w.rows, valid),
+                    Q8Isa::Avx2 => crate::quant_x86::tile_avx2(mt, wq, ws, nb, xt, stride, y, w.rows, valid),
+                    _ => tile_scalar(mt, wq, ws, nb, xt, stride, y, w.rows, valid),
                 }
             }
             t += mt;
@@ -394,15 +427,16 @@ unsafe fn compute_groups(
     }
 }
 
-/// The scalar definition of a tile: tokens `0..mt` of `xq` × the `valid` rows of group `wg`,
-/// each output in the canonical order.
+/// The scalar definition of a tile: tokens `0..mt` of `xq` × the `valid` rows of the group
+/// whose planes are `wq`, `ws`, each output in the canonical order.
 ///
 /// # Safety
 /// `y` is valid for writing rows `0..valid` of `mt` tokens at row stride `y_stride`.
 #[allow(clippy::too_many_arguments)]
 unsafe fn tile_scalar(
     mt: usize,
-    wg: &[u8],
+    wq: &[u8],
+    ws: &[u8],
     nb: usize,
     xq: &[u8],
     stride: usize,
@@ -416,14 +450,14 @@ unsafe fn tile_scalar(
         for lane in 0..valid {
             let mut acc = 0.0f32;
             for b in 0..nb {
-                let block = &wg[b * QUANTS_BYTES..(b + 1) * QUANTS_BYTES];
+                let block = &wq[b * QUANTS_BYTES..(b + 1) * QUANTS_BYTES];
                 let mut isum = 0i32;
                 for k in 0..QK8_0 {
                     let wq = (block[(k / 4) * 64 + lane * 4 + k % 4] ^ 0x80) as i8 as i32;
                     isum += wq * (xt[b * QK8_0 + k] as i8 as i32);
                 }
-                let at = scales_at(nb, b) + 2 * lane;
-                let dw = half::f16::from_le_bytes([wg[at], wg[at + 1]]);
+                let at = b * SCALES_BYTES + 2 * lane;
+                let dw = half::f16::from_le_bytes([ws[at], ws[at + 1]]);
                 let dx = f32::from_le_bytes(xt[cols + 4 * b..cols + 4 * b + 4].try_into().expect("4 bytes"));
                 acc = (isum as f32).mul_add(dx * dw.to_f32(), acc);
             }
@@ -457,32 +491,54 @@ impl SharedBytes {
 #[repr(C, align(64))]
 struct Line([u8; 64]);
 
-/// An owned byte buffer aligned to 64 bytes: packed Q8_0 weights made at load time, whose
-/// quants the kernels then read in whole cache lines.
+/// An owned, 64-byte aligned buffer holding the two planes of a packed Q8_0 matrix made at
+/// load time (quants first, so the kernels read them in whole cache lines, then scales).
 pub struct Q8Buffer {
     lines: Vec<Line>,
+    rows: usize,
+    cols: usize,
+    quants_len: usize,
     len: usize,
 }
 
 impl std::fmt::Debug for Q8Buffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Q8Buffer").field("len", &self.len).finish()
+        f.debug_struct("Q8Buffer").field("rows", &self.rows).field("cols", &self.cols).finish()
     }
 }
 
 impl Q8Buffer {
-    /// `len` zero bytes (the caller checked `len`: it comes from [`q8_0_packed_len`]).
-    pub fn zeroed(len: usize) -> Self {
-        Q8Buffer { lines: vec![Line([0; 64]); len.div_ceil(64)], len }
+    /// Zeroed planes for a `[rows, cols]` matrix; `None` if `cols` is not a multiple of 32 or
+    /// a size overflows.
+    pub fn zeroed(rows: usize, cols: usize) -> Option<Self> {
+        let (q, s) = q8_0_plane_lens(rows, cols)?;
+        let quants_len = q.checked_next_multiple_of(64)?;
+        let len = quants_len.checked_add(s)?;
+        Some(Q8Buffer { lines: vec![Line([0; 64]); len.div_ceil(64)], rows, cols, quants_len, len })
     }
 
-    pub fn bytes(&self) -> &[u8] {
+    /// The matrix the planes hold.
+    pub fn matrix(&self) -> Q8Matrix<'_> {
+        let bytes = self.bytes();
+        let (q, _) = q8_0_plane_lens(self.rows, self.cols).expect("checked when made");
+        Q8Matrix { rows: self.rows, cols: self.cols, quants: &bytes[..q], scales: &bytes[self.quants_len..] }
+    }
+
+    /// The two planes, to fill.
+    pub fn planes_mut(&mut self) -> (&mut [u8], &mut [u8]) {
+        let (q, _) = q8_0_plane_lens(self.rows, self.cols).expect("checked when made");
+        let quants_len = self.quants_len;
+        let (quants, scales) = self.bytes_mut().split_at_mut(quants_len);
+        (&mut quants[..q], scales)
+    }
+
+    fn bytes(&self) -> &[u8] {
         // SAFETY: `lines` holds at least `len` initialized bytes, contiguous (`Line` is 64
         // bytes with no padding), borrowed for as long as `self`.
         unsafe { std::slice::from_raw_parts(self.lines.as_ptr() as *const u8, self.len) }
     }
 
-    pub fn bytes_mut(&mut self) -> &mut [u8] {
+    fn bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: as in `bytes`, borrowed mutably.
         unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr() as *mut u8, self.len) }
     }

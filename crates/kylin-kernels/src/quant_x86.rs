@@ -5,7 +5,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::quant::{GROUP_ROWS, Q8_BLOCK_BYTES, Q8_MT, QK8_0, QUANTS_BYTES, scales_at};
+use crate::quant::{GROUP_ROWS, Q8_MT, QK8_0, QUANTS_BYTES, SCALES_BYTES};
 
 /// One token's activation quantization (see `quant::quantize_row_scalar`, whose bytes this
 /// reproduces): per block `d = amax / 127`, `q = round_ties_even(x · (1 / d))` (the default
@@ -79,7 +79,8 @@ pub(crate) unsafe fn quantize_weights_avx512(x: &[f32], qs: &mut [i8], scales: &
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn tile_vnni_dyn(
     mt: usize,
-    wg: &[u8],
+    wq: &[u8],
+    ws: &[u8],
     nb: usize,
     xq: &[u8],
     stride: usize,
@@ -90,14 +91,14 @@ pub(crate) unsafe fn tile_vnni_dyn(
     // SAFETY: the caller's contract.
     unsafe {
         match mt {
-            1 => tile_vnni::<1>(wg, nb, xq, stride, y, y_stride, valid),
-            2 => tile_vnni::<2>(wg, nb, xq, stride, y, y_stride, valid),
-            3 => tile_vnni::<3>(wg, nb, xq, stride, y, y_stride, valid),
-            4 => tile_vnni::<4>(wg, nb, xq, stride, y, y_stride, valid),
-            5 => tile_vnni::<5>(wg, nb, xq, stride, y, y_stride, valid),
-            6 => tile_vnni::<6>(wg, nb, xq, stride, y, y_stride, valid),
-            7 => tile_vnni::<7>(wg, nb, xq, stride, y, y_stride, valid),
-            _ => tile_vnni::<Q8_MT>(wg, nb, xq, stride, y, y_stride, valid),
+            1 => tile_vnni::<1>(wq, ws, nb, xq, stride, y, y_stride, valid),
+            2 => tile_vnni::<2>(wq, ws, nb, xq, stride, y, y_stride, valid),
+            3 => tile_vnni::<3>(wq, ws, nb, xq, stride, y, y_stride, valid),
+            4 => tile_vnni::<4>(wq, ws, nb, xq, stride, y, y_stride, valid),
+            5 => tile_vnni::<5>(wq, ws, nb, xq, stride, y, y_stride, valid),
+            6 => tile_vnni::<6>(wq, ws, nb, xq, stride, y, y_stride, valid),
+            7 => tile_vnni::<7>(wq, ws, nb, xq, stride, y, y_stride, valid),
+            _ => tile_vnni::<Q8_MT>(wq, ws, nb, xq, stride, y, y_stride, valid),
         }
     }
 }
@@ -109,13 +110,14 @@ pub(crate) unsafe fn tile_vnni_dyn(
 /// exact dot product; then `acc = fma(f32(isum), dx · dw, acc)` per lane.
 ///
 /// # Safety
-/// AVX-512 F/BW/VL/VNNI must be available; `wg` is one whole group of `nb` blocks; `xq` holds
+/// AVX-512 F/BW/VL/VNNI must be available; `wq`, `ws` are one whole group's planes; `xq` holds
 /// `MT` token rows of `stride` bytes for `32 · nb` columns; `y` is valid for writing rows
 /// `0..valid` (`<= 16`) of `MT` tokens at row stride `y_stride`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn tile_vnni<const MT: usize>(
-    wg: &[u8],
+    wq: &[u8],
+    ws: &[u8],
     nb: usize,
     xq: &[u8],
     stride: usize,
@@ -123,9 +125,10 @@ unsafe fn tile_vnni<const MT: usize>(
     y_stride: usize,
     valid: usize,
 ) {
-    debug_assert!(wg.len() >= nb * Q8_BLOCK_BYTES && xq.len() >= MT * stride && valid <= GROUP_ROWS);
+    assert!(wq.len() >= nb * QUANTS_BYTES && ws.len() >= nb * SCALES_BYTES && xq.len() >= MT * stride);
+    debug_assert!(valid <= GROUP_ROWS);
     let cols = nb * QK8_0;
-    let (wp, xp) = (wg.as_ptr(), xq.as_ptr());
+    let (wp, sp, xp) = (wq.as_ptr(), ws.as_ptr(), xq.as_ptr());
     let mut acc = [_mm512_setzero_ps(); MT];
     for b in 0..nb {
         // SAFETY: block `b` of the group and every token's block `b` lie inside the slices
@@ -133,7 +136,7 @@ unsafe fn tile_vnni<const MT: usize>(
         unsafe {
             let wb = wp.add(b * QUANTS_BYTES);
             let w: [__m512i; 8] = std::array::from_fn(|k| _mm512_loadu_si512(wb.add(64 * k) as *const _));
-            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(wp.add(scales_at(nb, b)) as *const __m256i));
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(sp.add(b * SCALES_BYTES) as *const __m256i));
             for (t, acc) in acc.iter_mut().enumerate() {
                 let xt = xp.add(t * stride);
                 let xb = xt.add(b * QK8_0);
@@ -173,7 +176,8 @@ unsafe fn tile_vnni<const MT: usize>(
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn tile_avx2(
     mt: usize,
-    wg: &[u8],
+    wq: &[u8],
+    ws: &[u8],
     nb: usize,
     xq: &[u8],
     stride: usize,
@@ -181,9 +185,10 @@ pub(crate) unsafe fn tile_avx2(
     y_stride: usize,
     valid: usize,
 ) {
-    debug_assert!(wg.len() >= nb * Q8_BLOCK_BYTES && xq.len() >= mt * stride && valid <= GROUP_ROWS);
+    assert!(wq.len() >= nb * QUANTS_BYTES && ws.len() >= nb * SCALES_BYTES && xq.len() >= mt * stride);
+    debug_assert!(valid <= GROUP_ROWS);
     let cols = nb * QK8_0;
-    let (wp, xp) = (wg.as_ptr(), xq.as_ptr());
+    let (wp, sp, xp) = (wq.as_ptr(), ws.as_ptr(), xq.as_ptr());
     let (offset, ones) = (_mm256_set1_epi8(0x80u8 as i8), _mm256_set1_epi16(1));
     for t in 0..mt {
         let mut acc = [_mm256_setzero_ps(); 2];
@@ -205,7 +210,7 @@ pub(crate) unsafe fn tile_avx2(
                 }
                 let dx = _mm256_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * b) as *const f32));
                 for (h, acc) in acc.iter_mut().enumerate() {
-                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(wp.add(scales_at(nb, b) + 16 * h) as *const __m128i));
+                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(sp.add(b * SCALES_BYTES + 16 * h) as *const __m128i));
                     *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ii[h]), _mm256_mul_ps(dx, dw), *acc);
                 }
             }

@@ -7,8 +7,8 @@
 mod rng;
 
 use kylin_kernels::quant::{
-    Q8Matrix, QK8_0, dequantize_row_q8_0, matmul_many_q8, q8_0_packed_len, q8_scratch_len, quantize_activations,
-    quantize_q8_0_groups, quantize_row_q8_0, row_q8_0,
+    Q8Buffer, Q8Matrix, QK8_0, dequantize_row_q8_0, matmul_many_q8, q8_0_plane_lens, q8_scratch_len,
+    quantize_activations, quantize_q8_0_groups, quantize_row_q8_0, row_q8_0,
 };
 use kylin_kernels::{ThreadPool, WeightDType, WeightMatrix};
 use rng::Rng;
@@ -22,19 +22,19 @@ fn gguf_block(x: &[f32]) -> (Vec<i8>, u16) {
     (x.iter().map(|v| (v * id).round() as i8).collect(), half::f16::from_f32(d).to_bits())
 }
 
-fn packed(rng: &mut Rng, dtype: WeightDType, rows: usize, cols: usize) -> (Vec<u8>, Vec<u8>) {
+fn packed(rng: &mut Rng, dtype: WeightDType, rows: usize, cols: usize) -> (Vec<u8>, Q8Buffer) {
     let source = rng.weights(dtype, rows * cols);
     let w = WeightMatrix { dtype, rows, cols, data: &source };
-    let len = q8_0_packed_len(rows, cols).expect("cols are a multiple of 32");
-    let mut out = vec![0u8; len];
+    let mut out = Q8Buffer::zeroed(rows, cols).expect("cols are a multiple of 32");
     let groups = rows.div_ceil(16);
     let mut row = vec![0.0; cols];
     // Two calls over split group ranges, as the engine quantizes in parallel.
     let half = groups / 2;
-    let split = half * (cols / QK8_0) * 544;
-    let (a, b) = out.split_at_mut(split);
-    quantize_q8_0_groups(w, 0..half, a, &mut row);
-    quantize_q8_0_groups(w, half..groups, b, &mut row);
+    let (quants, scales) = out.planes_mut();
+    let (qa, qb) = quants.split_at_mut(half * (cols / QK8_0) * 512);
+    let (sa, sb) = scales.split_at_mut(half * (cols / QK8_0) * 32);
+    quantize_q8_0_groups(w, 0..half, qa, sa, &mut row);
+    quantize_q8_0_groups(w, half..groups, qb, sb, &mut row);
     (source, out)
 }
 
@@ -44,7 +44,7 @@ fn quantization_is_ggufs_and_the_layout_round_trips() {
     for dtype in [WeightDType::BF16, WeightDType::F16, WeightDType::F32] {
         for (rows, cols) in [(1, 32), (5, 64), (16, 96), (17, 576), (37, 128)] {
             let (source, data) = packed(&mut rng, dtype, rows, cols);
-            let m = Q8Matrix::new(rows, cols, &data).expect("a valid packed matrix");
+            let m = data.matrix();
             let w = WeightMatrix { dtype, rows, cols, data: &source };
             let (mut qs, mut scales, mut deq, mut row) =
                 (vec![0i8; cols], vec![0u16; cols / 32], vec![0.0f32; cols], vec![0.0f32; cols]);
@@ -76,10 +76,12 @@ fn quantization_is_ggufs_and_the_layout_round_trips() {
         }
     }
     // Invalid views are refused.
-    assert!(Q8Matrix::new(3, 33, &[0; 0]).is_none());
-    assert!(Q8Matrix::new(3, 32, &[0; 543]).is_none());
-    assert_eq!(q8_0_packed_len(3, 31), None);
-    assert_eq!(q8_0_packed_len(17, 64), Some(2 * 2 * 544));
+    assert!(Q8Matrix::new(3, 33, &[0; 0], &[0; 0]).is_none());
+    assert!(Q8Matrix::new(3, 32, &[0; 511], &[0; 32]).is_none());
+    assert!(Q8Matrix::new(3, 32, &[0; 512], &[0; 32]).is_some());
+    assert_eq!(q8_0_plane_lens(3, 31), None);
+    assert_eq!(q8_0_plane_lens(17, 64), Some((2 * 2 * 512, 2 * 2 * 32)));
+    assert!(Q8Buffer::zeroed(usize::MAX / 2, 64).is_none());
 }
 
 /// The activation quantization of the module docs: per block `d = amax / 127`, `q =
@@ -154,7 +156,7 @@ fn products_have_the_canonical_bits_and_the_expected_accuracy() {
     let mut rng = Rng(3);
     for (rows, cols) in [(1, 32), (7, 64), (16, 96), (33, 576), (50, 1024)] {
         let (_, data) = packed(&mut rng, WeightDType::BF16, rows, cols);
-        let m = Q8Matrix::new(rows, cols, &data).unwrap();
+        let m = data.matrix();
         for n in [1, 2, 5, 8, 9, 19] {
             let x = rng.vec(n * cols);
             let expected = canonical(m, &x, n);
@@ -197,7 +199,7 @@ fn fused_matrices_and_lone_tokens_agree() {
     let cols = 160;
     let (_, a) = packed(&mut rng, WeightDType::F16, 40, cols);
     let (_, b) = packed(&mut rng, WeightDType::BF16, 9, cols);
-    let (ma, mb) = (Q8Matrix::new(40, cols, &a).unwrap(), Q8Matrix::new(9, cols, &b).unwrap());
+    let (ma, mb) = (a.matrix(), b.matrix());
     let pool = ThreadPool::new(2);
     let n = 21;
     let x = rng.vec(n * cols);

@@ -23,7 +23,8 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use crate::config::{Architecture, ModelConfig};
+use crate::config::{Architecture, ModelConfig, StoredQuantization};
+use crate::tensor::DType;
 use crate::error::{KylinError, Result};
 use crate::safetensors_file::TensorIndex;
 use crate::tensor::WeightTensor;
@@ -115,6 +116,23 @@ pub enum Role {
     GateBias,
     UpBias,
     DownBias,
+}
+
+impl Role {
+    /// The matrices of the matrix products (which a quantized checkpoint stores quantized).
+    pub fn is_matrix(self) -> bool {
+        matches!(
+            self,
+            Role::LmHead
+                | Role::QProj
+                | Role::KProj
+                | Role::VProj
+                | Role::OProj
+                | Role::GateProj
+                | Role::UpProj
+                | Role::DownProj
+        )
+    }
 }
 
 /// One table entry.
@@ -276,6 +294,8 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
     let mut used: BTreeSet<String> = BTreeSet::new();
     // Role per layer (usize::MAX for global roles) -> view.
     let mut found: BTreeMap<(usize, Role), WeightTensor> = BTreeMap::new();
+    // Weight name -> its scale plane, for a stored-quantized checkpoint.
+    let mut scales: BTreeMap<String, WeightTensor> = BTreeMap::new();
 
     let mut check = |spec: &Spec, layer: Option<usize>, found: &mut BTreeMap<(usize, Role), WeightTensor>| {
         let template = map.name_for(spec.name);
@@ -295,6 +315,53 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
         }
         used.insert(name.clone());
         let expected: Vec<usize> = spec.shape.iter().map(|d| d.value(config)).collect();
+        if let Some(q) = config.quantization.filter(|_| spec.role.is_matrix()) {
+            // A stored-quantized matrix: its two planes, with the shapes and dtypes the
+            // matrix's shape implies.
+            let StoredQuantization::KylinQ8_0 = q;
+            let (rows, cols) = (expected[0], expected[1]);
+            let why = || spec.shape.iter().map(|d| d.explain(config)).collect::<Vec<_>>().join(", ");
+            if !cols.is_multiple_of(32) {
+                shape_errors.push(format!("tensor '{name}': Q8_0 needs columns in blocks of 32; the matrix has {cols} ({})", why()));
+                return;
+            }
+            let (groups, blocks) = (rows.div_ceil(16), cols / 32);
+            let scale_name = format!("{name}_scale");
+            let planes = [(&name, [groups, blocks, 512], DType::U8), (&scale_name, [groups, blocks, 16], DType::F16)];
+            let mut views = Vec::new();
+            for (plane, shape, dtype) in planes {
+                let Some(raw) = index.raw(plane) else {
+                    missing.push(plane.clone());
+                    return;
+                };
+                used.insert(plane.clone());
+                if raw.shape != shape {
+                    shape_errors.push(format!(
+                        "tensor '{plane}' has shape {}; expected {} (Q8_0 planes of a [{rows}, {cols}] matrix: {})",
+                        shape_text(&raw.shape),
+                        shape_text(&shape),
+                        why()
+                    ));
+                    return;
+                }
+                match (raw.dtype, index.view(plane)) {
+                    (Some(dt), Some(view)) if dt == dtype => views.push(view),
+                    _ => {
+                        dtype_errors.push(format!(
+                            "tensor '{plane}' is stored as {}; a Q8_0 plane is {}",
+                            raw.dtype_name,
+                            dtype.as_str()
+                        ));
+                        return;
+                    }
+                }
+            }
+            let scale = views.pop().expect("two planes");
+            let quants = views.pop().expect("two planes");
+            scales.insert(name.clone(), scale);
+            found.insert((layer.unwrap_or(usize::MAX), spec.role), quants);
+            return;
+        }
         if raw.shape != expected {
             let why: Vec<String> = spec.shape.iter().map(|d| d.explain(config)).collect();
             shape_errors.push(format!(
@@ -399,5 +466,5 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
         });
     }
     let unused: Vec<String> = index.names().filter(|n| !used.contains(*n)).map(str::to_string).collect();
-    Ok(Bound { weights: ModelWeights { embed_tokens, final_norm, lm_head, head, layers }, unused })
+    Ok(Bound { weights: ModelWeights { embed_tokens, final_norm, lm_head, head, layers, scales }, unused })
 }

@@ -107,6 +107,30 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
     /// Fields that were absent and took their default, by config.json name.
     pub defaulted: Vec<String>,
+    /// The checkpoint's stored quantization (`quantization_config`), if any.
+    pub quantization: Option<StoredQuantization>,
+}
+
+/// A quantization a checkpoint is stored in, from `config.json`'s `quantization_config`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum StoredQuantization {
+    /// Written by `kylin quantize --to q8_0`: every linear layer and the head as two planes,
+    /// `X.weight` (U8 `[groups of 16 rows, blocks of 32 columns, 512]`, Kylin's packed Q8_0
+    /// quants) and `X.weight_scale` (F16 `[groups, blocks, 16]`); the embedding as stored.
+    KylinQ8_0,
+}
+
+impl StoredQuantization {
+    /// `quant_method` and `format` as written.
+    pub const KYLIN_METHOD: &'static str = "kylin";
+    pub const Q8_0_FORMAT: &'static str = "q8_0-packed";
+
+    /// A short description for `inspect` (`kylin q8_0-packed`).
+    pub fn describe(self) -> &'static str {
+        match self {
+            StoredQuantization::KylinQ8_0 => "kylin q8_0-packed (Q8_0, blocks of 32, f16 scales, rows in groups of 16)",
+        }
+    }
 }
 
 use serde_json::{Map, Value};
@@ -154,6 +178,8 @@ pub struct HfConfig {
     pub dtype: Option<String>,
     pub bos_token_id: Option<u32>,
     pub eos_token_id: Vec<u32>,
+    /// `quantization_config`, as written.
+    pub quantization_config: Option<Map<String, Value>>,
 }
 
 /// Where a value is read from, for error messages: `config.json field 'x'`.
@@ -295,6 +321,11 @@ impl HfConfig {
             },
             bos_token_id: get_id(obj, "bos_token_id")?,
             eos_token_id: get_id_list(obj, "eos_token_id")?,
+            quantization_config: match field(obj, "quantization_config") {
+                None => None,
+                Some(Value::Object(m)) => Some(m.clone()),
+                Some(v) => return Err(bad("quantization_config", "an object", v)),
+            },
         })
     }
 }
@@ -510,7 +541,46 @@ impl HfConfig {
             bos_token_id: self.bos_token_id,
             eos_token_ids,
             defaulted,
+            quantization: self.resolve_quantization()?,
         })
+    }
+
+    /// The stored quantization from `quantization_config`: Kylin's own Q8_0 planes; any other
+    /// method or format is `OPERATOR_UNSUPPORTED` naming the field and value.
+    fn resolve_quantization(&self) -> Result<Option<StoredQuantization>> {
+        let Some(q) = &self.quantization_config else { return Ok(None) };
+        let text = |k: &str| -> Result<Option<&str>> {
+            match field(q, k) {
+                None => Ok(None),
+                Some(Value::String(s)) => Ok(Some(s.as_str())),
+                Some(v) => Err(bad(&format!("quantization_config.{k}"), "a string", v)),
+            }
+        };
+        let method = text("quant_method")?.ok_or_else(|| {
+            KylinError::config_invalid("config.json field 'quantization_config' has no 'quant_method'")
+        })?;
+        if method != StoredQuantization::KYLIN_METHOD {
+            return Err(KylinError::operator_unsupported(format!(
+                "config.json quantization_config.quant_method is '{method}'; Kylin reads checkpoints written by                  'kylin quantize' (quant_method 'kylin'), or quantizes at load with --quantize q8_0 from BF16/F16/F32 weights"
+            )));
+        }
+        match text("format")? {
+            Some(StoredQuantization::Q8_0_FORMAT) => {}
+            other => {
+                return Err(KylinError::operator_unsupported(format!(
+                    "config.json quantization_config.format is {}; Kylin reads '{}'",
+                    other.map_or("missing".to_string(), |f| format!("'{f}'")),
+                    StoredQuantization::Q8_0_FORMAT
+                )));
+            }
+        }
+        match q.get("version").and_then(Value::as_u64) {
+            Some(1) => Ok(Some(StoredQuantization::KylinQ8_0)),
+            _ => Err(KylinError::model_version_incompatible(format!(
+                "config.json quantization_config.version is {}; this Kylin reads version 1",
+                q.get("version").map_or("missing".to_string(), |v| v.to_string())
+            ))),
+        }
     }
 
     /// Refuses configurations whose layers really use sliding-window attention.

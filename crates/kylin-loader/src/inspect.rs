@@ -30,6 +30,60 @@ pub struct BindingReport {
     pub unused_tensors: Vec<String>,
     /// Stored dtype -> count of the matrices of the matrix products ([`crate::ModelWeights::matrices`]).
     pub matrix_dtypes: BTreeMap<String, usize>,
+    /// How each kind of tensor is stored, and the bytes one token reads.
+    pub quantization: QuantizationReport,
+}
+
+/// How each kind of tensor is stored (a stored quantization names its format), and what a token
+/// reads: every matrix and vector once and one embedding row.
+#[derive(Debug, Clone, Serialize)]
+pub struct QuantizationReport {
+    /// The checkpoint's `quantization_config`, described; `None` for float checkpoints.
+    pub stored: Option<String>,
+    /// Kind (`attention`, `mlp`, `lm_head`, `embedding`, `norms`, `biases`) -> its storage
+    /// (`BF16`, `Q8_0`, ...; several joined with `+`).
+    pub kinds: BTreeMap<String, String>,
+    pub bytes_per_token: u64,
+}
+
+/// The quantization report of bound weights.
+pub fn quantization_report(config: &crate::ModelConfig, w: &crate::ModelWeights) -> QuantizationReport {
+    let mut kinds: BTreeMap<String, std::collections::BTreeSet<String>> = BTreeMap::new();
+    let mut add = |kind: &str, t: &crate::WeightTensor| {
+        let storage = if w.scales.contains_key(&t.name) { "Q8_0".to_string() } else { t.dtype.as_str().to_string() };
+        kinds.entry(kind.to_string()).or_default().insert(storage);
+    };
+    let mut bytes: u64 = 0;
+    let plane = |t: &crate::WeightTensor| t.byte_len() as u64 + w.scales.get(&t.name).map_or(0, |s| s.byte_len() as u64);
+    for l in &w.layers {
+        for t in [&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj] {
+            add("attention", t);
+            bytes += plane(t);
+        }
+        for t in [&l.gate_proj, &l.up_proj, &l.down_proj] {
+            add("mlp", t);
+            bytes += plane(t);
+        }
+        for t in [Some(&l.attn_norm), Some(&l.mlp_norm), l.q_norm.as_ref(), l.k_norm.as_ref()].into_iter().flatten() {
+            add("norms", t);
+            bytes += t.byte_len() as u64;
+        }
+        let biases = [&l.q_bias, &l.k_bias, &l.v_bias, &l.o_bias, &l.gate_bias, &l.up_bias, &l.down_bias];
+        for t in biases.into_iter().flatten() {
+            add("biases", t);
+            bytes += t.byte_len() as u64;
+        }
+    }
+    add("norms", &w.final_norm);
+    add("embedding", &w.embed_tokens);
+    add("lm_head", &w.lm_head);
+    bytes += w.final_norm.byte_len() as u64 + plane(&w.lm_head);
+    bytes += (config.hidden_size * w.embed_tokens.dtype.size_in_bytes()) as u64;
+    QuantizationReport {
+        stored: config.quantization.map(|q| q.describe().to_string()),
+        kinds: kinds.into_iter().map(|(k, v)| (k, v.into_iter().collect::<Vec<_>>().join("+"))).collect(),
+        bytes_per_token: bytes,
+    }
 }
 
 /// The tokenizer as the report shows it.
@@ -146,9 +200,11 @@ fn hf_report(path: &Path, opts: &LoadOptions) -> Result<InspectReport> {
             bound_tensors,
             unused_tensors: model.unused_tensors.clone(),
             matrix_dtypes: model.weights.matrices().fold(BTreeMap::new(), |mut counts, t| {
-                *counts.entry(t.dtype.as_str().to_string()).or_insert(0) += 1;
+                let dtype = if model.weights.scales.contains_key(&t.name) { "Q8_0" } else { t.dtype.as_str() };
+                *counts.entry(dtype.to_string()).or_insert(0) += 1;
                 counts
             }),
+            quantization: quantization_report(&model.config, &model.weights),
         }),
         tokenizer,
         generation_defaults: model.generation.clone(),
@@ -326,6 +382,15 @@ impl InspectReport {
             if !b.unused_tensors.is_empty() {
                 let _ = writeln!(s, "  unused: {}", b.unused_tensors.join(", "));
             }
+            let q = &b.quantization;
+            let kinds: Vec<String> = q.kinds.iter().map(|(k, v)| format!("{k} {v}")).collect();
+            let _ = writeln!(
+                s,
+                "storage     {}; {} read per token{}",
+                kinds.join(", "),
+                mib(q.bytes_per_token),
+                q.stored.as_ref().map_or(String::new(), |d| format!("; stored quantized: {d}"))
+            );
         }
         if let Some(g) = &self.gguf {
             let _ = writeln!(

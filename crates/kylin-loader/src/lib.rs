@@ -25,7 +25,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-pub use config::{Architecture, HfConfig, ModelConfig, RopeConfig, RopeScaling};
+pub use config::{Architecture, HfConfig, ModelConfig, RopeConfig, RopeScaling, StoredQuantization};
 pub use error::{ErrorCode, KylinError, Result};
 pub use generation::GenerationDefaults;
 pub use gguf::{GgufInfo, read_gguf_info};

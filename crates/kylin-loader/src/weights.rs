@@ -56,6 +56,9 @@ pub struct ModelWeights {
     pub lm_head: WeightTensor,
     pub head: HeadBinding,
     pub layers: Vec<LayerWeights>,
+    /// For a quantized checkpoint (`ModelConfig::quantization`): each quantized matrix's
+    /// `weight_scale` plane, keyed by its weight tensor's name.
+    pub scales: std::collections::BTreeMap<String, WeightTensor>,
 }
 
 impl ModelWeights {
