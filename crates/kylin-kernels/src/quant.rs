@@ -20,9 +20,10 @@
 //! stores (`weight` and `weight_scale`), so a quantized checkpoint loads without a copy.
 //!
 //! **Activations** are quantized once per matrix product, per token, in blocks of 32
-//! ([`quantize_activations`]): an f32 scale `dx = amax / 127`, `q = round_ties_even(x / dx)`
-//! (as llama.cpp's SIMD `quantize_row_q8_0`), and the block's `−128 · Σq`, which removes the
-//! weights' offset from the integer dot product. Per token, the scratch holds the `cols`
+//! ([`quantize_activations`]) as llama.cpp's SIMD `quantize_row_q8_0` does: the scale
+//! `dx = amax / 127` rounded to f16 (kept as f32), `q = round_ties_even(x · 127 / amax)` (0
+//! when `dx` rounds to 0), and the block's `−128 · Σq`, which removes the weights' offset from
+//! the integer dot product. Per token, the scratch holds the `cols`
 //! quants, then `nb` scales (f32), then `nb` corrections (i32), `nb = cols / 32`.
 //!
 //! **Canonical order** of one output (DESIGN.md invariant 7):
@@ -275,8 +276,8 @@ fn quantize_row_scalar(x: &[f32], dst: &mut [u8]) {
     let (cols, nb) = (x.len(), x.len() / QK8_0);
     for (b, block) in x.chunks_exact(QK8_0).enumerate() {
         let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let d = half::f16::from_f32(amax / 127.0).to_f32();
+        let id = if d != 0.0 { 127.0 / amax } else { 0.0 };
         let mut sum = 0i32;
         for (k, v) in block.iter().enumerate() {
             let q = (v * id).round_ties_even() as i32;

@@ -8,8 +8,8 @@ use std::arch::x86_64::*;
 use crate::quant::{GROUP_ROWS, Q8_MT, QK8_0, QUANTS_BYTES, SCALES_BYTES};
 
 /// One token's activation quantization (see `quant::quantize_row_scalar`, whose bytes this
-/// reproduces): per block `d = amax / 127`, `q = round_ties_even(x · (1 / d))` (the default
-/// rounding of `vcvtps2dq`), and `−128 · Σq`.
+/// reproduces): per block `d = f16(amax / 127)`, `q = round_ties_even(x · 127 / amax)` (the
+/// default rounding of `vcvtps2dq`; 0 when `d` is 0), and `−128 · Σq`.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL must be available; `x.len()` is a multiple of 32 and `dst` holds
@@ -24,8 +24,8 @@ pub(crate) unsafe fn quantize_row_avx512(x: &[f32], dst: &mut [u8]) {
             let v0 = _mm512_loadu_ps(x.as_ptr().add(b * QK8_0));
             let v1 = _mm512_loadu_ps(x.as_ptr().add(b * QK8_0 + 16));
             let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-            let d = amax / 127.0;
-            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            let d = half::f16::from_f32(amax / 127.0).to_f32();
+            let id = if d != 0.0 { 127.0 / amax } else { 0.0 };
             let q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
             let q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
             let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
@@ -49,14 +49,14 @@ pub(crate) unsafe fn quantize_row_avx512(x: &[f32], dst: &mut [u8]) {
 pub(crate) unsafe fn quantize_weights_avx512(x: &[f32], qs: &mut [i8], scales: &mut [u16]) {
     let nb = x.len() / QK8_0;
     assert!(qs.len() == x.len() && scales.len() == nb);
-    for b in 0..nb {
+    for (b, scale) in scales.iter_mut().enumerate() {
         // SAFETY: elements `32b..32b + 32` of `x` and `qs` exist.
         unsafe {
             let v = [_mm512_loadu_ps(x.as_ptr().add(b * QK8_0)), _mm512_loadu_ps(x.as_ptr().add(b * QK8_0 + 16))];
             let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
             let d = amax / 127.0;
             let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-            scales[b] = half::f16::from_f32(d).to_bits();
+            *scale = half::f16::from_f32(d).to_bits();
             for (h, v) in v.iter().enumerate() {
                 let scaled = _mm512_mul_ps(*v, _mm512_set1_ps(id));
                 let a = _mm512_abs_ps(scaled);

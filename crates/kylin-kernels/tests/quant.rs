@@ -84,14 +84,14 @@ fn quantization_is_ggufs_and_the_layout_round_trips() {
     assert!(Q8Buffer::zeroed(usize::MAX / 2, 64).is_none());
 }
 
-/// The activation quantization of the module docs: per block `d = amax / 127`, `q =
-/// round_ties_even(x / d)`, and `−128 · Σq`.
+/// The activation quantization of the module docs: per block `d = f16(amax / 127)`, `q =
+/// round_ties_even(x · 127 / amax)` (0 when `d` is 0), and `−128 · Σq`.
 fn activations(x: &[f32]) -> Vec<(Vec<i32>, f32)> {
     x.chunks_exact(32)
         .map(|block| {
             let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let d = amax / 127.0;
-            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            let d = half::f16::from_f32(amax / 127.0).to_f32();
+            let id = if d != 0.0 { 127.0 / amax } else { 0.0 };
             (block.iter().map(|v| (v * id).round_ties_even() as i32).collect(), d)
         })
         .collect()
