@@ -9,6 +9,7 @@ mod args;
 mod bench;
 mod bench_concurrent;
 mod chat;
+mod convert;
 mod inspect;
 mod logits;
 mod open;
@@ -35,6 +36,7 @@ fn main() -> ExitCode {
         Command::Perplexity(a) => perplexity::run(a),
         Command::BenchWorker(a) => bench::worker(a),
         Command::Serve(a) => serve::run(a),
+        Command::Convert(a) => convert::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
