@@ -11,7 +11,10 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::Result;
-use kylin_loader::llama2c::export::{self, Copied};
+use kylin_loader::llama2c::{
+    self,
+    export::{self, Copied},
+};
 use kylin_loader::{Format, KylinError, LoadOptions, LoadedModel};
 use serde_json::json;
 
@@ -49,10 +52,17 @@ pub fn run(args: ConvertArgs) -> Result<()> {
             check_out_file(&args.out, args.force)?;
             let header = export::write_bin(&model, version, &args.out)?;
             if header.rope_theta.is_some() {
+                let c = &model.config;
+                let mut differ = Vec::new();
+                if c.rope.theta != llama2c::ROPE_THETA {
+                    differ.push(format!("rope_theta {} (llama2.c: {})", c.rope.theta, llama2c::ROPE_THETA));
+                }
+                if c.rms_norm_eps != llama2c::RMS_NORM_EPS {
+                    differ.push(format!("rms_norm_eps {} (llama2.c: {})", c.rms_norm_eps, llama2c::RMS_NORM_EPS));
+                }
                 warnings.push(format!(
-                    "rope_theta {} and rms_norm_eps {} differ from llama2.c's fixed 10000 and 1e-5: they are kept in \
-                     Kylin's header extension, which llama2.c's run.c does not read",
-                    model.config.rope.theta, model.config.rms_norm_eps
+                    "{} kept in Kylin's header extension: Kylin reads it, llama2.c's run.c would use its fixed value",
+                    differ.join(" and ")
                 ));
             }
             let out_dir = out_parent(&args.out);
@@ -85,7 +95,7 @@ pub fn run(args: ConvertArgs) -> Result<()> {
             None => "Hugging Face directory (float32 safetensors)".to_string(),
         };
         println!(
-            "kylin convert: wrote {} as a {what}: {} files, {:.1} MiB in {seconds:.2} s",
+            "kylin convert: wrote {} as a {what}: {} file(s), {:.1} MiB in {seconds:.2} s",
             args.out.display(),
             files.len() + copied.copied.len(),
             bytes as f64 / (1u64 << 20) as f64
