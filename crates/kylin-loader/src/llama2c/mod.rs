@@ -720,12 +720,20 @@ fn fill_f32(dst: &mut [u8], file: &[u8], s: &Section, group_size: usize, row_of:
             let n = s.elements();
             let (values, scales) = src.split_at(n);
             for (r, out) in dst.chunks_exact_mut(cols * 4).enumerate() {
-                let first = row_of(r) * cols;
-                for (c, o) in out.chunks_exact_mut(4).enumerate() {
-                    let i = first + c;
-                    let at = (i / group_size) * 4;
+                // The row's values, in runs that share a group (and so a scale).
+                let mut i = row_of(r) * cols;
+                let mut out = out;
+                while !out.is_empty() {
+                    let group = i / group_size;
+                    let run = ((group + 1) * group_size - i).min(out.len() / 4);
+                    let at = group * 4;
                     let scale = f32::from_le_bytes([scales[at], scales[at + 1], scales[at + 2], scales[at + 3]]);
-                    o.copy_from_slice(&((values[i] as i8) as f32 * scale).to_le_bytes());
+                    let (head, rest) = out.split_at_mut(run * 4);
+                    for (o, &q) in head.chunks_exact_mut(4).zip(&values[i..i + run]) {
+                        o.copy_from_slice(&((q as i8) as f32 * scale).to_le_bytes());
+                    }
+                    out = rest;
+                    i += run;
                 }
             }
         }
