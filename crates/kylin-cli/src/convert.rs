@@ -65,7 +65,7 @@ pub fn run(args: ConvertArgs) -> Result<()> {
                     differ.join(" and ")
                 ));
             }
-            let out_dir = out_parent(&args.out);
+            let out_dir = kylin_loader::parent_dir(&args.out);
             let copied = copy_beside(&model, source_dir.as_deref(), out_dir, &[], &mut warnings)?;
             let name = args.out.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
             ("llama2c-bin", Some(version), vec![name], copied)
@@ -140,11 +140,6 @@ fn copy_beside(
     Ok(copied)
 }
 
-/// The directory a file is written into (`.` for a bare name).
-fn out_parent(out: &Path) -> &Path {
-    out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))
-}
-
 fn check_out_file(out: &Path, force: bool) -> Result<()> {
     if out.extension().and_then(|e| e.to_str()) != Some("bin") {
         return Err(KylinError::input_invalid(format!(
@@ -163,7 +158,7 @@ fn check_out_file(out: &Path, force: bool) -> Result<()> {
     if out.exists() && !force {
         return Err(KylinError::input_invalid(format!("{} exists; pass --force to replace it", out.display())).into());
     }
-    let dir = out_parent(out);
+    let dir = kylin_loader::parent_dir(out);
     if !dir.is_dir() {
         return Err(KylinError::file_not_found(format!(
             "{} does not exist; create the directory first",

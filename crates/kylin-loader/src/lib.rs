@@ -74,7 +74,7 @@ impl Format {
 }
 
 /// The directory of a file path (`.` for a bare file name).
-pub(crate) fn parent_dir(file: &Path) -> &Path {
+pub fn parent_dir(file: &Path) -> &Path {
     file.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))
 }
 
