@@ -29,6 +29,8 @@ pub enum Command {
     Serve(ServeArgs),
     /// Write a quantized copy of a model directory that loads without re-quantizing.
     Quantize(QuantizeArgs),
+    /// Convert between a Llama Hugging Face directory and a llama2.c .bin checkpoint.
+    Convert(ConvertArgs),
     /// One measured repetition of `bench` in a fresh process (used by `bench`).
     #[command(hide = true)]
     BenchWorker(BenchWorkerArgs),
@@ -45,6 +47,7 @@ impl Command {
             Command::Perplexity(a) => a.json,
             Command::Serve(_) => false,
             Command::Quantize(_) => false,
+            Command::Convert(a) => a.json,
             Command::BenchWorker(_) => true,
         }
     }
@@ -53,9 +56,9 @@ impl Command {
 /// Which engine runs the model.
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackendChoice {
-    /// Chosen from the detected format: HF directories natively, GGUF with llama.cpp.
+    /// Chosen from the detected format: HF directories and llama2.c .bin natively, GGUF with llama.cpp.
     Auto,
-    /// Kylin's own engine (HF directories and .safetensors files).
+    /// Kylin's own engine (HF directories, .safetensors files and llama2.c .bin files).
     Native,
     /// llama.cpp (GGUF files).
     #[value(name = "llama.cpp", alias = "llamacpp")]
@@ -65,7 +68,8 @@ pub enum BackendChoice {
 /// Options that decide how a model is opened.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// A Hugging Face model directory, a .safetensors file (config.json beside it) or a .gguf file.
+    /// A Hugging Face model directory, a .safetensors file (config.json beside it), a .gguf file
+    /// or a llama2.c .bin file.
     pub model: PathBuf,
     /// Force a backend instead of choosing from the format.
     #[arg(long, value_enum, default_value = "auto")]
@@ -173,7 +177,7 @@ pub struct QuantizeArgs {
 
 #[derive(Args, Debug)]
 pub struct InspectArgs {
-    /// A Hugging Face model directory, a .safetensors file or a .gguf file.
+    /// A Hugging Face model directory, a .safetensors file, a .gguf file or a llama2.c .bin file.
     pub model: PathBuf,
     /// Print one JSON object instead of the summary.
     #[arg(long)]
@@ -384,4 +388,37 @@ pub struct ServeArgs {
     /// Seconds running requests get to finish after SIGTERM or Ctrl-C.
     #[arg(long, value_name = "SECONDS", default_value_t = 30)]
     pub grace_period: u64,
+}
+
+/// What `kylin convert` writes.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConvertTarget {
+    /// llama2.c version 0: 28-byte header, float32 (`export.py --version 0`).
+    #[value(name = "bin-v0")]
+    BinV0,
+    /// llama2.c version 1: 256-byte "ak42" header, float32.
+    #[value(name = "bin-v1")]
+    BinV1,
+    /// llama2.c version 2: 256-byte "ak42" header, Q8_0 matrices (group size 64).
+    #[value(name = "bin-v2")]
+    BinV2,
+    /// A Hugging Face directory (config.json, model.safetensors, tokenizer files) from a .bin.
+    Hf,
+}
+
+#[derive(Args, Debug)]
+pub struct ConvertArgs {
+    /// A Llama Hugging Face directory (for --to bin-*) or a llama2.c .bin file (for --to hf).
+    pub model: PathBuf,
+    /// The output format.
+    #[arg(long, value_enum)]
+    pub to: ConvertTarget,
+    /// The output: a .bin file, or a directory for --to hf.
+    pub out: PathBuf,
+    /// Replace an existing output file (or write into a non-empty directory).
+    #[arg(long)]
+    pub force: bool,
+    /// Print one JSON object describing what was written.
+    #[arg(long)]
+    pub json: bool,
 }

@@ -9,6 +9,7 @@ mod args;
 mod bench;
 mod bench_concurrent;
 mod chat;
+mod convert;
 mod inspect;
 mod logits;
 mod open;
@@ -37,6 +38,7 @@ fn main() -> ExitCode {
         Command::BenchWorker(a) => bench::worker(a),
         Command::Serve(a) => serve::run(a),
         Command::Quantize(a) => quantize::run(&a),
+        Command::Convert(a) => convert::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

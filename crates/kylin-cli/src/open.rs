@@ -59,7 +59,7 @@ pub fn open(args: &ModelArgs, require_tokenizer: bool) -> Result<Opened> {
         }
         (BackendChoice::Native, Format::Gguf { .. }) => {
             return Err(KylinError::operator_unsupported(format!(
-                "the native engine runs Hugging Face safetensors models, but {} is a GGUF file; \
+                "the native engine runs Hugging Face safetensors models and llama2.c .bin files, but {} is a GGUF file; \
                  use --backend llama.cpp (the default for .gguf)",
                 args.model.display()
             ))

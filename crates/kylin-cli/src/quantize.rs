@@ -54,6 +54,14 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
     };
     let source_dir = match kylin_loader::detect(&args.model)? {
         Format::HfDir { dir, .. } | Format::SafetensorsFile { dir, .. } => dir,
+        Format::LegacyBin { file, .. } => {
+            return Err(KylinError::input_invalid(format!(
+                "{} is a llama2.c checkpoint; convert it first (kylin convert {} --to hf OUT_DIR), then quantize the directory",
+                file.display(),
+                file.display()
+            ))
+            .into());
+        }
         Format::Gguf { file } => {
             return Err(KylinError::input_invalid(format!(
                 "{} is a GGUF file, already in llama.cpp's formats; kylin quantize reads Hugging Face directories",

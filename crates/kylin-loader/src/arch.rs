@@ -201,6 +201,13 @@ pub fn table(arch: Architecture) -> Vec<Spec> {
     groups(arch).iter().flat_map(|g| g.iter().copied()).collect()
 }
 
+/// The checkpoint name of `role` in `arch`'s table, with `{layer}` filled in for per-layer
+/// roles; `None` if the table has no such role.
+pub fn tensor_name(arch: Architecture, role: Role, layer: usize) -> Option<String> {
+    let spec = table(arch).into_iter().find(|s| s.role == role)?;
+    Some(spec.name.replace("{layer}", &layer.to_string()))
+}
+
 /// The table names a tensor-map file may use for `arch`.
 pub fn table_names(arch: Architecture) -> Vec<&'static str> {
     table(arch).iter().map(|s| s.name).collect()
@@ -278,7 +285,11 @@ fn shape_text(shape: &[usize]) -> String {
 }
 
 /// Takes a bound required role out of `found`.
-fn take(found: &mut BTreeMap<(usize, Role), WeightTensor>, layer: usize, role: Role) -> Result<WeightTensor> {
+pub(crate) fn take(
+    found: &mut BTreeMap<(usize, Role), WeightTensor>,
+    layer: usize,
+    role: Role,
+) -> Result<WeightTensor> {
     found.remove(&(layer, role)).ok_or_else(|| {
         // Unreachable by construction: every required role was checked before this is called.
         KylinError::tensor_missing(format!("internal: role {role:?} of layer {layer} was not bound"))

@@ -1,9 +1,10 @@
 //! The `inspect` report: what a model path holds, validated, in one serialisable value.
 //!
-//! For Hugging Face formats the report comes from a full [`crate::load`] (config resolved,
-//! every shard mapped and validated, every tensor bound, tokenizer read), so a model that
-//! inspects cleanly also loads. Nothing is read in full: the weights stay in their maps. For GGUF
-//! the report comes from the bounded header reader in [`crate::gguf`].
+//! For Hugging Face formats and llama2.c `.bin` files the report comes from a full
+//! [`crate::load`] (config resolved, every shard mapped and validated, every tensor bound,
+//! tokenizer read), so a model that inspects cleanly also loads. Nothing is read in full: the
+//! weights stay in their maps (a `.bin`'s q/k, and a version 2's matrices, are copied as loading
+//! does). For GGUF the report comes from the bounded header reader in [`crate::gguf`].
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -15,6 +16,7 @@ use serde_json::{Map, Value, json};
 
 use crate::generation::GenerationDefaults;
 use crate::gguf::{GgufInfo, read_gguf_info};
+use crate::llama2c::BinInfo;
 use crate::safetensors_file::WeightFile;
 use crate::tokenizer::SpecialToken;
 use crate::weights::HeadBinding;
@@ -108,7 +110,7 @@ pub struct TokenizerReport {
 #[derive(Debug, Clone, Serialize)]
 pub struct InspectReport {
     pub path: PathBuf,
-    /// `hf-dir`, `safetensors` or `gguf`.
+    /// `hf-dir`, `safetensors`, `gguf` or `llama2c-bin`.
     pub format: String,
     /// The backend that runs this format: `kylin` or `llama.cpp`.
     pub backend: String,
@@ -129,8 +131,11 @@ pub struct InspectReport {
     pub binding: Option<BindingReport>,
     pub tokenizer: Option<TokenizerReport>,
     pub generation_defaults: GenerationDefaults,
-    /// GGUF details (version, file type, selected metadata); `None` for HF formats.
+    /// GGUF details (version, file type, selected metadata); `None` for other formats.
     pub gguf: Option<Value>,
+    /// llama2.c details (version, header, tensors and their sizes, what loading copies); `None`
+    /// for other formats.
+    pub llama2c: Option<BinInfo>,
     pub warnings: Vec<String>,
     /// Wall time of the inspection in milliseconds.
     pub inspect_ms: f64,
@@ -142,7 +147,7 @@ pub fn inspect(path: &Path, opts: &LoadOptions) -> Result<InspectReport> {
     let format = detect(path)?;
     let mut report = match &format {
         Format::Gguf { file } => gguf_report(&read_gguf_info(file)?),
-        _ => hf_report(path, opts)?,
+        _ => native_report(path, opts)?,
     };
     report.inspect_ms = started.elapsed().as_secs_f64() * 1e3;
     Ok(report)
@@ -169,7 +174,8 @@ fn config_json(config: &crate::ModelConfig) -> Value {
     value
 }
 
-fn hf_report(path: &Path, opts: &LoadOptions) -> Result<InspectReport> {
+/// The report of a model the native engine loads (Hugging Face formats and llama2.c `.bin`).
+fn native_report(path: &Path, opts: &LoadOptions) -> Result<InspectReport> {
     let model = load(path, opts)?;
     let tokenizer = model.tokenizer.as_ref().map(|t| TokenizerReport {
         kind: serde_json::to_value(t.kind).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(),
@@ -209,6 +215,7 @@ fn hf_report(path: &Path, opts: &LoadOptions) -> Result<InspectReport> {
         tokenizer,
         generation_defaults: model.generation.clone(),
         gguf: None,
+        llama2c: model.llama2c.clone(),
         warnings: model.warnings.clone(),
         inspect_ms: 0.0,
     })
@@ -299,6 +306,7 @@ fn gguf_report(info: &GgufInfo) -> InspectReport {
             "data_offset": info.data_offset,
             "metadata": selected,
         })),
+        llama2c: None,
         warnings,
         inspect_ms: 0.0,
     }
@@ -310,6 +318,11 @@ fn mib(bytes: u64) -> String {
     } else {
         format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
     }
+}
+
+/// A byte count in KiB below one MiB, else as [`mib`] shows it.
+fn size(bytes: u64) -> String {
+    if bytes < 1 << 20 { format!("{:.1} KiB", bytes as f64 / 1024.0) } else { mib(bytes) }
 }
 
 fn show(v: &Value) -> String {
@@ -400,6 +413,33 @@ impl InspectReport {
                 show(&g["file_type"]),
                 show(&g["quantization_types"])
             );
+        }
+        if let Some(b) = &self.llama2c {
+            let h = &b.header;
+            let kind = match h.version {
+                0 => "float32, 28-byte header, no magic",
+                1 => "float32, 256-byte 'ak42' header",
+                _ => "Q8_0, 256-byte 'ak42' header",
+            };
+            let _ = writeln!(s, "llama2.c    version {} ({kind})", h.version);
+            let _ = writeln!(s, "  header: {}", h.describe());
+            for t in &b.tensors {
+                let dims: Vec<String> = t.shape.iter().map(|d| d.to_string()).collect();
+                let count = if t.count > 1 { format!("{} x ", t.count) } else { String::new() };
+                let shape = format!("{count}[{}]", dims.join(", "));
+                let hf = t.hf_name.as_deref().unwrap_or("(skipped)");
+                let _ = writeln!(
+                    s,
+                    "  {:<15} {shape:<20} {:<5} {:>10}  -> {hf}",
+                    t.name,
+                    t.encoding.as_str(),
+                    size(t.bytes)
+                );
+            }
+            let _ = writeln!(s, "  copied at load: {}", size(b.owned_bytes));
+            for n in &b.notes {
+                let _ = writeln!(s, "  - {n}");
+            }
         }
         match &self.tokenizer {
             Some(t) => {

@@ -6,9 +6,9 @@
 //! Code downstream trusts these values and never re-checks them. Every failure is a
 //! [`KylinError`] with a stable code.
 //!
-//! Entry points: [`detect`] (what is at this path), [`load`] (a Hugging Face directory or
-//! safetensors file, ready for the native engine) and [`inspect`] (a report for any format,
-//! GGUF included, without binding anything the report does not need).
+//! Entry points: [`detect`] (what is at this path), [`load`] (a Hugging Face directory, a
+//! safetensors file or a llama2.c `.bin`, ready for the native engine) and [`inspect`] (a report
+//! for any format, GGUF included, without binding anything the report does not need).
 
 pub mod arch;
 pub mod config;
@@ -16,6 +16,7 @@ pub mod error;
 pub mod generation;
 pub mod gguf;
 pub mod inspect;
+pub mod llama2c;
 pub mod safetensors_file;
 pub mod tensor;
 pub mod tokenizer;
@@ -45,25 +46,36 @@ pub enum Format {
     SafetensorsFile { file: PathBuf, dir: PathBuf },
     /// A GGUF file, run by the llama.cpp backend.
     Gguf { file: PathBuf },
+    /// A llama2.c checkpoint (`export.py`'s versions 0, 1 and 2), run natively; tokenizer files
+    /// are looked for beside it. `version` is what the first bytes say (checked at load).
+    LegacyBin { file: PathBuf, version: i32 },
 }
 
 impl Format {
-    /// `hf-dir`, `safetensors` or `gguf`.
+    /// `hf-dir`, `safetensors`, `gguf` or `llama2c-bin`.
     pub fn name(&self) -> &'static str {
         match self {
             Format::HfDir { .. } => "hf-dir",
             Format::SafetensorsFile { .. } => "safetensors",
             Format::Gguf { .. } => "gguf",
+            Format::LegacyBin { .. } => "llama2c-bin",
         }
     }
 
-    /// The directory holding `config.json` and the tokenizer files (HF formats).
+    /// The directory holding `config.json` and the tokenizer files (HF formats), or the
+    /// tokenizer files beside a llama2.c `.bin`.
     pub fn dir(&self) -> Option<&Path> {
         match self {
             Format::HfDir { dir, .. } | Format::SafetensorsFile { dir, .. } => Some(dir),
+            Format::LegacyBin { file, .. } => Some(parent_dir(file)),
             Format::Gguf { .. } => None,
         }
     }
+}
+
+/// The directory of a file path (`.` for a bare file name).
+pub fn parent_dir(file: &Path) -> &Path {
+    file.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))
 }
 
 const INDEX_NAME: &str = "model.safetensors.index.json";
@@ -100,10 +112,18 @@ pub fn detect(path: &Path) -> Result<Format> {
         ))
         .at(path));
     }
-    let mut magic = [0u8; 4];
-    let got_magic = std::fs::File::open(path).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic)).is_ok();
-    if got_magic && &magic == b"GGUF" {
+    let mut head = Vec::with_capacity(8);
+    if let Ok(f) = std::fs::File::open(path) {
+        // A short or unreadable file leaves `head` short; the format's own checks report it.
+        let _ = std::io::Read::read_to_end(&mut std::io::Read::take(f, 8), &mut head);
+    }
+    if head.starts_with(b"GGUF") {
         return Ok(Format::Gguf { file: path.to_path_buf() });
+    }
+    match llama2c::sniff(path, &head)? {
+        Some(llama2c::Sniffed::Magic(version)) => return Ok(Format::LegacyBin { file: path.to_path_buf(), version }),
+        Some(llama2c::Sniffed::NoMagic) => return Ok(Format::LegacyBin { file: path.to_path_buf(), version: 0 }),
+        None => {}
     }
     let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
     if ext == "gguf" {
@@ -114,7 +134,7 @@ pub fn detect(path: &Path) -> Result<Format> {
         .at(path));
     }
     if ext == "safetensors" {
-        let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf();
+        let dir = parent_dir(path).to_path_buf();
         if !dir.join("config.json").is_file() {
             return Err(KylinError::config_missing(format!(
                 "{} needs a config.json beside it in {}",
@@ -127,7 +147,7 @@ pub fn detect(path: &Path) -> Result<Format> {
     }
     Err(KylinError::input_invalid(format!(
         "{} is not a model Kylin recognises: expected a directory with config.json and {SINGLE_NAME} or \
-         {INDEX_NAME}, a .safetensors file with config.json beside it, or a GGUF file",
+         {INDEX_NAME}, a .safetensors file with config.json beside it, a GGUF file or a llama2.c .bin",
         path.display()
     ))
     .at(path))
@@ -170,6 +190,8 @@ pub struct LoadedModel {
     /// Stored dtype name -> tensor count.
     pub dtypes: BTreeMap<String, usize>,
     pub unused_tensors: Vec<String>,
+    /// The header and tensor layout of a llama2.c `.bin` (`None` for other formats).
+    pub llama2c: Option<llama2c::BinInfo>,
     pub tokenizer: Option<TokenizerBundle>,
     pub generation: GenerationDefaults,
     /// Sorted, deduplicated union of generation_config, config and tokenizer EOS ids.
@@ -211,8 +233,15 @@ pub(crate) fn open_hf(format: &Format) -> Result<HfParts> {
         Format::SafetensorsFile { file, dir } => (dir, Some(file.clone())),
         Format::Gguf { file } => {
             return Err(KylinError::operator_unsupported(format!(
-                "{} is a GGUF file: the native engine loads Hugging Face safetensors only; \
+                "{} is a GGUF file: the native engine loads Hugging Face safetensors and llama2.c .bin files; \
                  run it with the llama.cpp backend (--backend llama.cpp)",
+                file.display()
+            ))
+            .at(file));
+        }
+        Format::LegacyBin { file, .. } => {
+            return Err(KylinError::operator_unsupported(format!(
+                "{} is a llama2.c checkpoint, which has no config.json",
                 file.display()
             ))
             .at(file));
@@ -226,12 +255,17 @@ pub(crate) fn open_hf(format: &Format) -> Result<HfParts> {
     Ok(HfParts { config, index, warnings })
 }
 
-/// Loads a Hugging Face model (directory or safetensors file) for the native engine.
+/// Loads a Hugging Face model (directory or safetensors file) or a llama2.c `.bin` for the
+/// native engine.
 ///
-/// Nothing is read in full: headers are parsed and the tensors become views into the maps.
-/// GGUF is `OPERATOR_UNSUPPORTED` here (it runs on the llama.cpp backend).
+/// Nothing is read in full: headers are parsed and the tensors become views into the maps
+/// (a `.bin`'s exceptions are in [`llama2c`]). GGUF is `OPERATOR_UNSUPPORTED` here (it runs on
+/// the llama.cpp backend).
 pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     let format = detect(path)?;
+    if let Format::LegacyBin { file, .. } = &format {
+        return llama2c::load(file, opts);
+    }
     let t0 = Instant::now();
     let HfParts { config, index, mut warnings } = open_hf(&format)?;
     let map = match &opts.tensor_map {
@@ -258,7 +292,7 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     let t1 = Instant::now();
     let tokenizer = tokenizer::load_tokenizer(dir, &mut warnings)?;
     let tokenizer_ms = t1.elapsed().as_secs_f64() * 1e3;
-    check_tokenizer(dir, &config, tokenizer.as_ref(), opts, &mut warnings)?;
+    check_tokenizer(dir, HF_TOKENIZER_FILES, &config, tokenizer.as_ref(), opts, &mut warnings)?;
     let generation = GenerationDefaults::load(&dir.join("generation_config.json"))?;
     let eos_ids = eos_union(&config, &generation, tokenizer.as_ref());
 
@@ -271,6 +305,7 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         config,
         weights: bound.weights,
         unused_tensors: bound.unused,
+        llama2c: None,
         tokenizer,
         generation,
         eos_ids,
@@ -279,17 +314,20 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     })
 }
 
+/// The tokenizer files [`tokenizer::load_tokenizer`] looks for, in its order, for messages.
+pub(crate) const HF_TOKENIZER_FILES: &str = "tokenizer.json, then vocab.json + merges.txt";
+
 /// The tokenizer presence and vocabulary checks.
 pub(crate) fn check_tokenizer(
     dir: &Path,
+    looked_for: &str,
     config: &ModelConfig,
     tokenizer: Option<&TokenizerBundle>,
     opts: &LoadOptions,
     warnings: &mut Vec<String>,
 ) -> Result<()> {
     let Some(tok) = tokenizer else {
-        let msg =
-            format!("{} has no tokenizer: looked for tokenizer.json, then vocab.json + merges.txt", dir.display());
+        let msg = format!("{} has no tokenizer: looked for {looked_for}", dir.display());
         if opts.require_tokenizer {
             return Err(KylinError::config_missing(msg).at(dir));
         }

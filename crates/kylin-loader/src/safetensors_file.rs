@@ -81,7 +81,7 @@ struct HeaderEntry {
     data_offsets: [u64; 2],
 }
 
-fn corrupted(path: &Path, what: impl std::fmt::Display) -> KylinError {
+pub(crate) fn corrupted(path: &Path, what: impl std::fmt::Display) -> KylinError {
     KylinError::file_corrupted(format!(
         "{}: {what}; the file is damaged or incompletely downloaded, fetch it again",
         path.display()
@@ -206,10 +206,19 @@ pub fn validate_bytes(path: &Path, bytes: &[u8]) -> Result<usize> {
 
 /// Maps `path` read-only and validates its header.
 pub(crate) fn open(path: &Path) -> Result<MappedFile> {
+    let map = map_read_only(path, 8, "the 8-byte header length")?;
+    let tensors = parse_header(path, &map)?;
+    Ok(MappedFile { path: path.to_path_buf(), storage: Arc::new(Storage::Mmap(map)), tensors })
+}
+
+/// Maps a weight file read-only (safetensors or llama2.c `.bin`), after checking that it holds
+/// at least `min_len` bytes (`FILE_CORRUPTED` naming `what` otherwise), and asks the OS to read
+/// its first megabyte, where the header is.
+pub(crate) fn map_read_only(path: &Path, min_len: u64, what: &str) -> Result<memmap2::Mmap> {
     let file = File::open(path).map_err(|e| KylinError::io(path, "cannot open weight file", &e))?;
     let size = file.metadata().map_err(|e| KylinError::io(path, "cannot stat weight file", &e))?.len();
-    if size < 8 {
-        return Err(corrupted(path, format!("the file has {size} bytes, fewer than the 8-byte header length")));
+    if size < min_len {
+        return Err(corrupted(path, format!("the file has {size} bytes, fewer than {what} ({min_len} bytes)")));
     }
     // SAFETY: the map is read-only and private to this process's view of a file Kylin never
     // writes. The usual mmap caveat applies: if another process truncates the file while it is
@@ -226,9 +235,7 @@ pub(crate) fn open(path: &Path) -> Result<MappedFile> {
     {
         let _ = map.advise_range(memmap2::Advice::WillNeed, 0, map.len().min(1 << 20));
     }
-
-    let tensors = parse_header(path, &map)?;
-    Ok(MappedFile { path: path.to_path_buf(), storage: Arc::new(Storage::Mmap(map)), tensors })
+    Ok(map)
 }
 
 /// Where a tensor lives: file index and tensor index within that file.

@@ -8,6 +8,8 @@ use serde::Serialize;
 pub enum TokenizerKind {
     TokenizerJson,
     VocabMerges,
+    /// llama2.c's `tokenizer.bin` beside a `.bin` checkpoint ([`crate::llama2c::tokenizer`]).
+    Llama2cBin,
 }
 
 /// A chat template from `tokenizer_config.json` (`chat_template` as a string is named `default`).

@@ -471,7 +471,8 @@ fn detection_explains_what_it_looked_for() {
         ErrorCode::FileNotFound,
         &["model.safetensors", "model.safetensors.index.json"],
     );
-    let other = empty.path().join("weights.bin");
+    // (A `.bin` is a llama2.c checkpoint candidate: see the llama2.c cases below.)
+    let other = empty.path().join("weights.dat");
     std::fs::write(&other, b"0123456789").unwrap();
     let err = detect(&other).unwrap_err();
     assert!(err.message.contains("GGUF") && err.message.contains("config.json"), "{err}");
@@ -588,4 +589,224 @@ fn vocab_and_merges_are_the_fallback_and_template_lists_pick_default() {
     assert!(model.eos_ids.contains(&9));
     assert_eq!(tok.chat_templates.len(), 2);
     assert_eq!(tok.default_chat_template().unwrap().source, "{{ messages[0]['content'] }}");
+}
+
+// llama2.c checkpoints (`.bin`): every broken header or size gets its code, from the header
+// bytes alone, before anything is bound.
+
+#[path = "support/llama2c.rs"]
+mod llama2c_support;
+
+use kylin_loader::llama2c::export::write_bin;
+
+/// A llama2.c checkpoint of `version` made from the Llama fixture, alone in its directory.
+fn bin_file(version: u32) -> (tempfile::TempDir, PathBuf) {
+    let hf = llama2c_support::llama_fixture(10000.0, false);
+    let model = load(hf.path(), &LoadOptions::default()).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let file = out.path().join("model.bin");
+    write_bin(&model, version, &file).unwrap();
+    (out, file)
+}
+
+fn set_i32(file: &Path, at: usize, value: i32) {
+    let mut bytes = std::fs::read(file).unwrap();
+    bytes[at..at + 4].copy_from_slice(&value.to_le_bytes());
+    std::fs::write(file, bytes).unwrap();
+}
+
+/// Byte offset of header field `k` (0 = dim ... 6 = seq_len) in a file of `version`.
+fn field(version: u32, k: usize) -> usize {
+    if version == 0 { 4 * k } else { 8 + 4 * k }
+}
+
+#[test]
+fn llama2c_files_of_every_version_load() {
+    for version in 0..=2 {
+        let (_dir, file) = bin_file(version);
+        assert_eq!(
+            detect(&file).unwrap(),
+            kylin_loader::Format::LegacyBin { file: file.clone(), version: version as i32 }
+        );
+        let model = load(&file, &LoadOptions::default()).unwrap();
+        let c = &model.config;
+        assert_eq!((c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim), (64, 2, 8, 4, 8));
+        assert_eq!((c.intermediate_size, c.vocab_size, c.max_position_embeddings), (192, 1024, 2048));
+        assert_eq!((c.rope.theta, c.rms_norm_eps), (10000.0, 1e-5));
+        assert!(!c.tie_word_embeddings && !model.weights.head.tied);
+        let info = model.llama2c.as_ref().unwrap();
+        assert_eq!(info.header.version, version);
+        // Versions 0 and 1 copy only wq and wk: (64 + 32) rows x 64 columns x 2 layers x 4 bytes.
+        let qk = (64 + 32) * 64 * 2 * 4;
+        let all = (model.weights.matrices().map(|t| t.element_count()).sum::<usize>() + 1024 * 64) as u64 * 4;
+        assert_eq!(info.owned_bytes, if version == 2 { all } else { qk as u64 }, "version {version}");
+        let json = serde_json::to_value(inspect(&file, &LoadOptions::default()).unwrap()).unwrap();
+        assert_eq!(json["format"], "llama2c-bin");
+        assert_eq!(json["llama2c"]["header"]["version"], version);
+        assert_eq!(json["llama2c"]["tensors"][0]["name"], if version == 0 { "tok_embeddings" } else { "rms_att" });
+        assert_eq!(json["tensor_count"], if version == 0 { 21 + 2 } else { 21 });
+    }
+}
+
+#[test]
+fn llama2c_short_headers_are_file_corrupted() {
+    let (dir, file) = bin_file(1);
+    let bytes = std::fs::read(&file).unwrap();
+    std::fs::write(&file, &bytes[..100]).unwrap();
+    assert_code(&load_err(&file), ErrorCode::FileCorrupted, &["'ak42'", "100 bytes", "256-byte header"]);
+    let v0 = dir.path().join("v0.bin");
+    std::fs::write(&v0, &bytes[8..18]).unwrap();
+    assert_code(&load_err(&v0), ErrorCode::FileCorrupted, &["10 bytes", "28-byte header"]);
+    std::fs::write(&v0, b"").unwrap();
+    assert_code(&load_err(&v0), ErrorCode::FileCorrupted, &["0 bytes"]);
+}
+
+#[test]
+fn llama2c_wrong_magic_and_version_get_their_codes() {
+    let (_dir, file) = bin_file(1);
+    let good = std::fs::read(&file).unwrap();
+    let mut bytes = good.clone();
+    bytes[0] = b'3';
+    std::fs::write(&file, &bytes).unwrap();
+    assert_code(&load_err(&file), ErrorCode::FileCorrupted, &["magic 'ak42'", "33 34 6b 61"]);
+    std::fs::write(&file, &good).unwrap();
+    set_i32(&file, 4, 3);
+    assert_code(&load_err(&file), ErrorCode::ModelVersionIncompatible, &["version 3", "0, 1"]);
+}
+
+#[test]
+fn llama2c_sizes_that_disagree_with_the_header_are_file_corrupted() {
+    for version in 0..=2 {
+        let (_dir, file) = bin_file(version);
+        let bytes = std::fs::read(&file).unwrap();
+        let n = bytes.len();
+        std::fs::write(&file, &bytes[..n - 100]).unwrap();
+        let (want, got) = (n.to_string(), (n - 100).to_string());
+        assert_code(&load_err(&file), ErrorCode::FileCorrupted, &[&want, &got, "100 bytes missing", "n_layers=2"]);
+        let mut longer = bytes.clone();
+        longer.extend_from_slice(&[0; 8]);
+        std::fs::write(&file, &longer).unwrap();
+        assert_code(&load_err(&file), ErrorCode::FileCorrupted, &["8 bytes too many"]);
+    }
+}
+
+#[test]
+fn llama2c_huge_dims_are_file_corrupted_without_allocating() {
+    let (_dir, file) = bin_file(1);
+    let good = std::fs::read(&file).unwrap();
+    // n_layers = 2^31 - 1 in a file of under a megabyte.
+    set_i32(&file, field(1, 2), i32::MAX);
+    assert_code(&load_err(&file), ErrorCode::FileCorrupted, &["n_layers=2147483647", "implies a file of"]);
+    // Sizes whose product overflows 64 bits.
+    std::fs::write(&file, &good).unwrap();
+    for (k, v) in [(0, 1 << 30), (1, i32::MAX), (2, i32::MAX), (5, i32::MAX)] {
+        set_i32(&file, field(1, k), v);
+    }
+    assert_code(&load_err(&file), ErrorCode::FileCorrupted, &["larger than 2^64 bytes"]);
+    // A version 0 dim no model has: not a llama2.c file at all.
+    let (_dir0, v0) = bin_file(0);
+    set_i32(&v0, field(0, 0), 1 << 28);
+    assert_code(&load_err(&v0), ErrorCode::FileCorrupted, &["not a llama2.c checkpoint", "268435456"]);
+}
+
+#[test]
+fn llama2c_impossible_header_values_are_config_invalid() {
+    let cases: &[(u32, usize, i32, &str)] = &[
+        (1, field(1, 3), 0, "n_heads = 0"),
+        (1, field(1, 3), 7, "not a multiple of n_heads = 7"),
+        (1, field(1, 4), 3, "n_kv_heads = 3"),
+        (1, field(1, 5), -1024, "vocab_size = -1024"),
+        (0, field(0, 5), 0, "vocab_size = 0"),
+        (0, field(0, 6), -5, "seq_len = -5"),
+        (1, field(1, 3), 64, "head size dim / n_heads = 1"),
+        (2, 37, 0, "group_size = 0"),
+        (2, 37, 48, "group_size 48 does not divide"),
+    ];
+    for &(version, at, value, needle) in cases {
+        let (_dir, file) = bin_file(version);
+        set_i32(&file, at, value);
+        assert_code(&load_err(&file), ErrorCode::ConfigInvalid, &[needle]);
+    }
+    let (_dir, file) = bin_file(1);
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[36] = 7;
+    std::fs::write(&file, &bytes).unwrap();
+    assert_code(&load_err(&file), ErrorCode::ConfigInvalid, &["shared_classifier = 7"]);
+}
+
+#[test]
+fn llama2c_header_extension_is_checked() {
+    let hf = llama2c_support::llama_fixture(500000.0, true);
+    let model = load(hf.path(), &LoadOptions::default()).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let file = out.path().join("model.bin");
+    write_bin(&model, 1, &file).unwrap();
+    let back = load(&file, &LoadOptions::default()).unwrap();
+    assert_eq!((back.config.rope.theta, back.config.rms_norm_eps), (500000.0, 1e-5));
+    assert!(back.config.tie_word_embeddings && back.weights.head.tied);
+    assert!(back.config.defaulted.is_empty(), "{:?}", back.config.defaulted);
+    let good = std::fs::read(&file).unwrap();
+    let mut bytes = good.clone();
+    bytes[64 + 8..64 + 16].copy_from_slice(&f64::NAN.to_le_bytes());
+    std::fs::write(&file, &bytes).unwrap();
+    assert_code(&load_err(&file), ErrorCode::ConfigInvalid, &["rope_theta = NaN"]);
+    let mut bytes = good.clone();
+    bytes[68] = 9;
+    std::fs::write(&file, &bytes).unwrap();
+    assert_code(&load_err(&file), ErrorCode::ModelVersionIncompatible, &["extension version 9"]);
+}
+
+#[test]
+fn pytorch_pickles_and_ggml_files_are_named_not_misread() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("pytorch_model.bin");
+    for (bytes, what) in [
+        (&b"\x80\x02}q\x00(X\x0b\x00\x00\x00model.embed"[..], "a Python pickle"),
+        (&b"PK\x03\x04\x00\x00\x08\x08\x00\x00archive/data.pkl"[..], "a zip archive"),
+    ] {
+        std::fs::write(&file, bytes).unwrap();
+        assert_code(&load_err(&file), ErrorCode::OperatorUnsupported, &["PyTorch", what, "safetensors", "llama2.c"]);
+    }
+    let ggml = dir.path().join("ggml-model-q4_0.bin");
+    std::fs::write(&ggml, b"tjgg\x03\x00\x00\x00 more header bytes").unwrap();
+    assert_code(&load_err(&ggml), ErrorCode::OperatorUnsupported, &["GGML", "GGUF"]);
+}
+
+#[test]
+fn llama2c_files_refuse_a_tensor_map_and_check_their_tokenizer() {
+    let (dir, file) = bin_file(1);
+    let opts = LoadOptions { tensor_map: Some(dir.path().join("map.json")), ..LoadOptions::default() };
+    assert_code(&load_err_with(&file, &opts), ErrorCode::InputInvalid, &["llama2.c", "fixed places"]);
+    // A tokenizer.bin of a larger vocabulary beside the model.
+    let vocab = llama2c_support::train_vocab(1100);
+    std::fs::write(dir.path().join("tokenizer.bin"), kylin_loader::llama2c::tokenizer::to_bytes(&vocab)).unwrap();
+    assert_code(&load_err(&file), ErrorCode::VocabMismatch, &["tokenizer.bin", "1024 tokens"]);
+    let allowed = LoadOptions { allow_vocab_mismatch: true, ..LoadOptions::default() };
+    let model = load(&file, &allowed).unwrap();
+    assert_eq!(model.tokenizer.as_ref().unwrap().vocab_size, 1024);
+    assert!(model.warnings.iter().any(|w| w.contains("first 1024 tokens")), "{:?}", model.warnings);
+    // No tokenizer at all: ids only, with a warning naming what was looked for.
+    std::fs::remove_file(dir.path().join("tokenizer.bin")).unwrap();
+    let model = load(&file, &LoadOptions::default()).unwrap();
+    assert!(model.tokenizer.is_none());
+    assert!(model.warnings.iter().any(|w| w.contains("tokenizer.bin, then tokenizer.json")), "{:?}", model.warnings);
+    let required = LoadOptions { require_tokenizer: true, ..LoadOptions::default() };
+    assert_code(&load_err_with(&file, &required), ErrorCode::ConfigMissing, &["tokenizer.bin"]);
+}
+
+#[test]
+fn what_the_llama2c_format_cannot_hold_is_refused_by_name() {
+    let out = tempfile::tempdir().unwrap();
+    let file = out.path().join("model.bin");
+    let refuse = |dir: &Path, version: u32, needles: &[&str]| {
+        let model = load(dir, &LoadOptions::default()).unwrap();
+        let err = write_bin(&model, version, &file).unwrap_err();
+        assert_code(&err, ErrorCode::OperatorUnsupported, needles);
+        assert!(!file.exists(), "nothing is written");
+    };
+    refuse(&fixture("tiny-llama-rope3"), 1, &["rope_parameters.rope_type 'llama3'"]);
+    refuse(&fixture("tiny-qwen3"), 1, &["Qwen3ForCausalLM", "self_attn.q_norm.weight", "head_dim 16"]);
+    refuse(&fixture("tiny-qwen2-f16"), 1, &["Qwen2ForCausalLM", "model.layers.0.self_attn.q_proj.bias"]);
+    let theta = llama2c_support::llama_fixture(500000.0, false);
+    refuse(theta.path(), 0, &["rope_theta 500000", "bin-v1"]);
 }

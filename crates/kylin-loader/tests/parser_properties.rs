@@ -131,8 +131,57 @@ fn check_config(text: &str) {
     }
 }
 
+/// A small llama2.c checkpoint of `version` (zeros for weights).
+fn llama2c_sample(version: u32) -> Vec<u8> {
+    let header = kylin_loader::llama2c::BinHeader {
+        version,
+        dim: 8,
+        hidden_dim: 16,
+        n_layers: 2,
+        n_heads: 2,
+        n_kv_heads: 1,
+        vocab_size: 8,
+        seq_len: 4,
+        shared_classifier: version == 1,
+        group_size: (version == 2).then_some(4),
+        rope_theta: (version == 2).then_some(5e5),
+        rms_norm_eps: (version == 2).then_some(1e-6),
+    };
+    let mut bytes = header.to_bytes().unwrap();
+    bytes.resize(header.file_bytes().unwrap().unwrap() as usize, 0);
+    bytes
+}
+
+fn check_llama2c(bytes: &[u8]) {
+    let mut result = None;
+    let largest =
+        largest_allocation(|| result = Some(kylin_loader::llama2c::parse(Path::new("x.bin"), bytes).map(|_| ())));
+    assert!(largest <= bound(bytes.len()), "allocated {largest} bytes for {} input bytes", bytes.len());
+    if let Some(Err(e)) = result {
+        assert!(
+            matches!(e.code, ErrorCode::FileCorrupted | ErrorCode::ConfigInvalid | ErrorCode::ModelVersionIncompatible),
+            "{e}"
+        );
+    }
+}
+
+fn check_llama2c_tokenizer(bytes: &[u8], vocab_size: usize) {
+    let mut result = None;
+    let largest = largest_allocation(|| {
+        let path = Path::new("tokenizer.bin");
+        result = Some(kylin_loader::llama2c::tokenizer::parse_vocab(path, bytes, vocab_size, false, &mut Vec::new()))
+    });
+    assert!(largest <= bound(bytes.len()), "allocated {largest} bytes for {} input bytes", bytes.len());
+    if let Some(Err(e)) = result {
+        assert!(matches!(e.code, ErrorCode::FileCorrupted | ErrorCode::VocabMismatch), "{e}");
+    }
+}
+
 #[test]
 fn the_samples_parse() {
+    for version in 0..=2 {
+        kylin_loader::llama2c::parse(Path::new("x.bin"), &llama2c_sample(version)).unwrap();
+    }
     assert!(kylin_loader::safetensors_file::validate_bytes(Path::new("x"), &real_safetensors()).unwrap() > 0);
     let info = kylin_loader::gguf::parse_gguf(Path::new("x"), &gguf_sample()).unwrap();
     assert_eq!(info.vocab_size, Some(3));
@@ -147,9 +196,49 @@ proptest! {
     fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..2048)) {
         check_safetensors(&bytes);
         check_gguf(&bytes);
+        check_llama2c(&bytes);
+        check_llama2c_tokenizer(&bytes, 1 << 40);
         if let Ok(text) = std::str::from_utf8(&bytes) {
             check_config(text);
         }
+    }
+
+    #[test]
+    fn random_llama2c_headers_never_allocate_from_them(
+        fields in proptest::array::uniform7(any::<i32>()),
+        version in 0u32..4,
+        tail in proptest::collection::vec(any::<u8>(), 0..512),
+    ) {
+        let mut bytes = Vec::new();
+        if version > 0 {
+            bytes.extend_from_slice(&kylin_loader::llama2c::MAGIC.to_le_bytes());
+            bytes.extend_from_slice(&(version as i32).to_le_bytes());
+        }
+        for f in fields {
+            bytes.extend_from_slice(&f.to_le_bytes());
+        }
+        bytes.extend_from_slice(&tail);
+        check_llama2c(&bytes);
+        check_llama2c_tokenizer(&bytes, fields[0] as u32 as usize);
+    }
+
+    #[test]
+    fn mutated_llama2c_files_never_panic(
+        version in 0u32..3,
+        edits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..8),
+        cut in any::<prop::sample::Index>(),
+        truncate in any::<bool>(),
+    ) {
+        let mut bytes = llama2c_sample(version);
+        let header = if version == 0 { 28 } else { 256 };
+        for (at, value) in edits {
+            let i = at.index(header);
+            bytes[i] = value;
+        }
+        if truncate {
+            bytes.truncate(cut.index(bytes.len()));
+        }
+        check_llama2c(&bytes);
     }
 
     #[test]
