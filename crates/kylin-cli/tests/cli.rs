@@ -479,5 +479,29 @@ fn quantize_writes_a_q8_0_directory_that_loads_in_place_with_the_same_logits() {
     // A different intermediate size makes the planes the wrong shape, named.
     let err = broken("shape", &|c| c["intermediate_size"] = 256.into());
     assert!(err.starts_with("[TENSOR_SHAPE_MISMATCH] ") && err.contains("Q8_0 planes"), "{err}");
+    // Weights files with a scale plane missing, or stored in another dtype.
+    let rewrite = |what: &str, edit: &dyn Fn(&str, safetensors::Dtype) -> Option<safetensors::Dtype>| {
+        let dir = out_root.join(format!("broken-{what}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(good.join("config.json"), dir.join("config.json")).unwrap();
+        let bytes = std::fs::read(good.join("model.safetensors")).unwrap();
+        let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let kept: Vec<(String, safetensors::tensor::TensorView<'_>)> = file
+            .tensors()
+            .into_iter()
+            .filter_map(|(name, t)| {
+                let dtype = edit(&name, t.dtype())?;
+                Some((name, safetensors::tensor::TensorView::new(dtype, t.shape().to_vec(), t.data()).unwrap()))
+            })
+            .collect();
+        safetensors::serialize_to_file(kept, None, &dir.join("model.safetensors")).unwrap();
+        let out = kylin(&["run", s(&dir), "--ids", "1,2"]);
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    let scale = "model.layers.1.mlp.down_proj.weight_scale";
+    let err = rewrite("no-scale", &|name, dtype| (name != scale).then_some(dtype));
+    assert!(err.starts_with("[TENSOR_MISSING] ") && err.contains(scale), "{err}");
+    let err = rewrite("scale-dtype", &|name, dtype| Some(if name == scale { safetensors::Dtype::BF16 } else { dtype }));
+    assert!(err.starts_with("[TENSOR_DTYPE_UNSUPPORTED] ") && err.contains(scale) && err.contains("F16"), "{err}");
     let _ = std::fs::remove_dir_all(&out_root);
 }
