@@ -360,7 +360,9 @@ fn print_table(summaries: &[BenchSummary], ratios: Option<&BenchRatios>, args: &
                 "{}: load {:.0} ms, of which the tokenizer {:.0} ms and quantization {:.0} ms",
                 s.backend, s.load_ms, tok, q
             ),
-            (Some(tok), None) => println!("{}: load {:.0} ms, of which the tokenizer {:.0} ms", s.backend, s.load_ms, tok),
+            (Some(tok), None) => {
+                println!("{}: load {:.0} ms, of which the tokenizer {:.0} ms", s.backend, s.load_ms, tok)
+            }
             _ => {}
         }
         if let Some(total) = s.decode_with_kv_gb_s {

@@ -3,7 +3,9 @@
 use std::time::Instant;
 
 use anyhow::Result;
-use kylin_engine::batch::{DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_SEQS, EngineOptions, KvBudget, QuantizeProgress};
+use kylin_engine::batch::{
+    DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_SEQS, EngineOptions, KvBudget, QuantizeProgress,
+};
 use kylin_engine::native::{NativeBackend, NativeOptions};
 use kylin_engine::{Backend, PrecisionChoice, QuantFormat, Serving};
 use kylin_kernels::WeightDType;

@@ -99,7 +99,8 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
     let quantized_names: std::collections::HashSet<&str> = quantized.iter().map(|(n, _)| n.as_str()).collect();
     let mut tensors: Vec<(String, TensorView<'_>)> = Vec::new();
     let view = |dtype, shape: Vec<usize>, data| {
-        TensorView::new(dtype, shape, data).map_err(|e| KylinError::input_invalid(format!("cannot describe a tensor: {e}")))
+        TensorView::new(dtype, shape, data)
+            .map_err(|e| KylinError::input_invalid(format!("cannot describe a tensor: {e}")))
     };
     for (name, m) in &quantized {
         let (qs, ss) = kylin_kernels::quant::q8_0_plane_shapes(m.rows(), m.cols());

@@ -441,13 +441,31 @@ fn quantize_writes_a_q8_0_directory_that_loads_in_place_with_the_same_logits() {
         assert!(r.to_string().contains("q8_0"), "{r}");
     }
     // A directory that already holds a model is not overwritten; GGUF files are refused.
-    let again = kylin(&["quantize", s(&Path::new(SHARED).join("fixtures/tiny-qwen3")), "--to", "q8_0", s(&out_root.join("smollm2"))]);
-    assert!(String::from_utf8_lossy(&again.stderr).starts_with("[INPUT_INVALID] "), "{}", String::from_utf8_lossy(&again.stderr));
+    let again = kylin(&[
+        "quantize",
+        s(&Path::new(SHARED).join("fixtures/tiny-qwen3")),
+        "--to",
+        "q8_0",
+        s(&out_root.join("smollm2")),
+    ]);
+    assert!(
+        String::from_utf8_lossy(&again.stderr).starts_with("[INPUT_INVALID] "),
+        "{}",
+        String::from_utf8_lossy(&again.stderr)
+    );
     let gguf = model("gguf/smollm2-135m-instruct-q4_1.gguf");
     let out = kylin(&["quantize", s(&gguf), "--to", "q8_0", s(&out_root.join("gguf"))]);
-    assert!(String::from_utf8_lossy(&out.stderr).starts_with("[INPUT_INVALID] "), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).starts_with("[INPUT_INVALID] "),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let out = kylin(&["run", s(&gguf), "-p", "x", "--quantize", "q8_0"]);
-    assert!(String::from_utf8_lossy(&out.stderr).starts_with("[CONFIG_INVALID] "), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).starts_with("[CONFIG_INVALID] "),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 
     // Broken copies of the quantized fixture: each gets its code.
     let good = out_root.join("tiny-llama-rope3");
@@ -459,7 +477,8 @@ fn quantize_writes_a_q8_0_directory_that_loads_in_place_with_the_same_logits() {
                 std::fs::copy(good.join(f), dir.join(f)).unwrap();
             }
         }
-        let mut config: Value = serde_json::from_str(&std::fs::read_to_string(good.join("config.json")).unwrap()).unwrap();
+        let mut config: Value =
+            serde_json::from_str(&std::fs::read_to_string(good.join("config.json")).unwrap()).unwrap();
         edit(&mut config);
         std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
         let out = kylin(&["run", s(&dir), "--ids", "1,2"]);

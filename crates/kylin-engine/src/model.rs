@@ -523,8 +523,9 @@ impl Scratch {
             + self.head_tmp.len()
             + self.logit_hidden.len()
             + self.logits.len();
-        (elements * std::mem::size_of::<f32>() + self.products.xb.len() * std::mem::size_of::<u16>() + self.products.xq.len())
-            as u64
+        (elements * std::mem::size_of::<f32>()
+            + self.products.xb.len() * std::mem::size_of::<u16>()
+            + self.products.xq.len()) as u64
     }
 
     /// Touches every buffer now, so their memory is resident from the start.
@@ -692,7 +693,12 @@ impl Model {
     ///
     /// `OPERATOR_UNSUPPORTED` naming the tensor when a matrix's columns are not whole blocks
     /// of 32.
-    pub fn quantize(&mut self, format: QuantFormat, threads: usize, progress: &(dyn Fn(u64, u64) + Sync)) -> Result<()> {
+    pub fn quantize(
+        &mut self,
+        format: QuantFormat,
+        threads: usize,
+        progress: &(dyn Fn(u64, u64) + Sync),
+    ) -> Result<()> {
         use kylin_kernels::quant::{GROUP_ROWS, QK8_0, quantize_q8_0_groups};
         let QuantFormat::Q8_0 = format;
         if self.quantization.is_some() {
@@ -872,11 +878,7 @@ impl Model {
     pub fn kernels_report(&self, block_size: usize) -> String {
         let attention = kernels::paged::attention_path(self.precision(), self.dims.head_dim, block_size);
         let family = self.kernel_family();
-        if attention.name() == family {
-            family
-        } else {
-            format!("{family}, attention {}", attention.name())
-        }
+        if attention.name() == family { family } else { format!("{family}, attention {}", attention.name()) }
     }
 
     pub fn dims(&self) -> &Dims {
@@ -1033,7 +1035,13 @@ impl Model {
                         );
                     }
                 }
-                self.lm_head.forward(mm, &s.logit_hidden[..rows * h], rows, &mut s.logits[..rows * d.vocab], &mut s.products);
+                self.lm_head.forward(
+                    mm,
+                    &s.logit_hidden[..rows * h],
+                    rows,
+                    &mut s.logits[..rows * d.vocab],
+                    &mut s.products,
+                );
             }
         }
     }

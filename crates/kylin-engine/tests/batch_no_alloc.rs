@@ -7,9 +7,9 @@
 use std::path::Path;
 use std::sync::atomic::Ordering;
 
-use kylin_engine::{PrecisionChoice, QuantFormat};
 use kylin_engine::batch::{BatchEngine, EngineOptions};
 use kylin_engine::serving::{Request, Serving};
+use kylin_engine::{PrecisionChoice, QuantFormat};
 
 #[path = "../../kylin-kernels/tests/support/counting_alloc.rs"]
 mod counting_alloc;
@@ -33,8 +33,14 @@ fn a_step_with_eight_running_sequences_allocates_nothing() {
     ] {
         let path = Path::new(SHARED).join("fixtures").join(name);
         let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
-        let opts =
-            EngineOptions { threads: 2, ctx_size: Some(256), max_seqs: 8, precision, quantize, ..EngineOptions::default() };
+        let opts = EngineOptions {
+            threads: 2,
+            ctx_size: Some(256),
+            max_seqs: 8,
+            precision,
+            quantize,
+            ..EngineOptions::default()
+        };
         let mut engine = BatchEngine::new(model, &opts).unwrap();
         for i in 0..8u32 {
             let mut r = Request::new(u64::from(i), (1..20 + 3 * i).collect(), 64);

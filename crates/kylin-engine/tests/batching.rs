@@ -11,11 +11,11 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use kylin_engine::{PrecisionChoice, QuantFormat};
 use kylin_engine::batch::{BatchEngine, EngineOptions, KvBudget};
 use kylin_engine::kv_pool::KvPool;
 use kylin_engine::sampler::SamplingParams;
 use kylin_engine::serving::{Event, EventKind, Request, Serving, StopReason, TokenLogprob};
+use kylin_engine::{PrecisionChoice, QuantFormat};
 
 const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared");
 

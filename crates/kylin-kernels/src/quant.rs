@@ -65,8 +65,12 @@ impl<'a> Q8Matrix<'a> {
     /// A view of the two planes; `None` if `cols` is not a multiple of 32 or a length is not
     /// what [`q8_0_plane_lens`]`(rows, cols)` gives.
     pub fn new(rows: usize, cols: usize, quants: &'a [u8], scales: &'a [u8]) -> Option<Self> {
-        (q8_0_plane_lens(rows, cols) == Some((quants.len(), scales.len())))
-            .then_some(Q8Matrix { rows, cols, quants, scales })
+        (q8_0_plane_lens(rows, cols) == Some((quants.len(), scales.len()))).then_some(Q8Matrix {
+            rows,
+            cols,
+            quants,
+            scales,
+        })
     }
 
     pub fn rows(&self) -> usize {

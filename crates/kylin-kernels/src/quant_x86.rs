@@ -203,7 +203,8 @@ pub(crate) unsafe fn tile_avx2(
                     let x4 = _mm256_set1_epi32(std::ptr::read_unaligned(xb.add(4 * k) as *const i32));
                     let ax = _mm256_abs_epi8(x4);
                     for (h, ii) in ii.iter_mut().enumerate() {
-                        let wv = _mm256_xor_si256(_mm256_loadu_si256(wb.add(64 * k + 32 * h) as *const __m256i), offset);
+                        let wv =
+                            _mm256_xor_si256(_mm256_loadu_si256(wb.add(64 * k + 32 * h) as *const __m256i), offset);
                         let pairs = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv, x4));
                         *ii = _mm256_add_epi32(*ii, _mm256_madd_epi16(pairs, ones));
                     }

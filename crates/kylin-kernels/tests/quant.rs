@@ -186,7 +186,10 @@ fn products_have_the_canonical_bits_and_the_expected_accuracy() {
                         .sum::<f64>()
                         + 1e-5 * deq.iter().zip(xt).map(|(w, x)| (*w as f64 * *x as f64).abs()).sum::<f64>();
                     let got = expected[t * rows + r] as f64;
-                    assert!((got - exact).abs() <= bound, "{rows}x{cols} t={t} r={r}: {got} vs {exact} (bound {bound})");
+                    assert!(
+                        (got - exact).abs() <= bound,
+                        "{rows}x{cols} t={t} r={r}: {got} vs {exact} (bound {bound})"
+                    );
                 }
             }
         }

@@ -24,9 +24,9 @@ use std::path::Path;
 use serde_json::Value;
 
 use crate::config::{Architecture, ModelConfig, StoredQuantization};
-use crate::tensor::DType;
 use crate::error::{KylinError, Result};
 use crate::safetensors_file::TensorIndex;
+use crate::tensor::DType;
 use crate::tensor::WeightTensor;
 use crate::weights::{HeadBinding, LayerWeights, ModelWeights};
 
@@ -333,7 +333,10 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
             let (rows, cols) = (expected[0], expected[1]);
             let why = || spec.shape.iter().map(|d| d.explain(config)).collect::<Vec<_>>().join(", ");
             if !cols.is_multiple_of(32) {
-                shape_errors.push(format!("tensor '{name}': Q8_0 needs columns in blocks of 32; the matrix has {cols} ({})", why()));
+                shape_errors.push(format!(
+                    "tensor '{name}': Q8_0 needs columns in blocks of 32; the matrix has {cols} ({})",
+                    why()
+                ));
                 return;
             }
             let (groups, blocks) = (rows.div_ceil(16), cols / 32);

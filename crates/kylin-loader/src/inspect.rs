@@ -56,7 +56,8 @@ pub fn quantization_report(config: &crate::ModelConfig, w: &crate::ModelWeights)
         kinds.entry(kind.to_string()).or_default().insert(storage);
     };
     let mut bytes: u64 = 0;
-    let plane = |t: &crate::WeightTensor| t.byte_len() as u64 + w.scales.get(&t.name).map_or(0, |s| s.byte_len() as u64);
+    let plane =
+        |t: &crate::WeightTensor| t.byte_len() as u64 + w.scales.get(&t.name).map_or(0, |s| s.byte_len() as u64);
     for l in &w.layers {
         for t in [&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj] {
             add("attention", t);
