@@ -6,8 +6,9 @@
 //! detected once and cached; never by build flags) and tested against the reference on odd
 //! sizes.
 //!
-//! Guarantees: no function here allocates except [`measure_read_bandwidth`] (its probe buffer)
-//! and [`ThreadPool::new`]; accumulation is always in f32; [`matmul`] and [`matmul_many`] split
+//! Guarantees: no function here allocates except [`measure_read_bandwidth`] (its probe buffer),
+//! [`ThreadPool::new`] and the load-time quantization ([`quant::quantize_q8_0_groups`]'s row
+//! buffers, [`quant::Q8Buffer::zeroed`]); accumulation is always in f32; [`matmul`] and [`matmul_many`] split
 //! the output rows across the pool so each weight byte is read by one core.
 //!
 //! Setting the environment variable `KYLIN_KERNELS_ISA=scalar` before the first kernel call
@@ -17,7 +18,9 @@
 //!
 //! Two arithmetics ([`Precision`]): f32 ([`matmul`], [`matmul_many`]: weights widened exactly,
 //! f32 activations) and BF16 ([`matmul_many_bf16`]: activations rounded to BF16, products
-//! summed in f32) on AMX (`amx.rs`) or AVX-512 BF16 (`avx512bf16.rs`), see [`bf16_kernels`].
+//! summed in f32) on AMX (`amx.rs`) or AVX-512 BF16 (`avx512bf16.rs`), see [`bf16_kernels`];
+//! and for Q8_0 weights, int8 products ([`quant::matmul_many_q8`]) on AVX-512 VNNI, AVX2 or
+//! scalar code, which all give the same bits.
 //!
 //! Batch invariance: within one process, every output element of [`matmul`] and
 //! [`matmul_many`] is computed by the same sequence of floating-point operations whatever the
