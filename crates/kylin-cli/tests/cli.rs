@@ -363,6 +363,8 @@ fn precision_is_reported_and_refused_where_it_cannot_apply() {
     let r = ok_json(&["inspect", s(&bf16_dir), "--json"]);
     let f32_kernels = r["kernels"]["f32"].as_str().unwrap();
     assert!(["avx512", "avx2", "scalar"].contains(&f32_kernels), "{f32_kernels}");
+    let q8_kernels = r["kernels"]["q8_0"].as_str().unwrap();
+    assert!(["avx512-vnni", "avx2", "scalar"].contains(&q8_kernels), "{q8_kernels}");
     let has_bf16 = r["kernels"]["bf16"].is_string();
     assert_eq!(r["kernels"]["auto_precision"], if has_bf16 { "bf16" } else { "f32" });
     let f32_fixture = Path::new(SHARED).join("fixtures/tiny-qwen3-sharded-f32");
