@@ -207,7 +207,7 @@ pub fn engine_options(args: &ModelArgs, threads: usize, default_max_seqs: usize)
 
 /// A progress bar on stderr for the quantization at load (hidden when stderr is not a
 /// terminal, as indicatif does), finished when the last byte is done.
-fn quantize_progress_bar() -> QuantizeProgress {
+pub(crate) fn quantize_progress_bar() -> QuantizeProgress {
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(
         indicatif::ProgressStyle::with_template("quantizing {bar:40} {binary_bytes}/{binary_total_bytes} {elapsed}")

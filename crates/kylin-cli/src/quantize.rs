@@ -23,24 +23,10 @@ use std::time::Instant;
 use anyhow::Result;
 use kylin_engine::QuantFormat;
 use kylin_engine::model::Model;
-use kylin_loader::{DType, Format, KylinError, LoadOptions, StoredQuantization};
+use kylin_loader::{Format, KylinError, LoadOptions, StoredQuantization};
 use safetensors::tensor::TensorView;
 
 use crate::args::{QuantizeArg, QuantizeArgs};
-
-/// Files copied beside the weights when the source has them.
-const COPIED: &[&str] = &[
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-];
 
 pub fn run(args: &QuantizeArgs) -> Result<()> {
     let started = Instant::now();
@@ -83,16 +69,8 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
         .into());
     }
     let mut model = Model::new(&loaded.config, &loaded.weights)?;
-    let bar = indicatif::ProgressBar::new(0);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("quantizing {bar:40} {binary_bytes}/{binary_total_bytes} {elapsed}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    model.quantize(format, threads, &|done, total| {
-        bar.set_length(total);
-        bar.set_position(done);
-    })?;
-    bar.finish_and_clear();
+    let progress = crate::open::quantize_progress_bar();
+    model.quantize(format, threads, &|done, total| (progress.0)(done, total))?;
 
     // The tensors to write: the quantized planes, then every other bound tensor as stored.
     let quantized = model.quantized_matrices();
@@ -111,15 +89,7 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
         if quantized_names.contains(t.name.as_str()) {
             continue;
         }
-        let dtype = match t.dtype {
-            DType::F32 => safetensors::Dtype::F32,
-            DType::F16 => safetensors::Dtype::F16,
-            DType::BF16 => safetensors::Dtype::BF16,
-            DType::I8 => safetensors::Dtype::I8,
-            DType::U8 => safetensors::Dtype::U8,
-            DType::F8E4M3 => safetensors::Dtype::F8_E4M3,
-        };
-        tensors.push((t.name.clone(), view(dtype, t.shape.clone(), t.bytes())?));
+        tensors.push((t.name.clone(), view(t.dtype.safetensors_dtype(), t.shape.clone(), t.bytes())?));
     }
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     let metadata = HashMap::from([
@@ -154,14 +124,11 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
     obj.insert("tie_word_embeddings".into(), serde_json::Value::Bool(false));
     let config_out = args.out_dir.join("config.json");
     write_new(&config_out, serde_json::to_string_pretty(&config)?.as_bytes())?;
-    let mut copied = Vec::new();
-    for name in COPIED {
-        let from = source_dir.join(name);
-        if from.is_file() {
-            let to = args.out_dir.join(name);
-            std::fs::copy(&from, &to).map_err(|e| KylinError::io(&from, "cannot copy", &e))?;
-            copied.push(*name);
-        }
+    // The tokenizer and generation files, as `kylin convert` copies them.
+    let copied = kylin_loader::llama2c::export::copy_side_files(&source_dir, &args.out_dir, &[])?.copied;
+    // The safetensors crate's file is private to the user; give it config.json's permissions.
+    if let Ok(meta) = std::fs::metadata(&config_out) {
+        let _ = std::fs::set_permissions(&partial, meta.permissions());
     }
     std::fs::rename(&partial, &weights_path).map_err(|e| KylinError::io(&weights_path, "cannot write", &e))?;
     let bytes = std::fs::metadata(&weights_path).map(|m| m.len()).unwrap_or(0);

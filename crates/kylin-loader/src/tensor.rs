@@ -37,6 +37,18 @@ impl DType {
         }
     }
 
+    /// The safetensors crate's dtype, for writing tensors.
+    pub fn safetensors_dtype(self) -> safetensors::Dtype {
+        match self {
+            DType::F32 => safetensors::Dtype::F32,
+            DType::F16 => safetensors::Dtype::F16,
+            DType::BF16 => safetensors::Dtype::BF16,
+            DType::I8 => safetensors::Dtype::I8,
+            DType::U8 => safetensors::Dtype::U8,
+            DType::F8E4M3 => safetensors::Dtype::F8_E4M3,
+        }
+    }
+
     /// Whether the native engine computes on this dtype directly.
     pub fn is_float(self) -> bool {
         matches!(self, DType::F32 | DType::F16 | DType::BF16)

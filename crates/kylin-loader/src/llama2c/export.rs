@@ -283,14 +283,7 @@ struct View<'a>(&'a WeightTensor);
 
 impl safetensors::View for View<'_> {
     fn dtype(&self) -> safetensors::Dtype {
-        match self.0.dtype {
-            DType::F32 => safetensors::Dtype::F32,
-            DType::F16 => safetensors::Dtype::F16,
-            DType::BF16 => safetensors::Dtype::BF16,
-            DType::I8 => safetensors::Dtype::I8,
-            DType::U8 => safetensors::Dtype::U8,
-            DType::F8E4M3 => safetensors::Dtype::F8_E4M3,
-        }
+        self.0.dtype.safetensors_dtype()
     }
 
     fn shape(&self) -> &[usize] {
@@ -403,11 +396,15 @@ pub fn write_hf(model: &LoadedModel, out_dir: &Path) -> Result<Vec<String>> {
 }
 
 /// The tokenizer and generation files a model directory may hold beside its weights.
-pub const SIDE_FILES: [&str; 7] = [
+pub const SIDE_FILES: [&str; 11] = [
     "tokenizer.bin",
     "tokenizer.json",
     "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
     "chat_template.jinja",
+    "chat_template.json",
     "vocab.json",
     "merges.txt",
     "generation_config.json",
