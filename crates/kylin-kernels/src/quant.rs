@@ -321,6 +321,11 @@ enum Q8Isa {
 }
 
 fn q8_isa() -> Q8Isa {
+    static Q8_ISA: std::sync::OnceLock<Q8Isa> = std::sync::OnceLock::new();
+    *Q8_ISA.get_or_init(detect_q8_isa)
+}
+
+fn detect_q8_isa() -> Q8Isa {
     match isa() {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 if std::arch::is_x86_feature_detected!("avx512vnni") => Q8Isa::Vnni,
@@ -502,7 +507,10 @@ pub struct Q8Buffer {
     lines: Vec<Line>,
     rows: usize,
     cols: usize,
+    /// Bytes of the quants plane, at the start.
     quants_len: usize,
+    /// Where the scales plane starts (the quants' end rounded up to a cache line).
+    scales_at: usize,
     len: usize,
 }
 
@@ -516,25 +524,28 @@ impl Q8Buffer {
     /// Zeroed planes for a `[rows, cols]` matrix; `None` if `cols` is not a multiple of 32 or
     /// a size overflows.
     pub fn zeroed(rows: usize, cols: usize) -> Option<Self> {
-        let (q, s) = q8_0_plane_lens(rows, cols)?;
-        let quants_len = q.checked_next_multiple_of(64)?;
-        let len = quants_len.checked_add(s)?;
-        Some(Q8Buffer { lines: vec![Line([0; 64]); len.div_ceil(64)], rows, cols, quants_len, len })
+        let (quants_len, s) = q8_0_plane_lens(rows, cols)?;
+        let scales_at = quants_len.checked_next_multiple_of(64)?;
+        let len = scales_at.checked_add(s)?;
+        Some(Q8Buffer { lines: vec![Line([0; 64]); len.div_ceil(64)], rows, cols, quants_len, scales_at, len })
     }
 
     /// The matrix the planes hold.
     pub fn matrix(&self) -> Q8Matrix<'_> {
         let bytes = self.bytes();
-        let (q, _) = q8_0_plane_lens(self.rows, self.cols).expect("checked when made");
-        Q8Matrix { rows: self.rows, cols: self.cols, quants: &bytes[..q], scales: &bytes[self.quants_len..] }
+        Q8Matrix {
+            rows: self.rows,
+            cols: self.cols,
+            quants: &bytes[..self.quants_len],
+            scales: &bytes[self.scales_at..],
+        }
     }
 
     /// The two planes, to fill.
     pub fn planes_mut(&mut self) -> (&mut [u8], &mut [u8]) {
-        let (q, _) = q8_0_plane_lens(self.rows, self.cols).expect("checked when made");
-        let quants_len = self.quants_len;
-        let (quants, scales) = self.bytes_mut().split_at_mut(quants_len);
-        (&mut quants[..q], scales)
+        let (quants_len, scales_at) = (self.quants_len, self.scales_at);
+        let (quants, scales) = self.bytes_mut().split_at_mut(scales_at);
+        (&mut quants[..quants_len], scales)
     }
 
     fn bytes(&self) -> &[u8] {

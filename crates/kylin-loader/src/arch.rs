@@ -342,8 +342,8 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
             let (groups, blocks) = (rows.div_ceil(16), cols / 32);
             let scale_name = format!("{name}_scale");
             let planes = [(&name, [groups, blocks, 512], DType::U8), (&scale_name, [groups, blocks, 16], DType::F16)];
-            let mut views = Vec::new();
-            for (plane, shape, dtype) in planes {
+            let mut views: [Option<WeightTensor>; 2] = [None, None];
+            for (slot, (plane, shape, dtype)) in views.iter_mut().zip(planes) {
                 let Some(raw) = index.raw(plane) else {
                     missing.push(plane.clone());
                     return;
@@ -359,7 +359,7 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
                     return;
                 }
                 match (raw.dtype, index.view(plane)) {
-                    (Some(dt), Some(view)) if dt == dtype => views.push(view),
+                    (Some(dt), Some(view)) if dt == dtype => *slot = Some(view),
                     _ => {
                         dtype_errors.push(format!(
                             "tensor '{plane}' is stored as {}; a Q8_0 plane is {}",
@@ -370,8 +370,8 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
                     }
                 }
             }
-            let scale = views.pop().expect("two planes");
-            let quants = views.pop().expect("two planes");
+            // Each plane either filled its slot or returned above.
+            let [Some(quants), Some(scale)] = views else { return };
             scales.insert(name.clone(), scale);
             found.insert((layer.unwrap_or(usize::MAX), spec.role), quants);
             return;
