@@ -7,6 +7,9 @@ use std::process::{Command, Output, Stdio};
 
 use serde_json::Value;
 
+mod common;
+use common::{kylin, s};
+
 const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared");
 
 fn models_dir() -> PathBuf {
@@ -22,15 +25,6 @@ fn model(name: &str) -> PathBuf {
     path
 }
 
-fn kylin(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kylin"))
-        .args(args)
-        .env("KYLIN_QUIET", "1")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run kylin")
-}
-
 fn json_of(out: &Output) -> Value {
     let text = String::from_utf8_lossy(&out.stdout);
     serde_json::from_str(text.trim())
@@ -41,10 +35,6 @@ fn ok_json(args: &[&str]) -> Value {
     let out = kylin(args);
     assert!(out.status.success(), "kylin {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
     json_of(&out)
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("UTF-8 path")
 }
 
 #[test]

@@ -2,23 +2,17 @@
 //! `logits`, `chat`, `bench` and `serve` on the result, with the same answers as the Hugging
 //! Face directory it came from.
 
+mod common;
 #[path = "../../kylin-loader/tests/support/llama2c.rs"]
 mod support;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
+
+use common::{kylin, s};
 
 use serde_json::Value;
-
-fn kylin(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kylin"))
-        .args(args)
-        .env("KYLIN_QUIET", "1")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run kylin")
-}
 
 fn ok(args: &[&str]) -> String {
     let out = kylin(args);
@@ -37,10 +31,6 @@ fn err_code(args: &[&str]) -> String {
     let text = String::from_utf8_lossy(&out.stderr).to_string();
     assert!(text.starts_with('['), "{text}");
     text
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("UTF-8 path")
 }
 
 const IDS: &str = "1,50,300,7,900,12,5,811,64";
