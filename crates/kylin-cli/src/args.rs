@@ -123,6 +123,19 @@ pub enum QuantizeArg {
     /// GGUF's Q8_0 (blocks of 32 int8 with an f16 scale), int8 activations.
     #[value(name = "q8_0")]
     Q8_0,
+    /// GGUF's Q4_K (super-blocks of 256, 6-bit sub-block scales and mins), mixed as llama.cpp's
+    /// Q4_K_M with Q8_0 for the head and for v_proj/down_proj in a third of the layers.
+    #[value(name = "q4_k")]
+    Q4K,
+}
+
+impl QuantizeArg {
+    pub fn format(self) -> kylin_engine::QuantFormat {
+        match self {
+            QuantizeArg::Q8_0 => kylin_engine::QuantFormat::Q8_0,
+            QuantizeArg::Q4K => kylin_engine::QuantFormat::Q4K,
+        }
+    }
 }
 
 /// How the batching engine is sized (native models; llama.cpp runs one sequence at a time).
@@ -153,7 +166,8 @@ pub struct EngineArgs {
     #[arg(long, value_enum)]
     pub precision: Option<PrecisionArg>,
     /// Quantize the linear layers and the head at load (native models): `q8_0` is GGUF's Q8_0,
-    /// the same numbers llama.cpp's Q8_0 file holds, computed with int8 activations.
+    /// the same numbers llama.cpp's Q8_0 file holds; `q4_k` is GGUF's Q4_K mixed as Q4_K_M
+    /// (Q8_0 where that recipe uses Q6_K). Both compute with int8 activations.
     #[arg(long, value_enum)]
     pub quantize: Option<QuantizeArg>,
 }

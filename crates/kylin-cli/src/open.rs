@@ -7,7 +7,7 @@ use kylin_engine::batch::{
     DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_SEQS, EngineOptions, KvBudget, QuantizeProgress,
 };
 use kylin_engine::native::{NativeBackend, NativeOptions};
-use kylin_engine::{Backend, PrecisionChoice, QuantFormat, Serving};
+use kylin_engine::{Backend, PrecisionChoice, Serving};
 use kylin_kernels::WeightDType;
 use kylin_loader::{Format, KylinError, LoadOptions};
 
@@ -198,9 +198,7 @@ pub fn engine_options(args: &ModelArgs, threads: usize, default_max_seqs: usize)
             PrecisionArg::Bf16 => PrecisionChoice::Bf16,
             PrecisionArg::Auto => PrecisionChoice::Auto,
         },
-        quantize: e.quantize.map(|q| match q {
-            QuantizeArg::Q8_0 => QuantFormat::Q8_0,
-        }),
+        quantize: e.quantize.map(QuantizeArg::format),
         quantize_progress: e.quantize.map(|_| quantize_progress_bar()),
     })
 }

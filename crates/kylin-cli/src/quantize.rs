@@ -23,16 +23,15 @@ use std::time::Instant;
 use anyhow::Result;
 use kylin_engine::QuantFormat;
 use kylin_engine::model::Model;
+use kylin_kernels::quant::QuantMatrix;
 use kylin_loader::{Format, KylinError, LoadOptions, StoredQuantization};
 use safetensors::tensor::TensorView;
 
-use crate::args::{QuantizeArg, QuantizeArgs};
+use crate::args::QuantizeArgs;
 
 pub fn run(args: &QuantizeArgs) -> Result<()> {
     let started = Instant::now();
-    let format = match args.to {
-        QuantizeArg::Q8_0 => QuantFormat::Q8_0,
-    };
+    let format = args.to.format();
     let threads = match args.threads {
         Some(0) => return Err(KylinError::input_invalid("--threads must be at least 1").into()),
         Some(n) => n,
@@ -81,9 +80,18 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
             .map_err(|e| KylinError::input_invalid(format!("cannot describe a tensor: {e}")))
     };
     for (name, m) in &quantized {
-        let (qs, ss) = kylin_kernels::quant::q8_0_plane_shapes(m.rows(), m.cols());
-        tensors.push((name.clone(), view(safetensors::Dtype::U8, qs.to_vec(), m.quants())?));
-        tensors.push((format!("{name}_scale"), view(safetensors::Dtype::F16, ss.to_vec(), m.scales())?));
+        let (quants, scales) = match m {
+            QuantMatrix::Q8_0(_) => {
+                let (qs, ss) = kylin_kernels::quant::q8_0_plane_shapes(m.rows(), m.cols());
+                ((qs.to_vec(), safetensors::Dtype::U8), (ss.to_vec(), safetensors::Dtype::F16))
+            }
+            QuantMatrix::Q4K(_) => {
+                let (qs, ss) = kylin_kernels::q4k::q4_k_plane_shapes(m.rows(), m.cols());
+                ((qs.to_vec(), safetensors::Dtype::U8), (ss.to_vec(), safetensors::Dtype::U8))
+            }
+        };
+        tensors.push((name.clone(), view(quants.1, quants.0, m.quants())?));
+        tensors.push((format!("{name}_scale"), view(scales.1, scales.0, m.scales())?));
     }
     for t in loaded.weights.tensors() {
         if quantized_names.contains(t.name.as_str()) {
@@ -109,9 +117,8 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
     let obj = config
         .as_object_mut()
         .ok_or_else(|| KylinError::config_invalid(format!("{} is not a JSON object", config_path.display())))?;
-    obj.insert(
-        "quantization_config".into(),
-        serde_json::json!({
+    let quantization_config = match format {
+        QuantFormat::Q8_0 => serde_json::json!({
             "quant_method": StoredQuantization::KYLIN_METHOD,
             "format": StoredQuantization::Q8_0_FORMAT,
             "version": 1,
@@ -120,7 +127,22 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
             "input_activations": {"num_bits": 8, "type": "int", "symmetric": true, "strategy": "group", "group_size": 32, "dynamic": true},
             "quantized_modules": "every linear layer of the decoder and lm_head; embed_tokens as stored",
         }),
-    );
+        QuantFormat::Q4K => {
+            let q8_0: Vec<&str> =
+                quantized.iter().filter(|(_, m)| matches!(m, QuantMatrix::Q8_0(_))).map(|(n, _)| n.as_str()).collect();
+            serde_json::json!({
+                "quant_method": StoredQuantization::KYLIN_METHOD,
+                "format": StoredQuantization::Q4_K_FORMAT,
+                "version": 1,
+                "weights": {"num_bits": 4, "type": "int", "symmetric": false, "strategy": "group", "group_size": 32, "super_block": 256, "scale_bits": 6},
+                "rows_per_group": 16,
+                "input_activations": {"num_bits": 8, "type": "int", "symmetric": true, "strategy": "group", "group_size": 256, "dynamic": true},
+                "quantized_modules": "every linear layer of the decoder and lm_head; embed_tokens as stored",
+                "q8_0_modules": q8_0,
+            })
+        }
+    };
+    obj.insert("quantization_config".into(), quantization_config);
     obj.insert("tie_word_embeddings".into(), serde_json::Value::Bool(false));
     let config_out = args.out_dir.join("config.json");
     write_new(&config_out, serde_json::to_string_pretty(&config)?.as_bytes())?;

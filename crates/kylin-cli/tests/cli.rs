@@ -404,18 +404,21 @@ fn precision_is_reported_and_refused_where_it_cannot_apply() {
 /// real model (with a tied head, stored separately). It refuses what it cannot do, and a
 /// broken quantized directory gets its error code.
 #[test]
-fn quantize_writes_a_q8_0_directory_that_loads_in_place_with_the_same_logits() {
+fn quantize_writes_q8_0_and_q4_k_directories_that_load_in_place_with_the_same_logits() {
     let out_root = std::env::temp_dir().join(format!("kylin-quantize-test-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out_root);
-    for (name, source) in [
-        ("tiny-llama-rope3", Path::new(SHARED).join("fixtures/tiny-llama-rope3")),
-        ("smollm2", model("smollm2-135m-instruct")),
+    for (name, source, format) in [
+        ("tiny-llama-rope3", Path::new(SHARED).join("fixtures/tiny-llama-rope3"), "q8_0"),
+        ("smollm2", model("smollm2-135m-instruct"), "q8_0"),
+        ("tiny-llama-rope3-q4_k", Path::new(SHARED).join("fixtures/tiny-llama-rope3"), "q4_k"),
+        ("smollm2-q4_k", model("smollm2-135m-instruct"), "q4_k"),
     ] {
         let out = out_root.join(name);
-        let q = kylin(&["quantize", s(&source), "--to", "q8_0", s(&out)]);
+        let q = kylin(&["quantize", s(&source), "--to", format, s(&out)]);
         assert!(q.status.success(), "{}", String::from_utf8_lossy(&q.stderr));
         let config: Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
         assert_eq!(config["quantization_config"]["quant_method"], "kylin");
+        assert_eq!(config["quantization_config"]["format"], format!("{format}-packed"));
         assert_eq!(config["tie_word_embeddings"], false);
         let ids = "1,5,9,200,17,3,44";
         let logits = |dir: &Path, extra: &[&str]| {
@@ -424,14 +427,33 @@ fn quantize_writes_a_q8_0_directory_that_loads_in_place_with_the_same_logits() {
             ok_json(&a)["positions"].clone()
         };
         let stored = logits(&out, &[]);
-        let at_load = logits(&source, &["--quantize", "q8_0"]);
-        assert_eq!(stored, at_load, "{name}: the stored Q8_0 model differs from --quantize q8_0");
+        let at_load = logits(&source, &["--quantize", format]);
+        assert_eq!(stored, at_load, "{name}: the stored model differs from --quantize {format}");
         let float = logits(&source, &["--precision", "f32"]);
         assert_ne!(stored, float, "{name}: the quantized logits equal the f32 ones: nothing was quantized");
         // inspect describes the stored quantization.
         let r = ok_json(&["inspect", s(&out), "--json"]);
-        assert!(r.to_string().contains("q8_0"), "{r}");
+        assert!(r.to_string().contains(&format!("{format}-packed")), "{r}");
+        if name == "smollm2-q4_k" {
+            // The recipe: Q4_K where a matrix has whole 256-column super-blocks (down_proj),
+            // Q8_0 for the head and the rest.
+            let kinds = r["binding"]["quantization"]["kinds"].to_string();
+            assert!(kinds.contains("Q4_K") && kinds.contains("Q8_0"), "{kinds}");
+        }
     }
+    // A Q4_K plane of the wrong shape is named, with its format.
+    let q4 = out_root.join("smollm2-q4_k");
+    let shape_dir = out_root.join("broken-q4_k-shape");
+    std::fs::create_dir_all(&shape_dir).unwrap();
+    std::fs::copy(q4.join("model.safetensors"), shape_dir.join("model.safetensors")).unwrap();
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(q4.join("config.json")).unwrap()).unwrap();
+    config["intermediate_size"] = 1024.into();
+    std::fs::write(shape_dir.join("config.json"), config.to_string()).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(q4.join(f), shape_dir.join(f)).unwrap();
+    }
+    let err = String::from_utf8_lossy(&kylin(&["run", s(&shape_dir), "--ids", "1,2"]).stderr).to_string();
+    assert!(err.starts_with("[TENSOR_SHAPE_MISMATCH] ") && err.contains("Q4_K planes"), "{err}");
     // A directory that already holds a model is not overwritten; GGUF files are refused.
     let again = kylin(&[
         "quantize",

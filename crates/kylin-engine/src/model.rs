@@ -52,6 +52,9 @@ impl PrecisionChoice {
 pub enum QuantFormat {
     /// GGUF's Q8_0: blocks of 32 int8 with an f16 scale, int8 activations (`kylin_kernels::quant`).
     Q8_0,
+    /// GGUF's Q4_K (super-blocks of 256 with 6-bit sub-block scales and mins; int8 activations,
+    /// `kylin_kernels::q4k`), mixed as llama.cpp's Q4_K_M: see [`Model::quantize`].
+    Q4K,
 }
 
 impl QuantFormat {
@@ -59,6 +62,7 @@ impl QuantFormat {
     pub fn name(self) -> &'static str {
         match self {
             QuantFormat::Q8_0 => "q8_0",
+            QuantFormat::Q4K => "q4_k",
         }
     }
 
@@ -66,6 +70,7 @@ impl QuantFormat {
     pub fn parse(s: &str) -> Option<Self> {
         match s.to_ascii_lowercase().as_str() {
             "q8_0" => Some(QuantFormat::Q8_0),
+            "q4_k" => Some(QuantFormat::Q4K),
             _ => None,
         }
     }
@@ -74,7 +79,7 @@ impl QuantFormat {
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use kylin_kernels::quant::{Q8Buffer, Q8Matrix};
+use kylin_kernels::quant::{Packing, QuantBuffer, QuantMatrix};
 use kylin_kernels::{self as kernels, Bf16Kernels, Precision, ThreadPool, WeightDType, WeightMatrix, WeightVector};
 use kylin_loader::{DType, KylinError, LayerWeights, ModelConfig, ModelWeights, Result, RopeConfig, WeightTensor};
 
@@ -149,18 +154,18 @@ struct Linear {
     rows: usize,
     cols: usize,
     bias: Option<Vector>,
-    /// The Q8_0 planes the products read instead of a float `weight`.
-    q8: Option<Q8Source>,
+    /// The quantized planes the products read instead of a float `weight`.
+    quant: Option<QuantSource>,
 }
 
 /// Where a quantized linear layer's planes live.
 #[derive(Debug, Clone)]
-enum Q8Source {
+enum QuantSource {
     /// Made at load ([`Model::quantize`]).
-    Owned(Arc<Q8Buffer>),
+    Owned(Arc<QuantBuffer>),
     /// Read in place from a checkpoint written by `kylin quantize`: `weight` (the `Linear`'s
-    /// own tensor) holds the quants, this the scales. Checked against the shape when bound.
-    Mapped(WeightTensor),
+    /// own tensor) holds the quants, `scales` the scales. Checked against the shape when bound.
+    Mapped { scales: WeightTensor, packing: Packing },
 }
 
 impl Linear {
@@ -174,26 +179,29 @@ impl Linear {
             rows,
             cols,
             bias: Vector::optional(bias, rows)?,
-            q8: None,
+            quant: None,
         })
     }
 
-    /// A linear layer stored quantized (`kylin quantize`): `quants` and `scales` are the planes,
-    /// checked against `[rows, cols]` (`TENSOR_SHAPE_MISMATCH` naming the tensor otherwise).
-    fn stored_q8(
+    /// A linear layer stored quantized (`kylin quantize`): `quants` and `scales` are the planes
+    /// (Q8_0 when the scales are F16, Q4_K when they are U8), checked against `[rows, cols]`
+    /// (`TENSOR_SHAPE_MISMATCH` naming the tensors otherwise).
+    fn stored_quant(
         quants: &WeightTensor,
         scales: &WeightTensor,
         bias: Option<&WeightTensor>,
         rows: usize,
         cols: usize,
     ) -> Result<Self> {
-        if Q8Matrix::new(rows, cols, quants.bytes(), scales.bytes()).is_none() {
+        let packing = if scales.dtype == DType::U8 { Packing::Q4K } else { Packing::Q8_0 };
+        if QuantMatrix::new(packing, rows, cols, quants.bytes(), scales.bytes()).is_none() {
             return Err(KylinError::tensor_shape_mismatch(format!(
-                "tensors '{}' ({} bytes) and '{}' ({} bytes) are not the Q8_0 planes of a [{rows}, {cols}] matrix",
+                "tensors '{}' ({} bytes) and '{}' ({} bytes) are not the {} planes of a [{rows}, {cols}] matrix",
                 quants.name,
                 quants.byte_len(),
                 scales.name,
-                scales.byte_len()
+                scales.byte_len(),
+                packing.name()
             )));
         }
         Ok(Linear {
@@ -203,7 +211,7 @@ impl Linear {
             rows,
             cols,
             bias: Vector::optional(bias, rows)?,
-            q8: Some(Q8Source::Mapped(scales.clone())),
+            quant: Some(QuantSource::Mapped { scales: scales.clone(), packing }),
         })
     }
 
@@ -216,19 +224,21 @@ impl Linear {
         scales: &BTreeMap<String, WeightTensor>,
     ) -> Result<Self> {
         match scales.get(&weight.name) {
-            Some(scale) => Linear::stored_q8(weight, scale, bias, rows, cols),
+            Some(scale) => Linear::stored_quant(weight, scale, bias, rows, cols),
             None => Linear::new(weight, bias, rows, cols),
         }
     }
 
-    /// The Q8_0 planes, if quantized.
+    /// The quantized planes, if quantized.
     #[inline]
-    fn q8_matrix(&self) -> Option<Q8Matrix<'_>> {
-        match self.q8.as_ref()? {
+    fn quant_matrix(&self) -> Option<QuantMatrix<'_>> {
+        match self.quant.as_ref()? {
             // The buffer was made for exactly these rows and columns (`Model::quantize`).
-            Q8Source::Owned(buffer) => Some(buffer.matrix()),
-            // Checked in `stored_q8`; a mismatch here would be a bug, and falls back to None.
-            Q8Source::Mapped(scales) => Q8Matrix::new(self.rows, self.cols, self.weight.bytes(), scales.bytes()),
+            QuantSource::Owned(buffer) => Some(buffer.matrix()),
+            // Checked in `stored_quant`; a mismatch here would be a bug, and falls back to None.
+            QuantSource::Mapped { scales, packing } => {
+                QuantMatrix::new(*packing, self.rows, self.cols, self.weight.bytes(), scales.bytes())
+            }
         }
     }
 
@@ -237,13 +247,13 @@ impl Linear {
         WeightMatrix { dtype: self.dtype, rows: self.rows, cols: self.cols, data: self.weight.bytes() }
     }
 
-    /// `y (n, rows) = x (n, cols) · Wᵀ (cols, rows) (+ b)`: int8 activations over the Q8_0
-    /// copy when quantized, else BF16 inputs when `bf16` names the kernels, else f32 (`p`
+    /// `y (n, rows) = x (n, cols) · Wᵀ (cols, rows) (+ b)`: int8 activations over the
+    /// quantized planes when quantized, else BF16 inputs when `bf16` names the kernels, else f32 (`p`
     /// receives the quantized or rounded `x`).
     #[inline]
     fn forward(&self, mm: Matmul<'_>, x: &[f32], n: usize, y: &mut [f32], p: &mut ProductScratch) {
-        match (self.q8_matrix(), mm.bf16) {
-            (Some(q), _) => kernels::quant::matmul_many_q8(mm.pool, x, n, &mut p.xq, &mut [(q, y)]),
+        match (self.quant_matrix(), mm.bf16) {
+            (Some(q), _) => q.matmul(mm.pool, x, n, &mut p.xq, y),
             (None, Some(k)) => kernels::matmul_many_bf16(mm.pool, k, x, n, &mut p.xb, &mut [(self.matrix(), y)]),
             (None, None) => kernels::matmul(mm.pool, self.matrix(), x, n, y),
         }
@@ -264,10 +274,22 @@ impl Linear {
         mut layers: [(&Linear, &mut [f32]); N],
         p: &mut ProductScratch,
     ) {
-        // A layer's linears are all quantized or none (`Model::quantize`).
-        if layers.iter().all(|(l, _)| l.q8.is_some()) {
-            let mut mats = layers.each_mut().map(|(l, y)| (l.q8_matrix().expect("quantized"), &mut **y));
+        // A layer's linears are all quantized or none (`Model::quantize`), but not always to
+        // one format (`QuantFormat::Q4K` keeps some at Q8_0): one fused product per format.
+        let packings = layers.each_ref().map(|(l, _)| l.quant_matrix().map(|q| q.packing()));
+        if packings.iter().all(|p| *p == Some(Packing::Q8_0)) {
+            let mut mats =
+                layers.each_mut().map(|(l, y)| (l.quant_matrix().and_then(|q| q.as_q8_0()).expect("Q8_0"), &mut **y));
             kernels::quant::matmul_many_q8(mm.pool, x, n, &mut p.xq, &mut mats);
+        } else if packings.iter().all(|p| *p == Some(Packing::Q4K)) {
+            let mut mats =
+                layers.each_mut().map(|(l, y)| (l.quant_matrix().and_then(|q| q.as_q4k()).expect("Q4_K"), &mut **y));
+            kernels::q4k::matmul_many_q4k(mm.pool, x, n, &mut p.xq, &mut mats);
+        } else if packings.iter().all(|p| p.is_some()) {
+            for (l, y) in layers.iter_mut() {
+                let q = l.quant_matrix().expect("quantized");
+                q.matmul(mm.pool, x, n, &mut p.xq, y);
+            }
         } else {
             let mut mats: [(WeightMatrix<'_>, &mut [f32]); N] = layers.each_mut().map(|(l, y)| (l.matrix(), &mut **y));
             match mm.bf16 {
@@ -288,9 +310,9 @@ impl Linear {
         (self.rows * self.cols) as u64 + self.bias.as_ref().map_or(0, |b| b.tensor.element_count() as u64)
     }
 
-    /// Bytes the products read: the Q8_0 copy when quantized, else the stored weight.
+    /// Bytes the products read: the quantized planes when quantized, else the stored weight.
     fn byte_len(&self) -> u64 {
-        let weight = self.q8_matrix().map_or(self.weight.byte_len(), |q| q.byte_len());
+        let weight = self.quant_matrix().map_or(self.weight.byte_len(), |q| q.byte_len());
         weight as u64 + self.bias.as_ref().map_or(0, |b| b.tensor.byte_len() as u64)
     }
 }
@@ -660,13 +682,18 @@ impl Model {
         let lm_head = Linear::bind(&weights.lm_head, None, dims.vocab, dims.hidden, scales)?;
         let quantization = match config.quantization {
             None => None,
-            Some(kylin_loader::StoredQuantization::KylinQ8_0) => {
-                if lm_head.q8.is_none() {
-                    return Err(KylinError::operator_unsupported(
-                        "a checkpoint stored in Q8_0 must store its head quantized (lm_head.weight and lm_head.weight_scale, tie_word_embeddings false), as kylin quantize writes it",
-                    ));
+            Some(stored) => {
+                let format = match stored {
+                    kylin_loader::StoredQuantization::KylinQ8_0 => QuantFormat::Q8_0,
+                    kylin_loader::StoredQuantization::KylinQ4K => QuantFormat::Q4K,
+                };
+                if lm_head.quant.is_none() {
+                    return Err(KylinError::operator_unsupported(format!(
+                        "a checkpoint stored in {} must store its head quantized (lm_head.weight and lm_head.weight_scale, tie_word_embeddings false), as kylin quantize writes it",
+                        format.name()
+                    )));
                 }
-                Some(QuantFormat::Q8_0)
+                Some(format)
             }
         };
         Ok(Model {
@@ -684,12 +711,20 @@ impl Model {
     }
 
     /// Quantizes every linear layer and the head to `format` (before
-    /// [`Model::set_precision`] and [`Model::plan_scratch`]): Q8_0 copies with GGUF's numbers,
-    /// made on `threads` threads, `progress(done, total)` called with the source bytes done
-    /// after each piece. The embedding stays as stored (a lookup reads one row per token); a
-    /// tied head is quantized from it. Each quantized matrix's source pages are released from
-    /// resident memory as soon as it is done (the map stays: a lookup faults back the rows it
-    /// reads).
+    /// [`Model::set_precision`] and [`Model::plan_scratch`]), with GGUF's numbers, made on
+    /// `threads` threads, `progress(done, total)` called with the source bytes done after each
+    /// piece. The embedding stays as stored (a lookup reads one row per token); a tied head is
+    /// quantized from it. Each quantized matrix's source pages are released from resident
+    /// memory as soon as it is done (the map stays: a lookup faults back the rows it reads).
+    ///
+    /// `Q8_0` quantizes every matrix to Q8_0. `Q4K` follows llama.cpp's Q4_K_M recipe with
+    /// Q8_0 wherever that recipe asks for Q6_K (which Kylin does not implement; Q8_0 is the
+    /// more accurate of the two): the head, and `v_proj` and `down_proj` in the layers
+    /// llama.cpp's `use_more_bits` picks (the first and last eighth, and every third between);
+    /// all other matrices are Q4_K. A matrix whose columns are not whole super-blocks of 256 is
+    /// Q8_0 too, where llama.cpp falls back to Q5_0 (Qwen2.5-0.5B's 896 columns). The Q4_K
+    /// kernels could run such a matrix with a partial last super-block, but measured on
+    /// Qwen2.5-Coder-0.5B that costs ten times llama.cpp's KL divergence (BENCHMARKS.md).
     ///
     /// `OPERATOR_UNSUPPORTED` naming the tensor when a matrix's columns are not whole blocks
     /// of 32.
@@ -699,19 +734,36 @@ impl Model {
         threads: usize,
         progress: &(dyn Fn(u64, u64) + Sync),
     ) -> Result<()> {
-        use kylin_kernels::quant::{GROUP_ROWS, QK8_0, quantize_q8_0_groups};
-        let QuantFormat::Q8_0 = format;
+        use kylin_kernels::quant::GROUP_ROWS;
         if self.quantization.is_some() {
             return Ok(());
         }
-        let matrices: Vec<&Linear> =
-            self.layers.iter().flat_map(|l| l.linears()).chain(std::iter::once(&self.lm_head)).collect();
+        let n_layers = self.layers.len();
+        // llama.cpp's `use_more_bits(i_layer, n_layers)` (llama-quant.cpp), by layer index.
+        let more_bits = |i: usize| i < n_layers / 8 || i >= 7 * n_layers / 8 || (i - n_layers / 8) % 3 == 2;
+        let mut matrices: Vec<(&Linear, Packing)> = Vec::new();
+        for (i, layer) in self.layers.iter().enumerate() {
+            for (k, m) in layer.linears().into_iter().enumerate() {
+                // `linears()` order: q, k, v, o, gate, up, down.
+                let wants = match format {
+                    QuantFormat::Q8_0 => Packing::Q8_0,
+                    QuantFormat::Q4K if (k == 2 || k == 6) && more_bits(i) => Packing::Q8_0,
+                    QuantFormat::Q4K => Packing::Q4K,
+                };
+                matrices.push((m, wants));
+            }
+        }
+        matrices.push((&self.lm_head, Packing::Q8_0));
         let mut buffers = Vec::with_capacity(matrices.len());
-        for m in &matrices {
-            let buffer = Q8Buffer::zeroed(m.rows, m.cols).ok_or_else(|| {
+        for (m, packing) in matrices.iter_mut() {
+            if *packing == Packing::Q4K && !m.cols.is_multiple_of(kylin_kernels::q4k::QK_K) {
+                *packing = Packing::Q8_0;
+            }
+            let buffer = QuantBuffer::zeroed(*packing, m.rows, m.cols).ok_or_else(|| {
                 KylinError::operator_unsupported(format!(
-                    "--quantize {} needs matrices whose columns are whole blocks of {QK8_0}; tensor '{}' has {} columns",
+                    "--quantize {} needs matrices whose columns are whole blocks of {}; tensor '{}' has {} columns",
                     format.name(),
+                    kylin_kernels::quant::QK8_0,
                     m.weight.name,
                     m.cols
                 ))
@@ -721,21 +773,19 @@ impl Model {
         // Work items of at most `CHUNK_GROUPS` groups of 16 rows, largest matrices first.
         const CHUNK_GROUPS: usize = 64;
         let mut items = Vec::new();
-        for (index, (m, buffer)) in matrices.iter().zip(buffers.iter_mut()).enumerate() {
-            let blocks = m.cols / QK8_0;
+        for (index, ((m, packing), buffer)) in matrices.iter().zip(buffers.iter_mut()).enumerate() {
             let groups = m.rows.div_ceil(GROUP_ROWS);
+            let (gq, gs) = buffer.group_bytes();
             let (quants, scales) = buffer.planes_mut();
-            let pieces = quants
-                .chunks_mut(CHUNK_GROUPS * blocks * GROUP_ROWS * QK8_0)
-                .zip(scales.chunks_mut(CHUNK_GROUPS * blocks * GROUP_ROWS * 2));
+            let pieces = quants.chunks_mut(CHUNK_GROUPS * gq).zip(scales.chunks_mut(CHUNK_GROUPS * gs));
             for (i, out) in pieces.enumerate() {
                 let g0 = i * CHUNK_GROUPS;
                 let g1 = (g0 + CHUNK_GROUPS).min(groups);
                 let source_bytes = ((g1 * GROUP_ROWS).min(m.rows) - g0 * GROUP_ROWS) * m.cols * m.dtype.size_in_bytes();
-                items.push((index, m.matrix(), g0..g1, out, source_bytes as u64));
+                items.push((index, *packing, m.matrix(), g0..g1, out, source_bytes as u64));
             }
         }
-        let total: u64 = items.iter().map(|item| item.4).sum();
+        let total: u64 = items.iter().map(|item| item.5).sum();
         // Pieces left per matrix: whoever finishes a matrix's last piece releases its source
         // pages from resident memory, so the peak stays near the quantized size, not the sum.
         let left: Vec<std::sync::atomic::AtomicUsize> = (0..matrices.len())
@@ -749,17 +799,17 @@ impl Model {
                 scope.spawn(|| {
                     let mut row = Vec::new();
                     loop {
-                        let Some((index, w, groups, (quants, scales), bytes)) =
+                        let Some((index, packing, w, groups, (quants, scales), bytes)) =
                             queue.lock().unwrap_or_else(|e| e.into_inner()).pop()
                         else {
                             break;
                         };
                         row.resize(w.cols, 0.0);
-                        quantize_q8_0_groups(w, groups, quants, scales, &mut row);
+                        QuantBuffer::quantize_groups(packing, w, groups, quants, scales, &mut row);
                         if left[index].fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
                             // A tied head's pages are the embedding's: a lookup faults back
                             // only the rows it reads.
-                            matrices[index].weight.advise_dont_need();
+                            matrices[index].0.weight.advise_dont_need();
                         }
                         let now = done.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed) + bytes;
                         progress(now, total);
@@ -769,7 +819,7 @@ impl Model {
         });
         let linears = self.layers.iter_mut().flat_map(|l| l.linears_mut()).chain(std::iter::once(&mut self.lm_head));
         for (linear, buffer) in linears.zip(buffers) {
-            linear.q8 = Some(Q8Source::Owned(Arc::new(buffer)));
+            linear.quant = Some(QuantSource::Owned(Arc::new(buffer)));
         }
         self.quantization = Some(format);
         Ok(())
@@ -778,11 +828,11 @@ impl Model {
     /// The quantized matrices, for `kylin quantize` to store: `(name, planes)` for every layer's
     /// projections (their checkpoint names) and the head (`lm_head.weight`, also when it was
     /// tied to the embedding). Empty unless quantized.
-    pub fn quantized_matrices(&self) -> Vec<(String, Q8Matrix<'_>)> {
+    pub fn quantized_matrices(&self) -> Vec<(String, QuantMatrix<'_>)> {
         let layers = self.layers.iter().flat_map(|l| l.linears()).map(|m| (m.weight.name.clone(), m));
         layers
             .chain(std::iter::once(("lm_head.weight".to_string(), &self.lm_head)))
-            .filter_map(|(name, m)| m.q8_matrix().map(|q| (name, q)))
+            .filter_map(|(name, m)| m.quant_matrix().map(|q| (name, q)))
             .collect()
     }
 
@@ -958,7 +1008,7 @@ impl Model {
                         Vec::new()
                     },
                     xq: if self.quantization.is_some() {
-                        vec![0; kernels::quant::q8_scratch_len(max_tokens, widest)]
+                        vec![0; kernels::quant::quant_scratch_len(max_tokens, widest)]
                     } else {
                         Vec::new()
                     },

@@ -298,6 +298,8 @@ fn llama3_inv_freq(
         let smooth_factor = ((1.0 / wavelen) * old_context_len as f32 - low_freq_factor as f32)
             / (high_freq_factor - low_freq_factor) as f32;
         let smoothed = (1.0 - smooth_factor) * scaled / factor32 + smooth_factor * scaled;
+        // transformers' `~(wavelen < high) & ~(wavelen > low)`, negations kept as written.
+        #[allow(clippy::neg_cmp_op_on_partial_ord)]
         let is_medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
         *f = if is_medium { smoothed } else { scaled };
     }

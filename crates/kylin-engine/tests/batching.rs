@@ -406,11 +406,19 @@ fn bf16_precision_stays_close_to_f32_on_a_real_model() {
 /// own run alone, on the fixtures and on SmolLM2.
 #[test]
 fn q8_0_batches_invariantly_on_fixtures_and_a_real_model() {
-    let q8 = |opts: EngineOptions| EngineOptions {
-        quantize: Some(QuantFormat::Q8_0),
-        precision: PrecisionChoice::Auto,
-        ..opts
-    };
+    quantized_batches_invariantly(QuantFormat::Q8_0);
+}
+
+/// Q4_K weights (`--quantize q4_k`): the same. The fixtures' matrices are narrower than a
+/// 256-column super-block, so they run the recipe's Q8_0 fallback; SmolLM2 mixes Q4_K
+/// (down_proj) and Q8_0 as the recipe does.
+#[test]
+fn q4_k_batches_invariantly_on_fixtures_and_a_real_model() {
+    quantized_batches_invariantly(QuantFormat::Q4K);
+}
+
+fn quantized_batches_invariantly(format: QuantFormat) {
+    let q8 = |opts: EngineOptions| EngineOptions { quantize: Some(format), precision: PrecisionChoice::Auto, ..opts };
     for name in ["tiny-qwen3", "tiny-llama-rope3"] {
         let path = fixture(name);
         let opts = q8(EngineOptions { max_batch_tokens: 48, ..options(2) });
@@ -419,7 +427,7 @@ fn q8_0_batches_invariantly_on_fixtures_and_a_real_model() {
         let single = alone(&path, &opts, &requests);
         let mut e = engine(&path, opts.clone());
         assert_eq!(e.info().precision, "int8");
-        assert!(e.info().kernels.contains("q8_0"), "{}", e.info().kernels);
+        assert!(e.info().kernels.contains(format.name()), "{}", e.info().kernels);
         for r in &requests {
             e.add_request(r.clone()).unwrap();
         }
@@ -435,6 +443,16 @@ fn q8_0_batches_invariantly_on_fixtures_and_a_real_model() {
 /// for f32 or bf16 arithmetic with it is refused.
 #[test]
 fn q8_0_stays_close_to_f32_on_a_real_model() {
+    quantized_stays_close_to_f32(QuantFormat::Q8_0, 0.3);
+}
+
+/// Q4_K, 4-bit weights, moves them more: within 1.0.
+#[test]
+fn q4_k_stays_close_to_f32_on_a_real_model() {
+    quantized_stays_close_to_f32(QuantFormat::Q4K, 1.0);
+}
+
+fn quantized_stays_close_to_f32(format: QuantFormat, tolerance: f32) {
     let path = smollm2();
     let requests: Vec<Request> = (0..6).map(|i| request(i, prompt(40 + 17 * i as usize, 500 + i, 40_000), 1)).collect();
     let run = |precision, quantize| {
@@ -446,23 +464,25 @@ fn q8_0_stays_close_to_f32_on_a_real_model() {
         drain(&mut e)
     };
     let f32_out = run(PrecisionChoice::F32, None);
-    let q8_out = run(PrecisionChoice::Auto, Some(QuantFormat::Q8_0));
+    let q_out = run(PrecisionChoice::Auto, Some(format));
+    let name = format.name();
     for (key, a) in &f32_out {
-        let b = &q8_out[key];
+        let b = &q_out[key];
         let top = &a.logprobs[0].top;
-        if top[0].1 - top[1].1 > 0.3 {
-            assert_eq!(a.ids, b.ids, "request {key:?}: greedy token differs between f32 and q8_0");
+        if top[0].1 - top[1].1 > tolerance {
+            assert_eq!(a.ids, b.ids, "request {key:?}: greedy token differs between f32 and {name}");
         }
         let (x, y) = (a.logprobs[0].logprob, b.logprobs[0].logprob);
-        assert_ne!(x.to_bits(), y.to_bits(), "request {key:?}: q8_0 gave f32's bits: it did not run");
-        assert!((x - y).abs() < 0.3, "request {key:?}: logprob {x} in f32, {y} in q8_0");
+        assert_ne!(x.to_bits(), y.to_bits(), "request {key:?}: {name} gave f32's bits: it did not run");
+        assert!((x - y).abs() < tolerance, "request {key:?}: logprob {x} in f32, {y} in {name}");
+        eprintln!("{name} request {key:?}: logprob {x} in f32, {y} quantized");
     }
     for precision in [PrecisionChoice::F32, PrecisionChoice::Bf16] {
         let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
-        let opts = EngineOptions { precision, quantize: Some(QuantFormat::Q8_0), ..EngineOptions::default() };
+        let opts = EngineOptions { precision, quantize: Some(format), ..EngineOptions::default() };
         let err = BatchEngine::new(model, &opts).unwrap_err();
         assert_eq!(err.code(), kylin_loader::ErrorCode::ConfigInvalid, "{}", err.message);
-        assert!(err.message.contains("--quantize q8_0"), "{}", err.message);
+        assert!(err.message.contains(&format!("--quantize {name}")), "{}", err.message);
     }
 }
 

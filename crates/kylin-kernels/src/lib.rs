@@ -8,7 +8,7 @@
 //!
 //! Guarantees: no function here allocates except [`measure_read_bandwidth`] (its probe buffer),
 //! [`ThreadPool::new`] and the load-time quantization ([`quant::quantize_q8_0_groups`]'s row
-//! buffers, [`quant::Q8Buffer::zeroed`]); accumulation is always in f32; [`matmul`] and [`matmul_many`] split
+//! buffers, [`quant::QuantBuffer::zeroed`]); accumulation is always in f32; [`matmul`] and [`matmul_many`] split
 //! the output rows across the pool so each weight byte is read by one core.
 //!
 //! Setting the environment variable `KYLIN_KERNELS_ISA=scalar` before the first kernel call
@@ -36,6 +36,9 @@ mod avx512bf16;
 mod matmul;
 pub mod paged;
 pub mod pool;
+pub mod q4k;
+#[cfg(target_arch = "x86_64")]
+mod q4k_x86;
 pub mod quant;
 #[cfg(target_arch = "x86_64")]
 mod quant_x86;

@@ -16,7 +16,7 @@
 //!
 //! That is [`Q8_BLOCK_BYTES`] = 544 bytes per 16 × 32 weights, as GGUF's 34 per 32. A task that
 //! owns a range of groups reads one contiguous stream in each plane; the quants of an aligned
-//! buffer ([`Q8Buffer`]) are read in whole cache lines. The planes are what `kylin quantize`
+//! buffer ([`QuantBuffer`]) are read in whole cache lines. The planes are what `kylin quantize`
 //! stores (`weight` and `weight_scale`), so a quantized checkpoint loads without a copy.
 //!
 //! **Activations** are quantized once per matrix product, per token, in blocks of 32
@@ -36,6 +36,11 @@
 
 use crate::matmul::{MatrixRows, OutPtr, split_rows};
 use crate::{Isa, ThreadPool, WeightMatrix, isa};
+
+/// One cache line.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
 
 /// Columns per Q8_0 block.
 pub const QK8_0: usize = 32;
@@ -305,32 +310,32 @@ pub fn quantize_activations(x: &[f32], n_tokens: usize, cols: usize, out: &mut [
 
 /// The kernel family of the int8 products on this machine (`avx512-vnni`, `avx2`, `scalar`).
 pub fn q8_kernels() -> &'static str {
-    match q8_isa() {
-        Q8Isa::Vnni => "avx512-vnni",
-        Q8Isa::Avx2 => "avx2",
-        Q8Isa::Scalar => "scalar",
+    match int8_isa() {
+        Int8Isa::Vnni => "avx512-vnni",
+        Int8Isa::Avx2 => "avx2",
+        Int8Isa::Scalar => "scalar",
     }
 }
 
-/// Which int8 dot-product kernels run.
+/// Which int8 dot-product kernels run (Q8_0's and Q4_K's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Q8Isa {
+pub(crate) enum Int8Isa {
     Vnni,
     Avx2,
     Scalar,
 }
 
-fn q8_isa() -> Q8Isa {
-    static Q8_ISA: std::sync::OnceLock<Q8Isa> = std::sync::OnceLock::new();
-    *Q8_ISA.get_or_init(detect_q8_isa)
+pub(crate) fn int8_isa() -> Int8Isa {
+    static INT8_ISA: std::sync::OnceLock<Int8Isa> = std::sync::OnceLock::new();
+    *INT8_ISA.get_or_init(detect_int8_isa)
 }
 
-fn detect_q8_isa() -> Q8Isa {
+fn detect_int8_isa() -> Int8Isa {
     match isa() {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 if std::arch::is_x86_feature_detected!("avx512vnni") => Q8Isa::Vnni,
-        Isa::Avx512 | Isa::Avx2Fma => Q8Isa::Avx2,
-        _ => Q8Isa::Scalar,
+        Isa::Avx512 if std::arch::is_x86_feature_detected!("avx512vnni") => Int8Isa::Vnni,
+        Isa::Avx512 | Isa::Avx2Fma => Int8Isa::Avx2,
+        _ => Int8Isa::Scalar,
     }
 }
 
@@ -379,7 +384,7 @@ pub fn matmul_many_q8(
     });
     let xq: &[u8] = &scratch[..needed];
     // 2. The products, output rows split across the pool in groups of 16.
-    let kernels = q8_isa();
+    let kernels = int8_isa();
     for chunk in jobs.chunks_mut(crate::matmul::MAX_FUSED) {
         let bytes: usize = chunk.iter().map(|(w, _)| w.byte_len()).sum();
         let macs: usize = chunk.iter().map(|(w, _)| w.rows * w.cols * n_tokens).sum();
@@ -401,7 +406,7 @@ pub fn matmul_many_q8(
 /// CPU has `kernels`' instructions.
 #[allow(clippy::too_many_arguments)]
 unsafe fn compute_groups(
-    kernels: Q8Isa,
+    kernels: Int8Isa,
     w: Q8Matrix<'_>,
     xq: &[u8],
     stride: usize,
@@ -426,9 +431,9 @@ unsafe fn compute_groups(
                 let y = out.0.add(t * w.rows + g * GROUP_ROWS);
                 match kernels {
                     #[cfg(target_arch = "x86_64")]
-                    Q8Isa::Vnni => crate::quant_x86::tile_vnni_dyn(mt, wq, ws, nb, xt, stride, y, w.rows, valid),
+                    Int8Isa::Vnni => crate::quant_x86::tile_vnni_dyn(mt, wq, ws, nb, xt, stride, y, w.rows, valid),
                     #[cfg(target_arch = "x86_64")]
-                    Q8Isa::Avx2 => crate::quant_x86::tile_avx2(mt, wq, ws, nb, xt, stride, y, w.rows, valid),
+                    Int8Isa::Avx2 => crate::quant_x86::tile_avx2(mt, wq, ws, nb, xt, stride, y, w.rows, valid),
                     _ => tile_scalar(mt, wq, ws, nb, xt, stride, y, w.rows, valid),
                 }
             }
@@ -479,7 +484,7 @@ unsafe fn tile_scalar(
 
 /// A byte buffer that pool tasks write disjoint parts of.
 #[derive(Clone, Copy)]
-struct SharedBytes(*mut u8, usize);
+pub(crate) struct SharedBytes(pub(crate) *mut u8, pub(crate) usize);
 // SAFETY: tasks write disjoint token rows through this pointer, and the caller holds the
 // `&mut` it came from until all tasks have returned.
 unsafe impl Send for SharedBytes {}
@@ -490,21 +495,148 @@ impl SharedBytes {
     /// # Safety
     /// Concurrent users must write disjoint parts of it.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn slice(&self) -> &mut [u8] {
+    pub(crate) unsafe fn slice(&self) -> &mut [u8] {
         // SAFETY: the pointer and length came from one `&mut [u8]`; the caller's contract.
         unsafe { std::slice::from_raw_parts_mut(self.0, self.1) }
     }
 }
 
-/// One cache line.
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-struct Line([u8; 64]);
+/// The packed formats of quantized matrices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Packing {
+    /// [`Q8Matrix`].
+    Q8_0,
+    /// [`crate::q4k::Q4KMatrix`].
+    Q4K,
+}
 
-/// An owned, 64-byte aligned buffer holding the two planes of a packed Q8_0 matrix made at
-/// load time (quants first, so the kernels read them in whole cache lines, then scales).
-pub struct Q8Buffer {
+impl Packing {
+    /// Bytes of the quants and scales planes of a packed `[rows, cols]` matrix; `None` when
+    /// the columns do not suit the format (Q8_0: multiples of 32; Q4_K: of 64) or a size
+    /// overflows.
+    pub fn plane_lens(self, rows: usize, cols: usize) -> Option<(usize, usize)> {
+        match self {
+            Packing::Q8_0 => q8_0_plane_lens(rows, cols),
+            Packing::Q4K => crate::q4k::q4_k_plane_lens(rows, cols),
+        }
+    }
+
+    /// The name used by flags, reports and checkpoints (`q8_0`, `q4_k`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Packing::Q8_0 => "q8_0",
+            Packing::Q4K => "q4_k",
+        }
+    }
+
+    /// Stored bits per weight of a `[rows, cols]` matrix, planes included.
+    pub fn bits_per_weight(self, rows: usize, cols: usize) -> Option<f64> {
+        let (q, s) = self.plane_lens(rows, cols)?;
+        Some(8.0 * (q + s) as f64 / (rows * cols).max(1) as f64)
+    }
+}
+
+/// A packed quantized matrix of either format.
+#[derive(Debug, Clone, Copy)]
+pub enum QuantMatrix<'a> {
+    Q8_0(Q8Matrix<'a>),
+    Q4K(crate::q4k::Q4KMatrix<'a>),
+}
+
+impl<'a> QuantMatrix<'a> {
+    /// A view of two planes in `packing`; `None` if their lengths are not those of a
+    /// `[rows, cols]` matrix.
+    pub fn new(packing: Packing, rows: usize, cols: usize, quants: &'a [u8], scales: &'a [u8]) -> Option<Self> {
+        match packing {
+            Packing::Q8_0 => Q8Matrix::new(rows, cols, quants, scales).map(QuantMatrix::Q8_0),
+            Packing::Q4K => crate::q4k::Q4KMatrix::new(rows, cols, quants, scales).map(QuantMatrix::Q4K),
+        }
+    }
+
+    pub fn packing(&self) -> Packing {
+        match self {
+            QuantMatrix::Q8_0(_) => Packing::Q8_0,
+            QuantMatrix::Q4K(_) => Packing::Q4K,
+        }
+    }
+
+    pub fn rows(&self) -> usize {
+        match self {
+            QuantMatrix::Q8_0(m) => m.rows(),
+            QuantMatrix::Q4K(m) => m.rows(),
+        }
+    }
+
+    pub fn cols(&self) -> usize {
+        match self {
+            QuantMatrix::Q8_0(m) => m.cols(),
+            QuantMatrix::Q4K(m) => m.cols(),
+        }
+    }
+
+    /// The quants plane.
+    pub fn quants(&self) -> &'a [u8] {
+        match self {
+            QuantMatrix::Q8_0(m) => m.quants(),
+            QuantMatrix::Q4K(m) => m.quants(),
+        }
+    }
+
+    /// The scales plane.
+    pub fn scales(&self) -> &'a [u8] {
+        match self {
+            QuantMatrix::Q8_0(m) => m.scales(),
+            QuantMatrix::Q4K(m) => m.scales(),
+        }
+    }
+
+    /// Bytes the products read.
+    pub fn byte_len(&self) -> usize {
+        self.quants().len() + self.scales().len()
+    }
+
+    pub fn as_q8_0(&self) -> Option<Q8Matrix<'a>> {
+        match self {
+            QuantMatrix::Q8_0(m) => Some(*m),
+            QuantMatrix::Q4K(_) => None,
+        }
+    }
+
+    pub fn as_q4k(&self) -> Option<crate::q4k::Q4KMatrix<'a>> {
+        match self {
+            QuantMatrix::Q4K(m) => Some(*m),
+            QuantMatrix::Q8_0(_) => None,
+        }
+    }
+
+    /// Row `r` dequantized into `out` (`cols` elements).
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        match self {
+            QuantMatrix::Q8_0(m) => dequantize_row_q8_0(*m, r, out),
+            QuantMatrix::Q4K(m) => crate::q4k::dequantize_row_q4_k(*m, r, out),
+        }
+    }
+
+    /// `y (n, rows) = q8(x) (n, cols) · Wᵀ` alone ([`matmul_many_q8`] or
+    /// [`crate::q4k::matmul_many_q4k`]).
+    pub fn matmul(&self, pool: &ThreadPool, x: &[f32], n_tokens: usize, scratch: &mut [u8], y: &mut [f32]) {
+        match self {
+            QuantMatrix::Q8_0(m) => matmul_many_q8(pool, x, n_tokens, scratch, &mut [(*m, y)]),
+            QuantMatrix::Q4K(m) => crate::q4k::matmul_many_q4k(pool, x, n_tokens, scratch, &mut [(*m, y)]),
+        }
+    }
+}
+
+/// Bytes of the activation scratch a product of either format needs (the same for both).
+pub fn quant_scratch_len(n_tokens: usize, cols: usize) -> usize {
+    q8_scratch_len(n_tokens, cols).max(crate::q4k::q4k_scratch_len(n_tokens, cols))
+}
+
+/// An owned, 64-byte aligned buffer holding the two planes of a packed matrix made at load
+/// time (quants first, so the kernels read them in whole cache lines, then scales).
+pub struct QuantBuffer {
     lines: Vec<Line>,
+    packing: Packing,
     rows: usize,
     cols: usize,
     /// Bytes of the quants plane, at the start.
@@ -514,31 +646,68 @@ pub struct Q8Buffer {
     len: usize,
 }
 
-impl std::fmt::Debug for Q8Buffer {
+impl std::fmt::Debug for QuantBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Q8Buffer").field("rows", &self.rows).field("cols", &self.cols).finish()
+        f.debug_struct("QuantBuffer")
+            .field("packing", &self.packing)
+            .field("rows", &self.rows)
+            .field("cols", &self.cols)
+            .finish()
     }
 }
 
-impl Q8Buffer {
-    /// Zeroed planes for a `[rows, cols]` matrix; `None` if `cols` is not a multiple of 32 or
-    /// a size overflows.
-    pub fn zeroed(rows: usize, cols: usize) -> Option<Self> {
-        let (quants_len, s) = q8_0_plane_lens(rows, cols)?;
+impl QuantBuffer {
+    /// Zeroed planes for a `[rows, cols]` matrix in `packing`; `None` if the columns do not
+    /// suit the format or a size overflows.
+    pub fn zeroed(packing: Packing, rows: usize, cols: usize) -> Option<Self> {
+        let (quants_len, s) = packing.plane_lens(rows, cols)?;
         let scales_at = quants_len.checked_next_multiple_of(64)?;
         let len = scales_at.checked_add(s)?;
-        Some(Q8Buffer { lines: vec![Line([0; 64]); len.div_ceil(64)], rows, cols, quants_len, scales_at, len })
+        Some(QuantBuffer {
+            lines: vec![Line([0; 64]); len.div_ceil(64)],
+            packing,
+            rows,
+            cols,
+            quants_len,
+            scales_at,
+            len,
+        })
     }
 
     /// The matrix the planes hold.
-    pub fn matrix(&self) -> Q8Matrix<'_> {
+    pub fn matrix(&self) -> QuantMatrix<'_> {
         let bytes = self.bytes();
-        Q8Matrix {
-            rows: self.rows,
-            cols: self.cols,
-            quants: &bytes[..self.quants_len],
-            scales: &bytes[self.scales_at..],
+        let (quants, scales) = (&bytes[..self.quants_len], &bytes[self.scales_at..]);
+        let (rows, cols) = (self.rows, self.cols);
+        match self.packing {
+            Packing::Q8_0 => QuantMatrix::Q8_0(Q8Matrix { rows, cols, quants, scales }),
+            Packing::Q4K => QuantMatrix::Q4K(
+                crate::q4k::Q4KMatrix::new(rows, cols, quants, scales).expect("sized by plane_lens in zeroed"),
+            ),
         }
+    }
+
+    /// Writes groups `groups` of `w` into their parts of the planes (the two planes'
+    /// slices for those groups, as [`QuantBuffer::planes_mut`] gives them split by
+    /// [`QuantBuffer::group_bytes`]); `row` is scratch for `cols` elements.
+    pub fn quantize_groups(
+        packing: Packing,
+        w: WeightMatrix<'_>,
+        groups: std::ops::Range<usize>,
+        quants: &mut [u8],
+        scales: &mut [u8],
+        row: &mut [f32],
+    ) {
+        match packing {
+            Packing::Q8_0 => quantize_q8_0_groups(w, groups, quants, scales, row),
+            Packing::Q4K => crate::q4k::quantize_q4_k_groups(w, groups, quants, scales, row),
+        }
+    }
+
+    /// Bytes of one group of 16 rows in each plane.
+    pub fn group_bytes(&self) -> (usize, usize) {
+        let groups = self.rows.div_ceil(GROUP_ROWS).max(1);
+        (self.quants_len / groups, (self.len - self.scales_at) / groups)
     }
 
     /// The two planes, to fill.

@@ -7,7 +7,7 @@
 mod rng;
 
 use kylin_kernels::quant::{
-    Q8Buffer, Q8Matrix, QK8_0, dequantize_row_q8_0, matmul_many_q8, q8_0_plane_lens, q8_scratch_len,
+    Packing, Q8Matrix, QK8_0, QuantBuffer, dequantize_row_q8_0, matmul_many_q8, q8_0_plane_lens, q8_scratch_len,
     quantize_activations, quantize_q8_0_groups, quantize_row_q8_0, row_q8_0,
 };
 use kylin_kernels::{ThreadPool, WeightDType, WeightMatrix};
@@ -22,10 +22,10 @@ fn gguf_block(x: &[f32]) -> (Vec<i8>, u16) {
     (x.iter().map(|v| (v * id).round() as i8).collect(), half::f16::from_f32(d).to_bits())
 }
 
-fn packed(rng: &mut Rng, dtype: WeightDType, rows: usize, cols: usize) -> (Vec<u8>, Q8Buffer) {
+fn packed(rng: &mut Rng, dtype: WeightDType, rows: usize, cols: usize) -> (Vec<u8>, QuantBuffer) {
     let source = rng.weights(dtype, rows * cols);
     let w = WeightMatrix { dtype, rows, cols, data: &source };
-    let mut out = Q8Buffer::zeroed(rows, cols).expect("cols are a multiple of 32");
+    let mut out = QuantBuffer::zeroed(Packing::Q8_0, rows, cols).expect("cols are a multiple of 32");
     let groups = rows.div_ceil(16);
     let mut row = vec![0.0; cols];
     // Two calls over split group ranges, as the engine quantizes in parallel.
@@ -44,7 +44,7 @@ fn quantization_is_ggufs_and_the_layout_round_trips() {
     for dtype in [WeightDType::BF16, WeightDType::F16, WeightDType::F32] {
         for (rows, cols) in [(1, 32), (5, 64), (16, 96), (17, 576), (37, 128)] {
             let (source, data) = packed(&mut rng, dtype, rows, cols);
-            let m = data.matrix();
+            let m = data.matrix().as_q8_0().expect("q8_0");
             let w = WeightMatrix { dtype, rows, cols, data: &source };
             let (mut qs, mut scales, mut deq, mut row) =
                 (vec![0i8; cols], vec![0u16; cols / 32], vec![0.0f32; cols], vec![0.0f32; cols]);
@@ -81,7 +81,7 @@ fn quantization_is_ggufs_and_the_layout_round_trips() {
     assert!(Q8Matrix::new(3, 32, &[0; 512], &[0; 32]).is_some());
     assert_eq!(q8_0_plane_lens(3, 31), None);
     assert_eq!(q8_0_plane_lens(17, 64), Some((2 * 2 * 512, 2 * 2 * 32)));
-    assert!(Q8Buffer::zeroed(usize::MAX / 2, 64).is_none());
+    assert!(QuantBuffer::zeroed(Packing::Q8_0, usize::MAX / 2, 64).is_none());
 }
 
 /// The activation quantization of the module docs: per block `d = f16(amax / 127)`, `q =
@@ -156,7 +156,7 @@ fn products_have_the_canonical_bits_and_the_expected_accuracy() {
     let mut rng = Rng(3);
     for (rows, cols) in [(1, 32), (7, 64), (16, 96), (33, 576), (50, 1024)] {
         let (_, data) = packed(&mut rng, WeightDType::BF16, rows, cols);
-        let m = data.matrix();
+        let m = data.matrix().as_q8_0().expect("q8_0");
         for n in [1, 2, 5, 8, 9, 19] {
             let x = rng.vec(n * cols);
             let expected = canonical(m, &x, n);
@@ -202,7 +202,7 @@ fn fused_matrices_and_lone_tokens_agree() {
     let cols = 160;
     let (_, a) = packed(&mut rng, WeightDType::F16, 40, cols);
     let (_, b) = packed(&mut rng, WeightDType::BF16, 9, cols);
-    let (ma, mb) = (a.matrix(), b.matrix());
+    let (ma, mb) = (a.matrix().as_q8_0().expect("q8_0"), b.matrix().as_q8_0().expect("q8_0"));
     let pool = ThreadPool::new(2);
     let n = 21;
     let x = rng.vec(n * cols);

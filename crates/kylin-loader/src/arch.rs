@@ -329,19 +329,29 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
         if let Some(q) = config.quantization.filter(|_| spec.role.is_matrix()) {
             // A stored-quantized matrix: its two planes, with the shapes and dtypes the
             // matrix's shape implies.
-            let StoredQuantization::KylinQ8_0 = q;
+            // A `q4_k-packed` checkpoint stores each matrix in Q4_K (U8 scales) or Q8_0 (F16
+            // scales), as `kylin quantize --to q4_k` chose; a `q8_0-packed` one only Q8_0.
             let (rows, cols) = (expected[0], expected[1]);
             let why = || spec.shape.iter().map(|d| d.explain(config)).collect::<Vec<_>>().join(", ");
-            if !cols.is_multiple_of(32) {
+            let scale_name = format!("{name}_scale");
+            let q4k =
+                q == StoredQuantization::KylinQ4K && index.raw(&scale_name).is_some_and(|r| r.dtype == Some(DType::U8));
+            let (format, unit) = if q4k { ("Q4_K", 64) } else { ("Q8_0", 32) };
+            if cols == 0 || !cols.is_multiple_of(unit) {
                 shape_errors.push(format!(
-                    "tensor '{name}': Q8_0 needs columns in blocks of 32; the matrix has {cols} ({})",
+                    "tensor '{name}': {format} needs columns in multiples of {unit}; the matrix has {cols} ({})",
                     why()
                 ));
                 return;
             }
-            let (groups, blocks) = (rows.div_ceil(16), cols / 32);
-            let scale_name = format!("{name}_scale");
-            let planes = [(&name, [groups, blocks, 512], DType::U8), (&scale_name, [groups, blocks, 16], DType::F16)];
+            let groups = rows.div_ceil(16);
+            let planes: [(&String, Vec<usize>, DType); 2] = if q4k {
+                let scale_bytes = 64 * cols.div_ceil(256) + cols;
+                [(&name, vec![groups, cols * 8], DType::U8), (&scale_name, vec![groups, scale_bytes], DType::U8)]
+            } else {
+                let blocks = cols / 32;
+                [(&name, vec![groups, blocks, 512], DType::U8), (&scale_name, vec![groups, blocks, 16], DType::F16)]
+            };
             let mut views: [Option<WeightTensor>; 2] = [None, None];
             for (slot, (plane, shape, dtype)) in views.iter_mut().zip(planes) {
                 let Some(raw) = index.raw(plane) else {
@@ -351,7 +361,7 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
                 used.insert(plane.clone());
                 if raw.shape != shape {
                     shape_errors.push(format!(
-                        "tensor '{plane}' has shape {}; expected {} (Q8_0 planes of a [{rows}, {cols}] matrix: {})",
+                        "tensor '{plane}' has shape {}; expected {} ({format} planes of a [{rows}, {cols}] matrix: {})",
                         shape_text(&raw.shape),
                         shape_text(&shape),
                         why()
@@ -362,7 +372,7 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
                     (Some(dt), Some(view)) if dt == dtype => *slot = Some(view),
                     _ => {
                         dtype_errors.push(format!(
-                            "tensor '{plane}' is stored as {}; a Q8_0 plane is {}",
+                            "tensor '{plane}' is stored as {}; a {format} plane is {}",
                             raw.dtype_name,
                             dtype.as_str()
                         ));

@@ -118,17 +118,34 @@ pub enum StoredQuantization {
     /// `X.weight` (U8 `[groups of 16 rows, blocks of 32 columns, 512]`, Kylin's packed Q8_0
     /// quants) and `X.weight_scale` (F16 `[groups, blocks, 16]`); the embedding as stored.
     KylinQ8_0,
+    /// Written by `kylin quantize --to q4_k`: each linear layer and the head either as
+    /// Kylin's packed Q4_K (`X.weight` U8 `[groups of 16 rows, cols · 8]`, `X.weight_scale` U8
+    /// `[groups, 64 · super-blocks + cols]`) or as packed Q8_0 (F16 scales, as above), as the
+    /// Q4_K recipe chose; the embedding as stored.
+    KylinQ4K,
 }
 
 impl StoredQuantization {
     /// `quant_method` and `format` as written.
     pub const KYLIN_METHOD: &'static str = "kylin";
     pub const Q8_0_FORMAT: &'static str = "q8_0-packed";
+    pub const Q4_K_FORMAT: &'static str = "q4_k-packed";
+
+    /// The `format` written for this quantization.
+    pub fn format(self) -> &'static str {
+        match self {
+            StoredQuantization::KylinQ8_0 => Self::Q8_0_FORMAT,
+            StoredQuantization::KylinQ4K => Self::Q4_K_FORMAT,
+        }
+    }
 
     /// A short description for `inspect` (`kylin q8_0-packed`).
     pub fn describe(self) -> &'static str {
         match self {
             StoredQuantization::KylinQ8_0 => "kylin q8_0-packed (Q8_0, blocks of 32, f16 scales, rows in groups of 16)",
+            StoredQuantization::KylinQ4K => {
+                "kylin q4_k-packed (Q4_K super-blocks of 256, Q8_0 where the Q4_K_M recipe wants more bits; rows in groups of 16)"
+            }
         }
     }
 }
@@ -564,18 +581,20 @@ impl HfConfig {
                 "config.json quantization_config.quant_method is '{method}'; Kylin reads checkpoints written by                  'kylin quantize' (quant_method 'kylin'), or quantizes at load with --quantize q8_0 from BF16/F16/F32 weights"
             )));
         }
-        match text("format")? {
-            Some(StoredQuantization::Q8_0_FORMAT) => {}
+        let stored = match text("format")? {
+            Some(StoredQuantization::Q8_0_FORMAT) => StoredQuantization::KylinQ8_0,
+            Some(StoredQuantization::Q4_K_FORMAT) => StoredQuantization::KylinQ4K,
             other => {
                 return Err(KylinError::operator_unsupported(format!(
-                    "config.json quantization_config.format is {}; Kylin reads '{}'",
+                    "config.json quantization_config.format is {}; Kylin reads '{}' or '{}'",
                     other.map_or("missing".to_string(), |f| format!("'{f}'")),
-                    StoredQuantization::Q8_0_FORMAT
+                    StoredQuantization::Q8_0_FORMAT,
+                    StoredQuantization::Q4_K_FORMAT
                 )));
             }
-        }
+        };
         match q.get("version").and_then(Value::as_u64) {
-            Some(1) => Ok(Some(StoredQuantization::KylinQ8_0)),
+            Some(1) => Ok(Some(stored)),
             _ => Err(KylinError::model_version_incompatible(format!(
                 "config.json quantization_config.version is {}; this Kylin reads version 1",
                 q.get("version").map_or("missing".to_string(), |v| v.to_string())

@@ -48,11 +48,21 @@ pub struct QuantizationReport {
     pub bytes_per_token: u64,
 }
 
+/// How a bound matrix is stored: `Q8_0` or `Q4_K` planes (told apart by the scales' dtype,
+/// F16 or U8), else its dtype.
+fn stored_format(w: &crate::ModelWeights, t: &crate::WeightTensor) -> &'static str {
+    match w.scales.get(&t.name) {
+        Some(scale) if scale.dtype == crate::DType::U8 => "Q4_K",
+        Some(_) => "Q8_0",
+        None => t.dtype.as_str(),
+    }
+}
+
 /// The quantization report of bound weights.
 pub fn quantization_report(config: &crate::ModelConfig, w: &crate::ModelWeights) -> QuantizationReport {
     let mut kinds: BTreeMap<String, std::collections::BTreeSet<String>> = BTreeMap::new();
     let mut add = |kind: &str, t: &crate::WeightTensor| {
-        let storage = if w.scales.contains_key(&t.name) { "Q8_0".to_string() } else { t.dtype.as_str().to_string() };
+        let storage = stored_format(w, t).to_string();
         kinds.entry(kind.to_string()).or_default().insert(storage);
     };
     let mut bytes: u64 = 0;
@@ -207,7 +217,7 @@ fn native_report(path: &Path, opts: &LoadOptions) -> Result<InspectReport> {
             bound_tensors,
             unused_tensors: model.unused_tensors.clone(),
             matrix_dtypes: model.weights.matrices().fold(BTreeMap::new(), |mut counts, t| {
-                let dtype = if model.weights.scales.contains_key(&t.name) { "Q8_0" } else { t.dtype.as_str() };
+                let dtype = stored_format(&model.weights, t);
                 *counts.entry(dtype.to_string()).or_insert(0) += 1;
                 counts
             }),

@@ -1,0 +1,374 @@
+//! x86_64 kernels of the Q4_K products (`q4k.rs` defines the layout and the canonical order):
+//! the activation quantization on AVX-512, the tile on AVX-512 VNNI (`vpdpbusd`) and on AVX2
+//! (`vpmaddubsw`). Each computes every sub-block's integer dot product exactly and combines
+//! the sub-blocks in the canonical order, so both tiles give the scalar tile's bits. Also the
+//! weight quantization's search for sub-block scales and mins on AVX-512, 16 sub-blocks at
+//! once, with the scalar search's bits.
+
+use std::arch::x86_64::*;
+
+use crate::q4k::{HEADER_BYTES, PAIR_BYTES, Q4K_MT, QK_K, SUB, SUB_SCALE_BYTES, SUPER_SCALE_BYTES, subs_in};
+use crate::quant::GROUP_ROWS;
+
+/// One token's activation quantization (see `q4k::quantize_row_scalar`, whose bytes this
+/// reproduces): per super-block `iscale = 127 / amax`, `q = round_ties_even(x · iscale)` (the
+/// default rounding of `vcvtps2dq`), `dx = 1 / iscale`; per sub-block `dx` and `f32(Σq) · dx`.
+///
+/// # Safety
+/// AVX-512 F/BW/VL must be available; `x.len()` is a multiple of 32 and `dst` holds
+/// `x.len() + 8 · x.len() / 32` bytes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+pub(crate) unsafe fn quantize_row_avx512(x: &[f32], dst: &mut [u8]) {
+    let (cols, nb) = (x.len(), x.len() / SUB);
+    assert!(dst.len() >= cols + 8 * nb && cols.is_multiple_of(SUB));
+    let (lo, hi) = (_mm512_set1_epi32(-127), _mm512_set1_epi32(127));
+    for s in 0..cols.div_ceil(QK_K) {
+        let n_sub = subs_in(cols, s);
+        let base = s * QK_K;
+        // SAFETY: elements `base .. base + 32 · n_sub` of `x`, and the matching bytes of
+        // `dst`, exist (checked above).
+        unsafe {
+            let mut m = _mm512_setzero_ps();
+            for i in 0..2 * n_sub {
+                m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x.as_ptr().add(base + 16 * i))));
+            }
+            let amax = _mm512_reduce_max_ps(m);
+            let iscale = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+            let dx = if amax != 0.0 { 1.0 / iscale } else { 0.0 };
+            let vs = _mm512_set1_ps(iscale);
+            for jj in 0..n_sub {
+                let j = s * (QK_K / SUB) + jj;
+                let at = base + jj * SUB;
+                let q0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x.as_ptr().add(at)), vs));
+                let q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x.as_ptr().add(at + 16)), vs));
+                let (q0, q1) =
+                    (_mm512_min_epi32(_mm512_max_epi32(q0, lo), hi), _mm512_min_epi32(_mm512_max_epi32(q1, lo), hi));
+                let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+                let out = dst.as_mut_ptr().add(at);
+                _mm_storeu_si128(out as *mut __m128i, _mm512_cvtsepi32_epi8(q0));
+                _mm_storeu_si128(out.add(16) as *mut __m128i, _mm512_cvtsepi32_epi8(q1));
+                std::ptr::write_unaligned(dst.as_mut_ptr().add(cols + 4 * j) as *mut f32, dx);
+                std::ptr::write_unaligned(dst.as_mut_ptr().add(cols + 4 * nb + 4 * j) as *mut f32, sum as f32 * dx);
+            }
+        }
+    }
+}
+
+/// llama.cpp's `make_qkx2_quants(32, 15, x, weights, L, &min, Laux, -1, 0.1, 20, false)`
+/// (`q4k::make_qkx2_quants`) with the weights `av_x + |x|` of `q4k::quantize_super_block`, on
+/// 16 sub-blocks at once, one per lane: `x[i][lane]` is column `i` of lane `lane`'s sub-block,
+/// and the result is every lane's scale and negated min, as the scalar function returns them.
+///
+/// Every lane performs the scalar code's f32 operations in the scalar order: the sums over the
+/// 32 columns stay sequential, no multiply and add is fused, and `nearest_int` followed by the
+/// clamp to `0..=15` is the clamp of the product followed by the default rounding (half to
+/// even), which gives the same integer for every input, NaN and infinities included. The
+/// branches become masks: the search runs in every lane, a lane whose `max == min` takes the
+/// early return's numbers at the end, and the `det > 0`, `this_min > 0` and
+/// `cur_error < best_error` tests select per lane. So each lane's results have the scalar
+/// bits. The quants themselves are not returned: the caller recomputes them from the
+/// super-block's scales, as llama.cpp does.
+///
+/// # Safety
+/// AVX-512 F/BW/VL, AVX2 and FMA must be available.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+pub(crate) unsafe fn make_qkx2_quants_x16(x: &[[f32; GROUP_ROWS]; SUB]) -> ([f32; GROUP_ROWS], [f32; GROUP_ROWS]) {
+    const NMAX: f32 = 15.0;
+    let (rmin, rdelta, nstep) = (-1.0f32, 0.1f32, 20);
+    let (zero, nmax) = (_mm512_setzero_ps(), _mm512_set1_ps(NMAX));
+    let mut xv = [zero; SUB];
+    for (v, column) in xv.iter_mut().zip(x) {
+        // SAFETY: `column` holds 16 floats, read by one unaligned load.
+        *v = unsafe { _mm512_loadu_ps(column.as_ptr()) };
+    }
+    let x = xv;
+    // `quantize_super_block`'s weights: `av_x = sqrt(Σ x² / 32)` summed in column order, then
+    // `av_x + |x|`.
+    let mut sum_x2 = zero;
+    for v in &x {
+        sum_x2 = _mm512_add_ps(sum_x2, _mm512_mul_ps(*v, *v));
+    }
+    let av_x = _mm512_sqrt_ps(_mm512_div_ps(sum_x2, _mm512_set1_ps(SUB as f32)));
+    let mut w = [zero; SUB];
+    for (w, v) in w.iter_mut().zip(&x) {
+        *w = _mm512_add_ps(av_x, _mm512_abs_ps(*v));
+    }
+    // `nearest_int(iscale · (x − min)).clamp(0, 15)` as a float.
+    let quant = |iscale: __m512, x: __m512, min: __m512| {
+        let v = _mm512_mul_ps(iscale, _mm512_sub_ps(x, min));
+        // `max(v, 0)` is 0 for a NaN `v`, as `NaN as i32` is.
+        let v = _mm512_min_ps(_mm512_max_ps(v, zero), nmax);
+        _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v)
+    };
+    // `(a < b) ? a : b` is `_mm512_min_ps(a, b)`, so these are the scalar `if`s exactly.
+    let (mut min, mut max) = (x[0], x[0]);
+    let mut sum_w = w[0];
+    let mut sum_x = _mm512_mul_ps(sum_w, x[0]);
+    for i in 1..SUB {
+        min = _mm512_min_ps(x[i], min);
+        max = _mm512_max_ps(x[i], max);
+        sum_w = _mm512_add_ps(sum_w, w[i]);
+        sum_x = _mm512_add_ps(sum_x, _mm512_mul_ps(w[i], x[i]));
+    }
+    min = _mm512_mask_mov_ps(min, _mm512_cmp_ps_mask::<_CMP_GT_OQ>(min, zero), zero);
+    let flat = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(max, min);
+    let flat_min = min;
+    let iscale = _mm512_div_ps(nmax, _mm512_sub_ps(max, min));
+    let mut scale = _mm512_div_ps(_mm512_set1_ps(1.0), iscale);
+    let mut best_error = zero;
+    for i in 0..SUB {
+        let diff = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(scale, quant(iscale, x[i], min)), min), x[i]);
+        best_error = _mm512_add_ps(best_error, _mm512_mul_ps(w[i], _mm512_mul_ps(diff, diff)));
+    }
+    let mut laux = [zero; SUB];
+    for is in 0..=nstep {
+        let iscale = _mm512_div_ps(_mm512_set1_ps(rmin + rdelta * is as f32 + NMAX), _mm512_sub_ps(max, min));
+        let (mut sum_l, mut sum_l2, mut sum_xl) = (zero, zero, zero);
+        for i in 0..SUB {
+            let q = quant(iscale, x[i], min);
+            laux[i] = q;
+            let wq = _mm512_mul_ps(w[i], q);
+            sum_l = _mm512_add_ps(sum_l, wq);
+            sum_l2 = _mm512_add_ps(sum_l2, _mm512_mul_ps(wq, q));
+            sum_xl = _mm512_add_ps(sum_xl, _mm512_mul_ps(wq, x[i]));
+        }
+        let det = _mm512_sub_ps(_mm512_mul_ps(sum_w, sum_l2), _mm512_mul_ps(sum_l, sum_l));
+        let solvable = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(det, zero);
+        let this_scale = _mm512_div_ps(_mm512_sub_ps(_mm512_mul_ps(sum_w, sum_xl), _mm512_mul_ps(sum_x, sum_l)), det);
+        let this_min = _mm512_div_ps(_mm512_sub_ps(_mm512_mul_ps(sum_l2, sum_x), _mm512_mul_ps(sum_l, sum_xl)), det);
+        let positive = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(this_min, zero);
+        let this_min = _mm512_mask_mov_ps(this_min, positive, zero);
+        let this_scale = _mm512_mask_mov_ps(this_scale, positive, _mm512_div_ps(sum_xl, sum_l2));
+        let mut cur_error = zero;
+        for i in 0..SUB {
+            let diff = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(this_scale, laux[i]), this_min), x[i]);
+            cur_error = _mm512_add_ps(cur_error, _mm512_mul_ps(w[i], _mm512_mul_ps(diff, diff)));
+        }
+        let better = solvable & _mm512_cmp_ps_mask::<_CMP_LT_OQ>(cur_error, best_error);
+        best_error = _mm512_mask_mov_ps(best_error, better, cur_error);
+        scale = _mm512_mask_mov_ps(scale, better, this_scale);
+        min = _mm512_mask_mov_ps(min, better, this_min);
+    }
+    // The early return of a sub-block with `max == min`: scale 0, quants 0, its min.
+    let scale = _mm512_mask_mov_ps(scale, flat, zero);
+    let min = _mm512_mask_mov_ps(min, flat, flat_min);
+    // `-min` flips the sign bit (also of a zero).
+    let neg_min = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(min), _mm512_set1_epi32(i32::MIN)));
+    let (mut scales, mut mins) = ([0.0f32; GROUP_ROWS], [0.0f32; GROUP_ROWS]);
+    // SAFETY: both arrays hold 16 floats, written by one unaligned store each.
+    unsafe {
+        _mm512_storeu_ps(scales.as_mut_ptr(), scale);
+        _mm512_storeu_ps(mins.as_mut_ptr(), neg_min);
+    }
+    (scales, mins)
+}
+
+/// One sub-block's quants in the weight quantization (`q4k::finish_super_block`):
+/// `q[i] = nearest_int((x[i] + dm) / dj).clamp(0, 15)`, the division IEEE as the scalar one,
+/// and the clamp done on the quotient before the default rounding (half to even), which gives
+/// the same integer for every quotient, NaN (0) and infinities included.
+///
+/// # Safety
+/// AVX-512 F/BW/VL must be available.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+pub(crate) unsafe fn quantize_sub_block_avx512(x: &[f32; SUB], dm: f32, dj: f32, q: &mut [u8; SUB]) {
+    let (zero, fifteen) = (_mm512_setzero_ps(), _mm512_set1_ps(15.0));
+    let (dm, dj) = (_mm512_set1_ps(dm), _mm512_set1_ps(dj));
+    for half in 0..2 {
+        // SAFETY: `x` holds 32 floats and `q` 32 bytes: 16 of each at `16 · half`, one
+        // unaligned load and one unaligned store.
+        unsafe {
+            let v = _mm512_div_ps(_mm512_add_ps(_mm512_loadu_ps(x.as_ptr().add(16 * half)), dm), dj);
+            // `max(v, 0)` is 0 for a NaN `v`, as `NaN as i32` is.
+            let v = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, zero), fifteen));
+            _mm_storeu_si128(q.as_mut_ptr().add(16 * half) as *mut __m128i, _mm512_cvtepi32_epi8(v));
+        }
+    }
+}
+
+/// [`tile_vnni`] for `mt` (1..=8) tokens.
+///
+/// # Safety
+/// As [`tile_vnni`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn tile_vnni_dyn(
+    mt: usize,
+    wq: &[u8],
+    ws: &[u8],
+    cols: usize,
+    xq: &[u8],
+    stride: usize,
+    y: *mut f32,
+    y_stride: usize,
+    valid: usize,
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match mt {
+            1 => tile_vnni::<1>(wq, ws, cols, xq, stride, y, y_stride, valid),
+            2 => tile_vnni::<2>(wq, ws, cols, xq, stride, y, y_stride, valid),
+            3 => tile_vnni::<3>(wq, ws, cols, xq, stride, y, y_stride, valid),
+            4 => tile_vnni::<4>(wq, ws, cols, xq, stride, y, y_stride, valid),
+            5 => tile_vnni::<5>(wq, ws, cols, xq, stride, y, y_stride, valid),
+            6 => tile_vnni::<6>(wq, ws, cols, xq, stride, y, y_stride, valid),
+            7 => tile_vnni::<7>(wq, ws, cols, xq, stride, y, y_stride, valid),
+            _ => tile_vnni::<Q4K_MT>(wq, ws, cols, xq, stride, y, y_stride, valid),
+        }
+    }
+}
+
+/// `MT` tokens × one group of 16 rows on AVX-512 VNNI. Per pair of sub-blocks, the 8 weight
+/// vectors (`[row: 16][4 columns]` of nibble pairs) are loaded, the low nibbles unpacked for
+/// the first sub-block and the high ones for the second; each is multiplied by every token's
+/// broadcast groups of four activations (`vpdpbusd`: unsigned weights × signed
+/// activations), giving each row's exact `isum`; then per lane
+/// `acc = fma(f32(isum), dsc · dx, acc); acc = fma(−bx, dm, acc)`.
+///
+/// # Safety
+/// AVX-512 F/BW/VL/VNNI must be available; `wq`, `ws` are one whole group's planes for
+/// `cols` columns (a multiple of 64); `xq` holds `MT` token rows of `stride` bytes; `y` is
+/// valid for writing rows `0..valid` (`<= 16`) of `MT` tokens at row stride `y_stride`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_vnni<const MT: usize>(
+    wq: &[u8],
+    ws: &[u8],
+    cols: usize,
+    xq: &[u8],
+    stride: usize,
+    y: *mut f32,
+    y_stride: usize,
+    valid: usize,
+) {
+    let nb = cols / SUB;
+    let n_super = cols.div_ceil(QK_K);
+    assert!(wq.len() >= nb / 2 * PAIR_BYTES && ws.len() >= n_super * HEADER_BYTES + nb * SUB_SCALE_BYTES);
+    assert!(xq.len() >= MT * stride && stride >= cols + 8 * nb);
+    debug_assert!(valid <= GROUP_ROWS);
+    let (wp, sp, xp) = (wq.as_ptr(), ws.as_ptr(), xq.as_ptr());
+    let nibble = _mm512_set1_epi8(0x0F);
+    let mut acc = [_mm512_setzero_ps(); MT];
+    for s in 0..n_super {
+        let n_sub = subs_in(cols, s);
+        // SAFETY: super-block `s`'s scales, its pairs' quants and every token's sub-blocks
+        // lie inside the slices (checked above); all loads are unaligned.
+        unsafe {
+            let header = sp.add(s * SUPER_SCALE_BYTES);
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(header as *const __m256i));
+            let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(header.add(32) as *const __m256i));
+            for jj in 0..n_sub {
+                let j = s * (QK_K / SUB) + jj;
+                let sub_scales = header.add(HEADER_BYTES + jj * SUB_SCALE_BYTES);
+                let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(sub_scales as *const __m128i)));
+                let m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(sub_scales.add(16) as *const __m128i)));
+                let (dsc, dm) = (_mm512_mul_ps(d, sc), _mm512_mul_ps(dmin, m));
+                let wb = wp.add((j / 2) * PAIR_BYTES);
+                let w: [__m512i; 8] = std::array::from_fn(|k| {
+                    let raw = _mm512_loadu_si512(wb.add(64 * k) as *const _);
+                    let raw = if j.is_multiple_of(2) { raw } else { _mm512_srli_epi16(raw, 4) };
+                    _mm512_and_si512(raw, nibble)
+                });
+                for (t, acc) in acc.iter_mut().enumerate() {
+                    let xt = xp.add(t * stride);
+                    let xb = xt.add(j * SUB);
+                    let four = |k: usize| _mm512_set1_epi32(std::ptr::read_unaligned(xb.add(4 * k) as *const i32));
+                    let mut i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], four(0));
+                    let mut i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], four(1));
+                    i0 = _mm512_dpbusd_epi32(i0, w[2], four(2));
+                    i1 = _mm512_dpbusd_epi32(i1, w[3], four(3));
+                    i0 = _mm512_dpbusd_epi32(i0, w[4], four(4));
+                    i1 = _mm512_dpbusd_epi32(i1, w[5], four(5));
+                    i0 = _mm512_dpbusd_epi32(i0, w[6], four(6));
+                    i1 = _mm512_dpbusd_epi32(i1, w[7], four(7));
+                    let dx = _mm512_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * j) as *const f32));
+                    let bx = _mm512_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const f32));
+                    let isum = _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
+                    *acc = _mm512_fmadd_ps(isum, _mm512_mul_ps(dsc, dx), *acc);
+                    *acc = _mm512_fnmadd_ps(bx, dm, *acc);
+                }
+            }
+        }
+    }
+    let mask: __mmask16 = if valid >= GROUP_ROWS { 0xffff } else { (1u16 << valid) - 1 };
+    for (t, acc) in acc.iter().enumerate() {
+        // SAFETY: the caller's contract: rows `0..valid` of token `t` are writable.
+        unsafe { _mm512_mask_storeu_ps(y.add(t * y_stride), mask, *acc) };
+    }
+}
+
+/// `mt` tokens × one group of 16 rows on AVX2 (no VNNI): `vpmaddubsw(w, x)` multiplies the
+/// unpacked nibbles (unsigned, at most 15) by the signed activations without saturating
+/// (`2 · 15 · 127 < 2^15`), `vpmaddwd` by ones widens the pairs to i32: the same exact
+/// sub-block sums as the VNNI tile, combined in the same order.
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available; otherwise as [`tile_vnni`].
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn tile_avx2(
+    mt: usize,
+    wq: &[u8],
+    ws: &[u8],
+    cols: usize,
+    xq: &[u8],
+    stride: usize,
+    y: *mut f32,
+    y_stride: usize,
+    valid: usize,
+) {
+    let nb = cols / SUB;
+    let n_super = cols.div_ceil(QK_K);
+    assert!(wq.len() >= nb / 2 * PAIR_BYTES && ws.len() >= n_super * HEADER_BYTES + nb * SUB_SCALE_BYTES);
+    assert!(xq.len() >= mt * stride && stride >= cols + 8 * nb);
+    debug_assert!(valid <= GROUP_ROWS);
+    let (wp, sp, xp) = (wq.as_ptr(), ws.as_ptr(), xq.as_ptr());
+    let (nibble, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
+    for t in 0..mt {
+        let mut acc = [_mm256_setzero_ps(); 2];
+        for s in 0..n_super {
+            // SAFETY: as in `tile_vnni`.
+            unsafe {
+                let header = sp.add(s * SUPER_SCALE_BYTES);
+                let xt = xp.add(t * stride);
+                for jj in 0..subs_in(cols, s) {
+                    let j = s * (QK_K / SUB) + jj;
+                    let sub_scales = header.add(HEADER_BYTES + jj * SUB_SCALE_BYTES);
+                    let wb = wp.add((j / 2) * PAIR_BYTES);
+                    let xb = xt.add(j * SUB);
+                    let mut ii = [_mm256_setzero_si256(); 2];
+                    for k in 0..8 {
+                        let x4 = _mm256_set1_epi32(std::ptr::read_unaligned(xb.add(4 * k) as *const i32));
+                        for (h, ii) in ii.iter_mut().enumerate() {
+                            let raw = _mm256_loadu_si256(wb.add(64 * k + 32 * h) as *const __m256i);
+                            let raw = if j.is_multiple_of(2) { raw } else { _mm256_srli_epi16(raw, 4) };
+                            let pairs = _mm256_maddubs_epi16(_mm256_and_si256(raw, nibble), x4);
+                            *ii = _mm256_add_epi32(*ii, _mm256_madd_epi16(pairs, ones));
+                        }
+                    }
+                    let dx = _mm256_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * j) as *const f32));
+                    let bx = _mm256_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const f32));
+                    for (h, acc) in acc.iter_mut().enumerate() {
+                        let d = _mm256_cvtph_ps(_mm_loadu_si128(header.add(16 * h) as *const __m128i));
+                        let dmin = _mm256_cvtph_ps(_mm_loadu_si128(header.add(32 + 16 * h) as *const __m128i));
+                        let sc8 = _mm_loadl_epi64(sub_scales.add(8 * h) as *const __m128i);
+                        let m8 = _mm_loadl_epi64(sub_scales.add(16 + 8 * h) as *const __m128i);
+                        let dsc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc8)));
+                        let dm = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8)));
+                        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ii[h]), _mm256_mul_ps(dsc, dx), *acc);
+                        *acc = _mm256_fnmadd_ps(bx, dm, *acc);
+                    }
+                }
+            }
+        }
+        let mut lanes = [0.0f32; GROUP_ROWS];
+        // SAFETY: `lanes` holds 16 floats, two unaligned 8-float stores.
+        unsafe {
+            _mm256_storeu_ps(lanes.as_mut_ptr(), acc[0]);
+            _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc[1]);
+        }
+        for (lane, v) in lanes.iter().enumerate().take(valid) {
+            // SAFETY: the caller's contract: rows `0..valid` of token `t` are writable.
+            unsafe { *y.add(t * y_stride + lane) = *v };
+        }
+    }
+}
