@@ -26,10 +26,11 @@ pub fn run(args: InspectArgs) -> Result<()> {
         print!("{}", report.to_human());
         if report.backend == "kylin" {
             println!(
-                "kernels: f32 {}, bf16 {}, q8_0 {}; --precision auto runs {}",
+                "kernels: f32 {}, bf16 {}, q8_0 {}, q4_k {}; --precision auto runs {}",
                 kernels["f32"].as_str().unwrap_or("?"),
                 kernels["bf16"].as_str().unwrap_or("none (this CPU has no BF16 matrix kernels)"),
                 kernels["q8_0"].as_str().unwrap_or("?"),
+                kernels["q4_k"].as_str().unwrap_or("?"),
                 kernels["auto_precision"].as_str().unwrap_or("?"),
             );
         }
@@ -50,6 +51,8 @@ fn kernels_report(report: &kylin_loader::InspectReport) -> serde_json::Value {
         "f32": kylin_kernels::kernel_family(Precision::F32),
         "bf16": bf16,
         "q8_0": kylin_kernels::quant::q8_kernels(),
+        // Q4_K runs on the same int8 dot-product family as Q8_0.
+        "q4_k": kylin_kernels::quant::q8_kernels(),
         "auto_precision": auto,
     })
 }
