@@ -26,6 +26,12 @@ use crate::backend::ChatMessage;
 /// can be told apart from a template bug after minijinja has wrapped it.
 const RAISE_MARKER: &str = "kylin-template-raised: ";
 
+/// The most template instructions one render may run. Real chat templates run a few hundred per
+/// message, so this allows conversations of tens of thousands of messages, while a template
+/// that loops without end (nested `range` loops, say) stops within about a second with
+/// `CONFIG_INVALID` instead of holding a request, or the server's engine, for hours.
+const TEMPLATE_FUEL: u64 = 20_000_000;
+
 /// Name under which the chat template is compiled.
 const TEMPLATE_NAME: &str = "chat_template";
 
@@ -195,6 +201,13 @@ impl TextCodec {
             }
             current = e.source();
         }
+        if err.kind() == JinjaErrorKind::OutOfFuel {
+            return KylinError::config_invalid(format!(
+                "{} ran more than {TEMPLATE_FUEL} instructions without finishing (a runaway loop?); \
+                 fix the template or give another with --chat-template",
+                self.template_origin
+            ));
+        }
         KylinError::config_invalid(format!(
             "{} failed to render: {err:#}; fix the template or give another with --chat-template",
             self.template_origin
@@ -212,6 +225,7 @@ fn build_environment(source: String, origin: &str) -> Result<Environment<'static
         .map_err(|e| KylinError::config_invalid(format!("{origin}: {e}")))?;
     env.set_syntax(syntax);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.set_fuel(Some(TEMPLATE_FUEL));
     env.add_function("raise_exception", raise_exception);
     env.add_function("strftime_now", strftime_now);
     env.add_filter("tojson", tojson);

@@ -320,12 +320,14 @@ pub(crate) fn open_single(path: &Path) -> Result<TensorIndex> {
     TensorIndex::from_files(vec![open(path)?])
 }
 
-/// Opens a sharded checkpoint from its `model.safetensors.index.json`; warnings are appended.
-pub(crate) fn open_sharded(index_path: &Path, warnings: &mut Vec<String>) -> Result<TensorIndex> {
-    let dir = index_path.parent().unwrap_or(Path::new("."));
-    let text = std::fs::read_to_string(index_path).map_err(|e| KylinError::io(index_path, "cannot read", &e))?;
+/// Parses the text of a `model.safetensors.index.json` into its `weight_map`: tensor name to
+/// shard file name. Every shard name must be a plain file name (no directory, no `..`), so an
+/// index cannot point outside its directory. Errors are `FILE_CORRUPTED`; `index_path` is only
+/// used in messages. This is the part of [`open_sharded`] that reads untrusted text, kept
+/// separate so that it can be fuzzed without files.
+pub fn parse_shard_index(text: &str, index_path: &Path) -> Result<BTreeMap<String, String>> {
     let invalid = |what: String| KylinError::file_corrupted(format!("{}: {what}", index_path.display())).at(index_path);
-    let value: Value = serde_json::from_str(&text).map_err(|e| invalid(format!("not valid JSON ({e})")))?;
+    let value: Value = serde_json::from_str(text).map_err(|e| invalid(format!("not valid JSON ({e})")))?;
     let Some(Value::Object(weight_map)) = value.get("weight_map") else {
         return Err(invalid("no 'weight_map' object".into()));
     };
@@ -338,6 +340,14 @@ pub(crate) fn open_sharded(index_path: &Path, warnings: &mut Vec<String>) -> Res
         }
         wanted.insert(tensor.clone(), shard.to_string());
     }
+    Ok(wanted)
+}
+
+/// Opens a sharded checkpoint from its `model.safetensors.index.json`; warnings are appended.
+pub(crate) fn open_sharded(index_path: &Path, warnings: &mut Vec<String>) -> Result<TensorIndex> {
+    let dir = index_path.parent().unwrap_or(Path::new("."));
+    let text = std::fs::read_to_string(index_path).map_err(|e| KylinError::io(index_path, "cannot read", &e))?;
+    let wanted = parse_shard_index(&text, index_path)?;
     let shard_names: BTreeSet<&str> = wanted.values().map(String::as_str).collect();
     let mut files = Vec::with_capacity(shard_names.len());
     for shard in &shard_names {

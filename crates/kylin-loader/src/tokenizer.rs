@@ -82,7 +82,13 @@ fn special_content(v: &Value) -> Option<String> {
 
 fn read_json_object(path: &Path) -> Result<Map<String, Value>> {
     let text = std::fs::read_to_string(path).map_err(|e| KylinError::io(path, "cannot read", &e))?;
-    match serde_json::from_str::<Value>(&text) {
+    parse_json_object(&text, path)
+}
+
+/// Parses the text of a JSON object file such as `tokenizer_config.json`; anything else is
+/// `CONFIG_INVALID`. `path` is only used in messages.
+pub fn parse_json_object(text: &str, path: &Path) -> Result<Map<String, Value>> {
+    match serde_json::from_str::<Value>(text) {
         Ok(Value::Object(m)) => Ok(m),
         Ok(_) => Err(KylinError::config_invalid(format!("{} must be a JSON object", path.display())).at(path)),
         Err(e) => Err(KylinError::config_invalid(format!("{} is not valid JSON: {e}", path.display())).at(path)),
@@ -220,16 +226,39 @@ pub fn load_tokenizer(dir: &Path, warnings: &mut Vec<String>) -> Result<Option<T
     let tj = dir.join("tokenizer.json");
     let config_path = dir.join("tokenizer_config.json");
     let config = if config_path.is_file() { Some(read_json_object(&config_path)?) } else { None };
-    let (mut tokenizer, kind) = if tj.is_file() {
+    let (tokenizer, kind) = if tj.is_file() {
         (read_tokenizer_json(&tj)?, TokenizerKind::TokenizerJson)
     } else if dir.join("vocab.json").is_file() && dir.join("merges.txt").is_file() {
         (byte_level_bpe(&dir.join("vocab.json"), &dir.join("merges.txt"))?, TokenizerKind::VocabMerges)
     } else {
         return Ok(None);
     };
+    let mut bundle = bundle_from_config(tokenizer, kind, config.as_ref(), &config_path, warnings)?;
+    // The newer layout keeps the default template in its own file, which takes precedence.
+    let jinja = dir.join("chat_template.jinja");
+    if jinja.is_file() {
+        let source = std::fs::read_to_string(&jinja).map_err(|e| KylinError::io(&jinja, "cannot read", &e))?;
+        bundle.chat_templates.retain(|t| t.name != "default");
+        bundle.chat_templates.insert(0, ChatTemplate { name: "default".into(), source });
+    }
+    Ok(Some(bundle))
+}
 
+/// Completes a [`TokenizerBundle`] from a loaded tokenizer and the parsed
+/// `tokenizer_config.json` (`None` when the file is absent): added tokens (for the
+/// `vocab.json` + `merges.txt` layout), special tokens, `add_bos_token` / `add_eos_token` and
+/// the chat templates. `config_path` is only used in messages; warnings are appended. This is
+/// the part of [`load_tokenizer`] that reads the config's untrusted values, kept separate so that
+/// it can be fuzzed without files.
+pub fn bundle_from_config(
+    mut tokenizer: tokenizers::Tokenizer,
+    kind: TokenizerKind,
+    config: Option<&Map<String, Value>>,
+    config_path: &Path,
+    warnings: &mut Vec<String>,
+) -> Result<TokenizerBundle> {
     if kind == TokenizerKind::VocabMerges
-        && let Some(Value::Object(decoder)) = config.as_ref().and_then(|c| c.get("added_tokens_decoder"))
+        && let Some(Value::Object(decoder)) = config.and_then(|c| c.get("added_tokens_decoder"))
     {
         // The added tokens live in tokenizer_config.json in this layout; add them in id order.
         let mut added: Vec<(u32, String, bool)> = decoder
@@ -247,7 +276,7 @@ pub fn load_tokenizer(dir: &Path, warnings: &mut Vec<String>) -> Result<Option<T
                 KylinError::config_invalid(format!(
                     "tokenizer_config.json added token {content:?} cannot be added to the vocabulary: {e}"
                 ))
-                .at(&config_path)
+                .at(config_path)
             })?;
         }
     }
@@ -262,7 +291,7 @@ pub fn load_tokenizer(dir: &Path, warnings: &mut Vec<String>) -> Result<Option<T
     special_tokens.sort_by_key(|t| t.id);
 
     let empty = Map::new();
-    let cfg = config.as_ref().unwrap_or(&empty);
+    let cfg = config.unwrap_or(&empty);
     let mut lookup = |key: &str| -> Option<SpecialToken> {
         let content = cfg.get(key).and_then(special_content)?;
         match tokenizer.token_to_id(&content) {
@@ -284,7 +313,7 @@ pub fn load_tokenizer(dir: &Path, warnings: &mut Vec<String>) -> Result<Option<T
             Some(v) => Err(KylinError::config_invalid(format!(
                 "tokenizer_config.json field '{key}' must be true or false, got {v}"
             ))
-            .at(&config_path)),
+            .at(config_path)),
         }
     };
     let add_bos_token = flag("add_bos_token")?;
@@ -304,7 +333,7 @@ pub fn load_tokenizer(dir: &Path, warnings: &mut Vec<String>) -> Result<Option<T
                         return Err(KylinError::config_invalid(
                             "tokenizer_config.json chat_template list entries must be {\"name\", \"template\"}",
                         )
-                        .at(&config_path));
+                        .at(config_path));
                     }
                 }
             }
@@ -313,18 +342,10 @@ pub fn load_tokenizer(dir: &Path, warnings: &mut Vec<String>) -> Result<Option<T
             return Err(KylinError::config_invalid(
                 "tokenizer_config.json field 'chat_template' must be a string or a list of {name, template}",
             )
-            .at(&config_path));
+            .at(config_path));
         }
     }
-    // The newer layout keeps the default template in its own file, which takes precedence.
-    let jinja = dir.join("chat_template.jinja");
-    if jinja.is_file() {
-        let source = std::fs::read_to_string(&jinja).map_err(|e| KylinError::io(&jinja, "cannot read", &e))?;
-        chat_templates.retain(|t| t.name != "default");
-        chat_templates.insert(0, ChatTemplate { name: "default".into(), source });
-    }
-
-    Ok(Some(TokenizerBundle {
+    Ok(TokenizerBundle {
         tokenizer,
         kind,
         vocab_size,
@@ -336,5 +357,5 @@ pub fn load_tokenizer(dir: &Path, warnings: &mut Vec<String>) -> Result<Option<T
         add_eos_token,
         special_tokens,
         chat_templates,
-    }))
+    })
 }
