@@ -578,7 +578,7 @@ impl HfConfig {
         })?;
         if method != StoredQuantization::KYLIN_METHOD {
             return Err(KylinError::operator_unsupported(format!(
-                "config.json quantization_config.quant_method is '{method}'; Kylin reads checkpoints written by                  'kylin quantize' (quant_method 'kylin'), or quantizes at load with --quantize q8_0 from BF16/F16/F32 weights"
+                "config.json quantization_config.quant_method is '{method}'; Kylin reads checkpoints written by 'kylin quantize' (quant_method 'kylin'), or quantizes at load with --quantize q8_0|q4_k from BF16/F16/F32 weights"
             )));
         }
         let stored = match text("format")? {
