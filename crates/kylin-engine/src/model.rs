@@ -274,22 +274,12 @@ impl Linear {
         mut layers: [(&Linear, &mut [f32]); N],
         p: &mut ProductScratch,
     ) {
-        // A layer's linears are all quantized or none (`Model::quantize`), but not always to
-        // one format (`QuantFormat::Q4K` keeps some at Q8_0): one fused product per format.
-        let packings = layers.each_ref().map(|(l, _)| l.quant_matrix().map(|q| q.packing()));
-        if packings.iter().all(|p| *p == Some(Packing::Q8_0)) {
-            let mut mats =
-                layers.each_mut().map(|(l, y)| (l.quant_matrix().and_then(|q| q.as_q8_0()).expect("Q8_0"), &mut **y));
-            kernels::quant::matmul_many_q8(mm.pool, x, n, &mut p.xq, &mut mats);
-        } else if packings.iter().all(|p| *p == Some(Packing::Q4K)) {
-            let mut mats =
-                layers.each_mut().map(|(l, y)| (l.quant_matrix().and_then(|q| q.as_q4k()).expect("Q4_K"), &mut **y));
-            kernels::q4k::matmul_many_q4k(mm.pool, x, n, &mut p.xq, &mut mats);
-        } else if packings.iter().all(|p| p.is_some()) {
-            for (l, y) in layers.iter_mut() {
-                let q = l.quant_matrix().expect("quantized");
-                q.matmul(mm.pool, x, n, &mut p.xq, y);
-            }
+        // A layer's linears are all quantized or none (`Model::quantize`), not always to one
+        // format (`QuantFormat::Q4K` keeps some at Q8_0): one fused product either way, with
+        // the input quantized once per format.
+        if layers.iter().all(|(l, _)| l.quant.is_some()) {
+            let mut mats = layers.each_mut().map(|(l, y)| (l.quant_matrix().expect("quantized"), &mut **y));
+            kernels::quant::matmul_many_quant(mm.pool, x, n, &mut p.xq, &mut mats);
         } else {
             let mut mats: [(WeightMatrix<'_>, &mut [f32]); N] = layers.each_mut().map(|(l, y)| (l.matrix(), &mut **y));
             match mm.bf16 {

@@ -43,7 +43,7 @@
 //! eight, any thread) computes those operations, so a token's outputs do not depend on its
 //! batch, nor on the instruction set.
 
-use crate::matmul::{MatrixRows, OutPtr, split_rows};
+use crate::matmul::MatrixRows;
 use crate::quant::GROUP_ROWS;
 use crate::{Isa, ThreadPool, WeightMatrix, isa};
 
@@ -109,8 +109,15 @@ impl<'a> Q4KMatrix<'a> {
         self.quants.len() + self.scales.len()
     }
 
+    /// The planes of a `[rows, cols]` matrix whose lengths the caller sized with
+    /// [`q4_k_plane_lens`] ([`crate::quant::QuantBuffer`]).
+    pub(crate) fn from_planes(rows: usize, cols: usize, quants: &'a [u8], scales: &'a [u8]) -> Self {
+        debug_assert_eq!(q4_k_plane_lens(rows, cols), Some((quants.len(), scales.len())));
+        Q4KMatrix { rows, cols, quants, scales }
+    }
+
     /// Group `g`'s quants and scales.
-    fn group(&self, g: usize) -> (&'a [u8], &'a [u8]) {
+    pub(crate) fn group(&self, g: usize) -> (&'a [u8], &'a [u8]) {
         let (q, s) = group_lens(self.cols);
         (&self.quants[g * q..(g + 1) * q], &self.scales[g * s..(g + 1) * s])
     }
@@ -512,7 +519,7 @@ fn quantize_row_scalar(x: &[f32], dst: &mut [u8]) {
 }
 
 /// Quantizes tokens `t0..t1` of `x` (`(n, cols)`) into their rows of `out`.
-fn quantize_tokens(isa: Isa, x: &[f32], cols: usize, t0: usize, t1: usize, out: &mut [u8]) {
+pub(crate) fn quantize_tokens(isa: Isa, x: &[f32], cols: usize, t0: usize, t1: usize, out: &mut [u8]) {
     let stride = activation_stride(cols);
     for t in t0..t1 {
         let xt = &x[t * cols..(t + 1) * cols];
@@ -542,17 +549,10 @@ pub fn quantize_activations_scalar(x: &[f32], n_tokens: usize, cols: usize, out:
     quantize_tokens(Isa::Scalar, x, cols, 0, n_tokens, out)
 }
 
-/// Tokens per GEMM tile of the VNNI kernel.
-pub(crate) const Q4K_MT: usize = 8;
-
 /// `y_i = q8(x) · W_iᵀ` for every `(W_i, y_i)` in `jobs` (all Q4_K with the same columns),
 /// with the activations quantized once into `scratch` (at least
-/// [`q4k_scratch_len`]`(n_tokens, cols)` bytes).
-///
-/// Shapes: `x` is `(n_tokens, cols)`, every `W_i` is `(rows_i, cols)`, `y_i` is
-/// `(n_tokens, rows_i)`. Every output follows the canonical order of the module docs, so row
-/// `t` of `y_i` has the same bits whatever else is in `x`, on any pool and any instruction
-/// set. Allocates nothing. Panics on a shape disagreement (a caller bug).
+/// [`q4k_scratch_len`]`(n_tokens, cols)` bytes): [`crate::quant::matmul_many_quant`] for Q4_K
+/// matrices, each output in the canonical order of the module docs.
 pub fn matmul_many_q4k(
     pool: &ThreadPool,
     x: &[f32],
@@ -560,86 +560,7 @@ pub fn matmul_many_q4k(
     scratch: &mut [u8],
     jobs: &mut [(Q4KMatrix<'_>, &mut [f32])],
 ) {
-    let Some((first, _)) = jobs.first() else { return };
-    let cols = first.cols;
-    for (w, y) in jobs.iter() {
-        // These checks make the unsafe reads and writes below sound.
-        assert_eq!(w.cols, cols, "matrices sharing an input must have the same columns");
-        assert_eq!(Some((w.quants.len(), w.scales.len())), q4_k_plane_lens(w.rows, w.cols), "packed Q4_K lengths");
-        assert_eq!(x.len(), n_tokens * cols, "x.len() != n_tokens * cols");
-        assert_eq!(y.len(), n_tokens * w.rows, "y.len() != n_tokens * rows");
-    }
-    let needed = q4k_scratch_len(n_tokens, cols);
-    assert!(scratch.len() >= needed, "q4_k scratch holds {} bytes, {needed} needed", scratch.len());
-    if n_tokens == 0 {
-        return;
-    }
-    let isa = isa();
-    let stride = activation_stride(cols);
-    let shared = crate::quant::SharedBytes(scratch.as_mut_ptr(), needed);
-    let threads = if n_tokens * cols >= 1 << 16 { pool.threads().min(n_tokens) } else { 1 };
-    pool.run(threads, &|t| {
-        let (t0, t1) = (n_tokens * t / threads, n_tokens * (t + 1) / threads);
-        // SAFETY: each task writes only the rows of its own tokens `t0..t1`.
-        quantize_tokens(isa, x, cols, t0, t1, unsafe { shared.slice() });
-    });
-    let xq: &[u8] = &scratch[..needed];
-    let kernels = crate::quant::int8_isa();
-    for chunk in jobs.chunks_mut(crate::matmul::MAX_FUSED) {
-        let bytes: usize = chunk.iter().map(|(w, _)| w.byte_len()).sum();
-        let macs: usize = chunk.iter().map(|(w, _)| w.rows * w.cols * n_tokens).sum();
-        let parallel = if n_tokens == 1 { bytes >= 64 * 1024 } else { macs >= 1 << 20 };
-        let threads = if parallel { pool.threads() } else { 1 };
-        split_rows(pool, chunk, GROUP_ROWS, threads, &|w: Q4KMatrix<'_>, out: OutPtr, r0, r1| {
-            // SAFETY: `split_rows` hands this call rows `r0..r1` (whole groups, the last one
-            // possibly partial) of `out`, which no other call touches; shapes were checked.
-            unsafe { compute_groups(kernels, w, xq, stride, n_tokens, out, r0, r1) }
-        });
-    }
-}
-
-/// Output rows `r0..r1` (`r0` a multiple of 16) of `y = q8(x) · Wᵀ` for all tokens.
-///
-/// # Safety
-/// `out` points to the `(n_tokens, w.rows)` output whose rows `r0..r1` no one else accesses
-/// meanwhile; `xq` holds `n_tokens` quantized rows of `stride` bytes for `w.cols` columns; the
-/// CPU has `kernels`' instructions.
-#[allow(clippy::too_many_arguments)]
-unsafe fn compute_groups(
-    kernels: crate::quant::Int8Isa,
-    w: Q4KMatrix<'_>,
-    xq: &[u8],
-    stride: usize,
-    n_tokens: usize,
-    out: OutPtr,
-    r0: usize,
-    r1: usize,
-) {
-    use crate::quant::Int8Isa;
-    debug_assert!(r0.is_multiple_of(GROUP_ROWS));
-    for g in r0 / GROUP_ROWS..r1.div_ceil(GROUP_ROWS) {
-        let valid = (w.rows - g * GROUP_ROWS).min(GROUP_ROWS);
-        let (wq, ws) = w.group(g);
-        let mut t = 0;
-        while t < n_tokens {
-            let mt = Q4K_MT.min(n_tokens - t);
-            let xt = &xq[t * stride..(t + mt) * stride];
-            // SAFETY: rows `g·16 .. g·16 + valid` of tokens `t..t + mt` lie inside the output
-            // and belong to this call; `wq`, `ws` are one whole group and `xt` `mt` whole
-            // token rows.
-            unsafe {
-                let y = out.0.add(t * w.rows + g * GROUP_ROWS);
-                match kernels {
-                    #[cfg(target_arch = "x86_64")]
-                    Int8Isa::Vnni => crate::q4k_x86::tile_vnni_dyn(mt, wq, ws, w.cols, xt, stride, y, w.rows, valid),
-                    #[cfg(target_arch = "x86_64")]
-                    Int8Isa::Avx2 => crate::q4k_x86::tile_avx2(mt, wq, ws, w.cols, xt, stride, y, w.rows, valid),
-                    _ => tile_scalar(mt, wq, ws, w.cols, xt, stride, y, w.rows, valid),
-                }
-            }
-            t += mt;
-        }
-    }
+    crate::quant::matmul_many_packed(pool, x, n_tokens, scratch, jobs)
 }
 
 /// The scalar definition of a tile: tokens `0..mt` of `xq` × the `valid` rows of the group
@@ -648,7 +569,7 @@ unsafe fn compute_groups(
 /// # Safety
 /// `y` is valid for writing rows `0..valid` of `mt` tokens at row stride `y_stride`.
 #[allow(clippy::too_many_arguments)]
-unsafe fn tile_scalar(
+pub(crate) unsafe fn tile_scalar(
     mt: usize,
     wq: &[u8],
     ws: &[u8],

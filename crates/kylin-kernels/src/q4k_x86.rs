@@ -7,7 +7,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::q4k::{HEADER_BYTES, PAIR_BYTES, Q4K_MT, QK_K, SUB, SUB_SCALE_BYTES, SUPER_SCALE_BYTES, subs_in};
+use crate::q4k::{HEADER_BYTES, PAIR_BYTES, QK_K, SUB, SUB_SCALE_BYTES, SUPER_SCALE_BYTES, subs_in};
 use crate::quant::GROUP_ROWS;
 
 /// One token's activation quantization (see `q4k::quantize_row_scalar`, whose bytes this
@@ -212,7 +212,7 @@ pub(crate) unsafe fn tile_vnni_dyn(
             5 => tile_vnni::<5>(wq, ws, cols, xq, stride, y, y_stride, valid),
             6 => tile_vnni::<6>(wq, ws, cols, xq, stride, y, y_stride, valid),
             7 => tile_vnni::<7>(wq, ws, cols, xq, stride, y, y_stride, valid),
-            _ => tile_vnni::<Q4K_MT>(wq, ws, cols, xq, stride, y, y_stride, valid),
+            _ => tile_vnni::<{ crate::quant::Q8_MT }>(wq, ws, cols, xq, stride, y, y_stride, valid),
         }
     }
 }

@@ -107,7 +107,7 @@ impl<'a> Q8Matrix<'a> {
     }
 
     /// Group `g`'s quants and scales.
-    fn group(&self, g: usize) -> (&'a [u8], &'a [u8]) {
+    pub(crate) fn group(&self, g: usize) -> (&'a [u8], &'a [u8]) {
         let nb = self.blocks();
         (
             &self.quants[g * nb * QUANTS_BYTES..(g + 1) * nb * QUANTS_BYTES],
@@ -339,18 +339,13 @@ fn detect_int8_isa() -> Int8Isa {
     }
 }
 
-/// Tokens per GEMM tile of the VNNI kernel (8 weight vectors + 8 accumulators + temporaries
-/// of the 32 zmm registers).
+/// Tokens per GEMM tile of the VNNI kernels, both formats (8 weight vectors + 8 accumulators +
+/// temporaries of the 32 zmm registers).
 pub(crate) const Q8_MT: usize = 8;
 
 /// `y_i = q8(x) · W_iᵀ` for every `(W_i, y_i)` in `jobs` (all Q8_0 with the same columns),
 /// with the activations quantized once into `scratch` (at least
-/// [`q8_scratch_len`]`(n_tokens, cols)` bytes).
-///
-/// Shapes: `x` is `(n_tokens, cols)`, every `W_i` is `(rows_i, cols)`, `y_i` is
-/// `(n_tokens, rows_i)`. Every output follows the canonical order of the module docs, so row
-/// `t` of `y_i` has the same bits whatever else is in `x`, on any pool and any instruction
-/// set. Allocates nothing. Panics on a shape disagreement (a caller bug).
+/// [`q8_scratch_len`]`(n_tokens, cols)` bytes). [`matmul_many_quant`] for Q8_0 matrices.
 pub fn matmul_many_q8(
     pool: &ThreadPool,
     x: &[f32],
@@ -358,39 +353,92 @@ pub fn matmul_many_q8(
     scratch: &mut [u8],
     jobs: &mut [(Q8Matrix<'_>, &mut [f32])],
 ) {
+    matmul_many_packed(pool, x, n_tokens, scratch, jobs)
+}
+
+/// `y_i = q8(x) · W_iᵀ` for every `(W_i, y_i)` in `jobs`: quantized matrices of either format
+/// with the same columns, in one pool job per [`crate::matmul::MAX_FUSED`] matrices. The
+/// activations are quantized once per format present into `scratch` (at least
+/// [`quant_scratch_len`]`(n_tokens, cols)` bytes; one format needs only
+/// [`q8_scratch_len`]`(n_tokens, cols)`).
+///
+/// Shapes: `x` is `(n_tokens, cols)`, every `W_i` is `(rows_i, cols)`, `y_i` is
+/// `(n_tokens, rows_i)`. Every output follows its format's canonical order (module docs here
+/// and in [`crate::q4k`]), so row `t` of `y_i` has the same bits whatever else is in `x` or in
+/// `jobs`, on any pool and any instruction set. Allocates nothing. Panics on a shape
+/// disagreement (a caller bug).
+pub fn matmul_many_quant(
+    pool: &ThreadPool,
+    x: &[f32],
+    n_tokens: usize,
+    scratch: &mut [u8],
+    jobs: &mut [(QuantMatrix<'_>, &mut [f32])],
+) {
+    matmul_many_packed(pool, x, n_tokens, scratch, jobs)
+}
+
+/// The driver of every quantized product: checks, activation quantization (tokens split across
+/// the pool when there are many), then output rows split across the pool in groups of 16.
+pub(crate) fn matmul_many_packed<'a, M: MatrixRows + Into<QuantMatrix<'a>>>(
+    pool: &ThreadPool,
+    x: &[f32],
+    n_tokens: usize,
+    scratch: &mut [u8],
+    jobs: &mut [(M, &mut [f32])],
+) {
     let Some((first, _)) = jobs.first() else { return };
-    let cols = first.cols;
+    let cols = (*first).into().cols();
+    let mut present = [false; 2];
     for (w, y) in jobs.iter() {
+        let w: QuantMatrix<'a> = (*w).into();
         // These checks make the unsafe reads and writes below sound.
-        assert_eq!(w.cols, cols, "matrices sharing an input must have the same columns");
-        assert_eq!(Some((w.quants.len(), w.scales.len())), q8_0_plane_lens(w.rows, w.cols), "packed Q8_0 lengths");
+        assert_eq!(w.cols(), cols, "matrices sharing an input must have the same columns");
+        assert_eq!(
+            Some((w.quants().len(), w.scales().len())),
+            w.packing().plane_lens(w.rows(), cols),
+            "packed {} lengths",
+            w.packing().name()
+        );
         assert_eq!(x.len(), n_tokens * cols, "x.len() != n_tokens * cols");
-        assert_eq!(y.len(), n_tokens * w.rows, "y.len() != n_tokens * rows");
+        assert_eq!(y.len(), n_tokens * w.rows(), "y.len() != n_tokens * rows");
+        present[w.packing() as usize] = true;
     }
-    let needed = q8_scratch_len(n_tokens, cols);
-    assert!(scratch.len() >= needed, "q8 scratch holds {} bytes, {needed} needed", scratch.len());
+    // Both formats' activations take `activation_stride(cols)` bytes per token; a format's
+    // region starts after the regions of the formats before it that are present.
+    let (stride, region) = (activation_stride(cols), q8_scratch_len(n_tokens, cols));
+    let offset = |p: Packing| present[..p as usize].iter().filter(|&&b| b).count() * region;
+    let needed = present.iter().filter(|&&b| b).count() * region;
+    assert!(scratch.len() >= needed, "quantized-product scratch holds {} bytes, {needed} needed", scratch.len());
     if n_tokens == 0 {
         return;
     }
     let isa = isa();
-    // 1. Quantize the activations, tokens split across the pool when there are many.
-    let stride = activation_stride(cols);
     let shared = SharedBytes(scratch.as_mut_ptr(), needed);
     let threads = if n_tokens * cols >= 1 << 16 { pool.threads().min(n_tokens) } else { 1 };
     pool.run(threads, &|t| {
         let (t0, t1) = (n_tokens * t / threads, n_tokens * (t + 1) / threads);
-        // SAFETY: each task writes only the rows of its own tokens `t0..t1`.
-        quantize_tokens(isa, x, cols, t0, t1, unsafe { shared.slice() });
+        // SAFETY: each task writes only the rows of its own tokens `t0..t1`, in each region.
+        let all = unsafe { shared.slice() };
+        for packing in [Packing::Q8_0, Packing::Q4K] {
+            if present[packing as usize] {
+                let out = &mut all[offset(packing)..offset(packing) + region];
+                match packing {
+                    Packing::Q8_0 => quantize_tokens(isa, x, cols, t0, t1, out),
+                    Packing::Q4K => crate::q4k::quantize_tokens(isa, x, cols, t0, t1, out),
+                }
+            }
+        }
     });
     let xq: &[u8] = &scratch[..needed];
-    // 2. The products, output rows split across the pool in groups of 16.
     let kernels = int8_isa();
     for chunk in jobs.chunks_mut(crate::matmul::MAX_FUSED) {
-        let bytes: usize = chunk.iter().map(|(w, _)| w.byte_len()).sum();
-        let macs: usize = chunk.iter().map(|(w, _)| w.rows * w.cols * n_tokens).sum();
+        let bytes: usize = chunk.iter().map(|(w, _)| (*w).into().byte_len()).sum();
+        let macs: usize = chunk.iter().map(|(w, _)| w.rows() * cols * n_tokens).sum();
         let parallel = if n_tokens == 1 { bytes >= 64 * 1024 } else { macs >= 1 << 20 };
         let threads = if parallel { pool.threads() } else { 1 };
-        split_rows(pool, chunk, GROUP_ROWS, threads, &|w: Q8Matrix<'_>, out: OutPtr, r0, r1| {
+        split_rows(pool, chunk, GROUP_ROWS, threads, &|w: M, out: OutPtr, r0, r1| {
+            let w: QuantMatrix<'a> = w.into();
+            let xq = &xq[offset(w.packing())..offset(w.packing()) + region];
             // SAFETY: `split_rows` hands this call rows `r0..r1` (whole groups, the last one
             // possibly partial) of `out`, which no other call touches; shapes were checked.
             unsafe { compute_groups(kernels, w, xq, stride, n_tokens, out, r0, r1) }
@@ -398,16 +446,17 @@ pub fn matmul_many_q8(
     }
 }
 
-/// Output rows `r0..r1` (`r0` a multiple of 16) of `y = q8(x) · Wᵀ` for all tokens.
+/// Output rows `r0..r1` (`r0` a multiple of 16) of `y = q8(x) · Wᵀ` for all tokens, in tiles
+/// of up to [`Q8_MT`] tokens × 16 rows on `kernels`' tile for `w`'s format.
 ///
 /// # Safety
 /// `out` points to the `(n_tokens, w.rows)` output whose rows `r0..r1` no one else accesses
-/// meanwhile; `xq` holds `n_tokens` quantized rows of `stride` bytes for `w.cols` columns; the
-/// CPU has `kernels`' instructions.
+/// meanwhile; `xq` holds `n_tokens` rows of `w`'s format's quantized activations, `stride`
+/// bytes each; the CPU has `kernels`' instructions.
 #[allow(clippy::too_many_arguments)]
 unsafe fn compute_groups(
     kernels: Int8Isa,
-    w: Q8Matrix<'_>,
+    w: QuantMatrix<'_>,
     xq: &[u8],
     stride: usize,
     n_tokens: usize,
@@ -416,25 +465,41 @@ unsafe fn compute_groups(
     r1: usize,
 ) {
     debug_assert!(r0.is_multiple_of(GROUP_ROWS));
-    let nb = w.blocks();
+    let (rows, cols) = (w.rows(), w.cols());
     for g in r0 / GROUP_ROWS..r1.div_ceil(GROUP_ROWS) {
-        let valid = (w.rows - g * GROUP_ROWS).min(GROUP_ROWS);
-        let (wq, ws) = w.group(g);
+        let valid = (rows - g * GROUP_ROWS).min(GROUP_ROWS);
+        let (wq, ws) = match w {
+            QuantMatrix::Q8_0(m) => m.group(g),
+            QuantMatrix::Q4K(m) => m.group(g),
+        };
         let mut t = 0;
         while t < n_tokens {
             let mt = Q8_MT.min(n_tokens - t);
             let xt = &xq[t * stride..(t + mt) * stride];
             // SAFETY: rows `g·16 .. g·16 + valid` of tokens `t..t + mt` lie inside the output
             // and belong to this call; `wq`, `ws` are one whole group and `xt` `mt` whole
-            // token rows.
+            // token rows of the matrix's format.
             unsafe {
-                let y = out.0.add(t * w.rows + g * GROUP_ROWS);
-                match kernels {
+                let y = out.0.add(t * rows + g * GROUP_ROWS);
+                match (w.packing(), kernels) {
                     #[cfg(target_arch = "x86_64")]
-                    Int8Isa::Vnni => crate::quant_x86::tile_vnni_dyn(mt, wq, ws, nb, xt, stride, y, w.rows, valid),
+                    (Packing::Q8_0, Int8Isa::Vnni) => {
+                        crate::quant_x86::tile_vnni_dyn(mt, wq, ws, cols / QK8_0, xt, stride, y, rows, valid)
+                    }
                     #[cfg(target_arch = "x86_64")]
-                    Int8Isa::Avx2 => crate::quant_x86::tile_avx2(mt, wq, ws, nb, xt, stride, y, w.rows, valid),
-                    _ => tile_scalar(mt, wq, ws, nb, xt, stride, y, w.rows, valid),
+                    (Packing::Q8_0, Int8Isa::Avx2) => {
+                        crate::quant_x86::tile_avx2(mt, wq, ws, cols / QK8_0, xt, stride, y, rows, valid)
+                    }
+                    (Packing::Q8_0, _) => tile_scalar(mt, wq, ws, cols / QK8_0, xt, stride, y, rows, valid),
+                    #[cfg(target_arch = "x86_64")]
+                    (Packing::Q4K, Int8Isa::Vnni) => {
+                        crate::q4k_x86::tile_vnni_dyn(mt, wq, ws, cols, xt, stride, y, rows, valid)
+                    }
+                    #[cfg(target_arch = "x86_64")]
+                    (Packing::Q4K, Int8Isa::Avx2) => {
+                        crate::q4k_x86::tile_avx2(mt, wq, ws, cols, xt, stride, y, rows, valid)
+                    }
+                    (Packing::Q4K, _) => crate::q4k::tile_scalar(mt, wq, ws, cols, xt, stride, y, rows, valid),
                 }
             }
             t += mt;
@@ -505,9 +570,9 @@ impl SharedBytes {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Packing {
     /// [`Q8Matrix`].
-    Q8_0,
+    Q8_0 = 0,
     /// [`crate::q4k::Q4KMatrix`].
-    Q4K,
+    Q4K = 1,
 }
 
 impl Packing {
@@ -617,19 +682,34 @@ impl<'a> QuantMatrix<'a> {
         }
     }
 
-    /// `y (n, rows) = q8(x) (n, cols) · Wᵀ` alone ([`matmul_many_q8`] or
-    /// [`crate::q4k::matmul_many_q4k`]).
+    /// `y (n, rows) = q8(x) (n, cols) · Wᵀ` alone ([`matmul_many_quant`]).
     pub fn matmul(&self, pool: &ThreadPool, x: &[f32], n_tokens: usize, scratch: &mut [u8], y: &mut [f32]) {
-        match self {
-            QuantMatrix::Q8_0(m) => matmul_many_q8(pool, x, n_tokens, scratch, &mut [(*m, y)]),
-            QuantMatrix::Q4K(m) => crate::q4k::matmul_many_q4k(pool, x, n_tokens, scratch, &mut [(*m, y)]),
-        }
+        matmul_many_quant(pool, x, n_tokens, scratch, &mut [(*self, y)])
     }
 }
 
-/// Bytes of the activation scratch a product of either format needs (the same for both).
+impl<'a> From<Q8Matrix<'a>> for QuantMatrix<'a> {
+    fn from(m: Q8Matrix<'a>) -> Self {
+        QuantMatrix::Q8_0(m)
+    }
+}
+
+impl<'a> From<crate::q4k::Q4KMatrix<'a>> for QuantMatrix<'a> {
+    fn from(m: crate::q4k::Q4KMatrix<'a>) -> Self {
+        QuantMatrix::Q4K(m)
+    }
+}
+
+impl MatrixRows for QuantMatrix<'_> {
+    fn rows(&self) -> usize {
+        QuantMatrix::rows(self)
+    }
+}
+
+/// Bytes of the activation scratch [`matmul_many_quant`] needs for matrices of both formats
+/// sharing an input (each format's activations once).
 pub fn quant_scratch_len(n_tokens: usize, cols: usize) -> usize {
-    q8_scratch_len(n_tokens, cols).max(crate::q4k::q4k_scratch_len(n_tokens, cols))
+    2 * q8_scratch_len(n_tokens, cols)
 }
 
 /// An owned, 64-byte aligned buffer holding the two planes of a packed matrix made at load
@@ -681,9 +761,8 @@ impl QuantBuffer {
         let (rows, cols) = (self.rows, self.cols);
         match self.packing {
             Packing::Q8_0 => QuantMatrix::Q8_0(Q8Matrix { rows, cols, quants, scales }),
-            Packing::Q4K => QuantMatrix::Q4K(
-                crate::q4k::Q4KMatrix::new(rows, cols, quants, scales).expect("sized by plane_lens in zeroed"),
-            ),
+            // The planes were sized by `plane_lens` in `zeroed`.
+            Packing::Q4K => QuantMatrix::Q4K(crate::q4k::Q4KMatrix::from_planes(rows, cols, quants, scales)),
         }
     }
 
