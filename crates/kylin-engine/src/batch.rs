@@ -317,7 +317,9 @@ impl EngineCore {
         let mut scratch = model.plan_scratch(max_batch_tokens, max_seqs)?;
         let kv_dtype = opts.kv_dtype.unwrap_or(model.default_kv_dtype());
         let n_blocks = kv_blocks(opts, kv_dtype, &model, &scratch, context, max_seqs)?;
-        let mut kv = KvPool::new(kv_dtype, n_blocks, opts.block_size, d.n_layers, d.n_kv_heads, d.head_dim)?;
+        let layout = kylin_kernels::paged::attention_path(model.precision(), kv_dtype, d.head_dim, opts.block_size).layout();
+        let mut kv =
+            KvPool::new(kv_dtype, layout, n_blocks, opts.block_size, d.n_layers, d.n_kv_heads, d.head_dim)?;
         if opts.prefault {
             kv.prefault();
             scratch.prefault();
@@ -350,6 +352,11 @@ impl EngineCore {
 
     pub fn context(&self) -> usize {
         self.context
+    }
+
+    /// The KV cache's element type.
+    pub fn kv_dtype(&self) -> WeightDType {
+        self.kv.dtype
     }
 
     pub fn block_size(&self) -> usize {
@@ -403,7 +410,7 @@ impl EngineCore {
             kv_dtype: dtype_name(self.kv.dtype).to_string(),
             threads: self.pool.threads(),
             precision: self.model.precision_name().to_string(),
-            kernels: self.model.kernels_report(self.kv.block_size),
+            kernels: self.model.kernels_report(self.kv.dtype, self.kv.block_size),
             has_tokenizer: self.text.is_some(),
             eos_ids: self.eos_ids.clone(),
         }

@@ -21,7 +21,8 @@ use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 
 use kylin_kernels::WeightDType;
-use kylin_kernels::paged::KvView;
+use kylin_kernels::aligned::AlignedBytes;
+use kylin_kernels::paged::{KvLayout, KvView};
 use kylin_loader::{KylinError, Result};
 
 /// "No block" in the free list links.
@@ -207,8 +208,12 @@ pub struct KvPool {
     pub head_dim: usize,
     /// Elements per block for keys (and for values): `n_layers * n_kv_heads * block_size * head_dim`.
     pub block_stride: usize,
-    keys: Vec<u8>,
-    values: Vec<u8>,
+    /// How each (block, layer, head) tile is laid out: the layout of the attention path that
+    /// reads the pool (`kylin_kernels::paged::attention_path`).
+    pub layout: KvLayout,
+    /// 64-byte aligned, so a kernel's 64-byte rows never straddle two cache lines.
+    keys: AlignedBytes,
+    values: AlignedBytes,
     pub alloc: BlockAllocator,
 }
 
@@ -229,8 +234,10 @@ impl KvPool {
     }
 
     /// Allocates `n_blocks` blocks. `CONFIG_INVALID` if the size overflows.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         dtype: WeightDType,
+        layout: KvLayout,
         n_blocks: usize,
         block_size: usize,
         n_layers: usize,
@@ -259,8 +266,9 @@ impl KvPool {
             n_kv_heads,
             head_dim,
             block_stride,
-            keys: vec![0u8; bytes],
-            values: vec![0u8; bytes],
+            layout,
+            keys: AlignedBytes::zeroed(bytes).ok_or_else(overflow)?,
+            values: AlignedBytes::zeroed(bytes).ok_or_else(overflow)?,
             alloc: BlockAllocator::new(n_blocks, block_size),
         })
     }
@@ -293,6 +301,7 @@ impl KvPool {
     pub fn views(&self) -> (KvView<'_>, KvView<'_>) {
         let geometry = KvView {
             dtype: self.dtype,
+            layout: self.layout,
             data: &self.keys,
             block_stride: self.block_stride,
             block_size: self.block_size,
@@ -302,24 +311,29 @@ impl KvPool {
     }
 
     /// Stores the keys and values of one token at position `pos` of a sequence whose block
-    /// table is `blocks`, for `layer`: `k` and `v` are `(n_kv_heads * head_dim)`. Keys go to the
-    /// transposed `(head_dim, block_size)` tile of their (block, layer, head), values to row
-    /// `slot` of the `(block_size, head_dim)` one (the layout `kylin_kernels::paged` reads).
+    /// table is `blocks`, for `layer`: `k` and `v` are `(n_kv_heads * head_dim)`, each head's
+    /// going to its (block, layer, head) tile in the pool's layout.
+    ///
+    /// In the pair layout the AMX kernel loads whole 16-position chunks, slots past the
+    /// sequence's length included (their scores are masked and their values multiplied by
+    /// zero), so those slots must hold finite numbers: a block's tile is zeroed when its first
+    /// slot is written, and a stale NaN of an earlier sequence can never reach a later one.
     pub fn store(&mut self, layer: usize, blocks: &[u32], pos: usize, k: &[f32], v: &[f32]) {
         let hd = self.head_dim;
         let block = blocks[pos / self.block_size] as usize;
         let slot = pos % self.block_size;
+        let size = self.dtype.size_in_bytes();
         for h in 0..self.n_kv_heads {
             let tile = block * self.block_stride + self.head_offset(layer, h);
-            kylin_kernels::paged::store_key(
-                self.dtype,
-                &mut self.keys,
-                tile,
-                self.block_size,
-                slot,
-                &k[h * hd..(h + 1) * hd],
-            );
-            kylin_kernels::paged::store_row(self.dtype, &mut self.values, tile + slot * hd, &v[h * hd..(h + 1) * hd]);
+            if slot == 0 && self.layout == KvLayout::Pairs {
+                let span = tile * size..(tile + self.block_size * hd) * size;
+                self.keys[span.clone()].fill(0);
+                self.values[span].fill(0);
+            }
+            let (bs, dtype, layout) = (self.block_size, self.dtype, self.layout);
+            let (k, v) = (&k[h * hd..(h + 1) * hd], &v[h * hd..(h + 1) * hd]);
+            kylin_kernels::paged::store_key(layout, dtype, &mut self.keys, tile, bs, slot, k);
+            kylin_kernels::paged::store_value(layout, dtype, &mut self.values, tile, bs, slot, v);
         }
     }
 

@@ -914,9 +914,9 @@ impl Model {
     }
 
     /// What reports name as the kernels: the matrix products' family, and attention's path
-    /// when it differs (`amx-bf16`, or `avx512, attention f32`).
-    pub fn kernels_report(&self, block_size: usize) -> String {
-        let attention = kernels::paged::attention_path(self.precision(), self.dims.head_dim, block_size);
+    /// over a KV cache of `kv_dtype` when it differs (`amx-bf16`, or `avx512, attention f32`).
+    pub fn kernels_report(&self, kv_dtype: WeightDType, block_size: usize) -> String {
+        let attention = kernels::paged::attention_path(self.precision(), kv_dtype, self.dims.head_dim, block_size);
         let family = self.kernel_family();
         if attention.name() == family { family } else { format!("{family}, attention {}", attention.name()) }
     }
@@ -1160,7 +1160,6 @@ impl Model {
         let (keys, values) = kv.views();
         let group = d.group();
         let scale = d.attn_scale;
-        let precision = self.precision();
         let n_kv = d.n_kv_heads;
         let q = &s.q[..n * q_dim];
         let attn = SharedMut::new(&mut s.attn[..n * q_dim]);
@@ -1200,7 +1199,7 @@ impl Model {
                     let out = unsafe { attn.slice(at, hd) };
                     *row = QueryRow { q: &q[at..at + hd], len: seg.start + t + 1, out };
                 }
-                kernels::paged::attention_rows(&mut rows[..count], keys, values, blocks, offset, scale, precision);
+                kernels::paged::attention_rows(&mut rows[..count], keys, values, blocks, offset, scale);
                 first += count;
             }
         });

@@ -176,7 +176,7 @@ impl Backend for NativeBackend {
             context_size: self.core.context(),
             threads: self.core.pool.threads(),
             precision: self.core.model().precision_name().to_string(),
-            kernels: self.core.model().kernels_report(self.core.block_size()),
+            kernels: self.core.model().kernels_report(self.core.kv_dtype(), self.core.block_size()),
             quantize_ms: self.core.quantize_ms,
         }
     }

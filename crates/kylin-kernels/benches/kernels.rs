@@ -136,3 +136,36 @@ fn rms_norm(bencher: Bencher) {
         .counter(BytesCount::new(1024usize * 4))
         .bench_local(|| kylin_kernels::rms_norm(black_box(&x), w, 1e-6, &mut out));
 }
+
+/// Blocked attention over a paged BF16 cache (Qwen3-0.6B's head size, block size 16, one KV
+/// head): `(rows, len)` = query rows of one call (2: a decode step of a GQA group of two; 48: a
+/// prefill chunk) over `len` cached positions, under `--precision bf16` (the AMX path where the
+/// CPU has it, unless `KYLIN_AMX_ATTENTION=0`). Bytes counted: the keys and values read once.
+#[divan::bench(args = [(2, 512), (2, 3584), (48, 512), (48, 3584)])]
+fn paged_attention_bf16(bencher: Bencher, shape: (usize, usize)) {
+    use kylin_kernels::paged::{KvView, QueryRow, attention_path, attention_rows};
+    let (n, len) = shape;
+    let (hd, bs) = (128, 16);
+    let blocks: Vec<u32> = (0..len.div_ceil(bs) as u32).rev().collect();
+    // The pool is 64-byte aligned, as the engine's is.
+    let raw = weights(WeightDType::BF16, blocks.len() * bs * hd);
+    let mut lines = vec![[0u128; 4]; raw.len().div_ceil(64)];
+    // SAFETY: `lines` holds at least `raw.len()` initialised bytes.
+    let data = unsafe { std::slice::from_raw_parts_mut(lines.as_mut_ptr() as *mut u8, raw.len()) };
+    data.copy_from_slice(&raw);
+    let data = &*data;
+    let layout = attention_path(kylin_kernels::Precision::Bf16, WeightDType::BF16, hd, bs).layout();
+    let kv =
+        KvView { dtype: WeightDType::BF16, layout, data, block_stride: bs * hd, block_size: bs, head_dim: hd };
+    let q = vec![0.1f32; n * hd];
+    let mut out = vec![0.0f32; n * hd];
+    bencher.counter(BytesCount::new(2 * len * hd * 2)).bench_local(|| {
+        let mut rows: Vec<QueryRow<'_>> = q
+            .chunks_exact(hd)
+            .zip(out.chunks_exact_mut(hd))
+            .enumerate()
+            .map(|(i, (q, out))| QueryRow { q, len: len - n + 1 + i, out })
+            .collect();
+        attention_rows(&mut rows, kv, kv, black_box(&blocks), 0, 0.088);
+    });
+}

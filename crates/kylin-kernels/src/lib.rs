@@ -28,6 +28,7 @@
 //! matrices (see `matmul.rs`), so a sequence's results do not depend on what shares its batch.
 
 #[cfg(target_arch = "x86_64")]
+pub mod aligned;
 mod amx;
 #[cfg(target_arch = "x86_64")]
 mod avx512;

@@ -10,8 +10,10 @@
 //! `(head_dim, block_size)` (element `(c, slot)` at `c · block_size + slot`), so sixteen
 //! consecutive positions of one key dimension are one vector; **values are stored by row**,
 //! `(block_size, head_dim)`. Element type F32, F16 or BF16 ([`WeightDType`]); everything is
-//! widened to f32 in registers and accumulated in f32. Write keys with [`store_key`] and values
-//! with [`store_row`].
+//! widened to f32 in registers and accumulated in f32. This is [`KvLayout::Standard`]; the AMX
+//! path reads a BF16 cache in [`KvLayout::Pairs`] instead (AMX's operand layout, see
+//! `paged_amx.rs`). [`attention_path`] picks the path and with it the layout, once, when the
+//! pool is made; write keys with [`store_key`] and values with [`store_value`].
 //!
 //! # The canonical computation (what batch invariance rests on)
 //!
@@ -66,10 +68,22 @@ const DT_BF16: u8 = 0;
 const DT_F16: u8 = 1;
 const DT_F32: u8 = 2;
 
+/// How a pool stores one (block, layer, KV head) tile of keys and of values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvLayout {
+    /// Keys transposed, `(head_dim, block_size)`; values by row, `(block_size, head_dim)`. Read
+    /// by the f32 path.
+    Standard,
+    /// AMX's pair layout (BF16 only): keys `(block_size / 16, head_dim / 2, 16, 2)`, values
+    /// `(block_size / 2, head_dim, 2)`. Read by the AMX path.
+    Pairs,
+}
+
 /// One pool of keys (or values) with its geometry.
 #[derive(Debug, Clone, Copy)]
 pub struct KvView<'a> {
     pub dtype: WeightDType,
+    pub layout: KvLayout,
     /// The whole pool as little-endian bytes.
     pub data: &'a [u8],
     /// Elements per block (all layers and heads).
@@ -113,14 +127,10 @@ pub struct QueryRow<'a> {
 /// whatever other rows share the call).
 ///
 /// `blocks`: the sequence's block table; `offset`: element offset of the (layer, KV head) tile
-/// inside a block. Panics if a row is malformed, `head_dim > MAX_HEAD_DIM`, or a block of the
-/// table lies outside the pool.
-///
-/// `precision`: with [`Precision::Bf16`] on a CPU whose BF16 kernels are AMX, and a head size
-/// that is a multiple of 32 and a block size that is a multiple of 16, both products run on
-/// AMX with BF16 inputs ([`attention_path`] says which path a configuration takes); otherwise
-/// everything is f32.
-#[allow(clippy::too_many_arguments)]
+/// inside a block. The cache's layout decides the path: [`KvLayout::Pairs`] runs both products
+/// on AMX with BF16 inputs, [`KvLayout::Standard`] everything in f32. Panics if a row is
+/// malformed, `head_dim > MAX_HEAD_DIM`, a block of the table lies outside the pool, or a
+/// pair-layout cache is not one [`attention_path`] gives the AMX path.
 pub fn attention_rows(
     rows: &mut [QueryRow<'_>],
     keys: KvView<'_>,
@@ -128,12 +138,16 @@ pub fn attention_rows(
     blocks: &[u32],
     offset: usize,
     scale: f32,
-    precision: Precision,
 ) {
     let hd = keys.head_dim;
     assert!(rows.len() <= MAX_ROWS, "at most {MAX_ROWS} rows per call");
     assert!(hd <= MAX_HEAD_DIM, "head_dim {hd} above {MAX_HEAD_DIM}");
-    assert!(values.head_dim == hd && values.block_size == keys.block_size && values.dtype == keys.dtype);
+    assert!(
+        values.head_dim == hd
+            && values.block_size == keys.block_size
+            && values.dtype == keys.dtype
+            && values.layout == keys.layout
+    );
     let Some(max_len) = rows.iter().map(|r| r.len).max() else { return };
     for r in rows.iter() {
         assert!(r.len >= 1 && r.q.len() >= hd && r.out.len() >= hd, "a query row needs len >= 1 and head_dim elements");
@@ -141,16 +155,17 @@ pub fn attention_rows(
     keys.check(blocks, offset, max_len);
     values.check(blocks, offset, max_len);
     let job = Job { keys, values, blocks, offset, scale };
-    #[cfg(target_arch = "x86_64")]
-    if attention_path(precision, hd, keys.block_size) == AttentionPath::AmxBf16 {
-        // SAFETY: AMX was detected and permitted (`bf16_kernels`), which implies AVX-512;
-        // the shape conditions hold; the checks above passed.
+    if keys.layout == KvLayout::Pairs {
+        assert!(
+            attention_path(Precision::Bf16, keys.dtype, hd, keys.block_size) == AttentionPath::AmxBf16,
+            "a pair-layout KV cache needs the AMX attention path"
+        );
+        // SAFETY: AMX was detected and permitted (`bf16_kernels`), which implies AVX-512; the
+        // cache is BF16 with head and block sizes the AMX path takes (`attention_path`); the
+        // checks above passed.
+        #[cfg(target_arch = "x86_64")]
         unsafe {
-            match keys.dtype {
-                WeightDType::BF16 => paged_amx::rows_amx::<DT_BF16>(rows, &job),
-                WeightDType::F16 => paged_amx::rows_amx::<DT_F16>(rows, &job),
-                WeightDType::F32 => paged_amx::rows_amx::<DT_F32>(rows, &job),
-            }
+            paged_amx::rows_amx(rows, &job);
         }
         return;
     }
@@ -187,10 +202,9 @@ pub fn attention_paged(
     offset: usize,
     len: usize,
     scale: f32,
-    precision: Precision,
     out: &mut [f32],
 ) {
-    attention_rows(&mut [QueryRow { q, len, out }], keys, values, blocks, offset, scale, precision);
+    attention_rows(&mut [QueryRow { q, len, out }], keys, values, blocks, offset, scale);
 }
 
 /// Which arithmetic attention uses.
@@ -212,17 +226,32 @@ impl AttentionPath {
     }
 }
 
-/// Whether the AMX attention path is enabled (`KYLIN_AMX_ATTENTION=1`; off by default: it packs
-/// each tile of keys and values per call, which costs a decode step about a quarter of its
-/// speed at short contexts, while it makes long prefills 1.7x faster; see BENCHMARKS.md).
-fn amx_attention_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("KYLIN_AMX_ATTENTION").is_ok_and(|v| v == "1"))
+impl AttentionPath {
+    /// The layout of the KV cache this path reads.
+    pub fn layout(self) -> KvLayout {
+        match self {
+            AttentionPath::F32 => KvLayout::Standard,
+            AttentionPath::AmxBf16 => KvLayout::Pairs,
+        }
+    }
 }
 
-/// The path [`attention_rows`] takes for this precision, head size and block size on this CPU.
-pub fn attention_path(precision: Precision, head_dim: usize, block_size: usize) -> AttentionPath {
-    let amx = precision == Precision::Bf16 && bf16_kernels() == Some(Bf16Kernels::Amx) && amx_attention_enabled();
+/// Whether the AMX attention path may be used (on by default; `KYLIN_AMX_ATTENTION=0` turns it
+/// off, for comparisons).
+fn amx_attention_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KYLIN_AMX_ATTENTION").map_or(true, |v| v != "0"))
+}
+
+/// The path attention takes for this precision, cache element type, head size and block size
+/// on this CPU: AMX for `--precision bf16` over a BF16 cache when the BF16 kernels are AMX, the
+/// head size is a multiple of 32 and the block size of 16; f32 otherwise. A pool is made in
+/// [`AttentionPath::layout`] of the path it will be read by.
+pub fn attention_path(precision: Precision, dtype: WeightDType, head_dim: usize, block_size: usize) -> AttentionPath {
+    let amx = precision == Precision::Bf16
+        && dtype == WeightDType::BF16
+        && bf16_kernels() == Some(Bf16Kernels::Amx)
+        && amx_attention_enabled();
     if cfg!(target_arch = "x86_64") && amx && head_dim.is_multiple_of(32) && block_size.is_multiple_of(16) {
         AttentionPath::AmxBf16
     } else {
@@ -932,14 +961,56 @@ pub fn store_row(dtype: WeightDType, dst: &mut [u8], at: usize, src: &[f32]) {
     }
 }
 
-/// Writes the key `src` (f32, `head_dim`) of position `slot` into the transposed
-/// `(head_dim, block_size)` tile that starts at element `tile` of `dst`. Panics if out of range.
-pub fn store_key(dtype: WeightDType, dst: &mut [u8], tile: usize, block_size: usize, slot: usize, src: &[f32]) {
+/// Writes the key `src` (f32, `head_dim`) of position `slot` into the (block, layer, head)
+/// tile that starts at element `tile` of `dst`, in `layout`. Panics if out of range.
+pub fn store_key(
+    layout: KvLayout,
+    dtype: WeightDType,
+    dst: &mut [u8],
+    tile: usize,
+    block_size: usize,
+    slot: usize,
+    src: &[f32],
+) {
     let size = dtype.size_in_bytes();
     assert!(slot < block_size, "slot {slot} outside a block of {block_size}");
+    let hd = src.len();
     for (c, v) in src.iter().enumerate() {
-        let at = (tile + c * block_size + slot) * size;
+        let within = match layout {
+            // (head_dim, block_size).
+            KvLayout::Standard => c * block_size + slot,
+            // (block_size / 16, head_dim / 2, 16, 2).
+            KvLayout::Pairs => ((slot / 16) * (hd / 2) + c / 2) * 32 + (slot % 16) * 2 + c % 2,
+        };
+        let at = (tile + within) * size;
         write_element(dtype, &mut dst[at..at + size], *v);
+    }
+}
+
+/// Writes the value `src` (f32, `head_dim`) of position `slot` into the (block, layer, head)
+/// tile that starts at element `tile` of `dst`, in `layout`. Panics if out of range.
+pub fn store_value(
+    layout: KvLayout,
+    dtype: WeightDType,
+    dst: &mut [u8],
+    tile: usize,
+    block_size: usize,
+    slot: usize,
+    src: &[f32],
+) {
+    assert!(slot < block_size, "slot {slot} outside a block of {block_size}");
+    let hd = src.len();
+    match layout {
+        // (block_size, head_dim).
+        KvLayout::Standard => store_row(dtype, dst, tile + slot * hd, src),
+        // (block_size / 2, head_dim, 2).
+        KvLayout::Pairs => {
+            let size = dtype.size_in_bytes();
+            for (c, v) in src.iter().enumerate() {
+                let at = (tile + ((slot / 2) * hd + c) * 2 + slot % 2) * size;
+                write_element(dtype, &mut dst[at..at + size], *v);
+            }
+        }
     }
 }
 

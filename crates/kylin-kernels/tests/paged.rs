@@ -4,8 +4,8 @@
 //! independent of the rows it is computed with.
 
 use kylin_kernels::paged::{
-    AttentionPath, KvView, MAX_ROWS, PARTITION, QueryRow, attention_paged, attention_path, attention_rows, store_key,
-    store_row,
+    AttentionPath, KvLayout, KvView, MAX_ROWS, PARTITION, QueryRow, attention_paged, attention_path, attention_rows,
+    store_key, store_row, store_value,
 };
 use kylin_kernels::{Precision, WeightDType};
 
@@ -33,8 +33,10 @@ fn stored(dtype: WeightDType, x: f32) -> f32 {
 
 /// A pool of two layers and three KV heads whose (layer 1, head 2) holds `k` and `v` for
 /// positions `0..len`, in blocks used in reverse order (skipping block 1); the other heads and
-/// every unused slot hold large values, so reading one by mistake shows.
+/// every unused slot hold large values, so reading one by mistake shows. Stored in the layout
+/// of the path `precision` takes.
 struct Pool {
+    layout: KvLayout,
     keys: Vec<u8>,
     vals: Vec<u8>,
     blocks: Vec<u32>,
@@ -42,7 +44,17 @@ struct Pool {
     stride: usize,
 }
 
-fn pool(dtype: WeightDType, head_dim: usize, block_size: usize, k: &[f32], v: &[f32], len: usize) -> Pool {
+#[allow(clippy::too_many_arguments)]
+fn pool(
+    precision: Precision,
+    dtype: WeightDType,
+    head_dim: usize,
+    block_size: usize,
+    k: &[f32],
+    v: &[f32],
+    len: usize,
+) -> Pool {
+    let layout = attention_path(precision, dtype, head_dim, block_size).layout();
     let (n_layers, n_heads) = (2, 3);
     let n_blocks = len.div_ceil(block_size) + 3;
     let stride = n_layers * n_heads * block_size * head_dim;
@@ -55,15 +67,17 @@ fn pool(dtype: WeightDType, head_dim: usize, block_size: usize, k: &[f32], v: &[
     let offset = (n_heads + 2) * block_size * head_dim;
     for p in 0..len {
         let tile = blocks[p / block_size] as usize * stride + offset;
-        store_key(dtype, &mut keys, tile, block_size, p % block_size, &k[p * head_dim..(p + 1) * head_dim]);
-        store_row(dtype, &mut vals, tile + (p % block_size) * head_dim, &v[p * head_dim..(p + 1) * head_dim]);
+        let slot = p % block_size;
+        store_key(layout, dtype, &mut keys, tile, block_size, slot, &k[p * head_dim..(p + 1) * head_dim]);
+        store_value(layout, dtype, &mut vals, tile, block_size, slot, &v[p * head_dim..(p + 1) * head_dim]);
     }
-    Pool { keys, vals, blocks, offset, stride }
+    Pool { layout, keys, vals, blocks, offset, stride }
 }
 
 impl Pool {
     fn views(&self, dtype: WeightDType, block_size: usize, head_dim: usize) -> (KvView<'_>, KvView<'_>) {
-        let view = |data| KvView { dtype, data, block_stride: self.stride, block_size, head_dim };
+        let layout = self.layout;
+        let view = |data| KvView { dtype, layout, data, block_stride: self.stride, block_size, head_dim };
         (view(&self.keys), view(&self.vals))
     }
 }
@@ -76,21 +90,21 @@ fn paged_attention_matches_the_reference() {
         for dtype in [WeightDType::F32, WeightDType::F16, WeightDType::BF16] {
             for head_dim in [1, 7, 16, 31, 64, 100, 128] {
                 for block_size in [1, 5, 16, 32] {
-                    let tolerance = match attention_path(precision, head_dim, block_size) {
+                    let tolerance = match attention_path(precision, dtype, head_dim, block_size) {
                         AttentionPath::F32 => 2e-5,
                         AttentionPath::AmxBf16 => 2e-2,
                     };
                     for len in [1usize, 5, 16, 17, 33, 63, 64, 65, PARTITION + 37] {
                         let k = values(len * head_dim, 1 + len as u64);
                         let v = values(len * head_dim, 2 + head_dim as u64);
-                        let pool = pool(dtype, head_dim, block_size, &k, &v, len);
+                        let pool = pool(precision, dtype, head_dim, block_size, &k, &v, len);
                         let (keys, vals) = pool.views(dtype, block_size, head_dim);
                         // Queries large enough that the scores spread (an online softmax that
                         // rescales wrongly shows).
                         let q: Vec<f32> = values(head_dim, 3).iter().map(|x| x * 4.0).collect();
                         let scale = (head_dim as f32).powf(-0.5);
                         let mut out = vec![0.0; head_dim];
-                        attention_paged(&q, keys, vals, &pool.blocks, pool.offset, len, scale, precision, &mut out);
+                        attention_paged(&q, keys, vals, &pool.blocks, pool.offset, len, scale, &mut out);
 
                         let kr: Vec<f32> = k.iter().map(|&x| stored(dtype, x)).collect();
                         let vr: Vec<f32> = v.iter().map(|&x| stored(dtype, x)).collect();
@@ -130,7 +144,7 @@ fn rows_have_the_bits_of_each_row_alone() {
                 let max_len: usize = PARTITION + 90;
                 let k = values(max_len * head_dim, 11 + head_dim as u64);
                 let v = values(max_len * head_dim, 12 + head_dim as u64);
-                let pool = pool(dtype, head_dim, block_size, &k, &v, max_len);
+                let pool = pool(precision, dtype, head_dim, block_size, &k, &v, max_len);
                 let (keys, vals) = pool.views(dtype, block_size, head_dim);
                 let scale = (head_dim as f32).powf(-0.5);
                 let qs: Vec<Vec<f32>> = (0..MAX_ROWS).map(|i| values(head_dim, 100 + i as u64)).collect();
@@ -151,7 +165,6 @@ fn rows_have_the_bits_of_each_row_alone() {
                                 pool.offset,
                                 lens[i],
                                 scale,
-                                precision,
                                 &mut out,
                             );
                             out.iter().map(|x| x.to_bits()).collect()
@@ -165,7 +178,7 @@ fn rows_have_the_bits_of_each_row_alone() {
                                 .enumerate()
                                 .map(|(i, out)| QueryRow { q: &qs[first + i], len: lens[first + i], out })
                                 .collect();
-                            attention_rows(&mut rows, keys, vals, &pool.blocks, pool.offset, scale, precision);
+                            attention_rows(&mut rows, keys, vals, &pool.blocks, pool.offset, scale);
                             for (i, out) in outs.iter().enumerate() {
                                 let got: Vec<u32> = out.iter().map(|x| x.to_bits()).collect();
                                 assert_eq!(
@@ -186,9 +199,16 @@ fn rows_have_the_bits_of_each_row_alone() {
 #[should_panic(expected = "outside the KV pool")]
 fn a_block_outside_the_pool_panics_instead_of_reading() {
     let data = vec![0u8; 4 * 8 * 4];
-    let view = KvView { dtype: WeightDType::F32, data: &data, block_stride: 8, block_size: 2, head_dim: 4 };
+    let view = KvView {
+        dtype: WeightDType::F32,
+        layout: KvLayout::Standard,
+        data: &data,
+        block_stride: 8,
+        block_size: 2,
+        head_dim: 4,
+    };
     let mut out = [0.0; 4];
-    attention_paged(&[0.0; 4], view, view, &[9], 0, 2, 1.0, Precision::F32, &mut out);
+    attention_paged(&[0.0; 4], view, view, &[9], 0, 2, 1.0, &mut out);
 }
 
 /// Re-runs the tests above in a child process under every instruction set this machine can be
@@ -211,13 +231,13 @@ fn every_isa_matches_the_reference() {
             assert!(status.success(), "{test} fails with KYLIN_KERNELS_ISA={cap}");
         }
     }
-    // The AMX attention path (opt-in), where the CPU has it.
+    // With the AMX attention path turned off (where the CPU has AMX, the default runs it).
     for test in ["paged_attention_matches_the_reference", "rows_have_the_bits_of_each_row_alone"] {
         let status = std::process::Command::new(&exe)
             .args(["--exact", test])
-            .env("KYLIN_AMX_ATTENTION", "1")
+            .env("KYLIN_AMX_ATTENTION", "0")
             .status()
             .expect("spawn the test binary");
-        assert!(status.success(), "{test} fails with KYLIN_AMX_ATTENTION=1");
+        assert!(status.success(), "{test} fails with KYLIN_AMX_ATTENTION=0");
     }
 }
