@@ -314,12 +314,12 @@ impl EngineCore {
         let max_seqs = opts.max_seqs.min(opts.max_batch_tokens);
         let max_batch_tokens = opts.max_batch_tokens.min(context.max(1) * max_seqs);
         let d = *model.dims();
-        let mut scratch = model.plan_scratch(max_batch_tokens, max_seqs)?;
+        let mut scratch = model.plan_scratch(max_batch_tokens, max_seqs, context)?;
         let kv_dtype = opts.kv_dtype.unwrap_or(model.default_kv_dtype());
         let n_blocks = kv_blocks(opts, kv_dtype, &model, &scratch, context, max_seqs)?;
-        let layout = kylin_kernels::paged::attention_path(model.precision(), kv_dtype, d.head_dim, opts.block_size).layout();
-        let mut kv =
-            KvPool::new(kv_dtype, layout, n_blocks, opts.block_size, d.n_layers, d.n_kv_heads, d.head_dim)?;
+        let layout =
+            kylin_kernels::paged::attention_path(model.precision(), kv_dtype, d.head_dim, opts.block_size).layout();
+        let mut kv = KvPool::new(kv_dtype, layout, n_blocks, opts.block_size, d.n_layers, d.n_kv_heads, d.head_dim)?;
         if opts.prefault {
             kv.prefault();
             scratch.prefault();

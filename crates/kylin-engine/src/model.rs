@@ -85,7 +85,7 @@ use kylin_loader::{DType, KylinError, LayerWeights, ModelConfig, ModelWeights, R
 
 use crate::kv_pool::KvPool;
 use crate::rope::Rope;
-use kylin_kernels::paged::{MAX_HEAD_DIM, MAX_ROWS, QueryRow};
+use kylin_kernels::paged::{MAX_HEAD_DIM, MAX_ROWS, PARTITION, PartialStats, QueryRow};
 
 /// The largest number of prompt tokens run through the layers at once; longer prompts are
 /// processed in chunks of this size so activation buffers stay bounded.
@@ -497,6 +497,14 @@ pub struct Scratch {
     up: Vec<f32>,
     /// First attention task of each segment, and the total, `(max_segments + 1)`.
     attention_tasks: Vec<usize>,
+    /// Split-K decode: at most this many segments of a step are split, each over at most
+    /// `split_parts` partitions.
+    split_segments: usize,
+    split_parts: usize,
+    /// Their undivided outputs, `(split_segments, n_heads, split_parts, head_dim)`, and states,
+    /// `(split_segments, n_heads, split_parts)`.
+    split_outputs: Vec<f32>,
+    split_stats: Vec<PartialStats>,
     /// One head for the in-place q/k norm, `(head_dim)`.
     head_tmp: Vec<f32>,
     /// Final-normed last rows of the segments that want logits, `(max_segments, hidden)`.
@@ -534,7 +542,9 @@ impl Scratch {
             + self.up.len()
             + self.head_tmp.len()
             + self.logit_hidden.len()
-            + self.logits.len();
+            + self.logits.len()
+            + self.split_outputs.len()
+            + 2 * self.split_stats.len();
         (elements * std::mem::size_of::<f32>()
             + self.products.xb.len() * std::mem::size_of::<u16>()
             + self.products.xq.len()) as u64
@@ -554,6 +564,7 @@ impl Scratch {
             &mut self.up,
             &mut self.logit_hidden,
             &mut self.logits,
+            &mut self.split_outputs,
         ] {
             for page in buffer.chunks_mut(1024) {
                 // A volatile write, so the compiler cannot drop it as a store of zero into
@@ -580,19 +591,19 @@ impl Scratch {
 
 /// A `*mut f32` buffer that pool tasks write disjoint parts of.
 #[derive(Clone, Copy)]
-struct SharedMut {
-    ptr: *mut f32,
+struct SharedMut<T> {
+    ptr: *mut T,
     len: usize,
 }
 
-// SAFETY: a `SharedMut` is only built from a `&mut [f32]` that outlives the pool run using it,
+// SAFETY: a `SharedMut` is only built from a `&mut [T]` that outlives the pool run using it,
 // and every task only forms slices that no other task forms (see `slice`).
-unsafe impl Send for SharedMut {}
+unsafe impl<T: Send> Send for SharedMut<T> {}
 // SAFETY: as above; shared access only hands out disjoint sub-slices.
-unsafe impl Sync for SharedMut {}
+unsafe impl<T: Send> Sync for SharedMut<T> {}
 
-impl SharedMut {
-    fn new(buffer: &mut [f32]) -> Self {
+impl<T> SharedMut<T> {
+    fn new(buffer: &mut [T]) -> Self {
         SharedMut { ptr: buffer.as_mut_ptr(), len: buffer.len() }
     }
 
@@ -602,12 +613,16 @@ impl SharedMut {
     /// No two slices obtained from the same buffer may be alive at the same time and overlap,
     /// and the buffer must outlive them.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn slice(&self, start: usize, len: usize) -> &mut [f32] {
+    unsafe fn slice(&self, start: usize, len: usize) -> &mut [T] {
         assert!(start <= self.len && len <= self.len - start, "SharedMut slice out of bounds");
         // SAFETY: in bounds (checked above); exclusivity is the caller's contract.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
     }
 }
+
+/// Most segments of one step whose decode attention is split across threads by partition
+/// (split-K is only wanted when a step has few attention tasks, so few segments).
+const SPLIT_SEGMENTS: usize = 8;
 
 /// The transformer: weights bound by role, with the architecture's choices made.
 #[derive(Debug, Clone)]
@@ -961,10 +976,13 @@ impl Model {
     /// Plans the activation buffers for forward passes of up to `max_tokens` tokens in up to
     /// `max_segments` segments (attention needs no buffer sized by the context: its state is
     /// per tile). `CONFIG_INVALID` if a size overflows.
-    pub fn plan_scratch(&self, max_tokens: usize, max_segments: usize) -> Result<Scratch> {
+    pub fn plan_scratch(&self, max_tokens: usize, max_segments: usize, context: usize) -> Result<Scratch> {
         let d = &self.dims;
         let max_tokens = max_tokens.max(1);
         let max_segments = max_segments.clamp(1, max_tokens);
+        let split_segments = SPLIT_SEGMENTS.min(max_segments);
+        let split_parts = context.div_ceil(PARTITION).max(1);
+        let split_rows = split_segments * d.n_heads * split_parts;
         let sized = |rows: usize, cols: usize, what: &str| -> Result<Vec<f32>> {
             let len = rows.checked_mul(cols).ok_or_else(|| {
                 KylinError::config_invalid(format!(
@@ -986,6 +1004,10 @@ impl Model {
             gate: sized(max_tokens, d.intermediate, "gate")?,
             up: sized(max_tokens, d.intermediate, "up")?,
             attention_tasks: vec![0; max_segments + 1],
+            split_segments,
+            split_parts,
+            split_outputs: sized(split_rows, d.head_dim, "split attention")?,
+            split_stats: vec![PartialStats::EMPTY; split_rows],
             head_tmp: sized(1, d.head_dim, "head")?,
             logit_hidden: sized(max_segments, d.hidden, "hidden")?,
             logits: sized(max_segments, d.vocab, "logits")?,
@@ -1155,40 +1177,82 @@ impl Model {
         //    cached keys and values is read once for the whole chunk; query t of a segment attends
         //    to positions 0..=start + t of its own sequence. The kernel gives every row the same
         //    bits whatever chunk it is in (batch invariance).
+        //    Split-K: when that makes fewer than two tasks per thread (one or a few sequences
+        //    decoding on a model with few KV heads), each decode segment reaching past one
+        //    partition gets one task per (KV head, partition of PARTITION positions), and the
+        //    partitions' states are folded in order afterwards, which gives the same bits as
+        //    one task.
         //    q (n, n_heads, head_dim) -> attn (n, n_heads, head_dim).
         let kv: &KvPool = kv;
         let (keys, values) = kv.views();
         let group = d.group();
         let scale = d.attn_scale;
-        let n_kv = d.n_kv_heads;
+        let (n_kv, n_heads) = (d.n_kv_heads, d.n_heads);
         let q = &s.q[..n * q_dim];
         let attn = SharedMut::new(&mut s.attn[..n * q_dim]);
         let segments = &plan.segments;
         let block_ids = &plan.block_ids;
         // Tasks of segment i are task_start[i]..task_start[i + 1]: its KV heads, each cut into
-        // chunks of MAX_ROWS rows.
+        // chunks of MAX_ROWS rows, or into partitions when split.
         let chunks = |seg: &Segment| (seg.n * group).div_ceil(MAX_ROWS);
+        let parts = |seg: &Segment| (seg.start + seg.n).div_ceil(PARTITION);
+        let unsplit: usize = segments.iter().map(|seg| n_kv * chunks(seg)).sum();
+        let split_wanted = unsplit < 2 * mm.pool.threads() && segments.len() <= s.split_segments;
+        let is_split = |seg: &Segment| split_wanted && seg.n == 1 && group <= MAX_ROWS && parts(seg) > 1;
+        let max_parts = s.split_parts;
+        let outputs = SharedMut::new(&mut s.split_outputs);
+        let states = SharedMut::new(&mut s.split_stats);
         let task_start = &mut s.attention_tasks[..segments.len() + 1];
         task_start[0] = 0;
         for (i, seg) in segments.iter().enumerate() {
-            task_start[i + 1] = task_start[i] + n_kv * chunks(seg);
+            let per_head = if is_split(seg) { parts(seg) } else { chunks(seg) };
+            task_start[i + 1] = task_start[i] + n_kv * per_head;
         }
         let task_start = &*task_start;
         mm.pool.run(task_start[segments.len()], &|task| {
-            // The task's segment, KV head and range of rows.
+            // The task's segment, KV head and range of rows (or partition).
             let si = task_start.partition_point(|&t| t <= task) - 1;
             let seg = segments[si];
-            let rows = seg.n * group;
             let local = task - task_start[si];
-            let (kv_head, chunk) = (local / chunks(&seg), local % chunks(&seg));
-            let (row0, row_end) = (chunk * MAX_ROWS, ((chunk + 1) * MAX_ROWS).min(rows));
             let blocks = &block_ids[seg.b0..seg.b0 + seg.nb];
+            let mut rows: [QueryRow<'_>; MAX_ROWS] = std::array::from_fn(|_| QueryRow { q: &[], len: 0, out: &mut [] });
+            if is_split(&seg) {
+                // One token: the group's query heads over one partition, into the split buffers
+                // at (split slot, head, partition).
+                let (kv_head, part) = (local / parts(&seg), local % parts(&seg));
+                let slot = segments[..si].iter().filter(|s| is_split(s)).count();
+                let first_row = (slot * n_heads + kv_head * group) * max_parts + part;
+                for (g, row) in rows.iter_mut().enumerate().take(group) {
+                    let at = seg.t0 * q_dim + (kv_head * group + g) * hd;
+                    // SAFETY: the (split slot, head, partition) row belongs to this task alone.
+                    let out = unsafe { outputs.slice((first_row + g * max_parts) * hd, hd) };
+                    *row = QueryRow { q: &q[at..at + hd], len: seg.start + 1, out };
+                }
+                let mut stats = [PartialStats::EMPTY; MAX_ROWS];
+                let offset = kv.head_offset(index, kv_head);
+                kernels::paged::attention_rows_partition(
+                    &mut rows[..group],
+                    keys,
+                    values,
+                    blocks,
+                    offset,
+                    scale,
+                    part,
+                    &mut stats,
+                );
+                for (g, st) in stats.iter().enumerate().take(group) {
+                    // SAFETY: as above.
+                    unsafe { states.slice(first_row + g * max_parts, 1)[0] = *st };
+                }
+                return;
+            }
+            let rows_total = seg.n * group;
+            let (kv_head, chunk) = (local / chunks(&seg), local % chunks(&seg));
+            let (row0, row_end) = (chunk * MAX_ROWS, ((chunk + 1) * MAX_ROWS).min(rows_total));
             let offset = kv.head_offset(index, kv_head);
             let mut first = row0;
             while first < row_end {
                 let count = MAX_ROWS.min(row_end - first);
-                let mut rows: [QueryRow<'_>; MAX_ROWS] =
-                    std::array::from_fn(|_| QueryRow { q: &[], len: 0, out: &mut [] });
                 for (slot, row) in rows.iter_mut().enumerate().take(count) {
                     let (t, head) = ((first + slot) / group, kv_head * group + (first + slot) % group);
                     let token = seg.t0 + t;
@@ -1203,6 +1267,22 @@ impl Model {
                 first += count;
             }
         });
+        // The split segments' partitions folded in order into attn.
+        if split_wanted {
+            for (slot, seg) in segments.iter().filter(|seg| is_split(seg)).enumerate() {
+                let np = parts(seg);
+                for head in 0..n_heads {
+                    let row = (slot * n_heads + head) * max_parts;
+                    let at = seg.t0 * q_dim + head * hd;
+                    kernels::paged::merge_partitions(
+                        kv.layout,
+                        &s.split_stats[row..row + np],
+                        &s.split_outputs[row * hd..(row + np) * hd],
+                        &mut s.attn[at..at + hd],
+                    );
+                }
+            }
+        }
 
         // 5. Output projection and residual: attn (n, n_heads * head_dim) -> proj (n, hidden); x += proj.
         layer.o_proj.forward(mm, &s.attn[..n * q_dim], n, &mut s.proj[..n * h], &mut s.products);

@@ -365,6 +365,41 @@ fn bf16_precision_batches_invariantly_on_fixtures_and_a_real_model() {
     real_model_batch_invariance(PrecisionChoice::Bf16);
 }
 
+/// Split-K decode attention: a sequence decoding alone past one partition (1024 positions) on
+/// SmolLM2 (three KV heads, two threads: fewer attention tasks than twice the threads) has its
+/// attention split by partition across the threads and folded afterwards; among two others
+/// (nine tasks) it is not split. Tokens and log-probabilities are the same bits either way, in
+/// f32 and (where the CPU has it) on the AMX path over the pair-layout BF16 cache.
+#[test]
+fn split_decode_attention_over_long_contexts_keeps_the_bits() {
+    let path = smollm2();
+    let mut precisions = vec![PrecisionChoice::F32];
+    if kylin_kernels::bf16_kernels().is_some() {
+        precisions.push(PrecisionChoice::Bf16);
+    }
+    for precision in precisions {
+        let opts = EngineOptions {
+            ctx_size: Some(2304),
+            max_batch_tokens: 512,
+            threads: 2,
+            precision,
+            ..EngineOptions::default()
+        };
+        let requests: Vec<Request> = [1030usize, 1500, 2200]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| request(i as u64, prompt(n, 900 + i as u64, 40_000), 6))
+            .collect();
+        let single = alone(&path, &opts, &requests);
+        let mut e = engine(&path, opts);
+        for r in &requests {
+            e.add_request(r.clone()).unwrap();
+        }
+        assert_same(&single, &drain(&mut e), &format!("split-K {precision:?}"));
+        assert_all_blocks_free(&e);
+    }
+}
+
 /// BF16 activations move the logits a little and the greedy choice rarely: on SmolLM2, the
 /// first generated token of each prompt is the same as in f32 and its log-probability within
 /// 0.15 (the measured KL divergence over real text is in BENCHMARKS.md).

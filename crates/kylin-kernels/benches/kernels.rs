@@ -155,8 +155,7 @@ fn paged_attention_bf16(bencher: Bencher, shape: (usize, usize)) {
     data.copy_from_slice(&raw);
     let data = &*data;
     let layout = attention_path(kylin_kernels::Precision::Bf16, WeightDType::BF16, hd, bs).layout();
-    let kv =
-        KvView { dtype: WeightDType::BF16, layout, data, block_stride: bs * hd, block_size: bs, head_dim: hd };
+    let kv = KvView { dtype: WeightDType::BF16, layout, data, block_stride: bs * hd, block_size: bs, head_dim: hd };
     let q = vec![0.1f32; n * hd];
     let mut out = vec![0.0f32; n * hd];
     bencher.counter(BytesCount::new(2 * len * hd * 2)).bench_local(|| {

@@ -139,6 +139,97 @@ pub fn attention_rows(
     offset: usize,
     scale: f32,
 ) {
+    let stats = run(rows, keys, values, blocks, offset, scale, None);
+    for (r, st) in rows.iter_mut().zip(&stats) {
+        let inv = 1.0 / st.l;
+        for out in &mut r.out[..keys.head_dim] {
+            *out *= inv;
+        }
+    }
+}
+
+/// Split-K: [`attention_rows`] over the positions of partition `partition` only
+/// (`partition · PARTITION ..`), leaving each row's `out` undivided and its state in `stats`
+/// (one per row). [`merge_partitions`] folds the partitions of a row, computed by as many
+/// calls (on as many threads), into exactly the bits [`attention_rows`] gives. A row shorter
+/// than the partition's start gets `out = 0` and [`PartialStats::EMPTY`].
+#[allow(clippy::too_many_arguments)]
+pub fn attention_rows_partition(
+    rows: &mut [QueryRow<'_>],
+    keys: KvView<'_>,
+    values: KvView<'_>,
+    blocks: &[u32],
+    offset: usize,
+    scale: f32,
+    partition: usize,
+    stats: &mut [PartialStats],
+) {
+    assert!(stats.len() >= rows.len(), "one PartialStats per row");
+    let got = run(rows, keys, values, blocks, offset, scale, Some(partition));
+    stats[..rows.len()].copy_from_slice(&got[..rows.len()]);
+}
+
+/// Folds the partition states of one row, in order (`stats[p]` with its undivided output
+/// `o[p · head_dim ..][..head_dim]`), and divides: `out` gets exactly the bits
+/// [`attention_rows`] computes for the row in one call (the same fold, with the same
+/// exponential as the path that reads a cache of `layout` on this CPU). Panics if the lengths
+/// disagree.
+pub fn merge_partitions(layout: KvLayout, stats: &[PartialStats], o: &[f32], out: &mut [f32]) {
+    let hd = out.len();
+    assert!(o.len() == stats.len() * hd, "one head_dim of output per partition");
+    // SAFETY (each arm): the ISA was detected (the pair layout exists only with AMX, which
+    // implies AVX-512).
+    unsafe {
+        match (layout, isa()) {
+            #[cfg(target_arch = "x86_64")]
+            (KvLayout::Pairs, _) | (KvLayout::Standard, Isa::Avx512) => simd::merge_avx512(stats, o, out),
+            #[cfg(target_arch = "x86_64")]
+            (KvLayout::Standard, Isa::Avx2Fma) => simd::merge_avx2(stats, o, out),
+            _ => merge_body::<Portable>(stats, o, out),
+        }
+    }
+}
+
+/// The fold of [`merge_partitions`] for lanes `L` (the partition fold of the kernel bodies).
+///
+/// # Safety
+/// `L`'s instructions are available.
+#[inline(always)]
+unsafe fn merge_body<L: Lanes>(stats: &[PartialStats], o: &[f32], out: &mut [f32]) {
+    let hd = out.len();
+    let (mut big_m, mut big_l) = (f32::NEG_INFINITY, 0.0f32);
+    out.fill(0.0);
+    for (st, o) in stats.iter().zip(o.chunks_exact(hd)) {
+        // SAFETY: scalar operations only, under the caller's features.
+        unsafe {
+            let big = big_m.max(st.m);
+            let a = L::exp1(big_m - big);
+            let b = L::exp1(st.m - big);
+            big_l = L::fma1(st.l, b, big_l * a);
+            for (out, &o) in out.iter_mut().zip(o) {
+                *out = L::fma1(o, b, *out * a);
+            }
+            big_m = big;
+        }
+    }
+    let inv = 1.0 / big_l;
+    for out in out.iter_mut() {
+        *out *= inv;
+    }
+}
+
+/// The checked entry of [`attention_rows`] and [`attention_rows_partition`]: runs the path of
+/// the cache's layout and returns each row's state, its `out` undivided.
+#[allow(clippy::too_many_arguments)]
+fn run(
+    rows: &mut [QueryRow<'_>],
+    keys: KvView<'_>,
+    values: KvView<'_>,
+    blocks: &[u32],
+    offset: usize,
+    scale: f32,
+    partition: Option<usize>,
+) -> Stats {
     let hd = keys.head_dim;
     assert!(rows.len() <= MAX_ROWS, "at most {MAX_ROWS} rows per call");
     assert!(hd <= MAX_HEAD_DIM, "head_dim {hd} above {MAX_HEAD_DIM}");
@@ -148,13 +239,21 @@ pub fn attention_rows(
             && values.dtype == keys.dtype
             && values.layout == keys.layout
     );
-    let Some(max_len) = rows.iter().map(|r| r.len).max() else { return };
+    let empty = [PartialStats::EMPTY; MAX_ROWS];
+    let Some(max_len) = rows.iter().map(|r| r.len).max() else { return empty };
     for r in rows.iter() {
         assert!(r.len >= 1 && r.q.len() >= hd && r.out.len() >= hd, "a query row needs len >= 1 and head_dim elements");
     }
     keys.check(blocks, offset, max_len);
     values.check(blocks, offset, max_len);
-    let job = Job { keys, values, blocks, offset, scale };
+    let job = Job { keys, values, blocks, offset, scale, partition };
+    if job.span(max_len).0 >= max_len {
+        // No row reaches the partition.
+        for r in rows.iter_mut() {
+            r.out[..hd].fill(0.0);
+        }
+        return empty;
+    }
     if keys.layout == KvLayout::Pairs {
         assert!(
             attention_path(Precision::Bf16, keys.dtype, hd, keys.block_size) == AttentionPath::AmxBf16,
@@ -164,10 +263,7 @@ pub fn attention_rows(
         // cache is BF16 with head and block sizes the AMX path takes (`attention_path`); the
         // checks above passed.
         #[cfg(target_arch = "x86_64")]
-        unsafe {
-            paged_amx::rows_amx(rows, &job);
-        }
-        return;
+        return unsafe { paged_amx::rows_amx(rows, &job) };
     }
     // SAFETY (each arm): the ISA was detected; every position below each row's `len` lies in a
     // block of the table inside the pool (checked), every row holds `head_dim` elements.
@@ -266,7 +362,37 @@ struct Job<'a> {
     blocks: &'a [u32],
     offset: usize,
     scale: f32,
+    /// Only this partition (split-K), or all of them.
+    partition: Option<usize>,
 }
+
+impl Job<'_> {
+    /// The positions `first..end` the call covers for rows of at most `max_len` positions.
+    fn span(&self, max_len: usize) -> (usize, usize) {
+        match self.partition {
+            None => (0, max_len),
+            Some(p) => {
+                (p.saturating_mul(PARTITION).min(max_len), p.saturating_add(1).saturating_mul(PARTITION).min(max_len))
+            }
+        }
+    }
+}
+
+/// The running maximum and sum of one row's online softmax after the partitions a call covered
+/// (its output, before the division by `l`, is the row's `out`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PartialStats {
+    pub m: f32,
+    pub l: f32,
+}
+
+impl PartialStats {
+    /// The state before any partition.
+    pub const EMPTY: PartialStats = PartialStats { m: f32::NEG_INFINITY, l: 0.0 };
+}
+
+/// What the kernel bodies return: each row's state, its `out` left undivided.
+type Stats = [PartialStats; MAX_ROWS];
 
 /// Sixteen f32 lanes, the unit of the kernel: one per ISA. Every method is a plain lane-wise
 /// IEEE operation (or the documented reduction), so the generic body below performs the same
@@ -345,7 +471,7 @@ struct KeyHalf {
 /// # Safety
 /// `L`'s instructions are available; the checks of [`attention_rows`] passed.
 #[inline(always)]
-unsafe fn rows_body<L: Lanes, const D: u8>(rows: &mut [QueryRow<'_>], job: &Job<'_>) {
+unsafe fn rows_body<L: Lanes, const D: u8>(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> Stats {
     let n = rows.len();
     let hd = job.keys.head_dim;
     let bs = job.keys.block_size;
@@ -372,8 +498,8 @@ unsafe fn rows_body<L: Lanes, const D: u8>(rows: &mut [QueryRow<'_>], job: &Job<
     for r in rows.iter_mut() {
         r.out[..hd].fill(0.0);
     }
-    let mut part0 = 0;
-    while part0 < max_len {
+    let (mut part0, end) = job.span(max_len);
+    while part0 < end {
         let part_end = (part0 + PARTITION).min(max_len);
         for i in 0..n {
             st.m[i] = f32::NEG_INFINITY;
@@ -448,12 +574,7 @@ unsafe fn rows_body<L: Lanes, const D: u8>(rows: &mut [QueryRow<'_>], job: &Job<
         }
         part0 = part_end;
     }
-    for (i, r) in rows.iter_mut().enumerate() {
-        let inv = 1.0 / st.big_l[i];
-        for out in &mut r.out[..hd] {
-            *out *= inv;
-        }
-    }
+    std::array::from_fn(|i| PartialStats { m: st.big_m[i], l: st.big_l[i] })
 }
 
 /// Copies key positions `first..first + 16` (those below `max_len`; zeros after) of one
@@ -743,21 +864,37 @@ impl Lanes for Portable {
 mod simd {
     use std::arch::x86_64::*;
 
-    use super::{Job, Lanes, QueryRow, rows_body};
+    use super::{Job, Lanes, PartialStats, QueryRow, Stats, merge_body, rows_body};
     use crate::x86::{exp8, hsum};
 
     /// # Safety
     /// AVX-512 F/BW/VL, AVX2, FMA and F16C are available; as [`super::rows_body`].
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    pub(super) unsafe fn rows_avx512<const D: u8>(rows: &mut [QueryRow<'_>], job: &Job<'_>) {
+    pub(super) unsafe fn rows_avx512<const D: u8>(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> Stats {
         // SAFETY: the caller's contract.
         unsafe { rows_body::<Zmm, D>(rows, job) }
     }
 
     /// # Safety
+    /// AVX-512 F/BW/VL, AVX2, FMA and F16C are available.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(super) unsafe fn merge_avx512(stats: &[PartialStats], o: &[f32], out: &mut [f32]) {
+        // SAFETY: the caller's contract.
+        unsafe { merge_body::<Zmm>(stats, o, out) }
+    }
+
+    /// # Safety
+    /// AVX2, FMA and F16C are available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn merge_avx2(stats: &[PartialStats], o: &[f32], out: &mut [f32]) {
+        // SAFETY: the caller's contract.
+        unsafe { merge_body::<Ymm2>(stats, o, out) }
+    }
+
+    /// # Safety
     /// AVX2, FMA and F16C are available; as [`super::rows_body`].
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn rows_avx2<const D: u8>(rows: &mut [QueryRow<'_>], job: &Job<'_>) {
+    pub(super) unsafe fn rows_avx2<const D: u8>(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> Stats {
         // SAFETY: the caller's contract.
         unsafe { rows_body::<Ymm2, D>(rows, job) }
     }

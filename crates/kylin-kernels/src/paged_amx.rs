@@ -41,7 +41,7 @@ use std::arch::asm;
 use std::arch::x86_64::*;
 
 use super::simd::Zmm;
-use super::{Job, Lanes, MAX_HEAD_DIM, MAX_ROWS, PARTITION, QueryRow};
+use super::{Job, Lanes, MAX_HEAD_DIM, MAX_ROWS, PARTITION, PartialStats, QueryRow, Stats};
 use crate::amx::round16;
 
 /// Positions per tile of the AMX path.
@@ -91,14 +91,15 @@ macro_rules! tile {
     };
 }
 
-/// The AMX body of `attention_rows` over a BF16 pair-layout cache.
+/// The AMX body of `attention_rows` over a BF16 pair-layout cache: each row's `out` undivided,
+/// its state returned.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL, AVX2, FMA, F16C and AMX-BF16 are available and permitted; the checks of
 /// `attention_rows` passed; the cache is BF16 in the pair layout; `head_dim % 32 == 0` and
 /// `block_size % 16 == 0`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-pub(super) unsafe fn rows_amx(rows: &mut [QueryRow<'_>], job: &Job<'_>) {
+pub(super) unsafe fn rows_amx(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> Stats {
     let n = rows.len();
     let keys = &job.keys;
     let (hd, bs) = (keys.head_dim, keys.block_size);
@@ -151,8 +152,8 @@ pub(super) unsafe fn rows_amx(rows: &mut [QueryRow<'_>], job: &Job<'_>) {
         let o_stride = MAX_HEAD_DIM * 4;
         let v_stride = hd * 4;
 
-        let mut part0 = 0;
-        while part0 < max_len {
+        let (mut part0, end) = job.span(max_len);
+        while part0 < end {
             let part_end = (part0 + PARTITION).min(max_len);
             for i in 0..n {
                 m[i] = f32::NEG_INFINITY;
@@ -304,10 +305,5 @@ pub(super) unsafe fn rows_amx(rows: &mut [QueryRow<'_>], job: &Job<'_>) {
         }
         asm!("tilerelease", options(nostack, nomem));
     }
-    for (i, r) in rows.iter_mut().enumerate() {
-        let inv = 1.0 / big_l[i];
-        for out in &mut r.out[..hd] {
-            *out *= inv;
-        }
-    }
+    std::array::from_fn(|i| PartialStats { m: big_m[i], l: big_l[i] })
 }

@@ -4,8 +4,8 @@
 //! independent of the rows it is computed with.
 
 use kylin_kernels::paged::{
-    AttentionPath, KvLayout, KvView, MAX_ROWS, PARTITION, QueryRow, attention_paged, attention_path, attention_rows,
-    store_key, store_row, store_value,
+    AttentionPath, KvLayout, KvView, MAX_ROWS, PARTITION, PartialStats, QueryRow, attention_paged, attention_path,
+    attention_rows, attention_rows_partition, merge_partitions, store_key, store_row, store_value,
 };
 use kylin_kernels::{Precision, WeightDType};
 
@@ -157,16 +157,7 @@ fn rows_have_the_bits_of_each_row_alone() {
                     let alone: Vec<Vec<u32>> = (0..MAX_ROWS)
                         .map(|i| {
                             let mut out = vec![0.0; head_dim];
-                            attention_paged(
-                                &qs[i],
-                                keys,
-                                vals,
-                                &pool.blocks,
-                                pool.offset,
-                                lens[i],
-                                scale,
-                                &mut out,
-                            );
+                            attention_paged(&qs[i], keys, vals, &pool.blocks, pool.offset, lens[i], scale, &mut out);
                             out.iter().map(|x| x.to_bits()).collect()
                         })
                         .collect();
@@ -188,6 +179,77 @@ fn rows_have_the_bits_of_each_row_alone() {
                                 );
                             }
                         }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Split-K: the partitions of a long context computed by separate calls (one per thread in the
+/// engine) and folded by `merge_partitions` give every row the bits of one call over the whole
+/// context, on every path and element type; rows shorter than a partition's start get nothing
+/// from it.
+#[test]
+fn split_partitions_merge_to_the_bits_of_one_call() {
+    for precision in [Precision::F32, Precision::Bf16] {
+        for dtype in [WeightDType::F32, WeightDType::F16, WeightDType::BF16] {
+            for (head_dim, block_size) in [(7, 16), (64, 16), (100, 3), (128, 32)] {
+                let max_len = 3 * PARTITION + 77;
+                let k = values(max_len * head_dim, 21 + head_dim as u64);
+                let v = values(max_len * head_dim, 22 + head_dim as u64);
+                let pool = pool(precision, dtype, head_dim, block_size, &k, &v, max_len);
+                let (keys, vals) = pool.views(dtype, block_size, head_dim);
+                let scale = (head_dim as f32).powf(-0.5);
+                // A decode group (equal lengths) and rows ending in different partitions.
+                for lens in [vec![max_len; 3], vec![max_len, PARTITION, PARTITION + 1, 5, 2 * PARTITION + 3]] {
+                    let n = lens.len();
+                    let qs: Vec<Vec<f32>> = (0..n).map(|i| values(head_dim, 200 + i as u64)).collect();
+                    let mut whole = vec![vec![0.0f32; head_dim]; n];
+                    let mut rows: Vec<QueryRow<'_>> = whole
+                        .iter_mut()
+                        .enumerate()
+                        .map(|(i, out)| QueryRow { q: &qs[i], len: lens[i], out })
+                        .collect();
+                    attention_rows(&mut rows, keys, vals, &pool.blocks, pool.offset, scale);
+
+                    let parts = max_len.div_ceil(PARTITION);
+                    let mut stats = vec![vec![PartialStats::EMPTY; n]; parts];
+                    let mut partial = vec![vec![vec![0.0f32; head_dim]; n]; parts];
+                    for p in 0..parts {
+                        let mut rows: Vec<QueryRow<'_>> = partial[p]
+                            .iter_mut()
+                            .enumerate()
+                            .map(|(i, out)| QueryRow { q: &qs[i], len: lens[i], out })
+                            .collect();
+                        attention_rows_partition(
+                            &mut rows,
+                            keys,
+                            vals,
+                            &pool.blocks,
+                            pool.offset,
+                            scale,
+                            p,
+                            &mut stats[p],
+                        );
+                    }
+                    for i in 0..n {
+                        // The partitions the row reaches, in order.
+                        let reached = lens[i].div_ceil(PARTITION);
+                        for p in reached..parts {
+                            assert_eq!(stats[p][i], PartialStats::EMPTY);
+                            assert!(partial[p][i].iter().all(|&x| x == 0.0));
+                        }
+                        let row_stats: Vec<PartialStats> = (0..reached).map(|p| stats[p][i]).collect();
+                        let o: Vec<f32> = (0..reached).flat_map(|p| partial[p][i].clone()).collect();
+                        let mut merged = vec![0.0f32; head_dim];
+                        merge_partitions(keys.layout, &row_stats, &o, &mut merged);
+                        let got: Vec<u32> = merged.iter().map(|x| x.to_bits()).collect();
+                        let want: Vec<u32> = whole[i].iter().map(|x| x.to_bits()).collect();
+                        assert_eq!(
+                            got, want,
+                            "{precision:?} {dtype:?} head_dim {head_dim} block {block_size} lens {lens:?}: row {i}"
+                        );
                     }
                 }
             }
@@ -222,7 +284,11 @@ fn every_isa_matches_the_reference() {
     }
     let exe = std::env::current_exe().expect("the test binary's path");
     for cap in ["avx512", "avx2", "scalar"] {
-        for test in ["paged_attention_matches_the_reference", "rows_have_the_bits_of_each_row_alone"] {
+        for test in [
+            "paged_attention_matches_the_reference",
+            "rows_have_the_bits_of_each_row_alone",
+            "split_partitions_merge_to_the_bits_of_one_call",
+        ] {
             let status = std::process::Command::new(&exe)
                 .args(["--exact", test])
                 .env("KYLIN_KERNELS_ISA", cap)
@@ -232,7 +298,11 @@ fn every_isa_matches_the_reference() {
         }
     }
     // With the AMX attention path turned off (where the CPU has AMX, the default runs it).
-    for test in ["paged_attention_matches_the_reference", "rows_have_the_bits_of_each_row_alone"] {
+    for test in [
+        "paged_attention_matches_the_reference",
+        "rows_have_the_bits_of_each_row_alone",
+        "split_partitions_merge_to_the_bits_of_one_call",
+    ] {
         let status = std::process::Command::new(&exe)
             .args(["--exact", test])
             .env("KYLIN_AMX_ATTENTION", "0")
