@@ -12,6 +12,9 @@
 # The committed seeds in fuzz/corpus/<target> are copied to a working corpus under the target
 # directory, so a run never modifies the repository; crashing inputs are written to
 # fuzz/artifacts/<target>/ (not committed) and named in the summary.
+#
+# Campaigns: FUZZ_RUNS=N stops each target after N executions (or SECONDS_PER_TARGET, whichever
+# comes first); FUZZ_TARGETS="a b" runs only those targets (to run two lists side by side).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SECONDS_PER_TARGET="${1:-30}"
@@ -60,12 +63,16 @@ failed=()
 for entry in "${TARGETS[@]}"; do
     target="${entry%%:*}"
     dict="${entry#*:}"
+    if [ -n "${FUZZ_TARGETS:-}" ] && [[ " $FUZZ_TARGETS " != *" $target "* ]]; then
+        continue
+    fi
     mkdir -p "$WORK/$target" "fuzz/artifacts/$target"
     args=(
         -max_total_time="$SECONDS_PER_TARGET" -rss_limit_mb=2048 -timeout=5
         -print_final_stats=1 -artifact_prefix="fuzz/artifacts/$target/"
     )
     [ -n "$dict" ] && args+=(-dict="fuzz/dict/$dict")
+    [ -n "${FUZZ_RUNS:-}" ] && args+=(-runs="$FUZZ_RUNS")
     echo "=== $target ($SECONDS_PER_TARGET s, sanitizer $SANITIZER)"
     if cargo fuzz run --fuzz-dir fuzz --target-dir "$TARGET_DIR" -O --sanitizer "$SANITIZER" \
         "$target" "$WORK/$target" "fuzz/corpus/$target" -- "${args[@]}" >"$LOGS/$target.log" 2>&1; then

@@ -198,6 +198,7 @@ pub fn worker(args: &BenchWorkerArgs, n: usize) -> Result<()> {
         model_args.ctx_size = Some(args.prompt_tokens.max(args.late_prompt_tokens) + args.gen_tokens + 1);
     }
     let threads = threads(&model_args)?;
+    crate::sigbus::watch(&model_args.model);
     let format = kylin_loader::detect(&model_args.model)?;
     let started = Instant::now();
     let sample = if matches!(format, Format::Gguf { .. }) {

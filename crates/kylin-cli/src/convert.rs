@@ -23,6 +23,7 @@ use crate::args::{ConvertArgs, ConvertTarget};
 pub fn run(args: ConvertArgs) -> Result<()> {
     let started = Instant::now();
     let opts = LoadOptions { prefetch: true, ..LoadOptions::default() };
+    crate::sigbus::watch(&args.model);
     let model = kylin_loader::load(&args.model, &opts)?;
     let mut warnings = model.warnings.clone();
     let source_dir = model.format.dir().map(Path::to_path_buf);

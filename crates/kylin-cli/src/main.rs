@@ -17,6 +17,7 @@ mod perplexity;
 mod quantize;
 mod run;
 mod serve;
+mod sigbus;
 
 use std::process::ExitCode;
 
@@ -26,6 +27,7 @@ use kylin_loader::KylinError;
 use crate::args::{Cli, Command};
 
 fn main() -> ExitCode {
+    sigbus::install();
     let cli = Cli::parse();
     let json = cli.command.wants_json();
     let result = match cli.command {

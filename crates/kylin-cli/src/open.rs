@@ -43,6 +43,7 @@ fn read_chat_template(args: &ModelArgs) -> Result<Option<String>> {
 /// Detects the format and opens the model with the matching backend.
 pub fn open(args: &ModelArgs, require_tokenizer: bool) -> Result<Opened> {
     let started = Instant::now();
+    crate::sigbus::watch(&args.model);
     let format = kylin_loader::detect(&args.model)?;
     let threads = threads(args)?;
     let chat_template_override = read_chat_template(args)?;
@@ -117,6 +118,7 @@ pub fn open(args: &ModelArgs, require_tokenizer: bool) -> Result<Opened> {
 /// Hugging Face models, llama.cpp one sequence at a time for GGUF files. Called on the thread
 /// that will drive the engine (llama.cpp's context must stay on one thread).
 pub fn open_engine(args: &ModelArgs) -> Result<Box<dyn Serving>> {
+    crate::sigbus::watch(&args.model);
     let format = kylin_loader::detect(&args.model)?;
     let gguf = matches!(format, Format::Gguf { .. });
     if gguf || args.backend == BackendChoice::LlamaCpp {

@@ -37,6 +37,7 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
         Some(n) => n,
         None => kylin_kernels::physical_cores(),
     };
+    crate::sigbus::watch(&args.model);
     let source_dir = match kylin_loader::detect(&args.model)? {
         Format::HfDir { dir, .. } | Format::SafetensorsFile { dir, .. } => dir,
         Format::LegacyBin { file, .. } => {

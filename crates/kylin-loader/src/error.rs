@@ -99,6 +99,31 @@ impl KylinError {
     }
 }
 
+/// Whether a file the loader may read is there: `Ok(true)` for a regular file (symbolic links
+/// followed), `Ok(false)` when nothing is at `path`, and an `IO` error naming the path when
+/// something else is (a directory, a socket, a dangling link, a parent it may not search), so
+/// a file that cannot be read is never mistaken for a missing one.
+pub fn regular_file(path: &Path) -> Result<bool> {
+    match std::fs::metadata(path) {
+        Ok(meta) if meta.is_file() => Ok(true),
+        Ok(meta) => {
+            let what = if meta.is_dir() { "a directory" } else { "not a regular file" };
+            Err(KylinError::new(ErrorCode::Io, format!("{} is {what}; expected a file", path.display())).at(path))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            if std::fs::symlink_metadata(path).is_ok() {
+                return Err(KylinError::new(
+                    ErrorCode::Io,
+                    format!("{} is a symbolic link to nothing; expected a file", path.display()),
+                )
+                .at(path));
+            }
+            Ok(false)
+        }
+        Err(e) => Err(KylinError::io(path, "cannot read", &e)),
+    }
+}
+
 /// Shorthand constructors, one per code, so call sites read as sentences.
 macro_rules! constructors {
     ($($fn_name:ident => $code:ident),* $(,)?) => {

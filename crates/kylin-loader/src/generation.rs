@@ -35,7 +35,7 @@ fn invalid(path: &Path, key: &str, expected: &str, got: &Value) -> KylinError {
 impl GenerationDefaults {
     /// Reads `generation_config.json`; an absent file gives the defaults (every field `None`).
     pub fn load(path: &Path) -> Result<GenerationDefaults> {
-        if !path.is_file() {
+        if !crate::error::regular_file(path)? {
             return Ok(GenerationDefaults::default());
         }
         let text = std::fs::read_to_string(path).map_err(|e| KylinError::io(path, "cannot read", &e))?;

@@ -86,7 +86,7 @@ pub fn detect(path: &Path) -> Result<Format> {
     let meta = std::fs::metadata(path).map_err(|e| KylinError::io(path, "cannot open model path", &e))?;
     if meta.is_dir() {
         let dir = path.to_path_buf();
-        if !dir.join("config.json").is_file() {
+        if !error::regular_file(&dir.join("config.json"))? {
             return Err(KylinError::config_missing(format!(
                 "{} has no config.json; a Hugging Face model directory needs config.json and \
                  model.safetensors or {INDEX_NAME} (for a GGUF file, pass the .gguf file itself)",
@@ -94,10 +94,10 @@ pub fn detect(path: &Path) -> Result<Format> {
             ))
             .at(path));
         }
-        if dir.join(INDEX_NAME).is_file() {
+        if error::regular_file(&dir.join(INDEX_NAME))? {
             return Ok(Format::HfDir { dir, sharded: true });
         }
-        if dir.join(SINGLE_NAME).is_file() {
+        if error::regular_file(&dir.join(SINGLE_NAME))? {
             return Ok(Format::HfDir { dir, sharded: false });
         }
         let legacy = ["pytorch_model.bin", "pytorch_model.bin.index.json"].iter().any(|n| dir.join(n).exists());
@@ -135,7 +135,7 @@ pub fn detect(path: &Path) -> Result<Format> {
     }
     if ext == "safetensors" {
         let dir = parent_dir(path).to_path_buf();
-        if !dir.join("config.json").is_file() {
+        if !error::regular_file(&dir.join("config.json"))? {
             return Err(KylinError::config_missing(format!(
                 "{} needs a config.json beside it in {}",
                 path.display(),

@@ -352,7 +352,7 @@ pub(crate) fn open_sharded(index_path: &Path, warnings: &mut Vec<String>) -> Res
     let mut files = Vec::with_capacity(shard_names.len());
     for shard in &shard_names {
         let p = dir.join(shard);
-        if !p.is_file() {
+        if !crate::error::regular_file(&p)? {
             let referencing = wanted.iter().filter(|(_, s)| s.as_str() == *shard).count();
             return Err(KylinError::file_not_found(format!(
                 "shard '{shard}' named in {} (for {referencing} tensors) does not exist in {}; \

@@ -69,7 +69,7 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
-use crate::error::{KylinError, Result};
+use crate::error::{KylinError, Result, regular_file};
 
 /// Reads a special-token entry of `tokenizer_config.json`: a string or `{"content": ...}`.
 fn special_content(v: &Value) -> Option<String> {
@@ -225,10 +225,10 @@ fn fast_bpe_tokenizer(text: &str) -> Option<tokenizers::Tokenizer> {
 pub fn load_tokenizer(dir: &Path, warnings: &mut Vec<String>) -> Result<Option<TokenizerBundle>> {
     let tj = dir.join("tokenizer.json");
     let config_path = dir.join("tokenizer_config.json");
-    let config = if config_path.is_file() { Some(read_json_object(&config_path)?) } else { None };
-    let (tokenizer, kind) = if tj.is_file() {
+    let config = if regular_file(&config_path)? { Some(read_json_object(&config_path)?) } else { None };
+    let (tokenizer, kind) = if regular_file(&tj)? {
         (read_tokenizer_json(&tj)?, TokenizerKind::TokenizerJson)
-    } else if dir.join("vocab.json").is_file() && dir.join("merges.txt").is_file() {
+    } else if regular_file(&dir.join("vocab.json"))? && regular_file(&dir.join("merges.txt"))? {
         (byte_level_bpe(&dir.join("vocab.json"), &dir.join("merges.txt"))?, TokenizerKind::VocabMerges)
     } else {
         return Ok(None);
@@ -236,7 +236,7 @@ pub fn load_tokenizer(dir: &Path, warnings: &mut Vec<String>) -> Result<Option<T
     let mut bundle = bundle_from_config(tokenizer, kind, config.as_ref(), &config_path, warnings)?;
     // The newer layout keeps the default template in its own file, which takes precedence.
     let jinja = dir.join("chat_template.jinja");
-    if jinja.is_file() {
+    if regular_file(&jinja)? {
         let source = std::fs::read_to_string(&jinja).map_err(|e| KylinError::io(&jinja, "cannot read", &e))?;
         bundle.chat_templates.retain(|t| t.name != "default");
         bundle.chat_templates.insert(0, ChatTemplate { name: "default".into(), source });
