@@ -203,7 +203,13 @@ pub struct HfConfig {
 fn bad(field: &str, expected: &str, got: &Value) -> KylinError {
     let mut shown = got.to_string();
     if shown.len() > 80 {
-        shown.truncate(80);
+        // Cut at a character boundary: the value may hold any Unicode (a fuzz finding: a cut
+        // inside a multi-byte character panicked).
+        let mut end = 80;
+        while !shown.is_char_boundary(end) {
+            end -= 1;
+        }
+        shown.truncate(end);
         shown.push_str("...");
     }
     KylinError::config_invalid(format!(

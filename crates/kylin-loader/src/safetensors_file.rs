@@ -222,7 +222,9 @@ pub(crate) fn map_read_only(path: &Path, min_len: u64, what: &str) -> Result<mem
     }
     // SAFETY: the map is read-only and private to this process's view of a file Kylin never
     // writes. The usual mmap caveat applies: if another process truncates the file while it is
-    // mapped, reading the lost pages faults; model files are not modified in place in practice.
+    // mapped, reading the lost pages raises SIGBUS. Sizes are checked here, at open; after that,
+    // `kylin`'s SIGBUS handler (kylin-cli `sigbus.rs`) reports the fault as FILE_CORRUPTED with
+    // the model's path and exits with status 135 (tested in kylin-cli `tests/load_faults.rs`).
     let map = unsafe { memmap2::MmapOptions::new().map(&file) }
         .map_err(|e| KylinError::io(path, "cannot memory-map weight file", &e))?;
     // A hint only (failures are harmless): the header is read now. The tensors the model binds
