@@ -15,10 +15,9 @@ import random
 import threading
 import time
 
-import openai
-import pytest
-
-from test_openai_server import KEY, MODEL, NAME, Server, http, stream_lines
+# `server` is that module's fixture (a fresh `kylin serve` for this module, stopped with
+# SIGTERM at the end, which must exit 0).
+from test_openai_server import KEY, NAME, http, server, stream_lines  # noqa: F401
 
 SECONDS = float(os.environ.get("SOAK_SECONDS", "60"))
 THREADS = 8
@@ -49,20 +48,7 @@ def error_of(text):
     return err
 
 
-@pytest.fixture(scope="module")
-def soak_server():
-    if not (MODEL / "config.json").is_file():
-        pytest.fail(f"{MODEL} is missing; run scripts/setup.sh")
-    s = Server()
-    try:
-        yield s
-    finally:
-        code = s.stop()
-        assert code == 0, f"kylin serve did not exit cleanly on SIGTERM (code {code})"
-
-
-def test_soak(soak_server):
-    server = soak_server
+def test_soak(server):
     client = server.client()
     # The answers each prompt gets alone, with and without streaming.
     expected = {}
