@@ -149,11 +149,9 @@ fn paged_attention_bf16(bencher: Bencher, shape: (usize, usize)) {
     let blocks: Vec<u32> = (0..len.div_ceil(bs) as u32).rev().collect();
     // The pool is 64-byte aligned, as the engine's is.
     let raw = weights(WeightDType::BF16, blocks.len() * bs * hd);
-    let mut lines = vec![[0u128; 4]; raw.len().div_ceil(64)];
-    // SAFETY: `lines` holds at least `raw.len()` initialised bytes.
-    let data = unsafe { std::slice::from_raw_parts_mut(lines.as_mut_ptr() as *mut u8, raw.len()) };
-    data.copy_from_slice(&raw);
-    let data = &*data;
+    let mut pool = kylin_kernels::aligned::AlignedBytes::zeroed(raw.len()).expect("a small pool");
+    pool.copy_from_slice(&raw);
+    let data = &*pool;
     let layout = attention_path(kylin_kernels::Precision::Bf16, WeightDType::BF16, hd, bs).layout();
     let kv = KvView { dtype: WeightDType::BF16, layout, data, block_stride: bs * hd, block_size: bs, head_dim: hd };
     let q = vec![0.1f32; n * hd];

@@ -47,13 +47,23 @@ pub(crate) struct TileConfig {
     rows: [u8; 16],
 }
 
-pub(crate) const CONFIG: TileConfig = TileConfig {
-    palette: 1,
-    start_row: 0,
-    reserved: [0; 14],
-    bytes_per_row: [64, 64, 64, 64, 64, 64, 64, 64, 0, 0, 0, 0, 0, 0, 0, 0],
-    rows: [16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0],
-};
+pub(crate) const CONFIG: TileConfig = TileConfig::new([64; 8], [16; 8]);
+
+impl TileConfig {
+    /// Palette 1 with tiles 0-7 of `bytes_per_row[t]` bytes and `rows[t]` rows each (tiles
+    /// 8-15 unused).
+    pub(crate) const fn new(bytes_per_row: [u16; 8], rows: [u8; 8]) -> TileConfig {
+        let mut config =
+            TileConfig { palette: 1, start_row: 0, reserved: [0; 14], bytes_per_row: [0; 16], rows: [0; 16] };
+        let mut t = 0;
+        while t < 8 {
+            config.bytes_per_row[t] = bytes_per_row[t];
+            config.rows[t] = rows[t];
+            t += 1;
+        }
+        config
+    }
+}
 
 /// Asks Linux for permission to use AMX tile data in this process (`arch_prctl(
 /// ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`) after checking CPUID for AMX-TILE and AMX-BF16.

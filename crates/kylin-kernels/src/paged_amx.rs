@@ -42,7 +42,7 @@ use std::arch::x86_64::*;
 
 use super::simd::Zmm;
 use super::{Job, Lanes, MAX_HEAD_DIM, MAX_ROWS, PARTITION, PartialStats, QueryRow, Stats};
-use crate::amx::round16;
+use crate::amx::{TileConfig, round16};
 
 /// Positions per tile of the AMX path.
 pub const AMX_TILE: usize = 64;
@@ -55,24 +55,9 @@ struct Aligned<const N: usize>([u8; N]);
 /// `ldtilecfg`'s operand for one call of `rows` query rows (1 to 16 per block): tmm0 the
 /// queries (A, 32 dimensions), tmm1 sixteen positions of P (A), tmm2-5 scores or outputs (C,
 /// sixteen columns), tmm6 sixteen key pair rows (B), tmm7 eight value pair rows (B).
-#[repr(C, align(64))]
-struct TileConfig {
-    palette: u8,
-    start_row: u8,
-    reserved: [u8; 14],
-    bytes_per_row: [u16; 16],
-    rows: [u8; 16],
-}
-
 fn tile_config(rows: u8) -> TileConfig {
     let r = rows;
-    TileConfig {
-        palette: 1,
-        start_row: 0,
-        reserved: [0; 14],
-        bytes_per_row: [64, 32, 64, 64, 64, 64, 64, 64, 0, 0, 0, 0, 0, 0, 0, 0],
-        rows: [r, r, r, r, r, r, 16, 8, 0, 0, 0, 0, 0, 0, 0, 0],
-    }
+    TileConfig::new([64, 32, 64, 64, 64, 64, 64, 64], [r, r, r, r, r, r, 16, 8])
 }
 
 /// Tile register operations with the register number as a literal.
