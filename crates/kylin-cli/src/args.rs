@@ -159,7 +159,8 @@ pub struct EngineArgs {
     /// Tokens in one step's batch at most: decode tokens plus prefill chunks (default 512).
     #[arg(long)]
     pub max_batch_tokens: Option<usize>,
-    /// Positions per KV block (default 16).
+    /// Positions per KV block (default 32 where attention runs on AMX, a BF16 cache under
+    /// `--precision bf16`; 16 elsewhere).
     #[arg(long)]
     pub kv_block_size: Option<usize>,
     /// Arithmetic of the matrix products (default auto); `f32` reproduces transformers' float32.

@@ -4,7 +4,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use kylin_engine::batch::{
-    DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_SEQS, EngineOptions, KvBudget, QuantizeProgress,
+    DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_SEQS, EngineOptions, KvBudget, QuantizeProgress,
 };
 use kylin_engine::native::{NativeBackend, NativeOptions};
 use kylin_engine::{Backend, PrecisionChoice, Serving};
@@ -192,7 +192,7 @@ pub fn engine_options(args: &ModelArgs, threads: usize, default_max_seqs: usize)
         kv_dtype,
         max_seqs: e.max_seqs.unwrap_or(default_max_seqs.max(1)),
         max_batch_tokens: e.max_batch_tokens.unwrap_or(DEFAULT_MAX_BATCH_TOKENS),
-        block_size: e.kv_block_size.unwrap_or(DEFAULT_BLOCK_SIZE),
+        block_size: e.kv_block_size,
         chat_template_override: read_chat_template(args)?,
         prefault: false,
         precision: match e.precision.unwrap_or(PrecisionArg::Auto) {

@@ -45,8 +45,24 @@ use crate::text::TextCodec;
 
 /// The context size used when none is given, capped by the model's `max_position_embeddings`.
 pub const DEFAULT_CONTEXT: usize = 4096;
-/// Positions per KV block unless `--kv-block-size` says otherwise.
+/// Positions per KV block unless `--kv-block-size` says otherwise, on every attention path but
+/// AMX's.
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
+/// Positions per KV block by default when attention runs on AMX (a BF16 cache under
+/// `--precision bf16`): its value products then take 32 positions at a time, which one block
+/// must hold (`kylin_kernels::paged`'s wide AMX tiles; BENCHMARKS.md measures both sizes).
+pub const AMX_BLOCK_SIZE: usize = 32;
+
+/// The default positions per KV block for an attention path: [`AMX_BLOCK_SIZE`] where the AMX
+/// kernel would run at that size, [`DEFAULT_BLOCK_SIZE`] elsewhere.
+pub fn default_block_size(precision: kylin_kernels::Precision, kv_dtype: WeightDType, head_dim: usize) -> usize {
+    use kylin_kernels::paged::{AttentionPath, attention_path};
+    if attention_path(precision, kv_dtype, head_dim, AMX_BLOCK_SIZE) == AttentionPath::AmxBf16 {
+        AMX_BLOCK_SIZE
+    } else {
+        DEFAULT_BLOCK_SIZE
+    }
+}
 /// Tokens per step unless `--max-batch-tokens` says otherwise.
 pub const DEFAULT_MAX_BATCH_TOKENS: usize = 512;
 /// Sequences per batch unless `--max-seqs` says otherwise (the server and `bench`).
@@ -79,7 +95,8 @@ pub struct EngineOptions {
     pub kv_dtype: Option<WeightDType>,
     pub max_seqs: usize,
     pub max_batch_tokens: usize,
-    pub block_size: usize,
+    /// Positions per KV block (`--kv-block-size`); `None` takes [`default_block_size`].
+    pub block_size: Option<usize>,
     /// A chat template (its text) replacing the model's own.
     pub chat_template_override: Option<String>,
     /// Touch the whole KV pool and every activation buffer at start-up, so the memory is
@@ -113,7 +130,7 @@ impl Default for EngineOptions {
             kv_dtype: None,
             max_seqs: DEFAULT_MAX_SEQS,
             max_batch_tokens: DEFAULT_MAX_BATCH_TOKENS,
-            block_size: DEFAULT_BLOCK_SIZE,
+            block_size: None,
             chat_template_override: None,
             prefault: false,
             precision: PrecisionChoice::F32,
@@ -296,35 +313,34 @@ impl EngineCore {
             }
             Some(n) => n,
         };
+        let d = *model.dims();
+        let kv_dtype = opts.kv_dtype.unwrap_or(model.default_kv_dtype());
+        let block_size = opts.block_size.unwrap_or_else(|| default_block_size(model.precision(), kv_dtype, d.head_dim));
         for (name, value) in [
             ("--max-seqs", opts.max_seqs),
             ("--max-batch-tokens", opts.max_batch_tokens),
-            ("--kv-block-size", opts.block_size),
+            ("--kv-block-size", block_size),
         ] {
             if value == 0 {
                 return Err(KylinError::config_invalid(format!("{name} must be at least 1; got 0")));
             }
         }
-        if opts.block_size > 1024 {
+        if block_size > 1024 {
             return Err(KylinError::config_invalid(format!(
-                "--kv-block-size {} is too large; pass at most 1024",
-                opts.block_size
+                "--kv-block-size {block_size} is too large; pass at most 1024"
             )));
         }
         let max_seqs = opts.max_seqs.min(opts.max_batch_tokens);
         let max_batch_tokens = opts.max_batch_tokens.min(context.max(1) * max_seqs);
-        let d = *model.dims();
         let mut scratch = model.plan_scratch(max_batch_tokens, max_seqs, context)?;
-        let kv_dtype = opts.kv_dtype.unwrap_or(model.default_kv_dtype());
-        let n_blocks = kv_blocks(opts, kv_dtype, &model, &scratch, context, max_seqs)?;
-        let layout =
-            kylin_kernels::paged::attention_path(model.precision(), kv_dtype, d.head_dim, opts.block_size).layout();
-        let mut kv = KvPool::new(kv_dtype, layout, n_blocks, opts.block_size, d.n_layers, d.n_kv_heads, d.head_dim)?;
+        let n_blocks = kv_blocks(opts, kv_dtype, block_size, &model, &scratch, context, max_seqs)?;
+        let layout = kylin_kernels::paged::attention_path(model.precision(), kv_dtype, d.head_dim, block_size).layout();
+        let mut kv = KvPool::new(kv_dtype, layout, n_blocks, block_size, d.n_layers, d.n_kv_heads, d.head_dim)?;
         if opts.prefault {
             kv.prefault();
             scratch.prefault();
         }
-        let max_blocks_per_seq = context.div_ceil(opts.block_size) + 1;
+        let max_blocks_per_seq = context.div_ceil(block_size) + 1;
         let plan = BatchPlan::with_capacity(max_batch_tokens, max_seqs, max_seqs * max_blocks_per_seq);
         let text =
             parts.tokenizer.map(|bundle| TextCodec::new(bundle, opts.chat_template_override.clone())).transpose()?;
@@ -432,13 +448,13 @@ impl EngineCore {
 fn kv_blocks(
     opts: &EngineOptions,
     kv_dtype: WeightDType,
+    bs: usize,
     model: &Model,
     scratch: &Scratch,
     context: usize,
     max_seqs: usize,
 ) -> Result<usize> {
     let d = model.dims();
-    let bs = opts.block_size;
     let per_block = KvPool::block_bytes(kv_dtype, d.n_layers, d.n_kv_heads, d.head_dim, bs)
         .filter(|&b| b > 0)
         .ok_or_else(|| KylinError::config_invalid("the KV block size overflows; pass a smaller --kv-block-size"))?;

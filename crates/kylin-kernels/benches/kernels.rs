@@ -137,15 +137,16 @@ fn rms_norm(bencher: Bencher) {
         .bench_local(|| kylin_kernels::rms_norm(black_box(&x), w, 1e-6, &mut out));
 }
 
-/// Blocked attention over a paged BF16 cache (Qwen3-0.6B's head size, block size 16, one KV
-/// head): `(rows, len)` = query rows of one call (2: a decode step of a GQA group of two; 48: a
-/// prefill chunk) over `len` cached positions, under `--precision bf16` (the AMX path where the
-/// CPU has it, unless `KYLIN_AMX_ATTENTION=0`). Bytes counted: the keys and values read once.
-#[divan::bench(args = [(2, 512), (2, 3584), (48, 512), (48, 3584)])]
-fn paged_attention_bf16(bencher: Bencher, shape: (usize, usize)) {
+/// Blocked attention over a paged BF16 cache (Qwen3-0.6B's head size, one KV head):
+/// `(rows, len, block size)` = query rows of one call (2: a decode step of a GQA group of two;
+/// 48: a prefill chunk) over `len` cached positions, under `--precision bf16` (the AMX path
+/// where the CPU has it, unless `KYLIN_AMX_ATTENTION=0`; its wide variant at block size 32).
+/// Bytes counted: the keys and values read once.
+#[divan::bench(args = [(2, 512, 16), (2, 512, 32), (2, 3584, 16), (2, 3584, 32), (48, 512, 16), (48, 512, 32), (48, 3584, 16), (48, 3584, 32)])]
+fn paged_attention_bf16(bencher: Bencher, shape: (usize, usize, usize)) {
     use kylin_kernels::paged::{KvView, QueryRow, attention_path, attention_rows};
-    let (n, len) = shape;
-    let (hd, bs) = (128, 16);
+    let (n, len, bs) = shape;
+    let hd = 128;
     let blocks: Vec<u32> = (0..len.div_ceil(bs) as u32).rev().collect();
     // The pool is 64-byte aligned, as the engine's is.
     let raw = weights(WeightDType::BF16, blocks.len() * bs * hd);

@@ -263,7 +263,13 @@ fn run(
         // cache is BF16 with head and block sizes the AMX path takes (`attention_path`); the
         // checks above passed.
         #[cfg(target_arch = "x86_64")]
-        return unsafe { paged_amx::rows_amx(rows, &job) };
+        return unsafe {
+            if keys.block_size.is_multiple_of(32) {
+                paged_amx::rows_amx::<true>(rows, &job)
+            } else {
+                paged_amx::rows_amx::<false>(rows, &job)
+            }
+        };
     }
     // SAFETY (each arm): the ISA was detected; every position below each row's `len` lies in a
     // block of the table inside the pool (checked), every row holds `head_dim` elements.
@@ -865,7 +871,7 @@ mod simd {
     use std::arch::x86_64::*;
 
     use super::{Job, Lanes, PartialStats, QueryRow, Stats, merge_body, rows_body};
-    use crate::x86::{exp8, hsum};
+    use crate::x86::{exp8, exp16, hsum};
 
     /// # Safety
     /// AVX-512 F/BW/VL, AVX2, FMA and F16C are available; as [`super::rows_body`].
@@ -957,14 +963,7 @@ mod simd {
         }
         #[inline(always)]
         unsafe fn exp(self) -> Self {
-            unsafe {
-                let lo = exp8(_mm512_castps512_ps256(self.0));
-                let hi = exp8(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(self.0))));
-                Zmm(_mm512_castpd_ps(_mm512_insertf64x4::<1>(
-                    _mm512_castpd256_pd512(_mm256_castps_pd(lo)),
-                    _mm256_castps_pd(hi),
-                )))
-            }
+            unsafe { Zmm(exp16(self.0)) }
         }
         #[inline(always)]
         unsafe fn exp1(x: f32) -> f32 {

@@ -10,17 +10,19 @@
 //! - keys: per 16 positions of a block, `(head_dim / 2, 16, 2)`: pair row `r` holds dimensions
 //!   `2r, 2r + 1` of the sixteen keys; one B tile is sixteen pair rows (32 dimensions);
 //! - values: per block, `(block_size / 2, head_dim, 2)`: pair row `r` holds positions `2r,
-//!   2r + 1` of every dimension; one B tile is eight pair rows (16 positions) of sixteen
-//!   dimensions, rows `2·head_dim` elements apart.
+//!   2r + 1` of every dimension; one B tile is eight pair rows (16 positions, narrow) or sixteen
+//!   (32 positions, wide: block sizes that are multiples of 32) of sixteen dimensions, rows
+//!   `2·head_dim` elements apart.
 //!
 //! Same structure as the f32 path of [`super`] (absolute partitions of [`PARTITION`]
-//! positions folded in order), with tiles of [`AMX_TILE`] positions. Per tile, per block of up
-//! to 16 query rows: `S` (rows × 64) from `hd / 32` steps of up to four tile products, stored;
-//! each row's online-softmax update in f32 (`m`, `corr = e^(m - m')`, `p = e^(s - m')` with
-//! positions `>= len` at 0, `l = fma(l, corr, sum p)` with the sum `((p0 + p1) + (p2 + p3))`
-//! then `hsum(lo + hi)`), `o = o · corr` when `corr != 1`, `p` rounded to BF16; then
-//! `o += P · V` per sixteen dimensions as one tile product per sixteen positions, in order,
-//! `o` loaded into and stored from a C tile.
+//! positions folded in order), with tiles of [`AMX_TILE`] = 128 positions. Per tile, per block
+//! of up to 16 query rows: `S` (rows × 128) in two halves of 64 columns, each from `hd / 32`
+//! steps of up to four tile products, stored; each row's online-softmax update in f32 (`m`,
+//! `corr = e^(m - m')`, `p = e^(s - m')` with positions `>= len` at 0, `l = fma(l, corr, sum
+//! p)` with the sum `((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))` then `hsum(lo + hi)`),
+//! `o = o · corr` when `corr != 1`, `p` rounded to BF16; then `o += P · V` per sixteen
+//! dimensions as one tile product per sixteen positions (narrow) or thirty-two (wide), in
+//! order, `o` loaded into and stored from a C tile once per tile of 128 positions.
 //!
 //! Batch invariance: each element of a tile product depends only on its row of A and column of
 //! B, so a row's `S`, `p` and `o` are the same whatever rows share its block (the tiles are
@@ -45,19 +47,33 @@ use super::{Job, Lanes, MAX_HEAD_DIM, MAX_ROWS, PARTITION, PartialStats, QueryRo
 use crate::amx::{TileConfig, round16};
 
 /// Positions per tile of the AMX path.
-pub const AMX_TILE: usize = 64;
-const _: () = assert!(PARTITION.is_multiple_of(AMX_TILE));
+pub const AMX_TILE: usize = 128;
+// The softmax below sums and takes the maximum of exactly eight 16-lane vectors per row.
+const _: () = assert!(PARTITION.is_multiple_of(AMX_TILE) && AMX_TILE == 128);
+/// 16-position chunks per tile.
+const CHUNKS: usize = AMX_TILE / 16;
+/// 16-lane vectors per row of a tile's scores.
+const QUARTERS: usize = AMX_TILE / 16;
 
 /// 64-byte aligned storage.
 #[repr(C, align(64))]
 struct Aligned<const N: usize>([u8; N]);
 
 /// `ldtilecfg`'s operand for one call of `rows` query rows (1 to 16 per block): tmm0 the
-/// queries (A, 32 dimensions), tmm1 sixteen positions of P (A), tmm2-5 scores or outputs (C,
-/// sixteen columns), tmm6 sixteen key pair rows (B), tmm7 eight value pair rows (B).
-fn tile_config(rows: u8) -> TileConfig {
+/// queries (A, 32 dimensions), tmm2-5 scores or outputs (C, sixteen columns), and
+///
+/// - narrow (block size 16, 48, ...): tmm1 sixteen positions of P (A), tmm6 sixteen key pair
+///   rows (B), tmm7 eight value pair rows (B);
+/// - wide (block size a multiple of 32): tmm1 thirty-two positions of P (A), tmm6 and tmm7
+///   sixteen pair rows each (B), used in turn for keys and for values, so that a tile load
+///   never waits for the product reading the register before it.
+fn tile_config(rows: u8, wide: bool) -> TileConfig {
     let r = rows;
-    TileConfig::new([64, 32, 64, 64, 64, 64, 64, 64], [r, r, r, r, r, r, 16, 8])
+    if wide {
+        TileConfig::new([64; 8], [r, r, r, r, r, r, 16, 16])
+    } else {
+        TileConfig::new([64, 32, 64, 64, 64, 64, 64, 64], [r, r, r, r, r, r, 16, 8])
+    }
 }
 
 /// Tile register operations with the register number as a literal.
@@ -76,19 +92,84 @@ macro_rules! tile {
     };
 }
 
+/// `S = Q · Kᵀ` for one block of query rows and up to four 16-position chunks (64 columns),
+/// stored as f32 at `out` with row stride `out_stride` bytes: tmm2..tmm5 accumulate the chunks
+/// over `hd / 32` steps; each step loads the queries' 32 dimensions (tmm0) and one key tile per
+/// chunk (sixteen pair rows, 1 KiB, contiguous), in tmm6 only (narrow) or tmm6 and tmm7 in
+/// turn (wide).
+///
+/// # Safety
+/// The tile configuration of [`tile_config`] is loaded; `q` holds the block's rows (`hd`
+/// BF16 each, padded to the configured row count); `kc[..chunks]` point at whole key chunks;
+/// `out` has room for the configured rows × 64 f32 at `out_stride`; `1 <= chunks <= 4`.
+#[inline(always)]
+unsafe fn scores_half<const WIDE: bool>(
+    q: *const u16,
+    hd: usize,
+    kc: &[*const u16],
+    chunks: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    // SAFETY: as the caller promises.
+    unsafe {
+        tile!(zero 2);
+        tile!(zero 3);
+        tile!(zero 4);
+        tile!(zero 5);
+        for k in 0..hd / 32 {
+            tile!(load 0, q.add(32 * k), hd * 2);
+            tile!(load 6, kc[0].add(512 * k), 64usize);
+            tile!(dp 2, 0, 6);
+            if WIDE {
+                if chunks > 1 {
+                    tile!(load 7, kc[1].add(512 * k), 64usize);
+                    tile!(dp 3, 0, 7);
+                }
+                if chunks > 2 {
+                    tile!(load 6, kc[2].add(512 * k), 64usize);
+                    tile!(dp 4, 0, 6);
+                }
+                if chunks > 3 {
+                    tile!(load 7, kc[3].add(512 * k), 64usize);
+                    tile!(dp 5, 0, 7);
+                }
+            } else {
+                if chunks > 1 {
+                    tile!(load 6, kc[1].add(512 * k), 64usize);
+                    tile!(dp 3, 0, 6);
+                }
+                if chunks > 2 {
+                    tile!(load 6, kc[2].add(512 * k), 64usize);
+                    tile!(dp 4, 0, 6);
+                }
+                if chunks > 3 {
+                    tile!(load 6, kc[3].add(512 * k), 64usize);
+                    tile!(dp 5, 0, 6);
+                }
+            }
+        }
+        tile!(store 2, out, out_stride);
+        tile!(store 3, out.add(16), out_stride);
+        tile!(store 4, out.add(32), out_stride);
+        tile!(store 5, out.add(48), out_stride);
+    }
+}
+
 /// The AMX body of `attention_rows` over a BF16 pair-layout cache: each row's `out` undivided,
 /// its state returned.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL, AVX2, FMA, F16C and AMX-BF16 are available and permitted; the checks of
 /// `attention_rows` passed; the cache is BF16 in the pair layout; `head_dim % 32 == 0` and
-/// `block_size % 16 == 0`.
+/// `block_size % 16 == 0`; `WIDE` only if `block_size % 32 == 0`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-pub(super) unsafe fn rows_amx(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> Stats {
+pub(super) unsafe fn rows_amx<const WIDE: bool>(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> Stats {
     let n = rows.len();
     let keys = &job.keys;
     let (hd, bs) = (keys.head_dim, keys.block_size);
     debug_assert!(hd % 32 == 0 && bs % 16 == 0 && hd <= MAX_HEAD_DIM && n <= MAX_ROWS);
+    debug_assert!(!WIDE || bs % 32 == 0);
     let max_len = rows.iter().map(|r| r.len).max().unwrap_or(0);
     // Rows per block of the tile products, and the query rows with their padding to whole
     // blocks.
@@ -96,7 +177,7 @@ pub(super) unsafe fn rows_amx(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> Stats
     let n_pad = n.div_ceil(16) * tile_rows;
 
     // Stack buffers (only the parts a call uses are written, and written before read):
-    // queries in BF16, (n_pad, hd); scores (16, 64) f32; P in BF16, (16, 64); the partition's
+    // queries in BF16, (n_pad, hd); scores (16, AMX_TILE) f32; P in BF16, (16, AMX_TILE); the partition's
     // o, (MAX_ROWS, MAX_HEAD_DIM) f32.
     let mut qb = std::mem::MaybeUninit::<Aligned<{ MAX_ROWS * MAX_HEAD_DIM * 2 }>>::uninit();
     let mut sc = Aligned::<{ 16 * AMX_TILE * 4 }>([0; 16 * AMX_TILE * 4]);
@@ -129,7 +210,7 @@ pub(super) unsafe fn rows_amx(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> Stats
         for r in rows.iter_mut() {
             r.out[..hd].fill(0.0);
         }
-        let config = tile_config(tile_rows as u8);
+        let config = tile_config(tile_rows as u8, WIDE);
         asm!("ldtilecfg [{0}]", in(reg) &config as *const TileConfig, options(nostack, readonly));
         let data_k = keys.data.as_ptr() as *const u16;
         let data_v = job.values.data.as_ptr() as *const u16;
@@ -154,8 +235,8 @@ pub(super) unsafe fn rows_amx(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> Stats
                 // The tile's 16-position chunks: in both layouts, the chunk at slot `j` of its
                 // block starts `j · hd` elements into the block's (layer, head) tile.
                 let chunks = tile_len.div_ceil(16);
-                let mut kc = [data_k; 4];
-                let mut vc = [data_v; 4];
+                let mut kc = [data_k; CHUNKS];
+                let mut vc = [data_v; CHUNKS];
                 for c in 0..chunks {
                     let p = t0 + 16 * c;
                     let at = keys.tile_base(job.blocks, job.offset, p) + (p % bs) * hd;
@@ -167,34 +248,18 @@ pub(super) unsafe fn rows_amx(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> Stats
                     if valid[r0..r0 + count].iter().all(|&v| v == 0) {
                         continue;
                     }
-                    // S = Q · Kᵀ: tmm2..tmm5 for the four chunks, hd / 32 steps of sixteen key
-                    // pair rows (1 KiB, contiguous).
-                    tile!(zero 2);
-                    tile!(zero 3);
-                    tile!(zero 4);
-                    tile!(zero 5);
-                    for k in 0..hd / 32 {
-                        tile!(load 0, qb.add(r0 * hd + 32 * k), hd * 2);
-                        tile!(load 6, kc[0].add(512 * k), 64usize);
-                        tile!(dp 2, 0, 6);
-                        if chunks > 1 {
-                            tile!(load 6, kc[1].add(512 * k), 64usize);
-                            tile!(dp 3, 0, 6);
-                        }
-                        if chunks > 2 {
-                            tile!(load 6, kc[2].add(512 * k), 64usize);
-                            tile!(dp 4, 0, 6);
-                        }
-                        if chunks > 3 {
-                            tile!(load 6, kc[3].add(512 * k), 64usize);
-                            tile!(dp 5, 0, 6);
-                        }
-                    }
+                    // S = Q · Kᵀ, per half tile of 64 positions: tmm2..tmm5 for its four chunks.
                     let s_stride = AMX_TILE * 4;
-                    tile!(store 2, sc, s_stride);
-                    tile!(store 3, sc.add(16), s_stride);
-                    tile!(store 4, sc.add(32), s_stride);
-                    tile!(store 5, sc.add(48), s_stride);
+                    for half in 0..chunks.div_ceil(4) {
+                        scores_half::<WIDE>(
+                            qb.add(r0 * hd),
+                            hd,
+                            &kc[4 * half..],
+                            (chunks - 4 * half).min(4),
+                            sc.add(64 * half),
+                            s_stride,
+                        );
+                    }
                     // The online softmax of each row; P rounded to BF16.
                     for i in 0..tile_rows {
                         let row = r0 + i;
@@ -205,17 +270,20 @@ pub(super) unsafe fn rows_amx(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> Stats
                             continue;
                         }
                         let srow = sc.add(i * AMX_TILE);
-                        let s: [Zmm; 4] = std::array::from_fn(|q| {
+                        let s: [Zmm; QUARTERS] = std::array::from_fn(|q| {
                             Zmm(_mm512_mul_ps(_mm512_load_ps(srow.add(16 * q)), scale))
                                 .keep(v.saturating_sub(16 * q), f32::NEG_INFINITY)
                         });
-                        let top = Zmm::max(Zmm::max(s[0], s[1]), Zmm::max(s[2], s[3])).reduce_max();
+                        let top4 = |b: usize| Zmm::max(Zmm::max(s[b], s[b + 1]), Zmm::max(s[b + 2], s[b + 3]));
+                        let top = Zmm::max(top4(0), top4(4)).reduce_max();
                         let m_new = m[row].max(top);
                         let c = Zmm::exp1(m[row] - m_new);
                         let mv = Zmm::splat(m_new);
-                        let p: [Zmm; 4] =
+                        let p: [Zmm; QUARTERS] =
                             std::array::from_fn(|q| Zmm::exp(Zmm::sub(s[q], mv)).keep(v.saturating_sub(16 * q), 0.0));
-                        let sum = Zmm::add(Zmm::add(p[0], p[1]), Zmm::add(p[2], p[3])).reduce_add();
+                        // ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)), then across lanes.
+                        let quad = |b: usize| Zmm::add(Zmm::add(p[b], p[b + 1]), Zmm::add(p[b + 2], p[b + 3]));
+                        let sum = Zmm::add(quad(0), quad(4)).reduce_add();
                         l[row] = Zmm::fma1(l[row], c, sum);
                         m[row] = m_new;
                         for (q, pq) in p.iter().enumerate() {
@@ -231,8 +299,8 @@ pub(super) unsafe fn rows_amx(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> Stats
                         }
                     }
                     // o += P · V, per group of four 16-dimension blocks (tmm2..tmm5, loaded from
-                    // and stored to o), one product per 16-position chunk in order: A = P's
-                    // chunk (tmm1), B = eight value pair rows (tmm7).
+                    // and stored to o), one product per chunk in order: A = P's chunk (tmm1),
+                    // B = the chunk's value pair rows.
                     let p_stride = AMX_TILE * 2;
                     let blocks16 = hd / 16;
                     let mut d0 = 0;
@@ -246,18 +314,39 @@ pub(super) unsafe fn rows_amx(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> Stats
                             tile!(load 4, oc.add(32), o_stride);
                             tile!(load 5, oc.add(48), o_stride);
                         }
-                        for c in 0..chunks {
-                            tile!(load 1, pb.add(16 * c), p_stride);
-                            let vp = vc[c].add(16 * 2 * d0);
-                            tile!(load 7, vp, v_stride);
-                            tile!(dp 2, 1, 7);
-                            tile!(load 7, vp.add(32), v_stride);
-                            tile!(dp 3, 1, 7);
-                            if four {
-                                tile!(load 7, vp.add(64), v_stride);
-                                tile!(dp 4, 1, 7);
-                                tile!(load 7, vp.add(96), v_stride);
-                                tile!(dp 5, 1, 7);
+                        if WIDE {
+                            // Thirty-two positions per product (sixteen value pair rows, which
+                            // lie in one block), values alternating between tmm6 and tmm7; the
+                            // second half of a last chunk of sixteen meets p = 0.
+                            for c in (0..chunks).step_by(2) {
+                                tile!(load 1, pb.add(16 * c), p_stride);
+                                let vp = vc[c].add(16 * 2 * d0);
+                                tile!(load 6, vp, v_stride);
+                                tile!(dp 2, 1, 6);
+                                tile!(load 7, vp.add(32), v_stride);
+                                tile!(dp 3, 1, 7);
+                                if four {
+                                    tile!(load 6, vp.add(64), v_stride);
+                                    tile!(dp 4, 1, 6);
+                                    tile!(load 7, vp.add(96), v_stride);
+                                    tile!(dp 5, 1, 7);
+                                }
+                            }
+                        } else {
+                            // Sixteen positions per product (eight value pair rows, tmm7).
+                            for c in 0..chunks {
+                                tile!(load 1, pb.add(16 * c), p_stride);
+                                let vp = vc[c].add(16 * 2 * d0);
+                                tile!(load 7, vp, v_stride);
+                                tile!(dp 2, 1, 7);
+                                tile!(load 7, vp.add(32), v_stride);
+                                tile!(dp 3, 1, 7);
+                                if four {
+                                    tile!(load 7, vp.add(64), v_stride);
+                                    tile!(dp 4, 1, 7);
+                                    tile!(load 7, vp.add(96), v_stride);
+                                    tile!(dp 5, 1, 7);
+                                }
                             }
                         }
                         tile!(store 2, oc, o_stride);

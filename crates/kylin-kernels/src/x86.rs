@@ -314,6 +314,34 @@ pub(crate) fn exp8(x: __m256) -> __m256 {
     _mm256_mul_ps(_mm256_mul_ps(y, two_lo), two_hi)
 }
 
+/// [`exp8`] on sixteen lanes: the same operations in the same order on a zmm register, so each
+/// lane's result is bit for bit [`exp8`]'s (IEEE rounding per lane does not depend on the
+/// register width; `cvtps2dq` rounds to nearest under the default MXCSR in both).
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(crate) fn exp16(x: __m512) -> __m512 {
+    let x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.336_54)), _mm512_set1_ps(88.722_83));
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+        x,
+        _mm512_set1_ps(std::f32::consts::LOG2_E),
+    ));
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm512_set1_ps(1.987_569_1e-4);
+    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5e-1] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    }
+    let r2 = _mm512_mul_ps(r, r);
+    let y = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0));
+    let n_i = _mm512_cvtps_epi32(n);
+    let n_lo = _mm512_srai_epi32::<1>(n_i);
+    let n_hi = _mm512_sub_epi32(n_i, n_lo);
+    let bias = _mm512_set1_epi32(127);
+    let two_lo = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(n_lo, bias)));
+    let two_hi = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(n_hi, bias)));
+    _mm512_mul_ps(_mm512_mul_ps(y, two_lo), two_hi)
+}
+
 /// Scalar twin of [`exp8`] for the tails, so every element gets the same function.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
@@ -447,6 +475,47 @@ pub fn weighted_sum(scores: &[f32], values: &[f32], head_dim: usize, out: &mut [
                 sum = s.mul_add(*vp.add(p * head_dim + c), sum);
             }
             *o = sum;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `exp16` is `exp8` on sixteen lanes: every lane bit for bit, over the clamped range, its
+    /// ends, the values past them, and a dense sweep of the softmax's inputs (`s - max <= 0`).
+    #[test]
+    fn exp16_matches_exp8_bit_for_bit() {
+        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+            return;
+        }
+        let mut inputs: Vec<f32> = vec![0.0, -0.0, 1.0, -1.0, -87.336_54, 88.722_83, -1e30, 1e30, f32::MIN_POSITIVE, -104.0];
+        inputs.extend((0..200_000).map(|i| -100.0 + i as f32 * 0.001));
+        // A deterministic spread of bit patterns between -128 and 128.
+        let mut state = 0x2545_f491_u32;
+        inputs.extend((0..100_000).map(|_| {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            (state as f32 / u32::MAX as f32 - 0.5) * 256.0
+        }));
+        while !inputs.len().is_multiple_of(16) {
+            inputs.push(0.5);
+        }
+        for chunk in inputs.chunks_exact(16) {
+            // SAFETY: the features were detected above; the loads and stores are of 16 f32.
+            let (wide, narrow) = unsafe {
+                let mut wide = [0.0f32; 16];
+                _mm512_storeu_ps(wide.as_mut_ptr(), exp16(_mm512_loadu_ps(chunk.as_ptr())));
+                let mut narrow = [0.0f32; 16];
+                _mm256_storeu_ps(narrow.as_mut_ptr(), exp8(_mm256_loadu_ps(chunk.as_ptr())));
+                _mm256_storeu_ps(narrow.as_mut_ptr().add(8), exp8(_mm256_loadu_ps(chunk.as_ptr().add(8))));
+                (wide, narrow)
+            };
+            for ((x, a), b) in chunk.iter().zip(wide).zip(narrow) {
+                assert_eq!(a.to_bits(), b.to_bits(), "exp({x}): exp16 {a} vs exp8 {b}");
+            }
         }
     }
 }
