@@ -60,13 +60,13 @@ def http(base, method, path, body=None, key=KEY, timeout=30):
 
 
 class Server:
-    def __init__(self, *extra):
+    def __init__(self, *extra, model=MODEL, ctx=2048):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = open(Path(tempfile.gettempdir()) / f"kylin-e2e-{self.port}.log", "w")
-        args = [kylin_bin(), "serve", str(MODEL), "--host", "127.0.0.1", "--port", str(self.port),
+        args = [kylin_bin(), "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port),
                 "--served-model-name", NAME, "--api-key", KEY, "--max-queue", str(MAX_QUEUE),
-                "--max-body-bytes", "65536", "--ctx-size", "2048", *extra]
+                "--max-body-bytes", "65536", "--ctx-size", str(ctx), *extra]
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
         try:
             self.wait_ready()

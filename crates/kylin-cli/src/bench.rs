@@ -561,7 +561,7 @@ mod tests {
     fn bench_prompt_is_deterministic_and_in_range() {
         let a = bench_prompt(512, 151936);
         assert_eq!(a, bench_prompt(512, 151936));
-        assert!(a.iter().all(|&id| id >= 1 && id < 30_000));
+        assert!(a.iter().all(|id| (1..30_000).contains(id)));
         assert!(bench_prompt(8, 5).iter().all(|&id| id < 5));
     }
 }

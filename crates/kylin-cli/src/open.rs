@@ -3,9 +3,7 @@
 use std::time::Instant;
 
 use anyhow::Result;
-use kylin_engine::batch::{
-    DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_SEQS, EngineOptions, KvBudget, QuantizeProgress,
-};
+use kylin_engine::batch::{DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_SEQS, EngineOptions, KvBudget, QuantizeProgress};
 use kylin_engine::native::{NativeBackend, NativeOptions};
 use kylin_engine::{Backend, PrecisionChoice, Serving};
 use kylin_kernels::WeightDType;

@@ -68,6 +68,15 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
         ))
         .into());
     }
+    if let Some(published) = &loaded.config.published {
+        return Err(KylinError::input_invalid(format!(
+            "{} is already quantized ({}); it loads and runs as published (kylin run {}), or quantize its BF16, F16 or F32 original",
+            args.model.display(),
+            published.describe(),
+            args.model.display()
+        ))
+        .into());
+    }
     let mut model = Model::new(&loaded.config, &loaded.weights)?;
     let progress = crate::open::quantize_progress_bar();
     model.quantize(format, threads, &|done, total| (progress.0)(done, total))?;
@@ -89,6 +98,13 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
             QuantMatrix::Q4K(_) => {
                 let (qs, ss) = kylin_kernels::q4k::q4_k_plane_shapes(m.rows(), m.cols());
                 ((qs.to_vec(), safetensors::Dtype::U8), (ss.to_vec(), safetensors::Dtype::U8))
+            }
+            // Only a published checkpoint's 4-bit matrices become Q4G, and those are refused above.
+            QuantMatrix::Q4G(_) => {
+                return Err(KylinError::operator_unsupported(format!(
+                    "{name} is in the q4_g packing, which kylin quantize does not write"
+                ))
+                .into());
             }
         };
         tensors.push((name.clone(), view(quants.1, quants.0, m.quants())?));
@@ -128,6 +144,13 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
             "input_activations": {"num_bits": 8, "type": "int", "symmetric": true, "strategy": "group", "group_size": 32, "dynamic": true},
             "quantized_modules": "every linear layer of the decoder and lm_head; embed_tokens as stored",
         }),
+        QuantFormat::Published(packing) => {
+            return Err(KylinError::operator_unsupported(format!(
+                "kylin quantize writes q8_0 or q4_k, not the {} packing of a published checkpoint",
+                packing.name()
+            ))
+            .into());
+        }
         QuantFormat::Q4K => {
             let q8_0: Vec<&str> =
                 quantized.iter().filter(|(_, m)| matches!(m, QuantMatrix::Q8_0(_))).map(|(n, _)| n.as_str()).collect();

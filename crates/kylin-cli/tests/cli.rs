@@ -500,8 +500,11 @@ fn quantize_writes_q8_0_and_q4_k_directories_that_load_in_place_with_the_same_lo
         let out = kylin(&["run", s(&dir), "--ids", "1,2"]);
         String::from_utf8_lossy(&out.stderr).to_string()
     };
-    let err = broken("method", &|c| c["quantization_config"]["quant_method"] = "gptq".into());
-    assert!(err.starts_with("[OPERATOR_UNSUPPORTED] ") && err.contains("gptq"), "{err}");
+    let err = broken("method", &|c| c["quantization_config"]["quant_method"] = "bitsandbytes".into());
+    assert!(err.starts_with("[OPERATOR_UNSUPPORTED] ") && err.contains("bitsandbytes"), "{err}");
+    // A published method's fields are required: GPTQ without `bits`.
+    let err = broken("gptq", &|c| c["quantization_config"]["quant_method"] = "gptq".into());
+    assert!(err.starts_with("[CONFIG_INVALID] ") && err.contains("'bits'"), "{err}");
     let err = broken("format", &|c| c["quantization_config"]["format"] = "q4_k".into());
     assert!(err.starts_with("[OPERATOR_UNSUPPORTED] ") && err.contains("q4_k"), "{err}");
     let err = broken("version", &|c| c["quantization_config"]["version"] = 2.into());
@@ -539,4 +542,63 @@ fn quantize_writes_q8_0_and_q4_k_directories_that_load_in_place_with_the_same_lo
     let err = rewrite("scale-dtype", &|name, dtype| Some(if name == scale { safetensors::Dtype::BF16 } else { dtype }));
     assert!(err.starts_with("[TENSOR_DTYPE_UNSUPPORTED] ") && err.contains(scale) && err.contains("F16"), "{err}");
     let _ = std::fs::remove_dir_all(&out_root);
+}
+
+/// Issue 13: every published quantized fixture runs through `run`, `logits` and `bench` as it
+/// is, on both paths; `logits --precision f32` gives transformers' argmax at every position.
+#[test]
+fn published_quantized_checkpoints_run_through_run_logits_and_bench() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/quantized");
+    let mut names: Vec<String> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n != "reference" && n != "README.md" && !n.ends_with("-bf16"))
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 18, "{names:?}");
+    for name in &names {
+        let dir = root.join(name);
+        let reference: Value =
+            serde_json::from_str(&std::fs::read_to_string(root.join(format!("reference/{name}.json"))).unwrap())
+                .unwrap();
+        let case = &reference["cases"][1];
+        let ids: Vec<String> = case["input_ids"].as_array().unwrap().iter().map(|v| v.to_string()).collect();
+        let ids = ids.join(",");
+        let want: Vec<u64> =
+            case["argmax_per_position"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+        let r = ok_json(&["logits", s(&dir), "--ids", &ids, "--top", "1", "--precision", "f32", "--json"]);
+        let got: Vec<u64> =
+            r["positions"].as_array().unwrap().iter().map(|p| p["top"][0][0].as_u64().unwrap()).collect();
+        assert_eq!(got, want, "{name}: logits --precision f32 argmax");
+        for precision in ["f32", "auto"] {
+            let out = kylin(&[
+                "run",
+                s(&dir),
+                "--ids",
+                &ids,
+                "--max-tokens",
+                "6",
+                "--temperature",
+                "0",
+                "--precision",
+                precision,
+            ]);
+            assert!(out.status.success(), "{name} {precision}: {}", String::from_utf8_lossy(&out.stderr));
+            assert!(!out.stdout.is_empty(), "{name} {precision}: no text");
+        }
+        let b =
+            ok_json(&["bench", s(&dir), "--prompt-tokens", "8", "--gen-tokens", "4", "--repetitions", "1", "--json"]);
+        assert!(b["decode_tok_s"].as_f64().unwrap() > 0.0, "{name}: {b}");
+        // Decoding a published checkpoint is timed as a quantization.
+        assert!(b["results"][0]["quantize_ms"].as_f64().is_some(), "{name}: {b}");
+    }
+    // `kylin quantize` refuses a checkpoint that is already quantized, naming it.
+    let out = kylin(&["quantize", s(&root.join("tiny-qwen3-w4a16")), "--to", "q8_0", "/tmp/kylin-never-written"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("INPUT_INVALID") && err.contains("already quantized") && err.contains("compressed-tensors"),
+        "{err}"
+    );
+    assert!(!Path::new("/tmp/kylin-never-written/model.safetensors").exists());
 }

@@ -300,7 +300,11 @@ impl EngineCore {
                 }
             })?;
         }
-        let quantize_ms = opts.quantize.map(|_| quantize_started.elapsed().as_secs_f64() * 1e3);
+        // A published quantized checkpoint is decoded here: dequantized (`--precision f32`) or
+        // repacked for the integer kernels, timed as a quantization.
+        model.prepare_published(opts.precision, opts.threads.max(1))?;
+        let quantize_ms = (opts.quantize.is_some() || config.published.is_some())
+            .then(|| quantize_started.elapsed().as_secs_f64() * 1e3);
         model.set_precision(opts.precision)?;
         let max_pos = config.max_position_embeddings;
         let context = match opts.ctx_size {

@@ -8,7 +8,9 @@
 //! Guarantees:
 //! - Weights are read in place, in their stored dtype (BF16, F16 or F32); nothing is copied,
 //!   except under [`Model::quantize`] (`--quantize q8_0`), which makes Q8_0 copies of the
-//!   linear layers and the head at load, an explicit, reported exception.
+//!   linear layers and the head at load, and [`Model::prepare_published`], which decodes a
+//!   published quantized checkpoint (compressed-tensors, FP8, GPTQ, AWQ) into f32 weights or
+//!   the integer kernels' planes: explicit, reported exceptions.
 //! - Every shape is checked in [`Model::new`]; the forward pass never re-checks or branches on a
 //!   format.
 //! - Activations ([`Scratch`]) are planned by [`Model::plan_scratch`] from the configuration and
@@ -55,6 +57,10 @@ pub enum QuantFormat {
     /// GGUF's Q4_K (super-blocks of 256 with 6-bit sub-block scales and mins; int8 activations,
     /// `kylin_kernels::q4k`), mixed as llama.cpp's Q4_K_M: see [`Model::quantize`].
     Q4K,
+    /// A published quantized checkpoint (compressed-tensors, FP8, GPTQ, AWQ) repacked at load
+    /// for the integer kernels ([`Model::prepare_published`]): `Q8_0` for 8-bit integers and
+    /// FP8, `Q4G` for 4-bit groups. Not a `--quantize` value.
+    Published(Packing),
 }
 
 impl QuantFormat {
@@ -63,6 +69,7 @@ impl QuantFormat {
         match self {
             QuantFormat::Q8_0 => "q8_0",
             QuantFormat::Q4K => "q4_k",
+            QuantFormat::Published(packing) => packing.name(),
         }
     }
 
@@ -76,7 +83,6 @@ impl QuantFormat {
     }
 }
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use kylin_kernels::quant::{Packing, QuantBuffer, QuantMatrix};
@@ -166,6 +172,9 @@ enum QuantSource {
     /// Read in place from a checkpoint written by `kylin quantize`: `weight` (the `Linear`'s
     /// own tensor) holds the quants, `scales` the scales. Checked against the shape when bound.
     Mapped { scales: WeightTensor, packing: Packing },
+    /// A published quantized matrix not yet decoded: [`Model::prepare_published`] replaces it
+    /// by f32 weights or by packed planes before any product runs.
+    Pending(Arc<kylin_loader::published::PublishedMatrix>),
 }
 
 impl Linear {
@@ -215,18 +224,37 @@ impl Linear {
         })
     }
 
-    /// A float linear layer, or a stored-quantized one when `scales` has its weight's plane.
+    /// A float linear layer; a stored-quantized one when `weights.scales` has its weight's
+    /// plane; a pending published one when `weight` is the values of one of
+    /// `weights.published` (the loader checked its tensors against `[rows, cols]`).
     fn bind(
         weight: &WeightTensor,
         bias: Option<&WeightTensor>,
         rows: usize,
         cols: usize,
-        scales: &BTreeMap<String, WeightTensor>,
+        weights: &ModelWeights,
     ) -> Result<Self> {
-        match scales.get(&weight.name) {
-            Some(scale) => Linear::stored_quant(weight, scale, bias, rows, cols),
-            None => Linear::new(weight, bias, rows, cols),
+        if let Some(scale) = weights.scales.get(&weight.name) {
+            return Linear::stored_quant(weight, scale, bias, rows, cols);
         }
+        let Some(published) = weights.published.values().find(|m| m.values.same_bytes(weight)) else {
+            return Linear::new(weight, bias, rows, cols);
+        };
+        if (published.rows, published.cols) != (rows, cols) {
+            return Err(KylinError::tensor_shape_mismatch(format!(
+                "module '{}' is a [{}, {}] matrix; the configuration implies [{rows}, {cols}]",
+                published.module, published.rows, published.cols
+            )));
+        }
+        Ok(Linear {
+            weight: weight.clone(),
+            // Not read: `Model::prepare_published` replaces the weight or adds planes.
+            dtype: WeightDType::F32,
+            rows,
+            cols,
+            bias: Vector::optional(bias, rows)?,
+            quant: Some(QuantSource::Pending(Arc::new(published.clone()))),
+        })
     }
 
     /// The quantized planes, if quantized.
@@ -239,6 +267,8 @@ impl Linear {
             QuantSource::Mapped { scales, packing } => {
                 QuantMatrix::new(*packing, self.rows, self.cols, self.weight.bytes(), scales.bytes())
             }
+            // Decoded before any product runs (`Model::plan_scratch` refuses to plan otherwise).
+            QuantSource::Pending(_) => None,
         }
     }
 
@@ -252,11 +282,23 @@ impl Linear {
     /// receives the quantized or rounded `x`).
     #[inline]
     fn forward(&self, mm: Matmul<'_>, x: &[f32], n: usize, y: &mut [f32], p: &mut ProductScratch) {
+        self.product(mm, x, n, y, p);
+        self.add_bias(y);
+    }
+
+    /// `y (n, rows) = x (n, cols) · Wᵀ (cols, rows)`, without the bias.
+    #[inline]
+    fn product(&self, mm: Matmul<'_>, x: &[f32], n: usize, y: &mut [f32], p: &mut ProductScratch) {
         match (self.quant_matrix(), mm.bf16) {
             (Some(q), _) => q.matmul(mm.pool, x, n, &mut p.xq, y),
             (None, Some(k)) => kernels::matmul_many_bf16(mm.pool, k, x, n, &mut p.xb, &mut [(self.matrix(), y)]),
             (None, None) => kernels::matmul(mm.pool, self.matrix(), x, n, y),
         }
+    }
+
+    /// `y (n, rows) += b` on every row, when the layer has a bias.
+    #[inline]
+    fn add_bias(&self, y: &mut [f32]) {
         if let Some(bias) = &self.bias {
             for row in y.chunks_exact_mut(self.rows) {
                 kernels::add_bias(row, bias.view());
@@ -274,25 +316,27 @@ impl Linear {
         mut layers: [(&Linear, &mut [f32]); N],
         p: &mut ProductScratch,
     ) {
-        // A layer's linears are all quantized or none (`Model::quantize`), not always to one
-        // format (`QuantFormat::Q4K` keeps some at Q8_0): one fused product either way, with
-        // the input quantized once per format.
-        if layers.iter().all(|(l, _)| l.quant.is_some()) {
+        // A layer's linears are usually all quantized or none (`Model::quantize`), not always
+        // to one format (`QuantFormat::Q4K` keeps some at Q8_0): one fused product either way,
+        // with the input quantized once per format. A published checkpoint's `--precision f32`
+        // can leave some quantized and others not: one product each then.
+        let quantized = layers.iter().filter(|(l, _)| l.quant_matrix().is_some()).count();
+        if quantized == N {
             let mut mats = layers.each_mut().map(|(l, y)| (l.quant_matrix().expect("quantized"), &mut **y));
             kernels::quant::matmul_many_quant(mm.pool, x, n, &mut p.xq, &mut mats);
-        } else {
+        } else if quantized == 0 {
             let mut mats: [(WeightMatrix<'_>, &mut [f32]); N] = layers.each_mut().map(|(l, y)| (l.matrix(), &mut **y));
             match mm.bf16 {
                 Some(k) => kernels::matmul_many_bf16(mm.pool, k, x, n, &mut p.xb, &mut mats),
                 None => kernels::matmul_many(mm.pool, x, n, &mut mats),
             }
+        } else {
+            for (l, y) in layers.iter_mut() {
+                l.product(mm, x, n, y, p);
+            }
         }
         for (l, y) in layers.iter_mut() {
-            if let Some(bias) = &l.bias {
-                for row in y.chunks_exact_mut(l.rows) {
-                    kernels::add_bias(row, bias.view());
-                }
-            }
+            l.add_bias(y);
         }
     }
 
@@ -305,6 +349,172 @@ impl Linear {
         let weight = self.quant_matrix().map_or(self.weight.byte_len(), |q| q.byte_len());
         weight as u64 + self.bias.as_ref().map_or(0, |b| b.tensor.byte_len() as u64)
     }
+}
+
+/// What [`Model::prepare_published`] decodes a published matrix into.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PublishedDecode {
+    /// f32 weights, exactly `scale · (q − zero)`.
+    F32,
+    /// BF16 weights (the f32 values rounded to nearest even), for the BF16 kernels.
+    Bf16,
+    /// The integer kernels' planes.
+    Integer,
+}
+
+/// Decodes one pending published matrix in place (see [`Model::prepare_published`]); returns
+/// the packing chosen. A float linear (a module the checkpoint left unquantized) becomes Q8_0
+/// for the integer kernels and stays as stored otherwise.
+fn decode_published(linear: &mut Linear, mode: PublishedDecode) -> Result<Option<Packing>> {
+    use kylin_kernels::quant::QK8_0;
+    let Some(QuantSource::Pending(m)) = &linear.quant else {
+        if linear.quant.is_some() || mode == PublishedDecode::F32 {
+            return Ok(None);
+        }
+        if mode == PublishedDecode::Bf16 {
+            // A module left unquantized in F16 or F32 (GPTQ checkpoints are F16): rounded to
+            // BF16 so every product runs on the BF16 kernels.
+            if linear.dtype != WeightDType::BF16 {
+                let w = linear.matrix();
+                let mut row = vec![0.0f32; linear.cols];
+                let mut bytes = Vec::with_capacity(linear.rows * linear.cols * 2);
+                for r in 0..linear.rows {
+                    kernels::widen_row(w, r, &mut row);
+                    bytes.extend(row.iter().flat_map(|&v| kernels::round_bf16(v).to_le_bytes()));
+                }
+                let len = bytes.len();
+                linear.weight = WeightTensor::new(
+                    linear.weight.name.clone(),
+                    DType::BF16,
+                    vec![linear.rows, linear.cols],
+                    Arc::new(kylin_loader::Storage::Owned(bytes)),
+                    0,
+                    len,
+                )
+                .ok_or_else(|| KylinError::tensor_shape_mismatch(format!("tensor '{}': size", linear.weight.name)))?;
+                linear.dtype = WeightDType::BF16;
+            }
+            return Ok(None);
+        }
+        let (rows, cols) = (linear.rows, linear.cols);
+        let mut buffer = QuantBuffer::zeroed(Packing::Q8_0, rows, cols).ok_or_else(|| {
+            KylinError::operator_unsupported(format!(
+                "tensor '{}' ([{rows}, {cols}]) cannot be quantized to q8_0 (columns must be whole blocks of 32); run with --precision f32",
+                linear.weight.name
+            ))
+        })?;
+        let groups = rows.div_ceil(kylin_kernels::quant::GROUP_ROWS);
+        let mut row = vec![0.0f32; cols];
+        let w = linear.matrix();
+        let (quants, planes) = buffer.planes_mut();
+        QuantBuffer::quantize_groups(Packing::Q8_0, w, 0..groups, quants, planes, &mut row);
+        // A tied head's pages are the embedding's: a lookup faults back only the rows it reads.
+        linear.weight.advise_dont_need();
+        linear.quant = Some(QuantSource::Owned(Arc::new(buffer)));
+        return Ok(None);
+    };
+    let m = Arc::clone(m);
+    let (rows, cols) = (m.rows, m.cols);
+    // The dequantized matrix as an owned f32 tensor, `[rows, cols]`.
+    let float_weights = |values: Vec<f32>| -> Result<WeightTensor> {
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let len = bytes.len();
+        WeightTensor::new(
+            format!("{}.weight", m.module),
+            DType::F32,
+            vec![rows, cols],
+            Arc::new(kylin_loader::Storage::Owned(bytes)),
+            0,
+            len,
+        )
+        .ok_or_else(|| KylinError::tensor_shape_mismatch(format!("module '{}': dequantized size", m.module)))
+    };
+    match mode {
+        PublishedDecode::F32 => {
+            linear.weight = float_weights(m.dequantize()?)?;
+            linear.dtype = WeightDType::F32;
+            linear.quant = None;
+            release_published(&m);
+            return Ok(None);
+        }
+        PublishedDecode::Bf16 => {
+            let bytes: Vec<u8> = m.dequantize()?.iter().flat_map(|&v| kernels::round_bf16(v).to_le_bytes()).collect();
+            let len = bytes.len();
+            linear.weight = WeightTensor::new(
+                format!("{}.weight", m.module),
+                DType::BF16,
+                vec![rows, cols],
+                Arc::new(kylin_loader::Storage::Owned(bytes)),
+                0,
+                len,
+            )
+            .ok_or_else(|| KylinError::tensor_shape_mismatch(format!("module '{}': dequantized size", m.module)))?;
+            linear.dtype = WeightDType::BF16;
+            linear.quant = None;
+            release_published(&m);
+            return Ok(None);
+        }
+        PublishedDecode::Integer => {}
+    }
+    let ints = m.integers()?;
+    // Groups in column order whose width is whole Q8_0 blocks (no activation order).
+    let uniform =
+        |i: &kylin_loader::published::IntMatrix| i.group_of.is_none() && (cols / i.groups).is_multiple_of(QK8_0);
+    let buffer = match ints {
+        // Symmetric 8-bit (codes stored offset by 128): the same integers, one scale per block.
+        Some(i) if i.bits == 8 && uniform(&i) && i.zeros.iter().all(|&z| z == 128) && cols.is_multiple_of(QK8_0) => {
+            let mut buffer = QuantBuffer::zeroed(Packing::Q8_0, rows, cols).ok_or_else(|| packing_error(&m, "q8_0"))?;
+            let q: Vec<i8> = i.codes.iter().map(|&c| (c as i32 - 128) as i8).collect();
+            let blocks = cols / QK8_0;
+            let scales: Vec<f32> =
+                (0..rows * blocks).map(|k| i.scales[(k / blocks) * i.groups + i.group((k % blocks) * QK8_0)]).collect();
+            let (quants, planes) = buffer.planes_mut();
+            kylin_kernels::quant::pack_q8_0(rows, cols, &q, &scales, quants, planes);
+            buffer
+        }
+        // 4-bit groups: the same codes, `w = s·q − s·z` per sub-block of 32.
+        Some(i) if i.bits == 4 && uniform(&i) && cols.is_multiple_of(64) => {
+            let mut buffer = QuantBuffer::zeroed(Packing::Q4G, rows, cols).ok_or_else(|| packing_error(&m, "q4_g"))?;
+            let subs = cols / 32;
+            let at = |k: usize| (k / subs) * i.groups + i.group((k % subs) * 32);
+            let scales: Vec<f32> = (0..rows * subs).map(|k| i.scales[at(k)]).collect();
+            let mins: Vec<f32> = (0..rows * subs).map(|k| i.scales[at(k)] * i.zeros[at(k)] as f32).collect();
+            let (quants, planes) = buffer.planes_mut();
+            kylin_kernels::q4g::pack_q4_g(rows, cols, &i.codes, &scales, &mins, quants, planes);
+            buffer
+        }
+        // FP8, activation order, asymmetric 8-bit: dequantized, then Q8_0 (FP8 E4M3 holds 3
+        // mantissa bits; Q8_0's grid is finer).
+        _ => {
+            let f32_weights = float_weights(m.dequantize()?)?;
+            let mut buffer = QuantBuffer::zeroed(Packing::Q8_0, rows, cols).ok_or_else(|| packing_error(&m, "q8_0"))?;
+            let w = WeightMatrix { dtype: WeightDType::F32, rows, cols, data: f32_weights.bytes() };
+            let groups = rows.div_ceil(kylin_kernels::quant::GROUP_ROWS);
+            let mut row = vec![0.0f32; cols];
+            let (quants, planes) = buffer.planes_mut();
+            QuantBuffer::quantize_groups(Packing::Q8_0, w, 0..groups, quants, planes, &mut row);
+            buffer
+        }
+    };
+    let packing = buffer.matrix().packing();
+    linear.quant = Some(QuantSource::Owned(Arc::new(buffer)));
+    release_published(&m);
+    Ok(Some(packing))
+}
+
+/// Releases a decoded matrix's stored tensors from resident memory (the map stays), so the
+/// peak is near the decoded size, not the sum of both.
+fn release_published(m: &kylin_loader::published::PublishedMatrix) {
+    for t in [Some(&m.values), Some(&m.scale), m.zero.as_ref(), m.g_idx.as_ref()].into_iter().flatten() {
+        t.advise_dont_need();
+    }
+}
+
+fn packing_error(m: &kylin_loader::published::PublishedMatrix, packing: &str) -> KylinError {
+    KylinError::operator_unsupported(format!(
+        "module '{}' ([{}, {}]) cannot be packed as {packing}: its columns must be whole blocks of 32 (64 for 4 bits); run it with --precision f32",
+        m.module, m.rows, m.cols
+    ))
 }
 
 /// One decoder layer with the architecture's choices already made.
@@ -325,11 +535,12 @@ struct Layer {
 }
 
 impl Layer {
-    /// `scales` holds the scale planes of a checkpoint stored quantized (empty otherwise).
-    fn new(w: &LayerWeights, d: &Dims, scales: &BTreeMap<String, WeightTensor>) -> Result<Self> {
+    /// `weights` holds the scale planes of a checkpoint stored quantized and the tensors of a
+    /// published quantized one (both empty otherwise).
+    fn new(w: &LayerWeights, d: &Dims, weights: &ModelWeights) -> Result<Self> {
         let (hidden, q_dim, kv_dim) = (d.hidden, d.q_dim(), d.kv_dim());
         let linear = |weight: &WeightTensor, bias: Option<&WeightTensor>, rows: usize, cols: usize| {
-            Linear::bind(weight, bias, rows, cols, scales)
+            Linear::bind(weight, bias, rows, cols, weights)
         };
         Ok(Layer {
             attn_norm: Vector::new(&w.attn_norm, hidden)?,
@@ -682,9 +893,8 @@ impl Model {
             eps: config.rms_norm_eps as f32,
             attn_scale: (config.head_dim as f64).powf(-0.5) as f32,
         };
-        let scales = &weights.scales;
-        let layers = weights.layers.iter().map(|w| Layer::new(w, &dims, scales)).collect::<Result<Vec<_>>>()?;
-        let lm_head = Linear::bind(&weights.lm_head, None, dims.vocab, dims.hidden, scales)?;
+        let layers = weights.layers.iter().map(|w| Layer::new(w, &dims, weights)).collect::<Result<Vec<_>>>()?;
+        let lm_head = Linear::bind(&weights.lm_head, None, dims.vocab, dims.hidden, weights)?;
         let quantization = match config.quantization {
             None => None,
             Some(stored) => {
@@ -740,6 +950,13 @@ impl Model {
         progress: &(dyn Fn(u64, u64) + Sync),
     ) -> Result<()> {
         use kylin_kernels::quant::GROUP_ROWS;
+        if let Some(m) = self.pending().next() {
+            return Err(KylinError::config_invalid(format!(
+                "--quantize {} does not apply to a published quantized checkpoint (module '{}' is stored quantized): it runs on the integer kernels as published; quantize its BF16 original instead",
+                format.name(),
+                m.module
+            )));
+        }
         if self.quantization.is_some() {
             return Ok(());
         }
@@ -751,7 +968,7 @@ impl Model {
             for (k, m) in layer.linears().into_iter().enumerate() {
                 // `linears()` order: q, k, v, o, gate, up, down.
                 let wants = match format {
-                    QuantFormat::Q8_0 => Packing::Q8_0,
+                    QuantFormat::Q8_0 | QuantFormat::Published(_) => Packing::Q8_0,
                     QuantFormat::Q4K if (k == 2 || k == 6) && more_bits(i) => Packing::Q8_0,
                     QuantFormat::Q4K => Packing::Q4K,
                 };
@@ -827,6 +1044,94 @@ impl Model {
             linear.quant = Some(QuantSource::Owned(Arc::new(buffer)));
         }
         self.quantization = Some(format);
+        Ok(())
+    }
+
+    /// The published quantized matrices still waiting for [`Model::prepare_published`].
+    fn pending(&self) -> impl Iterator<Item = &kylin_loader::published::PublishedMatrix> {
+        self.layers.iter().flat_map(|l| l.linears()).chain(std::iter::once(&self.lm_head)).filter_map(|l| {
+            match &l.quant {
+                Some(QuantSource::Pending(m)) => Some(&**m),
+                _ => None,
+            }
+        })
+    }
+
+    /// Decodes a published quantized checkpoint (compressed-tensors, FP8, GPTQ, AWQ; before
+    /// [`Model::set_precision`] and [`Model::plan_scratch`]; nothing to do for any other model),
+    /// on `threads` threads:
+    ///
+    /// - `F32`: every quantized matrix is dequantized exactly to f32 (`scale · (q − zero)`, FP8
+    ///   times its scale), the weights transformers computes with; the activations stay f32.
+    /// - `Auto` (the default): the integer kernels. 8-bit symmetric integers with groups of a
+    ///   multiple of 32 (W8A8, W8A16) become Q8_0 with the same integers and their scale per
+    ///   block; 4-bit integers with groups of a multiple of 32 and no activation order (W4A16,
+    ///   GPTQ, AWQ) become Q4G with the same integers, the scale and `scale · zero` per group
+    ///   (f16); anything else (FP8, activation order, asymmetric 8-bit) is dequantized and
+    ///   quantized to Q8_0 (FP8 E4M3 holds 3 mantissa bits, Q8_0's grid is finer).
+    ///   Unquantized modules (`ignore`, usually the head) become Q8_0 too, as under `--quantize`.
+    /// - `Bf16`: every quantized matrix is dequantized and rounded to BF16, for the BF16 kernels
+    ///   (BF16 activations; twice the bytes per token of Q8_0, four times Q4G's, for 16-bit
+    ///   activations as the A16 schemes intend). `CONFIG_INVALID` without BF16 kernels.
+    ///
+    /// Errors name the tensor whose values are wrong (`FILE_CORRUPTED`, `TENSOR_SHAPE_MISMATCH`).
+    pub fn prepare_published(&mut self, choice: PrecisionChoice, threads: usize) -> Result<()> {
+        if self.pending().next().is_none() {
+            return Ok(());
+        }
+        let mode = match choice {
+            PrecisionChoice::F32 => PublishedDecode::F32,
+            PrecisionChoice::Bf16 => PublishedDecode::Bf16,
+            PrecisionChoice::Auto => PublishedDecode::Integer,
+        };
+        if mode == PublishedDecode::Bf16 && kernels::bf16_kernels().is_none() {
+            return Err(KylinError::config_invalid(format!(
+                "--precision bf16 needs BF16 matrix kernels (AMX-BF16 or AVX-512 BF16), which this CPU lacks (kernels: {}); use --precision auto (integer kernels, the default) or f32 (the exactly dequantized weights)",
+                kernels::kernel_family(Precision::F32)
+            )));
+        }
+        let integer = mode == PublishedDecode::Integer;
+        let linears: Vec<&mut Linear> = self
+            .layers
+            .iter_mut()
+            .flat_map(|l| l.linears_mut())
+            .chain(std::iter::once(&mut self.lm_head))
+            .filter(|l| {
+                matches!(l.quant, Some(QuantSource::Pending(_))) || (mode != PublishedDecode::F32 && l.quant.is_none())
+            })
+            .collect();
+        let queue = std::sync::Mutex::new(linears);
+        let failure: std::sync::Mutex<Option<KylinError>> = std::sync::Mutex::new(None);
+        let packings = std::sync::Mutex::new(Vec::new());
+        std::thread::scope(|scope| {
+            for _ in 0..threads.max(1) {
+                scope.spawn(|| {
+                    loop {
+                        if failure.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
+                            break;
+                        }
+                        let Some(linear) = queue.lock().unwrap_or_else(|e| e.into_inner()).pop() else { break };
+                        match decode_published(linear, mode) {
+                            Ok(p) => packings.lock().unwrap_or_else(|e| e.into_inner()).extend(p),
+                            Err(e) => {
+                                failure.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
+                                break;
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        if let Some(e) = failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            return Err(e);
+        }
+        if integer {
+            // Reported by the packing most matrices got (Q4G for a 4-bit checkpoint).
+            let packings = packings.into_inner().unwrap_or_else(|e| e.into_inner());
+            let q4g = packings.iter().filter(|p| **p == Packing::Q4G).count();
+            let packing = if 2 * q4g > packings.len() { Packing::Q4G } else { Packing::Q8_0 };
+            self.quantization = Some(QuantFormat::Published(packing));
+        }
         Ok(())
     }
 
@@ -977,6 +1282,12 @@ impl Model {
     /// `max_segments` segments (attention needs no buffer sized by the context: its state is
     /// per tile). `CONFIG_INVALID` if a size overflows.
     pub fn plan_scratch(&self, max_tokens: usize, max_segments: usize, context: usize) -> Result<Scratch> {
+        if let Some(m) = self.pending().next() {
+            return Err(KylinError::config_invalid(format!(
+                "internal: module '{}' of a published quantized checkpoint was not decoded (Model::prepare_published)",
+                m.module
+            )));
+        }
         let d = &self.dims;
         let max_tokens = max_tokens.max(1);
         let max_segments = max_segments.clamp(1, max_tokens);

@@ -55,3 +55,46 @@ fn runaway_templates_stop_with_config_invalid() {
     }
     assert!(seen > 0, "no regression inputs in {}", dir.display());
 }
+
+/// The fuzzer's SIGSEGV (issue 15): a value nested once per loop iteration, formatted, compared
+/// or dropped, recursed deeper than the stack (30 000 levels overflowed an 8 MiB main thread).
+/// Rendering now has its own thread with room for the deepest value the fuel allows: a value
+/// nested 80 000 levels renders (`tojson` refuses it with its own depth limit); one nested until
+/// the fuel runs out is `CONFIG_INVALID`. Both
+/// run here on a 2 MiB thread, the size of a tokio worker's stack in `kylin serve`.
+#[test]
+fn deeply_nested_values_render_or_fail_cleanly_on_a_small_stack() {
+    let run = |source: String| {
+        std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(move || {
+                let messages = vec![ChatMessage { role: "user".into(), content: "hello".into() }];
+                let codec = TextCodec::new(&bundle(&source), None).unwrap();
+                codec.apply_chat_template(&messages, true, &serde_json::Map::new())
+            })
+            .unwrap()
+            .join()
+            .unwrap()
+    };
+    let nest = |outer: usize, show: &str| {
+        format!(
+            "{{% set ns = namespace(x=[]) %}}{{% for j in range({outer}) %}}{{% for i in range(80000) %}}\
+             {{% set ns.x = [ns.x] %}}{{% endfor %}}{{% endfor %}}{show}"
+        )
+    };
+    for show in ["{{ ns.x }}", "{{ ns.x|tojson }}", "{{ ns.x == ns.x }}", ""] {
+        match run(nest(1, show)) {
+            Ok(text) if show == "{{ ns.x }}" => {
+                assert_eq!(text.len(), 2 * 80_001, "80 000 nested lists print as brackets")
+            }
+            Ok(_) => {}
+            // `tojson` refuses values nested deeper than serde_json's limit.
+            Err(e) => assert!(show.contains("tojson") && e.code == ErrorCode::ConfigInvalid, "{show:?}: {e}"),
+        }
+        let start = Instant::now();
+        let err = run(nest(1000, show)).unwrap_err();
+        assert_eq!(err.code, ErrorCode::ConfigInvalid, "{show:?}: {err}");
+        assert!(err.message.contains("instructions"), "{err}");
+        assert!(start.elapsed() < Duration::from_secs(10), "{show:?} took {:?}", start.elapsed());
+    }
+}

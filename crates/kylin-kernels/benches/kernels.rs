@@ -1,7 +1,8 @@
 //! Kernel micro-benchmarks (divan), with throughput: bytes of weights streamed per second for
 //! the GEMV (decode) and multiply-adds per second for the GEMM (prefill).
 //!
-//! `cargo bench -p kylin-kernels --bench kernels` (add `-- gemv` to pick). Shapes are the
+//! `cargo bench -p kylin-kernels --bench kernels` (add `-- gemv` to pick; `-- quant` for the
+//! quantized products). Shapes are the
 //! Qwen3-0.6B projections (`layer_bf16` and `tokens_3072x1024_bf16` sweep the token count, for
 //! batched decode; `KYLIN_KERNELS_ISA=avx2` measures the AVX2 path on an AVX-512 machine); `head` is its 151936-row output head (311 MB in BF16, far beyond
 //! every cache, so it measures memory bandwidth). `KYLIN_BENCH_THREADS` sets the pool size
@@ -111,6 +112,59 @@ fn layer_bf16<const TOKENS: usize>(bencher: Bencher) {
             kylin_kernels::matmul(&pool, *w, black_box(x), TOKENS, black_box(y));
         }
     });
+}
+
+/// Quantized products (`matmul_many_quant`) on one 1024×1024 matrix for `TOKENS` tokens, by
+/// format: `q8_0` and `q4_k` quantized from BF16 weights, `q4_g` packed from GPTQ-like
+/// numbers (a scale and a zero point per 128 columns). For one token the counter is the bytes
+/// of the packed planes streamed, for more the multiply-adds.
+#[divan::bench(args = ["q8_0", "q4_k", "q4_g"], consts = [1, 64])]
+fn quant_1024x1024<const TOKENS: usize>(bencher: Bencher, format: &str) {
+    use kylin_kernels::quant::{Packing, QuantBuffer, quant_scratch_len};
+    let (rows, cols) = (1024, 1024);
+    let pool = ThreadPool::new(threads());
+    let packing = match format {
+        "q8_0" => Packing::Q8_0,
+        "q4_k" => Packing::Q4K,
+        _ => Packing::Q4G,
+    };
+    let mut buffer = QuantBuffer::zeroed(packing, rows, cols).expect("a valid shape");
+    let (quants, scales) = buffer.planes_mut();
+    if packing == Packing::Q4G {
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let q: Vec<u8> = (0..rows * cols).map(|_| (next() % 16) as u8).collect();
+        // One scale and zero point per 128 columns (4 sub-blocks), as GPTQ's group size 128.
+        let group: Vec<(f32, f32)> = (0..rows * cols / 128)
+            .map(|_| {
+                let s = 1e-3 + (next() % 1000) as f32 * 1e-5;
+                (s, s * (next() % 16) as f32)
+            })
+            .collect();
+        let sub_scales: Vec<f32> = (0..rows * cols / 32).map(|i| group[i / 4].0).collect();
+        let sub_mins: Vec<f32> = (0..rows * cols / 32).map(|i| group[i / 4].1).collect();
+        kylin_kernels::q4g::pack_q4_g(rows, cols, &q, &sub_scales, &sub_mins, quants, scales);
+    } else {
+        let data = weights(WeightDType::BF16, rows * cols);
+        let w = WeightMatrix { dtype: WeightDType::BF16, rows, cols, data: &data };
+        QuantBuffer::quantize_groups(packing, w, 0..rows / 16, quants, scales, &mut vec![0.0; cols]);
+    }
+    let m = buffer.matrix();
+    let x: Vec<f32> = (0..TOKENS * cols).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
+    let mut scratch = vec![0u8; quant_scratch_len(TOKENS, cols)];
+    let mut y = vec![0.0f32; TOKENS * rows];
+    let bencher = if TOKENS == 1 {
+        bencher.counter(BytesCount::new(m.byte_len()))
+    } else {
+        bencher.counter(ItemsCount::new(rows * cols * TOKENS))
+    };
+    // (TOKENS, 1024) · (1024, 1024)ᵀ -> (TOKENS, 1024)
+    bencher.bench_local(|| m.matmul(&pool, black_box(&x), TOKENS, &mut scratch, black_box(&mut y)));
 }
 
 #[divan::bench(args = [64, 576, 4096])]

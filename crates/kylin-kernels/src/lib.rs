@@ -19,8 +19,9 @@
 //! Two arithmetics ([`Precision`]): f32 ([`matmul`], [`matmul_many`]: weights widened exactly,
 //! f32 activations) and BF16 ([`matmul_many_bf16`]: activations rounded to BF16, products
 //! summed in f32) on AMX (`amx.rs`) or AVX-512 BF16 (`avx512bf16.rs`), see [`bf16_kernels`];
-//! and for Q8_0 weights, int8 products ([`quant::matmul_many_q8`]) on AVX-512 VNNI, AVX2 or
-//! scalar code, which all give the same bits.
+//! and for quantized weights (Q8_0, Q4_K, and Q4_G packed from published 4-bit checkpoints),
+//! int8 products ([`quant::matmul_many_quant`]) on AVX-512 VNNI, AVX2 or scalar code, which all
+//! give the same bits.
 //!
 //! Batch invariance: within one process, every output element of [`matmul`] and
 //! [`matmul_many`] is computed by the same sequence of floating-point operations whatever the
@@ -37,6 +38,7 @@ mod avx512bf16;
 mod matmul;
 pub mod paged;
 pub mod pool;
+pub mod q4g;
 pub mod q4k;
 #[cfg(target_arch = "x86_64")]
 mod q4k_x86;

@@ -486,8 +486,24 @@ pub fn dequantize_row_q4_k(m: Q4KMatrix<'_>, r: usize, out: &mut [f32]) {
     }
 }
 
+/// Row `lane`'s quant at column `k` of sub-block `j`, in a group's quants plane `wq` (shared
+/// by Q4_K and [`crate::q4g`]).
+#[inline]
+pub(crate) fn quant_at(wq: &[u8], lane: usize, j: usize, k: usize) -> u8 {
+    let byte = wq[(j / 2) * PAIR_BYTES + (k / 4) * 64 + lane * 4 + k % 4];
+    if j.is_multiple_of(2) { byte & 0xF } else { byte >> 4 }
+}
+
+/// The exact integer dot product of row `lane`'s quants in sub-block `j` of a group's quants
+/// plane `wq` with the sub-block's 32 int8 activations `xs` (shared by Q4_K and
+/// [`crate::q4g`]).
+#[inline]
+pub(crate) fn isum_scalar(wq: &[u8], lane: usize, j: usize, xs: &[u8]) -> i32 {
+    (0..SUB).map(|k| quant_at(wq, lane, j, k) as i32 * (xs[k] as i8 as i32)).sum()
+}
+
 /// Bytes of one token's quantized activations for rows of `cols` columns (as Q8_0's).
-fn activation_stride(cols: usize) -> usize {
+pub(crate) fn activation_stride(cols: usize) -> usize {
     cols + 8 * (cols / SUB)
 }
 
@@ -592,13 +608,7 @@ pub(crate) unsafe fn tile_scalar(
                 let dmin = half::f16::from_le_bytes([ws[header + 32 + 2 * lane], ws[header + 33 + 2 * lane]]).to_f32();
                 for jj in 0..subs_in(cols, s) {
                     let j = s * (QK_K / SUB) + jj;
-                    let block = &wq[(j / 2) * PAIR_BYTES..(j / 2 + 1) * PAIR_BYTES];
-                    let mut isum = 0i32;
-                    for k in 0..SUB {
-                        let byte = block[(k / 4) * 64 + lane * 4 + k % 4];
-                        let q = if j.is_multiple_of(2) { byte & 0xF } else { byte >> 4 };
-                        isum += q as i32 * (xt[j * SUB + k] as i8 as i32);
-                    }
+                    let isum = isum_scalar(wq, lane, j, &xt[j * SUB..(j + 1) * SUB]);
                     let at = header + HEADER_BYTES + jj * SUB_SCALE_BYTES;
                     let (dsc, dm) = (d * ws[at + lane] as f32, dmin * ws[at + GROUP_ROWS + lane] as f32);
                     let (dx, bx) = (f32_at(xt, cols + 4 * j), f32_at(xt, cols + 4 * nb + 4 * j));

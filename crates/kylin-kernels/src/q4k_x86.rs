@@ -4,11 +4,33 @@
 //! the sub-blocks in the canonical order, so both tiles give the scalar tile's bits. Also the
 //! weight quantization's search for sub-block scales and mins on AVX-512, 16 sub-blocks at
 //! once, with the scalar search's bits.
+//!
+//! The tiles also run Q4_G (`q4g.rs`), whose quants plane and activations are Q4_K's: their
+//! const parameter `GROUPED` ([`Q4K_SCALES`] or [`Q4G_SCALES`]) picks where sub-block `j`'s
+//! `(dsc_j, dm_j)` come from — Q4_K's `(d · sc_j, dmin · m_j)` or Q4_G's f16 `(s_j, m_j)` —
+//! and everything else, the canonical order included, is the same code.
 
 use std::arch::x86_64::*;
 
+use crate::q4g::SUB_SCALE_BYTES as G_SUB_SCALE_BYTES;
 use crate::q4k::{HEADER_BYTES, PAIR_BYTES, QK_K, SUB, SUB_SCALE_BYTES, SUPER_SCALE_BYTES, subs_in};
 use crate::quant::GROUP_ROWS;
+
+/// The tiles' `GROUPED` for Q4_K's scales plane: `d`, `dmin` per super-block, 6-bit `sc`, `m`
+/// per sub-block.
+pub(crate) const Q4K_SCALES: bool = false;
+/// The tiles' `GROUPED` for Q4_G's scales plane: an f16 scale and min per sub-block.
+pub(crate) const Q4G_SCALES: bool = true;
+
+/// Bytes of a group's scales plane for rows of `cols` columns, in the layout `GROUPED` picks.
+#[inline(always)]
+fn scales_len<const GROUPED: bool>(cols: usize) -> usize {
+    if GROUPED {
+        cols / SUB * G_SUB_SCALE_BYTES
+    } else {
+        cols.div_ceil(QK_K) * HEADER_BYTES + cols / SUB * SUB_SCALE_BYTES
+    }
+}
 
 /// One token's activation quantization (see `q4k::quantize_row_scalar`, whose bytes this
 /// reproduces): per super-block `iscale = 127 / amax`, `q = round_ties_even(x · iscale)` (the
@@ -186,12 +208,12 @@ pub(crate) unsafe fn quantize_sub_block_avx512(x: &[f32; SUB], dm: f32, dj: f32,
     }
 }
 
-/// [`tile_vnni`] for `mt` (1..=8) tokens.
+/// [`tile_vnni`] for `mt` (1..=8) tokens, on the scales plane `GROUPED` picks.
 ///
 /// # Safety
 /// As [`tile_vnni`].
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn tile_vnni_dyn(
+pub(crate) unsafe fn tile_vnni_dyn<const GROUPED: bool>(
     mt: usize,
     wq: &[u8],
     ws: &[u8],
@@ -205,14 +227,14 @@ pub(crate) unsafe fn tile_vnni_dyn(
     // SAFETY: the caller's contract.
     unsafe {
         match mt {
-            1 => tile_vnni::<1>(wq, ws, cols, xq, stride, y, y_stride, valid),
-            2 => tile_vnni::<2>(wq, ws, cols, xq, stride, y, y_stride, valid),
-            3 => tile_vnni::<3>(wq, ws, cols, xq, stride, y, y_stride, valid),
-            4 => tile_vnni::<4>(wq, ws, cols, xq, stride, y, y_stride, valid),
-            5 => tile_vnni::<5>(wq, ws, cols, xq, stride, y, y_stride, valid),
-            6 => tile_vnni::<6>(wq, ws, cols, xq, stride, y, y_stride, valid),
-            7 => tile_vnni::<7>(wq, ws, cols, xq, stride, y, y_stride, valid),
-            _ => tile_vnni::<{ crate::quant::Q8_MT }>(wq, ws, cols, xq, stride, y, y_stride, valid),
+            1 => tile_vnni::<1, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid),
+            2 => tile_vnni::<2, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid),
+            3 => tile_vnni::<3, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid),
+            4 => tile_vnni::<4, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid),
+            5 => tile_vnni::<5, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid),
+            6 => tile_vnni::<6, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid),
+            7 => tile_vnni::<7, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid),
+            _ => tile_vnni::<{ crate::quant::Q8_MT }, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid),
         }
     }
 }
@@ -222,15 +244,17 @@ pub(crate) unsafe fn tile_vnni_dyn(
 /// the first sub-block and the high ones for the second; each is multiplied by every token's
 /// broadcast groups of four activations (`vpdpbusd`: unsigned weights × signed
 /// activations), giving each row's exact `isum`; then per lane
-/// `acc = fma(f32(isum), dsc · dx, acc); acc = fma(−bx, dm, acc)`.
+/// `acc = fma(f32(isum), dsc · dx, acc); acc = fma(−bx, dm, acc)`, with `(dsc, dm)` Q4_K's
+/// `(d · sc, dmin · m)` or, when `GROUPED`, Q4_G's `(s, m)`.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL/VNNI must be available; `wq`, `ws` are one whole group's planes for
-/// `cols` columns (a multiple of 64); `xq` holds `MT` token rows of `stride` bytes; `y` is
-/// valid for writing rows `0..valid` (`<= 16`) of `MT` tokens at row stride `y_stride`.
+/// `cols` columns (a multiple of 64) in the format `GROUPED` names; `xq` holds `MT` token rows
+/// of `stride` bytes; `y` is valid for writing rows `0..valid` (`<= 16`) of `MT` tokens at row
+/// stride `y_stride`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn tile_vnni<const MT: usize>(
+unsafe fn tile_vnni<const MT: usize, const GROUPED: bool>(
     wq: &[u8],
     ws: &[u8],
     cols: usize,
@@ -242,7 +266,7 @@ unsafe fn tile_vnni<const MT: usize>(
 ) {
     let nb = cols / SUB;
     let n_super = cols.div_ceil(QK_K);
-    assert!(wq.len() >= nb / 2 * PAIR_BYTES && ws.len() >= n_super * HEADER_BYTES + nb * SUB_SCALE_BYTES);
+    assert!(wq.len() >= nb / 2 * PAIR_BYTES && ws.len() >= scales_len::<GROUPED>(cols));
     assert!(xq.len() >= MT * stride && stride >= cols + 8 * nb);
     debug_assert!(valid <= GROUP_ROWS);
     let (wp, sp, xp) = (wq.as_ptr(), ws.as_ptr(), xq.as_ptr());
@@ -250,18 +274,36 @@ unsafe fn tile_vnni<const MT: usize>(
     let mut acc = [_mm512_setzero_ps(); MT];
     for s in 0..n_super {
         let n_sub = subs_in(cols, s);
-        // SAFETY: super-block `s`'s scales, its pairs' quants and every token's sub-blocks
-        // lie inside the slices (checked above); all loads are unaligned.
+        // SAFETY: super-block `s`'s scales (Q4_K's header and sub-block bytes, or Q4_G's 64
+        // bytes per sub-block), its pairs' quants and every token's sub-blocks lie inside the
+        // slices (checked above against the layout `GROUPED` names); all loads are unaligned.
         unsafe {
-            let header = sp.add(s * SUPER_SCALE_BYTES);
-            let d = _mm512_cvtph_ps(_mm256_loadu_si256(header as *const __m256i));
-            let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(header.add(32) as *const __m256i));
+            // Q4_K's super-block header (`d`, `dmin` of the 16 rows); Q4_G has none.
+            let header = if GROUPED { sp } else { sp.add(s * SUPER_SCALE_BYTES) };
+            let (d, dmin) = if GROUPED {
+                (_mm512_setzero_ps(), _mm512_setzero_ps())
+            } else {
+                (
+                    _mm512_cvtph_ps(_mm256_loadu_si256(header as *const __m256i)),
+                    _mm512_cvtph_ps(_mm256_loadu_si256(header.add(32) as *const __m256i)),
+                )
+            };
             for jj in 0..n_sub {
                 let j = s * (QK_K / SUB) + jj;
-                let sub_scales = header.add(HEADER_BYTES + jj * SUB_SCALE_BYTES);
-                let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(sub_scales as *const __m128i)));
-                let m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(sub_scales.add(16) as *const __m128i)));
-                let (dsc, dm) = (_mm512_mul_ps(d, sc), _mm512_mul_ps(dmin, m));
+                let (dsc, dm) = if GROUPED {
+                    // Q4_G: sub-block `j`'s 16 f16 scales, then its 16 f16 mins.
+                    let sub_scales = sp.add(j * G_SUB_SCALE_BYTES);
+                    (
+                        _mm512_cvtph_ps(_mm256_loadu_si256(sub_scales as *const __m256i)),
+                        _mm512_cvtph_ps(_mm256_loadu_si256(sub_scales.add(32) as *const __m256i)),
+                    )
+                } else {
+                    let sub_scales = header.add(HEADER_BYTES + jj * SUB_SCALE_BYTES);
+                    let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(sub_scales as *const __m128i)));
+                    let m =
+                        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(sub_scales.add(16) as *const __m128i)));
+                    (_mm512_mul_ps(d, sc), _mm512_mul_ps(dmin, m))
+                };
                 let wb = wp.add((j / 2) * PAIR_BYTES);
                 let w: [__m512i; 8] = std::array::from_fn(|k| {
                     let raw = _mm512_loadu_si512(wb.add(64 * k) as *const _);
@@ -299,13 +341,14 @@ unsafe fn tile_vnni<const MT: usize>(
 /// `mt` tokens × one group of 16 rows on AVX2 (no VNNI): `vpmaddubsw(w, x)` multiplies the
 /// unpacked nibbles (unsigned, at most 15) by the signed activations without saturating
 /// (`2 · 15 · 127 < 2^15`), `vpmaddwd` by ones widens the pairs to i32: the same exact
-/// sub-block sums as the VNNI tile, combined in the same order.
+/// sub-block sums as the VNNI tile, combined in the same order, on the scales plane `GROUPED`
+/// picks.
 ///
 /// # Safety
 /// AVX2, FMA and F16C must be available; otherwise as [`tile_vnni`].
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn tile_avx2(
+pub(crate) unsafe fn tile_avx2<const GROUPED: bool>(
     mt: usize,
     wq: &[u8],
     ws: &[u8],
@@ -318,7 +361,7 @@ pub(crate) unsafe fn tile_avx2(
 ) {
     let nb = cols / SUB;
     let n_super = cols.div_ceil(QK_K);
-    assert!(wq.len() >= nb / 2 * PAIR_BYTES && ws.len() >= n_super * HEADER_BYTES + nb * SUB_SCALE_BYTES);
+    assert!(wq.len() >= nb / 2 * PAIR_BYTES && ws.len() >= scales_len::<GROUPED>(cols));
     assert!(xq.len() >= mt * stride && stride >= cols + 8 * nb);
     debug_assert!(valid <= GROUP_ROWS);
     let (wp, sp, xp) = (wq.as_ptr(), ws.as_ptr(), xq.as_ptr());
@@ -328,11 +371,16 @@ pub(crate) unsafe fn tile_avx2(
         for s in 0..n_super {
             // SAFETY: as in `tile_vnni`.
             unsafe {
-                let header = sp.add(s * SUPER_SCALE_BYTES);
+                // Q4_K's super-block header; Q4_G has none.
+                let header = if GROUPED { sp } else { sp.add(s * SUPER_SCALE_BYTES) };
                 let xt = xp.add(t * stride);
                 for jj in 0..subs_in(cols, s) {
                     let j = s * (QK_K / SUB) + jj;
-                    let sub_scales = header.add(HEADER_BYTES + jj * SUB_SCALE_BYTES);
+                    let sub_scales = if GROUPED {
+                        sp.add(j * G_SUB_SCALE_BYTES)
+                    } else {
+                        header.add(HEADER_BYTES + jj * SUB_SCALE_BYTES)
+                    };
                     let wb = wp.add((j / 2) * PAIR_BYTES);
                     let xb = xt.add(j * SUB);
                     let mut ii = [_mm256_setzero_si256(); 2];
@@ -348,12 +396,22 @@ pub(crate) unsafe fn tile_avx2(
                     let dx = _mm256_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * j) as *const f32));
                     let bx = _mm256_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const f32));
                     for (h, acc) in acc.iter_mut().enumerate() {
-                        let d = _mm256_cvtph_ps(_mm_loadu_si128(header.add(16 * h) as *const __m128i));
-                        let dmin = _mm256_cvtph_ps(_mm_loadu_si128(header.add(32 + 16 * h) as *const __m128i));
-                        let sc8 = _mm_loadl_epi64(sub_scales.add(8 * h) as *const __m128i);
-                        let m8 = _mm_loadl_epi64(sub_scales.add(16 + 8 * h) as *const __m128i);
-                        let dsc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc8)));
-                        let dm = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8)));
+                        let (dsc, dm) = if GROUPED {
+                            // Q4_G: rows `8h .. 8h + 8`'s f16 scales and mins of sub-block `j`.
+                            (
+                                _mm256_cvtph_ps(_mm_loadu_si128(sub_scales.add(16 * h) as *const __m128i)),
+                                _mm256_cvtph_ps(_mm_loadu_si128(sub_scales.add(32 + 16 * h) as *const __m128i)),
+                            )
+                        } else {
+                            let d = _mm256_cvtph_ps(_mm_loadu_si128(header.add(16 * h) as *const __m128i));
+                            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(header.add(32 + 16 * h) as *const __m128i));
+                            let sc8 = _mm_loadl_epi64(sub_scales.add(8 * h) as *const __m128i);
+                            let m8 = _mm_loadl_epi64(sub_scales.add(16 + 8 * h) as *const __m128i);
+                            (
+                                _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc8))),
+                                _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8))),
+                            )
+                        };
                         *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ii[h]), _mm256_mul_ps(dsc, dx), *acc);
                         *acc = _mm256_fnmadd_ps(bx, dm, *acc);
                     }

@@ -208,6 +208,53 @@ pub fn quantize_q8_0_groups(
     }
 }
 
+/// Packs a `[rows, cols]` matrix of int8 quants with per-block scales into the Q8_0 planes,
+/// so that weight `(r, c)` is `f16(scales[r, c / 32]) · q[r, c]`: exactly the planes
+/// [`quantize_q8_0_groups`] makes of weights it quantizes to those numbers (quants stored
+/// offset-binary, padding rows of the last group with quants 0 and scales 0). For checkpoints
+/// published with int8 weights and a scale per group of columns (a group of `g` columns is
+/// `g / 32` blocks with the same scale).
+///
+/// `q` is row-major `[rows, cols]` (all of `-128..=127`); `scales` is row-major
+/// `[rows, cols / 32]`, rounded to f16 to nearest even (a value beyond f16's range becomes an
+/// infinity: the caller checks the checkpoint's numbers first). `quants_out` and `scales_out`
+/// have the lengths [`q8_0_plane_lens`]`(rows, cols)` gives; every byte is written. Panics if
+/// `cols` is not a multiple of 32 or a length disagrees (a caller bug). Allocates a row's
+/// scales and, when the last group is partial, a row of zeros.
+pub fn pack_q8_0(rows: usize, cols: usize, q: &[i8], scales: &[f32], quants_out: &mut [u8], scales_out: &mut [u8]) {
+    assert!(cols.is_multiple_of(QK8_0), "Q8_0 needs columns in multiples of 32; got {cols}");
+    let nb = cols / QK8_0;
+    assert_eq!(rows.checked_mul(cols), Some(q.len()), "q is not [rows, cols]");
+    assert_eq!(rows.checked_mul(nb), Some(scales.len()), "scales is not [rows, cols / 32]");
+    assert_eq!(
+        q8_0_plane_lens(rows, cols),
+        Some((quants_out.len(), scales_out.len())),
+        "packed q8_0 lengths for [{rows}, {cols}]"
+    );
+    if nb == 0 {
+        return;
+    }
+    let mut bits = vec![0u16; nb];
+    // The quants of the last group's padding rows (none when that group is full).
+    let zeros = vec![0i8; if rows.is_multiple_of(GROUP_ROWS) { 0 } else { cols }];
+    let planes = quants_out.chunks_exact_mut(nb * QUANTS_BYTES).zip(scales_out.chunks_exact_mut(nb * SCALES_BYTES));
+    for (g, (gq, gs)) in planes.enumerate() {
+        for lane in 0..GROUP_ROWS {
+            let r = g * GROUP_ROWS + lane;
+            if r < rows {
+                for (b, s) in bits.iter_mut().zip(&scales[r * nb..(r + 1) * nb]) {
+                    *b = half::f16::from_f32(*s).to_bits();
+                }
+                write_lane(gq, gs, lane, &q[r * cols..(r + 1) * cols], &bits);
+            } else {
+                // A padding row: quants 0 and scales 0, as `quantize_q8_0_groups` writes it.
+                bits.fill(0);
+                write_lane(gq, gs, lane, &zeros, &bits);
+            }
+        }
+    }
+}
+
 /// Packs one row's GGUF numbers (`qs`, f16 `scales`) as lane `lane` of a group's planes.
 fn write_lane(gq: &mut [u8], gs: &mut [u8], lane: usize, qs: &[i8], scales: &[u16]) {
     for (b, scale) in scales.iter().enumerate() {
@@ -317,7 +364,7 @@ pub fn q8_kernels() -> &'static str {
     }
 }
 
-/// Which int8 dot-product kernels run (Q8_0's and Q4_K's).
+/// Which int8 dot-product kernels run (Q8_0's, Q4_K's and Q4_G's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Int8Isa {
     Vnni,
@@ -339,7 +386,7 @@ fn detect_int8_isa() -> Int8Isa {
     }
 }
 
-/// Tokens per GEMM tile of the VNNI kernels, both formats (8 weight vectors + 8 accumulators +
+/// Tokens per GEMM tile of the VNNI kernels, every format (8 weight vectors + 8 accumulators +
 /// temporaries of the 32 zmm registers).
 pub(crate) const Q8_MT: usize = 8;
 
@@ -356,15 +403,16 @@ pub fn matmul_many_q8(
     matmul_many_packed(pool, x, n_tokens, scratch, jobs)
 }
 
-/// `y_i = q8(x) · W_iᵀ` for every `(W_i, y_i)` in `jobs`: quantized matrices of either format
+/// `y_i = q8(x) · W_iᵀ` for every `(W_i, y_i)` in `jobs`: quantized matrices of any format
 /// with the same columns, in one pool job per [`crate::matmul::MAX_FUSED`] matrices. The
-/// activations are quantized once per format present into `scratch` (at least
-/// [`quant_scratch_len`]`(n_tokens, cols)` bytes; one format needs only
+/// activations are quantized once per activation kind present ([`ActivationKind`]: Q8_0's,
+/// and Q4_K's, which Q4_G shares) into `scratch` (at least
+/// [`quant_scratch_len`]`(n_tokens, cols)` bytes; one kind needs only
 /// [`q8_scratch_len`]`(n_tokens, cols)`).
 ///
 /// Shapes: `x` is `(n_tokens, cols)`, every `W_i` is `(rows_i, cols)`, `y_i` is
-/// `(n_tokens, rows_i)`. Every output follows its format's canonical order (module docs here
-/// and in [`crate::q4k`]), so row `t` of `y_i` has the same bits whatever else is in `x` or in
+/// `(n_tokens, rows_i)`. Every output follows its format's canonical order (module docs here,
+/// in [`crate::q4k`] and in [`crate::q4g`]), so row `t` of `y_i` has the same bits whatever else is in `x` or in
 /// `jobs`, on any pool and any instruction set. Allocates nothing. Panics on a shape
 /// disagreement (a caller bug).
 pub fn matmul_many_quant(
@@ -388,7 +436,7 @@ pub(crate) fn matmul_many_packed<'a, M: MatrixRows + Into<QuantMatrix<'a>>>(
 ) {
     let Some((first, _)) = jobs.first() else { return };
     let cols = (*first).into().cols();
-    let mut present = [false; 2];
+    let mut present = [false; ACTIVATION_KINDS.len()];
     for (w, y) in jobs.iter() {
         let w: QuantMatrix<'a> = (*w).into();
         // These checks make the unsafe reads and writes below sound.
@@ -401,12 +449,12 @@ pub(crate) fn matmul_many_packed<'a, M: MatrixRows + Into<QuantMatrix<'a>>>(
         );
         assert_eq!(x.len(), n_tokens * cols, "x.len() != n_tokens * cols");
         assert_eq!(y.len(), n_tokens * w.rows(), "y.len() != n_tokens * rows");
-        present[w.packing() as usize] = true;
+        present[w.packing().activation_kind() as usize] = true;
     }
-    // Both formats' activations take `activation_stride(cols)` bytes per token; a format's
-    // region starts after the regions of the formats before it that are present.
+    // Every kind of activations takes `activation_stride(cols)` bytes per token; a kind's
+    // region starts after the regions of the kinds before it that are present.
     let (stride, region) = (activation_stride(cols), q8_scratch_len(n_tokens, cols));
-    let offset = |p: Packing| present[..p as usize].iter().filter(|&&b| b).count() * region;
+    let offset = |kind: ActivationKind| present[..kind as usize].iter().filter(|&&b| b).count() * region;
     let needed = present.iter().filter(|&&b| b).count() * region;
     assert!(scratch.len() >= needed, "quantized-product scratch holds {} bytes, {needed} needed", scratch.len());
     if n_tokens == 0 {
@@ -419,12 +467,12 @@ pub(crate) fn matmul_many_packed<'a, M: MatrixRows + Into<QuantMatrix<'a>>>(
         let (t0, t1) = (n_tokens * t / threads, n_tokens * (t + 1) / threads);
         // SAFETY: each task writes only the rows of its own tokens `t0..t1`, in each region.
         let all = unsafe { shared.slice() };
-        for packing in [Packing::Q8_0, Packing::Q4K] {
-            if present[packing as usize] {
-                let out = &mut all[offset(packing)..offset(packing) + region];
-                match packing {
-                    Packing::Q8_0 => quantize_tokens(isa, x, cols, t0, t1, out),
-                    Packing::Q4K => crate::q4k::quantize_tokens(isa, x, cols, t0, t1, out),
+        for kind in ACTIVATION_KINDS {
+            if present[kind as usize] {
+                let out = &mut all[offset(kind)..offset(kind) + region];
+                match kind {
+                    ActivationKind::Q8_0 => quantize_tokens(isa, x, cols, t0, t1, out),
+                    ActivationKind::Q4K => crate::q4k::quantize_tokens(isa, x, cols, t0, t1, out),
                 }
             }
         }
@@ -438,7 +486,8 @@ pub(crate) fn matmul_many_packed<'a, M: MatrixRows + Into<QuantMatrix<'a>>>(
         let threads = if parallel { pool.threads() } else { 1 };
         split_rows(pool, chunk, GROUP_ROWS, threads, &|w: M, out: OutPtr, r0, r1| {
             let w: QuantMatrix<'a> = w.into();
-            let xq = &xq[offset(w.packing())..offset(w.packing()) + region];
+            let at = offset(w.packing().activation_kind());
+            let xq = &xq[at..at + region];
             // SAFETY: `split_rows` hands this call rows `r0..r1` (whole groups, the last one
             // possibly partial) of `out`, which no other call touches; shapes were checked.
             unsafe { compute_groups(kernels, w, xq, stride, n_tokens, out, r0, r1) }
@@ -471,6 +520,7 @@ unsafe fn compute_groups(
         let (wq, ws) = match w {
             QuantMatrix::Q8_0(m) => m.group(g),
             QuantMatrix::Q4K(m) => m.group(g),
+            QuantMatrix::Q4G(m) => m.group(g),
         };
         let mut t = 0;
         while t < n_tokens {
@@ -492,14 +542,23 @@ unsafe fn compute_groups(
                     }
                     (Packing::Q8_0, _) => tile_scalar(mt, wq, ws, cols / QK8_0, xt, stride, y, rows, valid),
                     #[cfg(target_arch = "x86_64")]
-                    (Packing::Q4K, Int8Isa::Vnni) => {
-                        crate::q4k_x86::tile_vnni_dyn(mt, wq, ws, cols, xt, stride, y, rows, valid)
-                    }
+                    (Packing::Q4K, Int8Isa::Vnni) => crate::q4k_x86::tile_vnni_dyn::<{ crate::q4k_x86::Q4K_SCALES }>(
+                        mt, wq, ws, cols, xt, stride, y, rows, valid,
+                    ),
                     #[cfg(target_arch = "x86_64")]
-                    (Packing::Q4K, Int8Isa::Avx2) => {
-                        crate::q4k_x86::tile_avx2(mt, wq, ws, cols, xt, stride, y, rows, valid)
-                    }
+                    (Packing::Q4K, Int8Isa::Avx2) => crate::q4k_x86::tile_avx2::<{ crate::q4k_x86::Q4K_SCALES }>(
+                        mt, wq, ws, cols, xt, stride, y, rows, valid,
+                    ),
                     (Packing::Q4K, _) => crate::q4k::tile_scalar(mt, wq, ws, cols, xt, stride, y, rows, valid),
+                    #[cfg(target_arch = "x86_64")]
+                    (Packing::Q4G, Int8Isa::Vnni) => crate::q4k_x86::tile_vnni_dyn::<{ crate::q4k_x86::Q4G_SCALES }>(
+                        mt, wq, ws, cols, xt, stride, y, rows, valid,
+                    ),
+                    #[cfg(target_arch = "x86_64")]
+                    (Packing::Q4G, Int8Isa::Avx2) => crate::q4k_x86::tile_avx2::<{ crate::q4k_x86::Q4G_SCALES }>(
+                        mt, wq, ws, cols, xt, stride, y, rows, valid,
+                    ),
+                    (Packing::Q4G, _) => crate::q4g::tile_scalar(mt, wq, ws, cols, xt, stride, y, rows, valid),
                 }
             }
             t += mt;
@@ -573,24 +632,50 @@ pub enum Packing {
     Q8_0 = 0,
     /// [`crate::q4k::Q4KMatrix`].
     Q4K = 1,
+    /// [`crate::q4g::Q4GMatrix`].
+    Q4G = 2,
 }
+
+/// The activation quantizations the formats' products read; formats of the same kind share
+/// one quantization of an input in [`matmul_many_quant`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ActivationKind {
+    /// Q8_0's: int8 per block of 32 columns with an f16-rounded scale.
+    Q8_0 = 0,
+    /// Q4_K's: int8 per super-block of 256 columns, with per-sub-block scales and sums (Q4_K
+    /// and Q4_G).
+    Q4K = 1,
+}
+
+/// Every [`ActivationKind`], in the order of their regions in the scratch.
+const ACTIVATION_KINDS: [ActivationKind; 2] = [ActivationKind::Q8_0, ActivationKind::Q4K];
 
 impl Packing {
     /// Bytes of the quants and scales planes of a packed `[rows, cols]` matrix; `None` when
-    /// the columns do not suit the format (Q8_0: multiples of 32; Q4_K: of 64) or a size
-    /// overflows.
+    /// the columns do not suit the format (Q8_0: multiples of 32; Q4_K and Q4_G: non-zero
+    /// multiples of 64) or a size overflows.
     pub fn plane_lens(self, rows: usize, cols: usize) -> Option<(usize, usize)> {
         match self {
             Packing::Q8_0 => q8_0_plane_lens(rows, cols),
             Packing::Q4K => crate::q4k::q4_k_plane_lens(rows, cols),
+            Packing::Q4G => crate::q4g::q4_g_plane_lens(rows, cols),
         }
     }
 
-    /// The name used by flags, reports and checkpoints (`q8_0`, `q4_k`).
+    /// The name used by flags, reports and checkpoints (`q8_0`, `q4_k`, `q4_g`).
     pub fn name(self) -> &'static str {
         match self {
             Packing::Q8_0 => "q8_0",
             Packing::Q4K => "q4_k",
+            Packing::Q4G => "q4_g",
+        }
+    }
+
+    /// The activation quantization the format's products read.
+    pub fn activation_kind(self) -> ActivationKind {
+        match self {
+            Packing::Q8_0 => ActivationKind::Q8_0,
+            Packing::Q4K | Packing::Q4G => ActivationKind::Q4K,
         }
     }
 
@@ -601,11 +686,12 @@ impl Packing {
     }
 }
 
-/// A packed quantized matrix of either format.
+/// A packed quantized matrix of any format.
 #[derive(Debug, Clone, Copy)]
 pub enum QuantMatrix<'a> {
     Q8_0(Q8Matrix<'a>),
     Q4K(crate::q4k::Q4KMatrix<'a>),
+    Q4G(crate::q4g::Q4GMatrix<'a>),
 }
 
 impl<'a> QuantMatrix<'a> {
@@ -615,6 +701,7 @@ impl<'a> QuantMatrix<'a> {
         match packing {
             Packing::Q8_0 => Q8Matrix::new(rows, cols, quants, scales).map(QuantMatrix::Q8_0),
             Packing::Q4K => crate::q4k::Q4KMatrix::new(rows, cols, quants, scales).map(QuantMatrix::Q4K),
+            Packing::Q4G => crate::q4g::Q4GMatrix::new(rows, cols, quants, scales).map(QuantMatrix::Q4G),
         }
     }
 
@@ -622,6 +709,7 @@ impl<'a> QuantMatrix<'a> {
         match self {
             QuantMatrix::Q8_0(_) => Packing::Q8_0,
             QuantMatrix::Q4K(_) => Packing::Q4K,
+            QuantMatrix::Q4G(_) => Packing::Q4G,
         }
     }
 
@@ -629,6 +717,7 @@ impl<'a> QuantMatrix<'a> {
         match self {
             QuantMatrix::Q8_0(m) => m.rows(),
             QuantMatrix::Q4K(m) => m.rows(),
+            QuantMatrix::Q4G(m) => m.rows(),
         }
     }
 
@@ -636,6 +725,7 @@ impl<'a> QuantMatrix<'a> {
         match self {
             QuantMatrix::Q8_0(m) => m.cols(),
             QuantMatrix::Q4K(m) => m.cols(),
+            QuantMatrix::Q4G(m) => m.cols(),
         }
     }
 
@@ -644,6 +734,7 @@ impl<'a> QuantMatrix<'a> {
         match self {
             QuantMatrix::Q8_0(m) => m.quants(),
             QuantMatrix::Q4K(m) => m.quants(),
+            QuantMatrix::Q4G(m) => m.quants(),
         }
     }
 
@@ -652,6 +743,7 @@ impl<'a> QuantMatrix<'a> {
         match self {
             QuantMatrix::Q8_0(m) => m.scales(),
             QuantMatrix::Q4K(m) => m.scales(),
+            QuantMatrix::Q4G(m) => m.scales(),
         }
     }
 
@@ -663,14 +755,21 @@ impl<'a> QuantMatrix<'a> {
     pub fn as_q8_0(&self) -> Option<Q8Matrix<'a>> {
         match self {
             QuantMatrix::Q8_0(m) => Some(*m),
-            QuantMatrix::Q4K(_) => None,
+            QuantMatrix::Q4K(_) | QuantMatrix::Q4G(_) => None,
         }
     }
 
     pub fn as_q4k(&self) -> Option<crate::q4k::Q4KMatrix<'a>> {
         match self {
             QuantMatrix::Q4K(m) => Some(*m),
-            QuantMatrix::Q8_0(_) => None,
+            QuantMatrix::Q8_0(_) | QuantMatrix::Q4G(_) => None,
+        }
+    }
+
+    pub fn as_q4g(&self) -> Option<crate::q4g::Q4GMatrix<'a>> {
+        match self {
+            QuantMatrix::Q4G(m) => Some(*m),
+            QuantMatrix::Q8_0(_) | QuantMatrix::Q4K(_) => None,
         }
     }
 
@@ -679,6 +778,7 @@ impl<'a> QuantMatrix<'a> {
         match self {
             QuantMatrix::Q8_0(m) => dequantize_row_q8_0(*m, r, out),
             QuantMatrix::Q4K(m) => crate::q4k::dequantize_row_q4_k(*m, r, out),
+            QuantMatrix::Q4G(m) => crate::q4g::dequantize_row_q4_g(*m, r, out),
         }
     }
 
@@ -700,14 +800,21 @@ impl<'a> From<crate::q4k::Q4KMatrix<'a>> for QuantMatrix<'a> {
     }
 }
 
+impl<'a> From<crate::q4g::Q4GMatrix<'a>> for QuantMatrix<'a> {
+    fn from(m: crate::q4g::Q4GMatrix<'a>) -> Self {
+        QuantMatrix::Q4G(m)
+    }
+}
+
 impl MatrixRows for QuantMatrix<'_> {
     fn rows(&self) -> usize {
         QuantMatrix::rows(self)
     }
 }
 
-/// Bytes of the activation scratch [`matmul_many_quant`] needs for matrices of both formats
-/// sharing an input (each format's activations once).
+/// Bytes of the activation scratch [`matmul_many_quant`] needs for matrices of any formats
+/// sharing an input (each [`ActivationKind`]'s activations once: two regions, Q4_K and Q4_G
+/// sharing one).
 pub fn quant_scratch_len(n_tokens: usize, cols: usize) -> usize {
     2 * q8_scratch_len(n_tokens, cols)
 }
@@ -763,12 +870,17 @@ impl QuantBuffer {
             Packing::Q8_0 => QuantMatrix::Q8_0(Q8Matrix { rows, cols, quants, scales }),
             // The planes were sized by `plane_lens` in `zeroed`.
             Packing::Q4K => QuantMatrix::Q4K(crate::q4k::Q4KMatrix::from_planes(rows, cols, quants, scales)),
+            Packing::Q4G => QuantMatrix::Q4G(crate::q4g::Q4GMatrix::from_planes(rows, cols, quants, scales)),
         }
     }
 
     /// Writes groups `groups` of `w` into their parts of the planes (the two planes'
     /// slices for those groups, as [`QuantBuffer::planes_mut`] gives them split by
     /// [`QuantBuffer::group_bytes`]); `row` is scratch for `cols` elements.
+    ///
+    /// Q8_0 and Q4_K only: Q4_G holds a published 4-bit checkpoint's own numbers, packed by
+    /// [`crate::q4g::pack_q4_g`] into [`QuantBuffer::planes_mut`]; there is no Kylin
+    /// quantization from floats to it, and asking for one panics (a caller bug).
     pub fn quantize_groups(
         packing: Packing,
         w: WeightMatrix<'_>,
@@ -780,6 +892,9 @@ impl QuantBuffer {
         match packing {
             Packing::Q8_0 => quantize_q8_0_groups(w, groups, quants, scales, row),
             Packing::Q4K => crate::q4k::quantize_q4_k_groups(w, groups, quants, scales, row),
+            Packing::Q4G => panic!(
+                "q4_g is packed from published 4-bit weights (kylin_kernels::q4g::pack_q4_g), not quantized from floats"
+            ),
         }
     }
 

@@ -487,10 +487,12 @@ mod tests {
     /// ends, the values past them, and a dense sweep of the softmax's inputs (`s - max <= 0`).
     #[test]
     fn exp16_matches_exp8_bit_for_bit() {
-        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+        {
             return;
         }
-        let mut inputs: Vec<f32> = vec![0.0, -0.0, 1.0, -1.0, -87.336_54, 88.722_83, -1e30, 1e30, f32::MIN_POSITIVE, -104.0];
+        let mut inputs: Vec<f32> =
+            vec![0.0, -0.0, 1.0, -1.0, -87.336_54, 88.722_83, -1e30, 1e30, f32::MIN_POSITIVE, -104.0];
         inputs.extend((0..200_000).map(|i| -100.0 + i as f32 * 0.001));
         // A deterministic spread of bit patterns between -128 and 128.
         let mut state = 0x2545_f491_u32;

@@ -53,7 +53,7 @@ pub(crate) const MAX_BATCH: usize = 512;
 const MAX_TEXT_BYTES: usize = (i32::MAX / 4) as usize;
 
 /// How to run a GGUF file.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LlamaCppOptions {
     /// Threads for both prompt processing and decoding; 0 means all available cores.
     pub threads: usize,
@@ -62,12 +62,6 @@ pub struct LlamaCppOptions {
     /// A chat template used instead of the one embedded in the file: Jinja text (anything
     /// containing `{%` or `{{`), else a llama.cpp built-in template name such as `chatml`.
     pub chat_template_override: Option<String>,
-}
-
-impl Default for LlamaCppOptions {
-    fn default() -> Self {
-        LlamaCppOptions { threads: 0, ctx_size: None, chat_template_override: None }
-    }
 }
 
 /// The process-wide llama.cpp initialisation, or the reason it failed.
@@ -512,11 +506,11 @@ fn eog_ids(model: &LlamaModel, n_vocab: usize) -> Vec<u32> {
     let mut ids: Vec<u32> = (0..n_vocab as i32).filter(|&t| vocab.is_eog(LlamaToken(t))).map(|t| t as u32).collect();
     // The declared EOS and EOT come first when present, so callers can show "the" EOS.
     for special in [vocab.eot(), vocab.eos()] {
-        if let Ok(id) = u32::try_from(special.0) {
-            if (id as usize) < n_vocab {
-                ids.retain(|&x| x != id);
-                ids.insert(0, id);
-            }
+        if let Ok(id) = u32::try_from(special.0)
+            && (id as usize) < n_vocab
+        {
+            ids.retain(|&x| x != id);
+            ids.insert(0, id);
         }
     }
     ids

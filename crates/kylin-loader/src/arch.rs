@@ -307,6 +307,8 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
     let mut found: BTreeMap<(usize, Role), WeightTensor> = BTreeMap::new();
     // Weight name -> its scale plane, for a stored-quantized checkpoint.
     let mut scales: BTreeMap<String, WeightTensor> = BTreeMap::new();
+    // Weight name -> its checked tensors, for a published quantized checkpoint.
+    let mut published: BTreeMap<String, crate::published::PublishedMatrix> = BTreeMap::new();
 
     let mut check = |spec: &Spec, layer: Option<usize>, found: &mut BTreeMap<(usize, Role), WeightTensor>| {
         let template = map.name_for(spec.name);
@@ -314,6 +316,34 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
             Some(i) => template.replace("{layer}", &i.to_string()),
             None => template,
         };
+        if let Some(q) = config.published.as_ref().filter(|_| spec.role.is_matrix() && spec.cond.holds(config)) {
+            let module = name.strip_suffix(".weight").unwrap_or(&name).to_string();
+            if !q.ignores(&module) {
+                // A published quantized matrix: its tensors, as its config and shape imply.
+                let expected: Vec<usize> = spec.shape.iter().map(|d| d.value(config)).collect();
+                let mut read = Vec::new();
+                let bound = crate::published::bind_matrix(q, index, &module, expected[0], expected[1], &mut read);
+                used.extend(read);
+                match bound {
+                    Ok(m) => {
+                        // Static activation scales are not used: Kylin quantizes activations
+                        // dynamically (finer than a stored per-tensor scale).
+                        for extra in ["input_scale", "input_zero_point"] {
+                            let n = format!("{module}.{extra}");
+                            if index.raw(&n).is_some() {
+                                used.insert(n);
+                            }
+                        }
+                        found.insert((layer.unwrap_or(usize::MAX), spec.role), m.values.clone());
+                        published.insert(name, m);
+                    }
+                    Err(crate::published::BindProblem::Missing(n)) => missing.push(n),
+                    Err(crate::published::BindProblem::Shape(e)) => shape_errors.push(e),
+                    Err(crate::published::BindProblem::DType(e)) => dtype_errors.push(e),
+                }
+                return;
+            }
+        }
         let Some(raw) = index.raw(&name) else {
             if spec.cond.holds(config) {
                 missing.push(name);
@@ -490,5 +520,5 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
         });
     }
     let unused: Vec<String> = index.names().filter(|n| !used.contains(*n)).map(str::to_string).collect();
-    Ok(Bound { weights: ModelWeights { embed_tokens, final_norm, lm_head, head, layers, scales }, unused })
+    Ok(Bound { weights: ModelWeights { embed_tokens, final_norm, lm_head, head, layers, scales, published }, unused })
 }

@@ -109,6 +109,9 @@ pub struct ModelConfig {
     pub defaulted: Vec<String>,
     /// The checkpoint's stored quantization (`quantization_config`), if any.
     pub quantization: Option<StoredQuantization>,
+    /// A published quantization (compressed-tensors, fine-grained FP8, GPTQ, AWQ), if
+    /// `quantization_config` names one.
+    pub published: Option<crate::published::PublishedQuantization>,
 }
 
 /// A quantization a checkpoint is stored in, from `config.json`'s `quantization_config`.
@@ -536,6 +539,7 @@ impl HfConfig {
         let mut eos_token_ids = self.eos_token_id.clone();
         eos_token_ids.sort_unstable();
         eos_token_ids.dedup();
+        let (stored, published) = self.resolve_quantization()?;
         Ok(ModelConfig {
             architecture,
             model_type: self.model_type.clone().unwrap_or_else(|| match architecture {
@@ -564,14 +568,17 @@ impl HfConfig {
             bos_token_id: self.bos_token_id,
             eos_token_ids,
             defaulted,
-            quantization: self.resolve_quantization()?,
+            quantization: stored,
+            published,
         })
     }
 
     /// The stored quantization from `quantization_config`: Kylin's own Q8_0 planes; any other
     /// method or format is `OPERATOR_UNSUPPORTED` naming the field and value.
-    fn resolve_quantization(&self) -> Result<Option<StoredQuantization>> {
-        let Some(q) = &self.quantization_config else { return Ok(None) };
+    fn resolve_quantization(
+        &self,
+    ) -> Result<(Option<StoredQuantization>, Option<crate::published::PublishedQuantization>)> {
+        let Some(q) = &self.quantization_config else { return Ok((None, None)) };
         let text = |k: &str| -> Result<Option<&str>> {
             match field(q, k) {
                 None => Ok(None),
@@ -582,9 +589,12 @@ impl HfConfig {
         let method = text("quant_method")?.ok_or_else(|| {
             KylinError::config_invalid("config.json field 'quantization_config' has no 'quant_method'")
         })?;
+        if let Some(published) = crate::published::PublishedQuantization::parse(method, q)? {
+            return Ok((None, Some(published)));
+        }
         if method != StoredQuantization::KYLIN_METHOD {
             return Err(KylinError::operator_unsupported(format!(
-                "config.json quantization_config.quant_method is '{method}'; Kylin reads checkpoints written by 'kylin quantize' (quant_method 'kylin'), or quantizes at load with --quantize q8_0|q4_k from BF16/F16/F32 weights"
+                "config.json quantization_config.quant_method is '{method}'; Kylin reads 'compressed-tensors', 'fp8', 'gptq', 'awq' and checkpoints written by 'kylin quantize' (quant_method 'kylin'), or quantizes at load with --quantize q8_0|q4_k from BF16/F16/F32 weights"
             )));
         }
         let stored = match text("format")? {
@@ -600,7 +610,7 @@ impl HfConfig {
             }
         };
         match q.get("version").and_then(Value::as_u64) {
-            Some(1) => Ok(Some(stored)),
+            Some(1) => Ok((Some(stored), None)),
             _ => Err(KylinError::model_version_incompatible(format!(
                 "config.json quantization_config.version is {}; this Kylin reads version 1",
                 q.get("version").map_or("missing".to_string(), |v| v.to_string())

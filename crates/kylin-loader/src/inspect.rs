@@ -50,11 +50,18 @@ pub struct QuantizationReport {
 
 /// How a bound matrix is stored: `Q8_0` or `Q4_K` planes (told apart by the scales' dtype,
 /// F16 or U8), else its dtype.
-fn stored_format(w: &crate::ModelWeights, t: &crate::WeightTensor) -> &'static str {
+fn stored_format(w: &crate::ModelWeights, t: &crate::WeightTensor) -> String {
+    if let Some(m) = w.published.values().find(|m| m.values.same_bytes(t)) {
+        return match &m.scheme {
+            crate::published::Scheme::Int { bits, group: Some(g), .. } => format!("int{bits}/g{g}"),
+            crate::published::Scheme::Int { bits, group: None, .. } => format!("int{bits}/channel"),
+            crate::published::Scheme::Float8 { .. } => "F8_E4M3".to_string(),
+        };
+    }
     match w.scales.get(&t.name) {
-        Some(scale) if scale.dtype == crate::DType::U8 => "Q4_K",
-        Some(_) => "Q8_0",
-        None => t.dtype.as_str(),
+        Some(scale) if scale.dtype == crate::DType::U8 => "Q4_K".to_string(),
+        Some(_) => "Q8_0".to_string(),
+        None => t.dtype.as_str().to_string(),
     }
 }
 
@@ -62,12 +69,16 @@ fn stored_format(w: &crate::ModelWeights, t: &crate::WeightTensor) -> &'static s
 pub fn quantization_report(config: &crate::ModelConfig, w: &crate::ModelWeights) -> QuantizationReport {
     let mut kinds: BTreeMap<String, std::collections::BTreeSet<String>> = BTreeMap::new();
     let mut add = |kind: &str, t: &crate::WeightTensor| {
-        let storage = stored_format(w, t).to_string();
+        let storage = stored_format(w, t);
         kinds.entry(kind.to_string()).or_default().insert(storage);
     };
     let mut bytes: u64 = 0;
-    let plane =
-        |t: &crate::WeightTensor| t.byte_len() as u64 + w.scales.get(&t.name).map_or(0, |s| s.byte_len() as u64);
+    let plane = |t: &crate::WeightTensor| {
+        let published = w.published.values().find(|m| m.values.same_bytes(t)).map_or(0, |m| {
+            [Some(&m.scale), m.zero.as_ref(), m.g_idx.as_ref()].into_iter().flatten().map(|x| x.byte_len() as u64).sum()
+        });
+        t.byte_len() as u64 + w.scales.get(&t.name).map_or(0, |s| s.byte_len() as u64) + published
+    };
     for l in &w.layers {
         for t in [&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj] {
             add("attention", t);
@@ -93,7 +104,10 @@ pub fn quantization_report(config: &crate::ModelConfig, w: &crate::ModelWeights)
     bytes += w.final_norm.byte_len() as u64 + plane(&w.lm_head);
     bytes += (config.hidden_size * w.embed_tokens.dtype.size_in_bytes()) as u64;
     QuantizationReport {
-        stored: config.quantization.map(|q| q.describe().to_string()),
+        stored: config
+            .quantization
+            .map(|q| q.describe().to_string())
+            .or_else(|| config.published.as_ref().map(|p| p.describe())),
         kinds: kinds.into_iter().map(|(k, v)| (k, v.into_iter().collect::<Vec<_>>().join("+"))).collect(),
         bytes_per_token: bytes,
     }

@@ -17,6 +17,7 @@ pub mod generation;
 pub mod gguf;
 pub mod inspect;
 pub mod llama2c;
+pub mod published;
 pub mod safetensors_file;
 pub mod tensor;
 pub mod tokenizer;

@@ -4,8 +4,8 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
-/// Stored element types. BF16, F16 and F32 are computed on; the quantized ones are recognised
-/// so that a later quantization issue can bind them.
+/// Stored element types. BF16, F16 and F32 are computed on; the others hold the quantized
+/// checkpoints' integers, FP8 values and packed planes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 pub enum DType {
     F32,
@@ -14,6 +14,9 @@ pub enum DType {
     I8,
     U8,
     F8E4M3,
+    /// Packed integers of published quantized checkpoints (GPTQ, AWQ, compressed-tensors).
+    I32,
+    I64,
 }
 
 impl DType {
@@ -22,6 +25,8 @@ impl DType {
             DType::F32 => 4,
             DType::F16 | DType::BF16 => 2,
             DType::I8 | DType::U8 | DType::F8E4M3 => 1,
+            DType::I32 => 4,
+            DType::I64 => 8,
         }
     }
 
@@ -34,6 +39,8 @@ impl DType {
             DType::I8 => "I8",
             DType::U8 => "U8",
             DType::F8E4M3 => "F8_E4M3",
+            DType::I32 => "I32",
+            DType::I64 => "I64",
         }
     }
 
@@ -46,6 +53,8 @@ impl DType {
             DType::I8 => safetensors::Dtype::I8,
             DType::U8 => safetensors::Dtype::U8,
             DType::F8E4M3 => safetensors::Dtype::F8_E4M3,
+            DType::I32 => safetensors::Dtype::I32,
+            DType::I64 => safetensors::Dtype::I64,
         }
     }
 

@@ -59,6 +59,11 @@ pub struct ModelWeights {
     /// For a quantized checkpoint (`ModelConfig::quantization`): each quantized matrix's
     /// `weight_scale` plane, keyed by its weight tensor's name.
     pub scales: std::collections::BTreeMap<String, WeightTensor>,
+    /// For a published quantized checkpoint (`ModelConfig::published`): each quantized
+    /// matrix's checked tensors, keyed by the name its role's float weight would have
+    /// (`model.layers.0.self_attn.q_proj.weight`). The role's own tensor is then the matrix's
+    /// stored values (`weight`, `weight_packed` or `qweight`), not a float `[rows, cols]`.
+    pub published: std::collections::BTreeMap<String, crate::published::PublishedMatrix>,
 }
 
 impl ModelWeights {

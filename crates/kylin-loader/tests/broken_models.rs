@@ -55,7 +55,7 @@ fn split(bytes: &[u8]) -> (Map<String, Value>, Vec<u8>) {
 /// Writes a safetensors file from a header object and a data section.
 fn join(header: &Map<String, Value>, data: &[u8]) -> Vec<u8> {
     let mut text = serde_json::to_string(header).unwrap();
-    while text.len() % 8 != 0 {
+    while !text.len().is_multiple_of(8) {
         text.push(' ');
     }
     let mut out = (text.len() as u64).to_le_bytes().to_vec();
@@ -262,7 +262,7 @@ fn tied_model_with_lm_head_present_uses_the_embedding_and_says_so() {
     let embed = header["model.embed_tokens.weight"].clone();
     let [a, b]: [u64; 2] = serde_json::from_value(embed["data_offsets"].clone()).unwrap();
     let start = data.len() as u64;
-    data.extend_from_slice(&data[a as usize..b as usize].to_vec());
+    data.extend_from_within(a as usize..b as usize);
     let mut head = embed.clone();
     head["data_offsets"] = serde_json::json!([start, start + (b - a)]);
     header.insert("lm_head.weight".into(), head);
@@ -809,4 +809,123 @@ fn what_the_llama2c_format_cannot_hold_is_refused_by_name() {
     refuse(&fixture("tiny-qwen2-f16"), 1, &["Qwen2ForCausalLM", "model.layers.0.self_attn.q_proj.bias"]);
     let theta = llama2c_support::llama_fixture(500000.0, false);
     refuse(theta.path(), 0, &["rope_theta 500000", "bin-v1"]);
+}
+
+// Published quantized checkpoints (issue 13): the fixtures of `tests/fixtures/quantized`.
+
+fn quantized_fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/quantized").join(name)
+}
+
+/// A writable copy of a quantized fixture directory.
+fn copy_quantized(name: &str) -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().expect("temp dir");
+    for entry in std::fs::read_dir(quantized_fixture(name)).expect("fixture dir") {
+        let entry = entry.expect("dir entry");
+        std::fs::copy(entry.path(), tmp.path().join(entry.file_name())).expect("copy");
+    }
+    tmp
+}
+
+fn edit_quantization_config(dir: &Path, edit: impl FnOnce(&mut Map<String, Value>)) {
+    edit_json(&dir.join("config.json"), |c| {
+        edit(c.get_mut("quantization_config").and_then(Value::as_object_mut).expect("quantization_config"))
+    });
+}
+
+#[test]
+fn every_quantized_fixture_loads_with_every_tensor_used() {
+    for entry in std::fs::read_dir(quantized_fixture("")).unwrap() {
+        let path = entry.unwrap().path();
+        if !path.join("config.json").is_file() {
+            continue;
+        }
+        let model = load(&path, &LoadOptions::default()).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        assert!(model.unused_tensors.is_empty(), "{}: unused {:?}", path.display(), model.unused_tensors);
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        // 7 matrices in each of 2 layers are quantized; the head stays as stored.
+        let expected = if name.ends_with("-bf16") { 0 } else { 14 };
+        assert_eq!(model.weights.published.len(), expected, "{name}: quantized modules");
+        assert!(!model.weights.published.contains_key("lm_head.weight"), "{name}: the head is quantized");
+    }
+}
+
+#[test]
+fn a_missing_scale_is_tensor_missing() {
+    for (fixture, tensor) in [
+        ("tiny-qwen3-w8a8", "model.layers.0.self_attn.q_proj.weight_scale"),
+        ("tiny-qwen3-fp8", "model.layers.1.mlp.up_proj.weight_scale_inv"),
+        ("tiny-llama-gptq", "model.layers.0.mlp.down_proj.scales"),
+        ("tiny-llama-awq", "model.layers.1.self_attn.o_proj.qzeros"),
+    ] {
+        let dir = copy_quantized(fixture);
+        edit_header(&dir.path().join("model.safetensors"), |h| rename_tensor(h, tensor, "renamed.away"));
+        assert_code(&load_err(dir.path()), ErrorCode::TensorMissing, &[tensor]);
+    }
+}
+
+#[test]
+fn a_wrong_packed_shape_is_tensor_shape_mismatch() {
+    // The same bytes, viewed as another shape.
+    let dir = copy_quantized("tiny-qwen3-w4a16");
+    let tensor = "model.layers.0.self_attn.k_proj.weight_packed";
+    edit_header(&dir.path().join("model.safetensors"), |h| h[tensor]["shape"] = serde_json::json!([64, 32]));
+    assert_code(&load_err(dir.path()), ErrorCode::TensorShapeMismatch, &[tensor, "[128, 16]", "[64, 32]"]);
+
+    let dir = copy_quantized("tiny-llama-gptq");
+    let tensor = "model.layers.1.mlp.gate_proj.qweight";
+    edit_header(&dir.path().join("model.safetensors"), |h| h[tensor]["shape"] = serde_json::json!([384, 16]));
+    assert_code(&load_err(dir.path()), ErrorCode::TensorShapeMismatch, &[tensor, "[16, 384]", "[384, 16]"]);
+}
+
+#[test]
+fn a_wrong_dtype_is_tensor_dtype_unsupported() {
+    let dir = copy_quantized("tiny-qwen3-w8a8");
+    let tensor = "model.layers.1.mlp.down_proj.weight";
+    edit_header(&dir.path().join("model.safetensors"), |h| h[tensor]["dtype"] = Value::from("U8"));
+    assert_code(&load_err(dir.path()), ErrorCode::TensorDtypeUnsupported, &[tensor, "U8"]);
+}
+
+#[test]
+fn unsupported_variants_are_operator_unsupported_naming_the_field() {
+    type Edit = fn(&mut Map<String, Value>);
+    let cases: [(&str, Edit, &str); 6] = [
+        ("tiny-llama-gptq", |q| q["bits"] = Value::from(3), "bits"),
+        ("tiny-llama-gptq", |q| q["checkpoint_format"] = Value::from("marlin"), "checkpoint_format"),
+        ("tiny-llama-awq", |q| q["version"] = Value::from("gemv"), "version"),
+        ("tiny-qwen3-w4a16", |q| q["config_groups"]["group_0"]["weights"]["num_bits"] = Value::from(3), "num_bits"),
+        (
+            "tiny-qwen3-w8a8",
+            |q| q["config_groups"]["group_0"]["weights"]["strategy"] = Value::from("tensor_group"),
+            "strategy",
+        ),
+        ("tiny-qwen3-w8a8", |q| q["quant_method"] = Value::from("bitsandbytes"), "quant_method"),
+    ];
+    for (fixture, edit, field) in cases {
+        let dir = copy_quantized(fixture);
+        edit_quantization_config(dir.path(), edit);
+        assert_code(&load_err(dir.path()), ErrorCode::OperatorUnsupported, &[field]);
+    }
+}
+
+#[test]
+fn inspect_reports_the_method_bits_group_and_unquantized_modules() {
+    for (fixture, needles) in [
+        (
+            "tiny-qwen3-w4a16",
+            &["compressed-tensors", "int4", "pack-quantized", "groups of 128", "unquantized: lm_head"][..],
+        ),
+        ("tiny-qwen3-w8a8", &["compressed-tensors", "int8", "one scale per output channel", "token, dynamic"][..]),
+        ("tiny-llama-gptq", &["gptq", "int4", "groups of 128", "asymmetric", "unquantized: lm_head"][..]),
+        ("tiny-llama-awq", &["awq", "int4", "groups of 128", "unquantized: lm_head"][..]),
+        ("tiny-qwen3-fp8", &["fp8", "e4m3", "per 128 x 128 block", "unquantized: lm_head"][..]),
+    ] {
+        let report = inspect(&quantized_fixture(fixture), &LoadOptions::default()).unwrap();
+        let text = report.to_human();
+        let json = serde_json::to_string(&report).unwrap();
+        for needle in needles {
+            assert!(text.contains(needle), "{fixture}: inspect lacks {needle:?}:\n{text}");
+            assert!(json.contains(needle), "{fixture}: inspect --json lacks {needle:?}:\n{json}");
+        }
+    }
 }

@@ -150,7 +150,7 @@ fn widen_row(t: &WeightTensor, row: usize, cols: usize, out: &mut Vec<f32>) {
         DType::BF16 => out.extend(bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())),
         DType::F16 => out.extend(bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())),
         // Bound tensors are float (the binder refuses the others).
-        DType::I8 | DType::U8 | DType::F8E4M3 => {}
+        DType::I8 | DType::U8 | DType::F8E4M3 | DType::I32 | DType::I64 => {}
     }
 }
 

@@ -352,6 +352,7 @@ impl BinHeader {
             eos_token_ids: Vec::new(),
             defaulted,
             quantization: None,
+            published: None,
         }
     }
 
@@ -842,7 +843,15 @@ pub(crate) fn bind(layout: &BinLayout, map: Arc<Storage>) -> Result<BoundBin> {
         });
     }
     Ok(BoundBin {
-        weights: ModelWeights { embed_tokens, final_norm, lm_head, head, layers, scales: Default::default() },
+        weights: ModelWeights {
+            embed_tokens,
+            final_norm,
+            lm_head,
+            head,
+            layers,
+            scales: Default::default(),
+            published: Default::default(),
+        },
         owned_bytes: layout.sections.iter().filter(|s| owned(s)).map(|s| s.elements() as u64 * 4).sum(),
     })
 }
