@@ -237,7 +237,7 @@ impl Linear {
         if let Some(scale) = weights.scales.get(&weight.name) {
             return Linear::stored_quant(weight, scale, bias, rows, cols);
         }
-        let Some(published) = weights.published.values().find(|m| m.values.same_bytes(weight)) else {
+        let Some(published) = weights.published_matrix(weight) else {
             return Linear::new(weight, bias, rows, cols);
         };
         if (published.rows, published.cols) != (rows, cols) {
@@ -320,9 +320,12 @@ impl Linear {
         // to one format (`QuantFormat::Q4K` keeps some at Q8_0): one fused product either way,
         // with the input quantized once per format. A published checkpoint's `--precision f32`
         // can leave some quantized and others not: one product each then.
-        let quantized = layers.iter().filter(|(l, _)| l.quant_matrix().is_some()).count();
+        let linears: [&Linear; N] = layers.each_ref().map(|(l, _)| *l);
+        let planes = linears.map(Linear::quant_matrix);
+        let quantized = planes.iter().filter(|q| q.is_some()).count();
         if quantized == N {
-            let mut mats = layers.each_mut().map(|(l, y)| (l.quant_matrix().expect("quantized"), &mut **y));
+            let mut planes = planes.into_iter().flatten();
+            let mut mats = layers.each_mut().map(|(_, y)| (planes.next().expect("counted above"), &mut **y));
             kernels::quant::matmul_many_quant(mm.pool, x, n, &mut p.xq, &mut mats);
         } else if quantized == 0 {
             let mut mats: [(WeightMatrix<'_>, &mut [f32]); N] = layers.each_mut().map(|(l, y)| (l.matrix(), &mut **y));
@@ -377,37 +380,18 @@ fn decode_published(linear: &mut Linear, mode: PublishedDecode) -> Result<Option
             if linear.dtype != WeightDType::BF16 {
                 let w = linear.matrix();
                 let mut row = vec![0.0f32; linear.cols];
-                let mut bytes = Vec::with_capacity(linear.rows * linear.cols * 2);
+                let mut values = Vec::with_capacity(linear.rows * linear.cols);
                 for r in 0..linear.rows {
                     kernels::widen_row(w, r, &mut row);
-                    bytes.extend(row.iter().flat_map(|&v| kernels::round_bf16(v).to_le_bytes()));
+                    values.extend_from_slice(&row);
                 }
-                let len = bytes.len();
-                linear.weight = WeightTensor::new(
-                    linear.weight.name.clone(),
-                    DType::BF16,
-                    vec![linear.rows, linear.cols],
-                    Arc::new(kylin_loader::Storage::Owned(bytes)),
-                    0,
-                    len,
-                )
-                .ok_or_else(|| KylinError::tensor_shape_mismatch(format!("tensor '{}': size", linear.weight.name)))?;
+                let name = linear.weight.name.clone();
+                linear.weight = owned_weights(name, DType::BF16, linear.rows, linear.cols, &values)?;
                 linear.dtype = WeightDType::BF16;
             }
             return Ok(None);
         }
-        let (rows, cols) = (linear.rows, linear.cols);
-        let mut buffer = QuantBuffer::zeroed(Packing::Q8_0, rows, cols).ok_or_else(|| {
-            KylinError::operator_unsupported(format!(
-                "tensor '{}' ([{rows}, {cols}]) cannot be quantized to q8_0 (columns must be whole blocks of 32); run with --precision f32",
-                linear.weight.name
-            ))
-        })?;
-        let groups = rows.div_ceil(kylin_kernels::quant::GROUP_ROWS);
-        let mut row = vec![0.0f32; cols];
-        let w = linear.matrix();
-        let (quants, planes) = buffer.planes_mut();
-        QuantBuffer::quantize_groups(Packing::Q8_0, w, 0..groups, quants, planes, &mut row);
+        let buffer = quantize_q8_0(linear.matrix(), &linear.weight.name)?;
         // A tied head's pages are the embedding's: a lookup faults back only the rows it reads.
         linear.weight.advise_dont_need();
         linear.quant = Some(QuantSource::Owned(Arc::new(buffer)));
@@ -415,46 +399,17 @@ fn decode_published(linear: &mut Linear, mode: PublishedDecode) -> Result<Option
     };
     let m = Arc::clone(m);
     let (rows, cols) = (m.rows, m.cols);
-    // The dequantized matrix as an owned f32 tensor, `[rows, cols]`.
-    let float_weights = |values: Vec<f32>| -> Result<WeightTensor> {
-        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let len = bytes.len();
-        WeightTensor::new(
-            format!("{}.weight", m.module),
-            DType::F32,
-            vec![rows, cols],
-            Arc::new(kylin_loader::Storage::Owned(bytes)),
-            0,
-            len,
-        )
-        .ok_or_else(|| KylinError::tensor_shape_mismatch(format!("module '{}': dequantized size", m.module)))
+    let float_dtype = match mode {
+        PublishedDecode::F32 => Some((DType::F32, WeightDType::F32)),
+        PublishedDecode::Bf16 => Some((DType::BF16, WeightDType::BF16)),
+        PublishedDecode::Integer => None,
     };
-    match mode {
-        PublishedDecode::F32 => {
-            linear.weight = float_weights(m.dequantize()?)?;
-            linear.dtype = WeightDType::F32;
-            linear.quant = None;
-            release_published(&m);
-            return Ok(None);
-        }
-        PublishedDecode::Bf16 => {
-            let bytes: Vec<u8> = m.dequantize()?.iter().flat_map(|&v| kernels::round_bf16(v).to_le_bytes()).collect();
-            let len = bytes.len();
-            linear.weight = WeightTensor::new(
-                format!("{}.weight", m.module),
-                DType::BF16,
-                vec![rows, cols],
-                Arc::new(kylin_loader::Storage::Owned(bytes)),
-                0,
-                len,
-            )
-            .ok_or_else(|| KylinError::tensor_shape_mismatch(format!("module '{}': dequantized size", m.module)))?;
-            linear.dtype = WeightDType::BF16;
-            linear.quant = None;
-            release_published(&m);
-            return Ok(None);
-        }
-        PublishedDecode::Integer => {}
+    if let Some((dtype, kernel_dtype)) = float_dtype {
+        linear.weight = owned_weights(format!("{}.weight", m.module), dtype, rows, cols, &m.dequantize()?)?;
+        linear.dtype = kernel_dtype;
+        linear.quant = None;
+        release_published(&m);
+        return Ok(None);
     }
     let ints = m.integers()?;
     // Groups in column order whose width is whole Q8_0 blocks (no activation order).
@@ -486,14 +441,8 @@ fn decode_published(linear: &mut Linear, mode: PublishedDecode) -> Result<Option
         // FP8, activation order, asymmetric 8-bit: dequantized, then Q8_0 (FP8 E4M3 holds 3
         // mantissa bits; Q8_0's grid is finer).
         _ => {
-            let f32_weights = float_weights(m.dequantize()?)?;
-            let mut buffer = QuantBuffer::zeroed(Packing::Q8_0, rows, cols).ok_or_else(|| packing_error(&m, "q8_0"))?;
-            let w = WeightMatrix { dtype: WeightDType::F32, rows, cols, data: f32_weights.bytes() };
-            let groups = rows.div_ceil(kylin_kernels::quant::GROUP_ROWS);
-            let mut row = vec![0.0f32; cols];
-            let (quants, planes) = buffer.planes_mut();
-            QuantBuffer::quantize_groups(Packing::Q8_0, w, 0..groups, quants, planes, &mut row);
-            buffer
+            let bytes = f32_bytes(&m.dequantize()?);
+            quantize_q8_0(WeightMatrix { dtype: WeightDType::F32, rows, cols, data: &bytes }, &m.module)?
         }
     };
     let packing = buffer.matrix().packing();
@@ -508,6 +457,38 @@ fn release_published(m: &kylin_loader::published::PublishedMatrix) {
     for t in [Some(&m.values), Some(&m.scale), m.zero.as_ref(), m.g_idx.as_ref()].into_iter().flatten() {
         t.advise_dont_need();
     }
+}
+
+/// `values` as little-endian f32 bytes.
+fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// An owned `[rows, cols]` weight tensor of `values` stored as `dtype` (F32 or BF16).
+fn owned_weights(name: String, dtype: DType, rows: usize, cols: usize, values: &[f32]) -> Result<WeightTensor> {
+    let bytes = match dtype {
+        DType::BF16 => values.iter().flat_map(|&v| kernels::round_bf16(v).to_le_bytes()).collect(),
+        _ => f32_bytes(values),
+    };
+    WeightTensor::owned(name.clone(), dtype, vec![rows, cols], bytes).ok_or_else(|| {
+        KylinError::tensor_shape_mismatch(format!("'{name}': {} values for [{rows}, {cols}]", values.len()))
+    })
+}
+
+/// A whole matrix quantized to Q8_0 (load time); `OPERATOR_UNSUPPORTED` naming `name` when its
+/// columns are not whole blocks of 32.
+fn quantize_q8_0(w: WeightMatrix<'_>, name: &str) -> Result<QuantBuffer> {
+    let (rows, cols) = (w.rows, w.cols);
+    let mut buffer = QuantBuffer::zeroed(Packing::Q8_0, rows, cols).ok_or_else(|| {
+        KylinError::operator_unsupported(format!(
+            "'{name}' ([{rows}, {cols}]) cannot be quantized to q8_0 (columns must be whole blocks of 32); run with --precision f32"
+        ))
+    })?;
+    let groups = rows.div_ceil(kylin_kernels::quant::GROUP_ROWS);
+    let mut row = vec![0.0f32; cols];
+    let (quants, planes) = buffer.planes_mut();
+    QuantBuffer::quantize_groups(Packing::Q8_0, w, 0..groups, quants, planes, &mut row);
+    Ok(buffer)
 }
 
 fn packing_error(m: &kylin_loader::published::PublishedMatrix, packing: &str) -> KylinError {

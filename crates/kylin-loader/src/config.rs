@@ -203,7 +203,7 @@ pub struct HfConfig {
 }
 
 /// Where a value is read from, for error messages: `config.json field 'x'`.
-fn bad(field: &str, expected: &str, got: &Value) -> KylinError {
+pub(crate) fn bad(field: &str, expected: &str, got: &Value) -> KylinError {
     let mut shown = got.to_string();
     if shown.len() > 80 {
         // Cut at a character boundary: the value may hold any Unicode (a fuzz finding: a cut
@@ -221,7 +221,7 @@ fn bad(field: &str, expected: &str, got: &Value) -> KylinError {
 }
 
 /// Reads an optional field; JSON `null` counts as absent, as transformers treats it.
-fn field<'a>(obj: &'a Map<String, Value>, name: &str) -> Option<&'a Value> {
+pub(crate) fn field<'a>(obj: &'a Map<String, Value>, name: &str) -> Option<&'a Value> {
     obj.get(name).filter(|v| !v.is_null())
 }
 

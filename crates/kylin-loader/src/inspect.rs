@@ -51,7 +51,7 @@ pub struct QuantizationReport {
 /// How a bound matrix is stored: `Q8_0` or `Q4_K` planes (told apart by the scales' dtype,
 /// F16 or U8), else its dtype.
 fn stored_format(w: &crate::ModelWeights, t: &crate::WeightTensor) -> String {
-    if let Some(m) = w.published.values().find(|m| m.values.same_bytes(t)) {
+    if let Some(m) = w.published_matrix(t) {
         return match &m.scheme {
             crate::published::Scheme::Int { bits, group: Some(g), .. } => format!("int{bits}/g{g}"),
             crate::published::Scheme::Int { bits, group: None, .. } => format!("int{bits}/channel"),
@@ -74,7 +74,7 @@ pub fn quantization_report(config: &crate::ModelConfig, w: &crate::ModelWeights)
     };
     let mut bytes: u64 = 0;
     let plane = |t: &crate::WeightTensor| {
-        let published = w.published.values().find(|m| m.values.same_bytes(t)).map_or(0, |m| {
+        let published = w.published_matrix(t).map_or(0, |m| {
             [Some(&m.scale), m.zero.as_ref(), m.g_idx.as_ref()].into_iter().flatten().map(|x| x.byte_len() as u64).sum()
         });
         t.byte_len() as u64 + w.scales.get(&t.name).map_or(0, |s| s.byte_len() as u64) + published

@@ -38,6 +38,7 @@
 use serde::Serialize;
 use serde_json::{Map, Value};
 
+use crate::config::field as get;
 use crate::error::{KylinError, Result};
 use crate::safetensors_file::TensorIndex;
 use crate::tensor::{DType, WeightTensor};
@@ -124,27 +125,13 @@ enum IgnoreRule {
     Substring,
 }
 
+/// A wrong value of `quantization_config.FIELD` (`CONFIG_INVALID`, as config.json's other fields).
 fn bad(field: &str, expected: &str, got: &Value) -> KylinError {
-    let mut shown = got.to_string();
-    if shown.len() > 80 {
-        let mut end = 80;
-        while !shown.is_char_boundary(end) {
-            end -= 1;
-        }
-        shown.truncate(end);
-        shown.push('…');
-    }
-    KylinError::config_invalid(format!(
-        "config.json field 'quantization_config.{field}' must be {expected}; got {shown}"
-    ))
+    crate::config::bad(&format!("quantization_config.{field}"), expected, got)
 }
 
 fn unsupported(field: &str, value: &dyn std::fmt::Display, what: &str) -> KylinError {
     KylinError::operator_unsupported(format!("config.json quantization_config.{field} is {value}; {what}"))
-}
-
-fn get<'a>(obj: &'a Map<String, Value>, name: &str) -> Option<&'a Value> {
-    obj.get(name).filter(|v| !v.is_null())
 }
 
 fn get_u64(obj: &Map<String, Value>, path: &str, name: &str) -> Result<Option<u64>> {

@@ -114,6 +114,13 @@ impl WeightTensor {
         Some(WeightTensor { name, dtype, shape, storage, offset, len })
     }
 
+    /// A tensor over owned `bytes` (weights made at load, not read from a file); `None` if
+    /// their length is not `shape`'s in `dtype`.
+    pub fn owned(name: String, dtype: DType, shape: Vec<usize>, bytes: Vec<u8>) -> Option<Self> {
+        let len = bytes.len();
+        WeightTensor::new(name, dtype, shape, Arc::new(Storage::Owned(bytes)), 0, len)
+    }
+
     /// The stored bytes, little-endian, in `dtype`.
     #[inline]
     pub fn bytes(&self) -> &[u8] {

@@ -67,6 +67,11 @@ pub struct ModelWeights {
 }
 
 impl ModelWeights {
+    /// The published quantized matrix whose stored values are `t` (a role's tensor), if any.
+    pub fn published_matrix(&self, t: &WeightTensor) -> Option<&crate::published::PublishedMatrix> {
+        self.published.values().find(|m| m.values.same_bytes(t))
+    }
+
     /// The matrices of the matrix products: every layer's seven projections, then the head
     /// (the embedding's bytes when tied).
     pub fn matrices(&self) -> impl Iterator<Item = &WeightTensor> {
