@@ -111,7 +111,7 @@ pub fn flag_value(value: &impl ValueEnum) -> String {
 pub enum PrecisionArg {
     /// f32 activations: the exact match with transformers' float32.
     F32,
-    /// Activations rounded to BF16 at each matrix product (f32 accumulation); BF16 weights only.
+    /// Activations rounded to BF16 at each matrix product (f32 accumulation); BF16 weights, or Q8_0 weights with --quantize q8_0 on a CPU with AVX-512 BF16.
     Bf16,
     /// bf16 for BF16 weights on a CPU with BF16 matrix kernels (AMX-BF16 or AVX-512 BF16), else f32.
     Auto,

@@ -99,10 +99,12 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
                 let (qs, ss) = kylin_kernels::q4k::q4_k_plane_shapes(m.rows(), m.cols());
                 ((qs.to_vec(), safetensors::Dtype::U8), (ss.to_vec(), safetensors::Dtype::U8))
             }
-            // Only a published checkpoint's 4-bit matrices become Q4G, and those are refused above.
-            QuantMatrix::Q4G(_) => {
+            // Only a published checkpoint's matrices get these packings, and those are refused
+            // above.
+            QuantMatrix::Q4G(_) | QuantMatrix::Q8_0A16(_) | QuantMatrix::Q4GA16(_) | QuantMatrix::F8A16(_) => {
                 return Err(KylinError::operator_unsupported(format!(
-                    "{name} is in the q4_g packing, which kylin quantize does not write"
+                    "{name} is in the {} packing, which kylin quantize does not write",
+                    m.packing().name()
                 ))
                 .into());
             }

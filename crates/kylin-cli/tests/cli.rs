@@ -433,6 +433,19 @@ fn quantize_writes_q8_0_and_q4_k_directories_that_load_in_place_with_the_same_lo
         assert_eq!(stored, at_load, "{name}: the stored model differs from --quantize {format}");
         let float = logits(&source, &["--precision", "f32"]);
         assert_ne!(stored, float, "{name}: the quantized logits equal the f32 ones: nothing was quantized");
+        if format == "q8_0" {
+            // BF16 activations over the same planes (`--precision bf16`, where the CPU has
+            // AVX-512 BF16): the stored and the at-load model still agree bit for bit.
+            let probe = kylin(&["logits", s(&out), "--ids", ids, "--precision", "bf16"]);
+            if probe.status.success() {
+                let stored_bf16 = logits(&out, &["--precision", "bf16"]);
+                assert_eq!(stored_bf16, logits(&source, &["--quantize", format, "--precision", "bf16"]), "{name}");
+                assert_ne!(stored_bf16, stored, "{name}: BF16 activations gave the int8 logits");
+            } else {
+                let err = String::from_utf8_lossy(&probe.stderr);
+                assert!(err.starts_with("[CONFIG_INVALID] ") && err.contains("AVX-512 BF16"), "{err}");
+            }
+        }
         // inspect describes the stored quantization.
         let r = ok_json(&["inspect", s(&out), "--json"]);
         assert!(r.to_string().contains(&format!("{format}-packed")), "{r}");

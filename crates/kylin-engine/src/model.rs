@@ -31,7 +31,8 @@ pub enum PrecisionChoice {
     /// f32 activations: exact match with transformers' float32 references.
     #[default]
     F32,
-    /// BF16 activations at every matrix product; needs BF16 weights and a BF16 kernel family.
+    /// BF16 activations at every matrix product; needs BF16 weights and a BF16 kernel family,
+    /// or Q8_0 weights (`--quantize q8_0`) and AVX-512 BF16 (`kylin_kernels::w16`).
     Bf16,
     /// `bf16` when the weights are BF16 and the CPU has a BF16 kernel family, else `f32`.
     Auto,
@@ -411,6 +412,18 @@ fn decode_published(linear: &mut Linear, mode: PublishedDecode) -> Result<Option
         release_published(&m);
         return Ok(None);
     }
+    // 16-bit activations, as the weight-only schemes (A16) and FP8 intend, where the CPU has
+    // the BF16 kernels (`kylin_kernels::w16`); int8 activations for W8A8 and elsewhere.
+    let a16 = kernels::w16::available() && !m.int8_activations;
+    if a16 && let Some((codes, scales)) = m.fp8_codes()? {
+        let mut buffer =
+            QuantBuffer::zeroed(Packing::F8A16, rows, cols).ok_or_else(|| packing_error(&m, "f8_e4m3_a16"))?;
+        let (quants, planes) = buffer.planes_mut();
+        kernels::w16::pack_f8(rows, cols, codes, &scales, quants, planes);
+        linear.quant = Some(QuantSource::Owned(Arc::new(buffer)));
+        release_published(&m);
+        return Ok(Some(Packing::F8A16));
+    }
     let ints = m.integers()?;
     // Groups in column order whose width is whole Q8_0 blocks (no activation order).
     let uniform =
@@ -418,7 +431,9 @@ fn decode_published(linear: &mut Linear, mode: PublishedDecode) -> Result<Option
     let buffer = match ints {
         // Symmetric 8-bit (codes stored offset by 128): the same integers, one scale per block.
         Some(i) if i.bits == 8 && uniform(&i) && i.zeros.iter().all(|&z| z == 128) && cols.is_multiple_of(QK8_0) => {
-            let mut buffer = QuantBuffer::zeroed(Packing::Q8_0, rows, cols).ok_or_else(|| packing_error(&m, "q8_0"))?;
+            let packing = if a16 { Packing::Q8_0A16 } else { Packing::Q8_0 };
+            let mut buffer =
+                QuantBuffer::zeroed(packing, rows, cols).ok_or_else(|| packing_error(&m, packing.name()))?;
             let q: Vec<i8> = i.codes.iter().map(|&c| (c as i32 - 128) as i8).collect();
             let blocks = cols / QK8_0;
             let scales: Vec<f32> =
@@ -429,7 +444,9 @@ fn decode_published(linear: &mut Linear, mode: PublishedDecode) -> Result<Option
         }
         // 4-bit groups: the same codes, `w = s·q − s·z` per sub-block of 32.
         Some(i) if i.bits == 4 && uniform(&i) && cols.is_multiple_of(64) => {
-            let mut buffer = QuantBuffer::zeroed(Packing::Q4G, rows, cols).ok_or_else(|| packing_error(&m, "q4_g"))?;
+            let packing = if a16 { Packing::Q4GA16 } else { Packing::Q4G };
+            let mut buffer =
+                QuantBuffer::zeroed(packing, rows, cols).ok_or_else(|| packing_error(&m, packing.name()))?;
             let subs = cols / 32;
             let at = |k: usize| (k / subs) * i.groups + i.group((k % subs) * 32);
             let scales: Vec<f32> = (0..rows * subs).map(|k| i.scales[at(k)]).collect();
@@ -833,6 +850,9 @@ pub struct Model {
     bf16: Option<Bf16Kernels>,
     /// The format the linear layers and the head were quantized to at load, if any.
     quantization: Option<QuantFormat>,
+    /// Quantized weights with BF16 activations (`--quantize q8_0 --precision bf16`: every
+    /// Q8_0 matrix read as `q8_0_a16`).
+    quantized_bf16: bool,
 }
 
 impl Model {
@@ -902,6 +922,7 @@ impl Model {
             lm_head,
             tied: weights.lm_head.same_bytes(&weights.embed_tokens),
             bf16: None,
+            quantized_bf16: false,
             quantization,
         })
     }
@@ -1045,12 +1066,16 @@ impl Model {
     /// - `F32`: every quantized matrix is dequantized exactly to f32 (`scale · (q − zero)`, FP8
     ///   times its scale), the weights transformers computes with; the activations stay f32.
     /// - `Auto` (the default): the integer kernels. 8-bit symmetric integers with groups of a
-    ///   multiple of 32 (W8A8, W8A16) become Q8_0 with the same integers and their scale per
-    ///   block; 4-bit integers with groups of a multiple of 32 and no activation order (W4A16,
-    ///   GPTQ, AWQ) become Q4G with the same integers, the scale and `scale · zero` per group
-    ///   (f16); anything else (FP8, activation order, asymmetric 8-bit) is dequantized and
-    ///   quantized to Q8_0 (FP8 E4M3 holds 3 mantissa bits, Q8_0's grid is finer).
-    ///   Unquantized modules (`ignore`, usually the head) become Q8_0 too, as under `--quantize`.
+    ///   multiple of 32 (W8A8, W8A16) keep their integers and scale per block in Q8_0's planes;
+    ///   4-bit integers with groups of a multiple of 32 and no activation order (W4A16, GPTQ,
+    ///   AWQ) keep theirs in Q4G's, with the scale and `scale · zero` per group (f16). Where the
+    ///   CPU has AVX-512 BF16 ([`kernels::w16::available`]), every scheme but W8A8 (whose
+    ///   producer quantized the activations to int8) runs with BF16 activations: `q8_0_a16`,
+    ///   `q4_g_a16`, and FP8 as stored (`f8_e4m3_a16`, decoded in the kernel, one f32 scale
+    ///   per row and 32 columns). Elsewhere the int8 products run (`q8_0`, `q4_g`) and FP8 is
+    ///   dequantized and quantized to Q8_0. Activation order and asymmetric 8-bit are
+    ///   dequantized and quantized to Q8_0 everywhere. Unquantized modules (`ignore`, usually
+    ///   the head) become Q8_0, as under `--quantize`.
     /// - `Bf16`: every quantized matrix is dequantized and rounded to BF16, for the BF16 kernels
     ///   (BF16 activations; twice the bytes per token of Q8_0, four times Q4G's, for 16-bit
     ///   activations as the A16 schemes intend). `CONFIG_INVALID` without BF16 kernels.
@@ -1107,10 +1132,18 @@ impl Model {
             return Err(e);
         }
         if integer {
-            // Reported by the packing most matrices got (Q4G for a 4-bit checkpoint).
+            // Reported by the packing most matrices got (Q4G for a 4-bit checkpoint); ties go
+            // to the first in `Packing`'s order.
             let packings = packings.into_inner().unwrap_or_else(|e| e.into_inner());
-            let q4g = packings.iter().filter(|p| **p == Packing::Q4G).count();
-            let packing = if 2 * q4g > packings.len() { Packing::Q4G } else { Packing::Q8_0 };
+            let mut counts: Vec<(Packing, usize)> = Vec::new();
+            for p in packings {
+                match counts.iter_mut().find(|(q, _)| *q == p) {
+                    Some((_, n)) => *n += 1,
+                    None => counts.push((p, 1)),
+                }
+            }
+            counts.sort_by_key(|&(p, n)| (std::cmp::Reverse(n), p as u8));
+            let packing = counts.first().map_or(Packing::Q8_0, |&(p, _)| p);
             self.quantization = Some(QuantFormat::Published(packing));
         }
         Ok(())
@@ -1150,15 +1183,14 @@ impl Model {
     /// dtype) or the CPU has no BF16 kernels.
     pub fn set_precision(&mut self, choice: PrecisionChoice) -> Result<()> {
         if let Some(format) = self.quantization {
-            // The quantized products have their own arithmetic: int8 activations.
+            // The quantized products have their own arithmetic: int8 activations by default;
+            // BF16 activations over Q8_0 weights on request.
+            self.bf16 = None;
             return match choice {
-                PrecisionChoice::Auto => {
-                    self.bf16 = None;
-                    Ok(())
-                }
-                PrecisionChoice::F32 | PrecisionChoice::Bf16 => Err(KylinError::config_invalid(format!(
-                    "--precision {} does not apply to --quantize {}: its matrix products quantize the activations to int8; use --precision auto (the default)",
-                    if choice == PrecisionChoice::F32 { "f32" } else { "bf16" },
+                PrecisionChoice::Auto => Ok(()),
+                PrecisionChoice::Bf16 => self.run_quantized_on_bf16_activations(format),
+                PrecisionChoice::F32 => Err(KylinError::config_invalid(format!(
+                    "--precision f32 does not apply to --quantize {}: its matrix products quantize the activations to int8 (or, with --precision bf16, round them to BF16); use --precision auto (the default)",
                     format.name()
                 ))),
             };
@@ -1191,6 +1223,44 @@ impl Model {
         Ok(())
     }
 
+    /// `--quantize q8_0 --precision bf16`: every Q8_0 matrix (made at load or stored by `kylin
+    /// quantize`) is read as `q8_0_a16`, the same planes with BF16 activations. `CONFIG_INVALID`
+    /// without AVX-512 BF16, for Q4_K (no BF16-activation kernel reads its 6-bit scales) and for
+    /// a published checkpoint (whose `--precision bf16` path is decided at load).
+    fn run_quantized_on_bf16_activations(&mut self, format: QuantFormat) -> Result<()> {
+        if format != QuantFormat::Q8_0 {
+            return Err(KylinError::config_invalid(format!(
+                "--precision bf16 with --quantize {} is not supported: BF16 activations run over Q8_0 weights only; use --quantize q8_0, or --precision auto (int8 activations)",
+                format.name()
+            )));
+        }
+        if !kernels::w16::available() {
+            return Err(KylinError::config_invalid(format!(
+                "--precision bf16 with --quantize q8_0 needs AVX-512 BF16, which this CPU lacks (kernels: {}); use --precision auto (int8 activations)",
+                kernels::quant::q8_kernels()
+            )));
+        }
+        for linear in self.layers.iter_mut().flat_map(|l| l.linears_mut()).chain(std::iter::once(&mut self.lm_head)) {
+            match &mut linear.quant {
+                Some(QuantSource::Owned(buffer)) => {
+                    // Made by `Model::quantize` and not shared yet.
+                    let Some(buffer) = Arc::get_mut(buffer) else {
+                        return Err(KylinError::config_invalid("the quantized matrices are already in use"));
+                    };
+                    buffer.set_packing(Packing::Q8_0A16);
+                }
+                Some(QuantSource::Mapped { packing, .. }) => {
+                    if *packing == Packing::Q8_0 {
+                        *packing = Packing::Q8_0A16;
+                    }
+                }
+                Some(QuantSource::Pending(_)) | None => {}
+            }
+        }
+        self.quantized_bf16 = true;
+        Ok(())
+    }
+
     /// The arithmetic of the matrix products.
     pub fn precision(&self) -> Precision {
         if self.bf16.is_some() { Precision::Bf16 } else { Precision::F32 }
@@ -1200,14 +1270,25 @@ impl Model {
     /// or for a quantized model `avx512-vnni q8_0`, ...).
     pub fn kernel_family(&self) -> String {
         match self.quantization {
+            Some(format) if self.quantized_bf16 => format!("avx512-bf16 {}_a16", format.name()),
+            Some(format) if self.bf16_activations(format) => format!("avx512-bf16 {}", format.name()),
             Some(format) => format!("{} {}", kernels::quant::q8_kernels(), format.name()),
             None => kernels::kernel_family(self.precision()).to_string(),
         }
     }
 
-    /// The arithmetic of the matrix products for reports: `f32`, `bf16` or `int8` (quantized).
+    /// Whether most of a quantized model's products run on BF16 activations (the `_a16`
+    /// packings of `kylin_kernels::w16`).
+    fn bf16_activations(&self, format: QuantFormat) -> bool {
+        self.quantized_bf16
+            || matches!(format, QuantFormat::Published(p) if p.activation_kind() == kernels::quant::ActivationKind::Bf16)
+    }
+
+    /// The arithmetic of the matrix products for reports: `f32`, `bf16`, `int8` (quantized, int8
+    /// activations) or `bf16 activations` (quantized weights, BF16 activations).
     pub fn precision_name(&self) -> &'static str {
         match (self.quantization, self.precision()) {
+            (Some(format), _) if self.bf16_activations(format) => "bf16 activations",
             (Some(_), _) => "int8",
             (None, Precision::Bf16) => "bf16",
             (None, Precision::F32) => "f32",

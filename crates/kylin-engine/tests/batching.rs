@@ -163,6 +163,31 @@ fn sixteen_requests_together_equal_each_alone_on_every_fixture() {
     }
 }
 
+/// Published quantized checkpoints on the default path (`q8_0_a16`, `q4_g_a16`, `f8_e4m3_a16`
+/// where the CPU has AVX-512 BF16, and W8A8's `q8_0`): sixteen requests together equal each
+/// alone, bit for bit, with prompts chunked differently.
+#[test]
+fn published_quantized_checkpoints_batch_invariantly() {
+    let quantized = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/quantized");
+    for name in ["tiny-qwen3-w4a16", "tiny-llama-fp8-block", "tiny-qwen3-w8a16", "tiny-llama-w8a8"] {
+        let path = Path::new(quantized).join(name);
+        let opts = EngineOptions { max_batch_tokens: 48, precision: PrecisionChoice::Auto, ..options(2) };
+        let requests: Vec<Request> =
+            (0..16).map(|i| request(i, prompt(3 + 11 * i as usize % 70, i + 1, 500), 6 + i as usize % 5)).collect();
+        let single = alone(&path, &opts, &requests);
+        let mut e = engine(&path, opts.clone());
+        let packing = e.core().model().quantization().map(|q| q.name());
+        let a16 = kylin_kernels::w16::available() && !name.ends_with("w8a8");
+        assert_eq!(packing.is_some_and(|p| p.ends_with("_a16")), a16, "{name}: packing {packing:?}");
+        for r in &requests {
+            e.add_request(r.clone()).unwrap();
+        }
+        let together = drain(&mut e);
+        assert_same(&single, &together, name);
+        assert_all_blocks_free(&e);
+    }
+}
+
 #[test]
 fn a_budget_for_three_sequences_finishes_eight_with_preemption() {
     let path = fixture("tiny-qwen2-f16");
@@ -452,8 +477,23 @@ fn q4_k_batches_invariantly_on_fixtures_and_a_real_model() {
     quantized_batches_invariantly(QuantFormat::Q4K);
 }
 
+/// Q8_0 weights with BF16 activations (`--quantize q8_0 --precision bf16`, where the CPU has
+/// AVX-512 BF16): the same.
+#[test]
+fn q8_0_with_bf16_activations_batches_invariantly() {
+    if !kylin_kernels::w16::available() {
+        eprintln!("skipped: no AVX-512 BF16");
+        return;
+    }
+    quantized_batches_invariantly_in(QuantFormat::Q8_0, PrecisionChoice::Bf16);
+}
+
 fn quantized_batches_invariantly(format: QuantFormat) {
-    let q8 = |opts: EngineOptions| EngineOptions { quantize: Some(format), precision: PrecisionChoice::Auto, ..opts };
+    quantized_batches_invariantly_in(format, PrecisionChoice::Auto);
+}
+
+fn quantized_batches_invariantly_in(format: QuantFormat, precision: PrecisionChoice) {
+    let q8 = |opts: EngineOptions| EngineOptions { quantize: Some(format), precision, ..opts };
     for name in ["tiny-qwen3", "tiny-llama-rope3"] {
         let path = fixture(name);
         let opts = q8(EngineOptions { max_batch_tokens: 48, ..options(2) });
@@ -461,8 +501,12 @@ fn quantized_batches_invariantly(format: QuantFormat) {
             (0..16).map(|i| request(i, prompt(3 + 11 * i as usize % 70, i + 1, 1000), 6 + i as usize % 5)).collect();
         let single = alone(&path, &opts, &requests);
         let mut e = engine(&path, opts.clone());
-        assert_eq!(e.info().precision, "int8");
-        assert!(e.info().kernels.contains(format.name()), "{}", e.info().kernels);
+        let (want_precision, want_kernels) = match precision {
+            PrecisionChoice::Bf16 => ("bf16 activations", format!("{}_a16", format.name())),
+            _ => ("int8", format.name().to_string()),
+        };
+        assert_eq!(e.info().precision, want_precision);
+        assert!(e.info().kernels.contains(&want_kernels), "{}", e.info().kernels);
         for r in &requests {
             e.add_request(r.clone()).unwrap();
         }
@@ -512,7 +556,22 @@ fn quantized_stays_close_to_f32(format: QuantFormat, tolerance: f32) {
         assert!((x - y).abs() < tolerance, "request {key:?}: logprob {x} in f32, {y} in {name}");
         eprintln!("{name} request {key:?}: logprob {x} in f32, {y} quantized");
     }
+    // BF16 activations over Q8_0 weights: closer to f32 than int8 activations, on every
+    // request's first log-probability.
+    let a16 = format == QuantFormat::Q8_0 && kylin_kernels::w16::available();
+    if a16 {
+        let a16_out = run(PrecisionChoice::Bf16, Some(format));
+        let error = |out: &BTreeMap<(u64, usize), Output>| -> f32 {
+            f32_out.iter().map(|(key, a)| (a.logprobs[0].logprob - out[key].logprobs[0].logprob).abs()).sum()
+        };
+        let (int8, bf16) = (error(&q_out), error(&a16_out));
+        eprintln!("{name}: summed |logprob − f32's| {int8} with int8 activations, {bf16} with BF16 ones");
+        assert!(bf16 < int8, "BF16 activations ({bf16}) are not closer to f32 than int8 ones ({int8})");
+    }
     for precision in [PrecisionChoice::F32, PrecisionChoice::Bf16] {
+        if precision == PrecisionChoice::Bf16 && a16 {
+            continue;
+        }
         let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
         let opts = EngineOptions { precision, quantize: Some(format), ..EngineOptions::default() };
         let err = BatchEngine::new(model, &opts).unwrap_err();

@@ -3,9 +3,11 @@
 //!
 //! - `--precision f32` dequantizes exactly: the argmax of every position, 20 greedy tokens and
 //!   every logit of the last position within 2e-3 of the reference, for every fixture.
-//! - The default (integer kernels: Q8_0 for 8-bit integers and FP8, Q4G for 4-bit groups) is
-//!   measured against the reference and the f32 path: argmax agreement per fixture (printed;
-//!   at least [`FAST_AGREEMENT_FLOOR`]), the last position's logits within
+//! - The default (where the CPU has AVX-512 BF16: the weights as stored with BF16 activations,
+//!   `q8_0_a16`, `q4_g_a16`, `f8_e4m3_a16`, and W8A8 on int8 activations, `q8_0`; elsewhere
+//!   Q8_0 for 8-bit integers and FP8, Q4G for 4-bit groups) is measured against the reference
+//!   and the f32 path: argmax agreement per fixture (printed; at least
+//!   [`fast_agreement_floor`]), the last position's logits within [`A16_LOGIT_BOUND`] or
 //!   [`FAST_LOGIT_BOUND`], and the packing the one documented.
 //! - `--precision bf16` (the dequantized weights rounded to BF16, BF16 activations) agrees with
 //!   the f32 path at 97% of positions or more on every fixture.
@@ -26,18 +28,24 @@ use serde_json::Value;
 
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/quantized");
 
-/// Every fixture but the unquantized sources, with the packing the fast path must choose.
-const QUANTIZED: [(&str, Packing); 9] = [
-    ("w8a8", Packing::Q8_0),
-    ("w8a16", Packing::Q8_0),
-    ("w4a16", Packing::Q4G),
-    ("w4a16-asym", Packing::Q4G),
-    ("fp8-dynamic", Packing::Q8_0),
-    ("fp8-block", Packing::Q8_0),
-    ("fp8", Packing::Q8_0),
-    ("gptq", Packing::Q4G),
-    ("awq", Packing::Q4G),
+/// Every fixture but the unquantized sources, with the packing the fast path must choose where
+/// the CPU has AVX-512 BF16 (16-bit activations for every scheme but W8A8) and elsewhere.
+const QUANTIZED: [(&str, Packing, Packing); 9] = [
+    ("w8a8", Packing::Q8_0, Packing::Q8_0),
+    ("w8a16", Packing::Q8_0A16, Packing::Q8_0),
+    ("w4a16", Packing::Q4GA16, Packing::Q4G),
+    ("w4a16-asym", Packing::Q4GA16, Packing::Q4G),
+    ("fp8-dynamic", Packing::F8A16, Packing::Q8_0),
+    ("fp8-block", Packing::F8A16, Packing::Q8_0),
+    ("fp8", Packing::F8A16, Packing::Q8_0),
+    ("gptq", Packing::Q4GA16, Packing::Q4G),
+    ("awq", Packing::Q4GA16, Packing::Q4G),
 ];
+
+/// The packing this CPU's fast path chooses for a fixture of [`QUANTIZED`].
+fn expected_packing(with_bf16: Packing, without: Packing) -> Packing {
+    if kylin_kernels::w16::available() { with_bf16 } else { without }
+}
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(FIXTURES).join(name)
@@ -105,15 +113,20 @@ fn check_exact(name: &str) {
     }
 }
 
-/// The largest last-position logit difference allowed on the fast path. Measured 0.05 to 0.12
-/// over the fixtures: int8 activations and, for FP8, weights re-quantized to Q8_0.
+/// The largest last-position logit difference allowed on the fast path. With int8 activations
+/// (W8A8 everywhere; every scheme on a CPU without AVX-512 BF16) measured 0.05 to 0.12 over the
+/// fixtures; with BF16 activations (the `_a16` packings) 0.025 to 0.035.
 const FAST_LOGIT_BOUND: f64 = 0.15;
+const A16_LOGIT_BOUND: f64 = 0.05;
 
-/// The argmax agreement below which the fast path fails. The issue asks for 95%; on these random
-/// fixtures, whose top two logits are often within a few hundredths, int8 activations alone cost
-/// that much: Kylin's own `--quantize q8_0` of the unquantized `-bf16` sources agrees at 94.5% and
-/// 95.9%, and the fast path measures 92.6% to 98.2% (see the closing note of issue 13).
-const FAST_AGREEMENT_FLOOR: f64 = 0.92;
+/// The argmax agreement below which the fast path fails: the issue's 95%, measured at 95.7% to
+/// 99.3% over the fixtures where the CPU has AVX-512 BF16 (W8A8 on int8 activations the
+/// lowest). Without it every scheme runs on int8 activations, which on these random fixtures
+/// (their top two logits often within a few hundredths) measured 93.5% to 96.3%: the floor
+/// there is 92%.
+fn fast_agreement_floor() -> f64 {
+    if kylin_kernels::w16::available() { 0.95 } else { 0.92 }
+}
 
 /// Deterministic token ids in `3..503` for `len` positions.
 fn pseudo_random_prompt(seed: u64, len: usize) -> Vec<u32> {
@@ -163,7 +176,7 @@ fn measure_fast(name: &str, packing: Packing) -> (usize, usize, f64) {
 fn every_quantized_fixture_matches_transformers_in_f32() {
     for family in ["tiny-qwen3", "tiny-llama"] {
         check_exact(&format!("{family}-bf16"));
-        for (suffix, _) in QUANTIZED {
+        for (suffix, _, _) in QUANTIZED {
             check_exact(&format!("{family}-{suffix}"));
         }
     }
@@ -173,24 +186,26 @@ fn every_quantized_fixture_matches_transformers_in_f32() {
 fn the_integer_kernels_agree_with_transformers() {
     let mut report = Vec::new();
     for family in ["tiny-qwen3", "tiny-llama"] {
-        for (suffix, packing) in QUANTIZED {
+        for (suffix, with_bf16, without) in QUANTIZED {
             let name = format!("{family}-{suffix}");
+            let packing = expected_packing(with_bf16, without);
             let (positions, agree, worst) = measure_fast(&name, packing);
-            report.push((name, positions, agree, worst));
+            report.push((name, positions, agree, worst, packing));
         }
     }
-    for (name, positions, agree, worst) in &report {
+    for (name, positions, agree, worst, _) in &report {
         let share = 100.0 * *agree as f64 / *positions as f64;
         println!(
             "{name}: argmax agrees at {agree} of {positions} positions ({share:.1}%), last-position logits within {worst:.4}"
         );
     }
-    for (name, positions, agree, worst) in report {
+    for (name, positions, agree, worst, packing) in report {
         assert!(
-            agree as f64 >= FAST_AGREEMENT_FLOOR * positions as f64,
+            agree as f64 >= fast_agreement_floor() * positions as f64,
             "{name}: argmax agrees at {agree} of {positions} positions"
         );
-        assert!(worst < FAST_LOGIT_BOUND, "{name}: last-position logits differ by up to {worst}");
+        let bound = if packing.name().ends_with("_a16") { A16_LOGIT_BOUND } else { FAST_LOGIT_BOUND };
+        assert!(worst < bound, "{name}: last-position logits differ by up to {worst}");
     }
 }
 
@@ -224,7 +239,7 @@ fn bf16_precision_runs_the_dequantized_weights_on_the_bf16_kernels() {
     }
     let mut report = Vec::new();
     for family in ["tiny-qwen3", "tiny-llama"] {
-        for (suffix, _) in QUANTIZED {
+        for (suffix, _, _) in QUANTIZED {
             let name = format!("{family}-{suffix}");
             let mut exact = backend(&name, PrecisionChoice::F32);
             let mut bf16 = backend(&name, PrecisionChoice::Bf16);
@@ -314,7 +329,8 @@ fn activation_order_runs_through_the_dequantized_path() {
     let prompt = ids(&reference["cases"][0]["input_ids"]);
     let mut exact = try_backend(dir.path(), PrecisionChoice::F32).expect("f32");
     let mut fast = try_backend(dir.path(), PrecisionChoice::Auto).expect("auto");
-    assert_eq!(fast.core().model().quantization(), Some(QuantFormat::Published(Packing::Q4G)));
+    let packing = expected_packing(Packing::Q4GA16, Packing::Q4G);
+    assert_eq!(fast.core().model().quantization(), Some(QuantFormat::Published(packing)));
     let a = exact.prefill(&prompt).expect("f32").to_vec();
     let b = fast.prefill(&prompt).expect("auto").to_vec();
     let diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);

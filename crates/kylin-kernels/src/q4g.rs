@@ -202,7 +202,7 @@ pub fn pack_q4_g_groups(
 /// Row `lane`'s scale and min of sub-block `j` (f16 widened to f32) in a group's scales plane
 /// `gs`.
 #[inline]
-fn scale_min(gs: &[u8], lane: usize, j: usize) -> (f32, f32) {
+pub(crate) fn scale_min(gs: &[u8], lane: usize, j: usize) -> (f32, f32) {
     let at = j * SUB_SCALE_BYTES + 2 * lane;
     let f16_at = |at: usize| half::f16::from_le_bytes([gs[at], gs[at + 1]]).to_f32();
     (f16_at(at), f16_at(at + 2 * GROUP_ROWS))

@@ -451,11 +451,13 @@ pub(crate) fn matmul_many_packed<'a, M: MatrixRows + Into<QuantMatrix<'a>>>(
         assert_eq!(y.len(), n_tokens * w.rows(), "y.len() != n_tokens * rows");
         present[w.packing().activation_kind() as usize] = true;
     }
-    // Every kind of activations takes `activation_stride(cols)` bytes per token; a kind's
-    // region starts after the regions of the kinds before it that are present.
-    let (stride, region) = (activation_stride(cols), q8_scratch_len(n_tokens, cols));
-    let offset = |kind: ActivationKind| present[..kind as usize].iter().filter(|&&b| b).count() * region;
-    let needed = present.iter().filter(|&&b| b).count() * region;
+    // A kind's region (`n_tokens · stride` bytes) starts after the regions of the kinds before
+    // it that are present.
+    let region = |kind: ActivationKind| n_tokens * kind.stride(cols);
+    let offset = |kind: ActivationKind| -> usize {
+        ACTIVATION_KINDS[..kind as usize].iter().filter(|k| present[**k as usize]).map(|&k| region(k)).sum()
+    };
+    let needed: usize = ACTIVATION_KINDS.iter().filter(|k| present[**k as usize]).map(|&k| region(k)).sum();
     assert!(scratch.len() >= needed, "quantized-product scratch holds {} bytes, {needed} needed", scratch.len());
     if n_tokens == 0 {
         return;
@@ -469,10 +471,11 @@ pub(crate) fn matmul_many_packed<'a, M: MatrixRows + Into<QuantMatrix<'a>>>(
         let all = unsafe { shared.slice() };
         for kind in ACTIVATION_KINDS {
             if present[kind as usize] {
-                let out = &mut all[offset(kind)..offset(kind) + region];
+                let out = &mut all[offset(kind)..offset(kind) + region(kind)];
                 match kind {
                     ActivationKind::Q8_0 => quantize_tokens(isa, x, cols, t0, t1, out),
                     ActivationKind::Q4K => crate::q4k::quantize_tokens(isa, x, cols, t0, t1, out),
+                    ActivationKind::Bf16 => crate::w16::pack_tokens(x, cols, t0, t1, out),
                 }
             }
         }
@@ -486,11 +489,11 @@ pub(crate) fn matmul_many_packed<'a, M: MatrixRows + Into<QuantMatrix<'a>>>(
         let threads = if parallel { pool.threads() } else { 1 };
         split_rows(pool, chunk, GROUP_ROWS, threads, &|w: M, out: OutPtr, r0, r1| {
             let w: QuantMatrix<'a> = w.into();
-            let at = offset(w.packing().activation_kind());
-            let xq = &xq[at..at + region];
+            let kind = w.packing().activation_kind();
+            let xq = &xq[offset(kind)..offset(kind) + region(kind)];
             // SAFETY: `split_rows` hands this call rows `r0..r1` (whole groups, the last one
             // possibly partial) of `out`, which no other call touches; shapes were checked.
-            unsafe { compute_groups(kernels, w, xq, stride, n_tokens, out, r0, r1) }
+            unsafe { compute_groups(kernels, w, xq, kind.stride(cols), n_tokens, out, r0, r1) }
         });
     }
 }
@@ -518,10 +521,24 @@ unsafe fn compute_groups(
     for g in r0 / GROUP_ROWS..r1.div_ceil(GROUP_ROWS) {
         let valid = (rows - g * GROUP_ROWS).min(GROUP_ROWS);
         let (wq, ws) = match w {
-            QuantMatrix::Q8_0(m) => m.group(g),
+            QuantMatrix::Q8_0(m) | QuantMatrix::Q8_0A16(m) => m.group(g),
             QuantMatrix::Q4K(m) => m.group(g),
-            QuantMatrix::Q4G(m) => m.group(g),
+            QuantMatrix::Q4G(m) | QuantMatrix::Q4GA16(m) => m.group(g),
+            QuantMatrix::F8A16(m) => m.group(g),
         };
+        let weights = match w.packing() {
+            Packing::Q8_0A16 => Some(crate::w16::Weights::Int8),
+            Packing::Q4GA16 => Some(crate::w16::Weights::Int4),
+            Packing::F8A16 => Some(crate::w16::Weights::Fp8),
+            Packing::Q8_0 | Packing::Q4K | Packing::Q4G => None,
+        };
+        if let Some(weights) = weights {
+            // SAFETY: as below, for all the tokens; `xq` holds their packed BF16 rows.
+            unsafe {
+                crate::w16::group(weights, n_tokens, wq, ws, cols, xq, stride, out.0.add(g * GROUP_ROWS), rows, valid)
+            };
+            continue;
+        }
         let mut t = 0;
         while t < n_tokens {
             let mt = Q8_MT.min(n_tokens - t);
@@ -559,6 +576,7 @@ unsafe fn compute_groups(
                         mt, wq, ws, cols, xt, stride, y, rows, valid,
                     ),
                     (Packing::Q4G, _) => crate::q4g::tile_scalar(mt, wq, ws, cols, xt, stride, y, rows, valid),
+                    (Packing::Q8_0A16 | Packing::Q4GA16 | Packing::F8A16, _) => unreachable!("handled above"),
                 }
             }
             t += mt;
@@ -634,6 +652,12 @@ pub enum Packing {
     Q4K = 1,
     /// [`crate::q4g::Q4GMatrix`].
     Q4G = 2,
+    /// [`Q8Matrix`]'s planes with BF16 activations ([`crate::w16`]).
+    Q8_0A16 = 3,
+    /// [`crate::q4g::Q4GMatrix`]'s planes with BF16 activations ([`crate::w16`]).
+    Q4GA16 = 4,
+    /// [`crate::w16::F8Matrix`]: FP8 E4M3 weights with BF16 activations.
+    F8A16 = 5,
 }
 
 /// The activation quantizations the formats' products read; formats of the same kind share
@@ -645,10 +669,22 @@ pub enum ActivationKind {
     /// Q4_K's: int8 per super-block of 256 columns, with per-sub-block scales and sums (Q4_K
     /// and Q4_G).
     Q4K = 1,
+    /// BF16 values and per-block sums ([`crate::w16`]): the `_a16` packings.
+    Bf16 = 2,
 }
 
 /// Every [`ActivationKind`], in the order of their regions in the scratch.
-const ACTIVATION_KINDS: [ActivationKind; 2] = [ActivationKind::Q8_0, ActivationKind::Q4K];
+const ACTIVATION_KINDS: [ActivationKind; 3] = [ActivationKind::Q8_0, ActivationKind::Q4K, ActivationKind::Bf16];
+
+impl ActivationKind {
+    /// Bytes of one token's activations of this kind for rows of `cols` columns.
+    fn stride(self, cols: usize) -> usize {
+        match self {
+            ActivationKind::Q8_0 | ActivationKind::Q4K => activation_stride(cols),
+            ActivationKind::Bf16 => crate::w16::activation_stride(cols),
+        }
+    }
+}
 
 impl Packing {
     /// Bytes of the quants and scales planes of a packed `[rows, cols]` matrix; `None` when
@@ -658,7 +694,9 @@ impl Packing {
         match self {
             Packing::Q8_0 => q8_0_plane_lens(rows, cols),
             Packing::Q4K => crate::q4k::q4_k_plane_lens(rows, cols),
-            Packing::Q4G => crate::q4g::q4_g_plane_lens(rows, cols),
+            Packing::Q4G | Packing::Q4GA16 => crate::q4g::q4_g_plane_lens(rows, cols),
+            Packing::Q8_0A16 => q8_0_plane_lens(rows, cols),
+            Packing::F8A16 => crate::w16::f8_plane_lens(rows, cols),
         }
     }
 
@@ -668,6 +706,9 @@ impl Packing {
             Packing::Q8_0 => "q8_0",
             Packing::Q4K => "q4_k",
             Packing::Q4G => "q4_g",
+            Packing::Q8_0A16 => "q8_0_a16",
+            Packing::Q4GA16 => "q4_g_a16",
+            Packing::F8A16 => "f8_e4m3_a16",
         }
     }
 
@@ -676,6 +717,7 @@ impl Packing {
         match self {
             Packing::Q8_0 => ActivationKind::Q8_0,
             Packing::Q4K | Packing::Q4G => ActivationKind::Q4K,
+            Packing::Q8_0A16 | Packing::Q4GA16 | Packing::F8A16 => ActivationKind::Bf16,
         }
     }
 
@@ -692,6 +734,9 @@ pub enum QuantMatrix<'a> {
     Q8_0(Q8Matrix<'a>),
     Q4K(crate::q4k::Q4KMatrix<'a>),
     Q4G(crate::q4g::Q4GMatrix<'a>),
+    Q8_0A16(Q8Matrix<'a>),
+    Q4GA16(crate::q4g::Q4GMatrix<'a>),
+    F8A16(crate::w16::F8Matrix<'a>),
 }
 
 impl<'a> QuantMatrix<'a> {
@@ -702,6 +747,9 @@ impl<'a> QuantMatrix<'a> {
             Packing::Q8_0 => Q8Matrix::new(rows, cols, quants, scales).map(QuantMatrix::Q8_0),
             Packing::Q4K => crate::q4k::Q4KMatrix::new(rows, cols, quants, scales).map(QuantMatrix::Q4K),
             Packing::Q4G => crate::q4g::Q4GMatrix::new(rows, cols, quants, scales).map(QuantMatrix::Q4G),
+            Packing::Q8_0A16 => Q8Matrix::new(rows, cols, quants, scales).map(QuantMatrix::Q8_0A16),
+            Packing::Q4GA16 => crate::q4g::Q4GMatrix::new(rows, cols, quants, scales).map(QuantMatrix::Q4GA16),
+            Packing::F8A16 => crate::w16::F8Matrix::new(rows, cols, quants, scales).map(QuantMatrix::F8A16),
         }
     }
 
@@ -710,6 +758,9 @@ impl<'a> QuantMatrix<'a> {
             QuantMatrix::Q8_0(_) => Packing::Q8_0,
             QuantMatrix::Q4K(_) => Packing::Q4K,
             QuantMatrix::Q4G(_) => Packing::Q4G,
+            QuantMatrix::Q8_0A16(_) => Packing::Q8_0A16,
+            QuantMatrix::Q4GA16(_) => Packing::Q4GA16,
+            QuantMatrix::F8A16(_) => Packing::F8A16,
         }
     }
 
@@ -718,6 +769,9 @@ impl<'a> QuantMatrix<'a> {
             QuantMatrix::Q8_0(m) => m.rows(),
             QuantMatrix::Q4K(m) => m.rows(),
             QuantMatrix::Q4G(m) => m.rows(),
+            QuantMatrix::Q8_0A16(m) => m.rows(),
+            QuantMatrix::Q4GA16(m) => m.rows(),
+            QuantMatrix::F8A16(m) => m.rows(),
         }
     }
 
@@ -726,6 +780,9 @@ impl<'a> QuantMatrix<'a> {
             QuantMatrix::Q8_0(m) => m.cols(),
             QuantMatrix::Q4K(m) => m.cols(),
             QuantMatrix::Q4G(m) => m.cols(),
+            QuantMatrix::Q8_0A16(m) => m.cols(),
+            QuantMatrix::Q4GA16(m) => m.cols(),
+            QuantMatrix::F8A16(m) => m.cols(),
         }
     }
 
@@ -735,6 +792,9 @@ impl<'a> QuantMatrix<'a> {
             QuantMatrix::Q8_0(m) => m.quants(),
             QuantMatrix::Q4K(m) => m.quants(),
             QuantMatrix::Q4G(m) => m.quants(),
+            QuantMatrix::Q8_0A16(m) => m.quants(),
+            QuantMatrix::Q4GA16(m) => m.quants(),
+            QuantMatrix::F8A16(m) => m.quants(),
         }
     }
 
@@ -744,6 +804,9 @@ impl<'a> QuantMatrix<'a> {
             QuantMatrix::Q8_0(m) => m.scales(),
             QuantMatrix::Q4K(m) => m.scales(),
             QuantMatrix::Q4G(m) => m.scales(),
+            QuantMatrix::Q8_0A16(m) => m.scales(),
+            QuantMatrix::Q4GA16(m) => m.scales(),
+            QuantMatrix::F8A16(m) => m.scales(),
         }
     }
 
@@ -755,21 +818,21 @@ impl<'a> QuantMatrix<'a> {
     pub fn as_q8_0(&self) -> Option<Q8Matrix<'a>> {
         match self {
             QuantMatrix::Q8_0(m) => Some(*m),
-            QuantMatrix::Q4K(_) | QuantMatrix::Q4G(_) => None,
+            _ => None,
         }
     }
 
     pub fn as_q4k(&self) -> Option<crate::q4k::Q4KMatrix<'a>> {
         match self {
             QuantMatrix::Q4K(m) => Some(*m),
-            QuantMatrix::Q8_0(_) | QuantMatrix::Q4G(_) => None,
+            _ => None,
         }
     }
 
     pub fn as_q4g(&self) -> Option<crate::q4g::Q4GMatrix<'a>> {
         match self {
             QuantMatrix::Q4G(m) => Some(*m),
-            QuantMatrix::Q8_0(_) | QuantMatrix::Q4K(_) => None,
+            _ => None,
         }
     }
 
@@ -778,7 +841,9 @@ impl<'a> QuantMatrix<'a> {
         match self {
             QuantMatrix::Q8_0(m) => dequantize_row_q8_0(*m, r, out),
             QuantMatrix::Q4K(m) => crate::q4k::dequantize_row_q4_k(*m, r, out),
-            QuantMatrix::Q4G(m) => crate::q4g::dequantize_row_q4_g(*m, r, out),
+            QuantMatrix::Q4G(m) | QuantMatrix::Q4GA16(m) => crate::q4g::dequantize_row_q4_g(*m, r, out),
+            QuantMatrix::Q8_0A16(m) => dequantize_row_q8_0(*m, r, out),
+            QuantMatrix::F8A16(m) => crate::w16::dequantize_row_f8(*m, r, out),
         }
     }
 
@@ -813,10 +878,10 @@ impl MatrixRows for QuantMatrix<'_> {
 }
 
 /// Bytes of the activation scratch [`matmul_many_quant`] needs for matrices of any formats
-/// sharing an input (each [`ActivationKind`]'s activations once: two regions, Q4_K and Q4_G
-/// sharing one).
+/// sharing an input (each [`ActivationKind`]'s activations once: three regions, Q4_K and Q4_G
+/// sharing one, the `_a16` packings another).
 pub fn quant_scratch_len(n_tokens: usize, cols: usize) -> usize {
-    2 * q8_scratch_len(n_tokens, cols)
+    ACTIVATION_KINDS.iter().map(|k| n_tokens * k.stride(cols)).sum()
 }
 
 /// An owned, 64-byte aligned buffer holding the two planes of a packed matrix made at load
@@ -862,6 +927,16 @@ impl QuantBuffer {
     }
 
     /// The matrix the planes hold.
+    /// Reads the same planes as `packing` from now on, when its planes have the same lengths
+    /// (Q8_0 as `q8_0_a16`, Q4G as `q4_g_a16`); returns whether it did.
+    pub fn set_packing(&mut self, packing: Packing) -> bool {
+        if packing.plane_lens(self.rows, self.cols) != self.packing.plane_lens(self.rows, self.cols) {
+            return false;
+        }
+        self.packing = packing;
+        true
+    }
+
     pub fn matrix(&self) -> QuantMatrix<'_> {
         let bytes = self.bytes();
         let (quants, scales) = (&bytes[..self.quants_len], &bytes[self.scales_at..]);
@@ -871,6 +946,11 @@ impl QuantBuffer {
             // The planes were sized by `plane_lens` in `zeroed`.
             Packing::Q4K => QuantMatrix::Q4K(crate::q4k::Q4KMatrix::from_planes(rows, cols, quants, scales)),
             Packing::Q4G => QuantMatrix::Q4G(crate::q4g::Q4GMatrix::from_planes(rows, cols, quants, scales)),
+            Packing::Q8_0A16 => QuantMatrix::Q8_0A16(Q8Matrix { rows, cols, quants, scales }),
+            Packing::Q4GA16 => QuantMatrix::Q4GA16(crate::q4g::Q4GMatrix::from_planes(rows, cols, quants, scales)),
+            Packing::F8A16 => QuantMatrix::F8A16(
+                crate::w16::F8Matrix::new(rows, cols, quants, scales).expect("planes sized by f8_plane_lens"),
+            ),
         }
     }
 
@@ -892,8 +972,9 @@ impl QuantBuffer {
         match packing {
             Packing::Q8_0 => quantize_q8_0_groups(w, groups, quants, scales, row),
             Packing::Q4K => crate::q4k::quantize_q4_k_groups(w, groups, quants, scales, row),
-            Packing::Q4G => panic!(
-                "q4_g is packed from published 4-bit weights (kylin_kernels::q4g::pack_q4_g), not quantized from floats"
+            Packing::Q4G | Packing::Q8_0A16 | Packing::Q4GA16 | Packing::F8A16 => panic!(
+                "{} is packed from a published checkpoint's own numbers, not quantized from floats",
+                packing.name()
             ),
         }
     }

@@ -114,6 +114,10 @@ pub struct PublishedQuantization {
     /// The activations the producer intended (`input_activations`), for `inspect`; Kylin
     /// quantizes activations its own way on the fast path (module docs of the engine).
     pub activations: Option<String>,
+    /// Whether the producer quantized the activations to int8 (`W8A8`): the engine then runs
+    /// the int8 activations of its integer kernels; every other scheme keeps 16-bit
+    /// activations where the CPU has BF16 kernels.
+    pub int8_activations: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -279,6 +283,12 @@ impl PublishedQuantization {
             Some(Value::Bool(true)) => true,
             Some(v) => return Err(bad(&format!("{wpath}actorder"), "null, \"group\" or \"weight\"", v)),
         };
+        let int8_activations = match get(group, "input_activations") {
+            Some(Value::Object(a)) => {
+                get_str(a, &path, "type")?.unwrap_or("int") == "int" && get_u64(a, &path, "num_bits")?.unwrap_or(8) == 8
+            }
+            _ => false,
+        };
         let activations = match get(group, "input_activations") {
             Some(Value::Object(a)) => Some(format!(
                 "{} {} bits, {}, {}",
@@ -403,6 +413,7 @@ impl PublishedQuantization {
             ignore: get_strings(q, "", "ignore")?,
             matcher: IgnoreRule::CompressedTensors,
             activations,
+            int8_activations,
         })
     }
 
@@ -437,6 +448,7 @@ impl PublishedQuantization {
             ignore: with_head(get_strings(q, "", "modules_to_not_convert")?),
             matcher: IgnoreRule::Substring,
             activations: get_str(q, "", "activation_scheme")?.map(|s| format!("fp8 {s}")),
+            int8_activations: false,
         })
     }
 
@@ -474,6 +486,7 @@ impl PublishedQuantization {
             ignore,
             matcher: IgnoreRule::Substring,
             activations: None,
+            int8_activations: false,
         })
     }
 
@@ -495,6 +508,7 @@ impl PublishedQuantization {
             ignore: with_head(get_strings(q, "", "modules_to_not_convert")?),
             matcher: IgnoreRule::Substring,
             activations: None,
+            int8_activations: false,
         })
     }
 
@@ -586,6 +600,8 @@ pub struct PublishedMatrix {
     pub g_idx: Option<WeightTensor>,
     /// compressed-tensors' `weight_shape`.
     pub shape: Option<WeightTensor>,
+    /// [`PublishedQuantization::int8_activations`].
+    pub int8_activations: bool,
 }
 
 /// A problem with one tensor, sorted by [`bind_matrix`]'s caller into the error of its kind.
@@ -715,7 +731,18 @@ pub(crate) fn bind_matrix(
             (values, scale, None, None, None)
         }
     };
-    Ok(PublishedMatrix { module: module.to_string(), rows, cols, scheme, values, scale, zero, g_idx, shape })
+    Ok(PublishedMatrix {
+        module: module.to_string(),
+        rows,
+        cols,
+        scheme,
+        values,
+        scale,
+        zero,
+        g_idx,
+        shape,
+        int8_activations: q.int8_activations,
+    })
 }
 
 /// An integer matrix decoded: `w[r][c] = scale[r·groups + g] · (code[r·cols + c] − zero[r·groups + g])`
@@ -922,6 +949,50 @@ impl PublishedMatrix {
             }
         };
         Ok(Some(IntMatrix { bits, rows, cols, groups, codes, scales, zeros, group_of }))
+    }
+
+    /// An FP8 matrix's E4M3 codes (row-major `[rows, cols]`, as stored) and one scale per row
+    /// and block of 32 columns (row-major `[rows, cols / 32]`), when its scales are that fine
+    /// or coarser along whole blocks (per tensor, per channel, groups or blocks of a multiple
+    /// of 32 columns); `Ok(None)` for an integer scheme or scales that split a block of 32.
+    /// `FILE_CORRUPTED` for a NaN code (`0x7F`, `0xFF`), which no producer writes.
+    pub fn fp8_codes(&self) -> Result<Option<(&[u8], Vec<f32>)>> {
+        let Scheme::Float8 { scales, .. } = &self.scheme else { return Ok(None) };
+        let (rows, cols) = (self.rows, self.cols);
+        let whole = |g: usize| g.is_multiple_of(32);
+        let aligned = cols.is_multiple_of(32)
+            && match *scales {
+                Fp8Scales::Tensor | Fp8Scales::Channel => true,
+                Fp8Scales::Group(g) => whole(g),
+                Fp8Scales::Block(_, bc) => whole(bc),
+            };
+        if !aligned {
+            return Ok(None);
+        }
+        let codes = self.values.bytes();
+        if let Some(at) = codes.iter().position(|&b| b & 0x7F == 0x7F) {
+            return Err(KylinError::file_corrupted(format!(
+                "tensor '{}': FP8 E4M3 value {} (row {}, column {}) is NaN",
+                self.values.name,
+                codes[at],
+                at / cols,
+                at % cols
+            )));
+        }
+        let s = floats(&self.scale);
+        let blocks = cols / 32;
+        let block_scales = (0..rows * blocks)
+            .map(|k| {
+                let (r, c) = (k / blocks, (k % blocks) * 32);
+                match *scales {
+                    Fp8Scales::Tensor => s[0],
+                    Fp8Scales::Channel => s[r],
+                    Fp8Scales::Group(g) => s[r * (cols / g) + c / g],
+                    Fp8Scales::Block(br, bc) => s[(r / br) * cols.div_ceil(bc) + c / bc],
+                }
+            })
+            .collect();
+        Ok(Some((codes, block_scales)))
     }
 
     /// The weights in f32, row-major `[rows, cols]`, exactly as the producers dequantize them.
