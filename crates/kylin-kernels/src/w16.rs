@@ -340,17 +340,21 @@ mod x86 {
     use super::*;
     use std::arch::x86_64::*;
 
+    /// A `vpermw` table of 32 BF16 words, entry `i` being `value(i)` (exact in BF16).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+    #[inline]
+    fn word_table(value: impl Fn(usize) -> f32) -> __m512i {
+        let t: [u16; 32] = std::array::from_fn(|i| (value(i).to_bits() >> 16) as u16);
+        // SAFETY: `t` is 64 readable bytes.
+        unsafe { _mm512_loadu_si512(t.as_ptr() as *const __m512i) }
+    }
+
     /// Sixteen words of a 4-bit code each (the low four bits of every word index the table's
     /// first sixteen entries, which the second sixteen repeat) as BF16 `0.0 ..= 15.0`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
     #[inline]
     fn nibble_table() -> __m512i {
-        let mut t = [0u16; 32];
-        for (i, v) in t.iter_mut().enumerate() {
-            *v = ((((i & 15) as f32).to_bits()) >> 16) as u16;
-        }
-        // SAFETY: `t` is 64 readable bytes.
-        unsafe { _mm512_loadu_si512(t.as_ptr() as *const __m512i) }
+        word_table(|i| (i & 15) as f32)
     }
 
     /// Words of 4-bit codes (the low four bits of each; see [`nibble_table`]) as BF16.
@@ -366,12 +370,7 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
     #[inline]
     fn subnormal_table() -> __m512i {
-        let mut t = [0u16; 32];
-        for (i, v) in t.iter_mut().enumerate() {
-            *v = ((((i & 7) as f32 * 0.5).to_bits()) >> 16) as u16;
-        }
-        // SAFETY: `t` is 64 readable bytes.
-        unsafe { _mm512_loadu_si512(t.as_ptr() as *const __m512i) }
+        word_table(|i| (i & 7) as f32 * 0.5)
     }
 
     /// 32 FP8 E4M3 codes (zero-extended words) as BF16 values times 2^8 (exactly: the products
