@@ -948,9 +948,7 @@ impl QuantBuffer {
             Packing::Q4G => QuantMatrix::Q4G(crate::q4g::Q4GMatrix::from_planes(rows, cols, quants, scales)),
             Packing::Q8_0A16 => QuantMatrix::Q8_0A16(Q8Matrix { rows, cols, quants, scales }),
             Packing::Q4GA16 => QuantMatrix::Q4GA16(crate::q4g::Q4GMatrix::from_planes(rows, cols, quants, scales)),
-            Packing::F8A16 => QuantMatrix::F8A16(
-                crate::w16::F8Matrix::new(rows, cols, quants, scales).expect("planes sized by f8_plane_lens"),
-            ),
+            Packing::F8A16 => QuantMatrix::F8A16(crate::w16::F8Matrix::from_planes(rows, cols, quants, scales)),
         }
     }
 

@@ -145,6 +145,13 @@ impl<'a> F8Matrix<'a> {
         })
     }
 
+    /// The planes of a `[rows, cols]` matrix whose lengths the caller sized with
+    /// [`f8_plane_lens`] ([`crate::quant::QuantBuffer`]).
+    pub(crate) fn from_planes(rows: usize, cols: usize, quants: &'a [u8], scales: &'a [u8]) -> Self {
+        debug_assert_eq!(f8_plane_lens(rows, cols), Some((quants.len(), scales.len())));
+        F8Matrix { rows, cols, quants, scales }
+    }
+
     pub fn rows(&self) -> usize {
         self.rows
     }
@@ -221,8 +228,13 @@ pub fn dequantize_row_f8(m: F8Matrix<'_>, r: usize, out: &mut [f32]) {
 }
 
 fn f8_scale(gs: &[u8], b: usize, lane: usize) -> f32 {
-    let at = b * 2 * SCALES_BYTES + 4 * lane;
-    f32::from_le_bytes([gs[at], gs[at + 1], gs[at + 2], gs[at + 3]])
+    le_f32(gs, b * 2 * SCALES_BYTES + 4 * lane)
+}
+
+/// The little-endian f32 at byte `at` of `bytes`.
+#[inline]
+fn le_f32(bytes: &[u8], at: usize) -> f32 {
+    f32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
 }
 
 /// Which weights a tile reads.
@@ -259,8 +271,7 @@ pub(crate) unsafe fn tile_scalar(
     for t in 0..mt {
         let xt = &xb[t * stride..(t + 1) * stride];
         let x = |c: usize| bf16_value(u16::from_le_bytes([xt[2 * c], xt[2 * c + 1]]));
-        let sum =
-            |b: usize| f32::from_le_bytes(xt[2 * cols + 4 * b..2 * cols + 4 * b + 4].try_into().expect("4 bytes"));
+        let sum = |b: usize| le_f32(xt, 2 * cols + 4 * b);
         for lane in 0..valid {
             let mut acc = [0.0f32; 2];
             for b in 0..nb {
@@ -340,11 +351,26 @@ mod x86 {
     use super::*;
     use std::arch::x86_64::*;
 
-    /// A `vpermw` table of 32 BF16 words, entry `i` being `value(i)` (exact in BF16).
+    /// A `vpermw` table of 32 BF16 words, entry `i` being `(i & mask) · step` (exact in BF16),
+    /// made once at compile time.
+    const fn word_table(mask: usize, step: f32) -> [u16; 32] {
+        let mut t = [0u16; 32];
+        let mut i = 0;
+        while i < 32 {
+            t[i] = (((i & mask) as f32 * step).to_bits() >> 16) as u16;
+            i += 1;
+        }
+        t
+    }
+
+    /// BF16 `0.0 ..= 15.0`, twice.
+    static NIBBLES: [u16; 32] = word_table(15, 1.0);
+    /// BF16 `m · 0.5`, `m = 0..8`, four times.
+    static SUBNORMALS: [u16; 32] = word_table(7, 0.5);
+
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
     #[inline]
-    fn word_table(value: impl Fn(usize) -> f32) -> __m512i {
-        let t: [u16; 32] = std::array::from_fn(|i| (value(i).to_bits() >> 16) as u16);
+    fn load_table(t: &[u16; 32]) -> __m512i {
         // SAFETY: `t` is 64 readable bytes.
         unsafe { _mm512_loadu_si512(t.as_ptr() as *const __m512i) }
     }
@@ -354,7 +380,7 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
     #[inline]
     fn nibble_table() -> __m512i {
-        word_table(|i| (i & 15) as f32)
+        load_table(&NIBBLES)
     }
 
     /// Words of 4-bit codes (the low four bits of each; see [`nibble_table`]) as BF16.
@@ -370,7 +396,7 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
     #[inline]
     fn subnormal_table() -> __m512i {
-        word_table(|i| (i & 7) as f32 * 0.5)
+        load_table(&SUBNORMALS)
     }
 
     /// 32 FP8 E4M3 codes (zero-extended words) as BF16 values times 2^8 (exactly: the products
