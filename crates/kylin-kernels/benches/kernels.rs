@@ -194,7 +194,8 @@ fn rms_norm(bencher: Bencher) {
 /// Blocked attention over a paged BF16 cache (Qwen3-0.6B's head size, one KV head):
 /// `(rows, len, block size)` = query rows of one call (2: a decode step of a GQA group of two;
 /// 48: a prefill chunk) over `len` cached positions, under `--precision bf16` (the AMX path
-/// where the CPU has it, unless `KYLIN_AMX_ATTENTION=0`; its wide variant at block size 32).
+/// where the CPU has it, its wide variant at block size 32; the AVX-512 BF16 path where it has
+/// `vdpbf16ps` but no AMX; the f32 path with `KYLIN_BF16_ATTENTION=0`).
 /// Bytes counted: the keys and values read once.
 #[divan::bench(args = [(2, 512, 16), (2, 512, 32), (2, 3584, 16), (2, 3584, 32), (48, 512, 16), (48, 512, 32), (48, 3584, 16), (48, 3584, 32)])]
 fn paged_attention_bf16(bencher: Bencher, shape: (usize, usize, usize)) {

@@ -10,10 +10,11 @@
 //! `(head_dim, block_size)` (element `(c, slot)` at `c · block_size + slot`), so sixteen
 //! consecutive positions of one key dimension are one vector; **values are stored by row**,
 //! `(block_size, head_dim)`. Element type F32, F16 or BF16 ([`WeightDType`]); everything is
-//! widened to f32 in registers and accumulated in f32. This is [`KvLayout::Standard`]; the AMX
-//! path reads a BF16 cache in [`KvLayout::Pairs`] instead (AMX's operand layout, see
-//! `paged_amx.rs`). [`attention_path`] picks the path and with it the layout, once, when the
-//! pool is made; write keys with [`store_key`] and values with [`store_value`].
+//! widened to f32 in registers and accumulated in f32. This is [`KvLayout::Standard`]; the BF16
+//! paths read a BF16 cache in [`KvLayout::Pairs`] instead (the operand layout of AMX's tiles and
+//! of `vdpbf16ps`, see `paged_amx.rs` and `paged_dpbf16.rs`). [`attention_path`] picks the
+//! path and with it the layout, once, when the pool is made; write keys with [`store_key`] and
+//! values with [`store_value`].
 //!
 //! # The canonical computation (what batch invariance rests on)
 //!
@@ -52,6 +53,9 @@ use crate::{Bf16Kernels, Isa, Precision, WeightDType, bf16_kernels, isa};
 mod paged_amx;
 #[cfg(target_arch = "x86_64")]
 pub use paged_amx::AMX_TILE;
+#[cfg(target_arch = "x86_64")]
+#[path = "paged_dpbf16.rs"]
+mod paged_dpbf16;
 
 /// Positions per tile of the online softmax (absolute: tile `t` is `t·TILE .. (t+1)·TILE`).
 pub const TILE: usize = 32;
@@ -128,9 +132,10 @@ pub struct QueryRow<'a> {
 ///
 /// `blocks`: the sequence's block table; `offset`: element offset of the (layer, KV head) tile
 /// inside a block. The cache's layout decides the path: [`KvLayout::Pairs`] runs both products
-/// on AMX with BF16 inputs, [`KvLayout::Standard`] everything in f32. Panics if a row is
+/// with BF16 inputs (on AMX, or on AVX-512 BF16 where there is no AMX), [`KvLayout::Standard`]
+/// everything in f32. Panics if a row is
 /// malformed, `head_dim > MAX_HEAD_DIM`, a block of the table lies outside the pool, or a
-/// pair-layout cache is not one [`attention_path`] gives the AMX path.
+/// pair-layout cache is not one [`attention_path`] gives a BF16 path.
 pub fn attention_rows(
     rows: &mut [QueryRow<'_>],
     keys: KvView<'_>,
@@ -255,19 +260,17 @@ fn run(
         return empty;
     }
     if keys.layout == KvLayout::Pairs {
-        assert!(
-            attention_path(Precision::Bf16, keys.dtype, hd, keys.block_size) == AttentionPath::AmxBf16,
-            "a pair-layout KV cache needs the AMX attention path"
-        );
-        // SAFETY: AMX was detected and permitted (`bf16_kernels`), which implies AVX-512; the
-        // cache is BF16 with head and block sizes the AMX path takes (`attention_path`); the
-        // checks above passed.
+        let path = attention_path(Precision::Bf16, keys.dtype, hd, keys.block_size);
+        assert!(path.layout() == KvLayout::Pairs, "a pair-layout KV cache needs a BF16 attention path");
+        // SAFETY: the path's instructions were detected and permitted (`bf16_kernels`: AMX or
+        // AVX-512 BF16, both implying AVX-512); the cache is BF16 with head and block sizes the
+        // path takes (`attention_path`); the checks above passed.
         #[cfg(target_arch = "x86_64")]
         return unsafe {
-            if keys.block_size.is_multiple_of(32) {
-                paged_amx::rows_amx::<true>(rows, &job)
-            } else {
-                paged_amx::rows_amx::<false>(rows, &job)
+            match path {
+                AttentionPath::Avx512Bf16 => paged_dpbf16::rows_dpbf16(rows, &job),
+                _ if keys.block_size.is_multiple_of(32) => paged_amx::rows_amx::<true>(rows, &job),
+                _ => paged_amx::rows_amx::<false>(rows, &job),
             }
         };
     }
@@ -316,6 +319,9 @@ pub enum AttentionPath {
     F32,
     /// BF16 inputs, f32 accumulation, on AMX tiles.
     AmxBf16,
+    /// BF16 inputs, f32 accumulation, on AVX-512 BF16 dot products (`vdpbf16ps`), on CPUs
+    /// without AMX.
+    Avx512Bf16,
 }
 
 impl AttentionPath {
@@ -324,6 +330,7 @@ impl AttentionPath {
         match self {
             AttentionPath::F32 => "f32",
             AttentionPath::AmxBf16 => "amx-bf16",
+            AttentionPath::Avx512Bf16 => "avx512-bf16",
         }
     }
 }
@@ -333,31 +340,42 @@ impl AttentionPath {
     pub fn layout(self) -> KvLayout {
         match self {
             AttentionPath::F32 => KvLayout::Standard,
-            AttentionPath::AmxBf16 => KvLayout::Pairs,
+            AttentionPath::AmxBf16 | AttentionPath::Avx512Bf16 => KvLayout::Pairs,
         }
     }
 }
 
-/// Whether the AMX attention path may be used (on by default; `KYLIN_AMX_ATTENTION=0` turns it
-/// off, for comparisons).
-fn amx_attention_enabled() -> bool {
+/// Whether the BF16 attention paths (AMX, AVX-512 BF16) may be used: on by default;
+/// `KYLIN_BF16_ATTENTION=0` (or its older name `KYLIN_AMX_ATTENTION=0`) turns them off, for
+/// comparisons with the f32 path.
+fn bf16_attention_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("KYLIN_AMX_ATTENTION").map_or(true, |v| v != "0"))
+    *ON.get_or_init(|| {
+        ["KYLIN_BF16_ATTENTION", "KYLIN_AMX_ATTENTION"]
+            .iter()
+            .all(|name| std::env::var(name).map_or(true, |v| v != "0"))
+    })
 }
 
 /// The path attention takes for this precision, cache element type, head size and block size
-/// on this CPU: AMX for `--precision bf16` over a BF16 cache when the BF16 kernels are AMX, the
-/// head size is a multiple of 32 and the block size of 16; f32 otherwise. A pool is made in
+/// on this CPU: under `--precision bf16` over a BF16 cache, with a head size that is a multiple
+/// of 32 and a block size that is a multiple of 16, the BF16 kernels' family (AMX tiles, or
+/// `vdpbf16ps` where there is no AMX); f32 otherwise. A pool is made in
 /// [`AttentionPath::layout`] of the path it will be read by.
 pub fn attention_path(precision: Precision, dtype: WeightDType, head_dim: usize, block_size: usize) -> AttentionPath {
-    let amx = precision == Precision::Bf16
-        && dtype == WeightDType::BF16
-        && bf16_kernels() == Some(Bf16Kernels::Amx)
-        && amx_attention_enabled();
-    if cfg!(target_arch = "x86_64") && amx && head_dim.is_multiple_of(32) && block_size.is_multiple_of(16) {
-        AttentionPath::AmxBf16
-    } else {
-        AttentionPath::F32
+    let shapes = head_dim.is_multiple_of(32) && block_size.is_multiple_of(16);
+    if !cfg!(target_arch = "x86_64")
+        || precision != Precision::Bf16
+        || dtype != WeightDType::BF16
+        || !shapes
+        || !bf16_attention_enabled()
+    {
+        return AttentionPath::F32;
+    }
+    match bf16_kernels() {
+        Some(Bf16Kernels::Amx) => AttentionPath::AmxBf16,
+        Some(Bf16Kernels::Avx512Bf16) => AttentionPath::Avx512Bf16,
+        None => AttentionPath::F32,
     }
 }
 

@@ -1,0 +1,342 @@
+//! The AVX-512 BF16 path of blocked attention under `Precision::Bf16`, for CPUs with
+//! `vdpbf16ps` but no AMX (AMD Zen 4, Intel Cooper Lake): the same arithmetic contract as the
+//! AMX path (`S = bf16(Q) · Kᵀ` and `O += bf16(P) · V` with f32 accumulation, the online
+//! softmax in f32 between them), on sixteen-lane dot products of BF16 pairs.
+//!
+//! It reads the same BF16 pair-layout cache ([`super::KvLayout::Pairs`]), which is exactly the
+//! operand layout `vdpbf16ps` wants on both sides, so nothing is packed per call:
+//!
+//! - keys: per 16 positions of a block, `(head_dim / 2, 16, 2)`: one 64-byte vector is one
+//!   pair of dimensions of sixteen positions, multiplied by a broadcast pair of the query, so a
+//!   lane accumulates one position's score;
+//! - values: per block, `(block_size / 2, head_dim, 2)`: one 64-byte vector is one pair of
+//!   positions of sixteen dimensions, multiplied by a broadcast pair of `P`, so a lane
+//!   accumulates one output dimension.
+//!
+//! Same structure as the AMX path (absolute partitions of [`PARTITION`] positions folded in
+//! order, tiles of [`AMX_TILE`] = 128 positions, the same softmax and fold code), with groups
+//! of at most four query rows in registers.
+//!
+//! # The canonical computation of a row (batch invariance)
+//!
+//! For each tile the row attends to (its `len` is above the tile's start):
+//! - each score is one `vdpbf16ps` chain from zero over the dimension pairs in order (lane =
+//!   position), then multiplied by the scale; positions `>= len` are `-inf`;
+//! - the online-softmax update of the AMX path, bit for bit the same operations;
+//! - each output dimension is `o · corr` followed by one `vdpbf16ps` chain over the tile's
+//!   position pairs in order (lane = dimension).
+//!
+//! A row's registers are its own: which rows share its group, how many there are and whether
+//! other rows attend to a tile never changes an instruction applied to its lanes. Rows that do
+//! not attend to a tile (their `len` is at or below its start) are left out of the tile
+//! entirely, exactly as when the row is computed alone. Slots of a block past the sequence's
+//! length are loaded (their scores masked, their values meeting `p = 0`), so they must be
+//! finite, which the pool guarantees by zeroing a block's tile when its first position is
+//! written.
+//!
+//! Conditions (checked by the caller): AVX-512 BF16, BF16 pair-layout cache, `head_dim % 32
+//! == 0`, `block_size % 16 == 0`.
+
+// Register-blocked loops index several arrays by row on purpose (fixed trip counts the
+// compiler unrolls into registers).
+#![allow(clippy::needless_range_loop)]
+
+use std::arch::x86_64::*;
+
+use super::simd::Zmm;
+use super::{Job, Lanes, MAX_HEAD_DIM, MAX_ROWS, PARTITION, PartialStats, QueryRow, Stats};
+use crate::amx::round16;
+
+/// Positions per tile (the AMX path's, so that both fold the same tiles).
+const TILE: usize = super::paged_amx::AMX_TILE;
+// The softmax below sums and takes the maximum of exactly eight 16-lane vectors per row.
+const _: () = assert!(PARTITION.is_multiple_of(TILE) && TILE == 128);
+/// 16-position chunks per tile.
+const CHUNKS: usize = TILE / 16;
+/// Query rows held in registers at once.
+const GROUP: usize = 4;
+
+/// 64-byte aligned storage.
+#[repr(C, align(64))]
+struct Aligned<const N: usize>([u8; N]);
+
+/// The 32 bits at `p` (a pair of BF16 values) in every lane.
+///
+/// # Safety
+/// `p` is readable for four bytes.
+#[inline(always)]
+unsafe fn broadcast_pair(p: *const u16) -> __m512bh {
+    // SAFETY: as the caller promises.
+    unsafe { std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32((p as *const i32).read_unaligned())) }
+}
+
+/// Sixty-four bytes at `p` as 32 BF16 values.
+///
+/// # Safety
+/// `p` is readable for 64 bytes.
+#[inline(always)]
+unsafe fn load_pairs(p: *const u16) -> __m512bh {
+    // SAFETY: as the caller promises.
+    unsafe { std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(p as *const __m512i)) }
+}
+
+/// Scores of `R` query rows against four 16-position chunks: `out[r][16c + j] = Σ_pairs
+/// q_r · k_{c,j}` (unscaled), one chain per (row, chunk) over the `hd / 2` dimension pairs in
+/// order.
+///
+/// # Safety
+/// AVX-512 F/BF16 available; `q[r]` holds `hd` BF16 values; `kc[c]` points at a whole key chunk
+/// (`hd / 2` pair rows of 64 bytes); `out` has room for `R` rows of [`TILE`] f32.
+#[inline(always)]
+unsafe fn scores_micro<const R: usize>(q: &[*const u16; GROUP], hd: usize, kc: &[*const u16; 4], out: *mut f32) {
+    // SAFETY: as the caller promises.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); 4]; R];
+        for k in 0..hd / 2 {
+            let kv: [__m512bh; 4] = std::array::from_fn(|c| load_pairs(kc[c].add(32 * k)));
+            for r in 0..R {
+                let qp = broadcast_pair(q[r].add(2 * k));
+                for c in 0..4 {
+                    acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qp, kv[c]);
+                }
+            }
+        }
+        for r in 0..R {
+            for c in 0..4 {
+                _mm512_store_ps(out.add(r * TILE + 16 * c), acc[r][c]);
+            }
+        }
+    }
+}
+
+/// `o_r = o_r · corr_r + P_r · V` for `R` rows and `D` sixteen-dimension blocks starting at
+/// dimension `d0`, over the tile's `chunks` chunks of sixteen positions in order (eight pairs
+/// each): one chain per (row, dimension block).
+///
+/// # Safety
+/// AVX-512 F/BF16 available; `o[r]` holds `d0 + 16 · D` f32; `p` holds `R` rows of [`TILE`]
+/// BF16 at a stride of `TILE`; `vc[..chunks]` point at whole value chunks (eight pair rows of
+/// `2 · hd` elements).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn values_micro<const R: usize, const D: usize>(
+    o: &[*mut f32; GROUP],
+    corr: &[f32; GROUP],
+    p: *const u16,
+    vc: &[*const u16; CHUNKS],
+    chunks: usize,
+    hd: usize,
+    d0: usize,
+) {
+    // SAFETY: as the caller promises.
+    unsafe {
+        let mut acc: [[__m512; D]; R] = std::array::from_fn(|r| {
+            let c = _mm512_set1_ps(corr[r]);
+            std::array::from_fn(|d| _mm512_mul_ps(_mm512_loadu_ps(o[r].add(d0 + 16 * d)), c))
+        });
+        for c in 0..chunks {
+            for j in 0..8 {
+                let row = vc[c].add(j * 2 * hd + 2 * d0);
+                let vv: [__m512bh; D] = std::array::from_fn(|d| load_pairs(row.add(32 * d)));
+                for r in 0..R {
+                    let pp = broadcast_pair(p.add(r * TILE + 16 * c + 2 * j));
+                    for d in 0..D {
+                        acc[r][d] = _mm512_dpbf16_ps(acc[r][d], pp, vv[d]);
+                    }
+                }
+            }
+        }
+        for r in 0..R {
+            for d in 0..D {
+                _mm512_storeu_ps(o[r].add(d0 + 16 * d), acc[r][d]);
+            }
+        }
+    }
+}
+
+/// [`values_micro`] over all `hd` dimensions, four blocks at a time (two for a last 32).
+///
+/// # Safety
+/// As [`values_micro`] with `hd % 32 == 0`.
+#[inline(always)]
+unsafe fn values_rows<const R: usize>(
+    o: &[*mut f32; GROUP],
+    corr: &[f32; GROUP],
+    p: *const u16,
+    vc: &[*const u16; CHUNKS],
+    chunks: usize,
+    hd: usize,
+) {
+    // SAFETY: as the caller promises.
+    unsafe {
+        let mut d0 = 0;
+        while d0 + 64 <= hd {
+            values_micro::<R, 4>(o, corr, p, vc, chunks, hd, d0);
+            d0 += 64;
+        }
+        if d0 < hd {
+            values_micro::<R, 2>(o, corr, p, vc, chunks, hd, d0);
+        }
+    }
+}
+
+/// The AVX-512 BF16 body of `attention_rows` over a BF16 pair-layout cache: each row's `out`
+/// undivided, its state returned.
+///
+/// # Safety
+/// AVX-512 F/BW/VL/BF16, AVX2, FMA and F16C are available; the checks of `attention_rows`
+/// passed; the cache is BF16 in the pair layout; `head_dim % 32 == 0` and
+/// `block_size % 16 == 0`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+pub(super) unsafe fn rows_dpbf16(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> Stats {
+    let n = rows.len();
+    let keys = &job.keys;
+    let (hd, bs) = (keys.head_dim, keys.block_size);
+    debug_assert!(hd % 32 == 0 && bs % 16 == 0 && hd <= MAX_HEAD_DIM && n <= MAX_ROWS);
+    let max_len = rows.iter().map(|r| r.len).max().unwrap_or(0);
+
+    // Stack buffers (only the parts a call uses are written, and written before read):
+    // queries in BF16, (n, hd); one group's scores (GROUP, TILE) f32 and P in BF16
+    // (GROUP, TILE); the partition's o, (MAX_ROWS, MAX_HEAD_DIM) f32.
+    let mut qb = std::mem::MaybeUninit::<Aligned<{ MAX_ROWS * MAX_HEAD_DIM * 2 }>>::uninit();
+    let mut sc = Aligned::<{ GROUP * TILE * 4 }>([0; GROUP * TILE * 4]);
+    let mut pb = Aligned::<{ GROUP * TILE * 2 }>([0; GROUP * TILE * 2]);
+    let mut o_rows = std::mem::MaybeUninit::<Aligned<{ MAX_ROWS * MAX_HEAD_DIM * 4 }>>::uninit();
+    let qb = qb.as_mut_ptr() as *mut u16;
+    let sc = sc.0.as_mut_ptr() as *mut f32;
+    let pb = pb.0.as_mut_ptr() as *mut u16;
+    let o = o_rows.as_mut_ptr() as *mut f32;
+
+    let mut big_m = [f32::NEG_INFINITY; MAX_ROWS];
+    let mut big_l = [0.0f32; MAX_ROWS];
+    let mut m = [0.0f32; MAX_ROWS];
+    let mut l = [0.0f32; MAX_ROWS];
+
+    // SAFETY (whole body): every pointer below stays inside its buffer (row counts bounded by
+    // n <= MAX_ROWS and GROUP, hd <= MAX_HEAD_DIM, TILE); a chunk read from the pool covers
+    // sixteen positions starting at a multiple of 16 below `max_len`, which lie in one block of
+    // the table (block_size % 16 == 0), checked to be inside the pool by the caller.
+    unsafe {
+        // Queries rounded to BF16.
+        for i in 0..n {
+            let dst = qb.add(i * hd);
+            for c in (0..hd).step_by(16) {
+                let v = _mm512_loadu_ps(rows[i].q.as_ptr().add(c));
+                _mm256_storeu_si256(dst.add(c) as *mut __m256i, _mm512_cvtepi32_epi16(round16(v)));
+            }
+        }
+        for r in rows.iter_mut() {
+            r.out[..hd].fill(0.0);
+        }
+        let data_k = keys.data.as_ptr() as *const u16;
+        let data_v = job.values.data.as_ptr() as *const u16;
+        let scale = _mm512_set1_ps(job.scale);
+
+        let (mut part0, end) = job.span(max_len);
+        while part0 < end {
+            let part_end = (part0 + PARTITION).min(max_len);
+            for i in 0..n {
+                m[i] = f32::NEG_INFINITY;
+                l[i] = 0.0;
+                std::ptr::write_bytes(o.add(i * MAX_HEAD_DIM), 0, hd);
+            }
+            let mut t0 = part0;
+            while t0 < part_end {
+                let tile_len = TILE.min(part_end - t0);
+                // The tile's 16-position chunks: in both tiles of the pair layout, the chunk at
+                // slot `j` of its block starts `j · hd` elements into the block's (layer,
+                // head) tile. Chunks past the tile repeat its last one (their scores are
+                // computed and masked; it keeps every read inside the pool).
+                let chunks = tile_len.div_ceil(16);
+                let mut kc = [data_k; CHUNKS];
+                let mut vc = [data_v; CHUNKS];
+                for c in 0..CHUNKS {
+                    let p = t0 + 16 * c.min(chunks - 1);
+                    let at = keys.tile_base(job.blocks, job.offset, p) + (p % bs) * hd;
+                    kc[c] = data_k.add(at);
+                    vc[c] = data_v.add(at);
+                }
+                // The rows that attend to this tile, in groups of GROUP.
+                let mut active = [0usize; MAX_ROWS];
+                let mut n_active = 0;
+                for (i, r) in rows.iter().enumerate() {
+                    if r.len > t0 {
+                        active[n_active] = i;
+                        n_active += 1;
+                    }
+                }
+                for group in active[..n_active].chunks(GROUP) {
+                    let count = group.len();
+                    let q: [*const u16; GROUP] =
+                        std::array::from_fn(|g| qb.add(group[g.min(count - 1)] * hd) as *const u16);
+                    let orow: [*mut f32; GROUP] =
+                        std::array::from_fn(|g| o.add(group[g.min(count - 1)] * MAX_HEAD_DIM));
+                    // S = Q · Kᵀ, four chunks (64 positions) at a time.
+                    for half in 0..chunks.div_ceil(4) {
+                        let k4: [*const u16; 4] = std::array::from_fn(|c| kc[4 * half + c]);
+                        let out = sc.add(64 * half);
+                        match count {
+                            1 => scores_micro::<1>(&q, hd, &k4, out),
+                            2 => scores_micro::<2>(&q, hd, &k4, out),
+                            3 => scores_micro::<3>(&q, hd, &k4, out),
+                            _ => scores_micro::<4>(&q, hd, &k4, out),
+                        }
+                    }
+                    // The online softmax of each row (the AMX path's operations); P rounded to
+                    // BF16.
+                    let mut corr = [1.0f32; GROUP];
+                    for (g, &row) in group.iter().enumerate() {
+                        let v = rows[row].len.saturating_sub(t0).min(TILE);
+                        let srow = sc.add(g * TILE);
+                        let prow = pb.add(g * TILE);
+                        let s: [Zmm; CHUNKS] = std::array::from_fn(|q| {
+                            Zmm(_mm512_mul_ps(_mm512_load_ps(srow.add(16 * q)), scale))
+                                .keep(v.saturating_sub(16 * q), f32::NEG_INFINITY)
+                        });
+                        let top4 = |b: usize| Zmm::max(Zmm::max(s[b], s[b + 1]), Zmm::max(s[b + 2], s[b + 3]));
+                        let top = Zmm::max(top4(0), top4(4)).reduce_max();
+                        let m_new = m[row].max(top);
+                        let c = Zmm::exp1(m[row] - m_new);
+                        let mv = Zmm::splat(m_new);
+                        let p: [Zmm; CHUNKS] =
+                            std::array::from_fn(|q| Zmm::exp(Zmm::sub(s[q], mv)).keep(v.saturating_sub(16 * q), 0.0));
+                        // ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)), then across lanes.
+                        let quad = |b: usize| Zmm::add(Zmm::add(p[b], p[b + 1]), Zmm::add(p[b + 2], p[b + 3]));
+                        let sum = Zmm::add(quad(0), quad(4)).reduce_add();
+                        l[row] = Zmm::fma1(l[row], c, sum);
+                        m[row] = m_new;
+                        corr[g] = c;
+                        for (q, pq) in p.iter().enumerate() {
+                            _mm256_store_si256(prow.add(16 * q) as *mut __m256i, _mm512_cvtepi32_epi16(round16(pq.0)));
+                        }
+                    }
+                    // o = o · corr + P · V.
+                    match count {
+                        1 => values_rows::<1>(&orow, &corr, pb, &vc, chunks, hd),
+                        2 => values_rows::<2>(&orow, &corr, pb, &vc, chunks, hd),
+                        3 => values_rows::<3>(&orow, &corr, pb, &vc, chunks, hd),
+                        _ => values_rows::<4>(&orow, &corr, pb, &vc, chunks, hd),
+                    }
+                }
+                t0 += TILE;
+            }
+            // Fold the partition into the running state.
+            for (i, r) in rows.iter_mut().enumerate() {
+                if r.len <= part0 {
+                    continue;
+                }
+                let big = big_m[i].max(m[i]);
+                let a = Zmm::exp1(big_m[i] - big);
+                let b = Zmm::exp1(m[i] - big);
+                big_l[i] = Zmm::fma1(l[i], b, big_l[i] * a);
+                let orow = o.add(i * MAX_HEAD_DIM);
+                for (c, out) in r.out[..hd].iter_mut().enumerate() {
+                    *out = Zmm::fma1(*orow.add(c), b, *out * a);
+                }
+                big_m[i] = big;
+            }
+            part0 = part_end;
+        }
+    }
+    std::array::from_fn(|i| PartialStats { m: big_m[i], l: big_l[i] })
+}
