@@ -26,17 +26,21 @@ use crate::backend::ChatMessage;
 /// can be told apart from a template bug after minijinja has wrapped it.
 const RAISE_MARKER: &str = "kylin-template-raised: ";
 
-/// The most template instructions one render may run. Real chat templates run a few hundred per
-/// message, so this allows conversations of tens of thousands of messages, while a template
-/// that loops without end (nested `range` loops, say) stops within about a second with
-/// `CONFIG_INVALID` instead of holding a request, or the server's engine, for hours.
-const TEMPLATE_FUEL: u64 = 20_000_000;
+/// The most work one render may do, in minijinja's fuel: one unit per instruction plus, with
+/// the patched minijinja (`vendor/README.md`), one per 4 bytes or items of every value an
+/// instruction reads or makes. Real chat templates render a conversation of 1000 messages and
+/// 1 MB of text within it (`real_templates_render_a_megabyte_conversation_within_the_budget`),
+/// while a template that loops without end stops with `CONFIG_INVALID` instead of holding a
+/// request, or the server's engine, for hours, in a quarter of a second for the costliest
+/// units found: at 20 million, a template of nested loops over many frames ran 1 s and one
+/// nesting a value to the limit 3.8 s (fuzz findings 5 and 4 in docs/fuzzing.md).
+const TEMPLATE_FUEL: u64 = 5_000_000;
 
 /// The stack of the thread a chat template renders on: room for the deepest value a template
 /// can build within [`TEMPLATE_FUEL`] (one nesting level per loop iteration of at least 8
-/// instructions, at most 270 bytes of stack per level when formatted), tested by
+/// instructions, at most 270 bytes of stack per level when formatted: 169 MB), tested by
 /// `a_value_nested_to_the_fuel_limit_is_an_error_not_a_crash`.
-const RENDER_STACK_BYTES: usize = 1 << 30;
+const RENDER_STACK_BYTES: usize = 256 << 20;
 
 /// Name under which the chat template is compiled.
 const TEMPLATE_NAME: &str = "chat_template";

@@ -179,3 +179,44 @@ fn qwen3_template_strips_reasoning_from_history() {
     assert_eq!(ids[0], 151644, "<|im_start|> is one special id");
     assert_eq!(codec.detokenize(&ids, false).unwrap(), text);
 }
+
+/// The render budget (`TEMPLATE_FUEL`) is sized for real conversations, not only against
+/// runaway templates: each real template renders a conversation of 1000 messages and 1 MB of
+/// text (about 250 000 tokens, past every context these models have) without running out, and
+/// the rendering holds every message.
+#[test]
+fn real_templates_render_a_megabyte_conversation_within_the_budget() {
+    let codecs = [
+        ("tiny-qwen3 (Qwen3's template)", qwen3_codec()),
+        (
+            "qwen2.5-coder-0.5b-instruct",
+            TextCodec::new(&bundle(&model_dir("qwen2.5-coder-0.5b-instruct")), None).unwrap(),
+        ),
+        ("smollm2-135m-instruct", TextCodec::new(&bundle(&model_dir("smollm2-135m-instruct")), None).unwrap()),
+    ];
+    let word = "lorem ipsum dolor sit amet, ";
+    let messages: Vec<ChatMessage> = (0..1000)
+        .map(|i| ChatMessage {
+            role: if i == 0 {
+                "system"
+            } else if i % 2 == 1 {
+                "user"
+            } else {
+                "assistant"
+            }
+            .into(),
+            content: format!("message {i}: {}", word.repeat(1000 / word.len())),
+        })
+        .collect();
+    let total: usize = messages.iter().map(|m| m.content.len()).sum();
+    assert!(total >= 990_000, "{total} bytes of content");
+    for (name, codec) in &codecs {
+        let start = std::time::Instant::now();
+        let text = codec
+            .apply_chat_template(&messages, true, &Default::default())
+            .unwrap_or_else(|e| panic!("{name}: a 1 MB conversation does not render: {e}"));
+        eprintln!("{name}: {} bytes rendered in {:?}", text.len(), start.elapsed());
+        assert!(text.len() >= total, "{name}: {} bytes rendered from {total}", text.len());
+        assert!(text.contains("message 999: "), "{name}: the last message is missing");
+    }
+}
