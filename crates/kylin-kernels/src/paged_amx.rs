@@ -156,6 +156,109 @@ unsafe fn scores_half<const WIDE: bool>(
     }
 }
 
+/// The query rows rounded to BF16, `(n_pad, hd)` at `qb`, rows past `rows.len()` zero. Shared
+/// by both BF16 paths.
+///
+/// # Safety
+/// AVX-512 F/BW/VL available; `qb` has room for `n_pad · hd` values; each row holds `hd`
+/// elements, a multiple of 16.
+#[inline(always)]
+pub(super) unsafe fn round_queries(rows: &[QueryRow<'_>], hd: usize, n_pad: usize, qb: *mut u16) {
+    // SAFETY: as the caller promises.
+    unsafe {
+        for i in 0..n_pad {
+            let dst = qb.add(i * hd);
+            for c in (0..hd).step_by(16) {
+                let v = if i < rows.len() { _mm512_loadu_ps(rows[i].q.as_ptr().add(c)) } else { _mm512_setzero_ps() };
+                _mm256_storeu_si256(dst.add(c) as *mut __m256i, _mm512_cvtepi32_epi16(round16(v)));
+            }
+        }
+    }
+}
+
+/// One row's online-softmax update over a tile of [`AMX_TILE`] unscaled scores at `srow`
+/// (64-byte aligned), of which the first `v` (`>= 1`) are valid, in f32: `s = srow · scale`
+/// with positions `>= v` at `-inf`; `m' = max(m, max s)`; `corr = e^(m - m')`; `p = e^(s - m')`
+/// with positions `>= v` at 0; `l = fma(l, corr, sum p)`, the sum `((p0 + p1) + (p2 + p3)) +
+/// ((p4 + p5) + (p6 + p7))` then across lanes. Writes `p` rounded to BF16 at `prow` and
+/// returns `corr`. Shared by both BF16 paths, so both compute a row's softmax with the same
+/// operations.
+///
+/// # Safety
+/// AVX-512 F/BW/VL, AVX2 and FMA available; `srow` holds [`AMX_TILE`] f32, `prow` has room for
+/// [`AMX_TILE`] BF16 values.
+#[inline(always)]
+pub(super) unsafe fn softmax_row(
+    srow: *const f32,
+    scale: __m512,
+    v: usize,
+    m: &mut f32,
+    l: &mut f32,
+    prow: *mut u16,
+) -> f32 {
+    // SAFETY: as the caller promises.
+    unsafe {
+        let s: [Zmm; QUARTERS] = std::array::from_fn(|q| {
+            Zmm(_mm512_mul_ps(_mm512_load_ps(srow.add(16 * q)), scale))
+                .keep(v.saturating_sub(16 * q), f32::NEG_INFINITY)
+        });
+        let top4 = |b: usize| Zmm::max(Zmm::max(s[b], s[b + 1]), Zmm::max(s[b + 2], s[b + 3]));
+        let top = Zmm::max(top4(0), top4(4)).reduce_max();
+        let m_new = m.max(top);
+        let c = Zmm::exp1(*m - m_new);
+        let mv = Zmm::splat(m_new);
+        let p: [Zmm; QUARTERS] =
+            std::array::from_fn(|q| Zmm::exp(Zmm::sub(s[q], mv)).keep(v.saturating_sub(16 * q), 0.0));
+        let quad = |b: usize| Zmm::add(Zmm::add(p[b], p[b + 1]), Zmm::add(p[b + 2], p[b + 3]));
+        let sum = Zmm::add(quad(0), quad(4)).reduce_add();
+        *l = Zmm::fma1(*l, c, sum);
+        *m = m_new;
+        for (q, pq) in p.iter().enumerate() {
+            _mm256_storeu_si256(prow.add(16 * q) as *mut __m256i, _mm512_cvtepi32_epi16(round16(pq.0)));
+        }
+        c
+    }
+}
+
+/// Folds one partition's state (`m`, `l`, undivided outputs `o` at a row stride of
+/// [`MAX_HEAD_DIM`]) into the running state of every row that reaches it (`len > part0`):
+/// `M' = max(M, m)`, `a = e^(M - M')`, `b = e^(m - M')`, `L = fma(l, b, L · a)`,
+/// `out = fma(o, b, out · a)`. Shared by both BF16 paths (the fold `merge_partitions` repeats).
+///
+/// # Safety
+/// AVX-512 F and FMA available; `o` holds `rows.len()` rows of `hd` f32 at that stride; every
+/// row's `out` holds at least `hd` elements.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn fold_partition(
+    rows: &mut [QueryRow<'_>],
+    hd: usize,
+    part0: usize,
+    m: &[f32],
+    l: &[f32],
+    o: *const f32,
+    big_m: &mut [f32],
+    big_l: &mut [f32],
+) {
+    // SAFETY: as the caller promises.
+    unsafe {
+        for (i, r) in rows.iter_mut().enumerate() {
+            if r.len <= part0 {
+                continue;
+            }
+            let big = big_m[i].max(m[i]);
+            let a = Zmm::exp1(big_m[i] - big);
+            let b = Zmm::exp1(m[i] - big);
+            big_l[i] = Zmm::fma1(l[i], b, big_l[i] * a);
+            let orow = o.add(i * MAX_HEAD_DIM);
+            for (c, out) in r.out[..hd].iter_mut().enumerate() {
+                *out = Zmm::fma1(*orow.add(c), b, *out * a);
+            }
+            big_m[i] = big;
+        }
+    }
+}
+
 /// The AMX body of `attention_rows` over a BF16 pair-layout cache: each row's `out` undivided,
 /// its state returned.
 ///
@@ -199,14 +302,7 @@ pub(super) unsafe fn rows_amx<const WIDE: bool>(rows: &mut [QueryRow<'_>], job: 
     // reads sixteen positions starting at a multiple of 16 below `max_len`, which lie in one
     // block of the table (block_size % 16 == 0), checked to be inside the pool by the caller.
     unsafe {
-        // Queries rounded to BF16; padding rows zero.
-        for i in 0..n_pad {
-            let dst = qb.add(i * hd);
-            for c in (0..hd).step_by(16) {
-                let v = if i < n { _mm512_loadu_ps(rows[i].q.as_ptr().add(c)) } else { _mm512_setzero_ps() };
-                _mm256_storeu_si256(dst.add(c) as *mut __m256i, _mm512_cvtepi32_epi16(round16(v)));
-            }
-        }
+        round_queries(rows, hd, n_pad, qb);
         for r in rows.iter_mut() {
             r.out[..hd].fill(0.0);
         }
@@ -269,26 +365,7 @@ pub(super) unsafe fn rows_amx<const WIDE: bool>(rows: &mut [QueryRow<'_>], job: 
                             std::ptr::write_bytes(prow, 0, AMX_TILE);
                             continue;
                         }
-                        let srow = sc.add(i * AMX_TILE);
-                        let s: [Zmm; QUARTERS] = std::array::from_fn(|q| {
-                            Zmm(_mm512_mul_ps(_mm512_load_ps(srow.add(16 * q)), scale))
-                                .keep(v.saturating_sub(16 * q), f32::NEG_INFINITY)
-                        });
-                        let top4 = |b: usize| Zmm::max(Zmm::max(s[b], s[b + 1]), Zmm::max(s[b + 2], s[b + 3]));
-                        let top = Zmm::max(top4(0), top4(4)).reduce_max();
-                        let m_new = m[row].max(top);
-                        let c = Zmm::exp1(m[row] - m_new);
-                        let mv = Zmm::splat(m_new);
-                        let p: [Zmm; QUARTERS] =
-                            std::array::from_fn(|q| Zmm::exp(Zmm::sub(s[q], mv)).keep(v.saturating_sub(16 * q), 0.0));
-                        // ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)), then across lanes.
-                        let quad = |b: usize| Zmm::add(Zmm::add(p[b], p[b + 1]), Zmm::add(p[b + 2], p[b + 3]));
-                        let sum = Zmm::add(quad(0), quad(4)).reduce_add();
-                        l[row] = Zmm::fma1(l[row], c, sum);
-                        m[row] = m_new;
-                        for (q, pq) in p.iter().enumerate() {
-                            _mm256_storeu_si256(prow.add(16 * q) as *mut __m256i, _mm512_cvtepi32_epi16(round16(pq.0)));
-                        }
+                        let c = softmax_row(sc.add(i * AMX_TILE), scale, v, &mut m[row], &mut l[row], prow);
                         // o = o · corr (a multiplication by one changes nothing, so it is skipped).
                         if c != 1.0 {
                             let orow = o.add(row * MAX_HEAD_DIM);
@@ -360,21 +437,7 @@ pub(super) unsafe fn rows_amx<const WIDE: bool>(rows: &mut [QueryRow<'_>], job: 
                 }
                 t0 += AMX_TILE;
             }
-            // Fold the partition into the running state.
-            for (i, r) in rows.iter_mut().enumerate() {
-                if r.len <= part0 {
-                    continue;
-                }
-                let big = big_m[i].max(m[i]);
-                let a = Zmm::exp1(big_m[i] - big);
-                let b = Zmm::exp1(m[i] - big);
-                big_l[i] = Zmm::fma1(l[i], b, big_l[i] * a);
-                let orow = o.add(i * MAX_HEAD_DIM);
-                for (c, out) in r.out[..hd].iter_mut().enumerate() {
-                    *out = Zmm::fma1(*orow.add(c), b, *out * a);
-                }
-                big_m[i] = big;
-            }
+            fold_partition(rows, hd, part0, &m, &l, o, &mut big_m, &mut big_l);
             part0 = part_end;
         }
         asm!("tilerelease", options(nostack, nomem));

@@ -43,14 +43,12 @@
 
 use std::arch::x86_64::*;
 
-use super::simd::Zmm;
-use super::{Job, Lanes, MAX_HEAD_DIM, MAX_ROWS, PARTITION, PartialStats, QueryRow, Stats};
-use crate::amx::round16;
+use super::paged_amx::{fold_partition, round_queries, softmax_row};
+use super::{Job, MAX_HEAD_DIM, MAX_ROWS, PARTITION, PartialStats, QueryRow, Stats};
 
-/// Positions per tile (the AMX path's, so that both fold the same tiles).
+/// Positions per tile (the AMX path's, whose softmax `softmax_row` both paths run).
 const TILE: usize = super::paged_amx::AMX_TILE;
-// The softmax below sums and takes the maximum of exactly eight 16-lane vectors per row.
-const _: () = assert!(PARTITION.is_multiple_of(TILE) && TILE == 128);
+const _: () = assert!(PARTITION.is_multiple_of(TILE));
 /// 16-position chunks per tile.
 const CHUNKS: usize = TILE / 16;
 /// Query rows held in registers at once.
@@ -217,14 +215,7 @@ pub(super) unsafe fn rows_dpbf16(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> St
     // sixteen positions starting at a multiple of 16 below `max_len`, which lie in one block of
     // the table (block_size % 16 == 0), checked to be inside the pool by the caller.
     unsafe {
-        // Queries rounded to BF16.
-        for i in 0..n {
-            let dst = qb.add(i * hd);
-            for c in (0..hd).step_by(16) {
-                let v = _mm512_loadu_ps(rows[i].q.as_ptr().add(c));
-                _mm256_storeu_si256(dst.add(c) as *mut __m256i, _mm512_cvtepi32_epi16(round16(v)));
-            }
-        }
+        round_queries(rows, hd, n, qb);
         for r in rows.iter_mut() {
             r.out[..hd].fill(0.0);
         }
@@ -287,28 +278,7 @@ pub(super) unsafe fn rows_dpbf16(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> St
                     let mut corr = [1.0f32; GROUP];
                     for (g, &row) in group.iter().enumerate() {
                         let v = rows[row].len.saturating_sub(t0).min(TILE);
-                        let srow = sc.add(g * TILE);
-                        let prow = pb.add(g * TILE);
-                        let s: [Zmm; CHUNKS] = std::array::from_fn(|q| {
-                            Zmm(_mm512_mul_ps(_mm512_load_ps(srow.add(16 * q)), scale))
-                                .keep(v.saturating_sub(16 * q), f32::NEG_INFINITY)
-                        });
-                        let top4 = |b: usize| Zmm::max(Zmm::max(s[b], s[b + 1]), Zmm::max(s[b + 2], s[b + 3]));
-                        let top = Zmm::max(top4(0), top4(4)).reduce_max();
-                        let m_new = m[row].max(top);
-                        let c = Zmm::exp1(m[row] - m_new);
-                        let mv = Zmm::splat(m_new);
-                        let p: [Zmm; CHUNKS] =
-                            std::array::from_fn(|q| Zmm::exp(Zmm::sub(s[q], mv)).keep(v.saturating_sub(16 * q), 0.0));
-                        // ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)), then across lanes.
-                        let quad = |b: usize| Zmm::add(Zmm::add(p[b], p[b + 1]), Zmm::add(p[b + 2], p[b + 3]));
-                        let sum = Zmm::add(quad(0), quad(4)).reduce_add();
-                        l[row] = Zmm::fma1(l[row], c, sum);
-                        m[row] = m_new;
-                        corr[g] = c;
-                        for (q, pq) in p.iter().enumerate() {
-                            _mm256_store_si256(prow.add(16 * q) as *mut __m256i, _mm512_cvtepi32_epi16(round16(pq.0)));
-                        }
+                        corr[g] = softmax_row(sc.add(g * TILE), scale, v, &mut m[row], &mut l[row], pb.add(g * TILE));
                     }
                     // o = o · corr + P · V.
                     match count {
@@ -320,21 +290,7 @@ pub(super) unsafe fn rows_dpbf16(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> St
                 }
                 t0 += TILE;
             }
-            // Fold the partition into the running state.
-            for (i, r) in rows.iter_mut().enumerate() {
-                if r.len <= part0 {
-                    continue;
-                }
-                let big = big_m[i].max(m[i]);
-                let a = Zmm::exp1(big_m[i] - big);
-                let b = Zmm::exp1(m[i] - big);
-                big_l[i] = Zmm::fma1(l[i], b, big_l[i] * a);
-                let orow = o.add(i * MAX_HEAD_DIM);
-                for (c, out) in r.out[..hd].iter_mut().enumerate() {
-                    *out = Zmm::fma1(*orow.add(c), b, *out * a);
-                }
-                big_m[i] = big;
-            }
+            fold_partition(rows, hd, part0, &m, &l, o, &mut big_m, &mut big_l);
             part0 = part_end;
         }
     }
