@@ -220,42 +220,73 @@ pub(super) unsafe fn softmax_row(
     }
 }
 
-/// Folds one partition's state (`m`, `l`, undivided outputs `o` at a row stride of
-/// [`MAX_HEAD_DIM`]) into the running state of every row that reaches it (`len > part0`):
-/// `M' = max(M, m)`, `a = e^(M - M')`, `b = e^(m - M')`, `L = fma(l, b, L · a)`,
-/// `out = fma(o, b, out · a)`. Shared by both BF16 paths (the fold `merge_partitions` repeats).
-///
-/// # Safety
-/// AVX-512 F and FMA available; `o` holds `rows.len()` rows of `hd` f32 at that stride; every
-/// row's `out` holds at least `hd` elements.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn fold_partition(
-    rows: &mut [QueryRow<'_>],
-    hd: usize,
-    part0: usize,
-    m: &[f32],
-    l: &[f32],
-    o: *const f32,
-    big_m: &mut [f32],
-    big_l: &mut [f32],
-) {
-    // SAFETY: as the caller promises.
-    unsafe {
-        for (i, r) in rows.iter_mut().enumerate() {
-            if r.len <= part0 {
-                continue;
-            }
-            let big = big_m[i].max(m[i]);
-            let a = Zmm::exp1(big_m[i] - big);
-            let b = Zmm::exp1(m[i] - big);
-            big_l[i] = Zmm::fma1(l[i], b, big_l[i] * a);
-            let orow = o.add(i * MAX_HEAD_DIM);
-            for (c, out) in r.out[..hd].iter_mut().enumerate() {
-                *out = Zmm::fma1(*orow.add(c), b, *out * a);
-            }
-            big_m[i] = big;
+/// Each query row's online-softmax state: the current partition's running maximum and sum
+/// (`m`, `l`) and the state `(M, L)` of the partitions folded so far. Shared by both BF16 paths.
+pub(super) struct RowStates {
+    pub(super) m: [f32; MAX_ROWS],
+    pub(super) l: [f32; MAX_ROWS],
+    big_m: [f32; MAX_ROWS],
+    big_l: [f32; MAX_ROWS],
+}
+
+impl RowStates {
+    /// Before any partition.
+    pub(super) fn new() -> Self {
+        RowStates {
+            m: [0.0; MAX_ROWS],
+            l: [0.0; MAX_ROWS],
+            big_m: [f32::NEG_INFINITY; MAX_ROWS],
+            big_l: [0.0; MAX_ROWS],
         }
+    }
+
+    /// Starts a partition for rows `0..n`: `m = -inf`, `l = 0`, and their undivided outputs `o`
+    /// (row stride [`MAX_HEAD_DIM`]) zero over `hd` elements.
+    ///
+    /// # Safety
+    /// `o` has room for `n` rows at that stride; `n <= MAX_ROWS`.
+    #[inline(always)]
+    pub(super) unsafe fn start_partition(&mut self, n: usize, o: *mut f32, hd: usize) {
+        for i in 0..n {
+            self.m[i] = f32::NEG_INFINITY;
+            self.l[i] = 0.0;
+            // SAFETY: as the caller promises.
+            unsafe { std::ptr::write_bytes(o.add(i * MAX_HEAD_DIM), 0, hd) };
+        }
+    }
+
+    /// Folds the partition (undivided outputs `o` at a row stride of [`MAX_HEAD_DIM`]) into the
+    /// state of every row that reaches it (`len > part0`): `M' = max(M, m)`, `a = e^(M - M')`,
+    /// `b = e^(m - M')`, `L = fma(l, b, L · a)`, `out = fma(o, b, out · a)` (the fold
+    /// `merge_partitions` repeats).
+    ///
+    /// # Safety
+    /// AVX-512 F and FMA available; `o` holds `rows.len()` rows of `hd` f32 at that stride;
+    /// every row's `out` holds at least `hd` elements.
+    #[inline(always)]
+    pub(super) unsafe fn fold_partition(&mut self, rows: &mut [QueryRow<'_>], hd: usize, part0: usize, o: *const f32) {
+        // SAFETY: as the caller promises.
+        unsafe {
+            for (i, r) in rows.iter_mut().enumerate() {
+                if r.len <= part0 {
+                    continue;
+                }
+                let big = self.big_m[i].max(self.m[i]);
+                let a = Zmm::exp1(self.big_m[i] - big);
+                let b = Zmm::exp1(self.m[i] - big);
+                self.big_l[i] = Zmm::fma1(self.l[i], b, self.big_l[i] * a);
+                let orow = o.add(i * MAX_HEAD_DIM);
+                for (c, out) in r.out[..hd].iter_mut().enumerate() {
+                    *out = Zmm::fma1(*orow.add(c), b, *out * a);
+                }
+                self.big_m[i] = big;
+            }
+        }
+    }
+
+    /// Each row's state after the folded partitions.
+    pub(super) fn stats(&self) -> Stats {
+        std::array::from_fn(|i| PartialStats { m: self.big_m[i], l: self.big_l[i] })
     }
 }
 
@@ -291,10 +322,7 @@ pub(super) unsafe fn rows_amx<const WIDE: bool>(rows: &mut [QueryRow<'_>], job: 
     let pb = pb.0.as_mut_ptr() as *mut u16;
     let o = o_rows.as_mut_ptr() as *mut f32;
 
-    let mut big_m = [f32::NEG_INFINITY; MAX_ROWS];
-    let mut big_l = [0.0f32; MAX_ROWS];
-    let mut m = [0.0f32; MAX_ROWS];
-    let mut l = [0.0f32; MAX_ROWS];
+    let mut state = RowStates::new();
     let mut valid = [0usize; MAX_ROWS];
 
     // SAFETY (whole body): every pointer below stays inside its buffer (row and column counts
@@ -317,11 +345,7 @@ pub(super) unsafe fn rows_amx<const WIDE: bool>(rows: &mut [QueryRow<'_>], job: 
         let (mut part0, end) = job.span(max_len);
         while part0 < end {
             let part_end = (part0 + PARTITION).min(max_len);
-            for i in 0..n {
-                m[i] = f32::NEG_INFINITY;
-                l[i] = 0.0;
-                std::ptr::write_bytes(o.add(i * MAX_HEAD_DIM), 0, hd);
-            }
+            state.start_partition(n, o, hd);
             let mut t0 = part0;
             while t0 < part_end {
                 let tile_len = AMX_TILE.min(part_end - t0);
@@ -365,7 +389,7 @@ pub(super) unsafe fn rows_amx<const WIDE: bool>(rows: &mut [QueryRow<'_>], job: 
                             std::ptr::write_bytes(prow, 0, AMX_TILE);
                             continue;
                         }
-                        let c = softmax_row(sc.add(i * AMX_TILE), scale, v, &mut m[row], &mut l[row], prow);
+                        let c = softmax_row(sc.add(i * AMX_TILE), scale, v, &mut state.m[row], &mut state.l[row], prow);
                         // o = o · corr (a multiplication by one changes nothing, so it is skipped).
                         if c != 1.0 {
                             let orow = o.add(row * MAX_HEAD_DIM);
@@ -437,10 +461,10 @@ pub(super) unsafe fn rows_amx<const WIDE: bool>(rows: &mut [QueryRow<'_>], job: 
                 }
                 t0 += AMX_TILE;
             }
-            fold_partition(rows, hd, part0, &m, &l, o, &mut big_m, &mut big_l);
+            state.fold_partition(rows, hd, part0, o);
             part0 = part_end;
         }
         asm!("tilerelease", options(nostack, nomem));
     }
-    std::array::from_fn(|i| PartialStats { m: big_m[i], l: big_l[i] })
+    state.stats()
 }

@@ -43,8 +43,8 @@
 
 use std::arch::x86_64::*;
 
-use super::paged_amx::{fold_partition, round_queries, softmax_row};
-use super::{Job, MAX_HEAD_DIM, MAX_ROWS, PARTITION, PartialStats, QueryRow, Stats};
+use super::paged_amx::{RowStates, round_queries, softmax_row};
+use super::{Job, MAX_HEAD_DIM, MAX_ROWS, PARTITION, QueryRow, Stats};
 
 /// Positions per tile (the AMX path's, whose softmax `softmax_row` both paths run).
 const TILE: usize = super::paged_amx::AMX_TILE;
@@ -205,10 +205,7 @@ pub(super) unsafe fn rows_dpbf16(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> St
     let pb = pb.0.as_mut_ptr() as *mut u16;
     let o = o_rows.as_mut_ptr() as *mut f32;
 
-    let mut big_m = [f32::NEG_INFINITY; MAX_ROWS];
-    let mut big_l = [0.0f32; MAX_ROWS];
-    let mut m = [0.0f32; MAX_ROWS];
-    let mut l = [0.0f32; MAX_ROWS];
+    let mut state = RowStates::new();
 
     // SAFETY (whole body): every pointer below stays inside its buffer (row counts bounded by
     // n <= MAX_ROWS and GROUP, hd <= MAX_HEAD_DIM, TILE); a chunk read from the pool covers
@@ -226,11 +223,7 @@ pub(super) unsafe fn rows_dpbf16(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> St
         let (mut part0, end) = job.span(max_len);
         while part0 < end {
             let part_end = (part0 + PARTITION).min(max_len);
-            for i in 0..n {
-                m[i] = f32::NEG_INFINITY;
-                l[i] = 0.0;
-                std::ptr::write_bytes(o.add(i * MAX_HEAD_DIM), 0, hd);
-            }
+            state.start_partition(n, o, hd);
             let mut t0 = part0;
             while t0 < part_end {
                 let tile_len = TILE.min(part_end - t0);
@@ -278,7 +271,14 @@ pub(super) unsafe fn rows_dpbf16(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> St
                     let mut corr = [1.0f32; GROUP];
                     for (g, &row) in group.iter().enumerate() {
                         let v = rows[row].len.saturating_sub(t0).min(TILE);
-                        corr[g] = softmax_row(sc.add(g * TILE), scale, v, &mut m[row], &mut l[row], pb.add(g * TILE));
+                        corr[g] = softmax_row(
+                            sc.add(g * TILE),
+                            scale,
+                            v,
+                            &mut state.m[row],
+                            &mut state.l[row],
+                            pb.add(g * TILE),
+                        );
                     }
                     // o = o · corr + P · V.
                     match count {
@@ -290,9 +290,9 @@ pub(super) unsafe fn rows_dpbf16(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> St
                 }
                 t0 += TILE;
             }
-            fold_partition(rows, hd, part0, &m, &l, o, &mut big_m, &mut big_l);
+            state.fold_partition(rows, hd, part0, o);
             part0 = part_end;
         }
     }
-    std::array::from_fn(|i| PartialStats { m: big_m[i], l: big_l[i] })
+    state.stats()
 }
