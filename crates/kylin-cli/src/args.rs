@@ -89,8 +89,23 @@ pub struct ModelArgs {
     /// A Jinja chat template file used instead of the model's own.
     #[arg(long, value_name = "FILE")]
     pub chat_template: Option<PathBuf>,
+    /// llama.cpp's flash attention for GGUF models (its `-fa`); Kylin's own engine has one
+    /// attention and refuses `on`/`off`.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub flash_attn: FlashAttnArg,
     #[command(flatten)]
     pub engine: EngineArgs,
+}
+
+/// llama.cpp's attention kernel for GGUF models.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlashAttnArg {
+    /// llama.cpp decides (on a CPU it turns flash attention on).
+    Auto,
+    /// Flash attention: f16 queries, values summed in f16.
+    On,
+    /// Separate score and value products (f16 operands, f32 sums).
+    Off,
 }
 
 /// Element type of the KV cache.

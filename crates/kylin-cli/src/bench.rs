@@ -96,6 +96,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
         b.engine.quantize = None;
         models.push(b);
     }
+    // `--flash-attn` configures llama.cpp: it goes to the GGUF side of a `--vs` run, and is an
+    // error only when no model runs on llama.cpp.
+    if models.iter().any(crate::open::runs_on_llama_cpp) {
+        for m in models.iter_mut().filter(|m| !crate::open::runs_on_llama_cpp(m)) {
+            m.flash_attn = crate::args::FlashAttnArg::Auto;
+        }
+    }
 
     // The machine's read bandwidth with the same threads, the decode ceiling, is measured before
     // every round: on a shared machine it moves with the neighbours' load, so the median over the
@@ -408,6 +415,7 @@ fn spawn_worker_json(model: &ModelArgs, threads: usize, args: &BenchArgs) -> Res
     if let Some(ctx) = model.ctx_size {
         cmd.args(["--ctx-size", &ctx.to_string()]);
     }
+    cmd.args(["--flash-attn", &crate::args::flag_value(&model.flash_attn)]);
     if let Some(map) = &model.tensor_map {
         cmd.arg("--tensor-map").arg(map);
     }

@@ -9,7 +9,7 @@ use kylin_engine::{Backend, PrecisionChoice, Serving};
 use kylin_kernels::WeightDType;
 use kylin_loader::{Format, KylinError, LoadOptions};
 
-use crate::args::{BackendChoice, KvDTypeArg, ModelArgs, PrecisionArg, QuantizeArg};
+use crate::args::{BackendChoice, FlashAttnArg, KvDTypeArg, ModelArgs, PrecisionArg, QuantizeArg};
 
 /// A ready backend and what it cost to get there.
 pub struct Opened {
@@ -35,6 +35,39 @@ fn read_chat_template(args: &ModelArgs) -> Result<Option<String>> {
         Some(path) => std::fs::read_to_string(path)
             .map(Some)
             .map_err(|e| KylinError::io(path, "cannot read the --chat-template file", &e).into()),
+    }
+}
+
+/// Whether `args` names a model that runs on llama.cpp (a GGUF file, unless `--backend native`
+/// refuses it); a file that cannot be read counts as not (opening it reports why).
+pub fn runs_on_llama_cpp(args: &ModelArgs) -> bool {
+    match kylin_loader::detect(&args.model) {
+        Ok(Format::Gguf { .. }) => args.backend != BackendChoice::Native,
+        _ => false,
+    }
+}
+
+/// `--flash-attn on|off` on a model that runs on Kylin's own engine is `CONFIG_INVALID`.
+fn refuse_flash_attn(args: &ModelArgs) -> Result<()> {
+    if args.flash_attn == FlashAttnArg::Auto {
+        return Ok(());
+    }
+    Err(KylinError::config_invalid(format!(
+        "--flash-attn {} configures llama.cpp, which runs GGUF files; {} runs on Kylin's own engine, \
+         whose paged attention has one arithmetic (omit --flash-attn or pass auto)",
+        crate::args::flag_value(&args.flash_attn),
+        args.model.display()
+    ))
+    .into())
+}
+
+/// The llama.cpp attention choice of a `--flash-attn` flag.
+#[cfg(feature = "llamacpp")]
+pub fn flash_attention(flag: FlashAttnArg) -> kylin_llamacpp::FlashAttention {
+    match flag {
+        FlashAttnArg::Auto => kylin_llamacpp::FlashAttention::Auto,
+        FlashAttnArg::On => kylin_llamacpp::FlashAttention::On,
+        FlashAttnArg::Off => kylin_llamacpp::FlashAttention::Off,
     }
 }
 
@@ -89,6 +122,7 @@ pub fn open(args: &ModelArgs, require_tokenizer: bool) -> Result<Opened> {
         }
         return open_llama(args, threads, chat_template_override, started);
     }
+    refuse_flash_attn(args)?;
     let opts = LoadOptions {
         tensor_map: args.tensor_map.clone(),
         allow_vocab_mismatch: args.allow_vocab_mismatch,
@@ -123,6 +157,7 @@ pub fn open_engine(args: &ModelArgs) -> Result<Box<dyn Serving>> {
         let opened = open(args, false)?;
         return Ok(Box::new(kylin_engine::SerialEngine::new(opened.backend)));
     }
+    refuse_flash_attn(args)?;
     let threads = threads(args)?;
     let opts = LoadOptions {
         tensor_map: args.tensor_map.clone(),
@@ -237,7 +272,12 @@ fn open_llama(
     use kylin_llamacpp::{LlamaCppBackend, LlamaCppOptions};
     let backend = LlamaCppBackend::load(
         &args.model,
-        &LlamaCppOptions { threads, ctx_size: args.ctx_size, chat_template_override },
+        &LlamaCppOptions {
+            threads,
+            ctx_size: args.ctx_size,
+            chat_template_override,
+            flash_attention: flash_attention(args.flash_attn),
+        },
     )?;
     Ok(Opened { backend: Box::new(backend), load_ms: started.elapsed().as_secs_f64() * 1e3, tokenizer_ms: None })
 }

@@ -348,6 +348,23 @@ fn perplexity_saves_a_base_and_compares_a_16_bit_kv_cache_with_it() {
 }
 
 #[test]
+fn flash_attn_configures_llama_cpp_and_is_refused_natively() {
+    // A GGUF file runs with either llama.cpp attention; greedy decoding still says Paris.
+    let gguf = model("gguf/smollm2-135m-instruct-q4_1.gguf");
+    for flag in ["on", "off"] {
+        let out =
+            kylin(&["run", s(&gguf), "-p", "The capital of France is", "--max-tokens", "2", "--flash-attn", flag]);
+        assert!(out.status.success(), "--flash-attn {flag}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(String::from_utf8_lossy(&out.stdout).contains("Paris"), "{}", String::from_utf8_lossy(&out.stdout));
+    }
+    // Kylin's own engine has one attention: on or off is CONFIG_INVALID naming the flag.
+    let tiny = Path::new(SHARED).join("fixtures/tiny-qwen3");
+    let out = kylin(&["run", s(&tiny), "--ids", "1,2", "--max-tokens", "1", "--flash-attn", "off"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.starts_with("[CONFIG_INVALID] ") && err.contains("--flash-attn off"), "{err}");
+}
+
+#[test]
 fn precision_is_reported_and_refused_where_it_cannot_apply() {
     // inspect names the kernel families and what `--precision auto` runs.
     let bf16_dir = model("smollm2-135m-instruct");

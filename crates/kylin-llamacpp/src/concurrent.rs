@@ -18,7 +18,7 @@ use llama_cpp_2::model::LlamaModel;
 use llama_cpp_2::model::params::LlamaModelParams;
 use llama_cpp_2::token::LlamaToken;
 
-use crate::{MAX_BATCH, llama_backend, resolve_threads, validate_gguf};
+use crate::{FlashAttention, MAX_BATCH, llama_backend, resolve_threads, validate_gguf};
 
 /// When each token of one sequence arrived, in seconds from the submission of all sequences.
 #[derive(Debug, Clone, Default)]
@@ -33,6 +33,7 @@ pub fn run_concurrent(
     threads: usize,
     prompts: &[Vec<u32>],
     gen_tokens: usize,
+    flash_attention: FlashAttention,
 ) -> Result<(Vec<SequenceTimes>, f64)> {
     let started = Instant::now();
     validate_gguf(path)?;
@@ -61,7 +62,8 @@ pub fn run_concurrent(
         .with_n_seq_max(n as u32)
         .with_kv_unified(true)
         .with_n_threads(threads as i32)
-        .with_n_threads_batch(threads as i32);
+        .with_n_threads_batch(threads as i32)
+        .with_flash_attention_policy(flash_attention.policy());
     let mut ctx = model
         .new_context(backend, ctx_params)
         .map_err(|e| KylinError::backend_failed(format!("llama.cpp could not create a context of {total_ctx}: {e}")))?;

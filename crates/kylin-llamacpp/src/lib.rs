@@ -62,6 +62,31 @@ pub struct LlamaCppOptions {
     /// A chat template used instead of the one embedded in the file: Jinja text (anything
     /// containing `{%` or `{{`), else a llama.cpp built-in template name such as `chatml`.
     pub chat_template_override: Option<String>,
+    /// llama.cpp's flash attention (its `-fa`): `Auto` lets llama.cpp decide, which on a CPU
+    /// turns it on.
+    pub flash_attention: FlashAttention,
+}
+
+/// llama.cpp's attention kernel choice. The two differ in arithmetic, not only in speed: with
+/// flash attention llama.cpp's CPU kernel converts the queries to f16 and accumulates the
+/// weighted values in f16; without it, the scores and probabilities go through f16 matrix
+/// products with f32 sums. BENCHMARKS.md measures how far apart the two land.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum FlashAttention {
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+impl FlashAttention {
+    fn policy(self) -> llama_cpp_sys_2::llama_flash_attn_type {
+        match self {
+            FlashAttention::Auto => llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_AUTO,
+            FlashAttention::On => llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_ENABLED,
+            FlashAttention::Off => llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_DISABLED,
+        }
+    }
 }
 
 /// The process-wide llama.cpp initialisation, or the reason it failed.
@@ -164,7 +189,8 @@ impl LlamaCppBackend {
             .with_n_ubatch(n_batch as u32)
             .with_n_seq_max(1)
             .with_n_threads(threads_i32)
-            .with_n_threads_batch(threads_i32);
+            .with_n_threads_batch(threads_i32)
+            .with_flash_attention_policy(opts.flash_attention.policy());
         let ctx = model.new_context(backend, ctx_params).map_err(|e| {
             KylinError::backend_failed(format!(
                 "llama.cpp could not create a context of {n_ctx} tokens for {}: {e}; try a \

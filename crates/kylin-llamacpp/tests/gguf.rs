@@ -9,7 +9,7 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use kylin_engine::sampler::argmax;
 use kylin_engine::{Backend, ChatMessage};
-use kylin_llamacpp::{LlamaCppBackend, LlamaCppOptions};
+use kylin_llamacpp::{FlashAttention, LlamaCppBackend, LlamaCppOptions};
 use kylin_loader::ErrorCode;
 use serde_json::Value;
 
@@ -54,7 +54,7 @@ fn ids(v: &Value) -> Vec<u32> {
 }
 
 fn opts() -> LlamaCppOptions {
-    LlamaCppOptions { threads: 2, ctx_size: Some(1024), chat_template_override: None }
+    LlamaCppOptions { threads: 2, ctx_size: Some(1024), ..Default::default() }
 }
 
 /// The shared, reset backend for `name`.
@@ -149,6 +149,38 @@ fn all_logits_agree_with_prefill_and_reset_restarts() {
     assert!(max_diff < 1e-3, "same prompt after reset differs by {max_diff}");
 }
 
+/// `FlashAttention::On` and `Off` reach llama.cpp: the same prompt's logits come out of two
+/// different arithmetics (f16 value sums against f32 ones), so they are not bit-identical; both
+/// pick the reference's greedy token and land near transformers' top ten logits (measured:
+/// within 0.16 with flash attention, 0.10 without).
+#[test]
+fn flash_attention_choice_reaches_llama_cpp() {
+    let r = reference(QWEN);
+    let case = &r["cases"][0];
+    let prompt = ids(&case["input_ids"]);
+    let want = *ids(&case["argmax_per_position"]).last().unwrap();
+    let top10: Vec<(usize, f32)> = case["last_top10"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|pair| (pair[0].as_u64().unwrap() as usize, pair[1].as_f64().unwrap() as f32))
+        .collect();
+    let path = gguf_path(QWEN);
+    let mut logits = Vec::new();
+    for flash_attention in [FlashAttention::On, FlashAttention::Off] {
+        let mut m = LlamaCppBackend::load(&path, &LlamaCppOptions { flash_attention, ..opts() }).unwrap();
+        let last = m.prefill(&prompt).unwrap().to_vec();
+        assert_eq!(argmax(&last), want, "{flash_attention:?}");
+        let off_reference = top10.iter().map(|&(id, v)| (last[id] - v).abs()).fold(0.0f32, f32::max);
+        assert!(off_reference < 0.25, "{flash_attention:?}: top-10 logits {off_reference} from the reference");
+        logits.push(last);
+    }
+    assert!(
+        logits[0] != logits[1],
+        "flash attention on and off gave bit-identical logits: the choice did not reach llama.cpp"
+    );
+}
+
 fn user(content: &str) -> ChatMessage {
     ChatMessage { role: "user".into(), content: content.into() }
 }
@@ -232,7 +264,8 @@ fn second_load_in_one_process_works_and_long_prompts_are_chunked() {
     let path = gguf_path(SMOL);
     // A template name (not Jinja) selects llama.cpp's built-in engine, which has no default
     // system prompt.
-    let small = LlamaCppOptions { threads: 2, ctx_size: Some(700), chat_template_override: Some("chatml".into()) };
+    let small =
+        LlamaCppOptions { threads: 2, ctx_size: Some(700), chat_template_override: Some("chatml".into()), ..opts() };
     let mut m = LlamaCppBackend::load(&path, &small).unwrap();
     assert_eq!(m.context_size(), 700);
     assert!(m.load_ms() > 0.0);
