@@ -102,6 +102,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
         for m in models.iter_mut().filter(|m| !crate::open::runs_on_llama_cpp(m)) {
             m.flash_attn = crate::args::FlashAttnArg::Auto;
         }
+    } else {
+        crate::open::refuse_flash_attn(&args.model)?;
     }
 
     // The machine's read bandwidth with the same threads, the decode ceiling, is measured before

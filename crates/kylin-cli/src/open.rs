@@ -48,7 +48,7 @@ pub fn runs_on_llama_cpp(args: &ModelArgs) -> bool {
 }
 
 /// `--flash-attn on|off` on a model that runs on Kylin's own engine is `CONFIG_INVALID`.
-fn refuse_flash_attn(args: &ModelArgs) -> Result<()> {
+pub fn refuse_flash_attn(args: &ModelArgs) -> Result<()> {
     if args.flash_attn == FlashAttnArg::Auto {
         return Ok(());
     }
