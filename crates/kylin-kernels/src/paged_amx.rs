@@ -57,7 +57,40 @@ const QUARTERS: usize = AMX_TILE / 16;
 
 /// 64-byte aligned storage.
 #[repr(C, align(64))]
-struct Aligned<const N: usize>([u8; N]);
+struct Aligned<T>(T);
+
+/// The stack buffers of one call of a BF16 attention path (this one and `paged_dpbf16`), each
+/// 64-byte aligned: the queries in BF16, (MAX_ROWS, MAX_HEAD_DIM); one group's scores in f32,
+/// (ROWS, AMX_TILE); their P in BF16, (ROWS, AMX_TILE); the partition's o in f32, (MAX_ROWS,
+/// MAX_HEAD_DIM). Only the parts a call uses are written, and written before read; scores and P
+/// start zeroed.
+pub(super) struct Scratch<const ROWS: usize> {
+    queries: std::mem::MaybeUninit<Aligned<[[u16; MAX_HEAD_DIM]; MAX_ROWS]>>,
+    scores: Aligned<[[f32; AMX_TILE]; ROWS]>,
+    probs: Aligned<[[u16; AMX_TILE]; ROWS]>,
+    out: std::mem::MaybeUninit<Aligned<[[f32; MAX_HEAD_DIM]; MAX_ROWS]>>,
+}
+
+impl<const ROWS: usize> Scratch<ROWS> {
+    pub(super) fn new() -> Self {
+        Scratch {
+            queries: std::mem::MaybeUninit::uninit(),
+            scores: Aligned([[0.0; AMX_TILE]; ROWS]),
+            probs: Aligned([[0; AMX_TILE]; ROWS]),
+            out: std::mem::MaybeUninit::uninit(),
+        }
+    }
+
+    /// Pointers to the first element of the queries, scores, P and o buffers.
+    pub(super) fn pointers(&mut self) -> (*mut u16, *mut f32, *mut u16, *mut f32) {
+        (
+            self.queries.as_mut_ptr() as *mut u16,
+            self.scores.0.as_mut_ptr() as *mut f32,
+            self.probs.0.as_mut_ptr() as *mut u16,
+            self.out.as_mut_ptr() as *mut f32,
+        )
+    }
+}
 
 /// `ldtilecfg`'s operand for one call of `rows` query rows (1 to 16 per block): tmm0 the
 /// queries (A, 32 dimensions), tmm2-5 scores or outputs (C, sixteen columns), and
@@ -310,17 +343,9 @@ pub(super) unsafe fn rows_amx<const WIDE: bool>(rows: &mut [QueryRow<'_>], job: 
     let tile_rows = n.min(16);
     let n_pad = n.div_ceil(16) * tile_rows;
 
-    // Stack buffers (only the parts a call uses are written, and written before read):
-    // queries in BF16, (n_pad, hd); scores (16, AMX_TILE) f32; P in BF16, (16, AMX_TILE); the partition's
-    // o, (MAX_ROWS, MAX_HEAD_DIM) f32.
-    let mut qb = std::mem::MaybeUninit::<Aligned<{ MAX_ROWS * MAX_HEAD_DIM * 2 }>>::uninit();
-    let mut sc = Aligned::<{ 16 * AMX_TILE * 4 }>([0; 16 * AMX_TILE * 4]);
-    let mut pb = Aligned::<{ 16 * AMX_TILE * 2 }>([0; 16 * AMX_TILE * 2]);
-    let mut o_rows = std::mem::MaybeUninit::<Aligned<{ MAX_ROWS * MAX_HEAD_DIM * 4 }>>::uninit();
-    let qb = qb.as_mut_ptr() as *mut u16;
-    let sc = sc.0.as_mut_ptr() as *mut f32;
-    let pb = pb.0.as_mut_ptr() as *mut u16;
-    let o = o_rows.as_mut_ptr() as *mut f32;
+    // Stack buffers: queries (n_pad of the rows used), and scores and P for a block of 16 rows.
+    let mut scratch = Scratch::<16>::new();
+    let (qb, sc, pb, o) = scratch.pointers();
 
     let mut state = RowStates::new();
     let mut valid = [0usize; MAX_ROWS];

@@ -43,7 +43,7 @@
 
 use std::arch::x86_64::*;
 
-use super::paged_amx::{RowStates, round_queries, softmax_row};
+use super::paged_amx::{RowStates, Scratch, round_queries, softmax_row};
 use super::{Job, MAX_HEAD_DIM, MAX_ROWS, PARTITION, QueryRow, Stats};
 
 /// Positions per tile (the AMX path's, whose softmax `softmax_row` both paths run).
@@ -53,10 +53,6 @@ const _: () = assert!(PARTITION.is_multiple_of(TILE));
 const CHUNKS: usize = TILE / 16;
 /// Query rows held in registers at once.
 const GROUP: usize = 4;
-
-/// 64-byte aligned storage.
-#[repr(C, align(64))]
-struct Aligned<const N: usize>([u8; N]);
 
 /// The 32 bits at `p` (a pair of BF16 values) in every lane.
 ///
@@ -107,37 +103,43 @@ unsafe fn scores_micro<const R: usize>(q: &[*const u16; GROUP], hd: usize, kc: &
     }
 }
 
+/// One group's `o = o · corr + P · V` over one tile: the operands [`values_micro`] and
+/// [`values_rows`] read.
+struct ValueTile<'a> {
+    /// Each row's partition output, `hd` f32 (rows past the group's count repeat its last).
+    o: &'a [*mut f32; GROUP],
+    /// Each row's rescaling of its output before this tile.
+    corr: &'a [f32; GROUP],
+    /// The group's P in BF16, rows of [`TILE`] at a stride of `TILE`.
+    p: *const u16,
+    /// The tile's value chunks (eight pair rows of `2 · hd` elements each), `chunks` of them used.
+    vc: &'a [*const u16; CHUNKS],
+    chunks: usize,
+    hd: usize,
+}
+
 /// `o_r = o_r · corr_r + P_r · V` for `R` rows and `D` sixteen-dimension blocks starting at
 /// dimension `d0`, over the tile's `chunks` chunks of sixteen positions in order (eight pairs
 /// each): one chain per (row, dimension block).
 ///
 /// # Safety
-/// AVX-512 F/BF16 available; `o[r]` holds `d0 + 16 · D` f32; `p` holds `R` rows of [`TILE`]
-/// BF16 at a stride of `TILE`; `vc[..chunks]` point at whole value chunks (eight pair rows of
-/// `2 · hd` elements).
+/// AVX-512 F/BF16 available; `t.o[r]` holds `d0 + 16 · D` f32; `t.p` holds `R` rows of [`TILE`]
+/// BF16 at a stride of `TILE`; `t.vc[..t.chunks]` point at whole value chunks.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn values_micro<const R: usize, const D: usize>(
-    o: &[*mut f32; GROUP],
-    corr: &[f32; GROUP],
-    p: *const u16,
-    vc: &[*const u16; CHUNKS],
-    chunks: usize,
-    hd: usize,
-    d0: usize,
-) {
+unsafe fn values_micro<const R: usize, const D: usize>(t: &ValueTile<'_>, d0: usize) {
+    let (o, hd) = (t.o, t.hd);
     // SAFETY: as the caller promises.
     unsafe {
         let mut acc: [[__m512; D]; R] = std::array::from_fn(|r| {
-            let c = _mm512_set1_ps(corr[r]);
+            let c = _mm512_set1_ps(t.corr[r]);
             std::array::from_fn(|d| _mm512_mul_ps(_mm512_loadu_ps(o[r].add(d0 + 16 * d)), c))
         });
-        for c in 0..chunks {
+        for c in 0..t.chunks {
             for j in 0..8 {
-                let row = vc[c].add(j * 2 * hd + 2 * d0);
+                let row = t.vc[c].add(j * 2 * hd + 2 * d0);
                 let vv: [__m512bh; D] = std::array::from_fn(|d| load_pairs(row.add(32 * d)));
                 for r in 0..R {
-                    let pp = broadcast_pair(p.add(r * TILE + 16 * c + 2 * j));
+                    let pp = broadcast_pair(t.p.add(r * TILE + 16 * c + 2 * j));
                     for d in 0..D {
                         acc[r][d] = _mm512_dpbf16_ps(acc[r][d], pp, vv[d]);
                     }
@@ -155,25 +157,18 @@ unsafe fn values_micro<const R: usize, const D: usize>(
 /// [`values_micro`] over all `hd` dimensions, four blocks at a time (two for a last 32).
 ///
 /// # Safety
-/// As [`values_micro`] with `hd % 32 == 0`.
+/// As [`values_micro`] with `t.hd % 32 == 0`.
 #[inline(always)]
-unsafe fn values_rows<const R: usize>(
-    o: &[*mut f32; GROUP],
-    corr: &[f32; GROUP],
-    p: *const u16,
-    vc: &[*const u16; CHUNKS],
-    chunks: usize,
-    hd: usize,
-) {
+unsafe fn values_rows<const R: usize>(t: &ValueTile<'_>) {
     // SAFETY: as the caller promises.
     unsafe {
         let mut d0 = 0;
-        while d0 + 64 <= hd {
-            values_micro::<R, 4>(o, corr, p, vc, chunks, hd, d0);
+        while d0 + 64 <= t.hd {
+            values_micro::<R, 4>(t, d0);
             d0 += 64;
         }
-        if d0 < hd {
-            values_micro::<R, 2>(o, corr, p, vc, chunks, hd, d0);
+        if d0 < t.hd {
+            values_micro::<R, 2>(t, d0);
         }
     }
 }
@@ -193,17 +188,9 @@ pub(super) unsafe fn rows_dpbf16(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> St
     debug_assert!(hd % 32 == 0 && bs % 16 == 0 && hd <= MAX_HEAD_DIM && n <= MAX_ROWS);
     let max_len = rows.iter().map(|r| r.len).max().unwrap_or(0);
 
-    // Stack buffers (only the parts a call uses are written, and written before read):
-    // queries in BF16, (n, hd); one group's scores (GROUP, TILE) f32 and P in BF16
-    // (GROUP, TILE); the partition's o, (MAX_ROWS, MAX_HEAD_DIM) f32.
-    let mut qb = std::mem::MaybeUninit::<Aligned<{ MAX_ROWS * MAX_HEAD_DIM * 2 }>>::uninit();
-    let mut sc = Aligned::<{ GROUP * TILE * 4 }>([0; GROUP * TILE * 4]);
-    let mut pb = Aligned::<{ GROUP * TILE * 2 }>([0; GROUP * TILE * 2]);
-    let mut o_rows = std::mem::MaybeUninit::<Aligned<{ MAX_ROWS * MAX_HEAD_DIM * 4 }>>::uninit();
-    let qb = qb.as_mut_ptr() as *mut u16;
-    let sc = sc.0.as_mut_ptr() as *mut f32;
-    let pb = pb.0.as_mut_ptr() as *mut u16;
-    let o = o_rows.as_mut_ptr() as *mut f32;
+    // Stack buffers: queries (n of the rows), and scores and P for one group of rows.
+    let mut scratch = Scratch::<GROUP>::new();
+    let (qb, sc, pb, o) = scratch.pointers();
 
     let mut state = RowStates::new();
 
@@ -281,11 +268,12 @@ pub(super) unsafe fn rows_dpbf16(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> St
                         );
                     }
                     // o = o · corr + P · V.
+                    let tile = ValueTile { o: &orow, corr: &corr, p: pb, vc: &vc, chunks, hd };
                     match count {
-                        1 => values_rows::<1>(&orow, &corr, pb, &vc, chunks, hd),
-                        2 => values_rows::<2>(&orow, &corr, pb, &vc, chunks, hd),
-                        3 => values_rows::<3>(&orow, &corr, pb, &vc, chunks, hd),
-                        _ => values_rows::<4>(&orow, &corr, pb, &vc, chunks, hd),
+                        1 => values_rows::<1>(&tile),
+                        2 => values_rows::<2>(&tile),
+                        3 => values_rows::<3>(&tile),
+                        _ => values_rows::<4>(&tile),
                     }
                 }
                 t0 += TILE;
