@@ -98,8 +98,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     // `--flash-attn` configures llama.cpp: it goes to the GGUF side of a `--vs` run, and is an
     // error only when no model runs on llama.cpp.
-    if models.iter().any(crate::open::runs_on_llama_cpp) {
-        for m in models.iter_mut().filter(|m| !crate::open::runs_on_llama_cpp(m)) {
+    let on_llama: Vec<bool> = models.iter().map(crate::open::runs_on_llama_cpp).collect();
+    if on_llama.contains(&true) {
+        for (m, _) in models.iter_mut().zip(&on_llama).filter(|(_, on)| !**on) {
             m.flash_attn = crate::args::FlashAttnArg::Auto;
         }
     } else {

@@ -41,9 +41,28 @@ fn read_chat_template(args: &ModelArgs) -> Result<Option<String>> {
 /// Whether `args` names a model that runs on llama.cpp (a GGUF file, unless `--backend native`
 /// refuses it); a file that cannot be read counts as not (opening it reports why).
 pub fn runs_on_llama_cpp(args: &ModelArgs) -> bool {
-    match kylin_loader::detect(&args.model) {
-        Ok(Format::Gguf { .. }) => args.backend != BackendChoice::Native,
-        _ => false,
+    kylin_loader::detect(&args.model).is_ok_and(|format| matches!(uses_llama_cpp(args, &format), Ok(true)))
+}
+
+/// Whether `--backend` runs a model of `format` on llama.cpp (`true`) or on Kylin's own engine
+/// (`false`), or why neither can.
+fn uses_llama_cpp(args: &ModelArgs, format: &Format) -> Result<bool> {
+    match (args.backend, format) {
+        (BackendChoice::Auto | BackendChoice::LlamaCpp, Format::Gguf { .. }) => Ok(true),
+        (BackendChoice::LlamaCpp, _) => Err(KylinError::operator_unsupported(format!(
+            "--backend llama.cpp runs GGUF files, but {} is a {} model; use --backend native \
+             or convert it to GGUF",
+            args.model.display(),
+            format.name()
+        ))
+        .into()),
+        (BackendChoice::Native, Format::Gguf { .. }) => Err(KylinError::operator_unsupported(format!(
+            "the native engine runs Hugging Face safetensors models and llama2.c .bin files, but {} is a GGUF file; \
+             use --backend llama.cpp (the default for .gguf)",
+            args.model.display()
+        ))
+        .into()),
+        (BackendChoice::Auto | BackendChoice::Native, _) => Ok(false),
     }
 }
 
@@ -78,29 +97,7 @@ pub fn open(args: &ModelArgs, require_tokenizer: bool) -> Result<Opened> {
     let format = kylin_loader::detect(&args.model)?;
     let threads = threads(args)?;
     let chat_template_override = read_chat_template(args)?;
-    let use_llama = match (args.backend, &format) {
-        (BackendChoice::Auto, Format::Gguf { .. }) => true,
-        (BackendChoice::Auto, _) => false,
-        (BackendChoice::LlamaCpp, Format::Gguf { .. }) => true,
-        (BackendChoice::LlamaCpp, _) => {
-            return Err(KylinError::operator_unsupported(format!(
-                "--backend llama.cpp runs GGUF files, but {} is a {} model; use --backend native \
-                 or convert it to GGUF",
-                args.model.display(),
-                format.name()
-            ))
-            .into());
-        }
-        (BackendChoice::Native, Format::Gguf { .. }) => {
-            return Err(KylinError::operator_unsupported(format!(
-                "the native engine runs Hugging Face safetensors models and llama2.c .bin files, but {} is a GGUF file; \
-                 use --backend llama.cpp (the default for .gguf)",
-                args.model.display()
-            ))
-            .into());
-        }
-        (BackendChoice::Native, _) => false,
-    };
+    let use_llama = uses_llama_cpp(args, &format)?;
     if use_llama {
         if let Some(p @ (PrecisionArg::F32 | PrecisionArg::Bf16)) = args.engine.precision {
             return Err(KylinError::config_invalid(format!(
