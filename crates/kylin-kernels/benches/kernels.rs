@@ -2,11 +2,17 @@
 //! the GEMV (decode) and multiply-adds per second for the GEMM (prefill).
 //!
 //! `cargo bench -p kylin-kernels --bench kernels` (add `-- gemv` to pick; `-- quant` for the
-//! quantized products). Shapes are the
-//! Qwen3-0.6B projections (`layer_bf16` and `tokens_3072x1024_bf16` sweep the token count, for
-//! batched decode; `KYLIN_KERNELS_ISA=avx2` measures the AVX2 path on an AVX-512 machine); `head` is its 151936-row output head (311 MB in BF16, far beyond
-//! every cache, so it measures memory bandwidth). `KYLIN_BENCH_THREADS` sets the pool size
-//! (default: physical cores).
+//! quantized products). Shapes are the Qwen3-0.6B projections:
+//! - `layer_bf16` and `tokens_3072x1024_bf16` sweep the token count through the f32-precision
+//!   path (BF16 weights widened; `--precision f32`); `KYLIN_KERNELS_ISA=avx2` measures the AVX2
+//!   path on an AVX-512 machine;
+//! - `model_bf16_dot` and `gate_bf16_dot` run the engine's default `--precision bf16` path
+//!   (AMX or `vdpbf16ps`): the first streams all 28 layers' weights from memory as batched
+//!   decode does, the second keeps one matrix in cache and measures the kernel's compute rate;
+//! - `head` is the 151936-row output head (311 MB in BF16, far beyond every cache, so it
+//!   measures memory bandwidth).
+//!
+//! `KYLIN_BENCH_THREADS` sets the pool size (default: physical cores).
 
 use divan::counter::{BytesCount, ItemsCount};
 use divan::{Bencher, black_box};
@@ -221,4 +227,63 @@ fn paged_attention_bf16(bencher: Bencher, shape: (usize, usize, usize)) {
             .collect();
         attention_rows(&mut rows, kv, kv, black_box(&blocks), 0, 0.088);
     });
+}
+
+/// Batched decode through the engine's BF16 path ([`kylin_kernels::matmul_many_bf16`]) over
+/// all 28 layers of Qwen3-0.6B (880 MB of weights, far beyond every cache, so each call streams
+/// them from memory as a decode step does), for `TOKENS` tokens; counted in multiply-adds.
+#[divan::bench(consts = [1, 8, 16])]
+fn model_bf16_dot<const TOKENS: usize>(bencher: Bencher) {
+    use kylin_kernels::{bf16_kernels, bf16_scratch_len, matmul_many_bf16};
+    let Some(kernels) = bf16_kernels() else { return };
+    const LAYERS: usize = 28;
+    let pool = ThreadPool::new(threads());
+    // One layer's matrices `(rows, cols)`: q, k and v share the 1024-column input, as do gate
+    // and up; o reads 2048 columns, down 3072.
+    let shapes = [(2048, 1024), (1024, 1024), (1024, 1024), (1024, 2048), (3072, 1024), (3072, 1024), (1024, 3072)];
+    let datas: Vec<Vec<u8>> =
+        (0..LAYERS).flat_map(|_| shapes.iter().map(|(r, c)| weights(WeightDType::BF16, r * c))).collect();
+    let matrices: Vec<WeightMatrix<'_>> = datas
+        .iter()
+        .zip(shapes.iter().cycle())
+        .map(|(data, (rows, cols))| WeightMatrix { dtype: WeightDType::BF16, rows: *rows, cols: *cols, data })
+        .collect();
+    let x = vec![0.5f32; TOKENS * 3072];
+    let [mut q, mut k, mut v, mut o, mut gate, mut up, mut down] = shapes.map(|(rows, _)| vec![0.0f32; TOKENS * rows]);
+    let mut scratch = vec![0u16; bf16_scratch_len(TOKENS, 3072)];
+    let macs: usize = LAYERS * shapes.iter().map(|(r, c)| r * c * TOKENS).sum::<usize>();
+    bencher.counter(ItemsCount::new(macs)).bench_local(|| {
+        for w in matrices.chunks_exact(shapes.len()) {
+            let x1024 = black_box(&x[..TOKENS * 1024]);
+            matmul_many_bf16(
+                &pool,
+                kernels,
+                x1024,
+                TOKENS,
+                &mut scratch,
+                &mut [(w[0], &mut q), (w[1], &mut k), (w[2], &mut v)],
+            );
+            matmul_many_bf16(&pool, kernels, &x[..TOKENS * 2048], TOKENS, &mut scratch, &mut [(w[3], &mut o)]);
+            matmul_many_bf16(&pool, kernels, x1024, TOKENS, &mut scratch, &mut [(w[4], &mut gate), (w[5], &mut up)]);
+            matmul_many_bf16(&pool, kernels, &x, TOKENS, &mut scratch, &mut [(w[6], &mut down)]);
+        }
+    });
+}
+
+/// The engine's BF16 path ([`kylin_kernels::matmul_many_bf16`]) on one 3072×1024 matrix (6 MB,
+/// cache-resident after the first call), for `TOKENS` tokens: the kernel's compute rate.
+#[divan::bench(consts = [8, 64, 512])]
+fn gate_bf16_dot<const TOKENS: usize>(bencher: Bencher) {
+    use kylin_kernels::{bf16_kernels, bf16_scratch_len, matmul_many_bf16};
+    let Some(kernels) = bf16_kernels() else { return };
+    let (rows, cols) = (3072, 1024);
+    let pool = ThreadPool::new(threads());
+    let data = weights(WeightDType::BF16, rows * cols);
+    let w = WeightMatrix { dtype: WeightDType::BF16, rows, cols, data: &data };
+    let x = vec![0.5f32; TOKENS * cols];
+    let mut y = vec![0.0f32; TOKENS * rows];
+    let mut scratch = vec![0u16; bf16_scratch_len(TOKENS, cols)];
+    bencher
+        .counter(ItemsCount::new(rows * cols * TOKENS))
+        .bench_local(|| matmul_many_bf16(&pool, kernels, black_box(&x), TOKENS, &mut scratch, &mut [(w, &mut y[..])]));
 }

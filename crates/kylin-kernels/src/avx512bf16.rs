@@ -58,8 +58,17 @@ fn reduce16(v: __m512) -> f32 {
     crate::x86::hsum(_mm256_add_ps(lo, hi))
 }
 
+/// Cache lines a tile asks the memory system for while it computes, so that the next tile's
+/// weights arrive while this one multiplies: `lines` lines of 64 bytes from `start`, spread
+/// evenly over the tile's column chunks. Prefetches are hints; they change no result.
+#[derive(Clone, Copy)]
+struct Prefetch {
+    start: *const u8,
+    lines: usize,
+}
+
 /// One tile: `y[t * y_stride + r] = Σ_c w[r, c] · bf16(x)[t, c]` for `t < MT_`, `r < NR_`, in
-/// the canonical order (module header).
+/// the canonical order (module header), prefetching `prefetch` meanwhile.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL/BF16 are available; `w` is valid for `NR_` rows of `cols` BF16 elements
@@ -73,8 +82,12 @@ unsafe fn tile<const MT_: usize, const NR_: usize>(
     kp: usize,
     y: *mut f32,
     y_stride: usize,
+    prefetch: Prefetch,
 ) {
     let full = cols / K * K;
+    // Lines to prefetch per full column chunk, and the next line's index.
+    let per_chunk = prefetch.lines.div_ceil((cols / K).max(1));
+    let mut next_line = 0;
     let mut acc = [[_mm512_setzero_ps(); NR_]; MT_];
     // SAFETY (whole body): weight reads stay inside rows `< NR_` and columns `< cols` (the tail
     // is a masked load), activation reads inside packed rows `< MT_` of `kp` elements, writes at
@@ -86,6 +99,12 @@ unsafe fn tile<const MT_: usize, const NR_: usize>(
             let wv: [__m512bh; NR_] = std::array::from_fn(|r| {
                 std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(rows[r].add(c) as *const __m512i))
             });
+            // A prefetch of any address is harmless, so the pointer is only computed, wrapping.
+            let end = (next_line + per_chunk).min(prefetch.lines);
+            while next_line < end {
+                _mm_prefetch::<_MM_HINT_T0>(prefetch.start.wrapping_add(next_line * 64) as *const i8);
+                next_line += 1;
+            }
             for (t, acc_t) in acc.iter_mut().enumerate() {
                 let xv =
                     std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(xb.add(t * kp + c) as *const __m512i));
@@ -122,16 +141,26 @@ unsafe fn tile<const MT_: usize, const NR_: usize>(
 /// As [`tile`] with `MT_ = mt`, `NR_ = nr`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn tile_dyn(mt: usize, nr: usize, w: *const u8, cols: usize, xb: *const u16, kp: usize, y: *mut f32, ys: usize) {
+unsafe fn tile_dyn(
+    mt: usize,
+    nr: usize,
+    w: *const u8,
+    cols: usize,
+    xb: *const u16,
+    kp: usize,
+    y: *mut f32,
+    ys: usize,
+    pf: Prefetch,
+) {
     macro_rules! rows {
         ($m:literal) => {
             match nr {
-                6 => tile::<$m, 6>(w, cols, xb, kp, y, ys),
-                5 => tile::<$m, 5>(w, cols, xb, kp, y, ys),
-                4 => tile::<$m, 4>(w, cols, xb, kp, y, ys),
-                3 => tile::<$m, 3>(w, cols, xb, kp, y, ys),
-                2 => tile::<$m, 2>(w, cols, xb, kp, y, ys),
-                _ => tile::<$m, 1>(w, cols, xb, kp, y, ys),
+                6 => tile::<$m, 6>(w, cols, xb, kp, y, ys, pf),
+                5 => tile::<$m, 5>(w, cols, xb, kp, y, ys, pf),
+                4 => tile::<$m, 4>(w, cols, xb, kp, y, ys, pf),
+                3 => tile::<$m, 3>(w, cols, xb, kp, y, ys, pf),
+                2 => tile::<$m, 2>(w, cols, xb, kp, y, ys, pf),
+                _ => tile::<$m, 1>(w, cols, xb, kp, y, ys, pf),
             }
         };
     }
@@ -152,7 +181,10 @@ const TOKEN_BLOCK_BYTES: usize = 512 * 1024;
 
 /// Computes output rows `r0..r1` of `y = bf16(x) · Wᵀ` for all `n_tokens` tokens from the rows
 /// [`pack_rows`] wrote: token blocks whose packed rows stay in L2; inside a block, each tile of
-/// `NR` weight rows (in L1) runs across the block's token tiles.
+/// `NR` weight rows (in L1) runs across the block's token tiles, and those passes prefetch the
+/// next tile's rows between them. Without that, batched decode (2 to 16 tokens) alternates
+/// between waiting for memory (the first pass) and computing with the memory idle (the others);
+/// with it, 8 tokens cost about what one does (BENCHMARKS.md, `model_bf16_dot`).
 ///
 /// # Safety
 /// AVX-512 F/BW/VL/BF16 are available; `w` points to `rows × cols` BF16 weights with `r1 <=
@@ -175,12 +207,24 @@ pub unsafe fn gemm_rows(
     let mut t0 = 0;
     while t0 < n_tokens {
         let t1 = (t0 + block).min(n_tokens);
+        let passes = (t1 - t0).div_ceil(MT);
         let mut r = r0;
         while r < r1 {
             let nr = NR.min(r1 - r);
+            // The next tile's rows follow this tile's in memory: each pass over this tile's
+            // rows prefetches its share of them.
+            let next = w.wrapping_add((r + nr) * cols * 2);
+            let next_lines = (NR.min(r1 - (r + nr).min(r1)) * cols * 2).div_ceil(64);
+            let per_pass = next_lines.div_ceil(passes);
             let mut t = t0;
             while t < t1 {
                 let mt = MT.min(t1 - t);
+                let pass = (t - t0) / MT;
+                let first = (pass * per_pass).min(next_lines);
+                let pf = Prefetch {
+                    start: next.wrapping_add(first * 64),
+                    lines: (first + per_pass).min(next_lines) - first,
+                };
                 // SAFETY: rows `r..r + nr <= r1` and tokens `t..t + mt <= n_tokens` exist, and
                 // their outputs belong to the caller's range.
                 unsafe {
@@ -193,6 +237,7 @@ pub unsafe fn gemm_rows(
                         kp,
                         y.add(t * y_stride + r),
                         y_stride,
+                        pf,
                     )
                 };
                 t += mt;
