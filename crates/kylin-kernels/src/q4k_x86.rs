@@ -223,18 +223,29 @@ pub(crate) unsafe fn tile_vnni_dyn<const GROUPED: bool>(
     y: *mut f32,
     y_stride: usize,
     valid: usize,
+    prefetch_next: bool,
 ) {
     // SAFETY: the caller's contract.
     unsafe {
         match mt {
-            1 => tile_vnni::<1, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid),
-            2 => tile_vnni::<2, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid),
-            3 => tile_vnni::<3, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid),
-            4 => tile_vnni::<4, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid),
-            5 => tile_vnni::<5, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid),
-            6 => tile_vnni::<6, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid),
-            7 => tile_vnni::<7, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid),
-            _ => tile_vnni::<{ crate::quant::Q8_MT }, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid),
+            1 => tile_vnni::<1, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid, prefetch_next),
+            2 => tile_vnni::<2, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid, prefetch_next),
+            3 => tile_vnni::<3, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid, prefetch_next),
+            4 => tile_vnni::<4, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid, prefetch_next),
+            5 => tile_vnni::<5, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid, prefetch_next),
+            6 => tile_vnni::<6, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid, prefetch_next),
+            7 => tile_vnni::<7, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid, prefetch_next),
+            _ => tile_vnni::<{ crate::quant::Q8_MT }, GROUPED>(
+                wq,
+                ws,
+                cols,
+                xq,
+                stride,
+                y,
+                y_stride,
+                valid,
+                prefetch_next,
+            ),
         }
     }
 }
@@ -245,7 +256,9 @@ pub(crate) unsafe fn tile_vnni_dyn<const GROUPED: bool>(
 /// broadcast groups of four activations (`vpdpbusd`: unsigned weights × signed
 /// activations), giving each row's exact `isum`; then per lane
 /// `acc = fma(f32(isum), dsc · dx, acc); acc = fma(−bx, dm, acc)`, with `(dsc, dm)` Q4_K's
-/// `(d · sc, dmin · m)` or, when `GROUPED`, Q4_G's `(s, m)`.
+/// `(d · sc, dmin · m)` or, when `GROUPED`, Q4_G's `(s, m)`. With `prefetch_next`, each pair
+/// also asks for the next group's same pair and its share of the next group's scales (both
+/// planes hold the groups one after another), as the Q8_0 tile does.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL/VNNI must be available; `wq`, `ws` are one whole group's planes for
@@ -263,9 +276,13 @@ unsafe fn tile_vnni<const MT: usize, const GROUPED: bool>(
     y: *mut f32,
     y_stride: usize,
     valid: usize,
+    prefetch_next: bool,
 ) {
     let nb = cols / SUB;
     let n_super = cols.div_ceil(QK_K);
+    // One group's bytes in each plane, and the scales bytes of one pair of sub-blocks.
+    let (group_quants, group_scales) = (nb / 2 * PAIR_BYTES, scales_len::<GROUPED>(cols));
+    let pair_scales = group_scales.div_ceil((nb / 2).max(1));
     assert!(wq.len() >= nb / 2 * PAIR_BYTES && ws.len() >= scales_len::<GROUPED>(cols));
     assert!(xq.len() >= MT * stride && stride >= cols + 8 * nb);
     debug_assert!(valid <= GROUP_ROWS);
@@ -305,6 +322,18 @@ unsafe fn tile_vnni<const MT: usize, const GROUPED: bool>(
                     (_mm512_mul_ps(d, sc), _mm512_mul_ps(dmin, m))
                 };
                 let wb = wp.add((j / 2) * PAIR_BYTES);
+                if prefetch_next && j.is_multiple_of(2) {
+                    // Possibly past the matrix: the pointers are only computed (wrapping), and
+                    // a prefetch of any address is harmless.
+                    let next = wb.wrapping_add(group_quants);
+                    for k in 0..PAIR_BYTES / 64 {
+                        _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(64 * k) as *const i8);
+                    }
+                    let next_scales = sp.wrapping_add(group_scales + j / 2 * pair_scales);
+                    for k in 0..pair_scales.div_ceil(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(next_scales.wrapping_add(64 * k) as *const i8);
+                    }
+                }
                 let w: [__m512i; 8] = std::array::from_fn(|k| {
                     let raw = _mm512_loadu_si512(wb.add(64 * k) as *const _);
                     let raw = if j.is_multiple_of(2) { raw } else { _mm512_srli_epi16(raw, 4) };

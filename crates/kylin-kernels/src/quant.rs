@@ -539,6 +539,9 @@ unsafe fn compute_groups(
             };
             continue;
         }
+        // A tile of two tokens or more is slower than memory alone: its first pass over the
+        // group prefetches the next group's weights meanwhile (one token streams faster without).
+        let prefetch_next = n_tokens > 1;
         let mut t = 0;
         while t < n_tokens {
             let mt = Q8_MT.min(n_tokens - t);
@@ -550,9 +553,18 @@ unsafe fn compute_groups(
                 let y = out.0.add(t * rows + g * GROUP_ROWS);
                 match (w.packing(), kernels) {
                     #[cfg(target_arch = "x86_64")]
-                    (Packing::Q8_0, Int8Isa::Vnni) => {
-                        crate::quant_x86::tile_vnni_dyn(mt, wq, ws, cols / QK8_0, xt, stride, y, rows, valid)
-                    }
+                    (Packing::Q8_0, Int8Isa::Vnni) => crate::quant_x86::tile_vnni_dyn(
+                        mt,
+                        wq,
+                        ws,
+                        cols / QK8_0,
+                        xt,
+                        stride,
+                        y,
+                        rows,
+                        valid,
+                        prefetch_next && t == 0,
+                    ),
                     #[cfg(target_arch = "x86_64")]
                     (Packing::Q8_0, Int8Isa::Avx2) => {
                         crate::quant_x86::tile_avx2(mt, wq, ws, cols / QK8_0, xt, stride, y, rows, valid)
@@ -560,7 +572,16 @@ unsafe fn compute_groups(
                     (Packing::Q8_0, _) => tile_scalar(mt, wq, ws, cols / QK8_0, xt, stride, y, rows, valid),
                     #[cfg(target_arch = "x86_64")]
                     (Packing::Q4K, Int8Isa::Vnni) => crate::q4k_x86::tile_vnni_dyn::<{ crate::q4k_x86::Q4K_SCALES }>(
-                        mt, wq, ws, cols, xt, stride, y, rows, valid,
+                        mt,
+                        wq,
+                        ws,
+                        cols,
+                        xt,
+                        stride,
+                        y,
+                        rows,
+                        valid,
+                        prefetch_next && t == 0,
                     ),
                     #[cfg(target_arch = "x86_64")]
                     (Packing::Q4K, Int8Isa::Avx2) => crate::q4k_x86::tile_avx2::<{ crate::q4k_x86::Q4K_SCALES }>(
@@ -569,7 +590,16 @@ unsafe fn compute_groups(
                     (Packing::Q4K, _) => crate::q4k::tile_scalar(mt, wq, ws, cols, xt, stride, y, rows, valid),
                     #[cfg(target_arch = "x86_64")]
                     (Packing::Q4G, Int8Isa::Vnni) => crate::q4k_x86::tile_vnni_dyn::<{ crate::q4k_x86::Q4G_SCALES }>(
-                        mt, wq, ws, cols, xt, stride, y, rows, valid,
+                        mt,
+                        wq,
+                        ws,
+                        cols,
+                        xt,
+                        stride,
+                        y,
+                        rows,
+                        valid,
+                        prefetch_next && t == 0,
                     ),
                     #[cfg(target_arch = "x86_64")]
                     (Packing::Q4G, Int8Isa::Avx2) => crate::q4k_x86::tile_avx2::<{ crate::q4k_x86::Q4G_SCALES }>(

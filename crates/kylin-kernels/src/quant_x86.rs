@@ -87,18 +87,19 @@ pub(crate) unsafe fn tile_vnni_dyn(
     y: *mut f32,
     y_stride: usize,
     valid: usize,
+    prefetch_next: bool,
 ) {
     // SAFETY: the caller's contract.
     unsafe {
         match mt {
-            1 => tile_vnni::<1>(wq, ws, nb, xq, stride, y, y_stride, valid),
-            2 => tile_vnni::<2>(wq, ws, nb, xq, stride, y, y_stride, valid),
-            3 => tile_vnni::<3>(wq, ws, nb, xq, stride, y, y_stride, valid),
-            4 => tile_vnni::<4>(wq, ws, nb, xq, stride, y, y_stride, valid),
-            5 => tile_vnni::<5>(wq, ws, nb, xq, stride, y, y_stride, valid),
-            6 => tile_vnni::<6>(wq, ws, nb, xq, stride, y, y_stride, valid),
-            7 => tile_vnni::<7>(wq, ws, nb, xq, stride, y, y_stride, valid),
-            _ => tile_vnni::<Q8_MT>(wq, ws, nb, xq, stride, y, y_stride, valid),
+            1 => tile_vnni::<1>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
+            2 => tile_vnni::<2>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
+            3 => tile_vnni::<3>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
+            4 => tile_vnni::<4>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
+            5 => tile_vnni::<5>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
+            6 => tile_vnni::<6>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
+            7 => tile_vnni::<7>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
+            _ => tile_vnni::<Q8_MT>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
         }
     }
 }
@@ -107,7 +108,10 @@ pub(crate) unsafe fn tile_vnni_dyn(
 /// (`[row: 16][4 columns]` each) are loaded once and multiplied by each token's broadcast
 /// groups of four activations (`vpdpbusd`: unsigned offset weights × signed activations),
 /// the accumulator starting at the token's `−128 · Σq`, so the 16 lanes end on each row's
-/// exact dot product; then `acc = fma(f32(isum), dx · dw, acc)` per lane.
+/// exact dot product; then `acc = fma(f32(isum), dx · dw, acc)` per lane. With
+/// `prefetch_next`, each block also asks for the same block of the next group (which follows
+/// this one in both planes), so that a many-token tile, slower than memory alone, overlaps the
+/// next group's reads with its arithmetic; a prefetch is a hint and changes no result.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL/VNNI must be available; `wq`, `ws` are one whole group's planes; `xq` holds
@@ -124,6 +128,7 @@ unsafe fn tile_vnni<const MT: usize>(
     y: *mut f32,
     y_stride: usize,
     valid: usize,
+    prefetch_next: bool,
 ) {
     assert!(wq.len() >= nb * QUANTS_BYTES && ws.len() >= nb * SCALES_BYTES && xq.len() >= MT * stride);
     debug_assert!(valid <= GROUP_ROWS);
@@ -136,6 +141,15 @@ unsafe fn tile_vnni<const MT: usize>(
         unsafe {
             let wb = wp.add(b * QUANTS_BYTES);
             let w: [__m512i; 8] = std::array::from_fn(|k| _mm512_loadu_si512(wb.add(64 * k) as *const _));
+            if prefetch_next {
+                // The next group's block `b`, possibly past the matrix: the pointers are only
+                // computed (wrapping), and a prefetch of any address is harmless.
+                let next = wb.wrapping_add(nb * QUANTS_BYTES);
+                for k in 0..QUANTS_BYTES / 64 {
+                    _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(64 * k) as *const i8);
+                }
+                _mm_prefetch::<_MM_HINT_T0>(sp.wrapping_add((nb + b) * SCALES_BYTES) as *const i8);
+            }
             let dw = _mm512_cvtph_ps(_mm256_loadu_si256(sp.add(b * SCALES_BYTES) as *const __m256i));
             for (t, acc) in acc.iter_mut().enumerate() {
                 let xt = xp.add(t * stride);
