@@ -68,14 +68,15 @@ struct Prefetch {
 }
 
 /// One tile: `y[t * y_stride + r] = Σ_c w[r, c] · bf16(x)[t, c]` for `t < MT_`, `r < NR_`, in
-/// the canonical order (module header), prefetching `prefetch` meanwhile.
+/// the canonical order (module header), prefetching `prefetch` meanwhile if `PREFETCH` (a
+/// separate instance, so that one-token decode carries none of that code).
 ///
 /// # Safety
 /// AVX-512 F/BW/VL/BF16 are available; `w` is valid for `NR_` rows of `cols` BF16 elements
 /// (row stride `cols · 2` bytes); `xb` for `MT_` packed rows of [`row_len`]`(cols)` elements
 /// (stride `kp`); `y` for writing the `MT_ × NR_` outputs, which no one else accesses meanwhile.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
-unsafe fn tile<const MT_: usize, const NR_: usize>(
+unsafe fn tile<const MT_: usize, const NR_: usize, const PREFETCH: bool>(
     w: *const u8,
     cols: usize,
     xb: *const u16,
@@ -100,7 +101,7 @@ unsafe fn tile<const MT_: usize, const NR_: usize>(
                 std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(rows[r].add(c) as *const __m512i))
             });
             // A prefetch of any address is harmless, so the pointer is only computed, wrapping.
-            let end = (next_line + per_chunk).min(prefetch.lines);
+            let end = if PREFETCH { (next_line + per_chunk).min(prefetch.lines) } else { 0 };
             while next_line < end {
                 _mm_prefetch::<_MM_HINT_T0>(prefetch.start.wrapping_add(next_line * 64) as *const i8);
                 next_line += 1;
@@ -153,27 +154,32 @@ unsafe fn tile_dyn(
     pf: Prefetch,
 ) {
     macro_rules! rows {
-        ($m:literal) => {
+        ($m:literal, $p:literal) => {
             match nr {
-                6 => tile::<$m, 6>(w, cols, xb, kp, y, ys, pf),
-                5 => tile::<$m, 5>(w, cols, xb, kp, y, ys, pf),
-                4 => tile::<$m, 4>(w, cols, xb, kp, y, ys, pf),
-                3 => tile::<$m, 3>(w, cols, xb, kp, y, ys, pf),
-                2 => tile::<$m, 2>(w, cols, xb, kp, y, ys, pf),
-                _ => tile::<$m, 1>(w, cols, xb, kp, y, ys, pf),
+                6 => tile::<$m, 6, $p>(w, cols, xb, kp, y, ys, pf),
+                5 => tile::<$m, 5, $p>(w, cols, xb, kp, y, ys, pf),
+                4 => tile::<$m, 4, $p>(w, cols, xb, kp, y, ys, pf),
+                3 => tile::<$m, 3, $p>(w, cols, xb, kp, y, ys, pf),
+                2 => tile::<$m, 2, $p>(w, cols, xb, kp, y, ys, pf),
+                _ => tile::<$m, 1, $p>(w, cols, xb, kp, y, ys, pf),
             }
         };
     }
     // SAFETY: the caller's contract, for the tile chosen by `mt` and `nr`.
     unsafe {
         match mt {
-            4 => rows!(4),
-            3 => rows!(3),
-            2 => rows!(2),
-            _ => rows!(1),
+            4 => rows!(4, true),
+            3 => rows!(3, true),
+            2 => rows!(2, true),
+            _ if pf.lines > 0 => rows!(1, true),
+            _ => rows!(1, false),
         }
     }
 }
+
+/// Token tiles per block up to which a weight tile's passes prefetch the next tile's rows
+/// (batched decode and short chunks: up to 32 tokens).
+const MAX_PREFETCH_PASSES: usize = 8;
 
 /// Bytes of packed activations one token block may take (they stay in L2 while the task's
 /// weight rows stream past them once per block).
@@ -184,7 +190,8 @@ const TOKEN_BLOCK_BYTES: usize = 512 * 1024;
 /// `NR` weight rows (in L1) runs across the block's token tiles, and those passes prefetch the
 /// next tile's rows between them. Without that, batched decode (2 to 16 tokens) alternates
 /// between waiting for memory (the first pass) and computing with the memory idle (the others);
-/// with it, 8 tokens cost about what one does (BENCHMARKS.md, `model_bf16_dot`).
+/// with it, 8 tokens cost about what one does (BENCHMARKS.md, `model_bf16_dot`). One token
+/// prefetches nothing, nor do blocks of more than [`MAX_PREFETCH_PASSES`] token tiles.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL/BF16 are available; `w` points to `rows × cols` BF16 weights with `r1 <=
@@ -214,7 +221,11 @@ pub unsafe fn gemm_rows(
             // The next tile's rows follow this tile's in memory: each pass over this tile's
             // rows prefetches its share of them.
             let next = w.wrapping_add((r + nr) * cols * 2);
-            let next_lines = (NR.min(r1 - (r + nr).min(r1)) * cols * 2).div_ceil(64);
+            // One token streams faster without (the hardware prefetcher follows its rows), and
+            // from `MAX_PREFETCH_PASSES` on a tile's arithmetic outlasts its reads anyway while
+            // the prefetched rows would crowd the tile's own out of L1.
+            let prefetching = n_tokens > 1 && passes <= MAX_PREFETCH_PASSES;
+            let next_lines = if prefetching { (NR.min(r1 - (r + nr).min(r1)) * cols * 2).div_ceil(64) } else { 0 };
             let per_pass = next_lines.div_ceil(passes);
             let mut t = t0;
             while t < t1 {

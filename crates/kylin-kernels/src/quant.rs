@@ -539,9 +539,10 @@ unsafe fn compute_groups(
             };
             continue;
         }
-        // A tile of two tokens or more is slower than memory alone: its first pass over the
-        // group prefetches the next group's weights meanwhile (one token streams faster without).
-        let prefetch_next = n_tokens > 1;
+        // Batched decode (2 to 32 tokens) is slower than memory alone: the first token tile
+        // over the group prefetches the next group's weights meanwhile. One token streams
+        // faster without, and longer chunks reuse each group long enough to hide its reads.
+        let prefetch_next = (2..=4 * Q8_MT).contains(&n_tokens);
         let mut t = 0;
         while t < n_tokens {
             let mt = Q8_MT.min(n_tokens - t);
