@@ -547,6 +547,7 @@ unsafe fn compute_groups(
         while t < n_tokens {
             let mt = Q8_MT.min(n_tokens - t);
             let xt = &xq[t * stride..(t + mt) * stride];
+            let pf = prefetch_next && t == 0;
             // SAFETY: rows `g·16 .. g·16 + valid` of tokens `t..t + mt` lie inside the output
             // and belong to this call; `wq`, `ws` are one whole group and `xt` `mt` whole
             // token rows of the matrix's format.
@@ -554,18 +555,9 @@ unsafe fn compute_groups(
                 let y = out.0.add(t * rows + g * GROUP_ROWS);
                 match (w.packing(), kernels) {
                     #[cfg(target_arch = "x86_64")]
-                    (Packing::Q8_0, Int8Isa::Vnni) => crate::quant_x86::tile_vnni_dyn(
-                        mt,
-                        wq,
-                        ws,
-                        cols / QK8_0,
-                        xt,
-                        stride,
-                        y,
-                        rows,
-                        valid,
-                        prefetch_next && t == 0,
-                    ),
+                    (Packing::Q8_0, Int8Isa::Vnni) => {
+                        crate::quant_x86::tile_vnni_dyn(mt, wq, ws, cols / QK8_0, xt, stride, y, rows, valid, pf)
+                    }
                     #[cfg(target_arch = "x86_64")]
                     (Packing::Q8_0, Int8Isa::Avx2) => {
                         crate::quant_x86::tile_avx2(mt, wq, ws, cols / QK8_0, xt, stride, y, rows, valid)
@@ -573,16 +565,7 @@ unsafe fn compute_groups(
                     (Packing::Q8_0, _) => tile_scalar(mt, wq, ws, cols / QK8_0, xt, stride, y, rows, valid),
                     #[cfg(target_arch = "x86_64")]
                     (Packing::Q4K, Int8Isa::Vnni) => crate::q4k_x86::tile_vnni_dyn::<{ crate::q4k_x86::Q4K_SCALES }>(
-                        mt,
-                        wq,
-                        ws,
-                        cols,
-                        xt,
-                        stride,
-                        y,
-                        rows,
-                        valid,
-                        prefetch_next && t == 0,
+                        mt, wq, ws, cols, xt, stride, y, rows, valid, pf,
                     ),
                     #[cfg(target_arch = "x86_64")]
                     (Packing::Q4K, Int8Isa::Avx2) => crate::q4k_x86::tile_avx2::<{ crate::q4k_x86::Q4K_SCALES }>(
@@ -591,16 +574,7 @@ unsafe fn compute_groups(
                     (Packing::Q4K, _) => crate::q4k::tile_scalar(mt, wq, ws, cols, xt, stride, y, rows, valid),
                     #[cfg(target_arch = "x86_64")]
                     (Packing::Q4G, Int8Isa::Vnni) => crate::q4k_x86::tile_vnni_dyn::<{ crate::q4k_x86::Q4G_SCALES }>(
-                        mt,
-                        wq,
-                        ws,
-                        cols,
-                        xt,
-                        stride,
-                        y,
-                        rows,
-                        valid,
-                        prefetch_next && t == 0,
+                        mt, wq, ws, cols, xt, stride, y, rows, valid, pf,
                     ),
                     #[cfg(target_arch = "x86_64")]
                     (Packing::Q4G, Int8Isa::Avx2) => crate::q4k_x86::tile_avx2::<{ crate::q4k_x86::Q4G_SCALES }>(
