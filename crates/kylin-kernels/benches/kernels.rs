@@ -85,18 +85,39 @@ fn gemm_bf16<const TOKENS: usize>(bencher: Bencher, shape: (&str, usize, usize))
         .bench_local(|| kylin_kernels::matmul(&pool, w, black_box(&x), TOKENS, black_box(&mut y)));
 }
 
+/// Qwen3-0.6B's 3072×1024 gate projection in BF16, with `tokens` tokens of input and output.
+struct Gate {
+    data: Vec<u8>,
+    x: Vec<f32>,
+    y: Vec<f32>,
+}
+
+impl Gate {
+    const ROWS: usize = 3072;
+    const COLS: usize = 1024;
+
+    fn new(tokens: usize) -> Self {
+        Gate {
+            data: weights(WeightDType::BF16, Self::ROWS * Self::COLS),
+            x: vec![0.5f32; tokens * Self::COLS],
+            y: vec![0.0f32; tokens * Self::ROWS],
+        }
+    }
+
+    fn matrix(data: &[u8]) -> WeightMatrix<'_> {
+        WeightMatrix { dtype: WeightDType::BF16, rows: Self::ROWS, cols: Self::COLS, data }
+    }
+}
+
 /// Batched decode and short prefills: one 3072×1024 BF16 matrix for `TOKENS` tokens (the GEMV
 /// for one token, the GEMM from two), weights counted once per call.
 #[divan::bench(consts = [1, 2, 4, 8, 16, 32, 64, 512])]
 fn tokens_3072x1024_bf16<const TOKENS: usize>(bencher: Bencher) {
-    let (rows, cols) = (3072, 1024);
     let pool = ThreadPool::new(threads());
-    let data = weights(WeightDType::BF16, rows * cols);
-    let w = WeightMatrix { dtype: WeightDType::BF16, rows, cols, data: &data };
-    let x = vec![0.5f32; TOKENS * cols];
-    let mut y = vec![0.0f32; TOKENS * rows];
+    let Gate { data, x, mut y } = Gate::new(TOKENS);
+    let w = Gate::matrix(&data);
     bencher
-        .counter(ItemsCount::new(rows * cols * TOKENS))
+        .counter(ItemsCount::new(Gate::ROWS * Gate::COLS * TOKENS))
         .bench_local(|| kylin_kernels::matmul(&pool, w, black_box(&x), TOKENS, black_box(&mut y)));
 }
 
@@ -276,14 +297,11 @@ fn model_bf16_dot<const TOKENS: usize>(bencher: Bencher) {
 fn gate_bf16_dot<const TOKENS: usize>(bencher: Bencher) {
     use kylin_kernels::{bf16_kernels, bf16_scratch_len, matmul_many_bf16};
     let Some(kernels) = bf16_kernels() else { return };
-    let (rows, cols) = (3072, 1024);
     let pool = ThreadPool::new(threads());
-    let data = weights(WeightDType::BF16, rows * cols);
-    let w = WeightMatrix { dtype: WeightDType::BF16, rows, cols, data: &data };
-    let x = vec![0.5f32; TOKENS * cols];
-    let mut y = vec![0.0f32; TOKENS * rows];
-    let mut scratch = vec![0u16; bf16_scratch_len(TOKENS, cols)];
+    let Gate { data, x, mut y } = Gate::new(TOKENS);
+    let w = Gate::matrix(&data);
+    let mut scratch = vec![0u16; bf16_scratch_len(TOKENS, Gate::COLS)];
     bencher
-        .counter(ItemsCount::new(rows * cols * TOKENS))
+        .counter(ItemsCount::new(Gate::ROWS * Gate::COLS * TOKENS))
         .bench_local(|| matmul_many_bf16(&pool, kernels, black_box(&x), TOKENS, &mut scratch, &mut [(w, &mut y[..])]));
 }

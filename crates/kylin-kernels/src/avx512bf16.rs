@@ -177,10 +177,6 @@ unsafe fn tile_dyn(
     }
 }
 
-/// Token tiles per block up to which a weight tile's passes prefetch the next tile's rows
-/// (batched decode and short chunks: up to 32 tokens).
-const MAX_PREFETCH_PASSES: usize = 8;
-
 /// Bytes of packed activations one token block may take (they stay in L2 while the task's
 /// weight rows stream past them once per block).
 const TOKEN_BLOCK_BYTES: usize = 512 * 1024;
@@ -190,8 +186,8 @@ const TOKEN_BLOCK_BYTES: usize = 512 * 1024;
 /// `NR` weight rows (in L1) runs across the block's token tiles, and those passes prefetch the
 /// next tile's rows between them. Without that, batched decode (2 to 16 tokens) alternates
 /// between waiting for memory (the first pass) and computing with the memory idle (the others);
-/// with it, 8 tokens cost about what one does (BENCHMARKS.md, `model_bf16_dot`). One token
-/// prefetches nothing, nor do blocks of more than [`MAX_PREFETCH_PASSES`] token tiles.
+/// with it, 8 tokens cost about what one does (BENCHMARKS.md, `model_bf16_dot`). Which
+/// products prefetch is [`crate::prefetches_weights`]'s rule.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL/BF16 are available; `w` points to `rows × cols` BF16 weights with `r1 <=
@@ -211,6 +207,7 @@ pub unsafe fn gemm_rows(
     let kp = row_len(cols);
     debug_assert!(xb.len() >= n_tokens * kp);
     let block = (TOKEN_BLOCK_BYTES / (kp * 2).max(1) / MT * MT).max(MT);
+    let prefetching = crate::prefetches_weights(n_tokens);
     let mut t0 = 0;
     while t0 < n_tokens {
         let t1 = (t0 + block).min(n_tokens);
@@ -221,10 +218,6 @@ pub unsafe fn gemm_rows(
             // The next tile's rows follow this tile's in memory: each pass over this tile's
             // rows prefetches its share of them.
             let next = w.wrapping_add((r + nr) * cols * 2);
-            // One token streams faster without (the hardware prefetcher follows its rows), and
-            // from `MAX_PREFETCH_PASSES` on a tile's arithmetic outlasts its reads anyway while
-            // the prefetched rows would crowd the tile's own out of L1.
-            let prefetching = n_tokens > 1 && passes <= MAX_PREFETCH_PASSES;
             let next_lines = if prefetching { (NR.min(r1 - (r + nr).min(r1)) * cols * 2).div_ceil(64) } else { 0 };
             let per_pass = next_lines.div_ceil(passes);
             let mut t = t0;

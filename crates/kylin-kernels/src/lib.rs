@@ -55,6 +55,20 @@ pub use pool::{ThreadPool, physical_cores};
 
 use std::sync::OnceLock;
 
+/// Tokens up to which a matrix product prefetches the next weights while it computes the
+/// current ones ([`prefetches_weights`]).
+const PREFETCH_MAX_TOKENS: usize = 32;
+
+/// Whether a product of `n_tokens` tokens has its tiles prefetch the next tile's (or group's)
+/// weights: batched decode and short chunks, 2 to [`PREFETCH_MAX_TOKENS`] tokens, whose
+/// arithmetic per weight byte is too short for the first pass over a tile to hide its memory
+/// reads. One token streams faster without (the hardware prefetcher follows its rows), and
+/// longer products reuse each tile long enough while prefetched rows would crowd it out of L1.
+/// A prefetch is a hint: it changes no result.
+pub(crate) fn prefetches_weights(n_tokens: usize) -> bool {
+    (2..=PREFETCH_MAX_TOKENS).contains(&n_tokens)
+}
+
 /// The instruction set the kernels use on this machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {

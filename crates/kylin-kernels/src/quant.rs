@@ -518,6 +518,8 @@ unsafe fn compute_groups(
 ) {
     debug_assert!(r0.is_multiple_of(GROUP_ROWS));
     let (rows, cols) = (w.rows(), w.cols());
+    // Batched decode: the first token tile over a group prefetches the next group's weights.
+    let prefetch_next = crate::prefetches_weights(n_tokens);
     for g in r0 / GROUP_ROWS..r1.div_ceil(GROUP_ROWS) {
         let valid = (rows - g * GROUP_ROWS).min(GROUP_ROWS);
         let (wq, ws) = match w {
@@ -539,10 +541,6 @@ unsafe fn compute_groups(
             };
             continue;
         }
-        // Batched decode (2 to 32 tokens) is slower than memory alone: the first token tile
-        // over the group prefetches the next group's weights meanwhile. One token streams
-        // faster without, and longer chunks reuse each group long enough to hide its reads.
-        let prefetch_next = (2..=4 * Q8_MT).contains(&n_tokens);
         let mut t = 0;
         while t < n_tokens {
             let mt = Q8_MT.min(n_tokens - t);
