@@ -537,7 +537,8 @@ unsafe fn compute_groups(
         if let Some(weights) = weights {
             // SAFETY: as below, for all the tokens; `xq` holds their packed BF16 rows.
             unsafe {
-                crate::w16::group(weights, n_tokens, wq, ws, cols, xq, stride, out.0.add(g * GROUP_ROWS), rows, valid)
+                let y = out.0.add(g * GROUP_ROWS);
+                crate::w16::group(weights, n_tokens, wq, ws, cols, xq, stride, y, rows, valid, prefetch_next)
             };
             continue;
         }

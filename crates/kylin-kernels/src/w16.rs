@@ -307,7 +307,8 @@ pub(crate) unsafe fn tile_scalar(
 }
 
 /// Runs tokens `0..n_tokens` of one group through `weights`' tile: AVX-512 BF16 where
-/// [`available`], else [`tile_scalar`].
+/// [`available`], else [`tile_scalar`]. With `prefetch_next`, the first token tile also asks
+/// for the next group's weights ([`crate::prefetches_weights`]; a hint, no result changes).
 ///
 /// # Safety
 /// `y` is valid for writing rows `0..valid` of `n_tokens` tokens at row stride `y_stride`;
@@ -325,6 +326,7 @@ pub(crate) unsafe fn group(
     y: *mut f32,
     y_stride: usize,
     valid: usize,
+    prefetch_next: bool,
 ) {
     debug_assert!(xb.len() >= n_tokens * stride && stride == activation_stride(cols));
     let mut t = 0;
@@ -336,7 +338,7 @@ pub(crate) unsafe fn group(
             let yt = y.add(t * y_stride);
             #[cfg(target_arch = "x86_64")]
             if available() {
-                x86::tile_dyn(weights, mt, wq, ws, cols, xt, stride, yt, y_stride, valid);
+                x86::tile_dyn(weights, mt, wq, ws, cols, xt, stride, yt, y_stride, valid, prefetch_next && t == 0);
                 t += mt;
                 continue;
             }
@@ -501,6 +503,17 @@ mod x86 {
         _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b))
     }
 
+    /// Asks for `lines` cache lines from `p` on: the same block of the next group, whose planes
+    /// follow this group's. The pointer may lie past the matrix; it is only computed (wrapping)
+    /// and a prefetch of any address is harmless.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+    #[inline]
+    fn prefetch_lines(p: *const u8, lines: usize) {
+        for k in 0..lines {
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64 * k) as *const i8);
+        }
+    }
+
     /// Four BF16 activations at `p` broadcast as `[x0 x1, x2 x3]` pairs to all lanes.
     ///
     /// # Safety
@@ -513,6 +526,9 @@ mod x86 {
     }
 
     /// One tile of `MT_` tokens × 16 rows over an 8-bit format (module docs' canonical order).
+    /// With `prefetch_next`, each block also asks for the same block of the next group, so that
+    /// a many-token tile, slower than memory alone, overlaps the next group's reads with its
+    /// arithmetic.
     ///
     /// # Safety
     /// As [`super::group`], for exactly `MT_` tokens.
@@ -527,15 +543,24 @@ mod x86 {
         y: *mut f32,
         y_stride: usize,
         valid: usize,
+        prefetch_next: bool,
     ) {
         let sub = subnormal_table();
+        let nb = cols / QK8_0;
+        // Bytes of one block's scales, and of the group's two planes.
+        let block_scales = if FP8 { 2 * SCALES_BYTES } else { SCALES_BYTES };
+        let (group_q, group_s) = (nb * QUANTS_BYTES, nb * block_scales);
         let mut acc = [[_mm512_setzero_ps(); 2]; MT_];
         // SAFETY (whole body): reads stay inside the group's planes (`cols / 32` blocks) and
         // the `MT_` packed rows; writes at the caller's `valid` rows.
         unsafe {
-            for b in 0..cols / QK8_0 {
+            for b in 0..nb {
                 let mut d = [[_mm512_setzero_ps(); 2]; MT_];
                 let block = wq.add(b * QUANTS_BYTES);
+                if prefetch_next {
+                    prefetch_lines(block.wrapping_add(group_q), QUANTS_BYTES / 64);
+                    prefetch_lines(ws.wrapping_add(group_s + b * block_scales), 1);
+                }
                 for k4 in 0..8 {
                     let chunk = block.add(k4 * 64);
                     let w: [__m512bh; 2] =
@@ -568,7 +593,8 @@ mod x86 {
         }
     }
 
-    /// One tile of `MT_` tokens × 16 rows over Q4_G's planes (module docs' canonical order).
+    /// One tile of `MT_` tokens × 16 rows over Q4_G's planes (module docs' canonical order),
+    /// prefetching as [`tile8`] does.
     ///
     /// # Safety
     /// As [`super::group`], for exactly `MT_` tokens.
@@ -583,8 +609,12 @@ mod x86 {
         y: *mut f32,
         y_stride: usize,
         valid: usize,
+        prefetch_next: bool,
     ) {
         let table = nibble_table();
+        // Bytes of one pair of sub-blocks' scales and mins, and of the group's two planes.
+        let pair_scales = 2 * crate::q4g::SUB_SCALE_BYTES;
+        let (group_q, group_s) = (cols / (2 * SUB) * PAIR_BYTES, cols / (2 * SUB) * pair_scales);
         let mut acc = [[_mm512_setzero_ps(); 2]; MT_];
         // SAFETY (whole body): as `tile8`, over Q4_G's planes (`cols / 64` pairs of sub-blocks).
         unsafe {
@@ -592,6 +622,10 @@ mod x86 {
                 // `d[t][s][h]`: sub-block `2p + s`, lanes of rows 0–7 (`h = 0`) or 8–15.
                 let mut d = [[[_mm512_setzero_ps(); 2]; 2]; MT_];
                 let pair = wq.add(p * PAIR_BYTES);
+                if prefetch_next {
+                    prefetch_lines(pair.wrapping_add(group_q), PAIR_BYTES / 64);
+                    prefetch_lines(ws.wrapping_add(group_s + p * pair_scales), pair_scales / 64);
+                }
                 for k4 in 0..8 {
                     let chunk = pair.add(k4 * 64);
                     let b0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(chunk as *const __m256i));
@@ -649,19 +683,20 @@ mod x86 {
         y: *mut f32,
         y_stride: usize,
         valid: usize,
+        prefetch_next: bool,
     ) {
         let (wq, ws, xb) = (wq.as_ptr(), ws.as_ptr(), xb.as_ptr());
         macro_rules! tokens {
             ($tile:ident $(, $fp8:literal)?) => {
                 match mt {
-                    8 => $tile::<8 $(, $fp8)?>(wq, ws, cols, xb, stride, y, y_stride, valid),
-                    7 => $tile::<7 $(, $fp8)?>(wq, ws, cols, xb, stride, y, y_stride, valid),
-                    6 => $tile::<6 $(, $fp8)?>(wq, ws, cols, xb, stride, y, y_stride, valid),
-                    5 => $tile::<5 $(, $fp8)?>(wq, ws, cols, xb, stride, y, y_stride, valid),
-                    4 => $tile::<4 $(, $fp8)?>(wq, ws, cols, xb, stride, y, y_stride, valid),
-                    3 => $tile::<3 $(, $fp8)?>(wq, ws, cols, xb, stride, y, y_stride, valid),
-                    2 => $tile::<2 $(, $fp8)?>(wq, ws, cols, xb, stride, y, y_stride, valid),
-                    _ => $tile::<1 $(, $fp8)?>(wq, ws, cols, xb, stride, y, y_stride, valid),
+                    8 => $tile::<8 $(, $fp8)?>(wq, ws, cols, xb, stride, y, y_stride, valid, prefetch_next),
+                    7 => $tile::<7 $(, $fp8)?>(wq, ws, cols, xb, stride, y, y_stride, valid, prefetch_next),
+                    6 => $tile::<6 $(, $fp8)?>(wq, ws, cols, xb, stride, y, y_stride, valid, prefetch_next),
+                    5 => $tile::<5 $(, $fp8)?>(wq, ws, cols, xb, stride, y, y_stride, valid, prefetch_next),
+                    4 => $tile::<4 $(, $fp8)?>(wq, ws, cols, xb, stride, y, y_stride, valid, prefetch_next),
+                    3 => $tile::<3 $(, $fp8)?>(wq, ws, cols, xb, stride, y, y_stride, valid, prefetch_next),
+                    2 => $tile::<2 $(, $fp8)?>(wq, ws, cols, xb, stride, y, y_stride, valid, prefetch_next),
+                    _ => $tile::<1 $(, $fp8)?>(wq, ws, cols, xb, stride, y, y_stride, valid, prefetch_next),
                 }
             };
         }
