@@ -271,6 +271,12 @@ fn run_concurrent(args: &BenchArgs, models: &[ModelArgs], threads: usize) -> Res
             );
         }
     }
+    for s in &summaries {
+        let text = |k: &str| s.get(k).and_then(|x| x.as_str()).filter(|t| !t.is_empty());
+        if let (Some(precision), Some(kernels)) = (text("precision"), text("kernels")) {
+            println!("{}: precision {precision}, kernels {kernels}", s["backend"].as_str().unwrap_or("?"));
+        }
+    }
     if let Some(r) = ratio {
         println!(
             "ratio A/B: aggregate decode {:.2}x, ttft p50 {:.2}x, itl p99 {:.2}x",

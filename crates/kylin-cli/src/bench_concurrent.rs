@@ -304,18 +304,18 @@ fn gguf_worker(args: &BenchWorkerArgs, n: usize, threads: usize, _started: Insta
     let info = kylin_loader::read_gguf_info(&args.model.model)?;
     let vocab = info.vocab_size.and_then(|v| usize::try_from(v).ok()).unwrap_or(32_000);
     let prompts = prompts(n, args.prompt_tokens, args.shared_prefix, vocab);
-    let (seqs, load_ms) = kylin_llamacpp::concurrent::run_concurrent(
+    let run = kylin_llamacpp::concurrent::run_concurrent(
         &args.model.model,
         threads,
         &prompts,
         args.gen_tokens,
         crate::open::flash_attention(args.model.flash_attn),
     )?;
-    let times: Vec<Vec<f64>> = seqs.into_iter().map(|s| s.token_times).collect();
+    let times: Vec<Vec<f64>> = run.sequences.into_iter().map(|s| s.token_times).collect();
     Ok(ConcurrentSample {
         precision: "ggml".to_string(),
-        kernels: kylin_llamacpp::ggml_features(),
-        ..ConcurrentSample::measured(args, n, threads, "llama.cpp", load_ms, &times, &vec![0.0; n])
+        kernels: format!("{}, attention {}", kylin_llamacpp::ggml_features(), run.attention),
+        ..ConcurrentSample::measured(args, n, threads, "llama.cpp", run.load_ms, &times, &vec![0.0; n])
     })
 }
 

@@ -26,15 +26,25 @@ pub struct SequenceTimes {
     pub token_times: Vec<f64>,
 }
 
-/// Runs `prompts` concurrently, `gen_tokens` greedy tokens each; returns the token times of
-/// every sequence and the load time in milliseconds.
+/// What [`run_concurrent`] measured.
+#[derive(Debug, Clone)]
+pub struct ConcurrentRun {
+    /// Every sequence's token times, in the order of the prompts.
+    pub sequences: Vec<SequenceTimes>,
+    /// Milliseconds to validate and load the file and create the context.
+    pub load_ms: f64,
+    /// The attention kernel llama.cpp ran (`flash (--flash-attn auto)`, ...).
+    pub attention: String,
+}
+
+/// Runs `prompts` concurrently, `gen_tokens` greedy tokens each.
 pub fn run_concurrent(
     path: &Path,
     threads: usize,
     prompts: &[Vec<u32>],
     gen_tokens: usize,
     flash_attention: FlashAttention,
-) -> Result<(Vec<SequenceTimes>, f64)> {
+) -> Result<ConcurrentRun> {
     let started = Instant::now();
     validate_gguf(path)?;
     let backend = llama_backend()?;
@@ -64,9 +74,11 @@ pub fn run_concurrent(
         .with_n_threads(threads as i32)
         .with_n_threads_batch(threads as i32)
         .with_flash_attention_policy(flash_attention.policy());
-    let mut ctx = model
-        .new_context(backend, ctx_params)
-        .map_err(|e| KylinError::backend_failed(format!("llama.cpp could not create a context of {total_ctx}: {e}")))?;
+    let (mut ctx, attention) = crate::with_attention_kernel(flash_attention, || {
+        model.new_context(backend, ctx_params).map_err(|e| {
+            KylinError::backend_failed(format!("llama.cpp could not create a context of {total_ctx}: {e}"))
+        })
+    })?;
     let load_ms = started.elapsed().as_secs_f64() * 1e3;
     let failed = |e: &dyn std::fmt::Display| KylinError::backend_failed(format!("llama.cpp decode failed: {e}"));
 
@@ -114,5 +126,5 @@ pub fn run_concurrent(
             times[s].token_times.push(now);
         }
     }
-    Ok((times, load_ms))
+    Ok(ConcurrentRun { sequences: times, load_ms, attention })
 }

@@ -38,7 +38,6 @@ use llama_cpp_2::llama_batch::LlamaBatch;
 use llama_cpp_2::model::params::LlamaModelParams;
 use llama_cpp_2::model::{LlamaChatMessage, LlamaChatTemplate, LlamaModel};
 use llama_cpp_2::token::LlamaToken;
-use llama_cpp_2::{LogOptions, send_logs_to_tracing};
 
 /// The context size used when neither the caller nor the model asks for a smaller one.
 const DEFAULT_MAX_CONTEXT: usize = 4096;
@@ -80,7 +79,7 @@ pub enum FlashAttention {
 }
 
 impl FlashAttention {
-    fn policy(self) -> llama_cpp_sys_2::llama_flash_attn_type {
+    pub(crate) fn policy(self) -> llama_cpp_sys_2::llama_flash_attn_type {
         match self {
             FlashAttention::Auto => llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_AUTO,
             FlashAttention::On => llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -92,13 +91,77 @@ impl FlashAttention {
 /// The process-wide llama.cpp initialisation, or the reason it failed.
 static LLAMA: OnceLock<std::result::Result<LlamaBackend, String>> = OnceLock::new();
 
+/// Whether llama.cpp's and ggml's log goes to standard error (`KYLIN_LLAMA_LOG=1`); else
+/// [`on_log`] drops it.
+static LOG_TO_STDERR: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+thread_local! {
+    /// What llama.cpp said of flash attention when it last created a context on this thread:
+    /// `Some(true)` enabled, `Some(false)` not supported, `None` nothing (yet).
+    static FLASH_ATTENTION_RESOLVED: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// llama.cpp's and ggml's log callback. It writes the text to standard error when asked to and
+/// notes how `-fa auto` was resolved: llama.cpp decides when it creates a context, on the
+/// creating thread, and says so in its log ("Flash Attention enabled" or "... not supported,
+/// set to disabled"), which is the only place it reports the choice.
+///
+/// Nothing here may unwind into C: no indexing, no `unwrap`, a failed write is ignored.
+unsafe extern "C" fn on_log(
+    _level: llama_cpp_sys_2::ggml_log_level,
+    text: *const std::ffi::c_char,
+    _user_data: *mut std::ffi::c_void,
+) {
+    if text.is_null() {
+        return;
+    }
+    // SAFETY: llama.cpp passes a NUL-terminated string that lives for the call.
+    let bytes = unsafe { std::ffi::CStr::from_ptr(text) }.to_bytes();
+    let has = |needle: &[u8]| bytes.windows(needle.len()).any(|w| w == needle);
+    let resolved = if has(b"Flash Attention enabled") {
+        Some(true)
+    } else if has(b"Flash Attention not supported") {
+        Some(false)
+    } else {
+        None
+    };
+    if resolved.is_some() {
+        // `try_with` fails only while the thread's locals are torn down; the note is then moot.
+        let _ = FLASH_ATTENTION_RESOLVED.try_with(|r| r.set(resolved));
+    }
+    if LOG_TO_STDERR.load(std::sync::atomic::Ordering::Relaxed) {
+        use std::io::Write;
+        let _ = std::io::stderr().write_all(bytes);
+    }
+}
+
+/// Creates a llama.cpp context with `create` and returns it with the attention kernel it runs
+/// (the label `kylin bench` prints): `flash` or `standard`, and how that was chosen.
+pub(crate) fn with_attention_kernel<T>(
+    requested: FlashAttention,
+    create: impl FnOnce() -> Result<T>,
+) -> Result<(T, String)> {
+    let _ = FLASH_ATTENTION_RESOLVED.try_with(|r| r.set(None));
+    let context = create()?;
+    let resolved = FLASH_ATTENTION_RESOLVED.try_with(|r| r.take()).ok().flatten();
+    let label = match (requested, resolved) {
+        (FlashAttention::On, _) => "flash (--flash-attn on)",
+        (FlashAttention::Off, _) => "standard (--flash-attn off)",
+        (FlashAttention::Auto, Some(true)) => "flash (--flash-attn auto)",
+        (FlashAttention::Auto, Some(false)) => "standard (--flash-attn auto: flash unsupported)",
+        (FlashAttention::Auto, None) => "llama.cpp's choice (--flash-attn auto, not reported)",
+    };
+    Ok((context, label.to_string()))
+}
+
 /// Initialises llama.cpp once per process and returns the proof of initialisation.
 pub(crate) fn llama_backend() -> Result<&'static LlamaBackend> {
     let state = LLAMA.get_or_init(|| {
-        if std::env::var("KYLIN_LLAMA_LOG").as_deref() != Ok("1") {
-            // Routes llama.cpp and ggml logs to a callback that drops them.
-            send_logs_to_tracing(LogOptions::default().with_logs_enabled(false));
-        }
+        LOG_TO_STDERR
+            .store(std::env::var("KYLIN_LLAMA_LOG").as_deref() == Ok("1"), std::sync::atomic::Ordering::Relaxed);
+        // SAFETY: `on_log` has the callback's signature and never unwinds; it is installed
+        // once, before llama.cpp does anything else, and sets ggml's callback too.
+        unsafe { llama_cpp_sys_2::llama_log_set(Some(on_log), std::ptr::null_mut()) };
         LlamaBackend::init().map_err(|e| e.to_string())
     });
     state.as_ref().map_err(|e| {
@@ -127,6 +190,8 @@ pub struct LlamaCppBackend {
     position: usize,
     threads: usize,
     architecture: String,
+    /// The attention kernel the context runs, as [`with_attention_kernel`] labels it.
+    attention: String,
     load_ms: f64,
 }
 
@@ -191,13 +256,15 @@ impl LlamaCppBackend {
             .with_n_threads(threads_i32)
             .with_n_threads_batch(threads_i32)
             .with_flash_attention_policy(opts.flash_attention.policy());
-        let ctx = model.new_context(backend, ctx_params).map_err(|e| {
-            KylinError::backend_failed(format!(
-                "llama.cpp could not create a context of {n_ctx} tokens for {}: {e}; try a \
-                 smaller --ctx-size",
-                path.display()
-            ))
-            .at(path)
+        let (ctx, attention) = with_attention_kernel(opts.flash_attention, || {
+            model.new_context(backend, ctx_params).map_err(|e| {
+                KylinError::backend_failed(format!(
+                    "llama.cpp could not create a context of {n_ctx} tokens for {}: {e}; try a \
+                     smaller --ctx-size",
+                    path.display()
+                ))
+                .at(path)
+            })
         })?;
         // SAFETY: the context points into the model behind `model`'s box, which is stored in
         // the same struct and declared after `ctx`, so it is dropped after the context; the
@@ -226,6 +293,7 @@ impl LlamaCppBackend {
             position: 0,
             threads,
             architecture,
+            attention,
             load_ms: start.elapsed().as_secs_f64() * 1e3,
         })
     }
@@ -328,7 +396,7 @@ impl Backend for LlamaCppBackend {
             context_size: self.n_ctx,
             threads: self.threads,
             precision: "ggml".to_string(),
-            kernels: ggml_features(),
+            kernels: format!("{}, attention {}", ggml_features(), self.attention),
             quantize_ms: None,
         }
     }

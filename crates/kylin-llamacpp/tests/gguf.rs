@@ -181,6 +181,28 @@ fn flash_attention_choice_reaches_llama_cpp() {
     );
 }
 
+/// The summary names the attention kernel llama.cpp runs, and `Auto` reports what llama.cpp
+/// resolved it to: on a CPU it turns flash attention on, so `Auto` gives `On`'s logits bit for
+/// bit and `Off` different ones.
+#[test]
+fn summary_names_the_attention_kernel_llama_cpp_resolved() {
+    let r = reference(SMOL);
+    let prompt = ids(&r["cases"][0]["input_ids"]);
+    let path = gguf_path(SMOL);
+    let mut runs = Vec::new();
+    for flash_attention in [FlashAttention::Auto, FlashAttention::On, FlashAttention::Off] {
+        let mut m = LlamaCppBackend::load(&path, &LlamaCppOptions { flash_attention, ..opts() }).unwrap();
+        let kernels = m.summary().kernels;
+        runs.push((kernels, m.prefill(&prompt).unwrap().to_vec()));
+    }
+    let attention = |i: usize| runs[i].0.rsplit_once(", attention ").map(|(_, a)| a.to_string());
+    assert_eq!(attention(0).as_deref(), Some("flash (--flash-attn auto)"), "{}", runs[0].0);
+    assert_eq!(attention(1).as_deref(), Some("flash (--flash-attn on)"), "{}", runs[1].0);
+    assert_eq!(attention(2).as_deref(), Some("standard (--flash-attn off)"), "{}", runs[2].0);
+    assert!(runs[0].1 == runs[1].1, "auto reported flash attention but its logits differ from --flash-attn on");
+    assert!(runs[0].1 != runs[2].1, "auto and off gave bit-identical logits");
+}
+
 fn user(content: &str) -> ChatMessage {
     ChatMessage { role: "user".into(), content: content.into() }
 }
