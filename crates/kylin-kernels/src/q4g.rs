@@ -37,7 +37,7 @@
 //! on the instruction set. The x86 tiles are Q4_K's (`q4k_x86.rs`), with the per-sub-block
 //! `(s_j, m_j)` in place of Q4_K's `(d · sc_j, dmin · m_j)`.
 
-use crate::matmul::MatrixRows;
+use crate::packed::{PackedMatrix, PlaneLayout, plane_lens};
 use crate::q4k::{PAIR_BYTES, SUB, activation_stride, isum_scalar, q4k_scratch_len, quant_at, quantize_tokens};
 use crate::quant::GROUP_ROWS;
 use crate::{Isa, ThreadPool};
@@ -45,88 +45,29 @@ use crate::{Isa, ThreadPool};
 /// Bytes of one sub-block's scales and mins of a group's 16 rows in the scales plane.
 pub(crate) const SUB_SCALE_BYTES: usize = GROUP_ROWS * 4;
 
-/// A Q4_G weight matrix `[rows, cols]` in Kylin's packed layout (see the module docs).
-///
-/// Invariant (checked by [`Q4GMatrix::new`]): `cols` is a non-zero multiple of 64 and the
-/// planes have the lengths [`q4_g_plane_lens`] gives.
+/// Q4_G's group layout: Q4_K's quants plane, and an f16 scale and min per row and sub-block
+/// of 32 (module docs).
 #[derive(Debug, Clone, Copy)]
-pub struct Q4GMatrix<'a> {
-    rows: usize,
-    cols: usize,
-    quants: &'a [u8],
-    scales: &'a [u8],
-}
+pub struct Q4GPlanes;
 
-impl<'a> Q4GMatrix<'a> {
-    /// A view of the two planes; `None` if `cols` is not a non-zero multiple of 64 or a
-    /// length is not what [`q4_g_plane_lens`]`(rows, cols)` gives.
-    pub fn new(rows: usize, cols: usize, quants: &'a [u8], scales: &'a [u8]) -> Option<Self> {
-        (q4_g_plane_lens(rows, cols) == Some((quants.len(), scales.len()))).then_some(Q4GMatrix {
-            rows,
-            cols,
-            quants,
-            scales,
-        })
-    }
-
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
-    pub fn cols(&self) -> usize {
-        self.cols
-    }
-
-    /// The quants plane (Q4_K's, see the module docs).
-    pub fn quants(&self) -> &'a [u8] {
-        self.quants
-    }
-
-    /// The scales plane (f16 scales and mins, little-endian).
-    pub fn scales(&self) -> &'a [u8] {
-        self.scales
-    }
-
-    /// Bytes the products read.
-    pub fn byte_len(&self) -> usize {
-        self.quants.len() + self.scales.len()
-    }
-
-    /// The planes of a `[rows, cols]` matrix whose lengths the caller sized with
-    /// [`q4_g_plane_lens`] ([`crate::quant::QuantBuffer`]).
-    pub(crate) fn from_planes(rows: usize, cols: usize, quants: &'a [u8], scales: &'a [u8]) -> Self {
-        debug_assert_eq!(q4_g_plane_lens(rows, cols), Some((quants.len(), scales.len())));
-        Q4GMatrix { rows, cols, quants, scales }
-    }
-
-    /// Group `g`'s quants and scales.
-    pub(crate) fn group(&self, g: usize) -> (&'a [u8], &'a [u8]) {
-        let (q, s) = group_lens(self.cols);
-        (&self.quants[g * q..(g + 1) * q], &self.scales[g * s..(g + 1) * s])
+impl PlaneLayout for Q4GPlanes {
+    fn group_lens(cols: usize) -> Option<(usize, usize)> {
+        if cols == 0 || !cols.is_multiple_of(2 * SUB) {
+            return None;
+        }
+        Some(((cols / (2 * SUB)).checked_mul(PAIR_BYTES)?, (cols / SUB).checked_mul(SUB_SCALE_BYTES)?))
     }
 }
 
-impl MatrixRows for Q4GMatrix<'_> {
-    fn rows(&self) -> usize {
-        self.rows
-    }
-}
-
-/// Bytes of one group's quants and scales for rows of `cols` columns (a multiple of 64).
-fn group_lens(cols: usize) -> (usize, usize) {
-    (cols / (2 * SUB) * PAIR_BYTES, cols / SUB * SUB_SCALE_BYTES)
-}
+/// A Q4_G weight matrix `[rows, cols]` in Kylin's packed layout (see the module docs): `cols`
+/// is a non-zero multiple of 64.
+pub type Q4GMatrix<'a> = PackedMatrix<'a, Q4GPlanes>;
 
 /// Bytes of the quants and scales planes of a packed `[rows, cols]` Q4_G matrix (rows rounded
 /// up to a group of 16): `groups · (cols / 64) · 512` and `groups · (cols / 32) · 64`; `None`
 /// if `cols` is not a non-zero multiple of 64 or a size overflows.
 pub fn q4_g_plane_lens(rows: usize, cols: usize) -> Option<(usize, usize)> {
-    if cols == 0 || !cols.is_multiple_of(2 * SUB) {
-        return None;
-    }
-    let groups = rows.div_ceil(GROUP_ROWS);
-    let (q, s) = group_lens(cols);
-    Some((groups.checked_mul(q)?, groups.checked_mul(s)?))
+    plane_lens::<Q4GPlanes>(rows, cols)
 }
 
 /// Packs a `[rows, cols]` matrix of 4-bit quants with per-sub-block scales and mins into the
@@ -173,7 +114,7 @@ pub fn pack_q4_g_groups(
     assert_eq!(rows.checked_mul(nb), Some(scales.len()), "scales is not [rows, cols / 32]");
     assert_eq!(rows.checked_mul(nb), Some(mins.len()), "mins is not [rows, cols / 32]");
     assert!(groups.start <= groups.end && groups.end <= rows.div_ceil(GROUP_ROWS), "groups out of range");
-    let (gq_len, gs_len) = group_lens(cols);
+    let (gq_len, gs_len) = Q4GPlanes::group_lens(cols).expect("a multiple of 64 columns, asserted above");
     assert_eq!(quants_out.len(), groups.len() * gq_len, "quants length != groups * group bytes");
     assert_eq!(scales_out.len(), groups.len() * gs_len, "scales length != groups * group bytes");
     let planes = quants_out.chunks_exact_mut(gq_len).zip(scales_out.chunks_exact_mut(gs_len));

@@ -43,7 +43,7 @@
 //! eight, any thread) computes those operations, so a token's outputs do not depend on its
 //! batch, nor on the instruction set.
 
-use crate::matmul::MatrixRows;
+use crate::packed::{PackedMatrix, PlaneLayout, plane_lens};
 use crate::quant::GROUP_ROWS;
 use crate::{Isa, ThreadPool, WeightMatrix, isa};
 
@@ -62,77 +62,25 @@ pub(crate) const SUPER_SCALE_BYTES: usize = HEADER_BYTES + (QK_K / SUB) * SUB_SC
 /// Bytes of GGUF's `block_q4_K`: `d`, `dmin`, 12 bytes of packed 6-bit scales, 128 of quants.
 pub const GGUF_BLOCK_BYTES: usize = 144;
 
-/// A Q4_K weight matrix `[rows, cols]` in Kylin's packed layout (see the module docs).
-///
-/// Invariant (checked by [`Q4KMatrix::new`]): `cols` is a non-zero multiple of 64 and the
-/// planes have the lengths [`q4_k_plane_lens`] gives.
+/// Q4_K's group layout: pairs of sub-blocks of 4-bit quants, and per super-block the `d` and
+/// `dmin` header and each sub-block's 6-bit scale and min (module docs).
 #[derive(Debug, Clone, Copy)]
-pub struct Q4KMatrix<'a> {
-    rows: usize,
-    cols: usize,
-    quants: &'a [u8],
-    scales: &'a [u8],
-}
+pub struct Q4KPlanes;
 
-impl<'a> Q4KMatrix<'a> {
-    /// A view of the two planes; `None` if `cols` is not a non-zero multiple of 64 or a
-    /// length is not what [`q4_k_plane_lens`]`(rows, cols)` gives.
-    pub fn new(rows: usize, cols: usize, quants: &'a [u8], scales: &'a [u8]) -> Option<Self> {
-        (q4_k_plane_lens(rows, cols) == Some((quants.len(), scales.len()))).then_some(Q4KMatrix {
-            rows,
-            cols,
-            quants,
-            scales,
-        })
-    }
-
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
-    pub fn cols(&self) -> usize {
-        self.cols
-    }
-
-    /// The quants plane (see the module docs).
-    pub fn quants(&self) -> &'a [u8] {
-        self.quants
-    }
-
-    /// The scales plane.
-    pub fn scales(&self) -> &'a [u8] {
-        self.scales
-    }
-
-    /// Bytes the products read.
-    pub fn byte_len(&self) -> usize {
-        self.quants.len() + self.scales.len()
-    }
-
-    /// The planes of a `[rows, cols]` matrix whose lengths the caller sized with
-    /// [`q4_k_plane_lens`] ([`crate::quant::QuantBuffer`]).
-    pub(crate) fn from_planes(rows: usize, cols: usize, quants: &'a [u8], scales: &'a [u8]) -> Self {
-        debug_assert_eq!(q4_k_plane_lens(rows, cols), Some((quants.len(), scales.len())));
-        Q4KMatrix { rows, cols, quants, scales }
-    }
-
-    /// Group `g`'s quants and scales.
-    pub(crate) fn group(&self, g: usize) -> (&'a [u8], &'a [u8]) {
-        let (q, s) = group_lens(self.cols);
-        (&self.quants[g * q..(g + 1) * q], &self.scales[g * s..(g + 1) * s])
+impl PlaneLayout for Q4KPlanes {
+    fn group_lens(cols: usize) -> Option<(usize, usize)> {
+        if cols == 0 || !cols.is_multiple_of(2 * SUB) {
+            return None;
+        }
+        let headers = cols.div_ceil(QK_K).checked_mul(HEADER_BYTES)?;
+        let sub_scales = (cols / SUB).checked_mul(SUB_SCALE_BYTES)?;
+        Some(((cols / (2 * SUB)).checked_mul(PAIR_BYTES)?, headers.checked_add(sub_scales)?))
     }
 }
 
-impl MatrixRows for Q4KMatrix<'_> {
-    fn rows(&self) -> usize {
-        self.rows
-    }
-}
-
-/// Bytes of one group's quants and scales for rows of `cols` columns (a multiple of 64).
-fn group_lens(cols: usize) -> (usize, usize) {
-    (cols / (2 * SUB) * PAIR_BYTES, cols.div_ceil(QK_K) * HEADER_BYTES + cols / SUB * SUB_SCALE_BYTES)
-}
+/// A Q4_K weight matrix `[rows, cols]` in Kylin's packed layout (see the module docs): `cols`
+/// is a non-zero multiple of 64.
+pub type Q4KMatrix<'a> = PackedMatrix<'a, Q4KPlanes>;
 
 /// Sub-blocks in super-block `s` of a row of `cols` columns.
 #[inline]
@@ -143,19 +91,14 @@ pub(crate) fn subs_in(cols: usize, s: usize) -> usize {
 /// Bytes of the quants and scales planes of a packed `[rows, cols]` Q4_K matrix (rows rounded
 /// up to a group of 16); `None` if `cols` is not a non-zero multiple of 64 or a size overflows.
 pub fn q4_k_plane_lens(rows: usize, cols: usize) -> Option<(usize, usize)> {
-    if cols == 0 || !cols.is_multiple_of(2 * SUB) {
-        return None;
-    }
-    let groups = rows.div_ceil(GROUP_ROWS);
-    let (q, s) = group_lens(cols);
-    Some((groups.checked_mul(q)?, groups.checked_mul(s)?))
+    plane_lens::<Q4KPlanes>(rows, cols)
 }
 
 /// The shapes `kylin quantize` gives the planes (both U8): quants `[groups, cols · 8]` and
 /// scales `[groups, 64 · super-blocks + cols]`.
 pub fn q4_k_plane_shapes(rows: usize, cols: usize) -> ([usize; 2], [usize; 2]) {
     let groups = rows.div_ceil(GROUP_ROWS);
-    let (q, s) = group_lens(cols);
+    let (q, s) = Q4KPlanes::group_lens(cols).expect("the columns of a Q4_K matrix");
     ([groups, q], [groups, s])
 }
 
@@ -360,7 +303,7 @@ pub fn quantize_q4_k_groups(
     row: &mut [f32],
 ) {
     assert!(w.cols > 0 && w.cols.is_multiple_of(2 * SUB), "Q4_K needs columns in multiples of 64; got {}", w.cols);
-    let (gq_len, gs_len) = group_lens(w.cols);
+    let (gq_len, gs_len) = Q4KPlanes::group_lens(w.cols).expect("a multiple of 64 columns, asserted above");
     assert_eq!(quants.len(), groups.len() * gq_len, "quants length != groups * group bytes");
     assert_eq!(scales.len(), groups.len() * gs_len, "scales length != groups * group bytes");
     assert_eq!(row.len(), w.cols);

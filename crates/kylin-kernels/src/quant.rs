@@ -35,6 +35,7 @@
 //! a token's outputs do not depend on its batch, and not even on the instruction set.
 
 use crate::matmul::{MatrixRows, OutPtr, split_rows};
+use crate::packed::{PackedMatrix, PlaneLayout, plane_lens};
 use crate::{Isa, ThreadPool, WeightMatrix, isa};
 
 /// One cache line.
@@ -54,82 +55,28 @@ pub(crate) const QUANTS_BYTES: usize = GROUP_ROWS * QK8_0;
 /// Bytes of one block's scales in a group.
 pub(crate) const SCALES_BYTES: usize = GROUP_ROWS * 2;
 
-/// A Q8_0 weight matrix `[rows, cols]` in Kylin's packed layout (see the module docs).
-///
-/// Invariant (checked by whoever makes one: [`Q8Matrix::new`]): `cols` is a multiple of 32 and
-/// the planes have the lengths [`q8_0_plane_lens`] gives.
+/// Q8_0's group layout: per block of 32 columns, 16 × 32 quants and 16 f16 scales (module docs).
 #[derive(Debug, Clone, Copy)]
-pub struct Q8Matrix<'a> {
-    rows: usize,
-    cols: usize,
-    quants: &'a [u8],
-    scales: &'a [u8],
-}
+pub struct Q8Planes;
 
-impl<'a> Q8Matrix<'a> {
-    /// A view of the two planes; `None` if `cols` is not a multiple of 32 or a length is not
-    /// what [`q8_0_plane_lens`]`(rows, cols)` gives.
-    pub fn new(rows: usize, cols: usize, quants: &'a [u8], scales: &'a [u8]) -> Option<Self> {
-        (q8_0_plane_lens(rows, cols) == Some((quants.len(), scales.len()))).then_some(Q8Matrix {
-            rows,
-            cols,
-            quants,
-            scales,
-        })
-    }
-
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
-    pub fn cols(&self) -> usize {
-        self.cols
-    }
-
-    /// The quants plane (see the module docs).
-    pub fn quants(&self) -> &'a [u8] {
-        self.quants
-    }
-
-    /// The scales plane (f16, little-endian).
-    pub fn scales(&self) -> &'a [u8] {
-        self.scales
-    }
-
-    /// Bytes the products read.
-    pub fn byte_len(&self) -> usize {
-        self.quants.len() + self.scales.len()
-    }
-
-    /// Blocks per row.
-    fn blocks(&self) -> usize {
-        self.cols / QK8_0
-    }
-
-    /// Group `g`'s quants and scales.
-    pub(crate) fn group(&self, g: usize) -> (&'a [u8], &'a [u8]) {
-        let nb = self.blocks();
-        (
-            &self.quants[g * nb * QUANTS_BYTES..(g + 1) * nb * QUANTS_BYTES],
-            &self.scales[g * nb * SCALES_BYTES..(g + 1) * nb * SCALES_BYTES],
-        )
+impl PlaneLayout for Q8Planes {
+    fn group_lens(cols: usize) -> Option<(usize, usize)> {
+        if !cols.is_multiple_of(QK8_0) {
+            return None;
+        }
+        let blocks = cols / QK8_0;
+        Some((blocks.checked_mul(QUANTS_BYTES)?, blocks.checked_mul(SCALES_BYTES)?))
     }
 }
 
-impl MatrixRows for Q8Matrix<'_> {
-    fn rows(&self) -> usize {
-        self.rows
-    }
-}
+/// A Q8_0 weight matrix `[rows, cols]` in Kylin's packed layout (see the module docs): `cols`
+/// is a multiple of 32.
+pub type Q8Matrix<'a> = PackedMatrix<'a, Q8Planes>;
 
 /// Bytes of the quants and scales planes of a packed `[rows, cols]` Q8_0 matrix (rows rounded
 /// up to a group of 16); `None` if `cols` is not a multiple of 32 or a size overflows.
 pub fn q8_0_plane_lens(rows: usize, cols: usize) -> Option<(usize, usize)> {
-    if !cols.is_multiple_of(QK8_0) {
-        return None;
-    }
-    let blocks = rows.div_ceil(GROUP_ROWS).checked_mul(cols / QK8_0)?;
-    Some((blocks.checked_mul(QUANTS_BYTES)?, blocks.checked_mul(SCALES_BYTES)?))
+    plane_lens::<Q8Planes>(rows, cols)
 }
 
 /// The shapes `kylin quantize` gives the planes: quants `[groups, blocks, 512]` (U8) and scales
@@ -271,7 +218,7 @@ fn write_lane(gq: &mut [u8], gs: &mut [u8], lane: usize, qs: &[i8], scales: &[u1
 
 /// The GGUF numbers of row `r`: its 32-column blocks' quants and f16 scales.
 pub fn row_q8_0(m: Q8Matrix<'_>, r: usize, qs: &mut [i8], scales: &mut [u16]) {
-    let (nb, g, lane) = (m.blocks(), r / GROUP_ROWS, r % GROUP_ROWS);
+    let (nb, g, lane) = (m.cols / QK8_0, r / GROUP_ROWS, r % GROUP_ROWS);
     assert!(r < m.rows && qs.len() == m.cols && scales.len() == nb);
     let (gq, gs) = m.group(g);
     for b in 0..nb {
@@ -287,7 +234,7 @@ pub fn row_q8_0(m: Q8Matrix<'_>, r: usize, qs: &mut [i8], scales: &mut [u16]) {
 /// Row `r` dequantized (`d · q`, exact in f32) into `out` (`cols` elements): an embedding lookup
 /// in a quantized matrix.
 pub fn dequantize_row_q8_0(m: Q8Matrix<'_>, r: usize, out: &mut [f32]) {
-    let (nb, g, lane) = (m.blocks(), r / GROUP_ROWS, r % GROUP_ROWS);
+    let (nb, g, lane) = (m.cols / QK8_0, r / GROUP_ROWS, r % GROUP_ROWS);
     assert!(r < m.rows && out.len() == m.cols);
     let (gq, gs) = m.group(g);
     for (b, o) in out.chunks_exact_mut(QK8_0).enumerate().take(nb) {
@@ -946,11 +893,11 @@ impl QuantBuffer {
         let (quants, scales) = (&bytes[..self.quants_len], &bytes[self.scales_at..]);
         let (rows, cols) = (self.rows, self.cols);
         match self.packing {
-            Packing::Q8_0 => QuantMatrix::Q8_0(Q8Matrix { rows, cols, quants, scales }),
+            Packing::Q8_0 => QuantMatrix::Q8_0(Q8Matrix::from_planes(rows, cols, quants, scales)),
             // The planes were sized by `plane_lens` in `zeroed`.
             Packing::Q4K => QuantMatrix::Q4K(crate::q4k::Q4KMatrix::from_planes(rows, cols, quants, scales)),
             Packing::Q4G => QuantMatrix::Q4G(crate::q4g::Q4GMatrix::from_planes(rows, cols, quants, scales)),
-            Packing::Q8_0A16 => QuantMatrix::Q8_0A16(Q8Matrix { rows, cols, quants, scales }),
+            Packing::Q8_0A16 => QuantMatrix::Q8_0A16(Q8Matrix::from_planes(rows, cols, quants, scales)),
             Packing::Q4GA16 => QuantMatrix::Q4GA16(crate::q4g::Q4GMatrix::from_planes(rows, cols, quants, scales)),
             Packing::F8A16 => QuantMatrix::F8A16(crate::w16::F8Matrix::from_planes(rows, cols, quants, scales)),
         }

@@ -122,71 +122,26 @@ pub fn e4m3_to_f32(b: u8) -> f32 {
     if b & 0x80 != 0 { -magnitude } else { magnitude }
 }
 
-/// An FP8 E4M3 weight matrix `[rows, cols]` in Kylin's packed layout (module docs).
-///
-/// Invariant (checked by [`F8Matrix::new`]): `cols` is a multiple of 32 and the planes have the
-/// lengths [`f8_plane_lens`] gives.
+/// FP8's group layout: Q8_0's quants plane of E4M3 bytes and an f32 scale per row and block
+/// of 32 columns (module docs).
 #[derive(Debug, Clone, Copy)]
-pub struct F8Matrix<'a> {
-    rows: usize,
-    cols: usize,
-    quants: &'a [u8],
-    scales: &'a [u8],
-}
+pub struct F8Planes;
 
-impl<'a> F8Matrix<'a> {
-    /// A view of the two planes; `None` if a length is not what [`f8_plane_lens`] gives.
-    pub fn new(rows: usize, cols: usize, quants: &'a [u8], scales: &'a [u8]) -> Option<Self> {
-        (f8_plane_lens(rows, cols) == Some((quants.len(), scales.len()))).then_some(F8Matrix {
-            rows,
-            cols,
-            quants,
-            scales,
-        })
-    }
-
-    /// The planes of a `[rows, cols]` matrix whose lengths the caller sized with
-    /// [`f8_plane_lens`] ([`crate::quant::QuantBuffer`]).
-    pub(crate) fn from_planes(rows: usize, cols: usize, quants: &'a [u8], scales: &'a [u8]) -> Self {
-        debug_assert_eq!(f8_plane_lens(rows, cols), Some((quants.len(), scales.len())));
-        F8Matrix { rows, cols, quants, scales }
-    }
-
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
-    pub fn cols(&self) -> usize {
-        self.cols
-    }
-
-    pub fn quants(&self) -> &'a [u8] {
-        self.quants
-    }
-
-    pub fn scales(&self) -> &'a [u8] {
-        self.scales
-    }
-
-    /// Group `g`'s quants and scales.
-    pub(crate) fn group(&self, g: usize) -> (&'a [u8], &'a [u8]) {
-        let nb = self.cols / QK8_0;
-        let (q, s) = (nb * QUANTS_BYTES, nb * 2 * SCALES_BYTES);
-        (&self.quants[g * q..(g + 1) * q], &self.scales[g * s..(g + 1) * s])
+impl crate::packed::PlaneLayout for F8Planes {
+    fn group_lens(cols: usize) -> Option<(usize, usize)> {
+        let (q, s) = <crate::quant::Q8Planes as crate::packed::PlaneLayout>::group_lens(cols)?;
+        Some((q, s.checked_mul(2)?))
     }
 }
 
-impl crate::matmul::MatrixRows for F8Matrix<'_> {
-    fn rows(&self) -> usize {
-        self.rows
-    }
-}
+/// An FP8 E4M3 weight matrix `[rows, cols]` in Kylin's packed layout (module docs): `cols` is
+/// a multiple of 32.
+pub type F8Matrix<'a> = crate::packed::PackedMatrix<'a, F8Planes>;
 
 /// Bytes of the quants and scales planes of a packed `[rows, cols]` FP8 matrix (rows rounded up
 /// to a group of 16); `None` if `cols` is not a multiple of 32 or a size overflows.
 pub fn f8_plane_lens(rows: usize, cols: usize) -> Option<(usize, usize)> {
-    let (q, s) = crate::quant::q8_0_plane_lens(rows, cols)?;
-    Some((q, s.checked_mul(2)?))
+    crate::packed::plane_lens::<F8Planes>(rows, cols)
 }
 
 /// Packs a row-major `[rows, cols]` matrix of FP8 E4M3 codes with one f32 scale per row and
