@@ -83,8 +83,7 @@ impl<'a, L: PlaneLayout> PackedMatrix<'a, L> {
 
     /// Group `g`'s quants and scales.
     pub(crate) fn group(&self, g: usize) -> (&'a [u8], &'a [u8]) {
-        // The layout held `cols` when the view was made, so this is `Some`.
-        let (q, s) = L::group_lens(self.cols).unwrap_or((0, 0));
+        let (q, s) = L::group_lens(self.cols).expect("the layout held `cols` when the view was made");
         (&self.quants[g * q..(g + 1) * q], &self.scales[g * s..(g + 1) * s])
     }
 }
