@@ -37,10 +37,14 @@ const RAISE_MARKER: &str = "kylin-template-raised: ";
 const TEMPLATE_FUEL: u64 = 5_000_000;
 
 /// The stack of the thread a chat template renders on: room for the deepest value a template
-/// can build within [`TEMPLATE_FUEL`] (one nesting level per loop iteration of at least 8
-/// instructions, at most 270 bytes of stack per level when formatted: 169 MB), tested by
-/// `a_value_nested_to_the_fuel_limit_is_an_error_not_a_crash`.
-const RENDER_STACK_BYTES: usize = 256 << 20;
+/// can build within [`TEMPLATE_FUEL`]. A list literal nested 60 deep inside a loop
+/// (`{% set ns.x = [[[...ns.x...]]] %}`) costs about 2.1 units of fuel per level, so a value
+/// can be nested some 2.4 million levels deep; minijinja formats, compares and drops values
+/// recursively, at most about 270 bytes of stack per level: 650 MB. (256 MiB, sized for one
+/// level per loop iteration, overflowed: finding 6 in docs/fuzzing.md.) The stack is reserved,
+/// and only the pages a deep template touches are ever backed by memory. Tested by
+/// `fuzz_regressions.rs`.
+const RENDER_STACK_BYTES: usize = 1 << 30;
 
 /// Name under which the chat template is compiled.
 const TEMPLATE_NAME: &str = "chat_template";
@@ -254,6 +258,7 @@ fn build_environment(source: String, origin: &str) -> Result<Environment<'static
     env.add_function("raise_exception", raise_exception);
     env.add_function("strftime_now", strftime_now);
     env.add_filter("tojson", tojson);
+    env.add_filter("pprint", pprint);
     env.add_template_owned(TEMPLATE_NAME, source).map_err(|e| {
         KylinError::config_invalid(format!(
             "{origin} does not compile: {e:#}; fix it or give another with --chat-template"
@@ -349,6 +354,44 @@ fn strftime(format: &str, secs: u64) -> String {
 /// HF's `tojson` filter: `json.dumps(value, ensure_ascii=False, indent=indent,
 /// sort_keys=sort_keys)`, so non-ASCII text is kept and `<`, `>`, `&` are not escaped.
 /// Separators are Python's defaults: `", "` and `": "` inline, `","` and `": "` with an indent.
+/// The deepest value `pprint` formats. minijinja's own `pprint` (`{:#?}`) indents through one
+/// writer adapter per level of nesting, so both the text and the work per character grow with
+/// the depth: the cost is the cube of it. A list nested 5000 deep, built with 50 000
+/// instructions of fuel, held its render for 379 s (the `chat_template` fuzz target; finding 6
+/// in docs/fuzzing.md). Real templates print flat messages, if they use `pprint` at all.
+const PPRINT_MAX_DEPTH: usize = 64;
+
+/// `pprint` as minijinja's, refusing values nested deeper than [`PPRINT_MAX_DEPTH`].
+fn pprint(value: Value) -> std::result::Result<Value, JinjaError> {
+    if nested_deeper_than(&value, PPRINT_MAX_DEPTH)? {
+        return Err(JinjaError::new(
+            JinjaErrorKind::InvalidOperation,
+            format!("pprint: value nested more than {PPRINT_MAX_DEPTH} levels deep"),
+        ));
+    }
+    Ok(Value::from(format!("{value:#?}")))
+}
+
+/// Whether `value` has lists or maps nested more than `levels` deep. It recurses at most
+/// `levels + 1` times, however deep the value.
+fn nested_deeper_than(value: &Value, levels: usize) -> std::result::Result<bool, JinjaError> {
+    let kind = value.kind();
+    if !matches!(kind, ValueKind::Map | ValueKind::Seq | ValueKind::Iterable) {
+        return Ok(false);
+    }
+    let Some(below) = levels.checked_sub(1) else {
+        return Ok(true);
+    };
+    for item in value.try_iter()? {
+        // A map iterates over its keys; the nesting is in the values.
+        let child = if kind == ValueKind::Map { value.get_item(&item)? } else { item };
+        if nested_deeper_than(&child, below)? {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
 fn tojson(value: Value, kwargs: Kwargs) -> std::result::Result<Value, JinjaError> {
     let indent: Option<Value> = kwargs.get("indent")?;
     let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;

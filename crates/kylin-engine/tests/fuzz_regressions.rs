@@ -66,6 +66,55 @@ fn runaway_templates_stop_with_config_invalid() {
     assert!(seen > 0, "no regression inputs in {}", dir.display());
 }
 
+/// The fuzzer's second SIGSEGV (finding 6 in docs/fuzzing.md): a list literal nested 60 deep
+/// in a loop builds a value 2.28 million levels deep within the fuel, which overflowed the
+/// render thread's 256 MiB stack when printed or dropped. On 1 GiB it prints (and is then too
+/// long a prompt), compares and drops; one nested until the fuel runs out is `CONFIG_INVALID`.
+#[test]
+fn values_nested_by_deep_literals_in_a_loop_render_or_fail_cleanly() {
+    let messages = vec![ChatMessage { role: "user".into(), content: "hello".into() }];
+    let nest = |outer: usize, show: &str| {
+        let literal = format!("{}ns.x{}", "[".repeat(60), "]".repeat(60));
+        format!(
+            "{{% set ns = namespace(x=1) %}}{{% for j in range({outer}) %}}{{% for i in range(1000) %}}\
+             {{% set ns.x = {literal} %}}{{% endfor %}}{{% endfor %}}{show}"
+        )
+    };
+    for show in ["{{ ns.x|length }}", "{{ ns.x == [ns.x] }}", ""] {
+        let codec = TextCodec::new(&bundle(&nest(38, show)), None).unwrap();
+        let rendered = codec.apply_chat_template(&messages, true, &serde_json::Map::new());
+        if show.is_empty() {
+            assert_eq!(rendered.unwrap(), "", "only the value, nothing printed");
+        } else {
+            assert!(!rendered.unwrap().is_empty(), "{show:?}");
+        }
+    }
+    let printed = TextCodec::new(&bundle(&nest(38, "{{ ns.x }}")), None).unwrap();
+    let text = printed.apply_chat_template(&messages, true, &serde_json::Map::new()).unwrap();
+    assert_eq!(text.len(), 2 * 38 * 1000 * 60 + 1, "2.28 million nested lists around the 1");
+    let codec = TextCodec::new(&bundle(&nest(1000, "")), None).unwrap();
+    let err = codec.apply_chat_template(&messages, true, &serde_json::Map::new()).unwrap_err();
+    assert_eq!(err.code, ErrorCode::ConfigInvalid, "{err}");
+}
+
+/// `pprint` still pretty-prints what real templates hold (minijinja's `{:#?}` layout), while
+/// `chat_template-pprint-deep.jinja` (a list nested 5000 deep, which took 379 s) is refused at once.
+#[test]
+fn pprint_formats_shallow_values_and_refuses_deep_ones() {
+    let messages = vec![ChatMessage { role: "user".into(), content: "hello".into() }];
+    let render = |source: &str| {
+        TextCodec::new(&bundle(source), None).unwrap().apply_chat_template(&messages, true, &serde_json::Map::new())
+    };
+    let text = render("{{ [1, [2, 3]]|pprint }}").unwrap();
+    assert_eq!(text, "[\n    1,\n    [\n        2,\n        3,\n    ],\n]");
+    let deep = "{% set ns = namespace(x=1) %}{% for i in range(65) %}{% set ns.x = [ns.x] %}{% endfor %}";
+    let err = render(&format!("{deep}{{{{ ns.x|pprint }}}}")).unwrap_err();
+    assert_eq!(err.code, ErrorCode::ConfigInvalid);
+    assert!(err.message.contains("nested more than 64 levels"), "{err}");
+    let shallow = deep.replace("range(65)", "range(64)");
+    assert!(render(&format!("{shallow}{{{{ ns.x|pprint }}}}")).unwrap().contains("1,"));
+}
+
 /// The fuzzer's SIGSEGV (issue 15): a value nested once per loop iteration, formatted, compared
 /// or dropped, recursed deeper than the stack (30 000 levels overflowed an 8 MiB main thread).
 /// Rendering now has its own thread with room for the deepest value the fuel allows: a value
