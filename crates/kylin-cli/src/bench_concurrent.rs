@@ -314,7 +314,7 @@ fn gguf_worker(args: &BenchWorkerArgs, n: usize, threads: usize, _started: Insta
     let times: Vec<Vec<f64>> = run.sequences.into_iter().map(|s| s.token_times).collect();
     Ok(ConcurrentSample {
         precision: "ggml".to_string(),
-        kernels: format!("{}, attention {}", kylin_llamacpp::ggml_features(), run.attention),
+        kernels: run.kernels,
         ..ConcurrentSample::measured(args, n, threads, "llama.cpp", run.load_ms, &times, &vec![0.0; n])
     })
 }

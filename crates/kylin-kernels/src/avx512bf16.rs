@@ -218,7 +218,7 @@ pub unsafe fn gemm_rows(
             // The next tile's rows follow this tile's in memory: each pass over this tile's
             // rows prefetches its share of them.
             let next = w.wrapping_add((r + nr) * cols * 2);
-            let next_lines = if prefetching { (NR.min(r1 - (r + nr).min(r1)) * cols * 2).div_ceil(64) } else { 0 };
+            let next_lines = if prefetching { (NR.min(r1 - (r + nr)) * cols * 2).div_ceil(64) } else { 0 };
             let per_pass = next_lines.div_ceil(passes);
             let mut t = t0;
             while t < t1 {

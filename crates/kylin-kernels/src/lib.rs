@@ -70,6 +70,20 @@ pub(crate) fn prefetches_weights(n_tokens: usize) -> bool {
     (2..=PREFETCH_MAX_TOKENS).contains(&n_tokens)
 }
 
+/// Asks the memory system for `lines` cache lines of 64 bytes from `p` on (into L1), for the
+/// tiles that [`prefetches_weights`] lets prefetch. The pointer is only computed (wrapping) and
+/// may lie past the matrix, as the next group's or tile's address does after the last one: a
+/// prefetch of any address is harmless, and it changes no result.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn prefetch_lines(p: *const u8, lines: usize) {
+    use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+    for k in 0..lines {
+        // SAFETY: SSE is part of x86_64's baseline, and a prefetch never faults.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64 * k) as *const i8) };
+    }
+}
+
 /// The instruction set the kernels use on this machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {

@@ -108,13 +108,13 @@ pub fn pack_q4_g_groups(
     quants_out: &mut [u8],
     scales_out: &mut [u8],
 ) {
-    assert!(cols > 0 && cols.is_multiple_of(2 * SUB), "Q4_G needs columns in multiples of 64; got {cols}");
+    let (gq_len, gs_len) =
+        Q4GPlanes::group_lens(cols).unwrap_or_else(|| panic!("Q4_G needs columns in multiples of 64; got {cols}"));
     let nb = cols / SUB;
     assert_eq!(rows.checked_mul(cols), Some(q.len()), "q is not [rows, cols]");
     assert_eq!(rows.checked_mul(nb), Some(scales.len()), "scales is not [rows, cols / 32]");
     assert_eq!(rows.checked_mul(nb), Some(mins.len()), "mins is not [rows, cols / 32]");
     assert!(groups.start <= groups.end && groups.end <= rows.div_ceil(GROUP_ROWS), "groups out of range");
-    let (gq_len, gs_len) = Q4GPlanes::group_lens(cols).expect("a multiple of 64 columns, asserted above");
     assert_eq!(quants_out.len(), groups.len() * gq_len, "quants length != groups * group bytes");
     assert_eq!(scales_out.len(), groups.len() * gs_len, "scales length != groups * group bytes");
     let planes = quants_out.chunks_exact_mut(gq_len).zip(scales_out.chunks_exact_mut(gs_len));

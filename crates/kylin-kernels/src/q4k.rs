@@ -302,8 +302,8 @@ pub fn quantize_q4_k_groups(
     scales: &mut [u8],
     row: &mut [f32],
 ) {
-    assert!(w.cols > 0 && w.cols.is_multiple_of(2 * SUB), "Q4_K needs columns in multiples of 64; got {}", w.cols);
-    let (gq_len, gs_len) = Q4KPlanes::group_lens(w.cols).expect("a multiple of 64 columns, asserted above");
+    let (gq_len, gs_len) = Q4KPlanes::group_lens(w.cols)
+        .unwrap_or_else(|| panic!("Q4_K needs columns in multiples of 64; got {}", w.cols));
     assert_eq!(quants.len(), groups.len() * gq_len, "quants length != groups * group bytes");
     assert_eq!(scales.len(), groups.len() * gs_len, "scales length != groups * group bytes");
     assert_eq!(row.len(), w.cols);

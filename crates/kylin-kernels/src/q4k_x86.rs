@@ -323,16 +323,10 @@ unsafe fn tile_vnni<const MT: usize, const GROUPED: bool>(
                 };
                 let wb = wp.add((j / 2) * PAIR_BYTES);
                 if prefetch_next && j.is_multiple_of(2) {
-                    // Possibly past the matrix: the pointers are only computed (wrapping), and
-                    // a prefetch of any address is harmless.
-                    let next = wb.wrapping_add(group_quants);
-                    for k in 0..PAIR_BYTES / 64 {
-                        _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(64 * k) as *const i8);
-                    }
+                    // The next group's pair `j / 2`, in both planes.
+                    crate::prefetch_lines(wb.wrapping_add(group_quants), PAIR_BYTES / 64);
                     let next_scales = sp.wrapping_add(group_scales + j / 2 * pair_scales);
-                    for k in 0..pair_scales.div_ceil(64) {
-                        _mm_prefetch::<_MM_HINT_T0>(next_scales.wrapping_add(64 * k) as *const i8);
-                    }
+                    crate::prefetch_lines(next_scales, pair_scales.div_ceil(64));
                 }
                 let w: [__m512i; 8] = std::array::from_fn(|k| {
                     let raw = _mm512_loadu_si512(wb.add(64 * k) as *const _);

@@ -142,13 +142,9 @@ unsafe fn tile_vnni<const MT: usize>(
             let wb = wp.add(b * QUANTS_BYTES);
             let w: [__m512i; 8] = std::array::from_fn(|k| _mm512_loadu_si512(wb.add(64 * k) as *const _));
             if prefetch_next {
-                // The next group's block `b`, possibly past the matrix: the pointers are only
-                // computed (wrapping), and a prefetch of any address is harmless.
-                let next = wb.wrapping_add(nb * QUANTS_BYTES);
-                for k in 0..QUANTS_BYTES / 64 {
-                    _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(64 * k) as *const i8);
-                }
-                _mm_prefetch::<_MM_HINT_T0>(sp.wrapping_add((nb + b) * SCALES_BYTES) as *const i8);
+                // The next group's block `b`, in both planes.
+                crate::prefetch_lines(wb.wrapping_add(nb * QUANTS_BYTES), QUANTS_BYTES / 64);
+                crate::prefetch_lines(sp.wrapping_add((nb + b) * SCALES_BYTES), 1);
             }
             let dw = _mm512_cvtph_ps(_mm256_loadu_si256(sp.add(b * SCALES_BYTES) as *const __m256i));
             for (t, acc) in acc.iter_mut().enumerate() {

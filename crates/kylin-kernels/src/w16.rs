@@ -458,17 +458,6 @@ mod x86 {
         _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b))
     }
 
-    /// Asks for `lines` cache lines from `p` on: the same block of the next group, whose planes
-    /// follow this group's. The pointer may lie past the matrix; it is only computed (wrapping)
-    /// and a prefetch of any address is harmless.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
-    #[inline]
-    fn prefetch_lines(p: *const u8, lines: usize) {
-        for k in 0..lines {
-            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64 * k) as *const i8);
-        }
-    }
-
     /// Four BF16 activations at `p` broadcast as `[x0 x1, x2 x3]` pairs to all lanes.
     ///
     /// # Safety
@@ -513,8 +502,8 @@ mod x86 {
                 let mut d = [[_mm512_setzero_ps(); 2]; MT_];
                 let block = wq.add(b * QUANTS_BYTES);
                 if prefetch_next {
-                    prefetch_lines(block.wrapping_add(group_q), QUANTS_BYTES / 64);
-                    prefetch_lines(ws.wrapping_add(group_s + b * block_scales), 1);
+                    crate::prefetch_lines(block.wrapping_add(group_q), QUANTS_BYTES / 64);
+                    crate::prefetch_lines(ws.wrapping_add(group_s + b * block_scales), 1);
                 }
                 for k4 in 0..8 {
                     let chunk = block.add(k4 * 64);
@@ -578,8 +567,8 @@ mod x86 {
                 let mut d = [[[_mm512_setzero_ps(); 2]; 2]; MT_];
                 let pair = wq.add(p * PAIR_BYTES);
                 if prefetch_next {
-                    prefetch_lines(pair.wrapping_add(group_q), PAIR_BYTES / 64);
-                    prefetch_lines(ws.wrapping_add(group_s + p * pair_scales), pair_scales / 64);
+                    crate::prefetch_lines(pair.wrapping_add(group_q), PAIR_BYTES / 64);
+                    crate::prefetch_lines(ws.wrapping_add(group_s + p * pair_scales), pair_scales / 64);
                 }
                 for k4 in 0..8 {
                     let chunk = pair.add(k4 * 64);

@@ -33,8 +33,9 @@ pub struct ConcurrentRun {
     pub sequences: Vec<SequenceTimes>,
     /// Milliseconds to validate and load the file and create the context.
     pub load_ms: f64,
-    /// The attention kernel llama.cpp ran (`flash (--flash-attn auto)`, ...).
-    pub attention: String,
+    /// ggml's CPU features and the attention kernel llama.cpp ran, as the single-sequence
+    /// backend's summary names them.
+    pub kernels: String,
 }
 
 /// Runs `prompts` concurrently, `gen_tokens` greedy tokens each.
@@ -126,5 +127,5 @@ pub fn run_concurrent(
             times[s].token_times.push(now);
         }
     }
-    Ok(ConcurrentRun { sequences: times, load_ms, attention })
+    Ok(ConcurrentRun { sequences: times, load_ms, kernels: crate::kernels_report(&attention) })
 }

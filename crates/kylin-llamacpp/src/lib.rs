@@ -396,7 +396,7 @@ impl Backend for LlamaCppBackend {
             context_size: self.n_ctx,
             threads: self.threads,
             precision: "ggml".to_string(),
-            kernels: format!("{}, attention {}", ggml_features(), self.attention),
+            kernels: kernels_report(&self.attention),
             quantize_ms: None,
         }
     }
@@ -563,7 +563,12 @@ pub(crate) fn resolve_threads(requested: usize) -> Result<usize> {
     Ok(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))
 }
 
-/// The KV cache size: the caller's, else `min(n_ctx_train, 4096)`.
+/// What reports name as llama.cpp's kernels: ggml's CPU features and the attention kernel a
+/// context runs (as [`with_attention_kernel`] labels it).
+pub(crate) fn kernels_report(attention: &str) -> String {
+    format!("{}, attention {attention}", ggml_features())
+}
+
 /// The CPU features llama.cpp's ggml was built with, from `llama_print_system_info` (e.g.
 /// `ggml: AVX2 AVX512 AVX512_BF16 AMX_INT8`): the `= 1` entries of its CPU section.
 pub fn ggml_features() -> String {
@@ -581,6 +586,7 @@ pub fn ggml_features() -> String {
     format!("ggml: {}", features.join(" "))
 }
 
+/// The KV cache size: the caller's, else `min(n_ctx_train, 4096)`.
 fn resolve_ctx(requested: Option<usize>, n_ctx_train: usize) -> Result<usize> {
     match requested {
         Some(0) => Err(KylinError::input_invalid("a context size of 0 tokens is impossible")),
