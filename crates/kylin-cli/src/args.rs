@@ -208,7 +208,12 @@ pub struct QuantizeArgs {
 #[derive(Args, Debug)]
 pub struct InspectArgs {
     /// A Hugging Face model directory, a .safetensors file, a .gguf file or a llama2.c .bin file.
-    pub model: PathBuf,
+    #[arg(required_unless_present = "architectures")]
+    pub model: Option<PathBuf>,
+    /// List the architectures (`config.json` `architectures[0]`) the native engine runs, with
+    /// what is particular to each, instead of inspecting a model.
+    #[arg(long, conflicts_with_all = ["tensor_map", "allow_vocab_mismatch"])]
+    pub architectures: bool,
     /// Print one JSON object instead of the summary.
     #[arg(long)]
     pub json: bool,

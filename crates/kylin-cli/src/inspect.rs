@@ -8,13 +8,19 @@ use serde_json::json;
 use crate::args::InspectArgs;
 
 pub fn run(args: InspectArgs) -> Result<()> {
+    if args.architectures {
+        return list_architectures(args.json);
+    }
+    let Some(model) = args.model else {
+        anyhow::bail!("[INPUT_INVALID] kylin inspect needs a MODEL path (or --architectures)");
+    };
     let opts = LoadOptions {
         tensor_map: args.tensor_map,
         allow_vocab_mismatch: args.allow_vocab_mismatch,
         require_tokenizer: false,
         prefetch: false,
     };
-    let report = kylin_loader::inspect(&args.model, &opts)?;
+    let report = kylin_loader::inspect(&model, &opts)?;
     let kernels = kernels_report(&report);
     if args.json {
         let mut value = serde_json::to_value(&report)?;
@@ -55,4 +61,23 @@ fn kernels_report(report: &kylin_loader::InspectReport) -> serde_json::Value {
         "q4_k": kylin_kernels::quant::q8_kernels(),
         "auto_precision": auto,
     })
+}
+
+/// `kylin inspect --architectures`: every registered family, one line each (or JSON).
+fn list_architectures(json: bool) -> Result<()> {
+    let families = kylin_loader::family::REGISTRY;
+    if json {
+        let list: Vec<serde_json::Value> = families
+            .iter()
+            .map(|f| json!({"architecture": f.hf_name, "model_type": f.model_type, "about": f.about}))
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&json!({ "architectures": list }))?);
+    } else {
+        println!("architectures the native engine runs ({}):", families.len());
+        for f in families {
+            println!("  {:<24} {:<12} {}", f.hf_name, f.model_type, f.about);
+        }
+        println!("GGUF files of any architecture llama.cpp knows run through llama.cpp.");
+    }
+    Ok(())
 }

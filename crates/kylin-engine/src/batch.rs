@@ -37,7 +37,7 @@ use crate::backend::ChatMessage;
 use crate::kv_pool::{BlockAllocator, KvPool};
 use crate::model::{BatchPlan, Model, PrecisionChoice, QuantFormat, Scratch};
 use crate::native::ModelParts;
-use crate::rope::Rope;
+use crate::rope::Ropes;
 use crate::sequence::Decoding;
 use crate::serial::validate_request;
 use crate::serving::{EngineInfo, EngineStats, Event, EventKind, Request, Serving, StopReason, Usage};
@@ -55,9 +55,14 @@ pub const AMX_BLOCK_SIZE: usize = 32;
 
 /// The default positions per KV block for an attention path: [`AMX_BLOCK_SIZE`] where the AMX
 /// kernel would run at that size, [`DEFAULT_BLOCK_SIZE`] elsewhere.
-pub fn default_block_size(precision: kylin_kernels::Precision, kv_dtype: WeightDType, head_dim: usize) -> usize {
+pub fn default_block_size(
+    precision: kylin_kernels::Precision,
+    kv_dtype: WeightDType,
+    head_dim: usize,
+    needs: kylin_kernels::paged::AttentionNeeds,
+) -> usize {
     use kylin_kernels::paged::{AttentionPath, attention_path};
-    if attention_path(precision, kv_dtype, head_dim, AMX_BLOCK_SIZE) == AttentionPath::AmxBf16 {
+    if attention_path(precision, kv_dtype, head_dim, AMX_BLOCK_SIZE, needs) == AttentionPath::AmxBf16 {
         AMX_BLOCK_SIZE
     } else {
         DEFAULT_BLOCK_SIZE
@@ -256,7 +261,7 @@ pub struct EngineCore {
     pub(crate) model: Model,
     pub(crate) pool: ThreadPool,
     pub(crate) kv: KvPool,
-    pub(crate) rope: Rope,
+    pub(crate) rope: Ropes,
     pub(crate) scratch: Scratch,
     pub(crate) plan: BatchPlan,
     pub(crate) text: Option<TextCodec>,
@@ -319,7 +324,9 @@ impl EngineCore {
         };
         let d = *model.dims();
         let kv_dtype = opts.kv_dtype.unwrap_or(model.default_kv_dtype());
-        let block_size = opts.block_size.unwrap_or_else(|| default_block_size(model.precision(), kv_dtype, d.head_dim));
+        let block_size = opts
+            .block_size
+            .unwrap_or_else(|| default_block_size(model.precision(), kv_dtype, d.head_dim, model.attention_needs()));
         for (name, value) in [
             ("--max-seqs", opts.max_seqs),
             ("--max-batch-tokens", opts.max_batch_tokens),
@@ -338,7 +345,14 @@ impl EngineCore {
         let max_batch_tokens = opts.max_batch_tokens.min(context.max(1) * max_seqs);
         let mut scratch = model.plan_scratch(max_batch_tokens, max_seqs, context)?;
         let n_blocks = kv_blocks(opts, kv_dtype, block_size, &model, &scratch, context, max_seqs)?;
-        let layout = kylin_kernels::paged::attention_path(model.precision(), kv_dtype, d.head_dim, block_size).layout();
+        let layout = kylin_kernels::paged::attention_path(
+            model.precision(),
+            kv_dtype,
+            d.head_dim,
+            block_size,
+            model.attention_needs(),
+        )
+        .layout();
         let mut kv = KvPool::new(kv_dtype, layout, n_blocks, block_size, d.n_layers, d.n_kv_heads, d.head_dim)?;
         if opts.prefault {
             kv.prefault();

@@ -1,9 +1,12 @@
-//! The decoder-only transformer shared by Qwen3, Qwen2, Llama and Mistral.
+//! The decoder-only transformer every registered family runs on (`kylin_loader::family`).
 //!
-//! One block serves every supported architecture: pre-norm attention with grouped KV heads and
-//! rotate-half RoPE, then a SwiGLU MLP, with the per-architecture choices (q/k/v and output
-//! biases, MLP biases, Qwen3's per-head q/k RMSNorm, tied or separate head, RoPE scaling) made
-//! once in [`Model::new`] as `Option` fields and precomputed tables.
+//! One layer is composed from shared blocks as the family's `DecoderSpec` says: attention with
+//! grouped KV heads (a sliding window per layer, a score scale, a soft cap), rotate-half RoPE
+//! from the layer's table (global, local, partial, or none), q/k RMSNorm per head or over the
+//! projection, norms before and/or after each sub-block (`w` or Gemma's `1 + w`), a gated MLP
+//! (SwiGLU or GeGLU), and scalar multipliers on the embedding, the residual branches and the
+//! logits, plus a final soft cap. Every choice is made once in [`Model::new`]; `forward` reads
+//! as the same numbered steps for every family and never looks at its name.
 //!
 //! Guarantees:
 //! - Weights are read in place, in their stored dtype (BF16, F16 or F32); nothing is copied,
@@ -88,11 +91,13 @@ use std::sync::Arc;
 
 use kylin_kernels::quant::{Packing, QuantBuffer, QuantMatrix};
 use kylin_kernels::{self as kernels, Bf16Kernels, Precision, ThreadPool, WeightDType, WeightMatrix, WeightVector};
+use kylin_loader::arch::Role;
+use kylin_loader::family::{Activation, LayerRope, NormKind, QkNorm};
 use kylin_loader::{DType, KylinError, LayerWeights, ModelConfig, ModelWeights, Result, RopeConfig, WeightTensor};
 
 use crate::kv_pool::KvPool;
-use crate::rope::Rope;
-use kylin_kernels::paged::{MAX_HEAD_DIM, MAX_ROWS, PARTITION, PartialStats, QueryRow};
+use crate::rope::Ropes;
+use kylin_kernels::paged::{MAX_HEAD_DIM, MAX_ROWS, PARTITION, PartialStats, QueryRow, ScoreMap};
 
 /// The largest number of prompt tokens run through the layers at once; longer prompts are
 /// processed in chunks of this size so activation buffers stay bounded.
@@ -515,48 +520,129 @@ fn packing_error(m: &kylin_loader::published::PublishedMatrix, packing: &str) ->
     ))
 }
 
-/// One decoder layer with the architecture's choices already made.
+/// An RMSNorm's weight and how it scales (`w` or Gemma's `1 + w`).
+#[derive(Debug, Clone)]
+struct Norm {
+    weight: Vector,
+    unit_offset: bool,
+}
+
+impl Norm {
+    fn new(tensor: &WeightTensor, len: usize, kind: NormKind) -> Result<Self> {
+        Ok(Norm { weight: Vector::new(tensor, len)?, unit_offset: kind == NormKind::RmsUnitOffset })
+    }
+
+    /// `out (len) = rmsnorm(x (len))`.
+    #[inline]
+    fn apply(&self, x: &[f32], eps: f32, out: &mut [f32]) {
+        if self.unit_offset {
+            kernels::rms_norm_unit_offset(x, self.weight.view(), eps, out);
+        } else {
+            kernels::rms_norm(x, self.weight.view(), eps, out);
+        }
+    }
+
+    /// Every row of `x (rows, width)` into `out (rows, width)`.
+    #[inline]
+    fn rows(&self, x: &[f32], width: usize, eps: f32, out: &mut [f32]) {
+        for (x, out) in x.chunks_exact(width).zip(out.chunks_exact_mut(width)) {
+            self.apply(x, eps, out);
+        }
+    }
+}
+
+/// One decoder layer with the family's choices already made (`DecoderSpec`): which norms
+/// exist around each sub-block, the q/k norm, the window and the rotary table.
 #[derive(Debug, Clone)]
 struct Layer {
-    attn_norm: Vector,
+    /// Before attention (absent in OLMo 2).
+    attn_norm: Option<Norm>,
     q_proj: Linear,
     k_proj: Linear,
     v_proj: Linear,
     o_proj: Linear,
-    /// Qwen3's per-head RMSNorm on q and k before RoPE, `(head_dim)` each.
-    q_norm: Option<Vector>,
-    k_norm: Option<Vector>,
-    mlp_norm: Vector,
+    /// On q and k before RoPE: per head `(head_dim)` (Qwen3, Gemma 3) or over the whole
+    /// projection (OLMo 2), as `Model::qk_norm` says.
+    q_norm: Option<Norm>,
+    k_norm: Option<Norm>,
+    /// After attention, before the residual add (Gemma, OLMo 2).
+    attn_post_norm: Option<Norm>,
+    /// Before the MLP (absent in OLMo 2).
+    mlp_norm: Option<Norm>,
     gate_proj: Linear,
     up_proj: Linear,
     down_proj: Linear,
+    /// After the MLP, before the residual add (Gemma, OLMo 2).
+    mlp_post_norm: Option<Norm>,
+    /// A sliding window of this many positions, the query's own included.
+    window: Option<usize>,
+    /// Index of the layer's table in [`Ropes`], or no RoPE.
+    rope: Option<usize>,
 }
 
 impl Layer {
     /// `weights` holds the scale planes of a checkpoint stored quantized and the tensors of a
-    /// published quantized one (both empty otherwise).
-    fn new(w: &LayerWeights, d: &Dims, weights: &ModelWeights) -> Result<Self> {
+    /// published quantized one (both empty otherwise). Every shape is checked here.
+    fn new(
+        w: &LayerWeights,
+        index: usize,
+        d: &Dims,
+        config: &ModelConfig,
+        ropes: &[usize; 3],
+        weights: &ModelWeights,
+    ) -> Result<Self> {
+        let spec = &config.decoder;
         let (hidden, q_dim, kv_dim) = (d.hidden, d.q_dim(), d.kv_dim());
-        let linear = |weight: &WeightTensor, bias: Option<&WeightTensor>, rows: usize, cols: usize| {
-            Linear::bind(weight, bias, rows, cols, weights)
+        let linear = |weight: Role, bias: Role, rows: usize, cols: usize| -> Result<Linear> {
+            Linear::bind(w.require(weight, index)?, w.get(bias), rows, cols, weights)
         };
+        let norm = |role: Role, len: usize| -> Result<Norm> { Norm::new(w.require(role, index)?, len, spec.norm) };
+        let optional_norm =
+            |wanted: bool, role: Role| -> Result<Option<Norm>> { wanted.then(|| norm(role, hidden)).transpose() };
+        let (q_norm_len, k_norm_len) = match spec.qk_norm {
+            QkNorm::None => (0, 0),
+            QkNorm::PerHead => (d.head_dim, d.head_dim),
+            QkNorm::Projection => (q_dim, kv_dim),
+        };
+        let layer_spec = spec
+            .layers
+            .get(index)
+            .copied()
+            .unwrap_or(kylin_loader::family::LayerSpec { window: None, rope: LayerRope::Global });
         Ok(Layer {
-            attn_norm: Vector::new(&w.attn_norm, hidden)?,
-            q_proj: linear(&w.q_proj, w.q_bias.as_ref(), q_dim, hidden)?,
-            k_proj: linear(&w.k_proj, w.k_bias.as_ref(), kv_dim, hidden)?,
-            v_proj: linear(&w.v_proj, w.v_bias.as_ref(), kv_dim, hidden)?,
-            o_proj: linear(&w.o_proj, w.o_bias.as_ref(), hidden, q_dim)?,
-            q_norm: Vector::optional(w.q_norm.as_ref(), d.head_dim)?,
-            k_norm: Vector::optional(w.k_norm.as_ref(), d.head_dim)?,
-            mlp_norm: Vector::new(&w.mlp_norm, hidden)?,
-            gate_proj: linear(&w.gate_proj, w.gate_bias.as_ref(), d.intermediate, hidden)?,
-            up_proj: linear(&w.up_proj, w.up_bias.as_ref(), d.intermediate, hidden)?,
-            down_proj: linear(&w.down_proj, w.down_bias.as_ref(), hidden, d.intermediate)?,
+            attn_norm: optional_norm(spec.attention_norms.pre(), Role::AttnNorm)?,
+            q_proj: linear(Role::QProj, Role::QBias, q_dim, hidden)?,
+            k_proj: linear(Role::KProj, Role::KBias, kv_dim, hidden)?,
+            v_proj: linear(Role::VProj, Role::VBias, kv_dim, hidden)?,
+            o_proj: linear(Role::OProj, Role::OBias, hidden, q_dim)?,
+            q_norm: (spec.qk_norm != QkNorm::None).then(|| norm(Role::QNorm, q_norm_len)).transpose()?,
+            k_norm: (spec.qk_norm != QkNorm::None).then(|| norm(Role::KNorm, k_norm_len)).transpose()?,
+            attn_post_norm: optional_norm(spec.attention_norms.post(), Role::PostAttnNorm)?,
+            mlp_norm: optional_norm(spec.mlp_norms.pre(), Role::MlpNorm)?,
+            gate_proj: linear(Role::GateProj, Role::GateBias, d.intermediate, hidden)?,
+            up_proj: linear(Role::UpProj, Role::UpBias, d.intermediate, hidden)?,
+            down_proj: linear(Role::DownProj, Role::DownBias, hidden, d.intermediate)?,
+            mlp_post_norm: optional_norm(spec.mlp_norms.post(), Role::PostMlpNorm)?,
+            window: layer_spec.window,
+            rope: match layer_spec.rope {
+                LayerRope::Global => Some(ropes[0]),
+                LayerRope::Local => Some(ropes[1]),
+                LayerRope::None => None,
+            },
         })
     }
 
-    fn linears(&self) -> [&Linear; 7] {
-        [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj, &self.gate_proj, &self.up_proj, &self.down_proj]
+    /// The seven matrices with their roles, in the order q, k, v, o, gate, up, down.
+    fn linears(&self) -> [(Role, &Linear); 7] {
+        [
+            (Role::QProj, &self.q_proj),
+            (Role::KProj, &self.k_proj),
+            (Role::VProj, &self.v_proj),
+            (Role::OProj, &self.o_proj),
+            (Role::GateProj, &self.gate_proj),
+            (Role::UpProj, &self.up_proj),
+            (Role::DownProj, &self.down_proj),
+        ]
     }
 
     fn linears_mut(&mut self) -> [&mut Linear; 7] {
@@ -572,7 +658,10 @@ impl Layer {
     }
 
     fn vectors(&self) -> impl Iterator<Item = &Vector> {
-        [Some(&self.attn_norm), Some(&self.mlp_norm), self.q_norm.as_ref(), self.k_norm.as_ref()].into_iter().flatten()
+        [&self.attn_norm, &self.mlp_norm, &self.q_norm, &self.k_norm, &self.attn_post_norm, &self.mlp_post_norm]
+            .into_iter()
+            .flatten()
+            .map(|n| &n.weight)
     }
 }
 
@@ -714,7 +803,8 @@ pub struct Scratch {
     /// `(split_segments, n_heads, split_parts)`.
     split_outputs: Vec<f32>,
     split_stats: Vec<PartialStats>,
-    /// One head for the in-place q/k norm, `(head_dim)`.
+    /// One head (or, for a norm over the whole projection, one token's queries) for the
+    /// in-place q/k norm, `(max(head_dim, n_heads * head_dim))`.
     head_tmp: Vec<f32>,
     /// Final-normed last rows of the segments that want logits, `(max_segments, hidden)`.
     logit_hidden: Vec<f32>,
@@ -837,15 +927,28 @@ const SPLIT_SEGMENTS: usize = 8;
 #[derive(Debug, Clone)]
 pub struct Model {
     dims: Dims,
-    rope_config: RopeConfig,
+    /// The rotary tables the layers use: the global one first, then Gemma 3's local one.
+    rope_configs: Vec<RopeConfig>,
     max_position_embeddings: usize,
     /// `[vocab, hidden]`, rows widened to f32 on lookup.
     embed: Linear,
     layers: Vec<Layer>,
-    final_norm: Vector,
+    final_norm: Norm,
     /// `[vocab, hidden]`; the embedding's bytes when tied.
     lm_head: Linear,
     tied: bool,
+    /// The family's constants (`DecoderSpec`), as f32 where they multiply activations.
+    activation: Activation,
+    qk_norm: QkNorm,
+    /// Multiplies the embedding rows (Gemma, Granite); `None` for 1.
+    embedding_scale: Option<f32>,
+    /// Multiplies each sub-block's output before the residual add (Granite); 1 adds plainly.
+    residual_scale: f32,
+    /// `cap · tanh(s / cap)` on attention scores (Gemma 2).
+    attention_softcap: Option<f32>,
+    /// Logits are divided by this (Granite), then soft-capped (Gemma 2).
+    logits_divisor: Option<f32>,
+    final_softcap: Option<f32>,
     /// The BF16 kernels when the matrix products run in `Precision::Bf16`.
     bf16: Option<Bf16Kernels>,
     /// The format the linear layers and the head were quantized to at load, if any.
@@ -877,12 +980,7 @@ impl Model {
                 weights.layers.len()
             )));
         }
-        if config.hidden_act != "silu" {
-            return Err(KylinError::operator_unsupported(format!(
-                "hidden_act '{}' is not supported; the native engine implements 'silu' (SwiGLU)",
-                config.hidden_act
-            )));
-        }
+        let spec = &config.decoder;
         let dims = Dims {
             hidden: config.hidden_size,
             n_layers: config.num_layers,
@@ -892,9 +990,24 @@ impl Model {
             intermediate: config.intermediate_size,
             vocab: config.vocab_size,
             eps: config.rms_norm_eps as f32,
-            attn_scale: (config.head_dim as f64).powf(-0.5) as f32,
+            attn_scale: spec.attention_scale as f32,
         };
-        let layers = weights.layers.iter().map(|w| Layer::new(w, &dims, weights)).collect::<Result<Vec<_>>>()?;
+        // Table 0 is the global RoPE; table 1 the local one when the family has it.
+        let mut rope_configs = vec![config.rope.clone()];
+        let local = match &spec.local_rope {
+            Some(local) => {
+                rope_configs.push(local.clone());
+                1
+            }
+            None => 0,
+        };
+        let ropes = [0, local, 0];
+        let layers = weights
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, w)| Layer::new(w, i, &dims, config, &ropes, weights))
+            .collect::<Result<Vec<_>>>()?;
         let lm_head = Linear::bind(&weights.lm_head, None, dims.vocab, dims.hidden, weights)?;
         let quantization = match config.quantization {
             None => None,
@@ -912,15 +1025,23 @@ impl Model {
                 Some(format)
             }
         };
+        let not_one = |v: f64| (v != 1.0).then_some(v as f32);
         Ok(Model {
             dims,
-            rope_config: config.rope.clone(),
+            rope_configs,
             max_position_embeddings: config.max_position_embeddings,
             embed: Linear::new(&weights.embed_tokens, None, dims.vocab, dims.hidden)?,
             layers,
-            final_norm: Vector::new(&weights.final_norm, dims.hidden)?,
+            final_norm: Norm::new(&weights.final_norm, dims.hidden, spec.norm)?,
             lm_head,
             tied: weights.lm_head.same_bytes(&weights.embed_tokens),
+            activation: spec.activation,
+            qk_norm: spec.qk_norm,
+            embedding_scale: not_one(spec.embedding_scale),
+            residual_scale: spec.residual_scale as f32,
+            attention_softcap: spec.attention_softcap.map(|c| c as f32),
+            logits_divisor: not_one(spec.logits_divisor),
+            final_softcap: spec.final_softcap.map(|c| c as f32),
             bf16: None,
             quantized_bf16: false,
             quantization,
@@ -967,11 +1088,10 @@ impl Model {
         let more_bits = |i: usize| i < n_layers / 8 || i >= 7 * n_layers / 8 || (i - n_layers / 8) % 3 == 2;
         let mut matrices: Vec<(&Linear, Packing)> = Vec::new();
         for (i, layer) in self.layers.iter().enumerate() {
-            for (k, m) in layer.linears().into_iter().enumerate() {
-                // `linears()` order: q, k, v, o, gate, up, down.
+            for (role, m) in layer.linears() {
                 let wants = match format {
                     QuantFormat::Q8_0 | QuantFormat::Published(_) => Packing::Q8_0,
-                    QuantFormat::Q4K if (k == 2 || k == 6) && more_bits(i) => Packing::Q8_0,
+                    QuantFormat::Q4K if matches!(role, Role::VProj | Role::DownProj) && more_bits(i) => Packing::Q8_0,
                     QuantFormat::Q4K => Packing::Q4K,
                 };
                 matrices.push((m, wants));
@@ -1051,12 +1171,12 @@ impl Model {
 
     /// The published quantized matrices still waiting for [`Model::prepare_published`].
     fn pending(&self) -> impl Iterator<Item = &kylin_loader::published::PublishedMatrix> {
-        self.layers.iter().flat_map(|l| l.linears()).chain(std::iter::once(&self.lm_head)).filter_map(|l| {
-            match &l.quant {
+        self.layers.iter().flat_map(|l| l.linears().map(|(_, m)| m)).chain(std::iter::once(&self.lm_head)).filter_map(
+            |l| match &l.quant {
                 Some(QuantSource::Pending(m)) => Some(&**m),
                 _ => None,
-            }
-        })
+            },
+        )
     }
 
     /// Decodes a published quantized checkpoint (compressed-tensors, FP8, GPTQ, AWQ; before
@@ -1153,7 +1273,7 @@ impl Model {
     /// projections (their checkpoint names) and the head (`lm_head.weight`, also when it was
     /// tied to the embedding). Empty unless quantized.
     pub fn quantized_matrices(&self) -> Vec<(String, QuantMatrix<'_>)> {
-        let layers = self.layers.iter().flat_map(|l| l.linears()).map(|m| (m.weight.name.clone(), m));
+        let layers = self.layers.iter().flat_map(|l| l.linears()).map(|(_, m)| (m.weight.name.clone(), m));
         layers
             .chain(std::iter::once(("lm_head.weight".to_string(), &self.lm_head)))
             .filter_map(|(name, m)| m.quant_matrix().map(|q| (name, q)))
@@ -1198,7 +1318,7 @@ impl Model {
         let non_bf16 = self
             .layers
             .iter()
-            .flat_map(|l| l.linears())
+            .flat_map(|l| l.linears().map(|(_, m)| m))
             .chain(std::iter::once(&self.lm_head))
             .find(|m| m.dtype != WeightDType::BF16);
         self.bf16 = match choice {
@@ -1298,7 +1418,13 @@ impl Model {
     /// What reports name as the kernels: the matrix products' family, and attention's path
     /// over a KV cache of `kv_dtype` when it differs (`amx-bf16`, or `avx512, attention f32`).
     pub fn kernels_report(&self, kv_dtype: WeightDType, block_size: usize) -> String {
-        let attention = kernels::paged::attention_path(self.precision(), kv_dtype, self.dims.head_dim, block_size);
+        let attention = kernels::paged::attention_path(
+            self.precision(),
+            kv_dtype,
+            self.dims.head_dim,
+            block_size,
+            self.attention_needs(),
+        );
         let family = self.kernel_family();
         if attention.name() == family { family } else { format!("{family}, attention {}", attention.name()) }
     }
@@ -1317,12 +1443,12 @@ impl Model {
             .layers
             .iter()
             .map(|l| {
-                l.linears().iter().map(|m| m.element_count()).sum::<u64>()
+                l.linears().iter().map(|(_, m)| m.element_count()).sum::<u64>()
                     + l.vectors().map(|v| v.tensor.element_count() as u64).sum::<u64>()
             })
             .sum();
         let head = if self.tied { 0 } else { self.lm_head.element_count() };
-        self.embed.element_count() + layers + self.final_norm.tensor.element_count() as u64 + head
+        self.embed.element_count() + layers + self.final_norm.weight.tensor.element_count() as u64 + head
     }
 
     /// Bytes of weights read to produce one token: every matrix and vector once, the head once,
@@ -1332,12 +1458,12 @@ impl Model {
             .layers
             .iter()
             .map(|l| {
-                l.linears().iter().map(|m| m.byte_len()).sum::<u64>()
+                l.linears().iter().map(|(_, m)| m.byte_len()).sum::<u64>()
                     + l.vectors().map(|v| v.tensor.byte_len() as u64).sum::<u64>()
             })
             .sum();
         let embed_row = (self.dims.hidden * self.embed.dtype.size_in_bytes()) as u64;
-        layers + self.final_norm.tensor.byte_len() as u64 + self.lm_head.byte_len() + embed_row
+        layers + self.final_norm.weight.tensor.byte_len() as u64 + self.lm_head.byte_len() + embed_row
     }
 
     /// Plans the activation buffers for forward passes of up to `max_tokens` tokens in up to
@@ -1381,7 +1507,7 @@ impl Model {
             split_parts,
             split_outputs: sized(split_rows, d.head_dim, "split attention")?,
             split_stats: vec![PartialStats::EMPTY; split_rows],
-            head_tmp: sized(1, d.head_dim, "head")?,
+            head_tmp: sized(1, d.q_dim().max(d.head_dim), "head")?,
             logit_hidden: sized(max_segments, d.hidden, "hidden")?,
             logits: sized(max_segments, d.vocab, "logits")?,
             products: {
@@ -1402,9 +1528,20 @@ impl Model {
         })
     }
 
-    /// RoPE tables for positions `0..context`.
-    pub fn rope(&self, context: usize) -> Result<Rope> {
-        Rope::new(&self.rope_config, self.dims.head_dim, context)
+    /// RoPE tables for positions `0..context`, one per rotary table the layers use.
+    pub fn rope(&self, context: usize) -> Result<Ropes> {
+        Ropes::new(&self.rope_configs, self.dims.head_dim, context)
+    }
+
+    /// Whether some layer slides (attention over a window of positions).
+    pub fn has_window(&self) -> bool {
+        self.layers.iter().any(|l| l.window.is_some())
+    }
+
+    /// What the attention layers ask of the kernels beyond plain causal attention (a window,
+    /// a soft cap), for the choice of the attention path and the KV cache's layout.
+    pub fn attention_needs(&self) -> kernels::paged::AttentionNeeds {
+        kernels::paged::AttentionNeeds { window: self.has_window(), softcap: self.attention_softcap.is_some() }
     }
 
     /// One forward pass over every segment of `plan`: appends each segment's keys and values to
@@ -1419,7 +1556,7 @@ impl Model {
         &self,
         pool: &ThreadPool,
         kv: &mut KvPool,
-        rope: &Rope,
+        rope: &Ropes,
         s: &mut Scratch,
         plan: &BatchPlan,
         all_logits: Option<&mut [f32]>,
@@ -1430,10 +1567,13 @@ impl Model {
         let mm = Matmul { pool, bf16: self.bf16 };
         assert!(n <= s.max_tokens && plan.segments.len() <= s.max_segments, "batch larger than planned");
 
-        // 1. Embedding lookup: ids (n) -> x (n, hidden).
+        // 1. Embedding lookup: ids (n) -> x (n, hidden), times the embedding scale if any.
         let embed = self.embed.matrix();
         for (&id, row) in plan.ids.iter().zip(s.x.chunks_exact_mut(h)) {
             kernels::widen_row(embed, id as usize, row);
+            if let Some(scale) = self.embedding_scale {
+                kernels::scale(row, scale);
+            }
         }
 
         // 2. The decoder layers, each updating the residual stream x (n, hidden) in place.
@@ -1442,15 +1582,14 @@ impl Model {
             self.mlp_block(mm, layer, s, n);
         }
 
-        // 3. Final norm and head, only for the rows whose logits are wanted.
-        let norm = self.final_norm.view();
+        // 3. Final norm and head, only for the rows whose logits are wanted; then the logit
+        //    divisor and soft-cap.
         match all_logits {
             Some(out) => {
                 // x (n, hidden) -> xn (n, hidden) -> out (n, vocab).
-                for (x, xn) in s.x[..n * h].chunks_exact(h).zip(s.xn.chunks_exact_mut(h)) {
-                    kernels::rms_norm(x, norm, d.eps, xn);
-                }
+                self.final_norm.rows(&s.x[..n * h], h, d.eps, &mut s.xn[..n * h]);
                 self.lm_head.forward(mm, &s.xn[..n * h], n, out, &mut s.products);
+                self.finish_logits(&mut out[..n * d.vocab]);
             }
             None => {
                 let rows = plan.logit_rows;
@@ -1462,9 +1601,8 @@ impl Model {
                 for seg in &plan.segments {
                     if let Some(row) = seg.logits_row {
                         let t = seg.t0 + seg.n - 1;
-                        kernels::rms_norm(
+                        self.final_norm.apply(
                             &s.x[t * h..(t + 1) * h],
-                            norm,
                             d.eps,
                             &mut s.logit_hidden[row * h..(row + 1) * h],
                         );
@@ -1477,12 +1615,38 @@ impl Model {
                     &mut s.logits[..rows * d.vocab],
                     &mut s.products,
                 );
+                self.finish_logits(&mut s.logits[..rows * d.vocab]);
             }
         }
     }
 
-    /// Pre-norm self-attention with grouped KV heads over every segment of the batch:
-    /// `x += o_proj(attention(rope(q), rope(k), v))`.
+    /// `logits / divisor` (Granite), then `cap · tanh(logits / cap)` (Gemma 2), in place.
+    fn finish_logits(&self, logits: &mut [f32]) {
+        if let Some(divisor) = self.logits_divisor {
+            for v in logits.iter_mut() {
+                *v /= divisor;
+            }
+        }
+        if let Some(cap) = self.final_softcap {
+            kernels::softcap(logits, cap);
+        }
+    }
+
+    /// `x += r · h` for a sub-block's output `h`: the residual add, scaled by Granite's
+    /// multiplier.
+    #[inline]
+    fn residual_add(&self, x: &mut [f32], h: &[f32]) {
+        if self.residual_scale == 1.0 {
+            kernels::add_assign(x, h);
+        } else {
+            kernels::add_scaled(x, h, self.residual_scale);
+        }
+    }
+
+    /// Self-attention with grouped KV heads over every segment of the batch, with the norms
+    /// the family places around it:
+    /// `x += r · post_norm?(o_proj(attention(rope(qk_norm?(q)), rope(qk_norm?(k)), v)))`,
+    /// where q, k, v are projections of `norm?(x)`.
     #[allow(clippy::too_many_arguments)]
     fn attention_block(
         &self,
@@ -1490,7 +1654,7 @@ impl Model {
         layer: &Layer,
         index: usize,
         kv: &mut KvPool,
-        rope: &Rope,
+        rope: &Ropes,
         s: &mut Scratch,
         plan: &BatchPlan,
     ) {
@@ -1498,17 +1662,17 @@ impl Model {
         let n = plan.tokens();
         let (h, hd, q_dim, kv_dim) = (d.hidden, d.head_dim, d.q_dim(), d.kv_dim());
 
-        // 1. RMSNorm: x (n, hidden) -> xn (n, hidden).
-        let norm = layer.attn_norm.view();
-        for (x, xn) in s.x[..n * h].chunks_exact(h).zip(s.xn.chunks_exact_mut(h)) {
-            kernels::rms_norm(x, norm, d.eps, xn);
+        // 1. RMSNorm (pre-norm families): x (n, hidden) -> xn (n, hidden); OLMo 2 projects x itself.
+        if let Some(norm) = &layer.attn_norm {
+            norm.rows(&s.x[..n * h], h, d.eps, &mut s.xn[..n * h]);
         }
+        let input = if layer.attn_norm.is_some() { &s.xn[..n * h] } else { &s.x[..n * h] };
 
-        // 2. Projections over all tokens of all segments: xn (n, hidden) -> q (n, n_heads * head_dim),
+        // 2. Projections over all tokens of all segments: input (n, hidden) -> q (n, n_heads * head_dim),
         //    k and v (n, n_kv_heads * head_dim).
         Linear::forward_many(
             mm,
-            &s.xn[..n * h],
+            input,
             n,
             [
                 (&layer.q_proj, &mut s.q[..n * q_dim]),
@@ -1518,26 +1682,34 @@ impl Model {
             &mut s.products,
         );
 
-        // 3. Per-head RMSNorm (Qwen3), then RoPE at each token's own position, on every
-        //    (token, head) row of q and k, viewed as (n, heads, head_dim); then the token's keys
-        //    and values go to its sequence's blocks.
+        // 3. The q/k norm (per head, or over the whole projection), then RoPE at each token's
+        //    own position on the rotated part of every (token, head) row of q and k, viewed as
+        //    (n, heads, head_dim); then the token's keys and values go to its sequence's blocks.
         let tmp = &mut s.head_tmp;
+        let table = layer.rope.map(|i| rope.table(i));
+        let rotary = table.map_or(0, |t| t.rotary_dim());
         for seg in &plan.segments {
             let blocks = &plan.block_ids[seg.b0..seg.b0 + seg.nb];
             for t in seg.t0..seg.t0 + seg.n {
                 let pos = seg.start + (t - seg.t0);
-                let (cos, sin) = (rope.cos(pos), rope.sin(pos));
                 for (row, width, head_norm) in [
                     (&mut s.q[t * q_dim..(t + 1) * q_dim], q_dim, &layer.q_norm),
                     (&mut s.k[t * kv_dim..(t + 1) * kv_dim], kv_dim, &layer.k_norm),
                 ] {
                     debug_assert_eq!(row.len(), width);
+                    if let (Some(w), QkNorm::Projection) = (head_norm, self.qk_norm) {
+                        // (width) -> (width): one norm over every head of the token.
+                        tmp[..width].copy_from_slice(row);
+                        w.apply(&tmp[..width], d.eps, row);
+                    }
                     for head in row.chunks_exact_mut(hd) {
-                        if let Some(w) = head_norm {
-                            tmp.copy_from_slice(head);
-                            kernels::rms_norm(tmp, w.view(), d.eps, head);
+                        if let (Some(w), QkNorm::PerHead) = (head_norm, self.qk_norm) {
+                            tmp[..hd].copy_from_slice(head);
+                            w.apply(&tmp[..hd], d.eps, head);
                         }
-                        kernels::rope_rotate_half(head, cos, sin);
+                        if let Some(table) = table {
+                            kernels::rope_rotate_half(&mut head[..rotary], table.cos(pos), table.sin(pos));
+                        }
                     }
                 }
                 // (n_kv_heads * head_dim) -> block slot of position `pos`, per KV head.
@@ -1559,7 +1731,10 @@ impl Model {
         let kv: &KvPool = kv;
         let (keys, values) = kv.views();
         let group = d.group();
-        let scale = d.attn_scale;
+        let scores = ScoreMap { scale: d.attn_scale, softcap: self.attention_softcap };
+        // A sliding layer's query at position p attends to p + 1 - window ..= p.
+        let window = layer.window;
+        let first_position = |pos: usize| window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let (n_kv, n_heads) = (d.n_kv_heads, d.n_heads);
         let q = &s.q[..n * q_dim];
         let attn = SharedMut::new(&mut s.attn[..n * q_dim]);
@@ -1588,7 +1763,8 @@ impl Model {
             let seg = segments[si];
             let local = task - task_start[si];
             let blocks = &block_ids[seg.b0..seg.b0 + seg.nb];
-            let mut rows: [QueryRow<'_>; MAX_ROWS] = std::array::from_fn(|_| QueryRow { q: &[], len: 0, out: &mut [] });
+            let mut rows: [QueryRow<'_>; MAX_ROWS] =
+                std::array::from_fn(|_| QueryRow { q: &[], from: 0, len: 0, out: &mut [] });
             if is_split(&seg) {
                 // One token: the group's query heads over one partition, into the split buffers
                 // at (split slot, head, partition).
@@ -1599,7 +1775,7 @@ impl Model {
                     let at = seg.t0 * q_dim + (kv_head * group + g) * hd;
                     // SAFETY: the (split slot, head, partition) row belongs to this task alone.
                     let out = unsafe { outputs.slice((first_row + g * max_parts) * hd, hd) };
-                    *row = QueryRow { q: &q[at..at + hd], len: seg.start + 1, out };
+                    *row = QueryRow { q: &q[at..at + hd], from: first_position(seg.start), len: seg.start + 1, out };
                 }
                 let mut stats = [PartialStats::EMPTY; MAX_ROWS];
                 let offset = kv.head_offset(index, kv_head);
@@ -1609,7 +1785,7 @@ impl Model {
                     values,
                     blocks,
                     offset,
-                    scale,
+                    scores,
                     part,
                     &mut stats,
                 );
@@ -1634,9 +1810,10 @@ impl Model {
                     // head group and row range, which no other task touches, and each slot of
                     // this call is a different row.
                     let out = unsafe { attn.slice(at, hd) };
-                    *row = QueryRow { q: &q[at..at + hd], len: seg.start + t + 1, out };
+                    let pos = seg.start + t;
+                    *row = QueryRow { q: &q[at..at + hd], from: first_position(pos), len: pos + 1, out };
                 }
-                kernels::paged::attention_rows(&mut rows[..count], keys, values, blocks, offset, scale);
+                kernels::paged::attention_rows(&mut rows[..count], keys, values, blocks, offset, scores);
                 first += count;
             }
         });
@@ -1657,34 +1834,51 @@ impl Model {
             }
         }
 
-        // 5. Output projection and residual: attn (n, n_heads * head_dim) -> proj (n, hidden); x += proj.
+        // 5. Output projection, post-norm (Gemma, OLMo 2) and residual:
+        //    attn (n, n_heads * head_dim) -> proj (n, hidden); x += r · post_norm?(proj).
         layer.o_proj.forward(mm, &s.attn[..n * q_dim], n, &mut s.proj[..n * h], &mut s.products);
-        kernels::add_assign(&mut s.x[..n * h], &s.proj[..n * h]);
+        if let Some(norm) = &layer.attn_post_norm {
+            norm.rows(&s.proj[..n * h], h, d.eps, &mut s.xn[..n * h]);
+            self.residual_add(&mut s.x[..n * h], &s.xn[..n * h]);
+        } else {
+            self.residual_add(&mut s.x[..n * h], &s.proj[..n * h]);
+        }
     }
 
-    /// Pre-norm SwiGLU MLP: `x += down_proj(silu(gate_proj(xn)) * up_proj(xn))`.
+    /// The gated MLP with the family's norms around it:
+    /// `x += r · post_norm?(down_proj(act(gate_proj(h)) * up_proj(h)))`, `h = norm?(x)`;
+    /// `act` is SiLU (SwiGLU) or tanh-GELU (GeGLU).
     fn mlp_block(&self, mm: Matmul<'_>, layer: &Layer, s: &mut Scratch, n: usize) {
         let d = &self.dims;
         let (h, i) = (d.hidden, d.intermediate);
 
-        // 1. RMSNorm: x (n, hidden) -> xn (n, hidden).
-        let norm = layer.mlp_norm.view();
-        for (x, xn) in s.x[..n * h].chunks_exact(h).zip(s.xn.chunks_exact_mut(h)) {
-            kernels::rms_norm(x, norm, d.eps, xn);
+        // 1. RMSNorm (pre-norm families): x (n, hidden) -> xn (n, hidden); OLMo 2 uses x itself.
+        if let Some(norm) = &layer.mlp_norm {
+            norm.rows(&s.x[..n * h], h, d.eps, &mut s.xn[..n * h]);
         }
+        let input = if layer.mlp_norm.is_some() { &s.xn[..n * h] } else { &s.x[..n * h] };
 
-        // 2. gate and up: xn (n, hidden) -> (n, intermediate) each; gate = silu(gate) * up.
+        // 2. gate and up: input (n, hidden) -> (n, intermediate) each; gate = act(gate) * up.
         Linear::forward_many(
             mm,
-            &s.xn[..n * h],
+            input,
             n,
             [(&layer.gate_proj, &mut s.gate[..n * i]), (&layer.up_proj, &mut s.up[..n * i])],
             &mut s.products,
         );
-        kernels::silu_mul(&mut s.gate[..n * i], &s.up[..n * i]);
+        match self.activation {
+            Activation::Silu => kernels::silu_mul(&mut s.gate[..n * i], &s.up[..n * i]),
+            Activation::GeluTanh => kernels::gelu_tanh_mul(&mut s.gate[..n * i], &s.up[..n * i]),
+        }
 
-        // 3. down and residual: gate (n, intermediate) -> proj (n, hidden); x += proj.
+        // 3. down, post-norm and residual: gate (n, intermediate) -> proj (n, hidden);
+        //    x += r · post_norm?(proj).
         layer.down_proj.forward(mm, &s.gate[..n * i], n, &mut s.proj[..n * h], &mut s.products);
-        kernels::add_assign(&mut s.x[..n * h], &s.proj[..n * h]);
+        if let Some(norm) = &layer.mlp_post_norm {
+            norm.rows(&s.proj[..n * h], h, d.eps, &mut s.xn[..n * h]);
+            self.residual_add(&mut s.x[..n * h], &s.xn[..n * h]);
+        } else {
+            self.residual_add(&mut s.x[..n * h], &s.proj[..n * h]);
+        }
     }
 }

@@ -14,6 +14,34 @@
 
 use kylin_loader::{KylinError, Result, RopeConfig, RopeScaling};
 
+/// The rotary tables of one model: one per distinct RoPE its layers use (Gemma 3: global and
+/// local), each for positions `0..capacity`.
+#[derive(Debug, Clone)]
+pub struct Ropes {
+    tables: Vec<Rope>,
+}
+
+impl Ropes {
+    /// One table per configuration, in order (layers refer to them by index).
+    pub fn new(configs: &[RopeConfig], head_dim: usize, capacity: usize) -> Result<Self> {
+        let tables = configs.iter().map(|c| Rope::new(c, head_dim, capacity)).collect::<Result<Vec<_>>>()?;
+        Ok(Ropes { tables })
+    }
+
+    /// [`Rope::prepare`] on every table.
+    pub fn prepare(&mut self, start: usize, end: usize) {
+        for t in &mut self.tables {
+            t.prepare(start, end);
+        }
+    }
+
+    /// Table `index`.
+    #[inline]
+    pub fn table(&self, index: usize) -> &Rope {
+        &self.tables[index]
+    }
+}
+
 /// NTK-aware dynamic scaling state, mirroring transformers' rotary module attributes.
 #[derive(Debug, Clone)]
 struct DynamicState {
@@ -45,26 +73,38 @@ pub struct Rope {
 }
 
 impl Rope {
-    /// Builds the tables for `capacity` positions of heads of `head_dim` elements.
+    /// Builds the tables for `capacity` positions of heads of `head_dim` elements, of which
+    /// the first `int(head_dim · partial_rotary_factor)` are rotated (transformers' rule).
     ///
-    /// `OPERATOR_UNSUPPORTED` for a partial rotary factor other than 1 or an odd head dimension.
+    /// `OPERATOR_UNSUPPORTED` for an odd or zero rotated dimension, or LongRoPE factor lists
+    /// of another length than half of it. LongRoPE uses `long_factor` when the planned
+    /// context `capacity` exceeds `original_max_position_embeddings`, else `short_factor`
+    /// (llama.cpp's choice; transformers switches per forward call by the longest sequence,
+    /// which the two agree on whenever every sequence stays on one side of the boundary).
     pub fn new(config: &RopeConfig, head_dim: usize, capacity: usize) -> Result<Self> {
-        if config.partial_rotary_factor != 1.0 {
+        let dim = (head_dim as f64 * config.partial_rotary_factor) as usize;
+        if dim == 0 || !dim.is_multiple_of(2) || dim > head_dim {
             return Err(KylinError::operator_unsupported(format!(
-                "partial_rotary_factor {} is not supported (only 1.0, which every supported architecture uses)",
+                "RoPE needs an even, non-zero rotated dimension; head_dim {head_dim} x partial_rotary_factor {} gives {dim}",
                 config.partial_rotary_factor
             )));
         }
-        if head_dim == 0 || !head_dim.is_multiple_of(2) {
-            return Err(KylinError::operator_unsupported(format!(
-                "RoPE needs an even, non-zero head_dim; got {head_dim}"
+        if let RopeScaling::LongRope { short_factor, long_factor, .. } = &config.scaling
+            && (short_factor.len() != dim / 2 || long_factor.len() != dim / 2)
+        {
+            return Err(KylinError::config_invalid(format!(
+                "config.json longrope short_factor has {} entries and long_factor {}; the rotated dimension {dim} needs {} each",
+                short_factor.len(),
+                long_factor.len(),
+                dim / 2
             )));
         }
+        let head_dim = dim;
         let half = head_dim / 2;
         let table_len = capacity.checked_mul(half).ok_or_else(|| {
             KylinError::config_invalid(format!("RoPE table of {capacity} positions x {half} overflows"))
         })?;
-        let (inv_freq, attention_scaling) = initial_inv_freq(config, head_dim);
+        let (inv_freq, attention_scaling) = initial_inv_freq(config, head_dim, capacity);
         let dynamic = match config.scaling {
             RopeScaling::Dynamic { factor, original_max_position_embeddings } => Some(DynamicState {
                 theta: config.theta,
@@ -88,9 +128,14 @@ impl Rope {
         Ok(rope)
     }
 
-    /// Number of distinct frequencies (`head_dim / 2`).
+    /// Number of distinct frequencies (half the rotated dimension).
     pub fn half(&self) -> usize {
         self.half
+    }
+
+    /// The rotated dimensions at the start of each head (`head_dim` unless partial).
+    pub fn rotary_dim(&self) -> usize {
+        2 * self.half
     }
 
     /// Positions covered by the tables.
@@ -187,12 +232,12 @@ fn dynamic_inv_freq(theta: f64, factor: f64, original_max: usize, seq_len: usize
 }
 
 /// The frequencies and cos/sin scaling at initialisation, per RoPE type.
-fn initial_inv_freq(config: &RopeConfig, head_dim: usize) -> (Vec<f32>, f32) {
+fn initial_inv_freq(config: &RopeConfig, head_dim: usize, capacity: usize) -> (Vec<f32>, f32) {
     let dim = head_dim;
     let half = dim / 2;
     let mut inv_freq = vec![0.0f32; half];
     default_inv_freq(config.theta, dim, &mut inv_freq);
-    match config.scaling {
+    match config.scaling.clone() {
         RopeScaling::Default => (inv_freq, 1.0),
         RopeScaling::Linear { factor } => {
             // `inv_freq /= factor` on a float32 tensor.
@@ -229,6 +274,19 @@ fn initial_inv_freq(config: &RopeConfig, head_dim: usize) -> (Vec<f32>, f32) {
         RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
             llama3_inv_freq(factor, low_freq_factor, high_freq_factor, original_max_position_embeddings, &mut inv_freq);
             (inv_freq, 1.0)
+        }
+        RopeScaling::LongRope {
+            ref short_factor,
+            ref long_factor,
+            original_max_position_embeddings,
+            attention_factor,
+        } => {
+            // `1 / (ext_factors * base ** (arange(0, dim, 2) / dim))`, all float32.
+            let ext = if capacity > original_max_position_embeddings { long_factor } else { short_factor };
+            for (i, (o, &e)) in inv_freq.iter_mut().zip(ext).enumerate() {
+                *o = 1.0 / (e as f32 * pos_freq(config.theta as f32, i, dim));
+            }
+            (inv_freq, attention_factor as f32)
         }
     }
 }

@@ -16,6 +16,7 @@
 
 use divan::counter::{BytesCount, ItemsCount};
 use divan::{Bencher, black_box};
+use kylin_kernels::paged::AttentionNeeds;
 use kylin_kernels::{ThreadPool, WeightDType, WeightMatrix};
 
 fn main() {
@@ -226,8 +227,26 @@ fn rms_norm(bencher: Bencher) {
 /// Bytes counted: the keys and values read once.
 #[divan::bench(args = [(2, 512, 16), (2, 512, 32), (2, 3584, 16), (2, 3584, 32), (48, 512, 16), (48, 512, 32), (48, 3584, 16), (48, 3584, 32)])]
 fn paged_attention_bf16(bencher: Bencher, shape: (usize, usize, usize)) {
-    use kylin_kernels::paged::{KvView, QueryRow, attention_path, attention_rows};
-    let (n, len, bs) = shape;
+    paged_attention(bencher, shape, None, AttentionNeeds::NONE);
+}
+
+/// [`paged_attention_bf16`] for a Gemma-2-style layer: a sliding window of 1024 positions
+/// (only the window is read) and scores soft-capped at 50, on the path that supports both
+/// (not AMX's). Bytes counted: the keys and values of the window read once.
+#[divan::bench(args = [(2, 3584, 16), (2, 3584, 32), (48, 3584, 16), (48, 3584, 32)])]
+fn paged_attention_bf16_window_softcap(bencher: Bencher, shape: (usize, usize, usize)) {
+    paged_attention(bencher, shape, Some((1024, 50.0)), AttentionNeeds { window: true, softcap: true });
+}
+
+/// The body of the paged attention benchmarks: `window_cap` is a window of positions and a
+/// soft cap.
+fn paged_attention(
+    bencher: Bencher,
+    (n, len, bs): (usize, usize, usize),
+    window_cap: Option<(usize, f32)>,
+    needs: AttentionNeeds,
+) {
+    use kylin_kernels::paged::{KvView, QueryRow, ScoreMap, attention_path, attention_rows};
     let hd = 128;
     let blocks: Vec<u32> = (0..len.div_ceil(bs) as u32).rev().collect();
     // The pool is 64-byte aligned, as the engine's is.
@@ -235,18 +254,23 @@ fn paged_attention_bf16(bencher: Bencher, shape: (usize, usize, usize)) {
     let mut pool = kylin_kernels::aligned::AlignedBytes::zeroed(raw.len()).expect("a small pool");
     pool.copy_from_slice(&raw);
     let data = &*pool;
-    let layout = attention_path(kylin_kernels::Precision::Bf16, WeightDType::BF16, hd, bs).layout();
+    let layout = attention_path(kylin_kernels::Precision::Bf16, WeightDType::BF16, hd, bs, needs).layout();
     let kv = KvView { dtype: WeightDType::BF16, layout, data, block_stride: bs * hd, block_size: bs, head_dim: hd };
     let q = vec![0.1f32; n * hd];
     let mut out = vec![0.0f32; n * hd];
-    bencher.counter(BytesCount::new(2 * len * hd * 2)).bench_local(|| {
+    let map = ScoreMap { scale: 0.088, softcap: window_cap.map(|(_, cap)| cap) };
+    let window = window_cap.map_or(len, |(w, _)| w);
+    bencher.counter(BytesCount::new(2 * window.min(len) * hd * 2)).bench_local(|| {
         let mut rows: Vec<QueryRow<'_>> = q
             .chunks_exact(hd)
             .zip(out.chunks_exact_mut(hd))
             .enumerate()
-            .map(|(i, (q, out))| QueryRow { q, len: len - n + 1 + i, out })
+            .map(|(i, (q, out))| {
+                let row_len = len - n + 1 + i;
+                QueryRow { q, from: row_len.saturating_sub(window), len: row_len, out }
+            })
             .collect();
-        attention_rows(&mut rows, kv, kv, black_box(&blocks), 0, 0.088);
+        attention_rows(&mut rows, kv, kv, black_box(&blocks), 0, map);
     });
 }
 

@@ -334,6 +334,68 @@ pub fn rms_norm(x: &[f32], weight: WeightVector<'_>, eps: f32, out: &mut [f32]) 
     }
 }
 
+/// `out = x / rms(x) * (1 + weight)` for one row: Gemma's RMSNorm, whose weights are stored
+/// as offsets from one (`1 + w` is formed in f32 first, then multiplied, as transformers does).
+pub fn rms_norm_unit_offset(x: &[f32], weight: WeightVector<'_>, eps: f32, out: &mut [f32]) {
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2Fma | Isa::Avx512 => {
+            // This check makes the unsafe weight reads below sound.
+            assert!(weight.len() >= out.len() && x.len() >= out.len(), "rms_norm: lengths disagree");
+            // SAFETY: AVX2/FMA/F16C were detected; `weight` holds at least `out.len()` elements.
+            unsafe {
+                let sum_sq = x86::dot(x, x);
+                let inv = 1.0 / (sum_sq / x.len() as f32 + eps).sqrt();
+                let w = weight.data.as_ptr();
+                match weight.dtype {
+                    WeightDType::BF16 => x86::scale_by_unit_offset_weights::<{ x86::BF16 }>(x, inv, w, out),
+                    WeightDType::F16 => x86::scale_by_unit_offset_weights::<{ x86::F16 }>(x, inv, w, out),
+                    WeightDType::F32 => x86::scale_by_unit_offset_weights::<{ x86::F32 }>(x, inv, w, out),
+                }
+            }
+        }
+        _ => reference::rms_norm_unit_offset(x, weight, eps, out),
+    }
+}
+
+/// In-place GeGLU: `gate = gelu_tanh(gate) * up`, with PyTorch's tanh approximation
+/// `0.5 · x · (1 + tanh(√(2/π) · (x + 0.044715 · x³)))` (`gelu_pytorch_tanh`). The SIMD
+/// version's tanh is `1 − 2 / (e^{2u} + 1)` over the kernels' `exp`, within a few ulp of
+/// the reference's.
+pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2/FMA/F16C were detected.
+        Isa::Avx2Fma | Isa::Avx512 => unsafe { x86::gelu_tanh_mul(gate, up) },
+        _ => reference::gelu_tanh_mul(gate, up),
+    }
+}
+
+/// In-place tanh soft-capping: `x = cap · tanh(x / cap)` (Gemma 2's final logits).
+pub fn softcap(x: &mut [f32], cap: f32) {
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2/FMA/F16C were detected.
+        Isa::Avx2Fma | Isa::Avx512 => unsafe { x86::softcap(x, cap) },
+        _ => reference::softcap(x, cap),
+    }
+}
+
+/// In-place `x *= factor` (embedding and logit multipliers).
+pub fn scale(x: &mut [f32], factor: f32) {
+    for v in x.iter_mut() {
+        *v *= factor;
+    }
+}
+
+/// In-place `x += y · factor` (a residual branch scaled by a multiplier): the product is
+/// rounded, then added, as PyTorch's `residual + h * multiplier` does.
+pub fn add_scaled(x: &mut [f32], y: &[f32], factor: f32) {
+    for (x, &y) in x.iter_mut().zip(y) {
+        *x += y * factor;
+    }
+}
+
 /// In-place `x += bias`.
 pub fn add_bias(x: &mut [f32], bias: WeightVector<'_>) {
     reference::add_bias(x, bias)

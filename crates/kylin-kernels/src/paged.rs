@@ -22,25 +22,40 @@
 //! prefill chunk, in any chunking of its prompt), goes through exactly these floating-point
 //! operations, so its output has the same bits (DESIGN.md invariant 7):
 //!
-//! 1. Its positions `0..len` are cut at absolute multiples of [`PARTITION`] into partitions,
-//!    and each partition at absolute multiples of [`TILE`] into tiles.
+//! 1. Its positions `from..len` ([`QueryRow`]: `from` is where a sliding window starts, 0
+//!    without one) are cut at absolute multiples of [`PARTITION`] into partitions, and each
+//!    partition at absolute multiples of [`TILE`] into tiles. A partition or a tile that holds
+//!    no position of the row is skipped for it (no state update, no fold), so a window changes
+//!    neither where the cuts are nor the operations on the positions it keeps.
 //! 2. Per partition a fresh state `(m = -inf, l = 0, o = 0)`; per tile, in order:
 //!    - scores `s_j = (Σ_c q_c · k_jc) · scale` (one fused multiply-add per dimension `c` in
-//!      order, from zero; then the scale), positions `>= len` set to `-inf`;
-//!    - `m' = max(m, max_j s_j)`, `corr = e^(m - m')`, `p_j = e^(s_j - m')` (0 beyond `len`);
+//!      order, from zero; then the scale); with a soft cap ([`ScoreMap::softcap`]),
+//!      `s_j = cap · tanh(s_j / cap)` (the tanh of [`Lanes`]' operations, see `tanh_lanes`);
+//!      then positions outside `from..len` set to `-inf`;
+//!    - `m' = max(m, max_j s_j)`, `corr = e^(m - m')`, `p_j = e^(s_j - m')` (0 outside
+//!      `from..len`);
 //!    - `l = fma(l, corr, sum(p))` (the sum in a fixed tree: the tile's two halves added lane by
 //!      lane, then the eight-lane tree of `hsum`);
-//!    - `o = o · corr`, then `o = fma(p_j, v_j, o)` for each valid position `j` in order.
+//!    - `o = o · corr`, then `o = fma(p_j, v_j, o)` for each position `j` of `from..len` in the
+//!      tile, in order.
 //! 3. Partitions fold in order into `(M, L, O)`: `M' = max(M, m)`, `a = e^(M - M')`,
 //!    `b = e^(m - M')`, `L = fma(l, b, L · a)`, `O = fma(o, b, O · a)`.
 //! 4. `out = O · (1 / L)`.
 //!
 //! The exponential is [`crate::x86`]'s `exp8` on x86 (`f32::exp` in the portable path); the
-//! partitions exist so that a long context can later be split across threads (each partition
-//! computed on its own, then folded in the same order) without changing a bit.
+//! partitions exist so that a long context can be split across threads (each partition
+//! computed on its own, then folded in the same order by [`merge_partitions`]) without changing
+//! a bit.
 //!
-//! Guarantees: nothing here allocates; every block id is checked against the pool before any
-//! read, so a wrong block table panics instead of reading out of bounds.
+//! # Sliding windows read only the window
+//!
+//! A call reads keys and values from the tile (and partition) holding the smallest `from` of
+//! its rows on: no block of the table below `min_from / block_size` is checked, addressed or
+//! read, so the engine may free (and reuse) the blocks a sliding window has left behind, and
+//! leave stale ids in those entries of the block table.
+//!
+//! Guarantees: nothing here allocates; every block id a call reads is checked against the pool
+//! before any read, so a wrong block table panics instead of reading out of bounds.
 
 // Register-blocked loops index several arrays by row on purpose (fixed trip counts the
 // compiler unrolls into registers).
@@ -105,46 +120,86 @@ impl KvView<'_> {
         blocks[p / self.block_size] as usize * self.block_stride + offset
     }
 
-    /// Panics unless positions `0..len` of the (layer, head) at `offset` are inside the pool.
-    fn check(&self, blocks: &[u32], offset: usize, len: usize) {
+    /// Panics unless positions `from..len` of the (layer, head) at `offset` are inside the pool
+    /// (the entries of the table below `from / block_size` are not looked at).
+    fn check(&self, blocks: &[u32], offset: usize, from: usize, len: usize) {
         let size = self.dtype.size_in_bytes();
         let elements = self.data.len() / size;
         assert!(offset + self.block_size * self.head_dim <= self.block_stride, "KV offset outside a block");
         assert!(blocks.len() * self.block_size >= len, "block table shorter than the sequence");
-        for &b in &blocks[..len.div_ceil(self.block_size)] {
+        for &b in &blocks[from / self.block_size..len.div_ceil(self.block_size)] {
             assert!((b as usize + 1) * self.block_stride <= elements, "block {b} outside the KV pool");
         }
     }
 }
 
 /// One query row of [`attention_rows`]: its vector `(head_dim)`, the positions it attends to
-/// (`0..len`, `len >= 1`) and its output `(head_dim)`.
+/// (`from..len`, `from < len`) and its output `(head_dim)`.
+///
+/// `from` is 0 for full attention; a sliding window of `W` positions for a query at position
+/// `p` keeps the keys `k` with `p - k < W` (transformers' rule), i.e. `from = (p + 1)
+/// .saturating_sub(W)` with `len = p + 1`. Blocks of the table wholly below `from` are never
+/// read (see the module documentation).
 pub struct QueryRow<'a> {
     pub q: &'a [f32],
+    /// The first position the row attends to.
+    pub from: usize,
+    /// One past the last position the row attends to.
     pub len: usize,
     pub out: &'a mut [f32],
 }
 
+/// How a row's dot products `q · k` become attention scores, lane by lane, in this order:
+/// `s = (q · k) · scale`, then with a soft cap `s = cap · tanh(s / cap)` (Gemma 2's
+/// `attn_logit_softcapping`), then the mask of the row's positions.
+///
+/// The tanh is computed from the kernel's own lane operations (an odd polynomial below 0.625,
+/// `1 - 2 / (e^(2|x|) + 1)` with the kernel's exponential above, `|x|` clamped at 10), to
+/// within a few units in the last place of `f32::tanh`, and deterministic per lane, so a row's
+/// bits never depend on the rows it is computed with.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ScoreMap {
+    /// The factor of every dot product (usually `head_dim^-0.5`).
+    pub scale: f32,
+    /// The soft cap `cap > 0`, if any.
+    pub softcap: Option<f32>,
+}
+
+impl ScoreMap {
+    /// Scores `(q · k) · scale`, not capped.
+    pub const fn scaled(scale: f32) -> Self {
+        ScoreMap { scale, softcap: None }
+    }
+
+    /// Whether the map can be applied (a finite scale, a finite positive cap).
+    fn is_valid(&self) -> bool {
+        self.scale.is_finite() && self.softcap.is_none_or(|c| c.is_finite() && c > 0.0)
+    }
+}
+
 /// Attention of up to [`MAX_ROWS`] query rows over one KV head of one sequence:
-/// `out_i = softmax(scale · K[0..len_i] · q_i) · V[0..len_i]`, computed tile by tile in the
-/// canonical order of the module documentation (so each row's output has the same bits
+/// `out_i = softmax(map(K[from_i..len_i] · q_i)) · V[from_i..len_i]`, computed tile by tile in
+/// the canonical order of the module documentation (so each row's output has the same bits
 /// whatever other rows share the call).
 ///
-/// `blocks`: the sequence's block table; `offset`: element offset of the (layer, KV head) tile
-/// inside a block. The cache's layout decides the path: [`KvLayout::Pairs`] runs both products
-/// with BF16 inputs (on AMX, or on AVX-512 BF16 where there is no AMX), [`KvLayout::Standard`]
-/// everything in f32. Panics if a row is
-/// malformed, `head_dim > MAX_HEAD_DIM`, a block of the table lies outside the pool, or a
-/// pair-layout cache is not one [`attention_path`] gives a BF16 path.
+/// `blocks`: the sequence's block table (entries below the smallest `from / block_size` of
+/// the rows are never read); `offset`: element offset of the (layer, KV head) tile inside a
+/// block; `map`: the scale and soft cap of the scores. The cache's layout decides the path:
+/// [`KvLayout::Pairs`] runs both products with BF16 inputs (on AMX, or on AVX-512 BF16 where
+/// there is no AMX), [`KvLayout::Standard`] everything in f32. Panics if a row is malformed
+/// (`from >= len`, short vectors), `head_dim > MAX_HEAD_DIM`, the map is not finite, a block
+/// the rows read lies outside the pool, a pair-layout cache is not one [`attention_path`]
+/// gives a BF16 path, or the rows need a window or a soft cap the cache's path does not
+/// support ([`AttentionPath::supports`]).
 pub fn attention_rows(
     rows: &mut [QueryRow<'_>],
     keys: KvView<'_>,
     values: KvView<'_>,
     blocks: &[u32],
     offset: usize,
-    scale: f32,
+    map: ScoreMap,
 ) {
-    let stats = run(rows, keys, values, blocks, offset, scale, None);
+    let stats = run(rows, keys, values, blocks, offset, map, None);
     for (r, st) in rows.iter_mut().zip(&stats) {
         let inv = 1.0 / st.l;
         for out in &mut r.out[..keys.head_dim] {
@@ -156,8 +211,9 @@ pub fn attention_rows(
 /// Split-K: [`attention_rows`] over the positions of partition `partition` only
 /// (`partition · PARTITION ..`), leaving each row's `out` undivided and its state in `stats`
 /// (one per row). [`merge_partitions`] folds the partitions of a row, computed by as many
-/// calls (on as many threads), into exactly the bits [`attention_rows`] gives. A row shorter
-/// than the partition's start gets `out = 0` and [`PartialStats::EMPTY`].
+/// calls (on as many threads), into exactly the bits [`attention_rows`] gives. A row with no
+/// position in the partition (shorter than its start, or whose window starts after its end)
+/// gets `out = 0` and [`PartialStats::EMPTY`].
 #[allow(clippy::too_many_arguments)]
 pub fn attention_rows_partition(
     rows: &mut [QueryRow<'_>],
@@ -165,20 +221,22 @@ pub fn attention_rows_partition(
     values: KvView<'_>,
     blocks: &[u32],
     offset: usize,
-    scale: f32,
+    map: ScoreMap,
     partition: usize,
     stats: &mut [PartialStats],
 ) {
     assert!(stats.len() >= rows.len(), "one PartialStats per row");
-    let got = run(rows, keys, values, blocks, offset, scale, Some(partition));
+    let got = run(rows, keys, values, blocks, offset, map, Some(partition));
     stats[..rows.len()].copy_from_slice(&got[..rows.len()]);
 }
 
 /// Folds the partition states of one row, in order (`stats[p]` with its undivided output
 /// `o[p · head_dim ..][..head_dim]`), and divides: `out` gets exactly the bits
 /// [`attention_rows`] computes for the row in one call (the same fold, with the same
-/// exponential as the path that reads a cache of `layout` on this CPU). Panics if the lengths
-/// disagree.
+/// exponential as the path that reads a cache of `layout` on this CPU). A partition whose
+/// state is [`PartialStats::EMPTY`] holds no position of the row and is skipped, as the
+/// kernels skip it (so the partitions before a window's start may be passed or left out).
+/// Panics if the lengths disagree.
 pub fn merge_partitions(layout: KvLayout, stats: &[PartialStats], o: &[f32], out: &mut [f32]) {
     let hd = out.len();
     assert!(o.len() == stats.len() * hd, "one head_dim of output per partition");
@@ -205,6 +263,10 @@ unsafe fn merge_body<L: Lanes>(stats: &[PartialStats], o: &[f32], out: &mut [f32
     let (mut big_m, mut big_l) = (f32::NEG_INFINITY, 0.0f32);
     out.fill(0.0);
     for (st, o) in stats.iter().zip(o.chunks_exact(hd)) {
+        if *st == PartialStats::EMPTY {
+            // No position of the row (folding it would make `e^(-inf - -inf)`).
+            continue;
+        }
         // SAFETY: scalar operations only, under the caller's features.
         unsafe {
             let big = big_m.max(st.m);
@@ -232,7 +294,7 @@ fn run(
     values: KvView<'_>,
     blocks: &[u32],
     offset: usize,
-    scale: f32,
+    map: ScoreMap,
     partition: Option<usize>,
 ) -> Stats {
     let hd = keys.head_dim;
@@ -244,27 +306,41 @@ fn run(
             && values.dtype == keys.dtype
             && values.layout == keys.layout
     );
+    assert!(map.is_valid(), "attention scores need a finite scale and a finite positive soft cap: {map:?}");
     let empty = [PartialStats::EMPTY; MAX_ROWS];
     let Some(max_len) = rows.iter().map(|r| r.len).max() else { return empty };
+    let mut min_from = max_len;
     for r in rows.iter() {
-        assert!(r.len >= 1 && r.q.len() >= hd && r.out.len() >= hd, "a query row needs len >= 1 and head_dim elements");
+        assert!(
+            r.from < r.len && r.q.len() >= hd && r.out.len() >= hd,
+            "a query row needs from < len and head_dim elements"
+        );
+        min_from = min_from.min(r.from);
     }
-    keys.check(blocks, offset, max_len);
-    values.check(blocks, offset, max_len);
-    let job = Job { keys, values, blocks, offset, scale, partition };
-    if job.span(max_len).0 >= max_len {
-        // No row reaches the partition.
+    keys.check(blocks, offset, min_from, max_len);
+    values.check(blocks, offset, min_from, max_len);
+    let job = Job { keys, values, blocks, offset, map, min_from, partition };
+    let (first, end) = job.span(max_len);
+    if first.max(min_from) >= end {
+        // No row has a position in the partition.
         for r in rows.iter_mut() {
             r.out[..hd].fill(0.0);
         }
         return empty;
     }
     if keys.layout == KvLayout::Pairs {
-        let path = attention_path(Precision::Bf16, keys.dtype, hd, keys.block_size);
+        let path = attention_path(Precision::Bf16, keys.dtype, hd, keys.block_size, AttentionNeeds::NONE);
         assert!(path.layout() == KvLayout::Pairs, "a pair-layout KV cache needs a BF16 attention path");
+        let needs = AttentionNeeds { window: min_from > 0, softcap: map.softcap.is_some() };
+        assert!(
+            path.supports(needs),
+            "the {} attention path does not support {needs:?}: make the pool with attention_path(.., needs)",
+            path.name()
+        );
         // SAFETY: the path's instructions were detected and permitted (`bf16_kernels`: AMX or
         // AVX-512 BF16, both implying AVX-512); the cache is BF16 with head and block sizes the
-        // path takes (`attention_path`); the checks above passed.
+        // path takes (`attention_path`); the path supports the rows' windows and soft cap (the
+        // AMX path gets neither); the checks above passed.
         #[cfg(target_arch = "x86_64")]
         return unsafe {
             match path {
@@ -274,7 +350,7 @@ fn run(
             }
         };
     }
-    // SAFETY (each arm): the ISA was detected; every position below each row's `len` lies in a
+    // SAFETY (each arm): the ISA was detected; every position of `min_from..max_len` lies in a
     // block of the table inside the pool (checked), every row holds `head_dim` elements.
     unsafe {
         match (isa(), keys.dtype) {
@@ -297,7 +373,7 @@ fn run(
     }
 }
 
-/// [`attention_rows`] for one query row.
+/// [`attention_rows`] for one query row over positions `0..len`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_paged(
     q: &[f32],
@@ -306,10 +382,10 @@ pub fn attention_paged(
     blocks: &[u32],
     offset: usize,
     len: usize,
-    scale: f32,
+    map: ScoreMap,
     out: &mut [f32],
 ) {
-    attention_rows(&mut [QueryRow { q, len, out }], keys, values, blocks, offset, scale);
+    attention_rows(&mut [QueryRow { q, from: 0, len, out }], keys, values, blocks, offset, map);
 }
 
 /// Which arithmetic attention uses.
@@ -343,6 +419,31 @@ impl AttentionPath {
             AttentionPath::AmxBf16 | AttentionPath::Avx512Bf16 => KvLayout::Pairs,
         }
     }
+
+    /// Whether the path computes what a layer with these needs asks for: the f32 and AVX-512
+    /// BF16 paths everything, the AMX path neither windows nor soft caps (its kernel is not
+    /// extended: it cannot be tested without AMX hardware).
+    pub fn supports(self, needs: AttentionNeeds) -> bool {
+        match self {
+            AttentionPath::F32 | AttentionPath::Avx512Bf16 => true,
+            AttentionPath::AmxBf16 => needs == AttentionNeeds::NONE,
+        }
+    }
+}
+
+/// What the attention layers a KV pool serves ask of the kernels, beyond plain causal attention
+/// (for [`attention_path`], which then picks a path that supports it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct AttentionNeeds {
+    /// Some layer attends through a sliding window (rows with `from > 0`).
+    pub window: bool,
+    /// Some layer soft-caps its scores ([`ScoreMap::softcap`]).
+    pub softcap: bool,
+}
+
+impl AttentionNeeds {
+    /// Plain causal attention: every row from position 0, scores not capped.
+    pub const NONE: AttentionNeeds = AttentionNeeds { window: false, softcap: false };
 }
 
 /// Whether the BF16 attention paths (AMX, AVX-512 BF16) may be used: on by default;
@@ -358,11 +459,19 @@ fn bf16_attention_enabled() -> bool {
 }
 
 /// The path attention takes for this precision, cache element type, head size and block size
-/// on this CPU: under `--precision bf16` over a BF16 cache, with a head size that is a multiple
-/// of 32 and a block size that is a multiple of 16, the BF16 kernels' family (AMX tiles, or
-/// `vdpbf16ps` where there is no AMX); f32 otherwise. A pool is made in
-/// [`AttentionPath::layout`] of the path it will be read by.
-pub fn attention_path(precision: Precision, dtype: WeightDType, head_dim: usize, block_size: usize) -> AttentionPath {
+/// on this CPU, for layers with `needs`: under `--precision bf16` over a BF16 cache, with a
+/// head size that is a multiple of 32 and a block size that is a multiple of 16, the BF16
+/// kernels' family (AMX tiles, or `vdpbf16ps` where there is no AMX) if it supports `needs`
+/// ([`AttentionPath::supports`]: AMX with a window or a soft cap falls back); f32 otherwise. A
+/// pool is made in [`AttentionPath::layout`] of the path it will be read by, with the needs of
+/// every layer it serves.
+pub fn attention_path(
+    precision: Precision,
+    dtype: WeightDType,
+    head_dim: usize,
+    block_size: usize,
+    needs: AttentionNeeds,
+) -> AttentionPath {
     let shapes = head_dim.is_multiple_of(32) && block_size.is_multiple_of(16);
     if !cfg!(target_arch = "x86_64")
         || precision != Precision::Bf16
@@ -372,11 +481,12 @@ pub fn attention_path(precision: Precision, dtype: WeightDType, head_dim: usize,
     {
         return AttentionPath::F32;
     }
-    match bf16_kernels() {
+    let path = match bf16_kernels() {
         Some(Bf16Kernels::Amx) => AttentionPath::AmxBf16,
         Some(Bf16Kernels::Avx512Bf16) => AttentionPath::Avx512Bf16,
         None => AttentionPath::F32,
-    }
+    };
+    if path.supports(needs) { path } else { AttentionPath::F32 }
 }
 
 /// What every row of one call shares.
@@ -385,16 +495,20 @@ struct Job<'a> {
     values: KvView<'a>,
     blocks: &'a [u32],
     offset: usize,
-    scale: f32,
+    map: ScoreMap,
+    /// The smallest `from` of the rows: no position below it is read.
+    min_from: usize,
     /// Only this partition (split-K), or all of them.
     partition: Option<usize>,
 }
 
 impl Job<'_> {
-    /// The positions `first..end` the call covers for rows of at most `max_len` positions.
+    /// The positions `first..end` the call covers for rows of at most `max_len` positions:
+    /// `first` is the start of the first partition it computes (a multiple of [`PARTITION`],
+    /// that of `min_from` when it computes them all), which may lie below `min_from`.
     fn span(&self, max_len: usize) -> (usize, usize) {
         match self.partition {
-            None => (0, max_len),
+            None => (self.min_from / PARTITION * PARTITION, max_len),
             Some(p) => {
                 (p.saturating_mul(PARTITION).min(max_len), p.saturating_add(1).saturating_mul(PARTITION).min(max_len))
             }
@@ -435,7 +549,7 @@ trait Lanes: Copy {
         halves: &[KeyHalf; 2],
         n_halves: usize,
         vrows: &[*const u8; TILE],
-        scale: f32,
+        map: ScoreMap,
         hd: usize,
     );
     unsafe fn zero() -> Self;
@@ -450,8 +564,16 @@ trait Lanes: Copy {
     unsafe fn add(a: Self, b: Self) -> Self;
     unsafe fn sub(a: Self, b: Self) -> Self;
     unsafe fn max(a: Self, b: Self) -> Self;
-    /// Lanes `>= valid` replaced by `fill`.
-    unsafe fn keep(self, valid: usize, fill: f32) -> Self;
+    unsafe fn min(a: Self, b: Self) -> Self;
+    unsafe fn div(a: Self, b: Self) -> Self;
+    /// `|self|`.
+    unsafe fn abs(self) -> Self;
+    /// The magnitude of `self` with the sign of `sign`.
+    unsafe fn copy_sign(self, sign: Self) -> Self;
+    /// `a` in the lanes where `x < limit`, `b` in the others (NaN included).
+    unsafe fn select_below(x: Self, limit: f32, a: Self, b: Self) -> Self;
+    /// Lanes outside `lo..hi` replaced by `fill`.
+    unsafe fn keep(self, lo: usize, hi: usize, fill: f32) -> Self;
     unsafe fn exp(self) -> Self;
     unsafe fn exp1(x: f32) -> f32;
     /// Largest lane.
@@ -464,6 +586,44 @@ trait Lanes: Copy {
     unsafe fn fma1(a: f32, b: f32, c: f32) -> f32;
 }
 
+/// `tanh` lane by lane, from the operations of `L` (so the same operations on every lane, and
+/// bit for bit the same result for a lane whatever the other lanes hold): Cephes' `tanhf`, an
+/// odd polynomial for `|x| < 0.625` and `1 - 2 / (e^(2|x|) + 1)` with `L`'s exponential above
+/// (`|x|` clamped at 10, where the result is 1 within an ulp; no overflow, no NaN from a finite
+/// input), the sign of `x` restored. Within a few ulps of `f32::tanh`.
+///
+/// # Safety
+/// `L`'s instructions are available.
+#[inline(always)]
+unsafe fn tanh_lanes<L: Lanes>(x: L) -> L {
+    // SAFETY: lane-wise operations only, under the caller's features.
+    unsafe {
+        let ax = x.abs();
+        let z = L::mul(x, x);
+        let mut poly = L::splat(-5.704_988_7e-3);
+        for c in [2.063_909e-2, -5.373_971_6e-2, 1.333_144_2e-1, -3.333_328e-1] {
+            poly = L::fma(poly, z, L::splat(c));
+        }
+        let small = L::fma(L::mul(poly, z), x, x);
+        let e = L::mul(L::min(ax, L::splat(10.0)), L::splat(2.0)).exp();
+        let large = L::sub(L::splat(1.0), L::div(L::splat(2.0), L::add(e, L::splat(1.0))));
+        L::select_below(ax, 0.625, small, large).copy_sign(x)
+    }
+}
+
+/// `cap · tanh(s / cap)` lane by lane: [`ScoreMap`]'s soft cap.
+///
+/// # Safety
+/// `L`'s instructions are available.
+#[inline(always)]
+unsafe fn softcap_lanes<L: Lanes>(s: L, cap: f32) -> L {
+    // SAFETY: lane-wise operations only, under the caller's features.
+    unsafe {
+        let c = L::splat(cap);
+        L::mul(c, tanh_lanes(L::div(s, c)))
+    }
+}
+
 /// Per-row state of one call, on the stack.
 struct RowState {
     /// Running partition fold: `M`, `L`.
@@ -473,8 +633,10 @@ struct RowState {
     m: [f32; MAX_ROWS],
     l: [f32; MAX_ROWS],
     corr: [f32; MAX_ROWS],
-    /// Positions of the current tile each row uses.
-    valid: [usize; MAX_ROWS],
+    /// Positions `lo..hi` of the current tile (counted from its start) each row uses; none
+    /// when `lo >= hi`.
+    lo: [usize; MAX_ROWS],
+    hi: [usize; MAX_ROWS],
     /// Current partition's `o`, `(MAX_ROWS, MAX_HEAD_DIM)` row-major, of which rows `< n` and
     /// columns `< head_dim` are initialised (written before they are read).
     o: *mut f32,
@@ -509,7 +671,8 @@ unsafe fn rows_body<L: Lanes, const D: u8>(rows: &mut [QueryRow<'_>], job: &Job<
         m: [0.0; MAX_ROWS],
         l: [0.0; MAX_ROWS],
         corr: [0.0; MAX_ROWS],
-        valid: [0; MAX_ROWS],
+        lo: [0; MAX_ROWS],
+        hi: [0; MAX_ROWS],
         o: o_rows.as_mut_ptr() as *mut f32,
         p: [[0.0; TILE]; MAX_ROWS],
     };
@@ -519,6 +682,7 @@ unsafe fn rows_body<L: Lanes, const D: u8>(rows: &mut [QueryRow<'_>], job: &Job<
     let mut pack = std::mem::MaybeUninit::<[[u8; MAX_HEAD_DIM * 16 * 4]; 2]>::uninit();
     let pack = pack.as_mut_ptr() as *mut u8;
     let direct = bs.is_multiple_of(16);
+    let min_from = job.min_from;
     for r in rows.iter_mut() {
         r.out[..hd].fill(0.0);
     }
@@ -531,39 +695,51 @@ unsafe fn rows_body<L: Lanes, const D: u8>(rows: &mut [QueryRow<'_>], job: &Job<
             // SAFETY: row `i < n <= MAX_ROWS` of `o` has `MAX_HEAD_DIM >= hd` elements.
             unsafe { std::ptr::write_bytes(st.o.add(i * MAX_HEAD_DIM), 0, hd) };
         }
-        let mut t0 = part0;
+        // The tiles from the one holding `min_from` (the tiles before hold no row's position).
+        let mut t0 = part0.max(min_from / TILE * TILE);
         while t0 < part_end {
             let tile_len = TILE.min(part_end - t0);
             for (i, r) in rows.iter().enumerate() {
-                st.valid[i] = r.len.saturating_sub(t0).min(TILE);
+                st.lo[i] = r.from.saturating_sub(t0).min(TILE);
+                st.hi[i] = r.len.saturating_sub(t0).min(TILE);
             }
-            // Key halves of this tile (positions t0..t0 + 16 and t0 + 16..t0 + 32).
+            // Key halves of this tile (positions t0..t0 + 16 and t0 + 16..t0 + 32). A half
+            // wholly below `min_from` is no row's: it is not read (its scores are masked), and
+            // its pointer is the other half's (below).
             let mut halves = [KeyHalf { ptr: std::ptr::null(), stride: 16 }; 2];
             let n_halves = tile_len.div_ceil(16);
-            for (h, half) in halves.iter_mut().enumerate().take(n_halves) {
+            let below = t0 + 16 <= min_from;
+            debug_assert!(!below || n_halves == 2, "a tile holds a position of min_from..part_end");
+            for (h, half) in halves.iter_mut().enumerate().take(n_halves).skip(below as usize) {
                 let first = t0 + 16 * h;
-                // SAFETY: `first < max_len`, so its block is in the table and inside the pool;
-                // with `direct`, the sixteen positions from `first` are in the same block.
+                // SAFETY: `first < max_len` and `first + 16 > min_from`, so the block of
+                // `first` is one of the blocks from `min_from`'s on, in the table and inside the
+                // pool (checked); with `direct`, the sixteen positions from `first` are in that
+                // block; `pack_keys` reads only positions of `min_from..max_len`.
                 unsafe {
                     if direct {
                         let at = job.keys.tile_base(job.blocks, job.offset, first) + first % bs;
                         *half = KeyHalf { ptr: job.keys.data.as_ptr().add(at * size), stride: bs };
                     } else {
                         let dst = pack.add(h * MAX_HEAD_DIM * 16 * 4);
-                        pack_keys(&job.keys, job.blocks, job.offset, first, max_len, dst);
+                        pack_keys(&job.keys, job.blocks, job.offset, first, min_from, max_len, dst);
                         *half = KeyHalf { ptr: dst, stride: 16 };
                     }
                 }
             }
             if n_halves == 1 {
                 halves[1] = halves[0];
+            } else if below {
+                // Some position of the tile is at or above `min_from`, so the second half is.
+                halves[0] = halves[1];
             }
-            // Value rows of this tile.
+            // Value rows of this tile, from `min_from` on (the rows below are no row's).
             let mut vrows = [std::ptr::null::<u8>(); TILE];
-            for (j, v) in vrows.iter_mut().enumerate().take(tile_len) {
+            for (j, v) in vrows.iter_mut().enumerate().take(tile_len).skip(min_from.saturating_sub(t0)) {
                 let p = t0 + j;
                 let at = job.values.tile_base(job.blocks, job.offset, p) + (p % bs) * hd;
-                // SAFETY: position `p < max_len` lies in a block of the table inside the pool.
+                // SAFETY: position `p` of `min_from..max_len` lies in a block of the table
+                // inside the pool (checked).
                 *v = unsafe { job.values.data.as_ptr().add(at * size) };
             }
             // Micro-kernels over the rows that use this tile.
@@ -572,15 +748,15 @@ unsafe fn rows_body<L: Lanes, const D: u8>(rows: &mut [QueryRow<'_>], job: &Job<
                 let count = L::MICRO_ROWS.min(n - first);
                 // SAFETY: the caller's contract; rows `first..first + count` exist.
                 unsafe {
-                    L::micro_rows::<D>(count, rows, first, &mut st, &halves, n_halves, &vrows, job.scale, hd);
+                    L::micro_rows::<D>(count, rows, first, &mut st, &halves, n_halves, &vrows, job.map, hd);
                 }
                 first += count;
             }
             t0 += TILE;
         }
-        // Fold the partition into the running state.
+        // Fold the partition into the running state of each row with a position in it.
         for (i, r) in rows.iter_mut().enumerate() {
-            if r.len <= part0 {
+            if r.len <= part0 || r.from >= part_end {
                 continue;
             }
             // SAFETY: scalar operations only.
@@ -601,20 +777,29 @@ unsafe fn rows_body<L: Lanes, const D: u8>(rows: &mut [QueryRow<'_>], job: &Job<
     std::array::from_fn(|i| PartialStats { m: st.big_m[i], l: st.big_l[i] })
 }
 
-/// Copies key positions `first..first + 16` (those below `max_len`; zeros after) of one
-/// (layer, head) into `pack` as `(head_dim, 16)`.
+/// Copies key positions `first..first + 16` (those of `from..max_len`; zeros for the others,
+/// which are not read) of one (layer, head) into `pack` as `(head_dim, 16)`.
 ///
 /// # Safety
-/// Positions below `max_len` lie in blocks of the table inside the pool; `pack` is valid for
-/// `head_dim * 16` elements.
-unsafe fn pack_keys(keys: &KvView<'_>, blocks: &[u32], offset: usize, first: usize, max_len: usize, pack: *mut u8) {
+/// Positions of `from..max_len` lie in blocks of the table inside the pool; `pack` is valid
+/// for `head_dim * 16` elements.
+#[allow(clippy::too_many_arguments)]
+unsafe fn pack_keys(
+    keys: &KvView<'_>,
+    blocks: &[u32],
+    offset: usize,
+    first: usize,
+    from: usize,
+    max_len: usize,
+    pack: *mut u8,
+) {
     let (hd, bs, size) = (keys.head_dim, keys.block_size, keys.dtype.size_in_bytes());
     for k in 0..16 {
         let p = first + k;
         for c in 0..hd {
             // SAFETY: the caller's contract.
             let dst = unsafe { pack.add((c * 16 + k) * size) };
-            if p < max_len {
+            if (from..max_len).contains(&p) {
                 let at = (keys.tile_base(blocks, offset, p) + c * bs + p % bs) * size;
                 let src = &keys.data[at..at + size];
                 // SAFETY: `dst` holds `size` bytes (the caller's contract).
@@ -639,12 +824,12 @@ macro_rules! micro_rows_body {
             halves: &[$crate::paged::KeyHalf; 2],
             n_halves: usize,
             vrows: &[*const u8; $crate::paged::TILE],
-            scale: f32,
+            map: $crate::paged::ScoreMap,
             hd: usize,
         ) {
             match count {
                 // SAFETY: the caller's contract.
-                $($k => unsafe { $crate::paged::micro::<Self, D, $k>(rows, first, st, halves, n_halves, vrows, scale, hd) },)*
+                $($k => unsafe { $crate::paged::micro::<Self, D, $k>(rows, first, st, halves, n_halves, vrows, map, hd) },)*
                 _ => unreachable!("a micro-kernel of {count} rows"),
             }
         }
@@ -664,18 +849,19 @@ unsafe fn micro<L: Lanes, const D: u8, const NR: usize>(
     halves: &[KeyHalf; 2],
     n_halves: usize,
     vrows: &[*const u8; TILE],
-    scale: f32,
+    map: ScoreMap,
     hd: usize,
 ) {
-    let valid: [usize; NR] = std::array::from_fn(|i| st.valid[first + i]);
-    let vmax = valid.iter().copied().max().unwrap_or(0);
-    if vmax == 0 {
+    let lo: [usize; NR] = std::array::from_fn(|i| st.lo[first + i]);
+    let hi: [usize; NR] = std::array::from_fn(|i| st.hi[first + i]);
+    if (0..NR).all(|i| lo[i] >= hi[i]) {
         return;
     }
     let qs: [*const f32; NR] = std::array::from_fn(|i| rows[first + i].q.as_ptr());
     // SAFETY (whole body): key reads are dimensions `< hd` of halves inside the pool (or the
-    // pack); value reads are rows of `vrows` (positions `< max_len`) at columns `< hd`; query
-    // reads are `< hd`; state indices are `< MAX_ROWS`, `< MAX_HEAD_DIM`, `< TILE`.
+    // pack); value reads are rows `lo..hi` of `vrows` (positions of `min_from..max_len`) at
+    // columns `< hd`; query reads are `< hd`; state indices are `< MAX_ROWS`, `< MAX_HEAD_DIM`,
+    // `< TILE`.
     unsafe {
         // 1. Scores: s[i][h] = Σ_c q_i[c] · K[c][16h..16h + 16], in order of c.
         let mut s = [[L::zero(); 2]; NR];
@@ -705,70 +891,82 @@ unsafe fn micro<L: Lanes, const D: u8, const NR: usize>(
             s[i][0].store_f32(p);
             s[i][1].store_f32(p.add(16));
         }
-        // 2. Online softmax per row.
-        let sc = L::splat(scale);
+        // 2. Online softmax per row: scores mapped (scale, soft cap), masked to `lo..hi`.
+        let sc = L::splat(map.scale);
         for i in 0..NR {
             let r = first + i;
-            let v = valid[i];
-            if v == 0 {
+            let (lo_a, hi_a) = (lo[i], hi[i]);
+            if lo_a >= hi_a {
                 continue;
             }
+            let (lo_b, hi_b) = (lo_a.saturating_sub(16), hi_a.saturating_sub(16));
             let p = st.p[r].as_mut_ptr();
-            let a = L::mul(L::load_f32(p), sc).keep(v, f32::NEG_INFINITY);
-            let b = L::mul(L::load_f32(p.add(16)), sc).keep(v.saturating_sub(16), f32::NEG_INFINITY);
+            let mut a = L::mul(L::load_f32(p), sc);
+            let mut b = L::mul(L::load_f32(p.add(16)), sc);
+            if let Some(cap) = map.softcap {
+                a = softcap_lanes(a, cap);
+                b = softcap_lanes(b, cap);
+            }
+            let a = a.keep(lo_a, hi_a, f32::NEG_INFINITY);
+            let b = b.keep(lo_b, hi_b, f32::NEG_INFINITY);
             let m_new = st.m[r].max(L::max(a, b).reduce_max());
             let corr = L::exp1(st.m[r] - m_new);
             let mv = L::splat(m_new);
-            let pa = L::exp(L::sub(a, mv)).keep(v, 0.0);
-            let pb = L::exp(L::sub(b, mv)).keep(v.saturating_sub(16), 0.0);
+            let pa = L::exp(L::sub(a, mv)).keep(lo_a, hi_a, 0.0);
+            let pb = L::exp(L::sub(b, mv)).keep(lo_b, hi_b, 0.0);
             st.l[r] = L::fma1(st.l[r], corr, L::add(pa, pb).reduce_add());
             st.m[r] = m_new;
             st.corr[r] = corr;
             pa.store_f32(p);
             pb.store_f32(p.add(16));
         }
-        // 3. o = o · corr, then o += p_j · v_j for each valid position in order.
-        if valid.iter().all(|&v| v == vmax) {
+        // 3. o = o · corr, then o += p_j · v_j for each position of `lo..hi` in order: for all
+        // the rows at once when they use the same positions, else row by row.
+        if (0..NR).all(|i| lo[i] == lo[0] && hi[i] == hi[0]) {
             let o: [*mut f32; NR] = std::array::from_fn(|i| st.o.add((first + i) * MAX_HEAD_DIM));
             let p: [*const f32; NR] = std::array::from_fn(|i| st.p[first + i].as_ptr());
             let corr: [f32; NR] = std::array::from_fn(|i| st.corr[first + i]);
-            weighted::<L, D, NR>(o, p, corr, vrows, vmax, hd);
+            weighted::<L, D, NR>(o, p, corr, vrows, lo[0], hi[0], hd);
         } else {
             for i in 0..NR {
                 let r = first + i;
-                if valid[i] > 0 {
+                if lo[i] < hi[i] {
                     let p = st.p[r].as_ptr();
-                    weighted::<L, D, 1>([st.o.add(r * MAX_HEAD_DIM)], [p], [st.corr[r]], vrows, valid[i], hd);
+                    weighted::<L, D, 1>([st.o.add(r * MAX_HEAD_DIM)], [p], [st.corr[r]], vrows, lo[i], hi[i], hd);
                 }
             }
         }
     }
 }
 
-/// `o_i = o_i · corr_i`, then `o_i = fma(p_i[j], v_j, o_i)` for `j in 0..count`, for `NR` rows:
+/// `o_i = o_i · corr_i`, then `o_i = fma(p_i[j], v_j, o_i)` for `j in lo..hi`, for `NR` rows:
 /// 32 columns per pass (16, then one at a time, at the end).
 ///
 /// # Safety
-/// As [`micro`]; `o_i` hold `hd` elements, `p_i` `count`, `vrows[..count]` `hd` each.
+/// As [`micro`]; `o_i` hold `hd` elements, `p_i` `hi`, `vrows[lo..hi]` `hd` each.
 #[inline(always)]
 unsafe fn weighted<L: Lanes, const D: u8, const NR: usize>(
     o: [*mut f32; NR],
     p: [*const f32; NR],
     corr: [f32; NR],
     vrows: &[*const u8; TILE],
-    count: usize,
+    lo: usize,
+    hi: usize,
     hd: usize,
 ) {
     let hd16 = hd & !15;
+    // Positions `lo..hi` only: `vrows[k]` and `p[i][k]` are position `lo + k` of the tile.
+    let vrows = &vrows[lo..hi];
     // SAFETY: the caller's contract.
     unsafe {
+        let p: [*const f32; NR] = std::array::from_fn(|i| p[i].add(lo));
         let cv: [L; NR] = std::array::from_fn(|i| L::splat(corr[i]));
         let mut c0 = 0;
         while c0 + 32 <= hd16 {
             let mut acc: [[L; 2]; NR] = std::array::from_fn(|i| {
                 [L::mul(L::load_f32(o[i].add(c0)), cv[i]), L::mul(L::load_f32(o[i].add(c0 + 16)), cv[i])]
             });
-            for (j, &row) in vrows.iter().enumerate().take(count) {
+            for (j, &row) in vrows.iter().enumerate() {
                 let a = L::load::<D>(row, c0);
                 let b = L::load::<D>(row, c0 + 16);
                 for i in 0..NR {
@@ -785,7 +983,7 @@ unsafe fn weighted<L: Lanes, const D: u8, const NR: usize>(
         }
         if c0 < hd16 {
             let mut acc: [L; NR] = std::array::from_fn(|i| L::mul(L::load_f32(o[i].add(c0)), cv[i]));
-            for (j, &row) in vrows.iter().enumerate().take(count) {
+            for (j, &row) in vrows.iter().enumerate() {
                 let a = L::load::<D>(row, c0);
                 for i in 0..NR {
                     acc[i] = L::fma(L::splat(*p[i].add(j)), a, acc[i]);
@@ -798,7 +996,7 @@ unsafe fn weighted<L: Lanes, const D: u8, const NR: usize>(
         for c in hd16..hd {
             for i in 0..NR {
                 let mut x = *o[i].add(c) * corr[i];
-                for (j, &row) in vrows.iter().enumerate().take(count) {
+                for (j, &row) in vrows.iter().enumerate() {
                     x = L::fma1(*p[i].add(j), L::load1::<D>(row, c), x);
                 }
                 *o[i].add(c) = x;
@@ -849,8 +1047,23 @@ impl Lanes for Portable {
     unsafe fn max(a: Self, b: Self) -> Self {
         Portable(std::array::from_fn(|k| a.0[k].max(b.0[k])))
     }
-    unsafe fn keep(self, valid: usize, fill: f32) -> Self {
-        Portable(std::array::from_fn(|k| if k < valid { self.0[k] } else { fill }))
+    unsafe fn min(a: Self, b: Self) -> Self {
+        Portable(std::array::from_fn(|k| a.0[k].min(b.0[k])))
+    }
+    unsafe fn div(a: Self, b: Self) -> Self {
+        Portable(std::array::from_fn(|k| a.0[k] / b.0[k]))
+    }
+    unsafe fn abs(self) -> Self {
+        Portable(self.0.map(f32::abs))
+    }
+    unsafe fn copy_sign(self, sign: Self) -> Self {
+        Portable(std::array::from_fn(|k| self.0[k].copysign(sign.0[k])))
+    }
+    unsafe fn select_below(x: Self, limit: f32, a: Self, b: Self) -> Self {
+        Portable(std::array::from_fn(|k| if x.0[k] < limit { a.0[k] } else { b.0[k] }))
+    }
+    unsafe fn keep(self, lo: usize, hi: usize, fill: f32) -> Self {
+        Portable(std::array::from_fn(|k| if (lo..hi).contains(&k) { self.0[k] } else { fill }))
     }
     unsafe fn exp(self) -> Self {
         Portable(self.0.map(f32::exp))
@@ -905,6 +1118,32 @@ mod simd {
     pub(super) unsafe fn merge_avx512(stats: &[PartialStats], o: &[f32], out: &mut [f32]) {
         // SAFETY: the caller's contract.
         unsafe { merge_body::<Zmm>(stats, o, out) }
+    }
+
+    /// [`super::tanh_lanes`] on AVX-512 lanes (for the accuracy test).
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VL, AVX2, FMA and F16C are available.
+    #[cfg(test)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(super) unsafe fn tanh_avx512(x: &[f32; 16]) -> [f32; 16] {
+        let mut out = [0.0; 16];
+        // SAFETY: the caller's contract; both arrays hold sixteen f32.
+        unsafe { super::tanh_lanes(Zmm::load_f32(x.as_ptr())).store_f32(out.as_mut_ptr()) };
+        out
+    }
+
+    /// [`super::tanh_lanes`] on AVX2 lanes (for the accuracy test).
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C are available.
+    #[cfg(test)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn tanh_avx2(x: &[f32; 16]) -> [f32; 16] {
+        let mut out = [0.0; 16];
+        // SAFETY: the caller's contract; both arrays hold sixteen f32.
+        unsafe { super::tanh_lanes(Ymm2::load_f32(x.as_ptr())).store_f32(out.as_mut_ptr()) };
+        out
     }
 
     /// # Safety
@@ -972,11 +1211,41 @@ mod simd {
             unsafe { Zmm(_mm512_max_ps(a.0, b.0)) }
         }
         #[inline(always)]
-        unsafe fn keep(self, valid: usize, fill: f32) -> Self {
-            if valid >= 16 {
+        unsafe fn min(a: Self, b: Self) -> Self {
+            unsafe { Zmm(_mm512_min_ps(a.0, b.0)) }
+        }
+        #[inline(always)]
+        unsafe fn div(a: Self, b: Self) -> Self {
+            unsafe { Zmm(_mm512_div_ps(a.0, b.0)) }
+        }
+        #[inline(always)]
+        unsafe fn abs(self) -> Self {
+            unsafe { Zmm(_mm512_abs_ps(self.0)) }
+        }
+        #[inline(always)]
+        unsafe fn copy_sign(self, sign: Self) -> Self {
+            unsafe {
+                let bit = _mm512_set1_epi32(i32::MIN);
+                let mag = _mm512_andnot_si512(bit, _mm512_castps_si512(self.0));
+                let sgn = _mm512_and_si512(bit, _mm512_castps_si512(sign.0));
+                Zmm(_mm512_castsi512_ps(_mm512_or_si512(mag, sgn)))
+            }
+        }
+        #[inline(always)]
+        unsafe fn select_below(x: Self, limit: f32, a: Self, b: Self) -> Self {
+            unsafe {
+                let below = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x.0, _mm512_set1_ps(limit));
+                Zmm(_mm512_mask_blend_ps(below, b.0, a.0))
+            }
+        }
+        #[inline(always)]
+        unsafe fn keep(self, lo: usize, hi: usize, fill: f32) -> Self {
+            if lo == 0 && hi >= 16 {
                 return self;
             }
-            let mask: __mmask16 = ((1u32 << valid) - 1) as u16;
+            // Lanes `lo..hi`: the bits below `hi` without those below `lo`.
+            let below = |n: usize| (1u32 << n.min(16)) - 1;
+            let mask: __mmask16 = (below(hi) & !below(lo)) as u16;
             unsafe { Zmm(_mm512_mask_blend_ps(mask, _mm512_set1_ps(fill), self.0)) }
         }
         #[inline(always)]
@@ -1061,19 +1330,52 @@ mod simd {
             unsafe { Ymm2([_mm256_max_ps(a.0[0], b.0[0]), _mm256_max_ps(a.0[1], b.0[1])]) }
         }
         #[inline(always)]
-        unsafe fn keep(self, valid: usize, fill: f32) -> Self {
-            if valid >= 16 {
+        unsafe fn min(a: Self, b: Self) -> Self {
+            unsafe { Ymm2([_mm256_min_ps(a.0[0], b.0[0]), _mm256_min_ps(a.0[1], b.0[1])]) }
+        }
+        #[inline(always)]
+        unsafe fn div(a: Self, b: Self) -> Self {
+            unsafe { Ymm2([_mm256_div_ps(a.0[0], b.0[0]), _mm256_div_ps(a.0[1], b.0[1])]) }
+        }
+        #[inline(always)]
+        unsafe fn abs(self) -> Self {
+            unsafe {
+                let bit = _mm256_set1_ps(-0.0);
+                Ymm2([_mm256_andnot_ps(bit, self.0[0]), _mm256_andnot_ps(bit, self.0[1])])
+            }
+        }
+        #[inline(always)]
+        unsafe fn copy_sign(self, sign: Self) -> Self {
+            unsafe {
+                let bit = _mm256_set1_ps(-0.0);
+                let one = |m: __m256, s: __m256| _mm256_or_ps(_mm256_andnot_ps(bit, m), _mm256_and_ps(bit, s));
+                Ymm2([one(self.0[0], sign.0[0]), one(self.0[1], sign.0[1])])
+            }
+        }
+        #[inline(always)]
+        unsafe fn select_below(x: Self, limit: f32, a: Self, b: Self) -> Self {
+            unsafe {
+                let l = _mm256_set1_ps(limit);
+                let one = |x: __m256, a: __m256, b: __m256| _mm256_blendv_ps(b, a, _mm256_cmp_ps::<_CMP_LT_OQ>(x, l));
+                Ymm2([one(x.0[0], a.0[0], b.0[0]), one(x.0[1], a.0[1], b.0[1])])
+            }
+        }
+        #[inline(always)]
+        unsafe fn keep(self, lo: usize, hi: usize, fill: f32) -> Self {
+            if lo == 0 && hi >= 16 {
                 return self;
             }
             unsafe {
-                let limit = _mm256_set1_epi32(valid as i32);
+                // Lane indices above `lo - 1` and below `hi` (both at most 16).
+                let low = _mm256_set1_epi32(lo.min(16) as i32 - 1);
+                let high = _mm256_set1_epi32(hi.min(16) as i32);
                 let f = _mm256_set1_ps(fill);
                 let lanes =
                     [_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15)];
                 let pick = |v: __m256, idx: __m256i| {
-                    // Lanes whose index is below `valid` keep `v`.
-                    let keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(limit, idx));
-                    _mm256_blendv_ps(f, v, keep)
+                    // Lanes whose index is in `lo..hi` keep `v`.
+                    let inside = _mm256_and_si256(_mm256_cmpgt_epi32(high, idx), _mm256_cmpgt_epi32(idx, low));
+                    _mm256_blendv_ps(f, v, _mm256_castsi256_ps(inside))
                 };
                 Ymm2([pick(self.0[0], lanes[0]), pick(self.0[1], lanes[1])])
             }
@@ -1174,5 +1476,67 @@ fn write_element(dtype: WeightDType, b: &mut [u8], v: f32) {
         WeightDType::F32 => b.copy_from_slice(&v.to_le_bytes()),
         WeightDType::F16 => b.copy_from_slice(&half::f16::from_f32(v).to_le_bytes()),
         WeightDType::BF16 => b.copy_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The soft cap's tanh on every lane implementation this CPU runs, against f64's: within
+    /// 1e-6 relative (or 1e-30 absolute, near zero) over small, medium, saturating and
+    /// infinite arguments, odd, and ±1 (never NaN) at the ends.
+    #[test]
+    fn lane_tanh_is_accurate() {
+        let mut xs: Vec<f32> = (-400_000..=400_000).map(|i| i as f32 * 5e-5).collect();
+        xs.extend((-60..=60).map(|e| 2f32.powi(e)));
+        for edge in [0.625f32, 10.0] {
+            let mut below = edge;
+            let mut above = edge;
+            for _ in 0..64 {
+                below = f32::from_bits(below.to_bits() - 1);
+                above = f32::from_bits(above.to_bits() + 1);
+                xs.extend([below, above]);
+            }
+        }
+        xs.extend([0.0, -0.0, 50.0, 1e30, f32::MAX, f32::INFINITY, 1e-40]);
+        let negated: Vec<f32> = xs.iter().map(|x| -x).collect();
+        xs.extend(negated);
+        xs.resize(xs.len().div_ceil(16) * 16, 0.0);
+        type Tanh16 = fn(&[f32; 16]) -> [f32; 16];
+        let mut impls: Vec<(&str, Tanh16)> = vec![("portable", |x| {
+            let mut out = [0.0; 16];
+            // SAFETY: the portable lanes need no instructions; both arrays hold sixteen f32.
+            unsafe { tanh_lanes(Portable::load_f32(x.as_ptr())).store_f32(out.as_mut_ptr()) };
+            out
+        })];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if isa() != Isa::Scalar {
+                // SAFETY: AVX2, FMA and F16C were detected.
+                impls.push(("avx2", |x| unsafe { simd::tanh_avx2(x) }));
+            }
+            if isa() == Isa::Avx512 {
+                // SAFETY: AVX-512 F/BW/VL were detected with AVX2, FMA and F16C.
+                impls.push(("avx512", |x| unsafe { simd::tanh_avx512(x) }));
+            }
+        }
+        for (name, tanh) in impls {
+            let mut worst = 0.0f64;
+            for chunk in xs.chunks_exact(16) {
+                let got = tanh(chunk.try_into().expect("sixteen lanes"));
+                for (&x, &y) in chunk.iter().zip(&got) {
+                    let want = (x as f64).tanh();
+                    assert!(!y.is_nan() && y.abs() <= 1.0, "{name}: tanh({x}) = {y}");
+                    assert_eq!(y.is_sign_negative(), x.is_sign_negative(), "{name}: tanh({x}) = {y}");
+                    let err = (y as f64 - want).abs();
+                    if err > 1e-30 {
+                        worst = worst.max(err / want.abs());
+                    }
+                }
+            }
+            assert!(worst <= 1e-6, "{name}: relative error {worst:e}");
+            eprintln!("{name}: tanh's largest relative error {worst:e}");
+        }
     }
 }

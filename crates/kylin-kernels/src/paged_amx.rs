@@ -43,7 +43,7 @@ use std::arch::asm;
 use std::arch::x86_64::*;
 
 use super::simd::Zmm;
-use super::{Job, Lanes, MAX_HEAD_DIM, MAX_ROWS, PARTITION, PartialStats, QueryRow, Stats};
+use super::{Job, Lanes, MAX_HEAD_DIM, MAX_ROWS, PARTITION, PartialStats, QueryRow, Stats, softcap_lanes};
 use crate::amx::{TileConfig, round16};
 
 /// Positions per tile of the AMX path.
@@ -210,38 +210,47 @@ pub(super) unsafe fn round_queries(rows: &[QueryRow<'_>], hd: usize, n_pad: usiz
 }
 
 /// One row's online-softmax update over a tile of [`AMX_TILE`] unscaled scores at `srow`
-/// (64-byte aligned), of which the first `v` (`>= 1`) are valid, in f32: `s = srow · scale`
-/// with positions `>= v` at `-inf`; `m' = max(m, max s)`; `corr = e^(m - m')`; `p = e^(s - m')`
-/// with positions `>= v` at 0; `l = fma(l, corr, sum p)`, the sum `((p0 + p1) + (p2 + p3)) +
-/// ((p4 + p5) + (p6 + p7))` then across lanes. Writes `p` rounded to BF16 at `prow` and
-/// returns `corr`. Shared by both BF16 paths, so both compute a row's softmax with the same
-/// operations.
+/// (64-byte aligned), of which positions `lo..hi` (`lo < hi`) are the row's, in f32:
+/// `s = srow · scale`, then `s = cap · tanh(s / cap)` with a soft cap (`softcap`, only ever
+/// given by the AVX-512 BF16 path), with positions outside `lo..hi` at `-inf`;
+/// `m' = max(m, max s)`; `corr = e^(m - m')`; `p = e^(s - m')` with positions outside `lo..hi`
+/// at 0; `l = fma(l, corr, sum p)`, the sum `((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))`
+/// then across lanes. Writes `p` rounded to BF16 at `prow` and returns `corr`. Shared by both
+/// BF16 paths, so both compute a row's softmax with the same operations (the AMX path passes
+/// `lo = 0` and no soft cap: its operations are the ones it always had).
 ///
 /// # Safety
 /// AVX-512 F/BW/VL, AVX2 and FMA available; `srow` holds [`AMX_TILE`] f32, `prow` has room for
 /// [`AMX_TILE`] BF16 values.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(super) unsafe fn softmax_row(
     srow: *const f32,
     scale: __m512,
-    v: usize,
+    softcap: Option<f32>,
+    lo: usize,
+    hi: usize,
     m: &mut f32,
     l: &mut f32,
     prow: *mut u16,
 ) -> f32 {
     // SAFETY: as the caller promises.
     unsafe {
-        let s: [Zmm; QUARTERS] = std::array::from_fn(|q| {
-            Zmm(_mm512_mul_ps(_mm512_load_ps(srow.add(16 * q)), scale))
-                .keep(v.saturating_sub(16 * q), f32::NEG_INFINITY)
-        });
+        let mut s: [Zmm; QUARTERS] =
+            std::array::from_fn(|q| Zmm(_mm512_mul_ps(_mm512_load_ps(srow.add(16 * q)), scale)));
+        if let Some(cap) = softcap {
+            s = s.map(|x| softcap_lanes(x, cap));
+        }
+        let s: [Zmm; QUARTERS] =
+            std::array::from_fn(|q| s[q].keep(lo.saturating_sub(16 * q), hi.saturating_sub(16 * q), f32::NEG_INFINITY));
         let top4 = |b: usize| Zmm::max(Zmm::max(s[b], s[b + 1]), Zmm::max(s[b + 2], s[b + 3]));
         let top = Zmm::max(top4(0), top4(4)).reduce_max();
         let m_new = m.max(top);
         let c = Zmm::exp1(*m - m_new);
         let mv = Zmm::splat(m_new);
-        let p: [Zmm; QUARTERS] =
-            std::array::from_fn(|q| Zmm::exp(Zmm::sub(s[q], mv)).keep(v.saturating_sub(16 * q), 0.0));
+        let p: [Zmm; QUARTERS] = std::array::from_fn(|q| {
+            Zmm::exp(Zmm::sub(s[q], mv)).keep(lo.saturating_sub(16 * q), hi.saturating_sub(16 * q), 0.0)
+        });
         let quad = |b: usize| Zmm::add(Zmm::add(p[b], p[b + 1]), Zmm::add(p[b + 2], p[b + 3]));
         let sum = Zmm::add(quad(0), quad(4)).reduce_add();
         *l = Zmm::fma1(*l, c, sum);
@@ -288,8 +297,9 @@ impl RowStates {
         }
     }
 
-    /// Folds the partition (undivided outputs `o` at a row stride of [`MAX_HEAD_DIM`]) into the
-    /// state of every row that reaches it (`len > part0`): `M' = max(M, m)`, `a = e^(M - M')`,
+    /// Folds the partition `part0..part_end` (undivided outputs `o` at a row stride of
+    /// [`MAX_HEAD_DIM`]) into the state of every row with a position in it (`len > part0`,
+    /// `from < part_end`): `M' = max(M, m)`, `a = e^(M - M')`,
     /// `b = e^(m - M')`, `L = fma(l, b, L · a)`, `out = fma(o, b, out · a)` (the fold
     /// `merge_partitions` repeats).
     ///
@@ -297,11 +307,17 @@ impl RowStates {
     /// AVX-512 F and FMA available; `o` holds `rows.len()` rows of `hd` f32 at that stride;
     /// every row's `out` holds at least `hd` elements.
     #[inline(always)]
-    pub(super) unsafe fn fold_partition(&mut self, rows: &mut [QueryRow<'_>], hd: usize, part0: usize, o: *const f32) {
+    pub(super) unsafe fn fold_partition(
+        &mut self,
+        rows: &mut [QueryRow<'_>],
+        hd: usize,
+        (part0, part_end): (usize, usize),
+        o: *const f32,
+    ) {
         // SAFETY: as the caller promises.
         unsafe {
             for (i, r) in rows.iter_mut().enumerate() {
-                if r.len <= part0 {
+                if r.len <= part0 || r.from >= part_end {
                     continue;
                 }
                 let big = self.big_m[i].max(self.m[i]);
@@ -363,7 +379,8 @@ pub(super) unsafe fn rows_amx<const WIDE: bool>(rows: &mut [QueryRow<'_>], job: 
         asm!("ldtilecfg [{0}]", in(reg) &config as *const TileConfig, options(nostack, readonly));
         let data_k = keys.data.as_ptr() as *const u16;
         let data_v = job.values.data.as_ptr() as *const u16;
-        let scale = _mm512_set1_ps(job.scale);
+        debug_assert!(job.min_from == 0 && job.map.softcap.is_none());
+        let scale = _mm512_set1_ps(job.map.scale);
         let o_stride = MAX_HEAD_DIM * 4;
         let v_stride = hd * 4;
 
@@ -414,7 +431,9 @@ pub(super) unsafe fn rows_amx<const WIDE: bool>(rows: &mut [QueryRow<'_>], job: 
                             std::ptr::write_bytes(prow, 0, AMX_TILE);
                             continue;
                         }
-                        let c = softmax_row(sc.add(i * AMX_TILE), scale, v, &mut state.m[row], &mut state.l[row], prow);
+                        // No window and no soft cap here (`run` asserts it).
+                        let (m, l) = (&mut state.m[row], &mut state.l[row]);
+                        let c = softmax_row(sc.add(i * AMX_TILE), scale, None, 0, v, m, l, prow);
                         // o = o · corr (a multiplication by one changes nothing, so it is skipped).
                         if c != 1.0 {
                             let orow = o.add(row * MAX_HEAD_DIM);
@@ -486,7 +505,7 @@ pub(super) unsafe fn rows_amx<const WIDE: bool>(rows: &mut [QueryRow<'_>], job: 
                 }
                 t0 += AMX_TILE;
             }
-            state.fold_partition(rows, hd, part0, o);
+            state.fold_partition(rows, hd, (part0, part_end), o);
             part0 = part_end;
         }
         asm!("tilerelease", options(nostack, nomem));

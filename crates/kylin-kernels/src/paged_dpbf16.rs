@@ -19,20 +19,27 @@
 //!
 //! # The canonical computation of a row (batch invariance)
 //!
-//! For each tile the row attends to (its `len` is above the tile's start):
+//! For each tile that holds a position of the row's `from..len` (partitions and tiles at
+//! absolute multiples, as in [`super`]; the others are skipped for the row):
 //! - each score is one `vdpbf16ps` chain from zero over the dimension pairs in order (lane =
-//!   position), then multiplied by the scale; positions `>= len` are `-inf`;
+//!   position), then multiplied by the scale, then soft-capped if the call has a cap
+//!   (`cap · tanh(s / cap)`, the lane operations of [`super`]); positions outside `from..len`
+//!   are `-inf`;
 //! - the online-softmax update of the AMX path, bit for bit the same operations;
 //! - each output dimension is `o · corr` followed by one `vdpbf16ps` chain over the tile's
 //!   position pairs in order (lane = dimension).
 //!
 //! A row's registers are its own: which rows share its group, how many there are and whether
 //! other rows attend to a tile never changes an instruction applied to its lanes. Rows that do
-//! not attend to a tile (their `len` is at or below its start) are left out of the tile
-//! entirely, exactly as when the row is computed alone. Slots of a block past the sequence's
-//! length are loaded (their scores masked, their values meeting `p = 0`), so they must be
-//! finite, which the pool guarantees by zeroing a block's tile when its first position is
-//! written.
+//! not attend to a tile are left out of the tile entirely, exactly as when the row is computed
+//! alone. Positions of a tile outside the row's `from..len` enter its value chains as `p = 0`:
+//! a chain starts from `o · corr`, which is `+0` or not zero, so adding the products `±0`
+//! changes no bit, and the row's result is the same whichever other rows set how many chunks
+//! the tile has. Slots of a block past the sequence's length are loaded (their scores masked,
+//! their values meeting `p = 0`), so they must be finite, which the pool guarantees by zeroing a
+//! block's tile when its first position is written. Chunks wholly below the call's smallest
+//! `from` are not read at all: their pointers repeat the first chunk that holds a position of
+//! the window (the window's blocks may have been freed and reused).
 //!
 //! Conditions (checked by the caller): AVX-512 BF16, BF16 pair-layout cache, `head_dim % 32
 //! == 0`, `block_size % 16 == 0`.
@@ -196,8 +203,9 @@ pub(super) unsafe fn rows_dpbf16(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> St
 
     // SAFETY (whole body): every pointer below stays inside its buffer (row counts bounded by
     // n <= MAX_ROWS and GROUP, hd <= MAX_HEAD_DIM, TILE); a chunk read from the pool covers
-    // sixteen positions starting at a multiple of 16 below `max_len`, which lie in one block of
-    // the table (block_size % 16 == 0), checked to be inside the pool by the caller.
+    // sixteen positions starting at a multiple of 16 below `max_len` whose last is at or above
+    // `min_from`, which lie in one block of the table (block_size % 16 == 0) from `min_from`'s
+    // on, checked to be inside the pool by the caller.
     unsafe {
         round_queries(rows, hd, n, qb);
         for r in rows.iter_mut() {
@@ -205,33 +213,39 @@ pub(super) unsafe fn rows_dpbf16(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> St
         }
         let data_k = keys.data.as_ptr() as *const u16;
         let data_v = job.values.data.as_ptr() as *const u16;
-        let scale = _mm512_set1_ps(job.scale);
+        let scale = _mm512_set1_ps(job.map.scale);
+        let min_from = job.min_from;
 
         let (mut part0, end) = job.span(max_len);
         while part0 < end {
             let part_end = (part0 + PARTITION).min(max_len);
             state.start_partition(n, o, hd);
-            let mut t0 = part0;
+            // The tiles from the one holding `min_from` (the tiles before hold no row's position).
+            let mut t0 = part0.max(min_from / TILE * TILE);
             while t0 < part_end {
                 let tile_len = TILE.min(part_end - t0);
                 // The tile's 16-position chunks: in both tiles of the pair layout, the chunk at
                 // slot `j` of its block starts `j · hd` elements into the block's (layer,
-                // head) tile. Chunks past the tile repeat its last one (their scores are
-                // computed and masked; it keeps every read inside the pool).
+                // head) tile. Chunks past the tile repeat its last one, and chunks wholly below
+                // `min_from` the first that is not (their scores are computed and masked, their
+                // values meet `p = 0`; it keeps every read inside the window's blocks). The
+                // tile holds a position of `min_from..part_end`, so `first < chunks`.
                 let chunks = tile_len.div_ceil(16);
+                let first = min_from.saturating_sub(t0) / 16;
+                debug_assert!(first < chunks);
                 let mut kc = [data_k; CHUNKS];
                 let mut vc = [data_v; CHUNKS];
                 for c in 0..CHUNKS {
-                    let p = t0 + 16 * c.min(chunks - 1);
+                    let p = t0 + 16 * c.min(chunks - 1).max(first);
                     let at = keys.tile_base(job.blocks, job.offset, p) + (p % bs) * hd;
                     kc[c] = data_k.add(at);
                     vc[c] = data_v.add(at);
                 }
-                // The rows that attend to this tile, in groups of GROUP.
+                // The rows with a position in this tile, in groups of GROUP.
                 let mut active = [0usize; MAX_ROWS];
                 let mut n_active = 0;
                 for (i, r) in rows.iter().enumerate() {
-                    if r.len > t0 {
+                    if r.len > t0 && r.from < t0 + TILE {
                         active[n_active] = i;
                         n_active += 1;
                     }
@@ -257,11 +271,14 @@ pub(super) unsafe fn rows_dpbf16(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> St
                     // BF16.
                     let mut corr = [1.0f32; GROUP];
                     for (g, &row) in group.iter().enumerate() {
-                        let v = rows[row].len.saturating_sub(t0).min(TILE);
+                        let r = &rows[row];
+                        let (lo, hi) = (r.from.saturating_sub(t0), r.len.saturating_sub(t0).min(TILE));
                         corr[g] = softmax_row(
                             sc.add(g * TILE),
                             scale,
-                            v,
+                            job.map.softcap,
+                            lo,
+                            hi,
                             &mut state.m[row],
                             &mut state.l[row],
                             pb.add(g * TILE),
@@ -278,7 +295,7 @@ pub(super) unsafe fn rows_dpbf16(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> St
                 }
                 t0 += TILE;
             }
-            state.fold_partition(rows, hd, part0, o);
+            state.fold_partition(rows, hd, (part0, part_end), o);
             part0 = part_end;
         }
     }

@@ -115,6 +115,42 @@ pub fn attention_head(
     }
 }
 
+/// Reference attention of one query row over positions `from..len` of contiguous `keys` and
+/// `values` (`(len, head_dim)` each), with the scores `s = (q · k) · scale`, then
+/// `s = cap · tanh(s / cap)` when `softcap` is given (Gemma 2), then the softmax over
+/// `from..len`. The soft cap and everything after the scores in f64.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_head_window(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    from: usize,
+    len: usize,
+    head_dim: usize,
+    scale: f32,
+    softcap: Option<f32>,
+    out: &mut [f32],
+) {
+    assert!(from < len, "a row attends to at least one position");
+    let scores: Vec<f64> = (from..len)
+        .map(|p| {
+            let k = &keys[p * head_dim..(p + 1) * head_dim];
+            let s = (q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale) as f64;
+            match softcap {
+                Some(cap) => cap as f64 * (s / cap as f64).tanh(),
+                None => s,
+            }
+        })
+        .collect();
+    let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+    let sum: f64 = weights.iter().sum();
+    for (c, o) in out[..head_dim].iter_mut().enumerate() {
+        let acc: f64 = weights.iter().enumerate().map(|(j, w)| w * values[(from + j) * head_dim + c] as f64).sum();
+        *o = (acc / sum) as f32;
+    }
+}
+
 /// `f32` → BF16 bits, rounded to nearest even (NaN stays a quiet NaN).
 #[inline]
 pub fn round_bf16(v: f32) -> u16 {
@@ -137,5 +173,34 @@ pub fn matmul_bf16(w: WeightMatrix<'_>, x: &[f32], n_tokens: usize, y: &mut [f32
             }
             y[t * w.rows + r] = acc as f32;
         }
+    }
+}
+
+/// `out = x / rms(x) * (1 + w)` (Gemma's RMSNorm).
+pub fn rms_norm_unit_offset(x: &[f32], weight: WeightVector<'_>, eps: f32, out: &mut [f32]) {
+    let mean_sq = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let inv = 1.0 / (mean_sq + eps).sqrt();
+    for (i, (o, v)) in out.iter_mut().zip(x).enumerate() {
+        *o = v * inv * (1.0 + weight.get(i));
+    }
+}
+
+/// `gelu_pytorch_tanh(x)`, PyTorch's formula in f32.
+pub fn gelu_tanh(x: f32) -> f32 {
+    const BETA: f32 = std::f32::consts::SQRT_2 * std::f32::consts::FRAC_2_SQRT_PI * 0.5;
+    const KAPPA: f32 = 0.044715;
+    let inner = BETA * (x + KAPPA * x * x * x);
+    0.5 * x * (1.0 + inner.tanh())
+}
+
+pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = gelu_tanh(*g) * u;
+    }
+}
+
+pub fn softcap(x: &mut [f32], cap: f32) {
+    for v in x.iter_mut() {
+        *v = (*v / cap).tanh() * cap;
     }
 }

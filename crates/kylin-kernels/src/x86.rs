@@ -417,6 +417,108 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// `out[i] = x[i] · inv · (1 + w[i])` with `w` in dtype `D` (Gemma's RMSNorm).
+///
+/// # Safety
+/// `w` must be valid for `out.len()` elements of dtype `D`; `x.len() >= out.len()`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn scale_by_unit_offset_weights<const D: u8>(x: &[f32], inv: f32, w: *const u8, out: &mut [f32]) {
+    let n = out.len();
+    let iv = _mm256_set1_ps(inv);
+    let one = _mm256_set1_ps(1.0);
+    let mut i = 0;
+    // SAFETY: every access is at elements `< n`, inside `x`, `out` and the caller's extent of `w`.
+    unsafe {
+        while i + 8 <= n {
+            let v = _mm256_mul_ps(_mm256_loadu_ps(x.as_ptr().add(i)), iv);
+            _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_mul_ps(v, _mm256_add_ps(one, load8::<D>(w, i))));
+            i += 8;
+        }
+        while i < n {
+            out[i] = x[i] * inv * (1.0 + load1::<D>(w, i));
+            i += 1;
+        }
+    }
+}
+
+/// `tanh(u) = 1 − 2 / (e^{2u} + 1)` on eight lanes (finite for every finite `u`: [`exp8`]
+/// clamps its input).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn tanh8(u: __m256) -> __m256 {
+    let one = _mm256_set1_ps(1.0);
+    let e = exp8(_mm256_add_ps(u, u));
+    _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0), _mm256_add_ps(e, one)))
+}
+
+/// In-place GeGLU with PyTorch's tanh approximation (see `crate::gelu_tanh_mul`).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
+    const BETA: f32 = std::f32::consts::SQRT_2 * std::f32::consts::FRAC_2_SQRT_PI * 0.5;
+    const KAPPA: f32 = 0.044715;
+    let n = gate.len().min(up.len());
+    let main = n & !7;
+    let (g, u) = (gate.as_mut_ptr(), up.as_ptr());
+    let (beta, kappa, half, one) =
+        (_mm256_set1_ps(BETA), _mm256_set1_ps(KAPPA), _mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
+    let gelu = |x: __m256| {
+        let x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+        let inner = _mm256_mul_ps(beta, _mm256_add_ps(x, _mm256_mul_ps(kappa, x3)));
+        _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, tanh8(inner)))
+    };
+    let mut i = 0;
+    // SAFETY: every access is at `i..i + 8 <= main <= n`, inside both slices.
+    unsafe {
+        while i < main {
+            let y = gelu(_mm256_loadu_ps(g.add(i)));
+            _mm256_storeu_ps(g.add(i), _mm256_mul_ps(y, _mm256_loadu_ps(u.add(i))));
+            i += 8;
+        }
+    }
+    // The tail through the same vector code (padded), so an element's bits do not depend on
+    // where the slice ends (batch invariance).
+    if main < n {
+        let mut pad = [0.0f32; 8];
+        pad[..n - main].copy_from_slice(&gate[main..n]);
+        // SAFETY: `pad` holds eight elements.
+        let y = unsafe { gelu(_mm256_loadu_ps(pad.as_ptr())) };
+        // SAFETY: as above.
+        unsafe { _mm256_storeu_ps(pad.as_mut_ptr(), y) };
+        for (j, (g, u)) in gate[main..n].iter_mut().zip(&up[main..n]).enumerate() {
+            *g = pad[j] * u;
+        }
+    }
+}
+
+/// In-place `x = cap · tanh(x / cap)` (see `crate::softcap`).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn softcap(x: &mut [f32], cap: f32) {
+    let n = x.len();
+    let main = n & !7;
+    let p = x.as_mut_ptr();
+    let c = _mm256_set1_ps(cap);
+    let mut i = 0;
+    // SAFETY: every access is at `i..i + 8 <= main <= n`, inside `x`.
+    unsafe {
+        while i < main {
+            let v = _mm256_div_ps(_mm256_loadu_ps(p.add(i)), c);
+            _mm256_storeu_ps(p.add(i), _mm256_mul_ps(tanh8(v), c));
+            i += 8;
+        }
+    }
+    // The tail through the same vector code (padded), as in `gelu_tanh_mul`.
+    if main < n {
+        let mut pad = [0.0f32; 8];
+        pad[..n - main].copy_from_slice(&x[main..n]);
+        // SAFETY: `pad` holds eight elements.
+        unsafe {
+            let v = _mm256_div_ps(_mm256_loadu_ps(pad.as_ptr()), c);
+            _mm256_storeu_ps(pad.as_mut_ptr(), _mm256_mul_ps(tanh8(v), c));
+        }
+        x[main..n].copy_from_slice(&pad[..n - main]);
+    }
+}
+
 /// `out[i] = x[i] · inv · w[i]` with `w` in dtype `D` (the scaling step of RMSNorm).
 ///
 /// # Safety

@@ -4,8 +4,9 @@
 //! independent of the rows it is computed with.
 
 use kylin_kernels::paged::{
-    AttentionPath, KvLayout, KvView, MAX_ROWS, PARTITION, PartialStats, QueryRow, attention_paged, attention_path,
-    attention_rows, attention_rows_partition, merge_partitions, store_key, store_row, store_value,
+    AttentionNeeds, AttentionPath, KvLayout, KvView, MAX_ROWS, PARTITION, PartialStats, QueryRow, ScoreMap, TILE,
+    attention_paged, attention_path, attention_rows, attention_rows_partition, merge_partitions, store_key, store_row,
+    store_value,
 };
 use kylin_kernels::{Precision, WeightDType};
 
@@ -34,7 +35,7 @@ fn stored(dtype: WeightDType, x: f32) -> f32 {
 /// A pool of two layers and three KV heads whose (layer 1, head 2) holds `k` and `v` for
 /// positions `0..len`, in blocks used in reverse order (skipping block 1); the other heads and
 /// every unused slot hold large values, so reading one by mistake shows. Stored in the layout
-/// of the path `precision` takes.
+/// of the path `precision` takes for layers with `needs`.
 struct Pool {
     layout: KvLayout,
     keys: Vec<u8>,
@@ -53,8 +54,9 @@ fn pool(
     k: &[f32],
     v: &[f32],
     len: usize,
+    needs: AttentionNeeds,
 ) -> Pool {
-    let layout = attention_path(precision, dtype, head_dim, block_size).layout();
+    let layout = attention_path(precision, dtype, head_dim, block_size, needs).layout();
     let (n_layers, n_heads) = (2, 3);
     let n_blocks = len.div_ceil(block_size) + 3;
     let stride = n_layers * n_heads * block_size * head_dim;
@@ -90,21 +92,22 @@ fn paged_attention_matches_the_reference() {
         for dtype in [WeightDType::F32, WeightDType::F16, WeightDType::BF16] {
             for head_dim in [1, 7, 16, 31, 64, 100, 128] {
                 for block_size in [1, 5, 16, 32] {
-                    let tolerance = match attention_path(precision, dtype, head_dim, block_size) {
+                    let tolerance = match attention_path(precision, dtype, head_dim, block_size, AttentionNeeds::NONE) {
                         AttentionPath::F32 => 2e-5,
                         AttentionPath::AmxBf16 | AttentionPath::Avx512Bf16 => 2e-2,
                     };
                     for len in [1usize, 5, 16, 17, 33, 63, 64, 65, PARTITION + 37] {
                         let k = values(len * head_dim, 1 + len as u64);
                         let v = values(len * head_dim, 2 + head_dim as u64);
-                        let pool = pool(precision, dtype, head_dim, block_size, &k, &v, len);
+                        let pool = pool(precision, dtype, head_dim, block_size, &k, &v, len, AttentionNeeds::NONE);
                         let (keys, vals) = pool.views(dtype, block_size, head_dim);
                         // Queries large enough that the scores spread (an online softmax that
                         // rescales wrongly shows).
                         let q: Vec<f32> = values(head_dim, 3).iter().map(|x| x * 4.0).collect();
                         let scale = (head_dim as f32).powf(-0.5);
                         let mut out = vec![0.0; head_dim];
-                        attention_paged(&q, keys, vals, &pool.blocks, pool.offset, len, scale, &mut out);
+                        let map = ScoreMap::scaled(scale);
+                        attention_paged(&q, keys, vals, &pool.blocks, pool.offset, len, map, &mut out);
 
                         let kr: Vec<f32> = k.iter().map(|&x| stored(dtype, x)).collect();
                         let vr: Vec<f32> = v.iter().map(|&x| stored(dtype, x)).collect();
@@ -144,7 +147,7 @@ fn rows_have_the_bits_of_each_row_alone() {
                 let max_len: usize = PARTITION + 90;
                 let k = values(max_len * head_dim, 11 + head_dim as u64);
                 let v = values(max_len * head_dim, 12 + head_dim as u64);
-                let pool = pool(precision, dtype, head_dim, block_size, &k, &v, max_len);
+                let pool = pool(precision, dtype, head_dim, block_size, &k, &v, max_len, AttentionNeeds::NONE);
                 let (keys, vals) = pool.views(dtype, block_size, head_dim);
                 let scale = (head_dim as f32).powf(-0.5);
                 let qs: Vec<Vec<f32>> = (0..MAX_ROWS).map(|i| values(head_dim, 100 + i as u64)).collect();
@@ -157,7 +160,8 @@ fn rows_have_the_bits_of_each_row_alone() {
                     let alone: Vec<Vec<u32>> = (0..MAX_ROWS)
                         .map(|i| {
                             let mut out = vec![0.0; head_dim];
-                            attention_paged(&qs[i], keys, vals, &pool.blocks, pool.offset, lens[i], scale, &mut out);
+                            let map = ScoreMap::scaled(scale);
+                            attention_paged(&qs[i], keys, vals, &pool.blocks, pool.offset, lens[i], map, &mut out);
                             out.iter().map(|x| x.to_bits()).collect()
                         })
                         .collect();
@@ -167,9 +171,9 @@ fn rows_have_the_bits_of_each_row_alone() {
                             let mut rows: Vec<QueryRow<'_>> = outs
                                 .iter_mut()
                                 .enumerate()
-                                .map(|(i, out)| QueryRow { q: &qs[first + i], len: lens[first + i], out })
+                                .map(|(i, out)| QueryRow { q: &qs[first + i], from: 0, len: lens[first + i], out })
                                 .collect();
-                            attention_rows(&mut rows, keys, vals, &pool.blocks, pool.offset, scale);
+                            attention_rows(&mut rows, keys, vals, &pool.blocks, pool.offset, ScoreMap::scaled(scale));
                             for (i, out) in outs.iter().enumerate() {
                                 let got: Vec<u32> = out.iter().map(|x| x.to_bits()).collect();
                                 assert_eq!(
@@ -198,7 +202,7 @@ fn split_partitions_merge_to_the_bits_of_one_call() {
                 let max_len = 3 * PARTITION + 77;
                 let k = values(max_len * head_dim, 21 + head_dim as u64);
                 let v = values(max_len * head_dim, 22 + head_dim as u64);
-                let pool = pool(precision, dtype, head_dim, block_size, &k, &v, max_len);
+                let pool = pool(precision, dtype, head_dim, block_size, &k, &v, max_len, AttentionNeeds::NONE);
                 let (keys, vals) = pool.views(dtype, block_size, head_dim);
                 let scale = (head_dim as f32).powf(-0.5);
                 // A decode group (equal lengths) and rows ending in different partitions.
@@ -209,9 +213,9 @@ fn split_partitions_merge_to_the_bits_of_one_call() {
                     let mut rows: Vec<QueryRow<'_>> = whole
                         .iter_mut()
                         .enumerate()
-                        .map(|(i, out)| QueryRow { q: &qs[i], len: lens[i], out })
+                        .map(|(i, out)| QueryRow { q: &qs[i], from: 0, len: lens[i], out })
                         .collect();
-                    attention_rows(&mut rows, keys, vals, &pool.blocks, pool.offset, scale);
+                    attention_rows(&mut rows, keys, vals, &pool.blocks, pool.offset, ScoreMap::scaled(scale));
 
                     let parts = max_len.div_ceil(PARTITION);
                     let mut stats = vec![vec![PartialStats::EMPTY; n]; parts];
@@ -220,7 +224,7 @@ fn split_partitions_merge_to_the_bits_of_one_call() {
                         let mut rows: Vec<QueryRow<'_>> = partial[p]
                             .iter_mut()
                             .enumerate()
-                            .map(|(i, out)| QueryRow { q: &qs[i], len: lens[i], out })
+                            .map(|(i, out)| QueryRow { q: &qs[i], from: 0, len: lens[i], out })
                             .collect();
                         attention_rows_partition(
                             &mut rows,
@@ -228,7 +232,7 @@ fn split_partitions_merge_to_the_bits_of_one_call() {
                             vals,
                             &pool.blocks,
                             pool.offset,
-                            scale,
+                            ScoreMap::scaled(scale),
                             p,
                             &mut stats[p],
                         );
@@ -257,6 +261,354 @@ fn split_partitions_merge_to_the_bits_of_one_call() {
     }
 }
 
+/// What the windowed and soft-capped tests ask of the path: both, so the pool is made in the
+/// layout of a path that supports them (the AVX-512 BF16 path under `Precision::Bf16` where the
+/// CPU has it; the f32 path where it has AMX, whose kernel supports neither).
+const WINDOW_AND_CAP: AttentionNeeds = AttentionNeeds { window: true, softcap: true };
+
+/// The tolerance against the f64 reference of the path a pool made for `needs` is read by.
+fn tolerance(precision: Precision, dtype: WeightDType, head_dim: usize, block_size: usize) -> f32 {
+    match attention_path(precision, dtype, head_dim, block_size, WINDOW_AND_CAP) {
+        AttentionPath::F32 => 2e-5,
+        AttentionPath::AmxBf16 | AttentionPath::Avx512Bf16 => 2e-2,
+    }
+}
+
+/// Window starts for a row of `len` positions: inside the first tile, on tile boundaries, just
+/// before and after a partition boundary, inside a later partition, the last position, and
+/// sliding windows (`from = len - W`, transformers' rule for the query at `len - 1`) shorter
+/// and longer than the row.
+fn froms(len: usize) -> Vec<usize> {
+    let mut f = vec![0, 1, 15, 16, 17, 31, 32, 33, 100, PARTITION - 1, PARTITION, PARTITION + 1, PARTITION + 64];
+    f.extend([1, 7, 32, 100, PARTITION, PARTITION + 40, 10 * PARTITION].map(|w: usize| len.saturating_sub(w)));
+    f.push(len - 1);
+    f.retain(|&from| from < len);
+    f.sort_unstable();
+    f.dedup();
+    f
+}
+
+/// Rows attending to `from..len` (windows starting in the first tile, on tile boundaries, in a
+/// later partition, or longer than the row), with and without a soft cap, on both precisions,
+/// against the reference: the window and the cap are honoured on every path that takes them.
+#[test]
+fn windowed_and_soft_capped_rows_match_the_reference() {
+    for precision in [Precision::F32, Precision::Bf16] {
+        for dtype in [WeightDType::F32, WeightDType::F16, WeightDType::BF16] {
+            for (head_dim, block_size) in [(7, 5), (31, 16), (64, 16), (100, 3), (128, 32)] {
+                let tolerance = tolerance(precision, dtype, head_dim, block_size);
+                for len in [1usize, 33, 100, PARTITION + 37, 2 * PARTITION + 50] {
+                    let k = values(len * head_dim, 31 + len as u64);
+                    let v = values(len * head_dim, 32 + head_dim as u64);
+                    let pool = pool(precision, dtype, head_dim, block_size, &k, &v, len, WINDOW_AND_CAP);
+                    let (keys, vals) = pool.views(dtype, block_size, head_dim);
+                    let kr: Vec<f32> = k.iter().map(|&x| stored(dtype, x)).collect();
+                    let vr: Vec<f32> = v.iter().map(|&x| stored(dtype, x)).collect();
+                    let q: Vec<f32> = values(head_dim, 33).iter().map(|x| x * 4.0).collect();
+                    let scale = (head_dim as f32).powf(-0.5);
+                    // Caps that saturate the scores (tanh's exponential branch), bend them, and
+                    // barely touch them (its polynomial branch).
+                    for softcap in [None, Some(0.5), Some(2.0), Some(30.0)] {
+                        let map = ScoreMap { scale, softcap };
+                        for from in froms(len) {
+                            let mut out = vec![0.0; head_dim];
+                            attention_rows(
+                                &mut [QueryRow { q: &q, from, len, out: &mut out }],
+                                keys,
+                                vals,
+                                &pool.blocks,
+                                pool.offset,
+                                map,
+                            );
+                            let mut want = vec![0.0; head_dim];
+                            kylin_kernels::reference::attention_head_window(
+                                &q, &kr, &vr, from, len, head_dim, scale, softcap, &mut want,
+                            );
+                            for (c, (a, b)) in out.iter().zip(&want).enumerate() {
+                                assert!(
+                                    (a - b).abs() <= tolerance * (1.0 + b.abs()),
+                                    "{precision:?} {dtype:?} head_dim {head_dim} block {block_size} len {len} \
+                                     from {from} cap {softcap:?} col {c}: {a} vs {b}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Windowed and soft-capped rows computed together (a prefill chunk under a sliding window,
+/// whose rows' windows start at consecutive positions; a decode group; a mix of windows) give
+/// each row the bits it gets alone.
+#[test]
+fn windowed_rows_have_the_bits_of_each_row_alone() {
+    for precision in [Precision::F32, Precision::Bf16] {
+        for dtype in [WeightDType::F32, WeightDType::F16, WeightDType::BF16] {
+            for (head_dim, block_size) in [(1, 4), (7, 16), (64, 16), (100, 3), (128, 32)] {
+                let max_len: usize = PARTITION + 90;
+                let k = values(max_len * head_dim, 41 + head_dim as u64);
+                let v = values(max_len * head_dim, 42 + head_dim as u64);
+                let pool = pool(precision, dtype, head_dim, block_size, &k, &v, max_len, WINDOW_AND_CAP);
+                let (keys, vals) = pool.views(dtype, block_size, head_dim);
+                let scale = (head_dim as f32).powf(-0.5);
+                let qs: Vec<Vec<f32>> = (0..MAX_ROWS).map(|i| values(head_dim, 300 + i as u64)).collect();
+                // (from, len) per row: a prefill chunk (two heads per token) under windows of 40
+                // and PARTITION - 3 positions whose starts cross tiles and the partition
+                // boundary; a decode group under a window; a mix of windows and lengths.
+                let prefill = |w: usize| -> Vec<(usize, usize)> {
+                    (0..MAX_ROWS)
+                        .map(|i| {
+                            let len = PARTITION - 20 + i / 2;
+                            (len.saturating_sub(w), len)
+                        })
+                        .collect()
+                };
+                let decode: Vec<(usize, usize)> = vec![(max_len - 77, max_len); MAX_ROWS];
+                let mixed: Vec<(usize, usize)> = (0..MAX_ROWS)
+                    .map(|i| {
+                        let len = 1 + (i * 37) % max_len;
+                        ((i * 53) % len, len)
+                    })
+                    .collect();
+                for softcap in [None, Some(1.5)] {
+                    let map = ScoreMap { scale, softcap };
+                    for spans in [prefill(40), prefill(PARTITION - 3), decode.clone(), mixed.clone()] {
+                        let alone: Vec<Vec<u32>> = (0..MAX_ROWS)
+                            .map(|i| {
+                                let mut out = vec![0.0; head_dim];
+                                let (from, len) = spans[i];
+                                let row = QueryRow { q: &qs[i], from, len, out: &mut out };
+                                attention_rows(&mut [row], keys, vals, &pool.blocks, pool.offset, map);
+                                out.iter().map(|x| x.to_bits()).collect()
+                            })
+                            .collect();
+                        for n in [2, 3, 5, 12, 13, 25, MAX_ROWS] {
+                            for first in [0, MAX_ROWS - n] {
+                                let mut outs = vec![vec![0.0f32; head_dim]; n];
+                                let mut rows: Vec<QueryRow<'_>> = outs
+                                    .iter_mut()
+                                    .enumerate()
+                                    .map(|(i, out)| {
+                                        let (from, len) = spans[first + i];
+                                        QueryRow { q: &qs[first + i], from, len, out }
+                                    })
+                                    .collect();
+                                attention_rows(&mut rows, keys, vals, &pool.blocks, pool.offset, map);
+                                for (i, out) in outs.iter().enumerate() {
+                                    let got: Vec<u32> = out.iter().map(|x| x.to_bits()).collect();
+                                    assert_eq!(
+                                        got,
+                                        alone[first + i],
+                                        "{precision:?} {dtype:?} head_dim {head_dim} block {block_size} cap \
+                                         {softcap:?} rows {n} from {first}: row {i} {:?}",
+                                        spans[first + i]
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Split-K with windows: rows whose windows start in a later partition (or in the last one)
+/// get `PartialStats::EMPTY` and zeros from the partitions before, and `merge_partitions` over
+/// all the partitions (the empty ones skipped) gives the bits of one call, with and without a
+/// soft cap.
+#[test]
+fn split_windowed_partitions_merge_to_the_bits_of_one_call() {
+    for precision in [Precision::F32, Precision::Bf16] {
+        for dtype in [WeightDType::F32, WeightDType::F16, WeightDType::BF16] {
+            for (head_dim, block_size) in [(7, 16), (64, 16), (100, 3), (128, 32)] {
+                let max_len = 3 * PARTITION + 77;
+                let k = values(max_len * head_dim, 51 + head_dim as u64);
+                let v = values(max_len * head_dim, 52 + head_dim as u64);
+                let pool = pool(precision, dtype, head_dim, block_size, &k, &v, max_len, WINDOW_AND_CAP);
+                let (keys, vals) = pool.views(dtype, block_size, head_dim);
+                let scale = (head_dim as f32).powf(-0.5);
+                let spans = [
+                    vec![(2 * PARTITION + 5, max_len); 3],
+                    vec![
+                        (2 * PARTITION + 5, max_len),
+                        (PARTITION, max_len),
+                        (PARTITION - 1, PARTITION + 1),
+                        (0, 5),
+                        (3 * PARTITION + 10, max_len),
+                        (PARTITION + 2 * TILE, 2 * PARTITION + 3),
+                        (max_len - 1, max_len),
+                    ],
+                ];
+                for softcap in [None, Some(1.5)] {
+                    let map = ScoreMap { scale, softcap };
+                    for spans in &spans {
+                        let n = spans.len();
+                        let qs: Vec<Vec<f32>> = (0..n).map(|i| values(head_dim, 400 + i as u64)).collect();
+                        let mut whole = vec![vec![0.0f32; head_dim]; n];
+                        let mut rows: Vec<QueryRow<'_>> = whole
+                            .iter_mut()
+                            .enumerate()
+                            .map(|(i, out)| QueryRow { q: &qs[i], from: spans[i].0, len: spans[i].1, out })
+                            .collect();
+                        attention_rows(&mut rows, keys, vals, &pool.blocks, pool.offset, map);
+
+                        let parts = max_len.div_ceil(PARTITION);
+                        let mut stats = vec![vec![PartialStats::EMPTY; n]; parts];
+                        let mut partial = vec![vec![vec![0.0f32; head_dim]; n]; parts];
+                        for p in 0..parts {
+                            let mut rows: Vec<QueryRow<'_>> = partial[p]
+                                .iter_mut()
+                                .enumerate()
+                                .map(|(i, out)| QueryRow { q: &qs[i], from: spans[i].0, len: spans[i].1, out })
+                                .collect();
+                            attention_rows_partition(
+                                &mut rows,
+                                keys,
+                                vals,
+                                &pool.blocks,
+                                pool.offset,
+                                map,
+                                p,
+                                &mut stats[p],
+                            );
+                        }
+                        for i in 0..n {
+                            let (from, len) = spans[i];
+                            let reached = from / PARTITION..len.div_ceil(PARTITION);
+                            for p in (0..parts).filter(|p| !reached.contains(p)) {
+                                assert_eq!(stats[p][i], PartialStats::EMPTY, "row {i} partition {p}");
+                                assert!(partial[p][i].iter().all(|&x| x == 0.0));
+                            }
+                            let row_stats: Vec<PartialStats> = (0..parts).map(|p| stats[p][i]).collect();
+                            let o: Vec<f32> = (0..parts).flat_map(|p| partial[p][i].clone()).collect();
+                            let mut merged = vec![0.0f32; head_dim];
+                            merge_partitions(keys.layout, &row_stats, &o, &mut merged);
+                            let got: Vec<u32> = merged.iter().map(|x| x.to_bits()).collect();
+                            let want: Vec<u32> = whole[i].iter().map(|x| x.to_bits()).collect();
+                            assert_eq!(
+                                got, want,
+                                "{precision:?} {dtype:?} head_dim {head_dim} block {block_size} cap {softcap:?} \
+                                 spans {spans:?}: row {i}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The blocks a sliding window has left behind are never read: with the table entries below
+/// the rows' smallest `from / block_size` pointing far outside the pool and the blocks they
+/// named filled with NaN, every row gets the bits it gets from the intact pool (one call and
+/// split-K), and nothing panics.
+#[test]
+fn blocks_below_the_window_are_never_read() {
+    for precision in [Precision::F32, Precision::Bf16] {
+        for dtype in [WeightDType::F32, WeightDType::F16, WeightDType::BF16] {
+            for (head_dim, block_size) in [(7, 5), (64, 16), (100, 3), (128, 16), (128, 32)] {
+                let len = 2 * PARTITION + 50;
+                let k = values(len * head_dim, 61 + head_dim as u64);
+                let v = values(len * head_dim, 62 + head_dim as u64);
+                let clean = pool(precision, dtype, head_dim, block_size, &k, &v, len, WINDOW_AND_CAP);
+                let scale = (head_dim as f32).powf(-0.5);
+                let map = ScoreMap { scale, softcap: Some(3.0) };
+                let qs: Vec<Vec<f32>> = (0..4).map(|i| values(head_dim, 500 + i as u64)).collect();
+                for min_from in [17, 2 * TILE, PARTITION - 3, PARTITION + 40, len - 1] {
+                    // The rows: one from `min_from`, the others from later.
+                    let spans = [0, 1, 50, len].map(|d| ((min_from + d).min(len - 1), len));
+                    let mut poisoned = Pool {
+                        layout: clean.layout,
+                        keys: clean.keys.clone(),
+                        vals: clean.vals.clone(),
+                        blocks: clean.blocks.clone(),
+                        offset: clean.offset,
+                        stride: clean.stride,
+                    };
+                    for (i, b) in poisoned.blocks[..min_from / block_size].iter_mut().enumerate() {
+                        let at = *b as usize * clean.stride;
+                        store_row(dtype, &mut poisoned.keys, at, &vec![f32::NAN; clean.stride]);
+                        store_row(dtype, &mut poisoned.vals, at, &vec![f32::NAN; clean.stride]);
+                        *b = u32::MAX - i as u32;
+                    }
+                    let run = |pool: &Pool, partition: Option<usize>| -> Vec<Vec<u32>> {
+                        let (keys, vals) = pool.views(dtype, block_size, head_dim);
+                        let mut outs = vec![vec![0.0f32; head_dim]; spans.len()];
+                        let mut rows: Vec<QueryRow<'_>> = outs
+                            .iter_mut()
+                            .enumerate()
+                            .map(|(i, out)| QueryRow { q: &qs[i], from: spans[i].0, len: spans[i].1, out })
+                            .collect();
+                        match partition {
+                            None => attention_rows(&mut rows, keys, vals, &pool.blocks, pool.offset, map),
+                            Some(p) => {
+                                let mut stats = [PartialStats::EMPTY; 4];
+                                attention_rows_partition(
+                                    &mut rows,
+                                    keys,
+                                    vals,
+                                    &pool.blocks,
+                                    pool.offset,
+                                    map,
+                                    p,
+                                    &mut stats,
+                                );
+                            }
+                        }
+                        outs.iter().map(|o| o.iter().map(|x| x.to_bits()).collect()).collect()
+                    };
+                    for partition in [None, Some(0), Some(1), Some(2)] {
+                        let want = run(&clean, partition);
+                        assert!(want.iter().flatten().all(|&x| !f32::from_bits(x).is_nan()));
+                        assert_eq!(
+                            run(&poisoned, partition),
+                            want,
+                            "{precision:?} {dtype:?} head_dim {head_dim} block {block_size} from {min_from} \
+                             partition {partition:?}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `attention_path` only gives a path that supports what the layers need.
+#[test]
+fn the_path_supports_the_needs_it_was_chosen_for() {
+    for window in [false, true] {
+        for softcap in [false, true] {
+            let needs = AttentionNeeds { window, softcap };
+            for precision in [Precision::F32, Precision::Bf16] {
+                for dtype in [WeightDType::F32, WeightDType::F16, WeightDType::BF16] {
+                    let path = attention_path(precision, dtype, 128, 32, needs);
+                    assert!(path.supports(needs), "{precision:?} {dtype:?} {needs:?}: {path:?}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[should_panic(expected = "from < len")]
+fn a_window_past_the_row_panics() {
+    let data = vec![0u8; 4 * 8 * 4];
+    let view = KvView {
+        dtype: WeightDType::F32,
+        layout: KvLayout::Standard,
+        data: &data,
+        block_stride: 8,
+        block_size: 2,
+        head_dim: 4,
+    };
+    let mut out = [0.0; 4];
+    let row = QueryRow { q: &[0.0; 4], from: 3, len: 3, out: &mut out };
+    attention_rows(&mut [row], view, view, &[0, 1], 0, ScoreMap::scaled(1.0));
+}
+
 #[test]
 #[should_panic(expected = "outside the KV pool")]
 fn a_block_outside_the_pool_panics_instead_of_reading() {
@@ -270,7 +622,7 @@ fn a_block_outside_the_pool_panics_instead_of_reading() {
         head_dim: 4,
     };
     let mut out = [0.0; 4];
-    attention_paged(&[0.0; 4], view, view, &[9], 0, 2, 1.0, &mut out);
+    attention_paged(&[0.0; 4], view, view, &[9], 0, 2, ScoreMap::scaled(1.0), &mut out);
 }
 
 /// Re-runs the tests above in a child process under every instruction set this machine can be
@@ -282,13 +634,18 @@ fn every_isa_matches_the_reference() {
         // Already a child (or the caller chose one ISA): the tests above cover it.
         return;
     }
+    const TESTS: [&str; 7] = [
+        "paged_attention_matches_the_reference",
+        "rows_have_the_bits_of_each_row_alone",
+        "split_partitions_merge_to_the_bits_of_one_call",
+        "windowed_and_soft_capped_rows_match_the_reference",
+        "windowed_rows_have_the_bits_of_each_row_alone",
+        "split_windowed_partitions_merge_to_the_bits_of_one_call",
+        "blocks_below_the_window_are_never_read",
+    ];
     let exe = std::env::current_exe().expect("the test binary's path");
     for cap in ["avx512", "avx2", "scalar"] {
-        for test in [
-            "paged_attention_matches_the_reference",
-            "rows_have_the_bits_of_each_row_alone",
-            "split_partitions_merge_to_the_bits_of_one_call",
-        ] {
+        for test in TESTS {
             let status = std::process::Command::new(&exe)
                 .args(["--exact", test])
                 .env("KYLIN_KERNELS_ISA", cap)
@@ -298,11 +655,7 @@ fn every_isa_matches_the_reference() {
         }
     }
     // With the BF16 attention paths turned off (where the CPU has AMX or AVX-512 BF16, the default runs one).
-    for test in [
-        "paged_attention_matches_the_reference",
-        "rows_have_the_bits_of_each_row_alone",
-        "split_partitions_merge_to_the_bits_of_one_call",
-    ] {
+    for test in TESTS {
         let status = std::process::Command::new(&exe)
             .args(["--exact", test])
             .env("KYLIN_BF16_ATTENTION", "0")

@@ -1,8 +1,11 @@
 //! Declarative tensor tables: which checkpoint tensor fills which role, with which shape.
 //!
-//! One table per architecture, assembled from shared groups (every entry exists once): the
-//! common decoder block, q/k/v biases, the output-projection bias, MLP biases and Qwen3's per-head
-//! q/k norms. Names use `{layer}` for the layer index. Shapes are functions of [`ModelConfig`].
+//! One table per architecture (its family's `tensors`, `family/`), assembled from the shared
+//! groups here (every entry exists once): embedding and head, the attention and MLP
+//! projections (separate or fused), the norm placements (Llama's pre-norms, Gemma's sandwich,
+//! OLMo 2's post-norms), biases and q/k norms. Names use `{layer}` for the layer index. Shapes
+//! are functions of [`ModelConfig`]. A fused projection is split into its parts' roles at bind
+//! time as views of row ranges (no copy), so the engine sees only `q_proj`, `gate_proj`, ...
 //! Binding checks every required tensor (listing *all* missing ones at once), every shape and
 //! every dtype, and reports the tensors the table did not use.
 //!
@@ -41,6 +44,10 @@ pub enum Dim {
     KvDim,
     HeadDim,
     Intermediate,
+    /// `(num_attention_heads + 2 * num_key_value_heads) * head_dim` (a fused `qkv_proj`).
+    QkvDim,
+    /// `2 * intermediate_size` (a fused `gate_up_proj`).
+    GateUpDim,
 }
 
 impl Dim {
@@ -52,6 +59,8 @@ impl Dim {
             Dim::KvDim => c.num_kv_heads * c.head_dim,
             Dim::HeadDim => c.head_dim,
             Dim::Intermediate => c.intermediate_size,
+            Dim::QkvDim => (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
+            Dim::GateUpDim => 2 * c.intermediate_size,
         }
     }
 
@@ -63,6 +72,11 @@ impl Dim {
             Dim::KvDim => format!("num_key_value_heads={} * head_dim={}", c.num_kv_heads, c.head_dim),
             Dim::HeadDim => format!("head_dim={}", c.head_dim),
             Dim::Intermediate => format!("intermediate_size={}", c.intermediate_size),
+            Dim::QkvDim => format!(
+                "(num_attention_heads={} + 2 * num_key_value_heads={}) * head_dim={}",
+                c.num_heads, c.num_kv_heads, c.head_dim
+            ),
+            Dim::GateUpDim => format!("2 * intermediate_size={}", c.intermediate_size),
         }
     }
 }
@@ -74,7 +88,6 @@ pub enum Cond {
     QkvBias,
     OBias,
     MlpBias,
-    QkNorm,
     /// Only when the head is not tied (`lm_head.weight`).
     Untied,
 }
@@ -86,7 +99,6 @@ impl Cond {
             Cond::QkvBias => c.qkv_bias,
             Cond::OBias => c.o_bias,
             Cond::MlpBias => c.mlp_bias,
-            Cond::QkNorm => c.qk_norm,
             Cond::Untied => !c.tie_word_embeddings,
         }
     }
@@ -109,13 +121,21 @@ pub enum Role {
     OBias,
     QNorm,
     KNorm,
+    /// The norm after attention, before the residual add (Gemma, OLMo 2).
+    PostAttnNorm,
     MlpNorm,
+    /// The norm after the MLP, before the residual add (Gemma, OLMo 2).
+    PostMlpNorm,
     GateProj,
     UpProj,
     DownProj,
     GateBias,
     UpBias,
     DownBias,
+    /// `qkv_proj` (Phi-3): `q_proj`, `k_proj` and `v_proj` stacked by rows; split at bind time.
+    QkvProj,
+    /// `gate_up_proj` (Phi-3): `gate_proj` then `up_proj` by rows; split at bind time.
+    GateUpProj,
 }
 
 impl Role {
@@ -131,7 +151,14 @@ impl Role {
                 | Role::GateProj
                 | Role::UpProj
                 | Role::DownProj
+                | Role::QkvProj
+                | Role::GateUpProj
         )
+    }
+
+    /// A fused projection, split into its parts when bound.
+    pub fn is_fused(self) -> bool {
+        matches!(self, Role::QkvProj | Role::GateUpProj)
     }
 }
 
@@ -151,49 +178,90 @@ const fn spec(role: Role, name: &'static str, shape: &'static [Dim], cond: Cond)
 
 use Dim::*;
 
-/// Every decoder-only architecture here: embeddings, norms, attention and SwiGLU projections.
-const COMMON: &[Spec] = &[
+/// The embedding, the final norm and the head.
+pub const EMBED_HEAD: &[Spec] = &[
     spec(Role::Embed, "model.embed_tokens.weight", &[Vocab, Hidden], Cond::Always),
     spec(Role::FinalNorm, "model.norm.weight", &[Hidden], Cond::Always),
     spec(Role::LmHead, "lm_head.weight", &[Vocab, Hidden], Cond::Untied),
-    spec(Role::AttnNorm, "model.layers.{layer}.input_layernorm.weight", &[Hidden], Cond::Always),
+];
+
+/// The four attention projections, stored apart.
+pub const ATTENTION: &[Spec] = &[
     spec(Role::QProj, "model.layers.{layer}.self_attn.q_proj.weight", &[QDim, Hidden], Cond::Always),
     spec(Role::KProj, "model.layers.{layer}.self_attn.k_proj.weight", &[KvDim, Hidden], Cond::Always),
     spec(Role::VProj, "model.layers.{layer}.self_attn.v_proj.weight", &[KvDim, Hidden], Cond::Always),
     spec(Role::OProj, "model.layers.{layer}.self_attn.o_proj.weight", &[Hidden, QDim], Cond::Always),
-    spec(Role::MlpNorm, "model.layers.{layer}.post_attention_layernorm.weight", &[Hidden], Cond::Always),
+];
+
+/// q, k and v fused by rows (Phi-3's `qkv_proj`), and `o_proj`.
+pub const FUSED_ATTENTION: &[Spec] = &[
+    spec(Role::QkvProj, "model.layers.{layer}.self_attn.qkv_proj.weight", &[QkvDim, Hidden], Cond::Always),
+    spec(Role::OProj, "model.layers.{layer}.self_attn.o_proj.weight", &[Hidden, QDim], Cond::Always),
+];
+
+/// The gated MLP's three projections, stored apart.
+pub const MLP: &[Spec] = &[
     spec(Role::GateProj, "model.layers.{layer}.mlp.gate_proj.weight", &[Intermediate, Hidden], Cond::Always),
     spec(Role::UpProj, "model.layers.{layer}.mlp.up_proj.weight", &[Intermediate, Hidden], Cond::Always),
     spec(Role::DownProj, "model.layers.{layer}.mlp.down_proj.weight", &[Hidden, Intermediate], Cond::Always),
 ];
 
-const QKV_BIAS: &[Spec] = &[
+/// gate and up fused by rows (Phi-3's `gate_up_proj`), and `down_proj`.
+pub const FUSED_MLP: &[Spec] = &[
+    spec(Role::GateUpProj, "model.layers.{layer}.mlp.gate_up_proj.weight", &[GateUpDim, Hidden], Cond::Always),
+    spec(Role::DownProj, "model.layers.{layer}.mlp.down_proj.weight", &[Hidden, Intermediate], Cond::Always),
+];
+
+/// Llama's pre-norms: before attention and before the MLP.
+pub const PRE_NORMS: &[Spec] = &[
+    spec(Role::AttnNorm, "model.layers.{layer}.input_layernorm.weight", &[Hidden], Cond::Always),
+    spec(Role::MlpNorm, "model.layers.{layer}.post_attention_layernorm.weight", &[Hidden], Cond::Always),
+];
+
+/// Gemma's sandwich: a norm before and after each sub-block (note that Gemma's
+/// `post_attention_layernorm` is a post-norm, where Llama's is the MLP's pre-norm).
+pub const SANDWICH_NORMS: &[Spec] = &[
+    spec(Role::AttnNorm, "model.layers.{layer}.input_layernorm.weight", &[Hidden], Cond::Always),
+    spec(Role::PostAttnNorm, "model.layers.{layer}.post_attention_layernorm.weight", &[Hidden], Cond::Always),
+    spec(Role::MlpNorm, "model.layers.{layer}.pre_feedforward_layernorm.weight", &[Hidden], Cond::Always),
+    spec(Role::PostMlpNorm, "model.layers.{layer}.post_feedforward_layernorm.weight", &[Hidden], Cond::Always),
+];
+
+/// OLMo 2's post-norms only: after each sub-block, before the residual add.
+pub const POST_NORMS: &[Spec] = &[
+    spec(Role::PostAttnNorm, "model.layers.{layer}.post_attention_layernorm.weight", &[Hidden], Cond::Always),
+    spec(Role::PostMlpNorm, "model.layers.{layer}.post_feedforward_layernorm.weight", &[Hidden], Cond::Always),
+];
+
+pub const QKV_BIAS: &[Spec] = &[
     spec(Role::QBias, "model.layers.{layer}.self_attn.q_proj.bias", &[QDim], Cond::QkvBias),
     spec(Role::KBias, "model.layers.{layer}.self_attn.k_proj.bias", &[KvDim], Cond::QkvBias),
     spec(Role::VBias, "model.layers.{layer}.self_attn.v_proj.bias", &[KvDim], Cond::QkvBias),
 ];
 
-const O_BIAS: &[Spec] = &[spec(Role::OBias, "model.layers.{layer}.self_attn.o_proj.bias", &[Hidden], Cond::OBias)];
+pub const O_BIAS: &[Spec] = &[spec(Role::OBias, "model.layers.{layer}.self_attn.o_proj.bias", &[Hidden], Cond::OBias)];
 
-const MLP_BIAS: &[Spec] = &[
+pub const MLP_BIAS: &[Spec] = &[
     spec(Role::GateBias, "model.layers.{layer}.mlp.gate_proj.bias", &[Intermediate], Cond::MlpBias),
     spec(Role::UpBias, "model.layers.{layer}.mlp.up_proj.bias", &[Intermediate], Cond::MlpBias),
     spec(Role::DownBias, "model.layers.{layer}.mlp.down_proj.bias", &[Hidden], Cond::MlpBias),
 ];
 
-const QK_NORM: &[Spec] = &[
-    spec(Role::QNorm, "model.layers.{layer}.self_attn.q_norm.weight", &[HeadDim], Cond::QkNorm),
-    spec(Role::KNorm, "model.layers.{layer}.self_attn.k_norm.weight", &[HeadDim], Cond::QkNorm),
+/// Per-head q/k norms (Qwen3, Gemma 3): one `(head_dim)` weight for every head.
+pub const HEAD_QK_NORM: &[Spec] = &[
+    spec(Role::QNorm, "model.layers.{layer}.self_attn.q_norm.weight", &[HeadDim], Cond::Always),
+    spec(Role::KNorm, "model.layers.{layer}.self_attn.k_norm.weight", &[HeadDim], Cond::Always),
+];
+
+/// q/k norms over the whole projection (OLMo 2).
+pub const PROJECTION_QK_NORM: &[Spec] = &[
+    spec(Role::QNorm, "model.layers.{layer}.self_attn.q_norm.weight", &[QDim], Cond::Always),
+    spec(Role::KNorm, "model.layers.{layer}.self_attn.k_norm.weight", &[KvDim], Cond::Always),
 ];
 
 /// The registry: each architecture's table as a list of groups.
 fn groups(arch: Architecture) -> &'static [&'static [Spec]] {
-    match arch {
-        Architecture::Qwen3 => &[COMMON, QKV_BIAS, O_BIAS, QK_NORM],
-        Architecture::Qwen2 => &[COMMON, QKV_BIAS],
-        Architecture::Llama => &[COMMON, QKV_BIAS, O_BIAS, MLP_BIAS],
-        Architecture::Mistral => &[COMMON],
-    }
+    arch.family().tensors
 }
 
 /// The table of an architecture.
@@ -269,6 +337,30 @@ impl TensorMap {
         Ok(TensorMap { renames })
     }
 
+    /// The names of a vision-language checkpoint's language model: transformers 5 stores it
+    /// under `model.language_model.` (head `lm_head.weight`), transformers 4 under
+    /// `language_model.model.` (head `language_model.lm_head.weight`); the layout is
+    /// recognised by where the embedding is.
+    pub(crate) fn language_model(arch: Architecture, index: &TensorIndex) -> TensorMap {
+        let (prefix, head) = if index.raw("language_model.model.embed_tokens.weight").is_some() {
+            ("language_model.model.", "language_model.lm_head.weight")
+        } else {
+            ("model.language_model.", "lm_head.weight")
+        };
+        let renames = table_names(arch)
+            .into_iter()
+            .map(|name| {
+                let to = match name.strip_prefix("model.") {
+                    Some(rest) => format!("{prefix}{rest}"),
+                    None if name == "lm_head.weight" => head.to_string(),
+                    None => name.to_string(),
+                };
+                (name.to_string(), to)
+            })
+            .collect();
+        TensorMap { renames }
+    }
+
     fn name_for(&self, table_name: &str) -> String {
         self.renames.get(table_name).cloned().unwrap_or_else(|| table_name.to_string())
     }
@@ -282,6 +374,36 @@ pub(crate) struct Bound {
 
 fn shape_text(shape: &[usize]) -> String {
     format!("[{}]", shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", "))
+}
+
+/// Replaces a layer's fused projections by views of their parts' rows (no copy):
+/// `qkv_proj` `[q + 2 kv, hidden]` → `q_proj` `[q, hidden]`, `k_proj`, `v_proj`;
+/// `gate_up_proj` `[2 i, hidden]` → `gate_proj` `[i, hidden]`, `up_proj` (transformers'
+/// `chunk(2)`: gate first). The parts are named after the unfused checkpoints' tensors.
+fn split_fused(config: &ModelConfig, tensors: &mut BTreeMap<Role, WeightTensor>) -> Result<()> {
+    let (q, kv, inter) =
+        (config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size);
+    let mut split = |fused: Role, parts: &[(Role, usize, &str)]| -> Result<()> {
+        let Some(t) = tensors.remove(&fused) else { return Ok(()) };
+        let mut row = 0;
+        for &(role, rows, part) in parts {
+            let name = t.name.replace(if fused == Role::QkvProj { "qkv_proj" } else { "gate_up_proj" }, part);
+            let view = t.rows(row, row + rows, name).ok_or_else(|| {
+                KylinError::tensor_shape_mismatch(format!(
+                    "tensor '{}' ({:?}) cannot be split into rows {row}..{}",
+                    t.name,
+                    t.shape,
+                    row + rows
+                ))
+            })?;
+            tensors.insert(role, view);
+            row += rows;
+        }
+        Ok(())
+    };
+    split(Role::QkvProj, &[(Role::QProj, q, "q_proj"), (Role::KProj, kv, "k_proj"), (Role::VProj, kv, "v_proj")])?;
+    split(Role::GateUpProj, &[(Role::GateProj, inter, "gate_proj"), (Role::UpProj, inter, "up_proj")])?;
+    Ok(())
 }
 
 /// Takes a bound required role out of `found`.
@@ -488,36 +610,14 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
     };
     let mut layers = Vec::with_capacity(config.num_layers);
     for i in 0..config.num_layers {
-        let opt = |found: &mut BTreeMap<(usize, Role), WeightTensor>, role: Role| found.remove(&(i, role));
-        let (q_bias, k_bias, v_bias, o_bias) = (
-            opt(&mut found, Role::QBias),
-            opt(&mut found, Role::KBias),
-            opt(&mut found, Role::VBias),
-            opt(&mut found, Role::OBias),
-        );
-        let (q_norm, k_norm) = (opt(&mut found, Role::QNorm), opt(&mut found, Role::KNorm));
-        let (gate_bias, up_bias, down_bias) =
-            (opt(&mut found, Role::GateBias), opt(&mut found, Role::UpBias), opt(&mut found, Role::DownBias));
-        layers.push(LayerWeights {
-            attn_norm: take(&mut found, i, Role::AttnNorm)?,
-            q_proj: take(&mut found, i, Role::QProj)?,
-            k_proj: take(&mut found, i, Role::KProj)?,
-            v_proj: take(&mut found, i, Role::VProj)?,
-            o_proj: take(&mut found, i, Role::OProj)?,
-            q_bias,
-            k_bias,
-            v_bias,
-            o_bias,
-            q_norm,
-            k_norm,
-            mlp_norm: take(&mut found, i, Role::MlpNorm)?,
-            gate_proj: take(&mut found, i, Role::GateProj)?,
-            up_proj: take(&mut found, i, Role::UpProj)?,
-            down_proj: take(&mut found, i, Role::DownProj)?,
-            gate_bias,
-            up_bias,
-            down_bias,
-        });
+        let mut tensors: BTreeMap<Role, WeightTensor> = BTreeMap::new();
+        for spec in specs.iter().filter(|s| s.name.contains("{layer}")) {
+            if let Some(t) = found.remove(&(i, spec.role)) {
+                tensors.insert(spec.role, t);
+            }
+        }
+        split_fused(config, &mut tensors)?;
+        layers.push(LayerWeights { tensors });
     }
     let unused: Vec<String> = index.names().filter(|n| !used.contains(*n)).map(str::to_string).collect();
     Ok(Bound { weights: ModelWeights { embed_tokens, final_norm, lm_head, head, layers, scales, published }, unused })

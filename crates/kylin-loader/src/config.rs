@@ -6,28 +6,58 @@
 
 use serde::Serialize;
 
-/// The architectures Kylin's native engine knows, from `architectures[0]`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
-pub enum Architecture {
-    Qwen3,
-    Qwen2,
-    Llama,
-    Mistral,
-}
+use crate::family::{DecoderSpec, Family};
+
+/// An architecture Kylin's native engine runs: a handle to its [`Family`] in the registry
+/// (`family/`), from `architectures[0]`.
+#[derive(Clone, Copy)]
+pub struct Architecture(&'static Family);
 
 impl Architecture {
-    /// Every supported `architectures[0]` value, for error messages.
-    pub const SUPPORTED: [&'static str; 4] =
-        ["Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"];
+    pub const QWEN3: Architecture = Architecture(&crate::family::qwen3::FAMILY);
+    pub const QWEN2: Architecture = Architecture(&crate::family::qwen2::FAMILY);
+    pub const LLAMA: Architecture = Architecture(&crate::family::llama::FAMILY);
+    pub const MISTRAL: Architecture = Architecture(&crate::family::mistral::FAMILY);
+
+    /// Every supported `architectures[0]` value, for error messages and `inspect --architectures`.
+    pub fn supported() -> Vec<&'static str> {
+        crate::family::REGISTRY.iter().map(|f| f.hf_name).collect()
+    }
 
     /// The Hugging Face class name, e.g. `Qwen3ForCausalLM`.
     pub fn hf_name(self) -> &'static str {
-        match self {
-            Architecture::Qwen3 => "Qwen3ForCausalLM",
-            Architecture::Qwen2 => "Qwen2ForCausalLM",
-            Architecture::Llama => "LlamaForCausalLM",
-            Architecture::Mistral => "MistralForCausalLM",
-        }
+        self.0.hf_name
+    }
+
+    /// The family's registry entry.
+    pub fn family(self) -> &'static Family {
+        self.0
+    }
+}
+
+impl PartialEq for Architecture {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.hf_name == other.0.hf_name
+    }
+}
+
+impl Eq for Architecture {}
+
+impl std::hash::Hash for Architecture {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.hf_name.hash(state)
+    }
+}
+
+impl std::fmt::Debug for Architecture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0.hf_name)
+    }
+}
+
+impl Serialize for Architecture {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(self.0.hf_name)
     }
 }
 
@@ -63,13 +93,22 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         original_max_position_embeddings: usize,
     },
+    /// Phi-3's LongRoPE: per-frequency divisors, `short_factor` within the original context
+    /// and `long_factor` beyond it, with cos/sin scaled by `attention_factor`.
+    LongRope {
+        short_factor: Vec<f64>,
+        long_factor: Vec<f64>,
+        original_max_position_embeddings: usize,
+        attention_factor: f64,
+    },
 }
 
 /// Rotary embedding settings.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RopeConfig {
     pub theta: f64,
-    /// Fraction of `head_dim` that is rotated (1.0 for every supported architecture).
+    /// Fraction of `head_dim` that is rotated (the first `head_dim · factor` dimensions, an
+    /// even count; Phi-4-mini rotates 0.75).
     pub partial_rotary_factor: f64,
     pub scaling: RopeScaling,
 }
@@ -97,10 +136,13 @@ pub struct ModelConfig {
     pub o_bias: bool,
     /// The MLP projections carry biases (`mlp_bias` for Llama).
     pub mlp_bias: bool,
-    /// Per-head RMSNorm on q and k before RoPE (Qwen3).
-    pub qk_norm: bool,
-    /// The activation, `silu` for every supported architecture.
+    /// The activation as `config.json` names it (`silu`, `gelu_pytorch_tanh`).
     pub hidden_act: String,
+    /// The decoder's blocks and constants, as the family decided them.
+    pub decoder: DecoderSpec,
+    /// The language model of this vision-language class is run (`text_config`; weights
+    /// under `model.language_model.*` or `language_model.model.*`).
+    pub multimodal: Option<String>,
     /// `dtype` / `torch_dtype` as declared, if any.
     pub declared_dtype: Option<String>,
     pub bos_token_id: Option<u32>,
@@ -200,6 +242,12 @@ pub struct HfConfig {
     pub eos_token_id: Vec<u32>,
     /// `quantization_config`, as written.
     pub quantization_config: Option<Map<String, Value>>,
+    /// The vision-language class (`Gemma3ForConditionalGeneration`) when these fields are its
+    /// `text_config`: the language model is run, its weights under `model.language_model.*`.
+    pub multimodal: Option<String>,
+    /// The whole object, for the fields only one family reads (through [`raw_str`] and its
+    /// siblings, which check their types).
+    pub raw: Map<String, Value>,
 }
 
 /// Where a value is read from, for error messages: `config.json field 'x'`.
@@ -288,8 +336,28 @@ impl HfConfig {
         HfConfig::from_object(&obj)
     }
 
-    /// Reads the fields Kylin uses from a parsed `config.json` object.
+    /// Reads the fields Kylin uses from a parsed `config.json` object. A vision-language
+    /// configuration (`text_config` nested, as `*ForConditionalGeneration` directories write it)
+    /// gives its language model's fields, with the top level's architecture, token ids, dtype
+    /// and quantization where the text part has none.
     pub fn from_object(obj: &Map<String, Value>) -> Result<HfConfig> {
+        let top = HfConfig::from_flat_object(obj)?;
+        let Some(text) = field(obj, "text_config") else { return Ok(top) };
+        let Value::Object(text) = text else { return Err(bad("text_config", "an object", text)) };
+        let mut lm = HfConfig::from_flat_object(text)?;
+        lm.multimodal = top.architectures.first().cloned();
+        lm.architectures = top.architectures;
+        if lm.eos_token_id.is_empty() {
+            lm.eos_token_id = top.eos_token_id;
+        }
+        lm.bos_token_id = lm.bos_token_id.or(top.bos_token_id);
+        lm.dtype = lm.dtype.or(top.dtype);
+        lm.tie_word_embeddings = lm.tie_word_embeddings.or(top.tie_word_embeddings);
+        lm.quantization_config = lm.quantization_config.or(top.quantization_config);
+        Ok(lm)
+    }
+
+    fn from_flat_object(obj: &Map<String, Value>) -> Result<HfConfig> {
         let architectures = match field(obj, "architectures") {
             None => Vec::new(),
             Some(Value::Array(items)) => items
@@ -352,30 +420,9 @@ impl HfConfig {
                 Some(Value::Object(m)) => Some(m.clone()),
                 Some(v) => return Err(bad("quantization_config", "an object", v)),
             },
+            multimodal: None,
+            raw: obj.clone(),
         })
-    }
-}
-
-/// Per-architecture defaults, as transformers' `*Config.__init__` declares them.
-struct ArchDefaults {
-    max_position_embeddings: usize,
-    /// `None`: `hidden_size / num_attention_heads`.
-    head_dim: Option<usize>,
-    /// Mistral's `sliding_window` default (4096); `None` for the others.
-    sliding_window: Option<u64>,
-}
-
-fn arch_defaults(arch: Architecture) -> ArchDefaults {
-    match arch {
-        // Qwen3Config(head_dim=128, max_position_embeddings=32768).
-        Architecture::Qwen3 => {
-            ArchDefaults { max_position_embeddings: 32768, head_dim: Some(128), sliding_window: None }
-        }
-        Architecture::Qwen2 => ArchDefaults { max_position_embeddings: 32768, head_dim: None, sliding_window: None },
-        Architecture::Llama => ArchDefaults { max_position_embeddings: 2048, head_dim: None, sliding_window: None },
-        Architecture::Mistral => {
-            ArchDefaults { max_position_embeddings: 4096 * 32, head_dim: None, sliding_window: Some(4096) }
-        }
     }
 }
 
@@ -387,16 +434,58 @@ pub const DEFAULT_ROPE_THETA: f64 = 10000.0;
 impl Architecture {
     /// The architecture named by `architectures[0]`; `MAPPING_MISSING` for any other.
     pub fn from_hf_name(name: &str) -> Result<Architecture> {
-        match name {
-            "Qwen3ForCausalLM" => Ok(Architecture::Qwen3),
-            "Qwen2ForCausalLM" => Ok(Architecture::Qwen2),
-            "LlamaForCausalLM" => Ok(Architecture::Llama),
-            "MistralForCausalLM" => Ok(Architecture::Mistral),
-            other => Err(KylinError::mapping_missing(format!(
-                "architecture '{other}' (config.json architectures[0]) has no tensor table; supported: {}",
-                Architecture::SUPPORTED.join(", ")
-            ))),
-        }
+        crate::family::find(name).map(Architecture).ok_or_else(|| {
+            KylinError::mapping_missing(format!(
+                "architecture '{name}' (config.json architectures[0]) has no tensor table; supported: {} (kylin inspect --architectures lists them)",
+                Architecture::supported().join(", ")
+            ))
+        })
+    }
+}
+
+/// A family's own string field of `config.json` (`None` when absent or null).
+pub fn raw_str(hf: &HfConfig, name: &str) -> Result<Option<String>> {
+    get_str(&hf.raw, name)
+}
+
+/// A family's own number field.
+pub fn raw_f64(hf: &HfConfig, name: &str) -> Result<Option<f64>> {
+    get_f64(&hf.raw, name)
+}
+
+/// A family's own non-negative integer field.
+pub fn raw_u64(hf: &HfConfig, name: &str) -> Result<Option<u64>> {
+    get_u64(&hf.raw, name)
+}
+
+/// A family's own boolean field.
+pub fn raw_bool(hf: &HfConfig, name: &str) -> Result<Option<bool>> {
+    get_bool(&hf.raw, name)
+}
+
+/// A family's own list of non-negative integers.
+pub fn raw_u64_list(hf: &HfConfig, name: &str) -> Result<Option<Vec<u64>>> {
+    match field(&hf.raw, name) {
+        None => Ok(None),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| v.as_u64().ok_or_else(|| bad(name, "a list of non-negative integers", v)))
+            .collect::<Result<Vec<_>>>()
+            .map(Some),
+        Some(v) => Err(bad(name, "a list of non-negative integers", v)),
+    }
+}
+
+/// A family's own list of numbers.
+pub fn raw_f64_list(hf: &HfConfig, name: &str) -> Result<Option<Vec<f64>>> {
+    match field(&hf.raw, name) {
+        None => Ok(None),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| v.as_f64().filter(|f| f.is_finite()).ok_or_else(|| bad(name, "a list of numbers", v)))
+            .collect::<Result<Vec<_>>>()
+            .map(Some),
+        Some(v) => Err(bad(name, "a list of numbers", v)),
     }
 }
 
@@ -430,11 +519,12 @@ impl HfConfig {
         let arch_name = self.architectures.first().ok_or_else(|| {
             KylinError::config_invalid(format!(
                 "config.json has no 'architectures' list; expected one of: {}",
-                Architecture::SUPPORTED.join(", ")
+                Architecture::supported().join(", ")
             ))
         })?;
         let architecture = Architecture::from_hf_name(arch_name)?;
-        let d = arch_defaults(architecture);
+        let family = architecture.family();
+        let d = family.defaults;
 
         let hidden_size = required(self.hidden_size, "hidden_size")?;
         let num_layers = required(self.num_hidden_layers, "num_hidden_layers")?;
@@ -488,66 +578,22 @@ impl HfConfig {
             }
             None => {
                 defaulted.push("rms_norm_eps".into());
-                DEFAULT_RMS_NORM_EPS
+                d.rms_norm_eps
             }
         };
-        let hidden_act = match &self.hidden_act {
-            Some(a) => a.clone(),
-            None => {
-                defaulted.push("hidden_act".into());
-                "silu".to_string()
-            }
-        };
-        if hidden_act != "silu" {
-            return Err(KylinError::config_invalid(format!(
-                "config.json field 'hidden_act' is '{hidden_act}'; Kylin's {} block supports only 'silu'",
-                architecture.hf_name()
-            )));
-        }
         let tie_word_embeddings = self.tie_word_embeddings.unwrap_or_else(|| {
             defaulted.push("tie_word_embeddings".into());
-            false
+            d.tie_word_embeddings
         });
-        let (qkv_bias, o_bias, mlp_bias, qk_norm) = match architecture {
-            // Qwen2's q/k/v projections always carry a bias; o_proj and the MLP never do.
-            Architecture::Qwen2 => (true, false, false, false),
-            Architecture::Qwen3 => {
-                let b = self.attention_bias.unwrap_or_else(|| {
-                    defaulted.push("attention_bias".into());
-                    false
-                });
-                (b, b, false, true)
-            }
-            Architecture::Llama => {
-                let b = self.attention_bias.unwrap_or_else(|| {
-                    defaulted.push("attention_bias".into());
-                    false
-                });
-                let m = self.mlp_bias.unwrap_or_else(|| {
-                    defaulted.push("mlp_bias".into());
-                    false
-                });
-                (b, b, m, false)
-            }
-            // MistralConfig has no bias options: every projection is bias-free.
-            Architecture::Mistral => (false, false, false, false),
-        };
-
-        self.check_sliding_window(architecture, num_layers, max_position_embeddings, d.sliding_window)?;
-        let rope = self.resolve_rope(max_position_embeddings, &mut defaulted)?;
+        let rope = self.resolve_rope(max_position_embeddings, d.rope_theta, &mut defaulted)?;
 
         let mut eos_token_ids = self.eos_token_id.clone();
         eos_token_ids.sort_unstable();
         eos_token_ids.dedup();
         let (stored, published) = self.resolve_quantization()?;
-        Ok(ModelConfig {
+        let mut config = ModelConfig {
             architecture,
-            model_type: self.model_type.clone().unwrap_or_else(|| match architecture {
-                Architecture::Qwen3 => "qwen3".into(),
-                Architecture::Qwen2 => "qwen2".into(),
-                Architecture::Llama => "llama".into(),
-                Architecture::Mistral => "mistral".into(),
-            }),
+            model_type: self.model_type.clone().unwrap_or_else(|| family.model_type.to_string()),
             hidden_size,
             num_layers,
             num_heads,
@@ -559,18 +605,53 @@ impl HfConfig {
             rms_norm_eps,
             rope,
             tie_word_embeddings,
-            qkv_bias,
-            o_bias,
-            mlp_bias,
-            qk_norm,
-            hidden_act,
+            qkv_bias: false,
+            o_bias: false,
+            mlp_bias: false,
+            hidden_act: "silu".into(),
+            decoder: DecoderSpec::plain(num_layers, head_dim),
+            multimodal: self.multimodal.clone(),
             declared_dtype: self.dtype.clone(),
             bos_token_id: self.bos_token_id,
             eos_token_ids,
             defaulted,
             quantization: stored,
             published,
-        })
+        };
+        // The family's own fields and decisions.
+        (family.resolve)(self, &mut config)?;
+        if (config.quantization.is_some() || config.published.is_some())
+            && family.tensors.iter().flat_map(|g| g.iter()).any(|s| s.role.is_fused())
+        {
+            return Err(KylinError::operator_unsupported(format!(
+                "{} stores fused projections (qkv_proj, gate_up_proj); Kylin does not read them quantized yet: run the BF16 checkpoint (optionally with --quantize)",
+                architecture.hf_name()
+            )));
+        }
+        Ok(config)
+    }
+
+    /// `attention_bias` as Llama reads it (q, k, v and o together), defaulting to false.
+    pub(crate) fn attention_bias_or_default(&self, config: &mut ModelConfig) {
+        let b = self.attention_bias.unwrap_or_else(|| {
+            config.defaulted.push("attention_bias".into());
+            false
+        });
+        config.qkv_bias = b;
+        config.o_bias = b;
+    }
+
+    /// `hidden_act` for the SwiGLU families: `silu` (the default) only.
+    pub(crate) fn silu_only(&self, config: &mut ModelConfig) -> Result<()> {
+        crate::family::activation(self, "hidden_act", crate::family::Activation::Silu, config)?;
+        if config.decoder.activation != crate::family::Activation::Silu {
+            return Err(KylinError::config_invalid(format!(
+                "config.json field 'hidden_act' is '{}'; Kylin's {} block supports only 'silu'",
+                config.hidden_act,
+                config.architecture.hf_name()
+            )));
+        }
+        Ok(())
     }
 
     /// The stored quantization from `quantization_config`: Kylin's own Q8_0 planes; any other
@@ -618,57 +699,32 @@ impl HfConfig {
         }
     }
 
-    /// Refuses configurations whose layers really use sliding-window attention.
-    fn check_sliding_window(
-        &self,
-        arch: Architecture,
-        num_layers: usize,
-        max_positions: usize,
-        default_window: Option<u64>,
-    ) -> Result<()> {
-        if let Some(types) = &self.layer_types
-            && let Some(i) = types.iter().position(|t| t == "sliding_attention")
-        {
-            return Err(KylinError::operator_unsupported(format!(
-                "config.json layer_types[{i}] is 'sliding_attention'; Kylin implements full attention only"
-            )));
-        }
-        match arch {
-            Architecture::Qwen2 | Architecture::Qwen3 => {
-                // transformers: layer i slides when use_sliding_window and i >= max_window_layers.
-                if self.use_sliding_window == Some(true) {
-                    let mwl = self.max_window_layers.unwrap_or(28);
-                    if mwl < num_layers as u64 {
-                        return Err(KylinError::operator_unsupported(format!(
-                            "config.json sets use_sliding_window=true with max_window_layers={mwl} < \
-                             num_hidden_layers={num_layers}: layers {mwl}.. use sliding-window attention, \
-                             which Kylin does not implement"
-                        )));
-                    }
-                }
-            }
-            Architecture::Mistral => {
-                let window = if self.sliding_window_present { self.sliding_window } else { default_window };
-                if let Some(w) = window
-                    && (w as usize) < max_positions
-                {
-                    return Err(KylinError::operator_unsupported(format!(
-                        "config.json sliding_window={w} is smaller than max_position_embeddings={max_positions}: \
-                         Mistral's sliding-window attention is not implemented"
-                    )));
-                }
-            }
-            Architecture::Llama => {}
-        }
-        Ok(())
-    }
-
     /// Resolves the RoPE dictionary (either layout) with transformers' rules
     /// (`standardize_rope_params` and the `_compute_*_parameters` functions).
-    fn resolve_rope(&self, max_positions: usize, defaulted: &mut Vec<String>) -> Result<RopeConfig> {
+    fn resolve_rope(
+        &self,
+        max_positions: usize,
+        theta_default: f64,
+        defaulted: &mut Vec<String>,
+    ) -> Result<RopeConfig> {
         let empty = Map::new();
         let params = self.rope_parameters.as_ref().unwrap_or(&empty);
         let key = self.rope_key.unwrap_or("rope_parameters");
+        self.resolve_rope_params(params, key, self.rope_theta, theta_default, max_positions, defaulted)
+    }
+
+    /// Resolves one RoPE dictionary `params` (read from `key`, for messages): the global one,
+    /// or one of Gemma 3's per-layer-type dictionaries. `top_theta` is a top-level base that
+    /// applies when the dictionary has none.
+    pub(crate) fn resolve_rope_params(
+        &self,
+        params: &Map<String, Value>,
+        key: &str,
+        top_theta: Option<f64>,
+        theta_default: f64,
+        max_positions: usize,
+        defaulted: &mut Vec<String>,
+    ) -> Result<RopeConfig> {
         let name = |k: &str| format!("{key}.{k}");
         let p_f64 = |k: &str| -> Result<Option<f64>> {
             match field(params, k) {
@@ -688,11 +744,11 @@ impl HfConfig {
             (None, Some(v)) => v.as_str().ok_or_else(|| bad(&name("type"), "a string", v))?.to_string(),
             (None, None) => "default".to_string(),
         };
-        let theta = match (p_f64("rope_theta")?, self.rope_theta) {
+        let theta = match (p_f64("rope_theta")?, top_theta) {
             (Some(t), _) | (None, Some(t)) => t,
             (None, None) => {
                 defaulted.push("rope_theta".into());
-                DEFAULT_ROPE_THETA
+                theta_default
             }
         };
         if theta <= 1.0 {
@@ -701,9 +757,9 @@ impl HfConfig {
         // Defaults are recorded under one spelling so that both layouts give identical configs.
         let mut note = |k: &str| defaulted.push(format!("rope_parameters.{k}"));
         let partial_rotary_factor = p_f64("partial_rotary_factor")?.or(self.partial_rotary_factor).unwrap_or(1.0);
-        if partial_rotary_factor != 1.0 {
-            return Err(KylinError::operator_unsupported(format!(
-                "config.json partial_rotary_factor={partial_rotary_factor}: Kylin rotates the whole head only"
+        if !(partial_rotary_factor > 0.0 && partial_rotary_factor <= 1.0) {
+            return Err(KylinError::config_invalid(format!(
+                "config.json partial_rotary_factor is {partial_rotary_factor}; it must be in (0, 1]"
             )));
         }
         let factor_required = |f: Option<f64>| -> Result<f64> {
@@ -814,9 +870,48 @@ impl HfConfig {
                 let original_max_position_embeddings = original_max(&mut note)?;
                 RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }
             }
+            "longrope" | "su" => {
+                let list = |k: &str| -> Result<Vec<f64>> {
+                    match field(params, k) {
+                        Some(Value::Array(items)) => items
+                            .iter()
+                            .map(|v| {
+                                v.as_f64()
+                                    .filter(|f| f.is_finite() && *f > 0.0)
+                                    .ok_or_else(|| bad(&name(k), "a list of positive numbers", v))
+                            })
+                            .collect(),
+                        Some(v) => Err(bad(&name(k), "a list of positive numbers", v)),
+                        None => Err(KylinError::config_invalid(format!(
+                            "config.json {key} of type '{rope_type}' needs '{k}'"
+                        ))),
+                    }
+                };
+                let short_factor = list("short_factor")?;
+                let long_factor = list("long_factor")?;
+                if short_factor.len() != long_factor.len() {
+                    return Err(KylinError::config_invalid(format!(
+                        "config.json {key}: short_factor has {} entries and long_factor {}; they must be equal (half the rotated dimensions)",
+                        short_factor.len(),
+                        long_factor.len()
+                    )));
+                }
+                let original_max_position_embeddings = original_max(&mut note)?;
+                // transformers: `factor` when given, else the ratio of the two lengths.
+                let factor = match p_f64("factor")? {
+                    Some(f) => factor_required(Some(f))?,
+                    None => max_positions as f64 / original_max_position_embeddings as f64,
+                };
+                let attention_factor = match p_f64("attention_factor")? {
+                    Some(a) => a,
+                    None if factor <= 1.0 => 1.0,
+                    None => (1.0 + factor.ln() / (original_max_position_embeddings as f64).ln()).sqrt(),
+                };
+                RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings, attention_factor }
+            }
             other => {
                 return Err(KylinError::operator_unsupported(format!(
-                    "config.json {key} has rope_type '{other}'; Kylin implements default, linear, dynamic, yarn and llama3"
+                    "config.json {key} has rope_type '{other}'; Kylin implements default, linear, dynamic, yarn, llama3 and longrope"
                 )));
             }
         };

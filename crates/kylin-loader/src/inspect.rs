@@ -80,22 +80,22 @@ pub fn quantization_report(config: &crate::ModelConfig, w: &crate::ModelWeights)
         t.byte_len() as u64 + w.scales.get(&t.name).map_or(0, |s| s.byte_len() as u64) + published
     };
     for l in &w.layers {
-        for t in [&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj] {
-            add("attention", t);
-            bytes += plane(t);
-        }
-        for t in [&l.gate_proj, &l.up_proj, &l.down_proj] {
-            add("mlp", t);
-            bytes += plane(t);
-        }
-        for t in [Some(&l.attn_norm), Some(&l.mlp_norm), l.q_norm.as_ref(), l.k_norm.as_ref()].into_iter().flatten() {
-            add("norms", t);
-            bytes += t.byte_len() as u64;
-        }
-        let biases = [&l.q_bias, &l.k_bias, &l.v_bias, &l.o_bias, &l.gate_bias, &l.up_bias, &l.down_bias];
-        for t in biases.into_iter().flatten() {
-            add("biases", t);
-            bytes += t.byte_len() as u64;
+        use crate::arch::Role;
+        for (&role, t) in &l.tensors {
+            let kind = match role {
+                Role::QProj | Role::KProj | Role::VProj | Role::OProj => "attention",
+                Role::GateProj | Role::UpProj | Role::DownProj => "mlp",
+                Role::QBias
+                | Role::KBias
+                | Role::VBias
+                | Role::OBias
+                | Role::GateBias
+                | Role::UpBias
+                | Role::DownBias => "biases",
+                _ => "norms",
+            };
+            add(kind, t);
+            bytes += if role.is_matrix() { plane(t) } else { t.byte_len() as u64 };
         }
     }
     add("norms", &w.final_norm);
@@ -183,6 +183,9 @@ fn config_json(config: &crate::ModelConfig) -> Value {
     let mut value = serde_json::to_value(config).unwrap_or(Value::Null);
     if let Value::Object(obj) = &mut value {
         obj.remove("defaulted");
+        // The decoder's choices as `inspect` shows them, besides the full spec.
+        let described: Vec<Value> = config.decoder.describe().into_iter().map(Value::String).collect();
+        obj.insert("decoder_summary".into(), Value::Array(described));
         if let Some(Value::Object(rope)) = obj.remove("rope") {
             let mut flat = Map::new();
             if let Some(Value::Object(scaling)) = rope.get("scaling") {
@@ -381,13 +384,19 @@ impl InspectReport {
                 "qkv_bias",
                 "o_bias",
                 "mlp_bias",
-                "qk_norm",
+                "hidden_act",
                 "declared_dtype",
             ] {
                 if let Some(v) = c.get(key) {
                     let note = if self.defaulted.iter().any(|d| d == key) { "  (default)" } else { "" };
                     let _ = writeln!(s, "  {key:<24} {}{note}", show(v));
                 }
+            }
+            if let Some(Value::Array(parts)) = c.get("decoder_summary")
+                && !parts.is_empty()
+            {
+                let parts: Vec<String> = parts.iter().filter_map(|p| p.as_str().map(str::to_string)).collect();
+                let _ = writeln!(s, "  {:<24} {}", "decoder", parts.join("; "));
             }
             if let Some(Value::Object(rope)) = c.get("rope") {
                 let parts: Vec<String> =

@@ -13,6 +13,7 @@
 pub mod arch;
 pub mod config;
 pub mod error;
+pub mod family;
 pub mod generation;
 pub mod gguf;
 pub mod inspect;
@@ -271,9 +272,22 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     let HfParts { config, index, mut warnings } = open_hf(&format)?;
     let map = match &opts.tensor_map {
         Some(p) => arch::TensorMap::load(p, config.architecture)?,
+        None if config.multimodal.is_some() => arch::TensorMap::language_model(config.architecture, &index),
         None => arch::TensorMap::default(),
     };
-    let bound = arch::bind(&config, &index, &map)?;
+    let mut bound = arch::bind(&config, &index, &map)?;
+    if let Some(class) = &config.multimodal {
+        // The vision tower and projector are not run (yet): one line instead of every name.
+        let is_language = |n: &String| n.contains("language_model") || n.starts_with("lm_head");
+        let (language, vision): (Vec<String>, Vec<String>) = bound.unused.drain(..).partition(is_language);
+        bound.unused = language;
+        if !vision.is_empty() {
+            warnings.push(format!(
+                "{class}: the language model runs; the vision tower and projector ({} tensors) are not used (images are not supported yet)",
+                vision.len()
+            ));
+        }
+    }
     if opts.prefetch {
         for tensor in bound.weights.tensors() {
             tensor.advise_will_need();

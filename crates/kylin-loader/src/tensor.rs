@@ -161,6 +161,19 @@ impl WeightTensor {
         }
     }
 
+    /// A view of rows `r0..r1` of a 2-D tensor (a part of a fused projection), named `name`;
+    /// `None` if the range is outside the tensor or it is not 2-D.
+    pub fn rows(&self, r0: usize, r1: usize, name: String) -> Option<WeightTensor> {
+        let [rows, cols] = self.shape[..] else { return None };
+        if r0 > r1 || r1 > rows {
+            return None;
+        }
+        let row_bytes = cols.checked_mul(self.dtype.size_in_bytes())?;
+        let offset = self.offset.checked_add(r0.checked_mul(row_bytes)?)?;
+        let len = (r1 - r0).checked_mul(row_bytes)?;
+        WeightTensor::new(name, self.dtype, vec![r1 - r0, cols], Arc::clone(&self.storage), offset, len)
+    }
+
     /// Whether two views share the same bytes (a tied head bound to the embedding).
     pub fn same_bytes(&self, other: &WeightTensor) -> bool {
         Arc::ptr_eq(&self.storage, &other.storage) && self.offset == other.offset && self.len == other.len

@@ -1,38 +1,38 @@
 //! The bound model: every weight the engine needs, by role, checked against the config.
 
+use std::collections::BTreeMap;
+
+use crate::arch::Role;
 use crate::tensor::WeightTensor;
 
-/// One decoder layer. Shapes are `[out_features, in_features]` as HF `nn.Linear` stores them.
-#[derive(Debug, Clone)]
+/// One decoder layer's tensors by role (its family's table decides which roles exist).
+/// Matrices are `[out_features, in_features]` as HF `nn.Linear` stores them; a fused
+/// projection was split into its parts' roles when bound.
+#[derive(Debug, Clone, Default)]
 pub struct LayerWeights {
-    /// `input_layernorm.weight`: `[hidden]`.
-    pub attn_norm: WeightTensor,
-    /// `[num_heads * head_dim, hidden]`.
-    pub q_proj: WeightTensor,
-    /// `[num_kv_heads * head_dim, hidden]`.
-    pub k_proj: WeightTensor,
-    /// `[num_kv_heads * head_dim, hidden]`.
-    pub v_proj: WeightTensor,
-    /// `[hidden, num_heads * head_dim]`.
-    pub o_proj: WeightTensor,
-    pub q_bias: Option<WeightTensor>,
-    pub k_bias: Option<WeightTensor>,
-    pub v_bias: Option<WeightTensor>,
-    pub o_bias: Option<WeightTensor>,
-    /// Qwen3 per-head norms: `[head_dim]`.
-    pub q_norm: Option<WeightTensor>,
-    pub k_norm: Option<WeightTensor>,
-    /// `post_attention_layernorm.weight`: `[hidden]`.
-    pub mlp_norm: WeightTensor,
-    /// `[intermediate, hidden]`.
-    pub gate_proj: WeightTensor,
-    /// `[intermediate, hidden]`.
-    pub up_proj: WeightTensor,
-    /// `[hidden, intermediate]`.
-    pub down_proj: WeightTensor,
-    pub gate_bias: Option<WeightTensor>,
-    pub up_bias: Option<WeightTensor>,
-    pub down_bias: Option<WeightTensor>,
+    pub tensors: BTreeMap<Role, WeightTensor>,
+}
+
+impl LayerWeights {
+    /// The tensor of `role`, if the layer has one.
+    pub fn get(&self, role: Role) -> Option<&WeightTensor> {
+        self.tensors.get(&role)
+    }
+
+    /// The tensor of `role`; `TENSOR_MISSING` naming the role and layer when absent (the
+    /// binding checked the table, so this only fails for a role the table does not have).
+    pub fn require(&self, role: Role, layer: usize) -> crate::Result<&WeightTensor> {
+        self.get(role).ok_or_else(|| {
+            crate::KylinError::tensor_missing(format!(
+                "layer {layer} has no {role:?} tensor in this architecture's table"
+            ))
+        })
+    }
+
+    /// The matrices of the layer's products, in role order.
+    pub fn matrices(&self) -> impl Iterator<Item = &WeightTensor> {
+        self.tensors.iter().filter(|(r, _)| r.is_matrix()).map(|(_, t)| t)
+    }
 }
 
 /// How the output head was bound, and why.
@@ -75,10 +75,7 @@ impl ModelWeights {
     /// The matrices of the matrix products: every layer's seven projections, then the head
     /// (the embedding's bytes when tied).
     pub fn matrices(&self) -> impl Iterator<Item = &WeightTensor> {
-        self.layers
-            .iter()
-            .flat_map(|l| [&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj])
-            .chain(std::iter::once(&self.lm_head))
+        self.layers.iter().flat_map(|l| l.matrices()).chain(std::iter::once(&self.lm_head))
     }
 
     /// Every bound tensor once (a tied head is the embedding, listed once).
@@ -88,10 +85,7 @@ impl ModelWeights {
             out.push(&self.lm_head);
         }
         for l in &self.layers {
-            out.extend([&l.attn_norm, &l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.mlp_norm]);
-            out.extend([&l.gate_proj, &l.up_proj, &l.down_proj]);
-            let optional = [&l.q_bias, &l.k_bias, &l.v_bias, &l.o_bias, &l.q_norm, &l.k_norm];
-            out.extend(optional.into_iter().chain([&l.gate_bias, &l.up_bias, &l.down_bias]).flatten());
+            out.extend(l.tensors.values());
         }
         out
     }

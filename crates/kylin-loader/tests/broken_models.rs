@@ -445,7 +445,7 @@ fn tensor_map_renames_checkpoint_tensors_and_bad_maps_are_mapping_invalid() {
     .unwrap();
     let opts = LoadOptions { tensor_map: Some(map.clone()), ..Default::default() };
     let model = load(dir.path(), &opts).unwrap();
-    assert_eq!(model.weights.layers[1].q_proj.name, "blocks.1.attn.wq");
+    assert_eq!(model.weights.layers[1].get(kylin_loader::arch::Role::QProj).unwrap().name, "blocks.1.attn.wq");
 
     for bad in [
         "[1, 2]",
@@ -488,7 +488,7 @@ fn a_safetensors_file_uses_the_config_beside_it() {
     let format = detect(&file).unwrap();
     assert_eq!(format.name(), "safetensors");
     let model = load(&file, &LoadOptions::default()).unwrap();
-    assert_eq!(model.config.architecture, kylin_loader::Architecture::Qwen2);
+    assert_eq!(model.config.architecture, kylin_loader::Architecture::QWEN2);
 }
 
 #[test]

@@ -42,7 +42,7 @@ pub const DEFAULT_GROUP_SIZE: usize = 64;
 pub fn header_for(config: &ModelConfig, weights: &ModelWeights, version: u32) -> Result<BinHeader> {
     let mut problems: Vec<String> = Vec::new();
     let name = |role: Role| arch::tensor_name(config.architecture, role, 0).unwrap_or_else(|| format!("{role:?}"));
-    if config.architecture != Architecture::Llama {
+    if config.architecture != Architecture::LLAMA {
         problems.push(format!(
             "architecture {} (config.json architectures[0]; the format holds the Llama block only)",
             config.architecture.hf_name()
@@ -57,7 +57,7 @@ pub fn header_for(config: &ModelConfig, weights: &ModelWeights, version: u32) ->
     if config.mlp_bias {
         problems.push(format!("tensor '{}' and every layer's MLP biases", name(Role::GateBias)));
     }
-    if config.qk_norm {
+    if config.decoder.qk_norm != crate::family::QkNorm::None {
         problems.push(format!(
             "tensors '{}' and '{}' of every layer (per-head q/k RMSNorm)",
             name(Role::QNorm),
@@ -128,16 +128,7 @@ fn tensor_of(w: &ModelWeights, role: Role, layer: usize) -> Option<&WeightTensor
         Role::Embed => Some(&w.embed_tokens),
         Role::FinalNorm => Some(&w.final_norm),
         Role::LmHead => Some(&w.lm_head),
-        Role::AttnNorm => l.map(|l| &l.attn_norm),
-        Role::QProj => l.map(|l| &l.q_proj),
-        Role::KProj => l.map(|l| &l.k_proj),
-        Role::VProj => l.map(|l| &l.v_proj),
-        Role::OProj => l.map(|l| &l.o_proj),
-        Role::MlpNorm => l.map(|l| &l.mlp_norm),
-        Role::GateProj => l.map(|l| &l.gate_proj),
-        Role::UpProj => l.map(|l| &l.up_proj),
-        Role::DownProj => l.map(|l| &l.down_proj),
-        _ => None,
+        role => l.and_then(|l| l.get(role)),
     }
 }
 

@@ -329,7 +329,7 @@ impl BinHeader {
             RMS_NORM_EPS
         });
         ModelConfig {
-            architecture: Architecture::Llama,
+            architecture: Architecture::LLAMA,
             model_type: "llama".into(),
             hidden_size: self.dim,
             num_layers: self.n_layers,
@@ -345,8 +345,9 @@ impl BinHeader {
             qkv_bias: false,
             o_bias: false,
             mlp_bias: false,
-            qk_norm: false,
             hidden_act: "silu".into(),
+            decoder: crate::family::DecoderSpec::plain(self.n_layers, self.head_size()),
+            multimodal: None,
             declared_dtype: Some(if self.version == 2 { "q8_0" } else { "float32" }.into()),
             bos_token_id: None,
             eos_token_ids: Vec::new(),
@@ -431,7 +432,7 @@ impl Section {
 
     /// The Hugging Face name of the tensor this section fills (`None` for the RoPE tables).
     pub fn hf_name(&self) -> Option<String> {
-        arch::tensor_name(Architecture::Llama, self.part.role()?, self.layer.unwrap_or(0))
+        arch::tensor_name(Architecture::LLAMA, self.part.role()?, self.layer.unwrap_or(0))
     }
 }
 
@@ -820,27 +821,21 @@ pub(crate) fn bind(layout: &BinLayout, map: Arc<Storage>) -> Result<BoundBin> {
     };
     let mut layers = Vec::with_capacity(h.n_layers);
     for i in 0..h.n_layers {
-        let mut take = |role| arch::take(&mut found, i, role);
-        layers.push(LayerWeights {
-            attn_norm: take(Role::AttnNorm)?,
-            q_proj: take(Role::QProj)?,
-            k_proj: take(Role::KProj)?,
-            v_proj: take(Role::VProj)?,
-            o_proj: take(Role::OProj)?,
-            q_bias: None,
-            k_bias: None,
-            v_bias: None,
-            o_bias: None,
-            q_norm: None,
-            k_norm: None,
-            mlp_norm: take(Role::MlpNorm)?,
-            gate_proj: take(Role::GateProj)?,
-            up_proj: take(Role::UpProj)?,
-            down_proj: take(Role::DownProj)?,
-            gate_bias: None,
-            up_bias: None,
-            down_bias: None,
-        });
+        let mut tensors = std::collections::BTreeMap::new();
+        for role in [
+            Role::AttnNorm,
+            Role::QProj,
+            Role::KProj,
+            Role::VProj,
+            Role::OProj,
+            Role::MlpNorm,
+            Role::GateProj,
+            Role::UpProj,
+            Role::DownProj,
+        ] {
+            tensors.insert(role, arch::take(&mut found, i, role)?);
+        }
+        layers.push(LayerWeights { tensors });
     }
     Ok(BoundBin {
         weights: ModelWeights {
@@ -898,7 +893,7 @@ impl BinInfo {
                 _ => tensors.push(TensorGroupInfo {
                     name: s.part.name(),
                     hf_name: s.part.role().and_then(|r| {
-                        arch::table(Architecture::Llama).into_iter().find(|t| t.role == r).map(|t| t.name.to_string())
+                        arch::table(Architecture::LLAMA).into_iter().find(|t| t.role == r).map(|t| t.name.to_string())
                     }),
                     count: 1,
                     shape: s.shape.clone(),

@@ -1,0 +1,438 @@
+//! The architecture registry: one module per family, one line per family in [`REGISTRY`].
+//!
+//! A family is everything Kylin knows about one `architectures[0]` value of `config.json`:
+//!
+//! - its **defaults** ([`Defaults`]): the values transformers' `*Config` class declares for the
+//!   fields a `config.json` may leave out;
+//! - its **resolver** ([`Family::resolve`]): reads the family's own fields (windows, soft-caps,
+//!   multipliers, RoPE per layer type, ...), validates them, and writes the decisions into the
+//!   [`ModelConfig`] the shared resolver prepared (`config.rs` reads the fields every family
+//!   shares: sizes, heads, the global RoPE, token ids, quantization);
+//! - its **tensor table** ([`Family::tensors`]): which checkpoint tensor fills which role, with
+//!   which shape, assembled from the shared groups of [`crate::arch`];
+//! - its **decoder**, as data ([`DecoderSpec`]): which shared blocks run in which order with
+//!   which constants. The engine composes its layers from it; no family has code of its own
+//!   in `forward`.
+//!
+//! Adding a family is one module here (a `Family` constant) and one line in [`REGISTRY`]; the
+//! reference tests pick up every family that has a fixture.
+
+use serde::Serialize;
+
+use crate::arch::Spec;
+use crate::config::{HfConfig, ModelConfig, RopeConfig};
+use crate::error::Result;
+
+pub mod gemma2;
+pub mod gemma3;
+pub mod granite;
+pub mod llama;
+pub mod mistral;
+pub mod olmo2;
+pub mod phi3;
+pub mod qwen2;
+pub mod qwen3;
+pub mod smollm3;
+
+/// Every family Kylin's native engine runs, by `architectures[0]`.
+pub static REGISTRY: &[&Family] = &[
+    &qwen3::FAMILY,
+    &qwen2::FAMILY,
+    &llama::FAMILY,
+    &mistral::FAMILY,
+    &phi3::FAMILY,
+    &gemma2::FAMILY,
+    &gemma3::FAMILY,
+    &smollm3::FAMILY,
+    &olmo2::FAMILY,
+    &granite::FAMILY,
+];
+
+/// The defaults transformers' configuration class declares for fields `config.json` may omit.
+#[derive(Debug, Clone, Copy)]
+pub struct Defaults {
+    pub max_position_embeddings: usize,
+    /// `None`: `hidden_size / num_attention_heads`.
+    pub head_dim: Option<usize>,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub tie_word_embeddings: bool,
+}
+
+/// The transformers defaults most families share (Llama's).
+pub const LLAMA_DEFAULTS: Defaults = Defaults {
+    max_position_embeddings: 2048,
+    head_dim: None,
+    rms_norm_eps: 1e-6,
+    rope_theta: 10000.0,
+    tie_word_embeddings: false,
+};
+
+/// One architecture: its names, defaults, resolver and tensor table.
+pub struct Family {
+    /// The `architectures[0]` value (the Hugging Face class name).
+    pub hf_name: &'static str,
+    /// The `model_type` transformers writes for it.
+    pub model_type: &'static str,
+    /// The vision-language class whose language model this family is (`text_config` nested in
+    /// `config.json`, weights under `model.language_model.*`), if the family is published so.
+    pub multimodal: Option<&'static str>,
+    /// What is particular to the family, one line, for `kylin inspect --architectures`.
+    pub about: &'static str,
+    pub defaults: Defaults,
+    /// Reads the family's own fields from `hf` and writes its decisions into `config`, which
+    /// arrives with the shared fields resolved and a plain pre-norm SwiGLU decoder
+    /// ([`DecoderSpec::plain`]); records defaulted fields in `config.defaulted`.
+    pub resolve: fn(hf: &HfConfig, config: &mut ModelConfig) -> Result<()>,
+    /// The tensor table, as shared groups.
+    pub tensors: &'static [&'static [Spec]],
+}
+
+impl std::fmt::Debug for Family {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.hf_name)
+    }
+}
+
+/// The family registered under `name` (`architectures[0]`).
+pub fn find(name: &str) -> Option<&'static Family> {
+    REGISTRY.iter().copied().find(|f| f.hf_name == name || f.multimodal == Some(name))
+}
+
+/// How the decoder's RMSNorms scale: by `w` (Llama) or by `1 + w` (Gemma, whose weights are
+/// stored as offsets from one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NormKind {
+    Rms,
+    RmsUnitOffset,
+}
+
+/// Where a sub-block's norms sit: before it (pre-norm), after it before the residual add
+/// (post-norm), or both (Gemma's sandwich).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NormPlacement {
+    Pre,
+    Post,
+    PreAndPost,
+}
+
+impl NormPlacement {
+    pub fn pre(self) -> bool {
+        matches!(self, NormPlacement::Pre | NormPlacement::PreAndPost)
+    }
+
+    pub fn post(self) -> bool {
+        matches!(self, NormPlacement::Post | NormPlacement::PreAndPost)
+    }
+}
+
+/// RMSNorm on queries and keys before RoPE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QkNorm {
+    None,
+    /// One `(head_dim)` weight applied to every head (Qwen3, Gemma 3).
+    PerHead,
+    /// One weight over the whole projection, `(num_heads * head_dim)` and
+    /// `(num_kv_heads * head_dim)` (OLMo 2).
+    Projection,
+}
+
+/// The gated MLP's activation: `down(act(gate(x)) * up(x))`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Activation {
+    /// `silu` (SwiGLU).
+    Silu,
+    /// `gelu_pytorch_tanh` (GeGLU with the tanh approximation).
+    GeluTanh,
+}
+
+impl Activation {
+    /// The activation named by `hidden_act` / `hidden_activation`.
+    pub fn from_hf(name: &str) -> Option<Activation> {
+        match name {
+            "silu" | "swish" => Some(Activation::Silu),
+            "gelu_pytorch_tanh" | "gelu_new" | "gelu_fast" => Some(Activation::GeluTanh),
+            _ => None,
+        }
+    }
+}
+
+/// Which rotary table a layer's attention uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LayerRope {
+    /// `ModelConfig::rope` (the global one).
+    Global,
+    /// `DecoderSpec::local_rope` (Gemma 3's sliding layers).
+    Local,
+    /// No rotary embedding at all (SmolLM3's NoPE layers).
+    None,
+}
+
+/// One decoder layer's attention choices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct LayerSpec {
+    /// A sliding window of this many positions (the query's own included), or full attention.
+    pub window: Option<usize>,
+    pub rope: LayerRope,
+}
+
+/// The decoder as data: which shared blocks, in which order, with which constants. Every
+/// value is decided by the family's resolver; the engine never looks at the family's name.
+///
+/// A layer runs, with `r` the residual scale:
+/// 1. attention: `h = norm?(x)`, q/k/v projections, q/k norm, RoPE (per the layer), attention
+///    (window, scale, soft-cap), `o_proj`, `h = post_norm?(h)`, `x = x + r · h`;
+/// 2. MLP: `h = norm?(x)`, `down(act(gate(h)) * up(h))`, `h = post_norm?(h)`, `x = x + r · h`.
+///
+/// Around the layers: `x = embed(ids) · embedding_scale`, then the final norm, the head,
+/// `logits / logits_divisor`, and the final soft-cap.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DecoderSpec {
+    pub norm: NormKind,
+    pub attention_norms: NormPlacement,
+    pub mlp_norms: NormPlacement,
+    pub qk_norm: QkNorm,
+    pub activation: Activation,
+    /// Multiplies the embedding rows (Gemma: `√hidden_size`; Granite: `embedding_multiplier`).
+    pub embedding_scale: f64,
+    /// Multiplies each sub-block's output before the residual add (Granite's
+    /// `residual_multiplier`).
+    pub residual_scale: f64,
+    /// The attention score scale (`head_dim^-0.5`; Gemma: `query_pre_attn_scalar^-0.5`;
+    /// Granite: `attention_multiplier`).
+    pub attention_scale: f64,
+    /// `s = cap · tanh(s / cap)` on attention scores (Gemma 2).
+    pub attention_softcap: Option<f64>,
+    /// The same on the final logits (Gemma 2).
+    pub final_softcap: Option<f64>,
+    /// Logits are divided by this (Granite's `logits_scaling`).
+    pub logits_divisor: f64,
+    /// Per layer: window and rotary table.
+    pub layers: Vec<LayerSpec>,
+    /// The rotary table of [`LayerRope::Local`] layers.
+    pub local_rope: Option<RopeConfig>,
+}
+
+impl DecoderSpec {
+    /// Llama's decoder: pre-norm RMSNorm, SwiGLU, full attention with the global RoPE on
+    /// every layer, no multipliers.
+    pub fn plain(num_layers: usize, head_dim: usize) -> DecoderSpec {
+        DecoderSpec {
+            norm: NormKind::Rms,
+            attention_norms: NormPlacement::Pre,
+            mlp_norms: NormPlacement::Pre,
+            qk_norm: QkNorm::None,
+            activation: Activation::Silu,
+            embedding_scale: 1.0,
+            residual_scale: 1.0,
+            attention_scale: (head_dim as f64).powf(-0.5),
+            attention_softcap: None,
+            final_softcap: None,
+            logits_divisor: 1.0,
+            layers: vec![LayerSpec { window: None, rope: LayerRope::Global }; num_layers],
+            local_rope: None,
+        }
+    }
+
+    /// Whether any layer slides.
+    pub fn has_window(&self) -> bool {
+        self.layers.iter().any(|l| l.window.is_some())
+    }
+
+    /// A short description for `inspect`: `sliding window 4096 on 20 of 26 layers`, ...
+    pub fn describe(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let sliding: Vec<usize> = self.layers.iter().filter_map(|l| l.window).collect();
+        if let Some(&w) = sliding.first() {
+            out.push(format!("sliding window {w} on {} of {} layers", sliding.len(), self.layers.len()));
+        }
+        let nope = self.layers.iter().filter(|l| l.rope == LayerRope::None).count();
+        if nope > 0 {
+            out.push(format!("no RoPE on {nope} of {} layers", self.layers.len()));
+        }
+        if let Some(local) = &self.local_rope {
+            out.push(format!("local RoPE base {}", local.theta));
+        }
+        if self.norm == NormKind::RmsUnitOffset {
+            out.push("norms scale by (1 + w)".into());
+        }
+        match (self.attention_norms, self.mlp_norms) {
+            (NormPlacement::Pre, NormPlacement::Pre) => {}
+            (NormPlacement::Post, NormPlacement::Post) => out.push("post-norms".into()),
+            _ => out.push("pre- and post-norms".into()),
+        }
+        match self.qk_norm {
+            QkNorm::None => {}
+            QkNorm::PerHead => out.push("q/k norm per head".into()),
+            QkNorm::Projection => out.push("q/k norm over the projection".into()),
+        }
+        if self.activation == Activation::GeluTanh {
+            out.push("GeGLU (gelu tanh)".into());
+        }
+        if let Some(c) = self.attention_softcap {
+            out.push(format!("attention soft-cap {c}"));
+        }
+        if let Some(c) = self.final_softcap {
+            out.push(format!("final soft-cap {c}"));
+        }
+        if self.embedding_scale != 1.0 {
+            out.push(format!("embedding x{}", self.embedding_scale));
+        }
+        if self.residual_scale != 1.0 {
+            out.push(format!("residual x{}", self.residual_scale));
+        }
+        if self.logits_divisor != 1.0 {
+            out.push(format!("logits /{}", self.logits_divisor));
+        }
+        out
+    }
+}
+
+/// The sliding window of each layer from `layer_types` (`sliding_attention` /
+/// `full_attention`), as transformers 5 writes it; `CONFIG_INVALID` for another length or
+/// value, `OPERATOR_UNSUPPORTED` for a layer type Kylin does not run.
+pub(crate) fn windows_from_layer_types(
+    types: &[String],
+    num_layers: usize,
+    window: Option<usize>,
+) -> Result<Vec<Option<usize>>> {
+    use crate::error::KylinError;
+    if types.len() != num_layers {
+        return Err(KylinError::config_invalid(format!(
+            "config.json layer_types has {} entries; num_hidden_layers is {num_layers}",
+            types.len()
+        )));
+    }
+    types
+        .iter()
+        .enumerate()
+        .map(|(i, t)| match t.as_str() {
+            "full_attention" => Ok(None),
+            "sliding_attention" => match window {
+                Some(w) => Ok(Some(w)),
+                None => Err(KylinError::config_invalid(format!(
+                    "config.json layer_types[{i}] is 'sliding_attention' but sliding_window is null"
+                ))),
+            },
+            other => Err(KylinError::operator_unsupported(format!(
+                "config.json layer_types[{i}] is '{other}'; Kylin runs 'full_attention' and 'sliding_attention' layers"
+            ))),
+        })
+        .collect()
+}
+
+/// A positive window size from `sliding_window` (`None` when absent or null).
+pub(crate) fn sliding_window(hf: &HfConfig) -> Result<Option<usize>> {
+    match hf.sliding_window {
+        None => Ok(None),
+        Some(0) => Err(crate::error::KylinError::config_invalid(
+            "config.json field 'sliding_window' is 0; it must be positive or null",
+        )),
+        Some(w) => Ok(Some(usize::try_from(w.min(u32::MAX as u64)).unwrap_or(u32::MAX as usize))),
+    }
+}
+
+/// The activation named by `hidden_act` (or `key`), defaulting to `default`; `CONFIG_INVALID`
+/// naming the field for one Kylin does not implement.
+pub(crate) fn activation(hf: &HfConfig, key: &str, default: Activation, config: &mut ModelConfig) -> Result<()> {
+    let name = match crate::config::raw_str(hf, key)? {
+        Some(n) => n,
+        None => {
+            config.defaulted.push(key.to_string());
+            config.hidden_act = match default {
+                Activation::Silu => "silu".into(),
+                Activation::GeluTanh => "gelu_pytorch_tanh".into(),
+            };
+            config.decoder.activation = default;
+            return Ok(());
+        }
+    };
+    let act = Activation::from_hf(&name).ok_or_else(|| {
+        crate::error::KylinError::config_invalid(format!(
+            "config.json field '{key}' is '{name}'; Kylin's {} block supports 'silu' and 'gelu_pytorch_tanh'",
+            config.architecture.hf_name()
+        ))
+    })?;
+    config.hidden_act = name;
+    config.decoder.activation = act;
+    Ok(())
+}
+
+/// Every layer slides by `window` (Mistral, Phi-3), or none does.
+pub(crate) fn every_layer_slides(config: &mut ModelConfig, window: Option<usize>) {
+    // A window as long as the context never cuts anything: full attention, stated plainly.
+    let window = window.filter(|&w| w < config.max_position_embeddings);
+    for layer in &mut config.decoder.layers {
+        layer.window = window;
+    }
+}
+
+/// A number field whose absence means `default` and whose `null` means "none" (Gemma's
+/// soft-caps: `attn_logit_softcapping: null` turns capping off); a non-positive value is
+/// `CONFIG_INVALID`.
+pub(crate) fn nullable_positive(
+    hf: &HfConfig,
+    key: &str,
+    default: Option<f64>,
+    config: &mut ModelConfig,
+) -> Result<Option<f64>> {
+    if !hf.raw.contains_key(key) {
+        config.defaulted.push(key.to_string());
+        return Ok(default);
+    }
+    match crate::config::raw_f64(hf, key)? {
+        None => Ok(None),
+        Some(v) if v > 0.0 => Ok(Some(v)),
+        Some(v) => Err(crate::error::KylinError::config_invalid(format!(
+            "config.json field '{key}' is {v}; it must be positive or null"
+        ))),
+    }
+}
+
+/// Gemma's shared choices: `(1 + w)` norms before and after each sub-block, GeGLU, the
+/// embedding scaled by `√hidden_size` (as an f32, as transformers keeps it), queries scaled
+/// by `query_pre_attn_scalar^-0.5`, biases per `attention_bias`.
+pub(crate) fn gemma_block(hf: &HfConfig, config: &mut ModelConfig) -> Result<()> {
+    let key = if hf.raw.contains_key("hidden_activation") { "hidden_activation" } else { "hidden_act" };
+    activation(hf, key, Activation::GeluTanh, config)?;
+    hf.attention_bias_or_default(config);
+    let d = &mut config.decoder;
+    d.norm = NormKind::RmsUnitOffset;
+    d.attention_norms = NormPlacement::PreAndPost;
+    d.mlp_norms = NormPlacement::PreAndPost;
+    d.embedding_scale = (config.hidden_size as f64).sqrt() as f32 as f64;
+    let scalar = match crate::config::raw_f64(hf, "query_pre_attn_scalar")? {
+        Some(v) if v > 0.0 => v,
+        Some(v) => {
+            return Err(crate::error::KylinError::config_invalid(format!(
+                "config.json field 'query_pre_attn_scalar' is {v}; it must be positive"
+            )));
+        }
+        None => {
+            config.defaulted.push("query_pre_attn_scalar".into());
+            256.0
+        }
+    };
+    config.decoder.attention_scale = scalar.powf(-0.5);
+    Ok(())
+}
+
+/// Gemma's sliding layers: `layer_types` when written, else every layer but each
+/// `pattern`-th slides (`(i + 1) % pattern != 0`); the window defaults to 4096.
+pub(crate) fn gemma_layers(hf: &HfConfig, config: &mut ModelConfig, pattern: usize) -> Result<()> {
+    let window = if hf.sliding_window_present { sliding_window(hf)? } else { Some(4096) };
+    let n = config.num_layers;
+    let windows = match &hf.layer_types {
+        Some(types) => windows_from_layer_types(types, n, window)?,
+        None => (0..n).map(|i| if (i + 1) % pattern.max(1) != 0 { window } else { None }).collect(),
+    };
+    for (layer, w) in config.decoder.layers.iter_mut().zip(windows) {
+        layer.window = w;
+    }
+    Ok(())
+}

@@ -1,0 +1,168 @@
+"""More tiny checkpoints of the dense families, in configurations that ../shared/families does not
+cover, and what transformers computes on them (float32, eager attention).
+
+The shared fixtures (written by ../shared/families/make_arch_fixtures.py) fix one configuration
+per family; these vary what a family's resolver decides: other windows and layer counts, one KV
+head, defaults left out of config.json, untied heads, biases, other multipliers and patterns.
+The weights are seeded random BF16 (as in the shared script), the cases random ids.
+
+    python3 -m venv /tmp/tvenv && /tmp/tvenv/bin/pip install torch transformers==5.24.0 safetensors
+    /tmp/tvenv/bin/python scripts/make_family_fixtures.py tests/fixtures/families [NAME ...]
+
+writes OUT/fixtures/NAME (save_pretrained) and OUT/reference/NAME.json (the shared format:
+cases of 1, 9, 41 and 90 tokens with input_ids, argmax_per_position, greedy_new_ids and
+last_logits).
+"""
+import json, os, shutil, sys, zlib
+
+import torch
+import transformers as T
+
+out = sys.argv[1]
+only = set(sys.argv[2:])
+FIX, REF = os.path.join(out, "fixtures"), os.path.join(out, "reference")
+for d in (FIX, REF):
+    os.makedirs(d, exist_ok=True)
+
+
+def randomize(model, seed):
+    """The shared script's rule: norms near 1 (Gemma's stored offsets near 0.5..1.5), biases
+    small, matrices scaled by 1.5 / sqrt(fan_in) so the logits are well separated."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if "norm" in name or leaf == "weight" and p.dim() == 1:
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            elif leaf.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:
+                fan_in = p.shape[-1] if p.dim() > 1 else p.shape[0]
+                p.copy_(torch.randn(p.shape, generator=g) * (1.5 / fan_in ** 0.5))
+
+
+BASE = dict(vocab_size=1024, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
+            num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512,
+            rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+# name -> (model class, config class, config kwargs, keys to drop from config.json afterwards
+# so that the resolver's defaults are exercised)
+SPECS = {
+    # Window 5, odd layer count, head_dim 32, no final soft-cap, MQA.
+    "tiny-gemma2-w5-mqa": ("Gemma2ForCausalLM", "Gemma2Config",
+        dict(BASE, head_dim=32, sliding_window=5, query_pre_attn_scalar=24, final_logit_softcapping=None,
+             attn_logit_softcapping=20.0, tie_word_embeddings=True), []),
+    # 8 layers with pattern 3 (two global layers), window 6, untied head, linear scaling on the
+    # global RoPE only (as Gemma 3 4B publishes it), default query_pre_attn_scalar left out.
+    "tiny-gemma3-p3-linear": ("Gemma3ForCausalLM", "Gemma3TextConfig",
+        dict(BASE, head_dim=16, num_hidden_layers=8, sliding_window=6, sliding_window_pattern=3,
+             num_key_value_heads=2, query_pre_attn_scalar=16, tie_word_embeddings=False,
+             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}), []),
+    # Window 5 on every layer, one KV head.
+    "tiny-mistral-w5-mqa": ("MistralForCausalLM", "MistralConfig",
+        dict(BASE, sliding_window=5, head_dim=16), []),
+    # Phi-3 with partial rotary (Phi-4-mini rotates 3/4 of each head) and a window.
+    "tiny-phi3-partial-swa": ("Phi3ForCausalLM", "Phi3Config",
+        dict(BASE, num_key_value_heads=2, partial_rotary_factor=0.75, sliding_window=7, pad_token_id=0), []),
+    # NoPE every third layer, untied.
+    "tiny-smollm3-every3": ("SmolLM3ForCausalLM", "SmolLM3Config",
+        dict(BASE, no_rope_layer_interval=3, tie_word_embeddings=False, pad_token_id=0), ["no_rope_layers"]),
+    # Biases on q, k, v and o; tied head.
+    "tiny-olmo2-bias": ("Olmo2ForCausalLM", "Olmo2Config",
+        dict(BASE, attention_bias=True, tie_word_embeddings=True), []),
+    # Other multipliers, untied head, MLP biases.
+    "tiny-granite-mlpbias": ("GraniteForCausalLM", "GraniteConfig",
+        dict(BASE, embedding_multiplier=6.0, residual_multiplier=0.5, attention_multiplier=0.2,
+             logits_scaling=3.0, mlp_bias=True, attention_bias=True), []),
+}
+
+
+def run_cases(model, seqs, n_greedy=20):
+    cases = []
+    for ids in seqs:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            logits = model(x).logits[0].float()
+            gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n_greedy,
+                                 do_sample=False, num_beams=1, eos_token_id=None, pad_token_id=None)
+        cases.append({
+            "input_ids": ids,
+            "argmax_per_position": [int(a) for a in logits.argmax(-1)],
+            "greedy_new_ids": [int(t) for t in gen[0, len(ids):]],
+            "last_logits": [round(float(v), 6) for v in logits[-1]],
+        })
+    return cases
+
+
+meta_base = "transformers " + T.__version__ + ", torch " + torch.__version__ + ", float32 compute, eager attention"
+for name, (cls, cfg_cls, kw, drop) in SPECS.items():
+    if only and name not in only:
+        continue
+    torch.manual_seed(0)
+    cfg = getattr(T, cfg_cls)(**kw)
+    cfg.dtype = "bfloat16"
+    model = getattr(T, cls)(cfg)
+    randomize(model, zlib.crc32(name.encode()) % 10000)
+    d = os.path.join(FIX, name)
+    shutil.rmtree(d, ignore_errors=True)
+    model.to(torch.bfloat16).save_pretrained(d, safe_serialization=True)
+    if drop:
+        path = os.path.join(d, "config.json")
+        config = json.load(open(path))
+        for k in drop:
+            config.pop(k, None)
+        json.dump(config, open(path, "w"), indent=2, sort_keys=True)
+    ref = getattr(T, cls).from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(4321)
+    seqs = [[int(t) for t in torch.randint(0, 1024, (n,), generator=g)] for n in (1, 9, 41, 90)]
+    meta = {"model": name, "architecture": cls, "produced_by": meta_base, "dtype_on_disk": "bfloat16"}
+    json.dump({**meta, "cases": run_cases(ref, seqs)}, open(os.path.join(REF, name + ".json"), "w"))
+    print(f"{name}: ok ({cls})")
+
+
+# The layout Gemma 3 (4B and up) is published in: Gemma3ForConditionalGeneration with a nested
+# text_config, the language model under model.language_model.*, and a tiny SigLIP vision tower.
+# The references are text-only (no image tokens), computed by the full class.
+def conditional(name, seed):
+    torch.manual_seed(0)
+    text = dict(BASE, head_dim=16, num_hidden_layers=6, sliding_window=5, num_key_value_heads=2,
+                query_pre_attn_scalar=16, tie_word_embeddings=True)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=28, patch_size=14)
+    cfg = T.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                         boi_token_index=1000, eoi_token_index=1001, image_token_index=1002)
+    cfg.dtype = "bfloat16"
+    model = T.Gemma3ForConditionalGeneration(cfg)
+    randomize(model, seed)
+    d = os.path.join(FIX, name)
+    shutil.rmtree(d, ignore_errors=True)
+    model.to(torch.bfloat16).save_pretrained(d, safe_serialization=True)
+    ref = T.Gemma3ForConditionalGeneration.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(4321)
+    seqs = [[int(t) for t in torch.randint(0, 1000, (n,), generator=g)] for n in (1, 9, 41, 90)]
+    meta = {"model": name, "architecture": "Gemma3ForConditionalGeneration", "produced_by": meta_base,
+            "dtype_on_disk": "bfloat16"}
+    json.dump({**meta, "cases": run_cases(ref, seqs)}, open(os.path.join(REF, name + ".json"), "w"))
+    print(f"{name}: ok (Gemma3ForConditionalGeneration)")
+
+
+if not only or "tiny-gemma3-vl" in only:
+    conditional("tiny-gemma3-vl", 777)
+    # The same weights under transformers 5's in-memory names (`model.language_model.*`,
+    # `lm_head.weight`), which other tools write: both layouts must load to the same logits.
+    from safetensors.torch import load_file, save_file
+    src = os.path.join(FIX, "tiny-gemma3-vl")
+    dst = os.path.join(FIX, "tiny-gemma3-vl-v5-names")
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    def rename(k):
+        for old, new in (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+                         ("vision_tower.", "model.vision_tower."), ("multi_modal_projector.", "model.multi_modal_projector.")):
+            if k.startswith(old):
+                return new + k[len(old):]
+        return k
+    save_file({rename(k): v for k, v in tensors.items()}, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(os.path.join(REF, "tiny-gemma3-vl.json"), os.path.join(REF, "tiny-gemma3-vl-v5-names.json"))
+    print("tiny-gemma3-vl-v5-names: ok (renamed copy)")
