@@ -335,24 +335,40 @@ fn unsupported_rope_type_is_operator_unsupported() {
     let dir = copy_fixture("tiny-llama-rope3");
     edit_json(&dir.path().join("config.json"), |c| {
         let key = if c.contains_key("rope_parameters") { "rope_parameters" } else { "rope_scaling" };
-        c[key]["rope_type"] = Value::from("longrope");
+        c[key]["rope_type"] = Value::from("proportional");
     });
-    assert_code(&load_err(dir.path()), ErrorCode::OperatorUnsupported, &["longrope", "yarn"]);
+    assert_code(&load_err(dir.path()), ErrorCode::OperatorUnsupported, &["proportional", "longrope", "yarn"]);
 }
 
 #[test]
-fn sliding_window_layers_are_operator_unsupported() {
+fn sliding_window_layers_slide_and_bad_windows_are_refused() {
+    // Qwen2's rule: with use_sliding_window and no layer_types (which transformers 5 writes
+    // and then follows), layers from max_window_layers on slide.
     let dir = copy_fixture("tiny-qwen2-f16");
     edit_json(&dir.path().join("config.json"), |c| {
+        c.remove("layer_types");
         c.insert("use_sliding_window".into(), Value::from(true));
+        c.insert("sliding_window".into(), Value::from(8));
         c.insert("max_window_layers".into(), Value::from(1));
     });
-    assert_code(&load_err(dir.path()), ErrorCode::OperatorUnsupported, &["sliding"]);
-    // Enabled but applying to no layer (max_window_layers >= layers): accepted.
+    let model = load(dir.path(), &LoadOptions::default()).unwrap();
+    let windows: Vec<Option<usize>> = model.config.decoder.layers.iter().map(|l| l.window).collect();
+    assert_eq!(windows[0], None);
+    assert!(windows[1..].iter().all(|w| *w == Some(8)), "{windows:?}");
+    // A zero window is CONFIG_INVALID naming the field.
     edit_json(&dir.path().join("config.json"), |c| {
-        c.insert("max_window_layers".into(), Value::from(28));
+        c.insert("sliding_window".into(), Value::from(0));
     });
-    load(dir.path(), &LoadOptions::default()).unwrap();
+    assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &["sliding_window"]);
+    // A layer type Kylin does not run is OPERATOR_UNSUPPORTED naming it and its index.
+    edit_json(&dir.path().join("config.json"), |c| {
+        c.insert("sliding_window".into(), Value::from(8));
+        let n = c["num_hidden_layers"].as_u64().unwrap() as usize;
+        let mut types = vec![Value::from("full_attention"); n];
+        types[n - 1] = Value::from("chunked_attention");
+        c.insert("layer_types".into(), Value::Array(types));
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::OperatorUnsupported, &["chunked_attention", "layer_types["]);
 }
 
 #[test]
