@@ -35,6 +35,7 @@ use kylin_loader::{GenerationDefaults, KylinError, LoadedModel, Result};
 
 use crate::backend::ChatMessage;
 use crate::kv_pool::{BlockAllocator, KvPool};
+use crate::model::NO_BLOCK;
 use crate::model::{BatchPlan, Model, PrecisionChoice, QuantFormat, Scratch};
 use crate::native::ModelParts;
 use crate::rope::Ropes;
@@ -172,17 +173,45 @@ pub fn human_bytes(bytes: u64) -> String {
     }
 }
 
-/// The blocks of one sequence: its block table and the chained hashes of its registered blocks.
+/// The allocators a sequence's blocks come from: the full pool's, and the sliding layers' pool
+/// with its window when the model has one ([`KvGroups`]).
+pub(crate) struct Allocs<'a> {
+    pub full: &'a mut BlockAllocator,
+    pub sliding: Option<(&'a mut BlockAllocator, usize)>,
+}
+
+/// The blocks of one sequence: its block table and the chained hashes of its registered blocks,
+/// and, with a sliding pool, its table there.
+///
+/// The sliding table covers the same positions (block `i` holds positions `i·bs..(i+1)·bs` of
+/// the sliding layers) but only from the block of the next query's window start: blocks wholly
+/// below it are released as the sequence advances ([`NO_BLOCK`] in their place, never read by
+/// attention), so a sequence holds at most its window plus one step of sliding positions. A
+/// full sliding block is registered in the sliding pool's prefix cache under the same chained
+/// hash as the full block of the same positions, so a prefix hit can be extended to the
+/// sliding layers: a hit of `m` blocks is usable when the sliding blocks its window needs are
+/// cached too.
 #[derive(Debug, Default)]
 pub(crate) struct SeqKv {
     pub blocks: Vec<u32>,
     /// `hashes[i]` is block `i`'s chained hash, for the full blocks registered so far.
     pub hashes: Vec<u64>,
+    /// The sliding pool's table (empty without one).
+    pub sliding: Vec<u32>,
+}
+
+/// The first block a query at position `pos` reads in a window of `window` positions.
+fn window_first_block(pos: usize, window: usize, block_size: usize) -> usize {
+    (pos + 1).saturating_sub(window) / block_size
 }
 
 impl SeqKv {
     pub fn with_capacity(max_blocks: usize) -> Self {
-        SeqKv { blocks: Vec::with_capacity(max_blocks), hashes: Vec::with_capacity(max_blocks) }
+        SeqKv {
+            blocks: Vec::with_capacity(max_blocks),
+            hashes: Vec::with_capacity(max_blocks),
+            sliding: Vec::with_capacity(max_blocks),
+        }
     }
 
     /// Blocks still to allocate to hold positions `0..len`.
@@ -190,35 +219,44 @@ impl SeqKv {
         len.div_ceil(block_size).saturating_sub(self.blocks.len())
     }
 
-    /// Allocates blocks until positions `0..len` are covered; false (and nothing allocated)
-    /// when too few blocks are free.
-    pub fn grow(&mut self, alloc: &mut BlockAllocator, len: usize, block_size: usize) -> bool {
+    /// Allocates blocks until positions `0..len` are covered (in both pools); false (and
+    /// nothing allocated) when too few blocks are free.
+    pub fn grow(&mut self, a: &mut Allocs<'_>, len: usize, block_size: usize) -> bool {
         let missing = self.missing(len, block_size);
-        if missing > alloc.free() {
+        let sliding_missing = len.div_ceil(block_size).saturating_sub(self.sliding.len());
+        if missing > a.full.free() {
+            return false;
+        }
+        if let Some((s, _)) = &a.sliding
+            && sliding_missing > s.free()
+        {
             return false;
         }
         for _ in 0..missing {
-            match alloc.allocate() {
+            match a.full.allocate() {
                 Some(b) => self.blocks.push(b),
                 None => return false,
+            }
+        }
+        if let Some((s, _)) = &mut a.sliding {
+            for _ in 0..sliding_missing {
+                match s.allocate() {
+                    Some(b) => self.sliding.push(b),
+                    None => return false,
+                }
             }
         }
         true
     }
 
     /// On an empty table: takes the cached blocks that hold a prefix of `tokens`, at most
-    /// `limit` tokens' worth; returns the number of tokens they hold.
-    pub fn match_prefix(
-        &mut self,
-        alloc: &mut BlockAllocator,
-        tokens: &[u32],
-        limit: usize,
-        block_size: usize,
-    ) -> usize {
-        debug_assert!(self.blocks.is_empty());
+    /// `limit` tokens' worth; returns the number of tokens they hold. With a sliding pool, the
+    /// hit is cut back until the sliding blocks the next query's window reads are cached too.
+    pub fn match_prefix(&mut self, a: &mut Allocs<'_>, tokens: &[u32], limit: usize, block_size: usize) -> usize {
+        debug_assert!(self.blocks.is_empty() && self.sliding.is_empty());
         let mut parent = 0u64;
         for chunk in tokens[..limit.min(tokens.len())].chunks_exact(block_size) {
-            match alloc.lookup(parent, chunk) {
+            match a.full.lookup(parent, chunk) {
                 Some((b, h)) => {
                     self.blocks.push(b);
                     self.hashes.push(h);
@@ -227,33 +265,129 @@ impl SeqKv {
                 None => break,
             }
         }
+        if let Some((s, window)) = &mut a.sliding {
+            let (window, bs) = (*window, block_size);
+            let parent_of = |hashes: &[u64], i: usize| if i == 0 { 0 } else { hashes[i - 1] };
+            // The longest hit whose window's sliding blocks are all cached.
+            let mut m = self.blocks.len();
+            while m > 0 {
+                let first = window_first_block(m * bs, window, bs);
+                let cached = (first..m).all(|i| s.peek(parent_of(&self.hashes, i), &tokens[i * bs..(i + 1) * bs]));
+                if cached {
+                    break;
+                }
+                m -= 1;
+            }
+            while self.blocks.len() > m {
+                if let Some(b) = self.blocks.pop() {
+                    a.full.release(b);
+                }
+            }
+            self.hashes.truncate(m);
+            let first = window_first_block(m * bs, window, bs).min(m);
+            self.sliding.resize(first, NO_BLOCK);
+            for i in first..m {
+                let found = s.lookup(parent_of(&self.hashes, i), &tokens[i * bs..(i + 1) * bs]);
+                // Checked by `peek` above, and nothing ran in between.
+                self.sliding.push(found.map_or(NO_BLOCK, |(b, _)| b));
+            }
+        }
         self.blocks.len() * block_size
     }
 
-    /// Registers the blocks that `computed` tokens fill and that are not registered yet.
-    pub fn register_full(&mut self, alloc: &mut BlockAllocator, tokens: &[u32], computed: usize, block_size: usize) {
+    /// After `computed` tokens are in the cache: registers the full blocks not registered yet
+    /// (in both pools), and releases the sliding blocks wholly below the window of the next
+    /// query (position `computed`).
+    pub fn advance(&mut self, a: &mut Allocs<'_>, tokens: &[u32], computed: usize, block_size: usize) {
         let full = (computed / block_size).min(self.blocks.len());
         while self.hashes.len() < full {
             let i = self.hashes.len();
             let parent = self.hashes.last().copied().unwrap_or(0);
-            let h = alloc.register(self.blocks[i], parent, &tokens[i * block_size..(i + 1) * block_size]);
+            let ids = &tokens[i * block_size..(i + 1) * block_size];
+            let h = a.full.register(self.blocks[i], parent, ids);
+            if let Some((s, _)) = &mut a.sliding
+                && let Some(&b) = self.sliding.get(i)
+                && b != NO_BLOCK
+            {
+                s.register(b, parent, ids);
+            }
             self.hashes.push(h);
+        }
+        if let Some((s, window)) = &mut a.sliding {
+            let first = window_first_block(computed, *window, block_size).min(self.sliding.len());
+            for b in &mut self.sliding[..first] {
+                if *b != NO_BLOCK {
+                    s.release(*b);
+                    *b = NO_BLOCK;
+                }
+            }
         }
     }
 
-    /// Keeps the first `keep` blocks and releases the rest.
-    pub fn truncate(&mut self, alloc: &mut BlockAllocator, keep: usize) {
+    /// Keeps the first `keep` blocks and releases the rest; returns the blocks kept, fewer than
+    /// `keep` when the sliding blocks the window of position `keep · bs` reads were released
+    /// and are not cached any more (the rest is recomputed).
+    pub fn truncate(&mut self, a: &mut Allocs<'_>, tokens: &[u32], keep: usize, block_size: usize) -> usize {
+        let mut keep = keep.min(self.blocks.len());
+        if let Some((s, window)) = &mut a.sliding {
+            let bs = block_size;
+            let parent_of = |hashes: &[u64], i: usize| if i == 0 { 0 } else { hashes[i - 1] };
+            // Released sliding blocks of the window are taken back from the cache if they are
+            // still there; otherwise the kept prefix shrinks until they are not needed.
+            while keep > 0 {
+                let first = window_first_block(keep * bs, *window, bs);
+                let ok = (first..keep).all(|i| {
+                    self.sliding.get(i).is_some_and(|&b| b != NO_BLOCK)
+                        || (i < self.hashes.len() && s.peek(parent_of(&self.hashes, i), &tokens[i * bs..(i + 1) * bs]))
+                });
+                if ok {
+                    for i in first..keep {
+                        if self.sliding[i] == NO_BLOCK {
+                            let found = s.lookup(parent_of(&self.hashes, i), &tokens[i * bs..(i + 1) * bs]);
+                            self.sliding[i] = found.map_or(NO_BLOCK, |(b, _)| b);
+                        }
+                    }
+                    break;
+                }
+                keep -= 1;
+            }
+            while self.sliding.len() > keep {
+                if let Some(b) = self.sliding.pop()
+                    && b != NO_BLOCK
+                {
+                    s.release(b);
+                }
+            }
+        }
         while self.blocks.len() > keep {
             if let Some(b) = self.blocks.pop() {
-                alloc.release(b);
+                a.full.release(b);
             }
         }
         self.hashes.truncate(keep);
+        keep
     }
 
-    pub fn release_all(&mut self, alloc: &mut BlockAllocator) {
-        self.truncate(alloc, 0);
+    pub fn release_all(&mut self, a: &mut Allocs<'_>) {
+        if let Some((s, _)) = &mut a.sliding {
+            for b in self.sliding.drain(..) {
+                if b != NO_BLOCK {
+                    s.release(b);
+                }
+            }
+        }
+        while let Some(b) = self.blocks.pop() {
+            a.full.release(b);
+        }
+        self.hashes.clear();
     }
+}
+
+/// The sliding layers' own KV pool and their window ([`KvGroups`]).
+#[derive(Debug)]
+pub(crate) struct SlidingPool {
+    pub kv: KvPool,
+    pub window: usize,
 }
 
 /// Everything a forward pass needs, planned once.
@@ -261,6 +395,8 @@ pub struct EngineCore {
     pub(crate) model: Model,
     pub(crate) pool: ThreadPool,
     pub(crate) kv: KvPool,
+    /// The sliding layers' pool, when the model's sliding layers share one window.
+    pub(crate) swa: Option<SlidingPool>,
     pub(crate) rope: Ropes,
     pub(crate) scratch: Scratch,
     pub(crate) plan: BatchPlan,
@@ -344,7 +480,26 @@ impl EngineCore {
         let max_seqs = opts.max_seqs.min(opts.max_batch_tokens);
         let max_batch_tokens = opts.max_batch_tokens.min(context.max(1) * max_seqs);
         let mut scratch = model.plan_scratch(max_batch_tokens, max_seqs, context)?;
-        let n_blocks = kv_blocks(opts, kv_dtype, block_size, &model, &scratch, context, max_seqs)?;
+        // The sliding layers' pool holds, per sequence, the positions one step's queries can
+        // read: the window before the first plus the step itself, so it never runs out.
+        let groups = model.kv_groups();
+        let sliding_blocks = match groups.window {
+            Some(window) if groups.sliding_layers > 0 => {
+                let per_seq = (window - 1 + max_batch_tokens).min(context).div_ceil(block_size) + 1;
+                Some(per_seq.checked_mul(max_seqs).ok_or_else(|| {
+                    KylinError::config_invalid("the sliding-window KV pool overflows; pass a smaller --max-seqs")
+                })?)
+            }
+            _ => None,
+        };
+        let sliding_bytes = sliding_blocks.map_or(Some(0), |n| {
+            KvPool::block_bytes(kv_dtype, groups.sliding_layers, d.n_kv_heads, d.head_dim, block_size)?
+                .checked_mul(n as u64)
+        });
+        let sliding_bytes = sliding_bytes.ok_or_else(|| {
+            KylinError::config_invalid("the sliding-window KV pool overflows; pass a smaller --max-seqs")
+        })?;
+        let n_blocks = kv_blocks(opts, kv_dtype, block_size, &model, &scratch, context, max_seqs, sliding_bytes)?;
         let layout = kylin_kernels::paged::attention_path(
             model.precision(),
             kv_dtype,
@@ -353,9 +508,20 @@ impl EngineCore {
             model.attention_needs(),
         )
         .layout();
-        let mut kv = KvPool::new(kv_dtype, layout, n_blocks, block_size, d.n_layers, d.n_kv_heads, d.head_dim)?;
+        let mut kv = KvPool::new(kv_dtype, layout, n_blocks, block_size, groups.full_layers, d.n_kv_heads, d.head_dim)?;
+        let mut swa = match (sliding_blocks, groups.window) {
+            (Some(blocks), Some(window)) => {
+                let kv =
+                    KvPool::new(kv_dtype, layout, blocks, block_size, groups.sliding_layers, d.n_kv_heads, d.head_dim)?;
+                Some(SlidingPool { kv, window })
+            }
+            _ => None,
+        };
         if opts.prefault {
             kv.prefault();
+            if let Some(swa) = &mut swa {
+                swa.kv.prefault();
+            }
             scratch.prefault();
         }
         let max_blocks_per_seq = context.div_ceil(block_size) + 1;
@@ -367,6 +533,7 @@ impl EngineCore {
             model,
             pool: ThreadPool::new(opts.threads.max(1)),
             kv,
+            swa,
             scratch,
             plan,
             text,
@@ -402,9 +569,24 @@ impl EngineCore {
         self.scratch.bytes()
     }
 
-    /// Bytes of the KV pool.
+    /// Bytes of the KV pools (the full layers' and the sliding layers').
     pub fn kv_bytes(&self) -> u64 {
-        self.kv.bytes()
+        self.kv.bytes() + self.swa.as_ref().map_or(0, |s| s.kv.bytes())
+    }
+
+    /// Bytes of the sliding layers' own pool (0 without one).
+    pub fn sliding_kv_bytes(&self) -> u64 {
+        self.swa.as_ref().map_or(0, |s| s.kv.bytes())
+    }
+
+    /// Blocks of the sliding layers' pool that sequences hold now (0 without the pool).
+    pub fn sliding_blocks_in_use(&self) -> usize {
+        self.swa.as_ref().map_or(0, |s| s.kv.alloc.total() - s.kv.alloc.free())
+    }
+
+    /// The allocators a sequence's blocks come from.
+    pub(crate) fn allocs(&mut self) -> Allocs<'_> {
+        Allocs { full: &mut self.kv.alloc, sliding: self.swa.as_mut().map(|s| (&mut s.kv.alloc, s.window)) }
     }
 
     /// Blocks with no reference (free or holding an evictable cached prefix).
@@ -420,7 +602,8 @@ impl EngineCore {
     pub(crate) fn forward(&mut self, all_logits: Option<&mut [f32]>) {
         let end = self.plan.segments.iter().map(|s| s.start + s.n).max().unwrap_or(0);
         self.rope.prepare(0, end);
-        self.model.forward(&self.pool, &mut self.kv, &self.rope, &mut self.scratch, &self.plan, all_logits);
+        let sliding = self.swa.as_mut().map(|s| &mut s.kv);
+        self.model.forward(&self.pool, &mut self.kv, sliding, &self.rope, &mut self.scratch, &self.plan, all_logits);
     }
 
     /// Logits row `row` of the last forward pass.
@@ -463,6 +646,7 @@ impl EngineCore {
 
 /// The number of KV blocks the budget buys; `CONFIG_INVALID` if fewer than one sequence of the
 /// context needs.
+#[allow(clippy::too_many_arguments)]
 fn kv_blocks(
     opts: &EngineOptions,
     kv_dtype: WeightDType,
@@ -471,14 +655,36 @@ fn kv_blocks(
     scratch: &Scratch,
     context: usize,
     max_seqs: usize,
+    sliding_bytes: u64,
 ) -> Result<usize> {
     let d = model.dims();
-    let per_block = KvPool::block_bytes(kv_dtype, d.n_layers, d.n_kv_heads, d.head_dim, bs)
+    let full_layers = model.kv_groups().full_layers;
+    let per_seq = context.div_ceil(bs);
+    if full_layers == 0 {
+        // Every layer slides: the full pool holds no bytes, only the block table bookkeeping
+        // (prefix cache, scheduling) of `max_seqs` full-context sequences; the sliding pool
+        // is the memory, and it must fit the budget.
+        if let KvBudget::Bytes(bytes) = opts.kv_budget
+            && bytes < sliding_bytes
+        {
+            return Err(KylinError::config_invalid(format!(
+                "--kv-memory {} is below the sliding-window KV pool of {} ({max_seqs} sequences); raise it or lower --max-seqs",
+                human_bytes(bytes),
+                human_bytes(sliding_bytes)
+            )));
+        }
+        return Ok(per_seq.saturating_mul(max_seqs).min(u32::MAX as usize - 1));
+    }
+    let per_block = KvPool::block_bytes(kv_dtype, full_layers, d.n_kv_heads, d.head_dim, bs)
         .filter(|&b| b > 0)
         .ok_or_else(|| KylinError::config_invalid("the KV block size overflows; pass a smaller --kv-block-size"))?;
-    let per_seq = context.div_ceil(bs);
-    let after_weights =
-        || memory_available().map(|m| m.saturating_sub(model.weight_bytes_per_token()).saturating_sub(scratch.bytes()));
+    let after_weights = || {
+        memory_available().map(|m| {
+            m.saturating_sub(model.weight_bytes_per_token())
+                .saturating_sub(scratch.bytes())
+                .saturating_sub(sliding_bytes)
+        })
+    };
     let too_small = |what: String, blocks: u64| {
         KylinError::config_invalid(format!(
             "{what} holds {blocks} KV blocks of {bs} positions ({} tokens, {} per block in {}), but one sequence of \
@@ -491,7 +697,8 @@ fn kv_blocks(
     };
     let blocks = match opts.kv_budget {
         KvBudget::Bytes(bytes) => {
-            let blocks = bytes / per_block;
+            // The sliding layers' pool comes out of the budget first.
+            let blocks = bytes.saturating_sub(sliding_bytes) / per_block;
             if blocks < per_seq as u64 {
                 return Err(too_small(format!("--kv-memory {}", human_bytes(bytes)), blocks));
             }
@@ -630,7 +837,7 @@ impl BatchEngine {
 
     /// Ends a sequence that is not running (waiting or never admitted).
     fn end_waiting(&mut self, mut seq: Seq, reason: StopReason, events: &mut Vec<Event>) {
-        seq.kv.release_all(&mut self.core.kv.alloc);
+        seq.kv.release_all(&mut self.core.allocs());
         let text = self.core.text.as_ref();
         if let Ok(kind) = seq.decoding.finish(reason, text) {
             events.push(Event { request: seq.request, index: seq.index, kind });
@@ -648,7 +855,7 @@ impl BatchEngine {
     /// Moves the last running sequence back to the front of the queue, its blocks released.
     fn preempt_last(&mut self) {
         if let Some(mut seq) = self.running.pop() {
-            seq.kv.release_all(&mut self.core.kv.alloc);
+            seq.kv.release_all(&mut self.core.allocs());
             seq.computed = 0;
             self.stats.preemptions += 1;
             self.waiting.push_front(seq);
@@ -711,7 +918,7 @@ impl BatchEngine {
                 break;
             }
             let seq = &mut self.running[slot];
-            let grown = seq.kv.grow(&mut self.core.kv.alloc, need, bs);
+            let grown = seq.kv.grow(&mut self.core.allocs(), need, bs);
             debug_assert!(grown);
             self.scheduled.push(Scheduled { slot, len: 1, logits_row: None });
             budget -= 1;
@@ -733,7 +940,7 @@ impl BatchEngine {
             }
             let end = seq.computed + len;
             let seq = &mut self.running[slot];
-            if seq.kv.grow(&mut self.core.kv.alloc, end, bs) {
+            if seq.kv.grow(&mut self.core.allocs(), end, bs) {
                 self.scheduled.push(Scheduled { slot, len, logits_row: None });
                 budget -= len;
             }
@@ -744,7 +951,7 @@ impl BatchEngine {
             let Some(mut seq) = self.waiting.pop_front() else { break };
             if seq.kv.blocks.is_empty() {
                 let limit = seq.tokens.len() - 1;
-                let matched = seq.kv.match_prefix(&mut self.core.kv.alloc, &seq.tokens, limit, bs);
+                let matched = seq.kv.match_prefix(&mut self.core.allocs(), &seq.tokens, limit, bs);
                 seq.computed = matched;
                 self.stats.prefix_cache_queries += seq.tokens.len() as u64;
                 self.stats.prefix_cache_hits += matched as u64;
@@ -757,9 +964,9 @@ impl BatchEngine {
             }
             let len = self.fit(&seq, budget);
             let end = seq.computed + len;
-            if len == 0 || !seq.kv.grow(&mut self.core.kv.alloc, end, bs) {
+            if len == 0 || !seq.kv.grow(&mut self.core.allocs(), end, bs) {
                 // Not even one token fits: give the matched blocks back and wait.
-                seq.kv.release_all(&mut self.core.kv.alloc);
+                seq.kv.release_all(&mut self.core.allocs());
                 seq.computed = 0;
                 self.waiting.push_front(seq);
                 break;
@@ -781,23 +988,44 @@ impl BatchEngine {
             let mut seq = self.new_seq(request, index);
             seq.cached_prompt = self.running[leader_slot].cached_prompt;
             seq.decoding.usage.cached_prompt_tokens = seq.cached_prompt.unwrap_or(0);
-            // Share the full prompt blocks; copy the partly filled last one.
+            // Share the full prompt blocks (and the sliding ones the leader still holds); copy
+            // the partly filled last one.
             let alloc = &mut self.core.kv.alloc;
             for i in 0..full {
                 let b = self.running[leader_slot].kv.blocks[i];
                 alloc.retain(b);
                 seq.kv.blocks.push(b);
             }
+            if let Some(swa) = &mut self.core.swa {
+                for &b in &self.running[leader_slot].kv.sliding[..full] {
+                    if b != NO_BLOCK {
+                        swa.kv.alloc.retain(b);
+                    }
+                    seq.kv.sliding.push(b);
+                }
+            }
             let leader_hashes = &self.running[leader_slot].kv.hashes;
             seq.kv.hashes.extend_from_slice(&leader_hashes[..full.min(leader_hashes.len())]);
             seq.computed = full * bs;
+            let sliding_copy = match &mut self.core.swa {
+                Some(swa) if partial > 0 => swa.kv.alloc.allocate().map(Some),
+                _ => Some(None),
+            };
             if partial > 0
+                && let Some(sliding_copy) = sliding_copy
                 && let Some(copy) = self.core.kv.alloc.allocate()
             {
                 let source = self.running[leader_slot].kv.blocks[full];
                 self.core.kv.copy_block(source, copy);
                 seq.kv.blocks.push(copy);
+                if let (Some(swa), Some(copy)) = (&mut self.core.swa, sliding_copy) {
+                    swa.kv.copy_block(self.running[leader_slot].kv.sliding[full], copy);
+                    seq.kv.sliding.push(copy);
+                }
                 seq.computed = prompt_len;
+            } else if let (Some(swa), Some(Some(copy))) = (&mut self.core.swa, sliding_copy) {
+                // No full block for the copy: the sliding one goes back too.
+                swa.kv.alloc.release(copy);
             }
             // Without a free block for the copy, the sibling recomputes the last partial block.
             let at_end = prompt_len + 1 > self.core.context;
@@ -812,12 +1040,12 @@ impl BatchEngine {
                 None if seq.computed == prompt_len && self.running.len() < self.core.max_seqs => self.running.push(seq),
                 None => {
                     // Recomputed later (the partial block), or no room to run now.
-                    seq.kv.truncate(&mut self.core.kv.alloc, full);
-                    seq.computed = full * bs;
+                    let kept = seq.kv.truncate(&mut self.core.allocs(), &seq.tokens, full, bs);
+                    seq.computed = kept * bs;
                     if self.running.len() < self.core.max_seqs {
                         self.running.push(seq)
                     } else {
-                        seq.kv.release_all(&mut self.core.kv.alloc);
+                        seq.kv.release_all(&mut self.core.allocs());
                         seq.computed = 0;
                         self.waiting.push_back(seq)
                     }
@@ -835,7 +1063,8 @@ impl BatchEngine {
             let seq = &self.running[s.slot];
             let end = seq.computed + s.len;
             let ids = &seq.tokens[seq.computed..end];
-            s.logits_row = self.core.plan.push(ids, seq.computed, &seq.kv.blocks, end == seq.tokens.len());
+            s.logits_row =
+                self.core.plan.push(ids, seq.computed, &seq.kv.blocks, &seq.kv.sliding, end == seq.tokens.len());
         }
         self.core.forward(None);
         self.stats.steps += 1;
@@ -847,7 +1076,7 @@ impl BatchEngine {
             let Scheduled { slot, len, logits_row } = self.scheduled[k];
             let seq = &mut self.running[slot];
             seq.computed += len;
-            seq.kv.register_full(&mut self.core.kv.alloc, &seq.tokens, seq.computed, bs);
+            seq.kv.advance(&mut self.core.allocs(), &seq.tokens, seq.computed, bs);
             let Some(row) = logits_row else { continue };
             let at_end = seq.tokens.len() + 1 > self.core.context;
             let text = self.core.text.as_ref();
@@ -868,7 +1097,7 @@ impl BatchEngine {
         self.finished.sort_unstable();
         while let Some(slot) = self.finished.pop() {
             let mut seq = self.running.remove(slot);
-            seq.kv.release_all(&mut self.core.kv.alloc);
+            seq.kv.release_all(&mut self.core.allocs());
         }
         Ok(())
     }

@@ -183,6 +183,14 @@ impl BlockAllocator {
         Some((b, h))
     }
 
+    /// Whether a cached block holds `tokens` after a block hashed `parent` (no reference taken).
+    pub fn peek(&self, parent: u64, tokens: &[u32]) -> bool {
+        let h = Self::chain_hash(parent, tokens);
+        let Some(&b) = self.index.get(&h) else { return false };
+        let bs = self.block_size;
+        self.parent[b as usize] == parent && &self.tokens[b as usize * bs..(b as usize + 1) * bs] == tokens
+    }
+
     /// Registers a referenced, full block holding `tokens` after a block hashed `parent`;
     /// returns its hash. A block with the same contents already registered keeps its place.
     pub fn register(&mut self, b: u32, parent: u64, tokens: &[u32]) -> u64 {

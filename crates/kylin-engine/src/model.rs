@@ -576,6 +576,10 @@ struct Layer {
     mlp_post_norm: Option<Norm>,
     /// A sliding window of this many positions, the query's own included.
     window: Option<usize>,
+    /// Where the layer's keys and values live: its index among the layers of its KV pool,
+    /// and whether that is the sliding layers' pool ([`KvGroups`]).
+    kv_slot: usize,
+    in_sliding_pool: bool,
     /// Index of the layer's table in [`Ropes`], or no RoPE.
     rope: Option<usize>,
 }
@@ -624,6 +628,8 @@ impl Layer {
             down_proj: linear(Role::DownProj, Role::DownBias, hidden, d.intermediate)?,
             mlp_post_norm: optional_norm(spec.mlp_norms.post(), Role::PostMlpNorm)?,
             window: layer_spec.window,
+            kv_slot: index,
+            in_sliding_pool: false,
             rope: match layer_spec.rope {
                 LayerRope::Global => Some(ropes[0]),
                 LayerRope::Local => Some(ropes[1]),
@@ -663,6 +669,22 @@ impl Layer {
             .flatten()
             .map(|n| &n.weight)
     }
+}
+
+/// "No block": an entry of a sliding table below the window, released (never read).
+pub const NO_BLOCK: u32 = u32::MAX;
+
+/// How a model's keys and values are split between two KV pools: the full-attention layers
+/// keep every position (paged, prefix-cached); the sliding layers, when they share one window,
+/// keep only the positions their window still reaches, in a pool of their own, so a long
+/// context costs the full layers' memory plus a bounded window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvGroups {
+    pub full_layers: usize,
+    /// Layers in the sliding pool (0: every layer is in the full pool).
+    pub sliding_layers: usize,
+    /// Their window, when there is a sliding pool.
+    pub window: Option<usize>,
 }
 
 /// The model's dimensions, from the resolved configuration.
@@ -711,6 +733,11 @@ pub struct Segment {
     /// position up to `start + n`.
     pub b0: usize,
     pub nb: usize,
+    /// Its table in the sliding layers' pool (when they have one) is
+    /// `sliding_block_ids[sb0..sb0 + snb]`: entries below the window of position `start` may
+    /// be released ([`NO_BLOCK`]) and are never read.
+    pub sb0: usize,
+    pub snb: usize,
     /// Row of the logits buffer that receives the segment's last token's logits, if wanted.
     /// Rows are numbered `0..` in segment order.
     pub logits_row: Option<usize>,
@@ -723,6 +750,7 @@ pub struct BatchPlan {
     pub ids: Vec<u32>,
     pub segments: Vec<Segment>,
     pub block_ids: Vec<u32>,
+    pub sliding_block_ids: Vec<u32>,
     /// Segments whose logits are wanted.
     pub logit_rows: usize,
 }
@@ -735,6 +763,7 @@ impl BatchPlan {
             ids: Vec::with_capacity(max_tokens),
             segments: Vec::with_capacity(max_segments),
             block_ids: Vec::with_capacity(max_blocks),
+            sliding_block_ids: Vec::with_capacity(max_blocks),
             logit_rows: 0,
         }
     }
@@ -743,12 +772,14 @@ impl BatchPlan {
         self.ids.clear();
         self.segments.clear();
         self.block_ids.clear();
+        self.sliding_block_ids.clear();
         self.logit_rows = 0;
     }
 
-    /// Adds a segment of `ids` at position `start` of a sequence with block table `blocks`;
-    /// returns its logits row when `logits` is asked for.
-    pub fn push(&mut self, ids: &[u32], start: usize, blocks: &[u32], logits: bool) -> Option<usize> {
+    /// Adds a segment of `ids` at position `start` of a sequence with block table `blocks`
+    /// (and `sliding` in the sliding layers' pool, empty without one); returns its logits row
+    /// when `logits` is asked for.
+    pub fn push(&mut self, ids: &[u32], start: usize, blocks: &[u32], sliding: &[u32], logits: bool) -> Option<usize> {
         let logits_row = logits.then(|| {
             self.logit_rows += 1;
             self.logit_rows - 1
@@ -759,10 +790,13 @@ impl BatchPlan {
             start,
             b0: self.block_ids.len(),
             nb: blocks.len(),
+            sb0: self.sliding_block_ids.len(),
+            snb: sliding.len(),
             logits_row,
         });
         self.ids.extend_from_slice(ids);
         self.block_ids.extend_from_slice(blocks);
+        self.sliding_block_ids.extend_from_slice(sliding);
         logits_row
     }
 
@@ -1008,6 +1042,21 @@ impl Model {
             .enumerate()
             .map(|(i, w)| Layer::new(w, i, &dims, config, &ropes, weights))
             .collect::<Result<Vec<_>>>()?;
+        let mut layers = layers;
+        // The sliding layers get a KV pool of their own when they share one window: it holds
+        // only the positions their windows still reach (`KvGroups`).
+        let mut windows = layers.iter().filter_map(|l| l.window);
+        if let Some(w) = windows.next()
+            && windows.all(|x| x == w)
+        {
+            let (mut full, mut sliding) = (0, 0);
+            for layer in &mut layers {
+                let counter = if layer.window.is_some() { &mut sliding } else { &mut full };
+                layer.kv_slot = *counter;
+                layer.in_sliding_pool = layer.window.is_some();
+                *counter += 1;
+            }
+        }
         let lm_head = Linear::bind(&weights.lm_head, None, dims.vocab, dims.hidden, weights)?;
         let quantization = match config.quantization {
             None => None,
@@ -1533,6 +1582,16 @@ impl Model {
         Ropes::new(&self.rope_configs, self.dims.head_dim, context)
     }
 
+    /// How the layers' keys and values are split between the KV pools.
+    pub fn kv_groups(&self) -> KvGroups {
+        let sliding = self.layers.iter().filter(|l| l.in_sliding_pool).count();
+        KvGroups {
+            full_layers: self.layers.len() - sliding,
+            sliding_layers: sliding,
+            window: self.layers.iter().find(|l| l.in_sliding_pool).and_then(|l| l.window),
+        }
+    }
+
     /// Whether some layer slides (attention over a window of positions).
     pub fn has_window(&self) -> bool {
         self.layers.iter().any(|l| l.window.is_some())
@@ -1556,6 +1615,7 @@ impl Model {
         &self,
         pool: &ThreadPool,
         kv: &mut KvPool,
+        mut sliding_kv: Option<&mut KvPool>,
         rope: &Ropes,
         s: &mut Scratch,
         plan: &BatchPlan,
@@ -1577,8 +1637,13 @@ impl Model {
         }
 
         // 2. The decoder layers, each updating the residual stream x (n, hidden) in place.
-        for (index, layer) in self.layers.iter().enumerate() {
-            self.attention_block(mm, layer, index, kv, rope, s, plan);
+        for layer in &self.layers {
+            // The layer's pool: the sliding layers' own when it has one.
+            let pool = match (&mut sliding_kv, layer.in_sliding_pool) {
+                (Some(sliding), true) => &mut **sliding,
+                _ => &mut *kv,
+            };
+            self.attention_block(mm, layer, pool, rope, s, plan);
             self.mlp_block(mm, layer, s, n);
         }
 
@@ -1652,7 +1717,6 @@ impl Model {
         &self,
         mm: Matmul<'_>,
         layer: &Layer,
-        index: usize,
         kv: &mut KvPool,
         rope: &Ropes,
         s: &mut Scratch,
@@ -1661,6 +1725,12 @@ impl Model {
         let d = &self.dims;
         let n = plan.tokens();
         let (h, hd, q_dim, kv_dim) = (d.hidden, d.head_dim, d.q_dim(), d.kv_dim());
+        // The layer's index in its pool, and each segment's table there.
+        let index = layer.kv_slot;
+        let table_range = |seg: &Segment| -> std::ops::Range<usize> {
+            if layer.in_sliding_pool { seg.sb0..seg.sb0 + seg.snb } else { seg.b0..seg.b0 + seg.nb }
+        };
+        let tables = if layer.in_sliding_pool { &plan.sliding_block_ids } else { &plan.block_ids };
 
         // 1. RMSNorm (pre-norm families): x (n, hidden) -> xn (n, hidden); OLMo 2 projects x itself.
         if let Some(norm) = &layer.attn_norm {
@@ -1689,7 +1759,7 @@ impl Model {
         let table = layer.rope.map(|i| rope.table(i));
         let rotary = table.map_or(0, |t| t.rotary_dim());
         for seg in &plan.segments {
-            let blocks = &plan.block_ids[seg.b0..seg.b0 + seg.nb];
+            let blocks = &tables[table_range(seg)];
             for t in seg.t0..seg.t0 + seg.n {
                 let pos = seg.start + (t - seg.t0);
                 for (row, width, head_norm) in [
@@ -1739,7 +1809,6 @@ impl Model {
         let q = &s.q[..n * q_dim];
         let attn = SharedMut::new(&mut s.attn[..n * q_dim]);
         let segments = &plan.segments;
-        let block_ids = &plan.block_ids;
         // Tasks of segment i are task_start[i]..task_start[i + 1]: its KV heads, each cut into
         // chunks of MAX_ROWS rows, or into partitions when split.
         let chunks = |seg: &Segment| (seg.n * group).div_ceil(MAX_ROWS);
@@ -1762,7 +1831,7 @@ impl Model {
             let si = task_start.partition_point(|&t| t <= task) - 1;
             let seg = segments[si];
             let local = task - task_start[si];
-            let blocks = &block_ids[seg.b0..seg.b0 + seg.nb];
+            let blocks = &tables[table_range(&seg)];
             let mut rows: [QueryRow<'_>; MAX_ROWS] =
                 std::array::from_fn(|_| QueryRow { q: &[], from: 0, len: 0, out: &mut [] });
             if is_split(&seg) {

@@ -94,7 +94,7 @@ impl NativeBackend {
 
     /// Bytes of the KV pool.
     pub fn kv_cache_bytes(&self) -> usize {
-        self.core.kv.bytes() as usize
+        self.core.kv_bytes() as usize
     }
 
     /// Checks ids before they join the sequence: `INPUT_INVALID` for none or one outside the
@@ -133,13 +133,13 @@ impl NativeBackend {
         let seq = &mut self.seq;
         if seq.kv.blocks.is_empty() && all_logits.is_none() {
             let limit = seq.tokens.len().saturating_sub(1);
-            seq.computed = seq.kv.match_prefix(&mut self.core.kv.alloc, &seq.tokens, limit, bs);
+            seq.computed = seq.kv.match_prefix(&mut self.core.allocs(), &seq.tokens, limit, bs);
         }
         let first = seq.computed;
         while seq.computed < seq.tokens.len() {
             let len = (seq.tokens.len() - seq.computed).min(self.core.max_batch_tokens);
             let end = seq.computed + len;
-            if !seq.kv.grow(&mut self.core.kv.alloc, end, bs) {
+            if !seq.kv.grow(&mut self.core.allocs(), end, bs) {
                 return Err(KylinError::config_invalid(format!(
                     "the KV pool of {} blocks cannot hold {end} positions; raise --kv-memory",
                     self.core.total_blocks()
@@ -151,13 +151,14 @@ impl NativeBackend {
                 &seq.tokens[seq.computed..end],
                 seq.computed,
                 &seq.kv.blocks,
+                &seq.kv.sliding,
                 last && all_logits.is_none(),
             );
             let rows =
                 all_logits.as_deref_mut().map(|out| &mut out[(seq.computed - first) * vocab..(end - first) * vocab]);
             self.core.forward(rows);
             seq.computed = end;
-            seq.kv.register_full(&mut self.core.kv.alloc, &seq.tokens, seq.computed, bs);
+            seq.kv.advance(&mut self.core.allocs(), &seq.tokens, seq.computed, bs);
         }
         Ok(())
     }
@@ -171,7 +172,7 @@ impl Backend for NativeBackend {
             architecture: self.core.architecture.clone(),
             parameters: self.core.model().parameter_count(),
             weight_bytes_per_token: self.core.model().weight_bytes_per_token(),
-            kv_bytes_per_position: Some(self.core.kv.bytes() / (self.core.total_blocks() as u64 * bs).max(1)),
+            kv_bytes_per_position: Some(self.core.kv_bytes() / (self.core.total_blocks() as u64 * bs).max(1)),
             vocab_size: self.core.model().dims().vocab,
             context_size: self.core.context(),
             threads: self.core.pool.threads(),
@@ -224,7 +225,7 @@ impl Backend for NativeBackend {
 
     /// Releases the sequence's blocks; its full blocks stay in the prefix cache.
     fn reset(&mut self) {
-        self.seq.kv.release_all(&mut self.core.kv.alloc);
+        self.seq.kv.release_all(&mut self.core.allocs());
         self.seq.tokens.clear();
         self.seq.computed = 0;
     }
@@ -238,7 +239,7 @@ impl Backend for NativeBackend {
         }
         let bs = self.core.block_size();
         let keep = (len / bs).min(self.seq.kv.blocks.len());
-        self.seq.kv.truncate(&mut self.core.kv.alloc, keep);
+        let keep = self.seq.kv.truncate(&mut self.core.allocs(), &self.seq.tokens, keep, bs);
         self.seq.tokens.truncate(len);
         self.seq.computed = self.seq.computed.min(keep * bs);
     }

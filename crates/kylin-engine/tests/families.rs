@@ -322,3 +322,107 @@ fn fast_paths_stay_close_to_f32_on_every_dense_family() {
     }
     assert!(failures.is_empty(), "fast paths too far from f32: {failures:?}");
 }
+
+/// A model whose sliding layers share a window keeps their keys and values for the window
+/// only: a pool of its own, sized for the window plus one step per sequence, of which a long
+/// sequence holds a bounded share; the full layers keep every position. Outputs are those of
+/// the plain engine (the reference tests above run through the same pools).
+#[test]
+fn sliding_layers_hold_only_their_window() {
+    // tiny-gemma3: 6 layers, 5 sliding with a window of 8, 1 full; head_dim 16, 2 KV heads.
+    let path = fixture("tiny-gemma3");
+    let opts = EngineOptions {
+        threads: 2,
+        ctx_size: Some(1024),
+        max_seqs: 2,
+        max_batch_tokens: 32,
+        precision: PrecisionChoice::F32,
+        ..EngineOptions::default()
+    };
+    let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
+    let mut e = BatchEngine::new(model, &opts).unwrap();
+    let bs = e.core().block_size();
+    let per_position_layer = 2 * 2 * 16 * 4; // keys and values, 2 KV heads of 16, f32
+    // The sliding pool: per sequence (8 - 1 + 32) positions in blocks, plus one; 5 layers.
+    let sliding_blocks = 2 * ((8 - 1 + 32usize).div_ceil(bs) + 1);
+    assert_eq!(e.core().sliding_kv_bytes(), (sliding_blocks * bs * 5 * per_position_layer) as u64);
+    // The full pool holds the one full layer, for two sequences of the whole context.
+    let full = e.core().kv_bytes() - e.core().sliding_kv_bytes();
+    assert_eq!(full, (e.core().total_blocks() * bs * per_position_layer) as u64);
+    assert_eq!(e.core().total_blocks(), 2 * 1024 / bs);
+
+    // A 300-token prompt and 60 new tokens: the sliding blocks held never exceed the window
+    // and one step's positions.
+    e.add_request(request(1, prompt(300, 3), 60)).unwrap();
+    let mut events = Vec::new();
+    let mut most = 0;
+    while e.has_work() {
+        events.clear();
+        e.step(&mut events).unwrap();
+        most = most.max(e.core().sliding_blocks_in_use());
+    }
+    assert!(most <= (8 - 1 + 32usize).div_ceil(bs) + 1, "a sequence held {most} sliding blocks");
+    assert_eq!(e.core().sliding_blocks_in_use(), 0, "sliding blocks still held after the request ended");
+}
+
+/// The prefix cache with sliding layers: the same prompt again reuses the cached blocks of
+/// both pools (the window's sliding blocks are cached under the full blocks' hashes) and gives
+/// the same tokens and log-probabilities, bit for bit, as the first time.
+#[test]
+fn prefix_reuse_with_sliding_layers_gives_the_same_outputs() {
+    for name in ["tiny-gemma3", "tiny-mistral-swa"] {
+        let path = fixture(name);
+        let opts = EngineOptions {
+            threads: 2,
+            ctx_size: Some(256),
+            precision: PrecisionChoice::F32,
+            ..EngineOptions::default()
+        };
+        let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
+        let mut e = BatchEngine::new(model, &opts).unwrap();
+        let p = prompt(150, 11);
+        e.add_request(request(1, p.clone(), 20)).unwrap();
+        let first = drain(&mut e);
+        e.add_request(request(2, p.clone(), 20)).unwrap();
+        let hits_before = e.stats().prefix_cache_hits;
+        let second = drain(&mut e);
+        assert!(e.stats().prefix_cache_hits > hits_before, "{name}: the second prompt hit no cached block");
+        assert_eq!(first[&1], second[&2], "{name}: a cached prefix changed the outputs");
+        // A prompt sharing only its first 100 tokens.
+        let mut q = p[..100].to_vec();
+        q.extend(prompt(40, 99));
+        let mut fresh = {
+            let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
+            BatchEngine::new(model, &opts).unwrap()
+        };
+        fresh.add_request(request(3, q.clone(), 20)).unwrap();
+        let alone = drain(&mut fresh);
+        e.add_request(request(3, q, 20)).unwrap();
+        assert_eq!(drain(&mut e)[&3], alone[&3], "{name}: a partly shared prefix changed the outputs");
+    }
+}
+
+/// `kylin chat`'s path: a turn, then the next turn rewinds to the shared prefix and goes on;
+/// the logits equal a fresh prefill of the whole conversation (windows crossed in both).
+#[test]
+fn rewinding_a_windowed_sequence_recomputes_what_its_window_lost() {
+    for name in ["tiny-gemma2", "tiny-mistral-swa"] {
+        let mut b = native(&fixture(name), PrecisionChoice::F32, None);
+        let turn1 = prompt(90, 5);
+        b.prefill(&turn1).unwrap();
+        for _ in 0..10 {
+            let next = argmax(b.decode(7).unwrap());
+            let _ = next;
+        }
+        // The next turn keeps the first 70 tokens and adds 30 new ones.
+        b.rewind(70);
+        let mut whole = turn1[..70].to_vec();
+        whole.extend(prompt(30, 8));
+        let got = b.prefill(&whole[70..]).unwrap().to_vec();
+        let mut fresh = native(&fixture(name), PrecisionChoice::F32, None);
+        let want = fresh.prefill(&whole).unwrap().to_vec();
+        let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(diff <= 1e-5, "{name}: rewound and fresh logits differ by {diff}");
+        assert_eq!(argmax(&got), argmax(&want));
+    }
+}

@@ -30,8 +30,8 @@
 //! 2. Per partition a fresh state `(m = -inf, l = 0, o = 0)`; per tile, in order:
 //!    - scores `s_j = (Σ_c q_c · k_jc) · scale` (one fused multiply-add per dimension `c` in
 //!      order, from zero; then the scale); with a soft cap ([`ScoreMap::softcap`]),
-//!      `s_j = cap · tanh(s_j / cap)` (the tanh of [`Lanes`]' operations, see `tanh_lanes`);
-//!      then positions outside `from..len` set to `-inf`;
+//!      `s_j = cap · tanh(s_j / cap)` (a tanh made of the kernel's own lane operations, see
+//!      [`ScoreMap`]); then positions outside `from..len` set to `-inf`;
 //!    - `m' = max(m, max_j s_j)`, `corr = e^(m - m')`, `p_j = e^(s_j - m')` (0 outside
 //!      `from..len`);
 //!    - `l = fma(l, corr, sum(p))` (the sum in a fixed tree: the tile's two halves added lane by
@@ -50,9 +50,14 @@
 //! # Sliding windows read only the window
 //!
 //! A call reads keys and values from the tile (and partition) holding the smallest `from` of
-//! its rows on: no block of the table below `min_from / block_size` is checked, addressed or
-//! read, so the engine may free (and reuse) the blocks a sliding window has left behind, and
-//! leave stale ids in those entries of the block table.
+//! its rows (`min_from`) on: no entry of the block table below `min_from / block_size` is
+//! checked, addressed or read, so the engine may free (and reuse) the blocks a sliding window
+//! has left behind, and leave stale ids in those entries of the block table.
+//!
+//! The f32 path and the AVX-512 BF16 path take windows and soft caps; the AMX path takes
+//! neither (it cannot be tested without AMX hardware), so [`attention_path`] is told what the
+//! layers need ([`AttentionNeeds`]) and falls back to the f32 path where AMX would run, and a
+//! call that needs either on a pool the AMX path reads panics.
 //!
 //! Guarantees: nothing here allocates; every block id a call reads is checked against the pool
 //! before any read, so a wrong block table panics instead of reading out of bounds.
@@ -733,14 +738,21 @@ unsafe fn rows_body<L: Lanes, const D: u8>(rows: &mut [QueryRow<'_>], job: &Job<
                 // Some position of the tile is at or above `min_from`, so the second half is.
                 halves[0] = halves[1];
             }
-            // Value rows of this tile, from `min_from` on (the rows below are no row's).
+            // Value rows of this tile, from `min_from` on (the rows below are no row's), one
+            // block at a time (rows `hd` elements apart inside a block).
             let mut vrows = [std::ptr::null::<u8>(); TILE];
-            for (j, v) in vrows.iter_mut().enumerate().take(tile_len).skip(min_from.saturating_sub(t0)) {
+            let mut j = min_from.saturating_sub(t0);
+            while j < tile_len {
                 let p = t0 + j;
-                let at = job.values.tile_base(job.blocks, job.offset, p) + (p % bs) * hd;
-                // SAFETY: position `p` of `min_from..max_len` lies in a block of the table
-                // inside the pool (checked).
-                *v = unsafe { job.values.data.as_ptr().add(at * size) };
+                let slot = p % bs;
+                let run = (bs - slot).min(tile_len - j);
+                let at = job.values.tile_base(job.blocks, job.offset, p) + slot * hd;
+                for (k, v) in vrows[j..j + run].iter_mut().enumerate() {
+                    // SAFETY: positions `p..p + run` of `min_from..max_len` lie in the block of
+                    // `p`, in the table and inside the pool (checked).
+                    *v = unsafe { job.values.data.as_ptr().add((at + k * hd) * size) };
+                }
+                j += run;
             }
             // Micro-kernels over the rows that use this tile.
             let mut first = 0;

@@ -1,7 +1,8 @@
 //! Blocked paged attention against the scalar reference on contiguous keys and values: every KV
 //! element type, odd head sizes, odd lengths (across tiles and partitions), block sizes that do
-//! and do not divide the length or sixteen, and scattered block tables; and every row's bits
-//! independent of the rows it is computed with.
+//! and do not divide the length or sixteen, and scattered block tables; sliding windows
+//! (`QueryRow::from`) and soft-capped scores; every row's bits independent of the rows it is
+//! computed with and of split-K; and the blocks a window has left behind never read.
 
 use kylin_kernels::paged::{
     AttentionNeeds, AttentionPath, KvLayout, KvView, MAX_ROWS, PARTITION, PartialStats, QueryRow, ScoreMap, TILE,
@@ -266,7 +267,8 @@ fn split_partitions_merge_to_the_bits_of_one_call() {
 /// CPU has it; the f32 path where it has AMX, whose kernel supports neither).
 const WINDOW_AND_CAP: AttentionNeeds = AttentionNeeds { window: true, softcap: true };
 
-/// The tolerance against the f64 reference of the path a pool made for `needs` is read by.
+/// The tolerance against the reference of the path that reads a pool made for
+/// [`WINDOW_AND_CAP`].
 fn tolerance(precision: Precision, dtype: WeightDType, head_dim: usize, block_size: usize) -> f32 {
     match attention_path(precision, dtype, head_dim, block_size, WINDOW_AND_CAP) {
         AttentionPath::F32 => 2e-5,
