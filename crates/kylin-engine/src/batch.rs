@@ -623,7 +623,9 @@ impl EngineCore {
             kv_block_size: bs,
             kv_blocks: self.kv.alloc.total(),
             kv_tokens: self.kv.alloc.total() * bs,
-            kv_bytes: self.kv.bytes(),
+            // Both pools: the full layers' (every position of `kv_tokens`) and the sliding
+            // layers' window pool.
+            kv_bytes: self.kv_bytes(),
             kv_dtype: dtype_name(self.kv.dtype).to_string(),
             threads: self.pool.threads(),
             precision: self.model.precision_name().to_string(),
