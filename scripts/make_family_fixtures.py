@@ -65,6 +65,15 @@ SPECS = {
     # Phi-3 with partial rotary (Phi-4-mini rotates 3/4 of each head) and a window.
     "tiny-phi3-partial-swa": ("Phi3ForCausalLM", "Phi3Config",
         dict(BASE, num_key_value_heads=2, partial_rotary_factor=0.75, sliding_window=7, pad_token_id=0), []),
+    # Phi-3's LongRoPE (Phi-3-mini-128k, Phi-4-mini) with partial rotary: short factors within
+    # the original 64 positions, long ones past them (transformers picks by the sequence's
+    # length; Kylin by the planned context, so the test plans 64 or 256 accordingly).
+    "tiny-phi3-longrope": ("Phi3ForCausalLM", "Phi3Config",
+        dict(BASE, num_key_value_heads=2, max_position_embeddings=256, original_max_position_embeddings=64,
+             pad_token_id=0, rope_parameters={
+                 "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                 "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                 "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}), []),
     # NoPE every third layer, untied.
     "tiny-smollm3-every3": ("SmolLM3ForCausalLM", "SmolLM3Config",
         dict(BASE, no_rope_layer_interval=3, tie_word_embeddings=False, pad_token_id=0), ["no_rope_layers"]),

@@ -480,13 +480,22 @@ impl EngineCore {
         let max_seqs = opts.max_seqs.min(opts.max_batch_tokens);
         let max_batch_tokens = opts.max_batch_tokens.min(context.max(1) * max_seqs);
         let mut scratch = model.plan_scratch(max_batch_tokens, max_seqs, context)?;
-        // The sliding layers' pool holds, per sequence, the positions one step's queries can
-        // read: the window before the first plus the step itself, so it never runs out.
+        // The sliding layers' pool holds what one step's queries can read: for each sequence
+        // the window before its first query plus its share of the step. A sequence computing
+        // `len` tokens holds at most `ceil((window - 1 + len) / bs) + 1` blocks, and the `len`
+        // of one step add up to at most `max_batch_tokens`, so this many blocks never run out
+        // (and never more than every sequence at the full context).
         let groups = model.kv_groups();
         let sliding_blocks = match groups.window {
             Some(window) if groups.sliding_layers > 0 => {
-                let per_seq = (window - 1 + max_batch_tokens).min(context).div_ceil(block_size) + 1;
-                Some(per_seq.checked_mul(max_seqs).ok_or_else(|| {
+                let per_seq = (window - 1).div_ceil(block_size) + 2;
+                let step = max_batch_tokens.div_ceil(block_size);
+                let most = context.div_ceil(block_size) + 1;
+                let blocks = per_seq
+                    .checked_mul(max_seqs)
+                    .and_then(|b| b.checked_add(step))
+                    .map(|b| b.min(most.saturating_mul(max_seqs)));
+                Some(blocks.ok_or_else(|| {
                     KylinError::config_invalid("the sliding-window KV pool overflows; pass a smaller --max-seqs")
                 })?)
             }
