@@ -313,30 +313,17 @@ pub fn widen_row(w: WeightMatrix<'_>, row: usize, out: &mut [f32]) {
 
 /// `out = x / rms(x) * weight` for one row (`x.len() == weight.len() == out.len()`).
 pub fn rms_norm(x: &[f32], weight: WeightVector<'_>, eps: f32, out: &mut [f32]) {
-    match isa() {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2Fma | Isa::Avx512 => {
-            // This check makes the unsafe weight reads below sound.
-            assert!(weight.len() >= out.len() && x.len() >= out.len(), "rms_norm: lengths disagree");
-            // SAFETY: AVX2/FMA/F16C were detected; `weight` holds at least `out.len()` elements.
-            unsafe {
-                let sum_sq = x86::dot(x, x);
-                let inv = 1.0 / (sum_sq / x.len() as f32 + eps).sqrt();
-                let w = weight.data.as_ptr();
-                match weight.dtype {
-                    WeightDType::BF16 => x86::scale_by_weights::<{ x86::BF16 }>(x, inv, w, out),
-                    WeightDType::F16 => x86::scale_by_weights::<{ x86::F16 }>(x, inv, w, out),
-                    WeightDType::F32 => x86::scale_by_weights::<{ x86::F32 }>(x, inv, w, out),
-                }
-            }
-        }
-        _ => reference::rms_norm(x, weight, eps, out),
-    }
+    rms_norm_scaled::<false>(x, weight, eps, out)
 }
 
 /// `out = x / rms(x) * (1 + weight)` for one row: Gemma's RMSNorm, whose weights are stored
 /// as offsets from one (`1 + w` is formed in f32 first, then multiplied, as transformers does).
 pub fn rms_norm_unit_offset(x: &[f32], weight: WeightVector<'_>, eps: f32, out: &mut [f32]) {
+    rms_norm_scaled::<true>(x, weight, eps, out)
+}
+
+/// Both RMSNorms: the weight is `w`, or `1 + w` with `UNIT`.
+fn rms_norm_scaled<const UNIT: bool>(x: &[f32], weight: WeightVector<'_>, eps: f32, out: &mut [f32]) {
     match isa() {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2Fma | Isa::Avx512 => {
@@ -348,13 +335,14 @@ pub fn rms_norm_unit_offset(x: &[f32], weight: WeightVector<'_>, eps: f32, out: 
                 let inv = 1.0 / (sum_sq / x.len() as f32 + eps).sqrt();
                 let w = weight.data.as_ptr();
                 match weight.dtype {
-                    WeightDType::BF16 => x86::scale_by_unit_offset_weights::<{ x86::BF16 }>(x, inv, w, out),
-                    WeightDType::F16 => x86::scale_by_unit_offset_weights::<{ x86::F16 }>(x, inv, w, out),
-                    WeightDType::F32 => x86::scale_by_unit_offset_weights::<{ x86::F32 }>(x, inv, w, out),
+                    WeightDType::BF16 => x86::scale_by_weights::<{ x86::BF16 }, UNIT>(x, inv, w, out),
+                    WeightDType::F16 => x86::scale_by_weights::<{ x86::F16 }, UNIT>(x, inv, w, out),
+                    WeightDType::F32 => x86::scale_by_weights::<{ x86::F32 }, UNIT>(x, inv, w, out),
                 }
             }
         }
-        _ => reference::rms_norm_unit_offset(x, weight, eps, out),
+        _ if UNIT => reference::rms_norm_unit_offset(x, weight, eps, out),
+        _ => reference::rms_norm(x, weight, eps, out),
     }
 }
 

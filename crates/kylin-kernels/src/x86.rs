@@ -417,30 +417,6 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     }
 }
 
-/// `out[i] = x[i] · inv · (1 + w[i])` with `w` in dtype `D` (Gemma's RMSNorm).
-///
-/// # Safety
-/// `w` must be valid for `out.len()` elements of dtype `D`; `x.len() >= out.len()`.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn scale_by_unit_offset_weights<const D: u8>(x: &[f32], inv: f32, w: *const u8, out: &mut [f32]) {
-    let n = out.len();
-    let iv = _mm256_set1_ps(inv);
-    let one = _mm256_set1_ps(1.0);
-    let mut i = 0;
-    // SAFETY: every access is at elements `< n`, inside `x`, `out` and the caller's extent of `w`.
-    unsafe {
-        while i + 8 <= n {
-            let v = _mm256_mul_ps(_mm256_loadu_ps(x.as_ptr().add(i)), iv);
-            _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_mul_ps(v, _mm256_add_ps(one, load8::<D>(w, i))));
-            i += 8;
-        }
-        while i < n {
-            out[i] = x[i] * inv * (1.0 + load1::<D>(w, i));
-            i += 1;
-        }
-    }
-}
-
 /// `tanh(u) = 1 − 2 / (e^{2u} + 1)` on eight lanes (finite for every finite `u`: [`exp8`]
 /// clamps its input).
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -519,24 +495,29 @@ pub fn softcap(x: &mut [f32], cap: f32) {
     }
 }
 
-/// `out[i] = x[i] · inv · w[i]` with `w` in dtype `D` (the scaling step of RMSNorm).
+/// `out[i] = x[i] · inv · w[i]` with `w` in dtype `D` (the scaling step of RMSNorm), or
+/// `x[i] · inv · (1 + w[i])` with `UNIT` (Gemma's).
 ///
 /// # Safety
 /// `w` must be valid for `out.len()` elements of dtype `D`; `x.len() >= out.len()`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn scale_by_weights<const D: u8>(x: &[f32], inv: f32, w: *const u8, out: &mut [f32]) {
+pub unsafe fn scale_by_weights<const D: u8, const UNIT: bool>(x: &[f32], inv: f32, w: *const u8, out: &mut [f32]) {
     let n = out.len();
     let iv = _mm256_set1_ps(inv);
+    let one = _mm256_set1_ps(1.0);
     let mut i = 0;
     // SAFETY: every access is at elements `< n`, inside `x`, `out` and the caller's extent of `w`.
     unsafe {
         while i + 8 <= n {
             let v = _mm256_mul_ps(_mm256_loadu_ps(x.as_ptr().add(i)), iv);
-            _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_mul_ps(v, load8::<D>(w, i)));
+            let wv = load8::<D>(w, i);
+            let wv = if UNIT { _mm256_add_ps(one, wv) } else { wv };
+            _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_mul_ps(v, wv));
             i += 8;
         }
         while i < n {
-            out[i] = x[i] * inv * load1::<D>(w, i);
+            let wi = load1::<D>(w, i);
+            out[i] = x[i] * inv * if UNIT { 1.0 + wi } else { wi };
             i += 1;
         }
     }

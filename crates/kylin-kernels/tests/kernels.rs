@@ -230,6 +230,74 @@ fn rms_norm_matches_reference() {
 }
 
 #[test]
+fn unit_offset_rms_norm_matches_reference() {
+    let mut rng = Rng(6);
+    for dtype in DTYPES {
+        for n in 1..=67 {
+            let x = rng.vec(n);
+            let wdata = rng.weights(dtype, n);
+            let weight = WeightVector { dtype, data: &wdata };
+            let mut want = vec![0.0; n];
+            let mut got = vec![0.0; n];
+            reference::rms_norm_unit_offset(&x, weight, 1e-6, &mut want);
+            kylin_kernels::rms_norm_unit_offset(&x, weight, 1e-6, &mut got);
+            for i in 0..n {
+                assert!(
+                    (got[i] - want[i]).abs() <= 1e-6 * want[i].abs().max(1e-3),
+                    "{dtype:?} n={n} i={i}: {} vs {}",
+                    got[i],
+                    want[i]
+                );
+            }
+        }
+    }
+}
+
+/// GeGLU and soft-capping: the SIMD tanh (`1 − 2 / (e^{2u} + 1)` over the kernels' `exp`)
+/// against `f32::tanh`, on odd lengths and extreme inputs; and every element's bits independent
+/// of where the slice ends (the tail runs the vector code, for batch invariance).
+#[test]
+fn gelu_tanh_and_softcap_match_reference_and_ignore_the_slice_end() {
+    let mut rng = Rng(19);
+    for n in 1..=67 {
+        let x: Vec<f32> = rng.vec(n).iter().map(|v| v * 12.0).collect();
+        let y = rng.vec(n);
+        let (mut a, mut b) = (x.clone(), x.clone());
+        reference::gelu_tanh_mul(&mut a, &y);
+        kylin_kernels::gelu_tanh_mul(&mut b, &y);
+        for (i, (g, w)) in b.iter().zip(&a).enumerate() {
+            // tanh near 0 comes from 1 - 2/(e^2u + 1): absolute error about 1e-7 of x.
+            let tol = 1e-6 * w.abs() + 2e-7 * x[i].abs() * y[i].abs() + 1e-30;
+            assert!((g - w).abs() <= tol, "gelu_tanh_mul n={n} i={i}: {g} vs {w}");
+        }
+        let mut whole = x.clone();
+        kylin_kernels::gelu_tanh_mul(&mut whole, &y);
+        for cut in 1..n {
+            let mut head = x[..cut].to_vec();
+            kylin_kernels::gelu_tanh_mul(&mut head, &y[..cut]);
+            assert!(head.iter().zip(&whole).all(|(p, q)| p.to_bits() == q.to_bits()), "gelu_tanh_mul n={n} cut={cut}");
+        }
+        for cap in [0.5f32, 30.0, 50.0] {
+            let (mut a, mut b) = (x.clone(), x.clone());
+            reference::softcap(&mut a, cap);
+            kylin_kernels::softcap(&mut b, cap);
+            for (i, (g, w)) in b.iter().zip(&a).enumerate() {
+                assert!((g - w).abs() <= 2e-6 * cap, "softcap {cap} n={n} i={i}: {g} vs {w}");
+            }
+            let mut head = x[..n / 2].to_vec();
+            kylin_kernels::softcap(&mut head, cap);
+            assert!(head.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()), "softcap {cap} n={n}");
+        }
+    }
+    let mut extremes = vec![-1e6f32, -100.0, -1e-20, 0.0, 1e-20, 100.0, 1e6];
+    kylin_kernels::softcap(&mut extremes, 30.0);
+    assert!(extremes.iter().all(|v| v.is_finite() && v.abs() <= 30.0), "{extremes:?}");
+    let mut g = vec![-1e4f32, -20.0, 0.0, 20.0, 1e4];
+    kylin_kernels::gelu_tanh_mul(&mut g, &[1.0; 5]);
+    assert_eq!(g, [-0.0, -0.0, 0.0, 20.0, 1e4], "gelu saturates to 0 and x");
+}
+
+#[test]
 fn elementwise_kernels_match_reference_exactly() {
     let mut rng = Rng(11);
     for n in 1..=67 {
