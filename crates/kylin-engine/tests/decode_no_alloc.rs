@@ -22,9 +22,18 @@ const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared");
 
 #[test]
 fn decode_steps_allocate_nothing() {
-    // Qwen2 with biases (F16) and Qwen3 with q/k norms (BF16): every optional path of the block.
-    for name in ["tiny-qwen2-f16", "tiny-qwen3-yarn", "tiny-qwen3-sharded-f32"] {
-        let path = Path::new(SHARED).join("fixtures").join(name);
+    // Qwen2 with biases (F16) and Qwen3 with q/k norms (BF16); then every family of the
+    // registry's shared blocks: sliding windows and their own KV pool (Gemma 2/3, Mistral),
+    // soft-caps and sandwich norms (Gemma 2), fused projections (Phi-3), NoPE (SmolLM3),
+    // post-norms (OLMo 2) and multipliers (Granite). The 39-token prompt and 33 decode steps
+    // cross the windows of 8, so sliding blocks are released while decoding.
+    let families =
+        ["tiny-gemma2", "tiny-gemma3", "tiny-mistral-swa", "tiny-phi3", "tiny-smollm3", "tiny-olmo2", "tiny-granite"];
+    let models = ["tiny-qwen2-f16", "tiny-qwen3-yarn", "tiny-qwen3-sharded-f32"]
+        .into_iter()
+        .map(|name| (name, Path::new(SHARED).join("fixtures").join(name)))
+        .chain(families.into_iter().map(|name| (name, Path::new(SHARED).join("families/fixtures").join(name))));
+    for (name, path) in models {
         let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
         let mut backend = NativeBackend::new(model, NativeOptions { threads: 2, ..Default::default() }).unwrap();
         let prompt: Vec<u32> = (1..40).collect();
