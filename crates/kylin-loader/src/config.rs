@@ -426,6 +426,9 @@ impl HfConfig {
     }
 }
 
+/// The most decoder layers a configuration may declare.
+pub const MAX_LAYERS: usize = 4096;
+
 /// transformers' default `rms_norm_eps` for all four architectures.
 pub const DEFAULT_RMS_NORM_EPS: f64 = 1e-6;
 /// transformers' default `rope_theta` (`default_theta`).
@@ -528,6 +531,13 @@ impl HfConfig {
 
         let hidden_size = required(self.hidden_size, "hidden_size")?;
         let num_layers = required(self.num_hidden_layers, "num_hidden_layers")?;
+        // The decoder's per-layer plan is sized by this number: a bound keeps a hostile file
+        // from asking for gigabytes (the deepest published decoders have about 130 layers).
+        if num_layers > MAX_LAYERS {
+            return Err(KylinError::config_invalid(format!(
+                "config.json field 'num_hidden_layers' is {num_layers}, which is implausibly large (at most {MAX_LAYERS})"
+            )));
+        }
         let num_heads = required(self.num_attention_heads, "num_attention_heads")?;
         let intermediate_size = required(self.intermediate_size, "intermediate_size")?;
         let vocab_size = required(self.vocab_size, "vocab_size")?;

@@ -945,3 +945,12 @@ fn inspect_reports_the_method_bits_group_and_unquantized_modules() {
         }
     }
 }
+
+#[test]
+fn an_implausible_layer_count_is_refused_before_anything_is_sized_by_it() {
+    let dir = copy_fixture("tiny-qwen3");
+    edit_json(&dir.path().join("config.json"), |c| {
+        c.insert("num_hidden_layers".into(), Value::from(3_000_000_000u64));
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &["num_hidden_layers", "3000000000"]);
+}
