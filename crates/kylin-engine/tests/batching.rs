@@ -17,6 +17,9 @@ use kylin_engine::sampler::SamplingParams;
 use kylin_engine::serving::{Event, EventKind, Request, Serving, StopReason, TokenLogprob};
 use kylin_engine::{PrecisionChoice, QuantFormat};
 
+mod support;
+use support::{prompt, request};
+
 const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared");
 
 fn fixture(name: &str) -> PathBuf {
@@ -85,27 +88,6 @@ fn collect(events: &[Event], out: &mut BTreeMap<(u64, usize), Output>) {
             }
         }
     }
-}
-
-/// Deterministic prompt ids in `1..span`.
-fn prompt(len: usize, seed: u64, span: u32) -> Vec<u32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            1 + (s % u64::from(span - 1)) as u32
-        })
-        .collect()
-}
-
-fn request(id: u64, prompt: Vec<u32>, max_new: usize) -> Request {
-    let mut r = Request::new(id, prompt, max_new);
-    r.detokenize = false;
-    r.ignore_eos = true;
-    r.logprobs = Some(5);
-    r
 }
 
 /// `requests` run one at a time on fresh engines.

@@ -20,6 +20,14 @@ use kylin_engine::sampler::argmax;
 use kylin_engine::serving::{Event, EventKind, Request, Serving};
 use serde_json::Value;
 
+mod support;
+use support::{greedy, ids, request};
+
+/// Deterministic prompt ids in `1..1000`.
+fn prompt(len: usize, seed: u64) -> Vec<u32> {
+    support::prompt(len, seed, 1000)
+}
+
 const FAMILIES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/families");
 /// Further configurations of the same families, written by `scripts/make_family_fixtures.py`.
 const MORE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/families");
@@ -43,10 +51,6 @@ fn reference_in(root: &str, name: &str) -> Value {
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{} is not JSON: {e}", path.display()))
 }
 
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().expect("an id list").iter().map(|x| x.as_u64().expect("an id") as u32).collect()
-}
-
 fn native(path: &Path, precision: PrecisionChoice, quantize: Option<QuantFormat>) -> NativeBackend {
     native_with_context(path, precision, quantize, None)
 }
@@ -62,19 +66,6 @@ fn native_with_context(
     let engine = EngineOptions { threads: 2, precision, quantize, ctx_size, ..EngineOptions::default() };
     NativeBackend::new(model, NativeOptions { threads: 2, ctx_size, engine: Some(engine), ..Default::default() })
         .unwrap_or_else(|e| panic!("building the backend for {}: {e}", path.display()))
-}
-
-/// Greedy generation of `n` tokens: prefill, then decode each new token (EOS ignored).
-fn greedy(backend: &mut NativeBackend, prompt: &[u32], n: usize) -> Vec<u32> {
-    backend.reset();
-    let mut out = Vec::with_capacity(n);
-    let mut next = argmax(backend.prefill(prompt).expect("prefill"));
-    out.push(next);
-    while out.len() < n {
-        next = argmax(backend.decode(next).expect("decode"));
-        out.push(next);
-    }
-    out
 }
 
 /// f32 against transformers: argmax per position, the last row within 1e-3, greedy tokens.
@@ -214,27 +205,6 @@ fn drain(engine: &mut BatchEngine) -> Outputs {
         assert!(steps < 100_000, "the engine does not finish");
     }
     out
-}
-
-/// Deterministic prompt ids in `1..1000`.
-fn prompt(len: usize, seed: u64) -> Vec<u32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            1 + (s % 999) as u32
-        })
-        .collect()
-}
-
-fn request(id: u64, prompt: Vec<u32>, max_new: usize) -> Request {
-    let mut r = Request::new(id, prompt, max_new);
-    r.detokenize = false;
-    r.ignore_eos = true;
-    r.logprobs = Some(5);
-    r
 }
 
 /// Nine requests (prompts of 3 to 90 tokens, crossing the windows) alone on fresh engines,

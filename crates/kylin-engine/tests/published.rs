@@ -26,6 +26,9 @@ use kylin_kernels::quant::Packing;
 use kylin_loader::{ErrorCode, LoadOptions};
 use serde_json::Value;
 
+mod support;
+use support::{greedy, ids};
+
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/quantized");
 
 /// Every fixture but the unquantized sources, with the packing the fast path must choose where
@@ -70,20 +73,6 @@ fn try_backend(dir: &Path, precision: PrecisionChoice) -> kylin_loader::Result<N
 
 fn backend(name: &str, precision: PrecisionChoice) -> NativeBackend {
     try_backend(&fixture(name), precision).unwrap_or_else(|e| panic!("{name}: {e}"))
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().expect("an id list").iter().map(|x| x.as_u64().expect("an id") as u32).collect()
-}
-
-fn greedy(backend: &mut NativeBackend, prompt: &[u32], n: usize) -> Vec<u32> {
-    backend.reset();
-    let mut out = vec![argmax(backend.prefill(prompt).expect("prefill"))];
-    while out.len() < n {
-        let next = argmax(backend.decode(*out.last().expect("a token")).expect("decode"));
-        out.push(next);
-    }
-    out
 }
 
 fn max_abs_diff(reference: &[Value], got: &[f32]) -> f64 {

@@ -12,6 +12,9 @@ use kylin_engine::native::{NativeBackend, NativeOptions};
 use kylin_engine::sampler::argmax;
 use serde_json::Value;
 
+mod support;
+use support::{greedy, ids};
+
 const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared");
 
 fn fixtures_dir() -> PathBuf {
@@ -30,23 +33,6 @@ fn backend(name: &str) -> NativeBackend {
         .unwrap_or_else(|e| panic!("loading {}: {e}", path.display()));
     NativeBackend::new(model, NativeOptions { threads: 2, ..Default::default() })
         .unwrap_or_else(|e| panic!("building the backend for {name}: {e}"))
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().expect("an id list").iter().map(|x| x.as_u64().expect("an id") as u32).collect()
-}
-
-/// Greedy generation of `n` tokens: prefill, then decode each new token (EOS ignored).
-fn greedy(backend: &mut NativeBackend, prompt: &[u32], n: usize) -> Vec<u32> {
-    backend.reset();
-    let mut out = Vec::with_capacity(n);
-    let mut next = argmax(backend.prefill(prompt).expect("prefill"));
-    out.push(next);
-    while out.len() < n {
-        next = argmax(backend.decode(next).expect("decode"));
-        out.push(next);
-    }
-    out
 }
 
 /// Our top `k` ids must follow the reference order wherever consecutive reference logits differ

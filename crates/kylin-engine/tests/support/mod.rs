@@ -1,0 +1,49 @@
+//! Helpers the engine's test files share: reference ids, greedy generation, deterministic
+//! prompts and plain requests. Each test file includes it (`mod support;`) and uses a part.
+#![allow(dead_code)]
+
+use kylin_engine::Backend;
+use kylin_engine::native::NativeBackend;
+use kylin_engine::sampler::argmax;
+use kylin_engine::serving::Request;
+use serde_json::Value;
+
+/// A reference's id list.
+pub fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().expect("an id list").iter().map(|x| x.as_u64().expect("an id") as u32).collect()
+}
+
+/// Greedy generation of `n` tokens: prefill, then decode each new token (EOS ignored).
+pub fn greedy(backend: &mut NativeBackend, prompt: &[u32], n: usize) -> Vec<u32> {
+    backend.reset();
+    let mut out = Vec::with_capacity(n);
+    let mut next = argmax(backend.prefill(prompt).expect("prefill"));
+    out.push(next);
+    while out.len() < n {
+        next = argmax(backend.decode(next).expect("decode"));
+        out.push(next);
+    }
+    out
+}
+
+/// Deterministic prompt ids in `1..span`.
+pub fn prompt(len: usize, seed: u64, span: u32) -> Vec<u32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            1 + (s % u64::from(span - 1)) as u32
+        })
+        .collect()
+}
+
+/// A request of `max_new` tokens, EOS ignored, no text, with the top-5 log-probabilities.
+pub fn request(id: u64, prompt: Vec<u32>, max_new: usize) -> Request {
+    let mut r = Request::new(id, prompt, max_new);
+    r.detokenize = false;
+    r.ignore_eos = true;
+    r.logprobs = Some(5);
+    r
+}
