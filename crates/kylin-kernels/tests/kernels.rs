@@ -204,50 +204,34 @@ fn widen_row_is_exact() {
     }
 }
 
+/// Both RMSNorms (`w` and Gemma's `1 + w`) against their references.
 #[test]
 fn rms_norm_matches_reference() {
+    type Norm = fn(&[f32], WeightVector<'_>, f32, &mut [f32]);
+    let pairs: [(&str, Norm, Norm); 2] = [
+        ("rms_norm", reference::rms_norm, kylin_kernels::rms_norm),
+        ("rms_norm_unit_offset", reference::rms_norm_unit_offset, kylin_kernels::rms_norm_unit_offset),
+    ];
     let mut rng = Rng(5);
-    for dtype in DTYPES {
-        for n in 1..=67 {
-            let x = rng.vec(n);
-            let wdata = rng.weights(dtype, n);
-            let weight = WeightVector { dtype, data: &wdata };
-            let mut want = vec![0.0; n];
-            let mut got = vec![0.0; n];
-            reference::rms_norm(&x, weight, 1e-6, &mut want);
-            kylin_kernels::rms_norm(&x, weight, 1e-6, &mut got);
-            // Only the sum of squares is reordered: a few ulp.
-            for i in 0..n {
-                assert!(
-                    (got[i] - want[i]).abs() <= 1e-6 * want[i].abs().max(1e-3),
-                    "{dtype:?} n={n} i={i}: {} vs {}",
-                    got[i],
-                    want[i]
-                );
-            }
-        }
-    }
-}
-
-#[test]
-fn unit_offset_rms_norm_matches_reference() {
-    let mut rng = Rng(6);
-    for dtype in DTYPES {
-        for n in 1..=67 {
-            let x = rng.vec(n);
-            let wdata = rng.weights(dtype, n);
-            let weight = WeightVector { dtype, data: &wdata };
-            let mut want = vec![0.0; n];
-            let mut got = vec![0.0; n];
-            reference::rms_norm_unit_offset(&x, weight, 1e-6, &mut want);
-            kylin_kernels::rms_norm_unit_offset(&x, weight, 1e-6, &mut got);
-            for i in 0..n {
-                assert!(
-                    (got[i] - want[i]).abs() <= 1e-6 * want[i].abs().max(1e-3),
-                    "{dtype:?} n={n} i={i}: {} vs {}",
-                    got[i],
-                    want[i]
-                );
+    for (what, reference, kernel) in pairs {
+        for dtype in DTYPES {
+            for n in 1..=67 {
+                let x = rng.vec(n);
+                let wdata = rng.weights(dtype, n);
+                let weight = WeightVector { dtype, data: &wdata };
+                let mut want = vec![0.0; n];
+                let mut got = vec![0.0; n];
+                reference(&x, weight, 1e-6, &mut want);
+                kernel(&x, weight, 1e-6, &mut got);
+                // Only the sum of squares is reordered: a few ulp.
+                for i in 0..n {
+                    assert!(
+                        (got[i] - want[i]).abs() <= 1e-6 * want[i].abs().max(1e-3),
+                        "{what} {dtype:?} n={n} i={i}: {} vs {}",
+                        got[i],
+                        want[i]
+                    );
+                }
             }
         }
     }
