@@ -479,19 +479,6 @@ pub fn raw_u64_list(hf: &HfConfig, name: &str) -> Result<Option<Vec<u64>>> {
     }
 }
 
-/// A family's own list of numbers.
-pub fn raw_f64_list(hf: &HfConfig, name: &str) -> Result<Option<Vec<f64>>> {
-    match field(&hf.raw, name) {
-        None => Ok(None),
-        Some(Value::Array(items)) => items
-            .iter()
-            .map(|v| v.as_f64().filter(|f| f.is_finite()).ok_or_else(|| bad(name, "a list of numbers", v)))
-            .collect::<Result<Vec<_>>>()
-            .map(Some),
-        Some(v) => Err(bad(name, "a list of numbers", v)),
-    }
-}
-
 /// Takes a required positive size, or `CONFIG_INVALID` naming it.
 fn required(value: Option<u64>, name: &str) -> Result<usize> {
     let v = value.ok_or_else(|| {

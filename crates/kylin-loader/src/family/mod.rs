@@ -239,11 +239,6 @@ impl DecoderSpec {
         }
     }
 
-    /// Whether any layer slides.
-    pub fn has_window(&self) -> bool {
-        self.layers.iter().any(|l| l.window.is_some())
-    }
-
     /// A short description for `inspect`: `sliding window 4096 on 20 of 26 layers`, ...
     pub fn describe(&self) -> Vec<String> {
         let mut out = Vec::new();
