@@ -78,7 +78,7 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
         .into());
     }
     let family = loaded.config.architecture.family();
-    if family.tensors.iter().flat_map(|g| g.iter()).any(|spec| spec.role.is_fused()) {
+    if family.has_fused_projections() {
         return Err(KylinError::operator_unsupported(format!(
             "{} stores fused projections (qkv_proj, gate_up_proj), which a kylin quantize checkpoint cannot hold yet; quantize at load instead (--quantize q8_0|q4_k)",
             family.hf_name

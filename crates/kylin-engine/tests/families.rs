@@ -21,7 +21,7 @@ use kylin_engine::serving::{Event, EventKind, Request, Serving};
 use serde_json::Value;
 
 mod support;
-use support::{greedy, ids, request};
+use support::{greedy, ids, max_abs_diff, request};
 
 /// Deterministic prompt ids in `1..1000`.
 fn prompt(len: usize, seed: u64) -> Vec<u32> {
@@ -95,8 +95,7 @@ fn check_with_context(root: &str, name: &str, context: &dyn Fn(usize) -> Option<
         let last = &all[(prompt.len() - 1) * vocab..];
         let full = case["last_logits"].as_array().expect("last_logits");
         assert_eq!(full.len(), vocab, "{label}: reference row length");
-        let max_diff =
-            full.iter().zip(last).map(|(w, g)| (w.as_f64().unwrap() - *g as f64).abs()).fold(0.0f64, f64::max);
+        let max_diff = max_abs_diff(full, last);
         assert!(max_diff <= 1e-3, "{label}: max |logit difference| {max_diff} > 1e-3");
         let want = ids(&case["greedy_new_ids"]);
         assert_eq!(greedy(&mut backend, &prompt, want.len()), want, "{label}: greedy tokens");

@@ -27,7 +27,7 @@ use kylin_loader::{ErrorCode, LoadOptions};
 use serde_json::Value;
 
 mod support;
-use support::{greedy, ids};
+use support::{greedy, ids, max_abs_diff};
 
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/quantized");
 
@@ -73,10 +73,6 @@ fn try_backend(dir: &Path, precision: PrecisionChoice) -> kylin_loader::Result<N
 
 fn backend(name: &str, precision: PrecisionChoice) -> NativeBackend {
     try_backend(&fixture(name), precision).unwrap_or_else(|e| panic!("{name}: {e}"))
-}
-
-fn max_abs_diff(reference: &[Value], got: &[f32]) -> f64 {
-    reference.iter().zip(got).map(|(w, g)| (w.as_f64().expect("a logit") - *g as f64).abs()).fold(0.0, f64::max)
 }
 
 /// `--precision f32`: the dequantized weights, computed as transformers computes them.

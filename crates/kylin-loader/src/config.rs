@@ -617,9 +617,7 @@ impl HfConfig {
         };
         // The family's own fields and decisions.
         (family.resolve)(self, &mut config)?;
-        if (config.quantization.is_some() || config.published.is_some())
-            && family.tensors.iter().flat_map(|g| g.iter()).any(|s| s.role.is_fused())
-        {
+        if (config.quantization.is_some() || config.published.is_some()) && family.has_fused_projections() {
             return Err(KylinError::operator_unsupported(format!(
                 "{} stores fused projections (qkv_proj, gate_up_proj); Kylin does not read them quantized yet: run the BF16 checkpoint (optionally with --quantize)",
                 architecture.hf_name()
@@ -636,6 +634,15 @@ impl HfConfig {
         });
         config.qkv_bias = b;
         config.o_bias = b;
+    }
+
+    /// Llama's biases: `attention_bias` (q, k, v and o) and `mlp_bias`, both defaulting to false.
+    pub(crate) fn llama_biases_or_default(&self, config: &mut ModelConfig) {
+        self.attention_bias_or_default(config);
+        config.mlp_bias = self.mlp_bias.unwrap_or_else(|| {
+            config.defaulted.push("mlp_bias".into());
+            false
+        });
     }
 
     /// `hidden_act` for the SwiGLU families: `silu` (the default) only.

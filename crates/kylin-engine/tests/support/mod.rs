@@ -13,6 +13,11 @@ pub fn ids(v: &Value) -> Vec<u32> {
     v.as_array().expect("an id list").iter().map(|x| x.as_u64().expect("an id") as u32).collect()
 }
 
+/// The largest `|reference - got|` over a reference row of logits.
+pub fn max_abs_diff(reference: &[Value], got: &[f32]) -> f64 {
+    reference.iter().zip(got).map(|(w, g)| (w.as_f64().expect("a logit") - *g as f64).abs()).fold(0.0, f64::max)
+}
+
 /// Greedy generation of `n` tokens: prefill, then decode each new token (EOS ignored).
 pub fn greedy(backend: &mut NativeBackend, prompt: &[u32], n: usize) -> Vec<u32> {
     backend.reset();

@@ -19,8 +19,7 @@ pub const FAMILY: Family = Family {
 
 fn resolve(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
     hf.silu_only(c)?;
-    hf.attention_bias_or_default(c);
-    c.mlp_bias = hf.mlp_bias.unwrap_or(false);
+    hf.llama_biases_or_default(c);
     // GraniteConfig: every multiplier defaults to 1.0 (the attention scale too).
     let mut multiplier = |key: &str| -> Result<f64> {
         match raw_f64(hf, key)? {

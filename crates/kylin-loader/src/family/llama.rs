@@ -18,10 +18,6 @@ pub const FAMILY: Family = Family {
 
 fn resolve(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
     hf.silu_only(c)?;
-    hf.attention_bias_or_default(c);
-    c.mlp_bias = hf.mlp_bias.unwrap_or_else(|| {
-        c.defaulted.push("mlp_bias".into());
-        false
-    });
+    hf.llama_biases_or_default(c);
     Ok(())
 }

@@ -88,6 +88,13 @@ pub struct Family {
     pub tensors: &'static [&'static [Spec]],
 }
 
+impl Family {
+    /// Whether the family stores fused projections (`qkv_proj`, `gate_up_proj`).
+    pub fn has_fused_projections(&self) -> bool {
+        self.tensors.iter().flat_map(|g| g.iter()).any(|s| s.role.is_fused())
+    }
+}
+
 impl std::fmt::Debug for Family {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.hf_name)

@@ -23,8 +23,7 @@ pub const FAMILY: Family = Family {
 
 fn resolve(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
     hf.silu_only(c)?;
-    hf.attention_bias_or_default(c);
-    c.mlp_bias = hf.mlp_bias.unwrap_or(false);
+    hf.llama_biases_or_default(c);
     let n = c.num_layers;
     // transformers: `no_rope_layers[i]` is 1 where layer i uses RoPE; by default every
     // `no_rope_layer_interval`-th layer (4) has none.
