@@ -176,9 +176,11 @@ unsafe fn tile_vnni<const MT: usize>(
 }
 
 /// `mt` tokens × one group of 16 rows on AVX2 (no VNNI): the weights are turned back into
-/// signed bytes, and `vpmaddubsw(|x|, sign(w, x))` multiplies them by the activations without
-/// saturating (`|x| ≤ 128`, `|w| ≤ 127`), `vpmaddwd` by ones widens the pairs to i32: the same
-/// exact block sums as the VNNI tile, combined in the same order.
+/// signed bytes, and `vpmaddubsw(|w|, sign(x, w))` multiplies them by the activations without
+/// saturating (`|w| ≤ 128` read as an unsigned byte, `|x| ≤ 127`: Q8_0 activations are
+/// rounded to `[-127, 127]`, while published int8 weights use all of `[-128, 127]`), and
+/// `vpmaddwd` by ones widens the pairs to i32: the same exact block sums as the VNNI tile,
+/// combined in the same order.
 ///
 /// # Safety
 /// AVX2, FMA and F16C must be available; otherwise as [`tile_vnni`].
@@ -211,11 +213,11 @@ pub(crate) unsafe fn tile_avx2(
                 let mut ii = [_mm256_setzero_si256(); 2];
                 for k in 0..8 {
                     let x4 = _mm256_set1_epi32(std::ptr::read_unaligned(xb.add(4 * k) as *const i32));
-                    let ax = _mm256_abs_epi8(x4);
                     for (h, ii) in ii.iter_mut().enumerate() {
                         let wv =
                             _mm256_xor_si256(_mm256_loadu_si256(wb.add(64 * k + 32 * h) as *const __m256i), offset);
-                        let pairs = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv, x4));
+                        // |-128| is 128 as an unsigned byte; the sign moves to the activations.
+                        let pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(x4, wv));
                         *ii = _mm256_add_epi32(*ii, _mm256_madd_epi16(pairs, ones));
                     }
                 }

@@ -7,8 +7,8 @@
 mod rng;
 
 use kylin_kernels::quant::{
-    Packing, Q8Matrix, QK8_0, QuantBuffer, dequantize_row_q8_0, matmul_many_q8, q8_0_plane_lens, q8_scratch_len,
-    quantize_activations, quantize_q8_0_groups, quantize_row_q8_0, row_q8_0,
+    Packing, Q8Matrix, QK8_0, QuantBuffer, dequantize_row_q8_0, matmul_many_q8, pack_q8_0, q8_0_plane_lens,
+    q8_scratch_len, quantize_activations, quantize_q8_0_groups, quantize_row_q8_0, row_q8_0,
 };
 use kylin_kernels::{ThreadPool, WeightDType, WeightMatrix};
 use rng::Rng;
@@ -218,6 +218,31 @@ fn fused_matrices_and_lone_tokens_agree() {
     }
 }
 
+/// A published int8 checkpoint (compressed-tensors W8A8) uses all of `[-128, 127]`, where
+/// Kylin's own quantization stops at -127: the products of a matrix packed from such integers
+/// (every block holding -128, against activations of both signs) have the canonical bits.
+#[test]
+fn published_int8_weights_with_minus_128_have_the_canonical_bits() {
+    let mut rng = Rng(23);
+    let (rows, cols, n) = (21, 96, 5);
+    let q: Vec<i8> =
+        (0..rows * cols).map(|i| if i % 7 == 0 { -128 } else { ((rng.next_u64() % 256) as i32 - 128) as i8 }).collect();
+    let scales: Vec<f32> = (0..rows * cols / QK8_0).map(|i| 1e-3 * (1.0 + (i % 5) as f32)).collect();
+    let mut buffer = QuantBuffer::zeroed(Packing::Q8_0, rows, cols).expect("cols are a multiple of 32");
+    let (quants, planes) = buffer.planes_mut();
+    pack_q8_0(rows, cols, &q, &scales, quants, planes);
+    let m = buffer.matrix().as_q8_0().expect("q8_0");
+    let x = rng.vec(n * cols);
+    let pool = ThreadPool::new(2);
+    let mut scratch = vec![0u8; q8_scratch_len(n, cols)];
+    let mut y = vec![0.0; n * rows];
+    matmul_many_q8(&pool, &x, n, &mut scratch, &mut [(m, &mut y)]);
+    let want = canonical(m, &x, n);
+    for (i, (a, b)) in y.iter().zip(&want).enumerate() {
+        assert_eq!(a.to_bits(), b.to_bits(), "output {i}: {a} against the canonical {b}");
+    }
+}
+
 /// Re-runs the tests above in a child process under every instruction set this machine can be
 /// capped to, so the AVX2 and scalar paths give the canonical bits too.
 #[test]
@@ -232,6 +257,7 @@ fn every_isa_gives_the_canonical_bits() {
             "activation_quantization_matches_its_definition",
             "products_have_the_canonical_bits_and_the_expected_accuracy",
             "fused_matrices_and_lone_tokens_agree",
+            "published_int8_weights_with_minus_128_have_the_canonical_bits",
         ] {
             let status = std::process::Command::new(&exe)
                 .args(["--exact", test])
