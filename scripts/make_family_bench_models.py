@@ -2,7 +2,7 @@
 this machine, seeded random BF16 weights, as a Hugging Face directory for Kylin and the same
 weights as a GGUF for llama.cpp (as ../shared/models/make_bench_model.py does for Qwen3-0.6B).
 
-    python make_family_bench_models.py OUT_DIR [gemma3-1b-shaped ...]
+    python make_family_bench_models.py OUT_DIR [gemma3-1b-shaped gemma4-e2b-shaped ...]
 
 OUT_DIR/NAME/ gets config.json, generation_config.json and model.safetensors (BF16), and
 OUT_DIR/NAME/gguf/NAME-bf16.gguf. The weights are random (generated text is noise); speed does
@@ -16,7 +16,8 @@ sliding window as `attention.sliding_window` (llama.cpp fixes Gemma 3's local ba
 its pattern at 6). The llama.cpp vendored by llama-cpp-sys-2 ships `convert_hf_to_gguf.py`
 without its `conversion` package, so it cannot run here; this writes the same layout directly.
 
-Needs numpy and gguf (the fetch script's venv, $KYLIN_MODELS/.venv, has both).
+Needs numpy and gguf (the fetch script's venv, $KYLIN_MODELS/.venv, has both); Gemma 4's twin is
+made by llama.cpp's own converter (llamacpp_convert.py, which needs torch too).
 """
 import json
 import os
@@ -70,6 +71,24 @@ def write_safetensors(path, tensors):
         f.write(h)
         for k in order:
             f.write(tensors[k].tobytes())
+
+
+def write_safetensors_streamed(path, shapes, fill):
+    """A BF16 safetensors file of `shapes` (name -> shape), each tensor's bits written by
+    `fill(name, shape, write)` in pieces, so that no more than a piece is held in memory."""
+    hdr, off, order = {}, 0, sorted(shapes)
+    for k in order:
+        n = 2 * int(np.prod(shapes[k]))
+        hdr[k] = {"dtype": "BF16", "shape": list(shapes[k]), "data_offsets": [off, off + n]}
+        off += n
+    hdr["__metadata__"] = {"format": "pt"}
+    h = json.dumps(hdr, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        for k in order:
+            fill(k, shapes[k], lambda bits: f.write(bits.tobytes()))
 
 
 def gemma3(spec):
@@ -156,5 +175,88 @@ def gemma3(spec):
     print("wrote", d)
 
 
+# Gemma-4-E2B (google/gemma-4-E2B-it's text_config): 35 layers, four sliding (window 512, head
+# width 256, one KV head) to one full (head width 512, proportional RoPE on a quarter), the last
+# 20 layers reusing the keys and values of layers 13 (sliding) and 14 (full) with a double-wide
+# MLP, per-layer inputs of 256, final soft-cap 30. The language model of the published
+# Gemma4ForConditionalGeneration, as Gemma4ForCausalLM (no vision or audio tower).
+GEMMA4_E2B = dict(
+    name="gemma4-e2b-shaped", H=1536, L=35, NH=8, NKV=1, HD=256, GHD=512, FF=6144, V=262144, PLE=256, shared=20,
+    config={
+        "architectures": ["Gemma4ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "attention_k_eq_v": False, "bos_token_id": 2, "dtype": "bfloat16", "enable_moe_block": False,
+        "eos_token_id": [1, 106], "final_logit_softcapping": 30.0, "global_head_dim": 512, "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1536, "hidden_size_per_layer_input": 256,
+        "intermediate_size": 6144, "layer_types": ["full_attention" if i % 5 == 4 else "sliding_attention"
+                                                   for i in range(35)],
+        "max_position_embeddings": 131072, "model_type": "gemma4_text", "num_attention_heads": 8,
+        "num_global_key_value_heads": None, "num_hidden_layers": 35, "num_key_value_heads": 1,
+        "num_kv_shared_layers": 20, "pad_token_id": 0, "rms_norm_eps": 1e-06,
+        "rope_parameters": {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                                               "rope_type": "proportional"},
+                            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
+        "sliding_window": 512, "tie_word_embeddings": True, "use_double_wide_mlp": True, "vocab_size": 262144,
+        "vocab_size_per_layer_input": 262144},
+    generation={"bos_token_id": 2, "do_sample": True, "eos_token_id": [1, 106], "pad_token_id": 0, "top_k": 64,
+                "top_p": 0.95},
+)
+
+
+def gemma4(spec):
+    """Seeded random BF16 in Gemma 4's layout, written tensor by tensor (the model is 9 GiB),
+    then its GGUF twin by llama.cpp's own converter (llamacpp_convert.py)."""
+    name, H, L, NH, NKV, HD, GHD, FF, V, PLE, shared = (
+        spec[k] for k in ("name", "H", "L", "NH", "NKV", "HD", "GHD", "FF", "V", "PLE", "shared"))
+    d = os.path.join(out, name)
+    os.makedirs(os.path.join(d, "gguf"), exist_ok=True)
+    types = spec["config"]["layer_types"]
+    first_shared = L - shared
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,),
+              "model.embed_tokens_per_layer.weight": (V, L * PLE),
+              "model.per_layer_model_projection.weight": (L * PLE, H), "model.per_layer_projection_norm.weight": (PLE,)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        hd = GHD if types[i] == "full_attention" else HD
+        ff = 2 * FF if i >= first_shared else FF
+        for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm", "post_per_layer_input_norm"):
+            shapes[p + n + ".weight"] = (H,)
+        shapes[p + "layer_scalar"] = (1,)
+        shapes[p + "self_attn.q_proj.weight"] = (NH * hd, H)
+        shapes[p + "self_attn.o_proj.weight"] = (H, NH * hd)
+        shapes[p + "self_attn.q_norm.weight"] = (hd,)
+        if i < first_shared:
+            shapes[p + "self_attn.k_proj.weight"] = (NKV * hd, H)
+            shapes[p + "self_attn.v_proj.weight"] = (NKV * hd, H)
+            shapes[p + "self_attn.k_norm.weight"] = (hd,)
+        shapes[p + "mlp.gate_proj.weight"] = (ff, H)
+        shapes[p + "mlp.up_proj.weight"] = (ff, H)
+        shapes[p + "mlp.down_proj.weight"] = (H, ff)
+        shapes[p + "per_layer_input_gate.weight"] = (PLE, H)
+        shapes[p + "per_layer_projection.weight"] = (H, PLE)
+    rng = np.random.default_rng(20261126)
+
+    def fill(k, shape, write):
+        if len(shape) == 1 and k.endswith("layer_scalar"):
+            write(bf16(np.full(shape, 0.7, dtype=np.float32)))
+        elif len(shape) == 1:  # norms: plain `w` in Gemma 4, near one
+            write(bf16(1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)))
+        else:
+            rows, cols = shape
+            scale = 1.0 / np.sqrt(cols)
+            for r in range(0, rows, 8192):
+                piece = min(8192, rows - r)
+                write(bf16(rng.standard_normal((piece, cols), dtype=np.float32) * scale))
+
+    write_safetensors_streamed(os.path.join(d, "model.safetensors"), shapes, fill)
+    json.dump(spec["config"], open(os.path.join(d, "config.json"), "w"), indent=2)
+    json.dump(spec["generation"], open(os.path.join(d, "generation_config.json"), "w"), indent=2)
+    print("wrote", d)
+    convert = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llamacpp_convert.py")
+    os.system(f"{sys.executable} {convert} {d} {os.path.join(d, 'gguf', name + '-bf16.gguf')} bf16")
+
+
 if not only or GEMMA3_1B["name"] in only:
     gemma3(GEMMA3_1B)
+if not only or GEMMA4_E2B["name"] in only:
+    gemma4(GEMMA4_E2B)

@@ -46,7 +46,7 @@ BASE = dict(vocab_size=1024, hidden_size=64, intermediate_size=96, num_hidden_la
             rms_norm_eps=1e-5, tie_word_embeddings=False)
 
 # name -> (model class, config class, config kwargs, keys to drop from config.json afterwards
-# so that the resolver's defaults are exercised)
+# so that the resolver's defaults are exercised; or a dict of keys to set, None dropping one)
 SPECS = {
     # Window 5, odd layer count, head_dim 32, no final soft-cap, MQA.
     "tiny-gemma2-w5-mqa": ("Gemma2ForCausalLM", "Gemma2Config",
@@ -84,6 +84,29 @@ SPECS = {
     "tiny-granite-mlpbias": ("GraniteForCausalLM", "GraniteConfig",
         dict(BASE, embedding_multiplier=6.0, residual_multiplier=0.5, attention_multiplier=0.2,
              logits_scaling=3.0, mlp_bias=True, attention_bias=True), []),
+    # Gemma 4 as the small published sizes are built: the last three layers reuse the keys and
+    # values of the last earlier layer of their type, with a double-wide MLP; full layers of
+    # head width 32 with one KV head whose values are the keys' projection; per-layer inputs
+    # of 16; a final soft-cap; other RoPE bases and half the frequencies on full layers;
+    # untied head.
+    "tiny-gemma4-kvshare": ("Gemma4ForCausalLM", "Gemma4TextConfig",
+        dict(BASE, head_dim=16, num_hidden_layers=8, num_key_value_heads=2, sliding_window=6,
+             layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                          "sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+             num_kv_shared_layers=3, use_double_wide_mlp=True, attention_k_eq_v=True, global_head_dim=32,
+             num_global_key_value_heads=1, final_logit_softcapping=30.0, hidden_size_per_layer_input=16,
+             vocab_size_per_layer_input=1024,
+             rope_parameters={"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                                 "rope_theta": 500000.0},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0}}), []),
+    # Gemma 4 without per-layer inputs, with attention biases, and the config layout of the
+    # published checkpoints: `global_head_dim` instead of `per_layer_config`, and no
+    # `layer_types` or `rope_parameters`, so the defaults decide (five sliding to one full, the
+    # last layer forced full; proportional RoPE on a quarter of the global heads).
+    "tiny-gemma4-legacy-nople": ("Gemma4ForCausalLM", "Gemma4TextConfig",
+        dict(BASE, head_dim=16, num_hidden_layers=7, num_key_value_heads=2, sliding_window=5,
+             hidden_size_per_layer_input=0, attention_bias=True, global_head_dim=64, tie_word_embeddings=True),
+        {"per_layer_config": None, "layer_types": None, "rope_parameters": None, "global_head_dim": 64}),
 }
 
 
@@ -119,8 +142,11 @@ for name, (cls, cfg_cls, kw, drop) in SPECS.items():
     if drop:
         path = os.path.join(d, "config.json")
         config = json.load(open(path))
-        for k in drop:
-            config.pop(k, None)
+        for k, v in (drop.items() if isinstance(drop, dict) else ((k, None) for k in drop)):
+            if v is None:
+                config.pop(k, None)
+            else:
+                config[k] = v
         json.dump(config, open(path, "w"), indent=2, sort_keys=True)
     ref = getattr(T, cls).from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
     g = torch.Generator().manual_seed(4321)
@@ -175,3 +201,34 @@ if not only or "tiny-gemma3-vl" in only:
     save_file({rename(k): v for k, v in tensors.items()}, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     shutil.copy(os.path.join(REF, "tiny-gemma3-vl.json"), os.path.join(REF, "tiny-gemma3-vl-v5-names.json"))
     print("tiny-gemma3-vl-v5-names: ok (renamed copy)")
+
+
+# The layout Gemma 4 is published in: Gemma4ForConditionalGeneration, the language model under
+# model.language_model.*, a tiny vision tower; per-layer inputs and shared keys and values.
+if not only or "tiny-gemma4-vl" in only:
+    name = "tiny-gemma4-vl"
+    torch.manual_seed(0)
+    text = dict(BASE, head_dim=16, num_hidden_layers=6, num_key_value_heads=2, sliding_window=5,
+                num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=1024,
+                global_head_dim=32, tie_word_embeddings=True, pad_token_id=0, bos_token_id=2, eos_token_id=1,
+                layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                             "sliding_attention", "full_attention"])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=64,
+                  pooling_kernel_size=2)
+    cfg = T.Gemma4Config(text_config=text, vision_config=vision, audio_config=None, boi_token_id=1001,
+                         eoi_token_id=1002, image_token_id=1000, video_token_id=1003, boa_token_id=1004,
+                         eoa_token_index=1005, audio_token_id=1006)
+    cfg.dtype = "bfloat16"
+    model = T.Gemma4ForConditionalGeneration(cfg)
+    randomize(model, 4444)
+    d = os.path.join(FIX, name)
+    shutil.rmtree(d, ignore_errors=True)
+    model.to(torch.bfloat16).save_pretrained(d, safe_serialization=True)
+    ref = T.Gemma4ForConditionalGeneration.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(4321)
+    seqs = [[int(t) for t in torch.randint(3, 1000, (n,), generator=g)] for n in (1, 9, 41, 90)]
+    meta = {"model": name, "architecture": "Gemma4ForConditionalGeneration", "produced_by": meta_base,
+            "dtype_on_disk": "bfloat16"}
+    json.dump({**meta, "cases": run_cases(ref, seqs)}, open(os.path.join(REF, name + ".json"), "w"))
+    print(f"{name}: ok (Gemma4ForConditionalGeneration)")

@@ -458,11 +458,10 @@ impl EngineCore {
             }
             Some(n) => n,
         };
-        let d = *model.dims();
         let kv_dtype = opts.kv_dtype.unwrap_or(model.default_kv_dtype());
-        let block_size = opts
-            .block_size
-            .unwrap_or_else(|| default_block_size(model.precision(), kv_dtype, d.head_dim, model.attention_needs()));
+        let block_size = opts.block_size.unwrap_or_else(|| {
+            default_block_size(model.precision(), kv_dtype, model.attention_head_dim(), model.attention_needs())
+        });
         for (name, value) in [
             ("--max-seqs", opts.max_seqs),
             ("--max-batch-tokens", opts.max_batch_tokens),
@@ -487,7 +486,7 @@ impl EngineCore {
         // (and never more than every sequence at the full context).
         let groups = model.kv_groups();
         let sliding_blocks = match groups.window {
-            Some(window) if groups.sliding_layers > 0 => {
+            Some(window) if !groups.sliding.is_empty() => {
                 let per_seq = (window - 1).div_ceil(block_size) + 2;
                 let step = max_batch_tokens.div_ceil(block_size);
                 let most = context.div_ceil(block_size) + 1;
@@ -501,10 +500,8 @@ impl EngineCore {
             }
             _ => None,
         };
-        let sliding_bytes = sliding_blocks.map_or(Some(0), |n| {
-            KvPool::block_bytes(kv_dtype, groups.sliding_layers, d.n_kv_heads, d.head_dim, block_size)?
-                .checked_mul(n as u64)
-        });
+        let sliding_bytes = sliding_blocks
+            .map_or(Some(0), |n| KvPool::block_bytes(kv_dtype, &groups.sliding, block_size)?.checked_mul(n as u64));
         let sliding_bytes = sliding_bytes.ok_or_else(|| {
             KylinError::config_invalid("the sliding-window KV pool overflows; pass a smaller --max-seqs")
         })?;
@@ -512,16 +509,15 @@ impl EngineCore {
         let layout = kylin_kernels::paged::attention_path(
             model.precision(),
             kv_dtype,
-            d.head_dim,
+            model.attention_head_dim(),
             block_size,
             model.attention_needs(),
         )
         .layout();
-        let mut kv = KvPool::new(kv_dtype, layout, n_blocks, block_size, groups.full_layers, d.n_kv_heads, d.head_dim)?;
+        let mut kv = KvPool::new(kv_dtype, layout, n_blocks, block_size, &groups.full)?;
         let mut swa = match (sliding_blocks, groups.window) {
             (Some(blocks), Some(window)) => {
-                let kv =
-                    KvPool::new(kv_dtype, layout, blocks, block_size, groups.sliding_layers, d.n_kv_heads, d.head_dim)?;
+                let kv = KvPool::new(kv_dtype, layout, blocks, block_size, &groups.sliding)?;
                 Some(SlidingPool { kv, window })
             }
             _ => None,
@@ -668,10 +664,9 @@ fn kv_blocks(
     max_seqs: usize,
     sliding_bytes: u64,
 ) -> Result<usize> {
-    let d = model.dims();
-    let full_layers = model.kv_groups().full_layers;
+    let full = model.kv_groups().full;
     let per_seq = context.div_ceil(bs);
-    if full_layers == 0 {
+    if full.is_empty() {
         // Every layer slides: the full pool holds no bytes, only the block table bookkeeping
         // (prefix cache, scheduling) of `max_seqs` full-context sequences; the sliding pool
         // is the memory, and it must fit the budget.
@@ -686,7 +681,7 @@ fn kv_blocks(
         }
         return Ok(per_seq.saturating_mul(max_seqs).min(u32::MAX as usize - 1));
     }
-    let per_block = KvPool::block_bytes(kv_dtype, full_layers, d.n_kv_heads, d.head_dim, bs)
+    let per_block = KvPool::block_bytes(kv_dtype, &full, bs)
         .filter(|&b| b > 0)
         .ok_or_else(|| KylinError::config_invalid("the KV block size overflows; pass a smaller --kv-block-size"))?;
     let after_weights = || {

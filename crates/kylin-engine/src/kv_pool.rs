@@ -206,15 +206,31 @@ impl BlockAllocator {
     }
 }
 
-/// Keys and values of every block, in one element type.
+/// The keys and values one layer keeps per position: `n_kv_heads` heads of `head_dim`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvShape {
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl KvShape {
+    /// Elements per position (keys, or values).
+    pub fn width(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+}
+
+/// Keys and values of every block, in one element type. Layers may differ in heads and head
+/// width (Gemma 4's global layers); each layer's tiles sit at its own offset in a block.
 #[derive(Debug)]
 pub struct KvPool {
     pub dtype: WeightDType,
     pub block_size: usize,
-    pub n_layers: usize,
-    pub n_kv_heads: usize,
-    pub head_dim: usize,
-    /// Elements per block for keys (and for values): `n_layers * n_kv_heads * block_size * head_dim`.
+    /// Per layer of the pool: its heads and their width.
+    pub layers: Vec<KvShape>,
+    /// Per layer: the element offset of its first tile inside a block.
+    layer_offsets: Vec<usize>,
+    /// Elements per block for keys (and for values): `block_size · Σ n_kv_heads · head_dim`.
     pub block_stride: usize,
     /// How each (block, layer, head) tile is laid out: the layout of the attention path that
     /// reads the pool (`kylin_kernels::paged::attention_path`).
@@ -226,40 +242,33 @@ pub struct KvPool {
 }
 
 impl KvPool {
-    /// Bytes one block takes (keys and values).
-    pub fn block_bytes(
-        dtype: WeightDType,
-        n_layers: usize,
-        n_kv_heads: usize,
-        head_dim: usize,
-        block_size: usize,
-    ) -> Option<u64> {
-        (n_layers as u64)
-            .checked_mul(n_kv_heads as u64)?
-            .checked_mul(head_dim as u64)?
-            .checked_mul(block_size as u64)?
-            .checked_mul(2 * dtype.size_in_bytes() as u64)
+    /// Bytes one block takes (keys and values) for `layers`.
+    pub fn block_bytes(dtype: WeightDType, layers: &[KvShape], block_size: usize) -> Option<u64> {
+        let mut per_position = 0u64;
+        for l in layers {
+            per_position = per_position.checked_add((l.n_kv_heads as u64).checked_mul(l.head_dim as u64)?)?;
+        }
+        per_position.checked_mul(block_size as u64)?.checked_mul(2 * dtype.size_in_bytes() as u64)
     }
 
     /// Allocates `n_blocks` blocks. `CONFIG_INVALID` if the size overflows.
-    #[allow(clippy::too_many_arguments)]
     pub fn new(
         dtype: WeightDType,
         layout: KvLayout,
         n_blocks: usize,
         block_size: usize,
-        n_layers: usize,
-        n_kv_heads: usize,
-        head_dim: usize,
+        layers: &[KvShape],
     ) -> Result<Self> {
         let overflow = || {
             KylinError::config_invalid(format!("a KV pool of {n_blocks} blocks overflows; pass a smaller --kv-memory"))
         };
-        let block_stride = n_layers
-            .checked_mul(n_kv_heads)
-            .and_then(|x| x.checked_mul(block_size))
-            .and_then(|x| x.checked_mul(head_dim))
-            .ok_or_else(overflow)?;
+        let mut layer_offsets = Vec::with_capacity(layers.len());
+        let mut block_stride = 0usize;
+        for l in layers {
+            layer_offsets.push(block_stride);
+            let tiles = l.n_kv_heads.checked_mul(block_size).and_then(|x| x.checked_mul(l.head_dim));
+            block_stride = tiles.and_then(|t| block_stride.checked_add(t)).ok_or_else(overflow)?;
+        }
         let bytes = block_stride
             .checked_mul(n_blocks)
             .and_then(|x| x.checked_mul(dtype.size_in_bytes()))
@@ -270,9 +279,8 @@ impl KvPool {
         Ok(KvPool {
             dtype,
             block_size,
-            n_layers,
-            n_kv_heads,
-            head_dim,
+            layers: layers.to_vec(),
+            layer_offsets,
             block_stride,
             layout,
             keys: AlignedBytes::zeroed(bytes).ok_or_else(overflow)?,
@@ -302,24 +310,24 @@ impl KvPool {
     /// Element offset of (`layer`, `head`) inside a block.
     #[inline]
     pub fn head_offset(&self, layer: usize, head: usize) -> usize {
-        (layer * self.n_kv_heads + head) * self.block_size * self.head_dim
+        self.layer_offsets[layer] + head * self.block_size * self.layers[layer].head_dim
     }
 
-    /// The keys and values as views for the attention kernel.
-    pub fn views(&self) -> (KvView<'_>, KvView<'_>) {
+    /// The keys and values of `layer` as views for the attention kernel.
+    pub fn views(&self, layer: usize) -> (KvView<'_>, KvView<'_>) {
         let geometry = KvView {
             dtype: self.dtype,
             layout: self.layout,
             data: &self.keys,
             block_stride: self.block_stride,
             block_size: self.block_size,
-            head_dim: self.head_dim,
+            head_dim: self.layers[layer].head_dim,
         };
         (geometry, KvView { data: &self.values, ..geometry })
     }
 
     /// Stores the keys and values of one token at position `pos` of a sequence whose block
-    /// table is `blocks`, for `layer`: `k` and `v` are `(n_kv_heads * head_dim)`, each head's
+    /// table is `blocks`, for `layer`: `k` and `v` are the layer's `(n_kv_heads * head_dim)`, each head's
     /// going to its (block, layer, head) tile in the pool's layout.
     ///
     /// In the pair layout the AMX kernel loads whole 16-position chunks, slots past the
@@ -327,11 +335,11 @@ impl KvPool {
     /// zero), so those slots must hold finite numbers: a block's tile is zeroed when its first
     /// slot is written, and a stale NaN of an earlier sequence can never reach a later one.
     pub fn store(&mut self, layer: usize, blocks: &[u32], pos: usize, k: &[f32], v: &[f32]) {
-        let hd = self.head_dim;
+        let KvShape { n_kv_heads, head_dim: hd } = self.layers[layer];
         let block = blocks[pos / self.block_size] as usize;
         let slot = pos % self.block_size;
         let size = self.dtype.size_in_bytes();
-        for h in 0..self.n_kv_heads {
+        for h in 0..n_kv_heads {
             let tile = block * self.block_stride + self.head_offset(layer, h);
             if slot == 0 && self.layout == KvLayout::Pairs {
                 let span = tile * size..(tile + self.block_size * hd) * size;

@@ -95,7 +95,7 @@ use kylin_loader::arch::Role;
 use kylin_loader::family::{Activation, LayerRope, NormKind, QkNorm};
 use kylin_loader::{DType, KylinError, LayerWeights, ModelConfig, ModelWeights, Result, RopeConfig, WeightTensor};
 
-use crate::kv_pool::KvPool;
+use crate::kv_pool::{KvPool, KvShape};
 use crate::rope::Ropes;
 use kylin_kernels::paged::{MAX_HEAD_DIM, MAX_ROWS, PARTITION, PartialStats, QueryRow, ScoreMap};
 
@@ -155,6 +155,14 @@ impl Vector {
     #[inline]
     fn view(&self) -> WeightVector<'_> {
         WeightVector { dtype: self.dtype, data: self.tensor.bytes() }
+    }
+
+    /// The first element as f32 (a one-element tensor's value).
+    fn scalar(&self) -> f32 {
+        let mut out = [0.0f32];
+        let one = WeightMatrix { dtype: self.dtype, rows: 1, cols: 1, data: self.tensor.bytes() };
+        kernels::widen_row(one, 0, &mut out);
+        out[0]
     }
 }
 
@@ -532,6 +540,15 @@ impl Norm {
         Ok(Norm { weight: Vector::new(tensor, len)?, unit_offset: kind == NormKind::RmsUnitOffset })
     }
 
+    /// An RMSNorm without a weight (Gemma 4's `with_scale=False`): a weight of ones, which
+    /// multiplies by exactly one.
+    fn unweighted(len: usize) -> Norm {
+        let bytes = 1.0f32.to_le_bytes().repeat(len);
+        let tensor = WeightTensor::owned("(ones)".into(), DType::F32, vec![len], bytes)
+            .expect("len f32 values make a [len] tensor");
+        Norm { weight: Vector { tensor, dtype: WeightDType::F32 }, unit_offset: false }
+    }
+
     /// `out (len) = rmsnorm(x (len))`.
     #[inline]
     fn apply(&self, x: &[f32], eps: f32, out: &mut [f32]) {
@@ -551,20 +568,112 @@ impl Norm {
     }
 }
 
+/// Gemma 4's per-layer input block of one layer: after the MLP,
+/// `x += post_norm(projection(gelu_tanh(gate(x)) · p))` with `p` the layer's input.
+#[derive(Debug, Clone)]
+struct PerLayerBlock {
+    /// `[width, hidden]`.
+    gate: Linear,
+    /// `[hidden, width]`.
+    projection: Linear,
+    post_norm: Norm,
+}
+
+/// Gemma 4's per-layer inputs: for each token, `layers · width` values computed before the
+/// layers from a second embedding and a projection of the first.
+#[derive(Debug, Clone)]
+struct PerLayerInputs {
+    /// `embed_tokens_per_layer`, `[vocab, layers · width]`, rows widened on lookup.
+    embed: Linear,
+    /// `per_layer_model_projection`, `[layers · width, hidden]`.
+    projection: Linear,
+    /// `per_layer_projection_norm`, `[width]`.
+    norm: Norm,
+    width: usize,
+    /// Rows of `embed`: ids at or past it take the padding row 0's values.
+    vocab: usize,
+    /// `√width` (the second embedding's scale), `hidden^-0.5` (the projection's) and `2^-0.5`
+    /// (the sum's), as the f32 numbers transformers multiplies by.
+    embed_scale: f32,
+    projection_scale: f32,
+    sum_scale: f32,
+}
+
+impl PerLayerInputs {
+    fn new(weights: &ModelWeights, width: usize, vocab: usize, d: &Dims, kind: NormKind) -> Result<Self> {
+        let global = |role: Role| {
+            weights.globals.get(&role).ok_or_else(|| {
+                KylinError::tensor_missing(format!("the per-layer inputs need the model's {role:?} tensor"))
+            })
+        };
+        let all = d.n_layers * width;
+        Ok(PerLayerInputs {
+            embed: Linear::new(global(Role::EmbedPerLayer)?, None, vocab, all)?,
+            projection: Linear::bind(global(Role::PerLayerModelProjection)?, None, all, d.hidden, weights)?,
+            norm: Norm::new(global(Role::PerLayerProjectionNorm)?, width, kind)?,
+            width,
+            vocab,
+            embed_scale: (width as f64).sqrt() as f32,
+            projection_scale: (d.hidden as f64).powf(-0.5) as f32,
+            sum_scale: 2f64.powf(-0.5) as f32,
+        })
+    }
+
+    /// Every token's inputs for every layer: `e (n, hidden)` (the scaled embedding) ->
+    /// `out (n, layers · width)`, each `(width)` chunk
+    /// `(rmsnorm(projection(e) · hidden^-0.5) + embed_per_layer(id) · √width) · 2^-0.5`;
+    /// `row (layers · width)` is scratch.
+    fn compute(
+        &self,
+        mm: Matmul<'_>,
+        ids: &[u32],
+        e: &[f32],
+        out: &mut [f32],
+        row: &mut [f32],
+        eps: f32,
+        p: &mut ProductScratch,
+    ) {
+        let n = ids.len();
+        let all = self.embed.cols;
+        let w = self.width;
+        // (n, hidden) -> (n, layers · width).
+        self.projection.forward(mm, e, n, &mut out[..n * all], p);
+        let embed = self.embed.matrix();
+        for (&id, projected) in ids.iter().zip(out.chunks_exact_mut(all)) {
+            kernels::scale(projected, self.projection_scale);
+            // Each layer's chunk normalised in place (through `row` as the input copy).
+            row.copy_from_slice(projected);
+            for (x, y) in row.chunks_exact(w).zip(projected.chunks_exact_mut(w)) {
+                self.norm.apply(x, eps, y);
+            }
+            let id = if (id as usize) < self.vocab { id as usize } else { 0 };
+            kernels::widen_row(embed, id, row);
+            kernels::scale(row, self.embed_scale);
+            kernels::add_assign(projected, row);
+            kernels::scale(projected, self.sum_scale);
+        }
+    }
+}
+
 /// One decoder layer with the family's choices already made (`DecoderSpec`): which norms
-/// exist around each sub-block, the q/k norm, the window and the rotary table.
+/// exist around each sub-block, the q/k/v norms, its sizes, the window, the rotary table and
+/// where its keys and values live.
 #[derive(Debug, Clone)]
 struct Layer {
     /// Before attention (absent in OLMo 2).
     attn_norm: Option<Norm>,
     q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    /// Absent on a layer that reuses an earlier layer's keys and values (Gemma 4).
+    k_proj: Option<Linear>,
+    /// Absent as well when the values are the key projection's output (`attention_k_eq_v`).
+    v_proj: Option<Linear>,
     o_proj: Linear,
     /// On q and k before RoPE: per head `(head_dim)` (Qwen3, Gemma 3) or over the whole
     /// projection (OLMo 2), as `Model::qk_norm` says.
     q_norm: Option<Norm>,
     k_norm: Option<Norm>,
+    /// On each value head, without a weight (Gemma 4).
+    v_norm: Option<Norm>,
     /// After attention, before the residual add (Gemma, OLMo 2).
     attn_post_norm: Option<Norm>,
     /// Before the MLP (absent in OLMo 2).
@@ -574,10 +683,18 @@ struct Layer {
     down_proj: Linear,
     /// After the MLP, before the residual add (Gemma, OLMo 2).
     mlp_post_norm: Option<Norm>,
+    /// Gemma 4's per-layer input block.
+    per_layer: Option<PerLayerBlock>,
+    /// The layer's output is multiplied by this (Gemma 4's `layer_scalar`).
+    scalar: Option<f32>,
+    head_dim: usize,
+    n_kv_heads: usize,
+    intermediate: usize,
     /// A sliding window of this many positions, the query's own included.
     window: Option<usize>,
     /// Where the layer's keys and values live: its index among the layers of its KV pool,
-    /// and whether that is the sliding layers' pool ([`KvGroups`]).
+    /// and whether that is the sliding layers' pool ([`KvGroups`]). A layer that reuses an
+    /// earlier layer's keys and values has that layer's place.
     kv_slot: usize,
     in_sliding_pool: bool,
     /// Index of the layer's table in [`Ropes`], or no RoPE.
@@ -586,17 +703,36 @@ struct Layer {
 
 impl Layer {
     /// `weights` holds the scale planes of a checkpoint stored quantized and the tensors of a
-    /// published quantized one (both empty otherwise). Every shape is checked here.
+    /// published quantized one (both empty otherwise). Every shape is checked here. `rope`
+    /// is the index of the layer's rotary table, when it has one.
     fn new(
         w: &LayerWeights,
         index: usize,
         d: &Dims,
         config: &ModelConfig,
-        ropes: &[usize; 3],
+        rope: Option<usize>,
         weights: &ModelWeights,
     ) -> Result<Self> {
         let spec = &config.decoder;
-        let (hidden, q_dim, kv_dim) = (d.hidden, d.q_dim(), d.kv_dim());
+        let layer_spec =
+            spec.layers.get(index).copied().ok_or_else(|| {
+                KylinError::config_invalid(format!("internal: the decoder plan has no layer {index}"))
+            })?;
+        let (head_dim, n_kv_heads, intermediate) =
+            (layer_spec.head_dim, layer_spec.num_kv_heads, layer_spec.intermediate);
+        if head_dim == 0 || head_dim > MAX_HEAD_DIM {
+            return Err(KylinError::operator_unsupported(format!(
+                "layer {index}'s head_dim {head_dim} is outside the attention kernels' range 1..={MAX_HEAD_DIM}"
+            )));
+        }
+        if n_kv_heads == 0 || !d.n_heads.is_multiple_of(n_kv_heads) {
+            return Err(KylinError::config_invalid(format!(
+                "layer {index}: num_attention_heads ({}) must be a non-zero multiple of its key-value heads ({n_kv_heads})",
+                d.n_heads
+            )));
+        }
+        let hidden = d.hidden;
+        let (q_dim, kv_dim) = (d.n_heads * head_dim, n_kv_heads * head_dim);
         let linear = |weight: Role, bias: Role, rows: usize, cols: usize| -> Result<Linear> {
             Linear::bind(w.require(weight, index)?, w.get(bias), rows, cols, weights)
         };
@@ -605,62 +741,84 @@ impl Layer {
             |wanted: bool, role: Role| -> Result<Option<Norm>> { wanted.then(|| norm(role, hidden)).transpose() };
         let (q_norm_len, k_norm_len) = match spec.qk_norm {
             QkNorm::None => (0, 0),
-            QkNorm::PerHead => (d.head_dim, d.head_dim),
+            QkNorm::PerHead => (head_dim, head_dim),
             QkNorm::Projection => (q_dim, kv_dim),
         };
-        let layer_spec = spec
-            .layers
-            .get(index)
-            .copied()
-            .unwrap_or(kylin_loader::family::LayerSpec { window: None, rope: LayerRope::Global });
+        let own_kv = layer_spec.has_kv_projections();
+        let per_layer = match spec.per_layer_input {
+            Some(p) => Some(PerLayerBlock {
+                gate: Linear::bind(w.require(Role::PerLayerGate, index)?, None, p.width, hidden, weights)?,
+                projection: Linear::bind(w.require(Role::PerLayerProjection, index)?, None, hidden, p.width, weights)?,
+                post_norm: norm(Role::PostPerLayerNorm, hidden)?,
+            }),
+            None => None,
+        };
+        let scalar =
+            if spec.layer_scalar { Some(Vector::new(w.require(Role::LayerScalar, index)?, 1)?.scalar()) } else { None };
         Ok(Layer {
             attn_norm: optional_norm(spec.attention_norms.pre(), Role::AttnNorm)?,
             q_proj: linear(Role::QProj, Role::QBias, q_dim, hidden)?,
-            k_proj: linear(Role::KProj, Role::KBias, kv_dim, hidden)?,
-            v_proj: linear(Role::VProj, Role::VBias, kv_dim, hidden)?,
+            k_proj: own_kv.then(|| linear(Role::KProj, Role::KBias, kv_dim, hidden)).transpose()?,
+            v_proj: layer_spec
+                .has_value_projection()
+                .then(|| linear(Role::VProj, Role::VBias, kv_dim, hidden))
+                .transpose()?,
             o_proj: linear(Role::OProj, Role::OBias, hidden, q_dim)?,
             q_norm: (spec.qk_norm != QkNorm::None).then(|| norm(Role::QNorm, q_norm_len)).transpose()?,
-            k_norm: (spec.qk_norm != QkNorm::None).then(|| norm(Role::KNorm, k_norm_len)).transpose()?,
+            k_norm: (spec.qk_norm != QkNorm::None && own_kv).then(|| norm(Role::KNorm, k_norm_len)).transpose()?,
+            v_norm: (spec.value_norm && own_kv).then(|| Norm::unweighted(head_dim)),
             attn_post_norm: optional_norm(spec.attention_norms.post(), Role::PostAttnNorm)?,
             mlp_norm: optional_norm(spec.mlp_norms.pre(), Role::MlpNorm)?,
-            gate_proj: linear(Role::GateProj, Role::GateBias, d.intermediate, hidden)?,
-            up_proj: linear(Role::UpProj, Role::UpBias, d.intermediate, hidden)?,
-            down_proj: linear(Role::DownProj, Role::DownBias, hidden, d.intermediate)?,
+            gate_proj: linear(Role::GateProj, Role::GateBias, intermediate, hidden)?,
+            up_proj: linear(Role::UpProj, Role::UpBias, intermediate, hidden)?,
+            down_proj: linear(Role::DownProj, Role::DownBias, hidden, intermediate)?,
             mlp_post_norm: optional_norm(spec.mlp_norms.post(), Role::PostMlpNorm)?,
+            per_layer,
+            scalar,
+            head_dim,
+            n_kv_heads,
+            intermediate,
             window: layer_spec.window,
             kv_slot: index,
             in_sliding_pool: false,
-            rope: match layer_spec.rope {
-                LayerRope::Global => Some(ropes[0]),
-                LayerRope::Local => Some(ropes[1]),
-                LayerRope::None => None,
-            },
+            rope,
         })
     }
 
-    /// The seven matrices with their roles, in the order q, k, v, o, gate, up, down.
-    fn linears(&self) -> [(Role, &Linear); 7] {
+    /// The matrices of the layer's attention and MLP with their roles, in the order q, k, v, o,
+    /// gate, up, down (k and v where the layer has them).
+    fn linears(&self) -> impl Iterator<Item = (Role, &Linear)> {
         [
-            (Role::QProj, &self.q_proj),
-            (Role::KProj, &self.k_proj),
-            (Role::VProj, &self.v_proj),
-            (Role::OProj, &self.o_proj),
-            (Role::GateProj, &self.gate_proj),
-            (Role::UpProj, &self.up_proj),
-            (Role::DownProj, &self.down_proj),
+            (Role::QProj, Some(&self.q_proj)),
+            (Role::KProj, self.k_proj.as_ref()),
+            (Role::VProj, self.v_proj.as_ref()),
+            (Role::OProj, Some(&self.o_proj)),
+            (Role::GateProj, Some(&self.gate_proj)),
+            (Role::UpProj, Some(&self.up_proj)),
+            (Role::DownProj, Some(&self.down_proj)),
         ]
+        .into_iter()
+        .filter_map(|(role, m)| m.map(|m| (role, m)))
     }
 
-    fn linears_mut(&mut self) -> [&mut Linear; 7] {
+    fn linears_mut(&mut self) -> impl Iterator<Item = &mut Linear> {
         [
-            &mut self.q_proj,
-            &mut self.k_proj,
-            &mut self.v_proj,
-            &mut self.o_proj,
-            &mut self.gate_proj,
-            &mut self.up_proj,
-            &mut self.down_proj,
+            Some(&mut self.q_proj),
+            self.k_proj.as_mut(),
+            self.v_proj.as_mut(),
+            Some(&mut self.o_proj),
+            Some(&mut self.gate_proj),
+            Some(&mut self.up_proj),
+            Some(&mut self.down_proj),
         ]
+        .into_iter()
+        .flatten()
+    }
+
+    /// The per-layer input block's two matrices (Gemma 4), which stay as stored under
+    /// `--quantize`.
+    fn side_linears(&self) -> impl Iterator<Item = &Linear> {
+        self.per_layer.iter().flat_map(|p| [&p.gate, &p.projection])
     }
 
     fn vectors(&self) -> impl Iterator<Item = &Vector> {
@@ -668,6 +826,12 @@ impl Layer {
             .into_iter()
             .flatten()
             .map(|n| &n.weight)
+            .chain(self.per_layer.iter().map(|p| &p.post_norm.weight))
+    }
+
+    /// Keys and values this layer keeps per position.
+    fn kv_shape(&self) -> KvShape {
+        KvShape { n_kv_heads: self.n_kv_heads, head_dim: self.head_dim }
     }
 }
 
@@ -678,11 +842,15 @@ pub const NO_BLOCK: u32 = u32::MAX;
 /// keep every position (paged, prefix-cached); the sliding layers, when they share one window,
 /// keep only the positions their window still reaches, in a pool of their own, so a long
 /// context costs the full layers' memory plus a bounded window.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+///
+/// Only layers that compute their own keys and values hold a place; a layer reusing an
+/// earlier layer's (Gemma 4) reads that layer's.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KvGroups {
-    pub full_layers: usize,
-    /// Layers in the sliding pool (0: every layer is in the full pool).
-    pub sliding_layers: usize,
+    /// The full pool's layers in slot order, with their heads and widths.
+    pub full: Vec<KvShape>,
+    /// The sliding pool's (empty: every layer is in the full pool).
+    pub sliding: Vec<KvShape>,
     /// Their window, when there is a sliding pool.
     pub window: Option<usize>,
 }
@@ -844,6 +1012,12 @@ pub struct Scratch {
     logit_hidden: Vec<f32>,
     /// Their logits, `(max_segments, vocab)`.
     logits: Vec<f32>,
+    /// Gemma 4's per-layer inputs, `(max_tokens, layers · width)`, one token's row of the
+    /// second embedding, `(layers · width)`, and a layer's gate, `(max_tokens, width)` (empty
+    /// for other families).
+    ple: Vec<f32>,
+    ple_row: Vec<f32>,
+    ple_gate: Vec<f32>,
     /// The quantized or rounded activations of one matrix product.
     products: ProductScratch,
 }
@@ -876,6 +1050,9 @@ impl Scratch {
             + self.head_tmp.len()
             + self.logit_hidden.len()
             + self.logits.len()
+            + self.ple.len()
+            + self.ple_row.len()
+            + self.ple_gate.len()
             + self.split_outputs.len()
             + 2 * self.split_stats.len();
         (elements * std::mem::size_of::<f32>()
@@ -897,6 +1074,8 @@ impl Scratch {
             &mut self.up,
             &mut self.logit_hidden,
             &mut self.logits,
+            &mut self.ple,
+            &mut self.ple_gate,
             &mut self.split_outputs,
         ] {
             for page in buffer.chunks_mut(1024) {
@@ -961,11 +1140,15 @@ const SPLIT_SEGMENTS: usize = 8;
 #[derive(Debug, Clone)]
 pub struct Model {
     dims: Dims,
-    /// The rotary tables the layers use: the global one first, then Gemma 3's local one.
-    rope_configs: Vec<RopeConfig>,
+    /// The rotary tables the layers use, each with the head width it is built for: the
+    /// global one first, then Gemma 3's local one, then tables for other head widths
+    /// (Gemma 4's global layers).
+    rope_configs: Vec<(RopeConfig, usize)>,
     max_position_embeddings: usize,
     /// `[vocab, hidden]`, rows widened to f32 on lookup.
     embed: Linear,
+    /// Gemma 4's per-layer inputs, computed once per token before the layers.
+    per_layer_inputs: Option<PerLayerInputs>,
     layers: Vec<Layer>,
     final_norm: Norm,
     /// `[vocab, hidden]`; the embedding's bytes when tied.
@@ -1007,7 +1190,7 @@ impl Model {
                 config.head_dim
             )));
         }
-        if weights.layers.len() != config.num_layers {
+        if weights.layers.len() != config.num_layers || config.decoder.layers.len() != config.num_layers {
             return Err(KylinError::config_invalid(format!(
                 "num_hidden_layers is {} but {} layers were bound",
                 config.num_layers,
@@ -1015,48 +1198,75 @@ impl Model {
             )));
         }
         let spec = &config.decoder;
+        // The buffers are sized by the widest layer (Gemma 4's global layers are wider).
+        let widest = |f: fn(&kylin_loader::family::LayerSpec) -> usize, global: usize| {
+            spec.layers.iter().map(f).max().unwrap_or(global).max(global)
+        };
         let dims = Dims {
             hidden: config.hidden_size,
             n_layers: config.num_layers,
             n_heads: config.num_heads,
-            n_kv_heads: config.num_kv_heads,
-            head_dim: config.head_dim,
-            intermediate: config.intermediate_size,
+            n_kv_heads: widest(|l| l.num_kv_heads, config.num_kv_heads),
+            head_dim: widest(|l| l.head_dim, config.head_dim),
+            intermediate: widest(|l| l.intermediate, config.intermediate_size),
             vocab: config.vocab_size,
             eps: config.rms_norm_eps as f32,
             attn_scale: spec.attention_scale as f32,
         };
-        // Table 0 is the global RoPE; table 1 the local one when the family has it.
-        let mut rope_configs = vec![config.rope.clone()];
-        let local = match &spec.local_rope {
-            Some(local) => {
-                rope_configs.push(local.clone());
-                1
-            }
-            None => 0,
-        };
-        let ropes = [0, local, 0];
-        let layers = weights
-            .layers
-            .iter()
-            .enumerate()
-            .map(|(i, w)| Layer::new(w, i, &dims, config, &ropes, weights))
-            .collect::<Result<Vec<_>>>()?;
-        let mut layers = layers;
-        // The sliding layers get a KV pool of their own when they share one window: it holds
-        // only the positions their windows still reach (`KvGroups`).
-        let mut windows = layers.iter().filter_map(|l| l.window);
-        if let Some(w) = windows.next()
-            && windows.all(|x| x == w)
-        {
-            let (mut full, mut sliding) = (0, 0);
-            for layer in &mut layers {
-                let counter = if layer.window.is_some() { &mut sliding } else { &mut full };
-                layer.kv_slot = *counter;
-                layer.in_sliding_pool = layer.window.is_some();
-                *counter += 1;
-            }
+        // Table 0 is the global RoPE; table 1 the local one when the family has it; then one
+        // per other head width a layer needs.
+        let mut rope_configs = vec![(config.rope.clone(), config.head_dim)];
+        if let Some(local) = &spec.local_rope {
+            rope_configs.push((local.clone(), config.head_dim));
         }
+        let mut layers = Vec::with_capacity(config.num_layers);
+        for (i, w) in weights.layers.iter().enumerate() {
+            let l = &spec.layers[i];
+            let rope = match l.rope {
+                LayerRope::None => None,
+                LayerRope::Global => Some(config.rope.clone()),
+                LayerRope::Local => spec.local_rope.clone(),
+            };
+            let table = rope.map(|r| {
+                let key = (r, l.head_dim);
+                match rope_configs.iter().position(|c| *c == key) {
+                    Some(t) => t,
+                    None => {
+                        rope_configs.push(key);
+                        rope_configs.len() - 1
+                    }
+                }
+            });
+            layers.push(Layer::new(w, i, &dims, config, table, weights)?);
+        }
+        // The sliding layers get a KV pool of their own when they share one window: it holds
+        // only the positions their windows still reach (`KvGroups`). A layer that reuses an
+        // earlier layer's keys and values reads that layer's place and takes none of its own.
+        let mut windows = layers.iter().filter_map(|l| l.window);
+        let split = windows.next().is_some_and(|w| windows.all(|x| x == w));
+        let (mut full, mut sliding) = (0, 0);
+        for i in 0..layers.len() {
+            if let Some(source) = spec.layers[i].kv_source {
+                let (slot, in_sliding) = (layers[source].kv_slot, layers[source].in_sliding_pool);
+                if layers[source].kv_shape() != layers[i].kv_shape() || layers[source].window != layers[i].window {
+                    return Err(KylinError::config_invalid(format!(
+                        "layer {i} reuses the keys and values of layer {source}, whose heads or window differ"
+                    )));
+                }
+                layers[i].kv_slot = slot;
+                layers[i].in_sliding_pool = in_sliding;
+                continue;
+            }
+            let in_sliding = split && layers[i].window.is_some();
+            let counter = if in_sliding { &mut sliding } else { &mut full };
+            layers[i].kv_slot = *counter;
+            layers[i].in_sliding_pool = in_sliding;
+            *counter += 1;
+        }
+        let per_layer_inputs = match spec.per_layer_input {
+            Some(p) => Some(PerLayerInputs::new(weights, p.width, p.vocab, &dims, spec.norm)?),
+            None => None,
+        };
         let lm_head = Linear::bind(&weights.lm_head, None, dims.vocab, dims.hidden, weights)?;
         let quantization = match config.quantization {
             None => None,
@@ -1080,6 +1290,7 @@ impl Model {
             rope_configs,
             max_position_embeddings: config.max_position_embeddings,
             embed: Linear::new(&weights.embed_tokens, None, dims.vocab, dims.hidden)?,
+            per_layer_inputs,
             layers,
             final_norm: Norm::new(&weights.final_norm, dims.hidden, spec.norm)?,
             lm_head,
@@ -1367,7 +1578,8 @@ impl Model {
         let non_bf16 = self
             .layers
             .iter()
-            .flat_map(|l| l.linears().map(|(_, m)| m))
+            .flat_map(|l| l.linears().map(|(_, m)| m).chain(l.side_linears()))
+            .chain(self.per_layer_inputs.as_ref().map(|p| &p.projection))
             .chain(std::iter::once(&self.lm_head))
             .find(|m| m.dtype != WeightDType::BF16);
         self.bf16 = match choice {
@@ -1470,7 +1682,7 @@ impl Model {
         let attention = kernels::paged::attention_path(
             self.precision(),
             kv_dtype,
-            self.dims.head_dim,
+            self.attention_head_dim(),
             block_size,
             self.attention_needs(),
         );
@@ -1492,27 +1704,35 @@ impl Model {
             .layers
             .iter()
             .map(|l| {
-                l.linears().iter().map(|(_, m)| m.element_count()).sum::<u64>()
+                l.linears().map(|(_, m)| m).chain(l.side_linears()).map(Linear::element_count).sum::<u64>()
                     + l.vectors().map(|v| v.tensor.element_count() as u64).sum::<u64>()
             })
             .sum();
         let head = if self.tied { 0 } else { self.lm_head.element_count() };
-        self.embed.element_count() + layers + self.final_norm.weight.tensor.element_count() as u64 + head
+        let per_layer = self.per_layer_inputs.as_ref().map_or(0, |p| {
+            p.embed.element_count() + p.projection.element_count() + p.norm.weight.tensor.element_count() as u64
+        });
+        self.embed.element_count() + per_layer + layers + self.final_norm.weight.tensor.element_count() as u64 + head
     }
 
     /// Bytes of weights read to produce one token: every matrix and vector once, the head once,
-    /// and one embedding row.
+    /// and one embedding row (and one row of the per-layer embedding).
     pub fn weight_bytes_per_token(&self) -> u64 {
         let layers: u64 = self
             .layers
             .iter()
             .map(|l| {
-                l.linears().iter().map(|(_, m)| m.byte_len()).sum::<u64>()
+                l.linears().map(|(_, m)| m).chain(l.side_linears()).map(Linear::byte_len).sum::<u64>()
                     + l.vectors().map(|v| v.tensor.byte_len() as u64).sum::<u64>()
             })
             .sum();
         let embed_row = (self.dims.hidden * self.embed.dtype.size_in_bytes()) as u64;
-        layers + self.final_norm.weight.tensor.byte_len() as u64 + self.lm_head.byte_len() + embed_row
+        let per_layer = self.per_layer_inputs.as_ref().map_or(0, |p| {
+            (p.embed.cols * p.embed.dtype.size_in_bytes()) as u64
+                + p.projection.byte_len()
+                + p.norm.weight.tensor.byte_len() as u64
+        });
+        layers + per_layer + self.final_norm.weight.tensor.byte_len() as u64 + self.lm_head.byte_len() + embed_row
     }
 
     /// Plans the activation buffers for forward passes of up to `max_tokens` tokens in up to
@@ -1531,6 +1751,7 @@ impl Model {
         let split_segments = SPLIT_SEGMENTS.min(max_segments);
         let split_parts = context.div_ceil(PARTITION).max(1);
         let split_rows = split_segments * d.n_heads * split_parts;
+        let (ple_width, ple_all) = self.per_layer_inputs.as_ref().map_or((0, 0), |p| (p.width, p.embed.cols));
         let sized = |rows: usize, cols: usize, what: &str| -> Result<Vec<f32>> {
             let len = rows.checked_mul(cols).ok_or_else(|| {
                 KylinError::config_invalid(format!(
@@ -1559,8 +1780,11 @@ impl Model {
             head_tmp: sized(1, d.q_dim().max(d.head_dim), "head")?,
             logit_hidden: sized(max_segments, d.hidden, "hidden")?,
             logits: sized(max_segments, d.vocab, "logits")?,
+            ple: sized(max_tokens, ple_all, "per-layer input")?,
+            ple_row: sized(1, ple_all, "per-layer input")?,
+            ple_gate: sized(max_tokens, ple_width, "per-layer gate")?,
             products: {
-                let widest = d.hidden.max(d.q_dim()).max(d.intermediate);
+                let widest = d.hidden.max(d.q_dim()).max(d.intermediate).max(ple_width);
                 ProductScratch {
                     xb: if self.bf16.is_some() {
                         vec![0; kernels::bf16_scratch_len(max_tokens, widest)]
@@ -1579,17 +1803,31 @@ impl Model {
 
     /// RoPE tables for positions `0..context`, one per rotary table the layers use.
     pub fn rope(&self, context: usize) -> Result<Ropes> {
-        Ropes::new(&self.rope_configs, self.dims.head_dim, context)
+        Ropes::new(&self.rope_configs, context)
     }
 
     /// How the layers' keys and values are split between the KV pools.
     pub fn kv_groups(&self) -> KvGroups {
-        let sliding = self.layers.iter().filter(|l| l.in_sliding_pool).count();
+        // The layers that hold a place, in slot order (slots are given out in layer order).
+        let owners = |sliding: bool| -> Vec<KvShape> {
+            self.layers
+                .iter()
+                .filter(|l| l.k_proj.is_some() && l.in_sliding_pool == sliding)
+                .map(Layer::kv_shape)
+                .collect()
+        };
         KvGroups {
-            full_layers: self.layers.len() - sliding,
-            sliding_layers: sliding,
+            full: owners(false),
+            sliding: owners(true),
             window: self.layers.iter().find(|l| l.in_sliding_pool).and_then(|l| l.window),
         }
+    }
+
+    /// The head width that decides the attention path (its kernels need every layer's width
+    /// to be a multiple of 32): a width that is not, if some layer has one, else the widest.
+    pub fn attention_head_dim(&self) -> usize {
+        let widths = self.layers.iter().map(|l| l.head_dim);
+        widths.clone().find(|w| !w.is_multiple_of(32)).unwrap_or_else(|| widths.max().unwrap_or(self.dims.head_dim))
     }
 
     /// Whether some layer slides (attention over a window of positions).
@@ -1636,8 +1874,22 @@ impl Model {
             }
         }
 
+        // Gemma 4's per-layer inputs: x (n, hidden) -> ple (n, layers · width).
+        if let Some(p) = &self.per_layer_inputs {
+            let all = p.embed.cols;
+            p.compute(
+                mm,
+                &plan.ids,
+                &s.x[..n * h],
+                &mut s.ple[..n * all],
+                &mut s.ple_row[..all],
+                d.eps,
+                &mut s.products,
+            );
+        }
+
         // 2. The decoder layers, each updating the residual stream x (n, hidden) in place.
-        for layer in &self.layers {
+        for (i, layer) in self.layers.iter().enumerate() {
             // The layer's pool: the sliding layers' own when it has one.
             let pool = match (&mut sliding_kv, layer.in_sliding_pool) {
                 (Some(sliding), true) => &mut **sliding,
@@ -1645,6 +1897,12 @@ impl Model {
             };
             self.attention_block(mm, layer, pool, rope, s, plan);
             self.mlp_block(mm, layer, s, n);
+            if let Some(block) = &layer.per_layer {
+                self.per_layer_block(mm, block, i, s, n);
+            }
+            if let Some(scalar) = layer.scalar {
+                kernels::scale(&mut s.x[..n * h], scalar);
+            }
         }
 
         // 3. Final norm and head, only for the rows whose logits are wanted; then the logit
@@ -1724,7 +1982,8 @@ impl Model {
     ) {
         let d = &self.dims;
         let n = plan.tokens();
-        let (h, hd, q_dim, kv_dim) = (d.hidden, d.head_dim, d.q_dim(), d.kv_dim());
+        let hd = layer.head_dim;
+        let (h, q_dim, kv_dim) = (d.hidden, d.n_heads * hd, layer.n_kv_heads * hd);
         // The layer's index in its pool, and each segment's table there.
         let index = layer.kv_slot;
         let table_range = |seg: &Segment| -> std::ops::Range<usize> {
@@ -1739,33 +1998,42 @@ impl Model {
         let input = if layer.attn_norm.is_some() { &s.xn[..n * h] } else { &s.x[..n * h] };
 
         // 2. Projections over all tokens of all segments: input (n, hidden) -> q (n, n_heads * head_dim),
-        //    k and v (n, n_kv_heads * head_dim).
-        Linear::forward_many(
-            mm,
-            input,
-            n,
-            [
-                (&layer.q_proj, &mut s.q[..n * q_dim]),
-                (&layer.k_proj, &mut s.k[..n * kv_dim]),
-                (&layer.v_proj, &mut s.v[..n * kv_dim]),
-            ],
-            &mut s.products,
-        );
+        //    k and v (n, n_kv_heads * head_dim). A layer reusing an earlier layer's keys and
+        //    values projects only q; one whose values are its keys' projection copies k to v
+        //    before k is normed and rotated.
+        let (q_out, k_out, v_out) = (&mut s.q[..n * q_dim], &mut s.k[..n * kv_dim], &mut s.v[..n * kv_dim]);
+        match (&layer.k_proj, &layer.v_proj) {
+            (Some(k_proj), Some(v_proj)) => Linear::forward_many(
+                mm,
+                input,
+                n,
+                [(&layer.q_proj, q_out), (k_proj, &mut *k_out), (v_proj, v_out)],
+                &mut s.products,
+            ),
+            (Some(k_proj), None) => {
+                Linear::forward_many(mm, input, n, [(&layer.q_proj, q_out), (k_proj, &mut *k_out)], &mut s.products);
+                v_out.copy_from_slice(k_out);
+            }
+            (None, _) => layer.q_proj.forward(mm, input, n, q_out, &mut s.products),
+        }
 
         // 3. The q/k norm (per head, or over the whole projection), then RoPE at each token's
         //    own position on the rotated part of every (token, head) row of q and k, viewed as
-        //    (n, heads, head_dim); then the token's keys and values go to its sequence's blocks.
+        //    (n, heads, head_dim); the value norm (Gemma 4) on each value head; then the token's
+        //    keys and values go to its sequence's blocks.
         let tmp = &mut s.head_tmp;
         let table = layer.rope.map(|i| rope.table(i));
         let rotary = table.map_or(0, |t| t.rotary_dim());
+        let writes_kv = layer.k_proj.is_some();
         for seg in &plan.segments {
             let blocks = &tables[table_range(seg)];
             for t in seg.t0..seg.t0 + seg.n {
                 let pos = seg.start + (t - seg.t0);
-                for (row, width, head_norm) in [
-                    (&mut s.q[t * q_dim..(t + 1) * q_dim], q_dim, &layer.q_norm),
-                    (&mut s.k[t * kv_dim..(t + 1) * kv_dim], kv_dim, &layer.k_norm),
-                ] {
+                let rows = [
+                    Some((&mut s.q[t * q_dim..(t + 1) * q_dim], q_dim, &layer.q_norm)),
+                    writes_kv.then(|| (&mut s.k[t * kv_dim..(t + 1) * kv_dim], kv_dim, &layer.k_norm)),
+                ];
+                for (row, width, head_norm) in rows.into_iter().flatten() {
                     debug_assert_eq!(row.len(), width);
                     if let (Some(w), QkNorm::Projection) = (head_norm, self.qk_norm) {
                         // (width) -> (width): one norm over every head of the token.
@@ -1780,6 +2048,16 @@ impl Model {
                         if let Some(table) = table {
                             kernels::rope_rotate_half(&mut head[..rotary], table.cos(pos), table.sin(pos));
                         }
+                    }
+                }
+                if !writes_kv {
+                    continue;
+                }
+                let v_row = &mut s.v[t * kv_dim..(t + 1) * kv_dim];
+                if let Some(norm) = &layer.v_norm {
+                    for head in v_row.chunks_exact_mut(hd) {
+                        tmp[..hd].copy_from_slice(head);
+                        norm.apply(&tmp[..hd], d.eps, head);
                     }
                 }
                 // (n_kv_heads * head_dim) -> block slot of position `pos`, per KV head.
@@ -1799,13 +2077,13 @@ impl Model {
         //    one task.
         //    q (n, n_heads, head_dim) -> attn (n, n_heads, head_dim).
         let kv: &KvPool = kv;
-        let (keys, values) = kv.views();
-        let group = d.group();
+        let (keys, values) = kv.views(index);
+        let group = d.n_heads / layer.n_kv_heads;
         let scores = ScoreMap { scale: d.attn_scale, softcap: self.attention_softcap };
         // A sliding layer's query at position p attends to p + 1 - window ..= p.
         let window = layer.window;
         let first_position = |pos: usize| window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        let (n_kv, n_heads) = (d.n_kv_heads, d.n_heads);
+        let (n_kv, n_heads) = (layer.n_kv_heads, d.n_heads);
         let q = &s.q[..n * q_dim];
         let attn = SharedMut::new(&mut s.attn[..n * q_dim]);
         let segments = &plan.segments;
@@ -1914,12 +2192,30 @@ impl Model {
         }
     }
 
+    /// Gemma 4's per-layer input block of layer `i`:
+    /// `x += post_norm(projection(gelu_tanh(gate(x)) · ple_i))`.
+    fn per_layer_block(&self, mm: Matmul<'_>, block: &PerLayerBlock, i: usize, s: &mut Scratch, n: usize) {
+        let h = self.dims.hidden;
+        let w = block.gate.rows;
+        let all = s.ple.len() / s.max_tokens.max(1);
+        // 1. gate: x (n, hidden) -> g (n, width); g = gelu_tanh(g) · ple[:, i] per token.
+        block.gate.forward(mm, &s.x[..n * h], n, &mut s.ple_gate[..n * w], &mut s.products);
+        for (t, g) in s.ple_gate[..n * w].chunks_exact_mut(w).enumerate() {
+            let input = &s.ple[t * all + i * w..t * all + (i + 1) * w];
+            kernels::gelu_tanh_mul(g, input);
+        }
+        // 2. projection: g (n, width) -> proj (n, hidden); x += post_norm(proj).
+        block.projection.forward(mm, &s.ple_gate[..n * w], n, &mut s.proj[..n * h], &mut s.products);
+        block.post_norm.rows(&s.proj[..n * h], h, self.dims.eps, &mut s.xn[..n * h]);
+        self.residual_add(&mut s.x[..n * h], &s.xn[..n * h]);
+    }
+
     /// The gated MLP with the family's norms around it:
     /// `x += r · post_norm?(down_proj(act(gate_proj(h)) * up_proj(h)))`, `h = norm?(x)`;
     /// `act` is SiLU (SwiGLU) or tanh-GELU (GeGLU).
     fn mlp_block(&self, mm: Matmul<'_>, layer: &Layer, s: &mut Scratch, n: usize) {
         let d = &self.dims;
-        let (h, i) = (d.hidden, d.intermediate);
+        let (h, i) = (d.hidden, layer.intermediate);
 
         // 1. RMSNorm (pre-norm families): x (n, hidden) -> xn (n, hidden); OLMo 2 uses x itself.
         if let Some(norm) = &layer.mlp_norm {

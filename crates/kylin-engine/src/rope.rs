@@ -22,9 +22,11 @@ pub struct Ropes {
 }
 
 impl Ropes {
-    /// One table per configuration, in order (layers refer to them by index).
-    pub fn new(configs: &[RopeConfig], head_dim: usize, capacity: usize) -> Result<Self> {
-        let tables = configs.iter().map(|c| Rope::new(c, head_dim, capacity)).collect::<Result<Vec<_>>>()?;
+    /// One table per configuration and the head width it rotates, in order (layers refer to
+    /// them by index).
+    pub fn new(configs: &[(RopeConfig, usize)], capacity: usize) -> Result<Self> {
+        let tables =
+            configs.iter().map(|(c, head_dim)| Rope::new(c, *head_dim, capacity)).collect::<Result<Vec<_>>>()?;
         Ok(Ropes { tables })
     }
 
@@ -82,7 +84,11 @@ impl Rope {
     /// (llama.cpp's choice; transformers switches per forward call by the longest sequence,
     /// which the two agree on whenever every sequence stays on one side of the boundary).
     pub fn new(config: &RopeConfig, head_dim: usize, capacity: usize) -> Result<Self> {
-        let dim = (head_dim as f64 * config.partial_rotary_factor) as usize;
+        // Proportional RoPE rotates the whole head; its partial factor zeroes frequencies instead.
+        let dim = match config.scaling {
+            RopeScaling::Proportional { .. } => head_dim,
+            _ => (head_dim as f64 * config.partial_rotary_factor) as usize,
+        };
         if dim == 0 || !dim.is_multiple_of(2) || dim > head_dim {
             return Err(KylinError::operator_unsupported(format!(
                 "RoPE needs an even, non-zero rotated dimension; head_dim {head_dim} x partial_rotary_factor {} gives {dim}",
@@ -105,6 +111,12 @@ impl Rope {
             KylinError::config_invalid(format!("RoPE table of {capacity} positions x {half} overflows"))
         })?;
         let (inv_freq, attention_scaling) = initial_inv_freq(config, head_dim, capacity);
+        if inv_freq.len() != half {
+            return Err(KylinError::operator_unsupported(format!(
+                "RoPE frequencies: {} for a rotated dimension of {head_dim}",
+                inv_freq.len()
+            )));
+        }
         let dynamic = match config.scaling {
             RopeScaling::Dynamic { factor, original_max_position_embeddings } => Some(DynamicState {
                 theta: config.theta,
@@ -287,6 +299,17 @@ fn initial_inv_freq(config: &RopeConfig, head_dim: usize, capacity: usize) -> (V
                 *o = 1.0 / (e as f32 * pos_freq(config.theta as f32, i, dim));
             }
             (inv_freq, attention_factor as f32)
+        }
+        RopeScaling::Proportional { factor } => {
+            // transformers' `_compute_proportional_rope_parameters`: `rope_angles =
+            // int(partial_rotary_factor * head_dim // 2)` frequencies `1 / base ** (2i /
+            // head_dim)`, zeros after them, all divided by `factor` in float32.
+            let rope_angles = ((config.partial_rotary_factor * dim as f64) / 2.0).floor() as usize;
+            let factor = factor as f32;
+            for (i, f) in inv_freq.iter_mut().enumerate() {
+                *f = if i < rope_angles { *f / factor } else { 0.0 };
+            }
+            (inv_freq, 1.0)
         }
     }
 }

@@ -175,8 +175,8 @@ fn a_budget_for_three_sequences_finishes_eight_with_preemption() {
     let path = fixture("tiny-qwen2-f16");
     let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
     let c = &model.config;
-    let per_block =
-        KvPool::block_bytes(kylin_kernels::WeightDType::F32, c.num_layers, c.num_kv_heads, c.head_dim, 16).unwrap();
+    let shape = kylin_engine::kv_pool::KvShape { n_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
+    let per_block = KvPool::block_bytes(kylin_kernels::WeightDType::F32, &vec![shape; c.num_layers], 16).unwrap();
     // Context 64 = 4 blocks per sequence; 12 blocks hold three sequences.
     let opts =
         EngineOptions { ctx_size: Some(64), kv_budget: KvBudget::Bytes(12 * per_block), max_seqs: 8, ..options(2) };

@@ -25,14 +25,25 @@ fn decode_steps_allocate_nothing() {
     // Qwen2 with biases (F16) and Qwen3 with q/k norms (BF16); then every family of the
     // registry's shared blocks: sliding windows and their own KV pool (Gemma 2/3, Mistral),
     // soft-caps and sandwich norms (Gemma 2), fused projections (Phi-3), NoPE (SmolLM3),
-    // post-norms (OLMo 2) and multipliers (Granite). The 39-token prompt and 33 decode steps
-    // cross the windows of 8, so sliding blocks are released while decoding.
-    let families =
-        ["tiny-gemma2", "tiny-gemma3", "tiny-mistral-swa", "tiny-phi3", "tiny-smollm3", "tiny-olmo2", "tiny-granite"];
+    // post-norms (OLMo 2), multipliers (Granite), and Gemma 4's per-layer inputs, wider global
+    // heads and shared keys and values. The 39-token prompt and 33 decode steps cross the
+    // windows of 5 to 8, so sliding blocks are released while decoding.
+    let families = [
+        "tiny-gemma2",
+        "tiny-gemma3",
+        "tiny-gemma4",
+        "tiny-mistral-swa",
+        "tiny-phi3",
+        "tiny-smollm3",
+        "tiny-olmo2",
+        "tiny-granite",
+    ];
+    let more = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/families/fixtures");
     let models = ["tiny-qwen2-f16", "tiny-qwen3-yarn", "tiny-qwen3-sharded-f32"]
         .into_iter()
         .map(|name| (name, Path::new(SHARED).join("fixtures").join(name)))
-        .chain(families.into_iter().map(|name| (name, Path::new(SHARED).join("families/fixtures").join(name))));
+        .chain(families.into_iter().map(|name| (name, Path::new(SHARED).join("families/fixtures").join(name))))
+        .chain(std::iter::once(("tiny-gemma4-kvshare", Path::new(more).join("tiny-gemma4-kvshare"))));
     for (name, path) in models {
         let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
         let mut backend = NativeBackend::new(model, NativeOptions { threads: 2, ..Default::default() }).unwrap();

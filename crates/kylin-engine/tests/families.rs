@@ -33,9 +33,17 @@ const FAMILIES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/fam
 const MORE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/families");
 
 /// The dense families this engine runs; the others in `shared/families` (Mixture-of-Experts,
-/// hybrid, Gemma 4) must be refused with a clear code until their issues land.
-const DENSE: [&str; 7] =
-    ["tiny-gemma2", "tiny-gemma3", "tiny-granite", "tiny-mistral-swa", "tiny-olmo2", "tiny-phi3", "tiny-smollm3"];
+/// hybrid) must be refused with a clear code until their issues land.
+const DENSE: [&str; 8] = [
+    "tiny-gemma2",
+    "tiny-gemma3",
+    "tiny-gemma4",
+    "tiny-granite",
+    "tiny-mistral-swa",
+    "tiny-olmo2",
+    "tiny-phi3",
+    "tiny-smollm3",
+];
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(FAMILIES).join("fixtures").join(name)
@@ -116,6 +124,7 @@ macro_rules! family_tests {
 family_tests! {
     gemma2_matches_transformers => "tiny-gemma2",
     gemma3_matches_transformers => "tiny-gemma3",
+    gemma4_matches_transformers => "tiny-gemma4",
     granite_matches_transformers => "tiny-granite",
     mistral_sliding_window_matches_transformers => "tiny-mistral-swa",
     olmo2_matches_transformers => "tiny-olmo2",

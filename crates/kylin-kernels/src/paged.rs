@@ -84,8 +84,9 @@ pub const PARTITION: usize = 1024;
 /// Most query rows one [`attention_rows`] call takes: each tile of keys and values is read
 /// from memory once for all of them.
 pub const MAX_ROWS: usize = 48;
-/// Largest `head_dim` the kernels take (their per-row state lives on the stack).
-pub const MAX_HEAD_DIM: usize = 256;
+/// Largest `head_dim` the kernels take (their per-row state lives on the stack): 512, Gemma
+/// 4's global layers.
+pub const MAX_HEAD_DIM: usize = 512;
 
 /// Dtype codes used as const generic parameters (the same numbers as `x86`'s).
 const DT_BF16: u8 = 0;

@@ -33,7 +33,8 @@ use crate::tensor::DType;
 use crate::tensor::WeightTensor;
 use crate::weights::{HeadBinding, LayerWeights, ModelWeights};
 
-/// A dimension named after the config value it comes from.
+/// A dimension named after the config value it comes from. Per-layer entries take the
+/// layer's own sizes (`DecoderSpec::layers`), which differ between layers in Gemma 4.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Dim {
     Vocab,
@@ -48,35 +49,66 @@ pub enum Dim {
     QkvDim,
     /// `2 * intermediate_size` (a fused `gate_up_proj`).
     GateUpDim,
+    /// A scalar stored as a one-element tensor (Gemma 4's `layer_scalar`).
+    One,
+    /// `hidden_size_per_layer_input` (Gemma 4).
+    PerLayerInput,
+    /// `num_hidden_layers * hidden_size_per_layer_input`: every layer's inputs side by side.
+    AllLayerInputs,
+    /// `vocab_size_per_layer_input`.
+    PerLayerVocab,
+}
+
+/// The sizes that vary per layer: the layer's own, or the model's for global entries.
+fn layer_sizes(c: &ModelConfig, layer: Option<usize>) -> (usize, usize, usize) {
+    match layer.and_then(|i| c.decoder.layers.get(i)) {
+        Some(l) => (l.head_dim, l.num_kv_heads, l.intermediate),
+        None => (c.head_dim, c.num_kv_heads, c.intermediate_size),
+    }
 }
 
 impl Dim {
-    fn value(self, c: &ModelConfig) -> usize {
+    fn value(self, c: &ModelConfig, layer: Option<usize>) -> usize {
+        let (head_dim, kv_heads, intermediate) = layer_sizes(c, layer);
+        let per_layer = c.decoder.per_layer_input;
         match self {
             Dim::Vocab => c.vocab_size,
             Dim::Hidden => c.hidden_size,
-            Dim::QDim => c.num_heads * c.head_dim,
-            Dim::KvDim => c.num_kv_heads * c.head_dim,
-            Dim::HeadDim => c.head_dim,
-            Dim::Intermediate => c.intermediate_size,
-            Dim::QkvDim => (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
-            Dim::GateUpDim => 2 * c.intermediate_size,
+            Dim::QDim => c.num_heads * head_dim,
+            Dim::KvDim => kv_heads * head_dim,
+            Dim::HeadDim => head_dim,
+            Dim::Intermediate => intermediate,
+            Dim::QkvDim => (c.num_heads + 2 * kv_heads) * head_dim,
+            Dim::GateUpDim => 2 * intermediate,
+            Dim::One => 1,
+            Dim::PerLayerInput => per_layer.map_or(0, |p| p.width),
+            Dim::AllLayerInputs => per_layer.map_or(0, |p| p.width * c.num_layers),
+            Dim::PerLayerVocab => per_layer.map_or(0, |p| p.vocab),
         }
     }
 
-    fn explain(self, c: &ModelConfig) -> String {
+    fn explain(self, c: &ModelConfig, layer: Option<usize>) -> String {
+        let (head_dim, kv_heads, intermediate) = layer_sizes(c, layer);
+        let per_layer = c.decoder.per_layer_input;
+        let width = per_layer.map_or(0, |p| p.width);
         match self {
             Dim::Vocab => format!("vocab_size={}", c.vocab_size),
             Dim::Hidden => format!("hidden_size={}", c.hidden_size),
-            Dim::QDim => format!("num_attention_heads={} * head_dim={}", c.num_heads, c.head_dim),
-            Dim::KvDim => format!("num_key_value_heads={} * head_dim={}", c.num_kv_heads, c.head_dim),
-            Dim::HeadDim => format!("head_dim={}", c.head_dim),
-            Dim::Intermediate => format!("intermediate_size={}", c.intermediate_size),
+            Dim::QDim => format!("num_attention_heads={} * head_dim={head_dim}", c.num_heads),
+            Dim::KvDim => format!("num_key_value_heads={kv_heads} * head_dim={head_dim}"),
+            Dim::HeadDim => format!("head_dim={head_dim}"),
+            Dim::Intermediate => format!("intermediate_size={intermediate}"),
             Dim::QkvDim => format!(
-                "(num_attention_heads={} + 2 * num_key_value_heads={}) * head_dim={}",
-                c.num_heads, c.num_kv_heads, c.head_dim
+                "(num_attention_heads={} + 2 * num_key_value_heads={kv_heads}) * head_dim={head_dim}",
+                c.num_heads
             ),
-            Dim::GateUpDim => format!("2 * intermediate_size={}", c.intermediate_size),
+            Dim::GateUpDim => format!("2 * intermediate_size={intermediate}"),
+            Dim::One => "a scalar".to_string(),
+            Dim::PerLayerInput => format!("hidden_size_per_layer_input={width}"),
+            Dim::AllLayerInputs => {
+                format!("num_hidden_layers={} * hidden_size_per_layer_input={width}", c.num_layers)
+            }
+            Dim::PerLayerVocab => format!("vocab_size_per_layer_input={}", per_layer.map_or(0, |p| p.vocab)),
         }
     }
 }
@@ -90,16 +122,37 @@ pub enum Cond {
     MlpBias,
     /// Only when the head is not tied (`lm_head.weight`).
     Untied,
+    /// The layer projects its own keys: it does not reuse another layer's (Gemma 4).
+    KvProjections,
+    /// The layer has its own `v_proj` (not shared, values not the keys' projection).
+    ValueProjection,
+    /// `k_proj.bias` of a layer with its own keys.
+    KBias,
+    /// `v_proj.bias` of a layer with its own `v_proj`.
+    VBias,
+    /// The model has per-layer inputs (Gemma 4's `hidden_size_per_layer_input`).
+    PerLayerInput,
+    /// The layers carry a `layer_scalar` (Gemma 4).
+    LayerScalar,
 }
 
 impl Cond {
-    fn holds(self, c: &ModelConfig) -> bool {
+    fn holds(self, c: &ModelConfig, layer: Option<usize>) -> bool {
+        let spec = layer.and_then(|i| c.decoder.layers.get(i));
+        let own_kv = spec.is_none_or(|l| l.has_kv_projections());
+        let own_v = spec.is_none_or(|l| l.has_value_projection());
         match self {
             Cond::Always => true,
             Cond::QkvBias => c.qkv_bias,
             Cond::OBias => c.o_bias,
             Cond::MlpBias => c.mlp_bias,
             Cond::Untied => !c.tie_word_embeddings,
+            Cond::KvProjections => own_kv,
+            Cond::ValueProjection => own_v,
+            Cond::KBias => c.qkv_bias && own_kv,
+            Cond::VBias => c.qkv_bias && own_v,
+            Cond::PerLayerInput => c.decoder.per_layer_input.is_some(),
+            Cond::LayerScalar => c.decoder.layer_scalar,
         }
     }
 }
@@ -136,6 +189,19 @@ pub enum Role {
     QkvProj,
     /// `gate_up_proj` (Phi-3): `gate_proj` then `up_proj` by rows; split at bind time.
     GateUpProj,
+    /// The multiplier of a layer's output, `[1]` (Gemma 4).
+    LayerScalar,
+    /// Gemma 4's per-layer input block: `per_layer_input_gate` `[width, hidden]`,
+    /// `per_layer_projection` `[hidden, width]`, and the norm after it.
+    PerLayerGate,
+    PerLayerProjection,
+    PostPerLayerNorm,
+    /// Gemma 4's global per-layer input tensors: the second embedding
+    /// `[vocab_per_layer, layers * width]`, the projection of the first embedding
+    /// `[layers * width, hidden]`, and the norm of that projection `[width]`.
+    EmbedPerLayer,
+    PerLayerModelProjection,
+    PerLayerProjectionNorm,
 }
 
 impl Role {
@@ -259,6 +325,64 @@ pub const PROJECTION_QK_NORM: &[Spec] = &[
     spec(Role::KNorm, "model.layers.{layer}.self_attn.k_norm.weight", &[KvDim], Cond::Always),
 ];
 
+/// Gemma 4's attention: layers that reuse an earlier layer's keys and values have only
+/// `q_proj`, `q_norm` and `o_proj`; full-attention layers with `attention_k_eq_v` have no
+/// `v_proj`.
+pub const SHARED_KV_ATTENTION: &[Spec] = &[
+    spec(Role::QProj, "model.layers.{layer}.self_attn.q_proj.weight", &[QDim, Hidden], Cond::Always),
+    spec(Role::KProj, "model.layers.{layer}.self_attn.k_proj.weight", &[KvDim, Hidden], Cond::KvProjections),
+    spec(Role::VProj, "model.layers.{layer}.self_attn.v_proj.weight", &[KvDim, Hidden], Cond::ValueProjection),
+    spec(Role::OProj, "model.layers.{layer}.self_attn.o_proj.weight", &[Hidden, QDim], Cond::Always),
+    spec(Role::QNorm, "model.layers.{layer}.self_attn.q_norm.weight", &[HeadDim], Cond::Always),
+    spec(Role::KNorm, "model.layers.{layer}.self_attn.k_norm.weight", &[HeadDim], Cond::KvProjections),
+];
+
+/// Biases of [`SHARED_KV_ATTENTION`] (`attention_bias`).
+pub const SHARED_KV_BIAS: &[Spec] = &[
+    spec(Role::QBias, "model.layers.{layer}.self_attn.q_proj.bias", &[QDim], Cond::QkvBias),
+    spec(Role::KBias, "model.layers.{layer}.self_attn.k_proj.bias", &[KvDim], Cond::KBias),
+    spec(Role::VBias, "model.layers.{layer}.self_attn.v_proj.bias", &[KvDim], Cond::VBias),
+    spec(Role::OBias, "model.layers.{layer}.self_attn.o_proj.bias", &[Hidden], Cond::OBias),
+];
+
+/// Gemma 4's per-layer inputs (global tensors and each layer's block) and layer scalars.
+pub const PER_LAYER_INPUTS: &[Spec] = &[
+    spec(
+        Role::EmbedPerLayer,
+        "model.embed_tokens_per_layer.weight",
+        &[PerLayerVocab, AllLayerInputs],
+        Cond::PerLayerInput,
+    ),
+    spec(
+        Role::PerLayerModelProjection,
+        "model.per_layer_model_projection.weight",
+        &[AllLayerInputs, Hidden],
+        Cond::PerLayerInput,
+    ),
+    spec(Role::PerLayerProjectionNorm, "model.per_layer_projection_norm.weight", &[PerLayerInput], Cond::PerLayerInput),
+    spec(
+        Role::PerLayerGate,
+        "model.layers.{layer}.per_layer_input_gate.weight",
+        &[PerLayerInput, Hidden],
+        Cond::PerLayerInput,
+    ),
+    spec(
+        Role::PerLayerProjection,
+        "model.layers.{layer}.per_layer_projection.weight",
+        &[Hidden, PerLayerInput],
+        Cond::PerLayerInput,
+    ),
+    spec(
+        Role::PostPerLayerNorm,
+        "model.layers.{layer}.post_per_layer_input_norm.weight",
+        &[Hidden],
+        Cond::PerLayerInput,
+    ),
+];
+
+pub const LAYER_SCALAR: &[Spec] =
+    &[spec(Role::LayerScalar, "model.layers.{layer}.layer_scalar", &[One], Cond::LayerScalar)];
+
 /// The registry: each architecture's table as a list of groups.
 fn groups(arch: Architecture) -> &'static [&'static [Spec]] {
     arch.family().tensors
@@ -380,9 +504,9 @@ fn shape_text(shape: &[usize]) -> String {
 /// `qkv_proj` `[q + 2 kv, hidden]` → `q_proj` `[q, hidden]`, `k_proj`, `v_proj`;
 /// `gate_up_proj` `[2 i, hidden]` → `gate_proj` `[i, hidden]`, `up_proj` (transformers'
 /// `chunk(2)`: gate first). The parts are named after the unfused checkpoints' tensors.
-fn split_fused(config: &ModelConfig, tensors: &mut BTreeMap<Role, WeightTensor>) -> Result<()> {
-    let (q, kv, inter) =
-        (config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size);
+fn split_fused(config: &ModelConfig, layer: usize, tensors: &mut BTreeMap<Role, WeightTensor>) -> Result<()> {
+    let (head_dim, kv_heads, inter) = layer_sizes(config, Some(layer));
+    let (q, kv) = (config.num_heads * head_dim, kv_heads * head_dim);
     let mut split = |fused: Role, parts: &[(Role, usize, &str)]| -> Result<()> {
         let Some(t) = tensors.remove(&fused) else { return Ok(()) };
         let mut row = 0;
@@ -438,11 +562,11 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
             Some(i) => template.replace("{layer}", &i.to_string()),
             None => template,
         };
-        if let Some(q) = config.published.as_ref().filter(|_| spec.role.is_matrix() && spec.cond.holds(config)) {
+        if let Some(q) = config.published.as_ref().filter(|_| spec.role.is_matrix() && spec.cond.holds(config, layer)) {
             let module = name.strip_suffix(".weight").unwrap_or(&name).to_string();
             if !q.ignores(&module) {
                 // A published quantized matrix: its tensors, as its config and shape imply.
-                let expected: Vec<usize> = spec.shape.iter().map(|d| d.value(config)).collect();
+                let expected: Vec<usize> = spec.shape.iter().map(|d| d.value(config, layer)).collect();
                 let mut read = Vec::new();
                 let bound = crate::published::bind_matrix(q, index, &module, expected[0], expected[1], &mut read);
                 used.extend(read);
@@ -467,24 +591,24 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
             }
         }
         let Some(raw) = index.raw(&name) else {
-            if spec.cond.holds(config) {
+            if spec.cond.holds(config, layer) {
                 missing.push(name);
             }
             return;
         };
-        if !spec.cond.holds(config) {
+        if !spec.cond.holds(config, layer) {
             // Present but not wanted (e.g. a bias the config turns off): left for `unused`.
             return;
         }
         used.insert(name.clone());
-        let expected: Vec<usize> = spec.shape.iter().map(|d| d.value(config)).collect();
+        let expected: Vec<usize> = spec.shape.iter().map(|d| d.value(config, layer)).collect();
         if let Some(q) = config.quantization.filter(|_| spec.role.is_matrix()) {
             // A stored-quantized matrix: its two planes, with the shapes and dtypes the
             // matrix's shape implies.
             // A `q4_k-packed` checkpoint stores each matrix in Q4_K (U8 scales) or Q8_0 (F16
             // scales), as `kylin quantize --to q4_k` chose; a `q8_0-packed` one only Q8_0.
             let (rows, cols) = (expected[0], expected[1]);
-            let why = || spec.shape.iter().map(|d| d.explain(config)).collect::<Vec<_>>().join(", ");
+            let why = || spec.shape.iter().map(|d| d.explain(config, layer)).collect::<Vec<_>>().join(", ");
             let scale_name = format!("{name}_scale");
             let q4k =
                 q == StoredQuantization::KylinQ4K && index.raw(&scale_name).is_some_and(|r| r.dtype == Some(DType::U8));
@@ -539,7 +663,7 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
             return;
         }
         if raw.shape != expected {
-            let why: Vec<String> = spec.shape.iter().map(|d| d.explain(config)).collect();
+            let why: Vec<String> = spec.shape.iter().map(|d| d.explain(config, layer)).collect();
             shape_errors.push(format!(
                 "tensor '{name}' has shape {}; expected {} (from {})",
                 shape_text(&raw.shape),
@@ -608,6 +732,9 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
             HeadBinding { tied: false, reason: format!("tie_word_embeddings is false: the head is {lm_head_name}") },
         )
     };
+    // The family's other global tensors (Gemma 4's per-layer input embedding and projection).
+    let globals: BTreeMap<Role, WeightTensor> =
+        specs.iter().filter_map(|s| found.remove(&(usize::MAX, s.role)).map(|t| (s.role, t))).collect();
     let mut layers = Vec::with_capacity(config.num_layers);
     for i in 0..config.num_layers {
         let mut tensors: BTreeMap<Role, WeightTensor> = BTreeMap::new();
@@ -616,9 +743,12 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
                 tensors.insert(spec.role, t);
             }
         }
-        split_fused(config, &mut tensors)?;
+        split_fused(config, i, &mut tensors)?;
         layers.push(LayerWeights { tensors });
     }
     let unused: Vec<String> = index.names().filter(|n| !used.contains(*n)).map(str::to_string).collect();
-    Ok(Bound { weights: ModelWeights { embed_tokens, final_norm, lm_head, head, layers, scales, published }, unused })
+    Ok(Bound {
+        weights: ModelWeights { embed_tokens, final_norm, lm_head, head, globals, layers, scales, published },
+        unused,
+    })
 }

@@ -93,6 +93,13 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         original_max_position_embeddings: usize,
     },
+    /// Gemma 4's `proportional` RoPE: the whole head is rotated (rotate-half over `head_dim`),
+    /// with the frequencies `1 / base ** (2i / head_dim)` for the first
+    /// `floor(partial_rotary_factor · head_dim / 2)` pairs and zero (no rotation) for the rest,
+    /// all divided by `factor`.
+    Proportional {
+        factor: f64,
+    },
     /// Phi-3's LongRoPE: per-frequency divisors, `short_factor` within the original context
     /// and `long_factor` beyond it, with cos/sin scaled by `attention_factor`.
     LongRope {
@@ -606,7 +613,7 @@ impl HfConfig {
             o_bias: false,
             mlp_bias: false,
             hidden_act: "silu".into(),
-            decoder: DecoderSpec::plain(num_layers, head_dim),
+            decoder: DecoderSpec::plain(num_layers, head_dim, num_kv_heads, intermediate_size),
             multimodal: self.multimodal.clone(),
             declared_dtype: self.dtype.clone(),
             bos_token_id: self.bos_token_id,
@@ -856,6 +863,14 @@ impl HfConfig {
                     truncate,
                 }
             }
+            // Gemma 4's global layers: RoPE over the whole head, with only the first
+            // `partial_rotary_factor` of the frequencies non-zero.
+            "proportional" => RopeScaling::Proportional {
+                factor: match p_f64("factor")? {
+                    Some(f) => factor_required(Some(f))?,
+                    None => 1.0,
+                },
+            },
             "llama3" => {
                 let factor = factor_required(p_f64("factor")?)?;
                 let need = |k: &str| -> Result<f64> {
@@ -915,7 +930,7 @@ impl HfConfig {
             }
             other => {
                 return Err(KylinError::operator_unsupported(format!(
-                    "config.json {key} has rope_type '{other}'; Kylin implements default, linear, dynamic, yarn, llama3 and longrope"
+                    "config.json {key} has rope_type '{other}'; Kylin implements default, linear, dynamic, yarn, llama3, longrope and proportional"
                 )));
             }
         };

@@ -55,6 +55,9 @@ pub struct ModelWeights {
     /// `[vocab, hidden]`; the same bytes as `embed_tokens` when tied.
     pub lm_head: WeightTensor,
     pub head: HeadBinding,
+    /// The family's other model-wide tensors by role (Gemma 4's per-layer input embedding,
+    /// projection and norm); empty for most families.
+    pub globals: BTreeMap<Role, WeightTensor>,
     pub layers: Vec<LayerWeights>,
     /// For a quantized checkpoint (`ModelConfig::quantization`): each quantized matrix's
     /// `weight_scale` plane, keyed by its weight tensor's name.
@@ -84,6 +87,7 @@ impl ModelWeights {
         if !self.head.tied {
             out.push(&self.lm_head);
         }
+        out.extend(self.globals.values());
         for l in &self.layers {
             out.extend(l.tensors.values());
         }

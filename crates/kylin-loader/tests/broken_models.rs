@@ -17,8 +17,17 @@ fn fixture(name: &str) -> PathBuf {
 
 /// A writable copy of a fixture directory.
 fn copy_fixture(name: &str) -> tempfile::TempDir {
+    copy_dir(&fixture(name))
+}
+
+/// A writable copy of a family fixture (`shared/families/fixtures`).
+fn copy_family(name: &str) -> tempfile::TempDir {
+    copy_dir(&Path::new(SHARED).join("families/fixtures").join(name))
+}
+
+fn copy_dir(dir: &Path) -> tempfile::TempDir {
     let tmp = tempfile::tempdir().expect("temp dir");
-    for entry in std::fs::read_dir(fixture(name)).expect("fixture dir") {
+    for entry in std::fs::read_dir(dir).expect("fixture dir") {
         let entry = entry.expect("dir entry");
         let bytes = std::fs::read(entry.path()).expect("fixture file");
         std::fs::write(tmp.path().join(entry.file_name()), bytes).expect("write copy");
@@ -335,9 +344,54 @@ fn unsupported_rope_type_is_operator_unsupported() {
     let dir = copy_fixture("tiny-llama-rope3");
     edit_json(&dir.path().join("config.json"), |c| {
         let key = if c.contains_key("rope_parameters") { "rope_parameters" } else { "rope_scaling" };
-        c[key]["rope_type"] = Value::from("proportional");
+        c[key]["rope_type"] = Value::from("axial");
     });
-    assert_code(&load_err(dir.path()), ErrorCode::OperatorUnsupported, &["proportional", "longrope", "yarn"]);
+    assert_code(&load_err(dir.path()), ErrorCode::OperatorUnsupported, &["axial", "longrope", "yarn", "proportional"]);
+}
+
+#[test]
+fn gemma4_sizes_per_layer_and_shared_keys_are_checked() {
+    let dir = copy_family("tiny-gemma4");
+    let config = dir.path().join("config.json");
+    // The global layer's head width comes from per_layer_config; its tensors must have it.
+    let model = load(dir.path(), &LoadOptions::default()).unwrap();
+    let widths: Vec<usize> = model.config.decoder.layers.iter().map(|l| l.head_dim).collect();
+    assert_eq!(widths, [16, 16, 16, 16, 16, 512]);
+    edit_json(&config, |c| {
+        c["per_layer_config"]["5"]["head_dim"] = Value::from(256);
+    });
+    assert_code(
+        &load_err(dir.path()),
+        ErrorCode::TensorShapeMismatch,
+        &["model.layers.5.self_attn.q_proj.weight", "[2048, 64]", "[1024, 64]", "head_dim=256"],
+    );
+    // An override Kylin does not vary per layer is refused by name.
+    edit_json(&config, |c| {
+        c["per_layer_config"]["5"] = serde_json::json!({"head_dim": 512, "intermediate_size": 7});
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::OperatorUnsupported, &["per_layer_config.5.intermediate_size"]);
+    // A layer index past the decoder is CONFIG_INVALID naming the field.
+    edit_json(&config, |c| {
+        c["per_layer_config"] = serde_json::json!({"9": {"head_dim": 512}});
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &["per_layer_config"]);
+    // Sharing keys and values with every layer leaves none to compute them.
+    edit_json(&config, |c| {
+        c["per_layer_config"] = serde_json::json!({"5": {"head_dim": 512}});
+        c.insert("num_kv_shared_layers".into(), Value::from(6));
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &["num_kv_shared_layers", "6"]);
+    // The last layer shares the full layers' keys, and there is no earlier full layer.
+    edit_json(&config, |c| {
+        c.insert("num_kv_shared_layers".into(), Value::from(1));
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &["layer 5", "full_attention"]);
+    // The Mixture-of-Experts variant is refused by its field until it runs.
+    edit_json(&config, |c| {
+        c.insert("num_kv_shared_layers".into(), Value::from(0));
+        c.insert("enable_moe_block".into(), Value::from(true));
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::OperatorUnsupported, &["enable_moe_block"]);
 }
 
 #[test]

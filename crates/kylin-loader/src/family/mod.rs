@@ -25,6 +25,7 @@ use crate::error::Result;
 
 pub mod gemma2;
 pub mod gemma3;
+pub mod gemma4;
 pub mod granite;
 pub mod llama;
 pub mod mistral;
@@ -43,6 +44,7 @@ pub static REGISTRY: &[&Family] = &[
     &phi3::FAMILY,
     &gemma2::FAMILY,
     &gemma3::FAMILY,
+    &gemma4::FAMILY,
     &smollm3::FAMILY,
     &olmo2::FAMILY,
     &granite::FAMILY,
@@ -180,12 +182,36 @@ pub enum LayerRope {
     None,
 }
 
-/// One decoder layer's attention choices.
+/// One decoder layer's choices and sizes (the model-wide values unless the family varies
+/// them per layer, as Gemma 4 does).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct LayerSpec {
     /// A sliding window of this many positions (the query's own included), or full attention.
     pub window: Option<usize>,
     pub rope: LayerRope,
+    /// The width of each attention head (Gemma 4's global layers: 512 beside 256).
+    pub head_dim: usize,
+    pub num_kv_heads: usize,
+    /// The MLP's width (Gemma 4's double-wide MLP on its KV-sharing layers).
+    pub intermediate: usize,
+    /// The layer attends over the keys and values this earlier layer stored, and computes none
+    /// of its own (Gemma 4's `num_kv_shared_layers`).
+    pub kv_source: Option<usize>,
+    /// The values are the key projection's output (before its norm and RoPE): the layer has
+    /// no `v_proj` (Gemma 4's `attention_k_eq_v`, on full-attention layers).
+    pub value_is_key: bool,
+}
+
+impl LayerSpec {
+    /// Whether the layer projects its own keys (and values): it does not share another's.
+    pub fn has_kv_projections(&self) -> bool {
+        self.kv_source.is_none()
+    }
+
+    /// Whether the layer has a `v_proj` of its own.
+    pub fn has_value_projection(&self) -> bool {
+        self.kv_source.is_none() && !self.value_is_key
+    }
 }
 
 /// The decoder as data: which shared blocks, in which order, with which constants. Every
@@ -219,16 +245,42 @@ pub struct DecoderSpec {
     pub final_softcap: Option<f64>,
     /// Logits are divided by this (Granite's `logits_scaling`).
     pub logits_divisor: f64,
-    /// Per layer: window and rotary table.
+    /// Per layer: window, rotary table, sizes and KV source.
     pub layers: Vec<LayerSpec>,
     /// The rotary table of [`LayerRope::Local`] layers.
     pub local_rope: Option<RopeConfig>,
+    /// RMSNorm without a weight on each value head (Gemma 4's `v_norm`).
+    pub value_norm: bool,
+    /// Per-layer input embeddings (Gemma 4's `hidden_size_per_layer_input`): each layer gets
+    /// a vector of this width per token, from a second embedding and a projection of the
+    /// first, and adds a gated projection of it to the residual stream after its MLP.
+    pub per_layer_input: Option<PerLayerInput>,
+    /// Each layer's output is multiplied by its stored `layer_scalar` (Gemma 4).
+    pub layer_scalar: bool,
+}
+
+/// The sizes of Gemma 4's per-layer inputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct PerLayerInput {
+    /// `hidden_size_per_layer_input`: one layer's share of a token's vector.
+    pub width: usize,
+    /// `vocab_size_per_layer_input`: rows of `embed_tokens_per_layer`.
+    pub vocab: usize,
 }
 
 impl DecoderSpec {
     /// Llama's decoder: pre-norm RMSNorm, SwiGLU, full attention with the global RoPE on
-    /// every layer, no multipliers.
-    pub fn plain(num_layers: usize, head_dim: usize) -> DecoderSpec {
+    /// every layer, no multipliers; every layer of the same sizes.
+    pub fn plain(num_layers: usize, head_dim: usize, num_kv_heads: usize, intermediate: usize) -> DecoderSpec {
+        let layer = LayerSpec {
+            window: None,
+            rope: LayerRope::Global,
+            head_dim,
+            num_kv_heads,
+            intermediate,
+            kv_source: None,
+            value_is_key: false,
+        };
         DecoderSpec {
             norm: NormKind::Rms,
             attention_norms: NormPlacement::Pre,
@@ -241,8 +293,11 @@ impl DecoderSpec {
             attention_softcap: None,
             final_softcap: None,
             logits_divisor: 1.0,
-            layers: vec![LayerSpec { window: None, rope: LayerRope::Global }; num_layers],
+            layers: vec![layer; num_layers],
             local_rope: None,
+            value_norm: false,
+            per_layer_input: None,
+            layer_scalar: false,
         }
     }
 
@@ -259,6 +314,39 @@ impl DecoderSpec {
         }
         if let Some(local) = &self.local_rope {
             out.push(format!("local RoPE base {}", local.theta));
+        }
+        let first = self.layers.first();
+        let mut head_dims: Vec<usize> = self.layers.iter().map(|l| l.head_dim).collect();
+        head_dims.sort_unstable();
+        head_dims.dedup();
+        if head_dims.len() > 1 {
+            let per_layer: Vec<String> = self.layers.iter().map(|l| l.head_dim.to_string()).collect();
+            out.push(format!("head_dim per layer {}", per_layer.join(",")));
+        }
+        if self.layers.iter().any(|l| Some(l.num_kv_heads) != first.map(|f| f.num_kv_heads)) {
+            let per_layer: Vec<String> = self.layers.iter().map(|l| l.num_kv_heads.to_string()).collect();
+            out.push(format!("KV heads per layer {}", per_layer.join(",")));
+        }
+        let shared = self.layers.iter().filter(|l| l.kv_source.is_some()).count();
+        if shared > 0 {
+            out.push(format!("{shared} layers reuse earlier layers' keys and values"));
+        }
+        let k_eq_v = self.layers.iter().filter(|l| l.value_is_key && l.kv_source.is_none()).count();
+        if k_eq_v > 0 {
+            out.push(format!("values are the keys' projection on {k_eq_v} layers"));
+        }
+        if self.layers.iter().any(|l| Some(l.intermediate) != first.map(|f| f.intermediate)) {
+            let per_layer: Vec<String> = self.layers.iter().map(|l| l.intermediate.to_string()).collect();
+            out.push(format!("MLP width per layer {}", per_layer.join(",")));
+        }
+        if self.value_norm {
+            out.push("value norm".into());
+        }
+        if let Some(p) = self.per_layer_input {
+            out.push(format!("per-layer inputs of {} per layer", p.width));
+        }
+        if self.layer_scalar {
+            out.push("layer scalars".into());
         }
         if self.norm == NormKind::RmsUnitOffset {
             out.push("norms scale by (1 + w)".into());
