@@ -113,10 +113,15 @@ impl Dim {
     }
 }
 
-/// When an entry is required.
+/// When an entry is required. Per-layer conditions hold only on the layers whose kind has the
+/// tensor: the attention entries on attention layers, the MLP's on layers with a dense MLP.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Cond {
     Always,
+    /// An attention layer's tensor.
+    Attention,
+    /// A dense MLP's tensor.
+    DenseFfn,
     QkvBias,
     OBias,
     MlpBias,
@@ -139,13 +144,17 @@ pub enum Cond {
 impl Cond {
     fn holds(self, c: &ModelConfig, layer: Option<usize>) -> bool {
         let spec = layer.and_then(|i| c.decoder.layers.get(i));
-        let own_kv = spec.is_none_or(|l| l.has_kv_projections());
-        let own_v = spec.is_none_or(|l| l.has_value_projection());
+        let attention = spec.is_none_or(|l| l.mixer == crate::family::MixerKind::Attention);
+        let dense = spec.is_none_or(|l| l.ffn == crate::family::FfnKind::Dense);
+        let own_kv = attention && spec.is_none_or(|l| l.has_kv_projections());
+        let own_v = attention && spec.is_none_or(|l| l.has_value_projection());
         match self {
             Cond::Always => true,
-            Cond::QkvBias => c.qkv_bias,
-            Cond::OBias => c.o_bias,
-            Cond::MlpBias => c.mlp_bias,
+            Cond::Attention => attention,
+            Cond::DenseFfn => dense,
+            Cond::QkvBias => c.qkv_bias && attention,
+            Cond::OBias => c.o_bias && attention,
+            Cond::MlpBias => c.mlp_bias && dense,
             Cond::Untied => !c.tie_word_embeddings,
             Cond::KvProjections => own_kv,
             Cond::ValueProjection => own_v,
@@ -253,29 +262,29 @@ pub const EMBED_HEAD: &[Spec] = &[
 
 /// The four attention projections, stored apart.
 pub const ATTENTION: &[Spec] = &[
-    spec(Role::QProj, "model.layers.{layer}.self_attn.q_proj.weight", &[QDim, Hidden], Cond::Always),
-    spec(Role::KProj, "model.layers.{layer}.self_attn.k_proj.weight", &[KvDim, Hidden], Cond::Always),
-    spec(Role::VProj, "model.layers.{layer}.self_attn.v_proj.weight", &[KvDim, Hidden], Cond::Always),
-    spec(Role::OProj, "model.layers.{layer}.self_attn.o_proj.weight", &[Hidden, QDim], Cond::Always),
+    spec(Role::QProj, "model.layers.{layer}.self_attn.q_proj.weight", &[QDim, Hidden], Cond::Attention),
+    spec(Role::KProj, "model.layers.{layer}.self_attn.k_proj.weight", &[KvDim, Hidden], Cond::Attention),
+    spec(Role::VProj, "model.layers.{layer}.self_attn.v_proj.weight", &[KvDim, Hidden], Cond::Attention),
+    spec(Role::OProj, "model.layers.{layer}.self_attn.o_proj.weight", &[Hidden, QDim], Cond::Attention),
 ];
 
 /// q, k and v fused by rows (Phi-3's `qkv_proj`), and `o_proj`.
 pub const FUSED_ATTENTION: &[Spec] = &[
-    spec(Role::QkvProj, "model.layers.{layer}.self_attn.qkv_proj.weight", &[QkvDim, Hidden], Cond::Always),
-    spec(Role::OProj, "model.layers.{layer}.self_attn.o_proj.weight", &[Hidden, QDim], Cond::Always),
+    spec(Role::QkvProj, "model.layers.{layer}.self_attn.qkv_proj.weight", &[QkvDim, Hidden], Cond::Attention),
+    spec(Role::OProj, "model.layers.{layer}.self_attn.o_proj.weight", &[Hidden, QDim], Cond::Attention),
 ];
 
 /// The gated MLP's three projections, stored apart.
 pub const MLP: &[Spec] = &[
-    spec(Role::GateProj, "model.layers.{layer}.mlp.gate_proj.weight", &[Intermediate, Hidden], Cond::Always),
-    spec(Role::UpProj, "model.layers.{layer}.mlp.up_proj.weight", &[Intermediate, Hidden], Cond::Always),
-    spec(Role::DownProj, "model.layers.{layer}.mlp.down_proj.weight", &[Hidden, Intermediate], Cond::Always),
+    spec(Role::GateProj, "model.layers.{layer}.mlp.gate_proj.weight", &[Intermediate, Hidden], Cond::DenseFfn),
+    spec(Role::UpProj, "model.layers.{layer}.mlp.up_proj.weight", &[Intermediate, Hidden], Cond::DenseFfn),
+    spec(Role::DownProj, "model.layers.{layer}.mlp.down_proj.weight", &[Hidden, Intermediate], Cond::DenseFfn),
 ];
 
 /// gate and up fused by rows (Phi-3's `gate_up_proj`), and `down_proj`.
 pub const FUSED_MLP: &[Spec] = &[
-    spec(Role::GateUpProj, "model.layers.{layer}.mlp.gate_up_proj.weight", &[GateUpDim, Hidden], Cond::Always),
-    spec(Role::DownProj, "model.layers.{layer}.mlp.down_proj.weight", &[Hidden, Intermediate], Cond::Always),
+    spec(Role::GateUpProj, "model.layers.{layer}.mlp.gate_up_proj.weight", &[GateUpDim, Hidden], Cond::DenseFfn),
+    spec(Role::DownProj, "model.layers.{layer}.mlp.down_proj.weight", &[Hidden, Intermediate], Cond::DenseFfn),
 ];
 
 /// Llama's pre-norms: before attention and before the MLP.
@@ -315,25 +324,25 @@ pub const MLP_BIAS: &[Spec] = &[
 
 /// Per-head q/k norms (Qwen3, Gemma 3): one `(head_dim)` weight for every head.
 pub const HEAD_QK_NORM: &[Spec] = &[
-    spec(Role::QNorm, "model.layers.{layer}.self_attn.q_norm.weight", &[HeadDim], Cond::Always),
-    spec(Role::KNorm, "model.layers.{layer}.self_attn.k_norm.weight", &[HeadDim], Cond::Always),
+    spec(Role::QNorm, "model.layers.{layer}.self_attn.q_norm.weight", &[HeadDim], Cond::Attention),
+    spec(Role::KNorm, "model.layers.{layer}.self_attn.k_norm.weight", &[HeadDim], Cond::Attention),
 ];
 
 /// q/k norms over the whole projection (OLMo 2).
 pub const PROJECTION_QK_NORM: &[Spec] = &[
-    spec(Role::QNorm, "model.layers.{layer}.self_attn.q_norm.weight", &[QDim], Cond::Always),
-    spec(Role::KNorm, "model.layers.{layer}.self_attn.k_norm.weight", &[KvDim], Cond::Always),
+    spec(Role::QNorm, "model.layers.{layer}.self_attn.q_norm.weight", &[QDim], Cond::Attention),
+    spec(Role::KNorm, "model.layers.{layer}.self_attn.k_norm.weight", &[KvDim], Cond::Attention),
 ];
 
 /// Gemma 4's attention: layers that reuse an earlier layer's keys and values have only
 /// `q_proj`, `q_norm` and `o_proj`; full-attention layers with `attention_k_eq_v` have no
 /// `v_proj`.
 pub const SHARED_KV_ATTENTION: &[Spec] = &[
-    spec(Role::QProj, "model.layers.{layer}.self_attn.q_proj.weight", &[QDim, Hidden], Cond::Always),
+    spec(Role::QProj, "model.layers.{layer}.self_attn.q_proj.weight", &[QDim, Hidden], Cond::Attention),
     spec(Role::KProj, "model.layers.{layer}.self_attn.k_proj.weight", &[KvDim, Hidden], Cond::KvProjections),
     spec(Role::VProj, "model.layers.{layer}.self_attn.v_proj.weight", &[KvDim, Hidden], Cond::ValueProjection),
-    spec(Role::OProj, "model.layers.{layer}.self_attn.o_proj.weight", &[Hidden, QDim], Cond::Always),
-    spec(Role::QNorm, "model.layers.{layer}.self_attn.q_norm.weight", &[HeadDim], Cond::Always),
+    spec(Role::OProj, "model.layers.{layer}.self_attn.o_proj.weight", &[Hidden, QDim], Cond::Attention),
+    spec(Role::QNorm, "model.layers.{layer}.self_attn.q_norm.weight", &[HeadDim], Cond::Attention),
     spec(Role::KNorm, "model.layers.{layer}.self_attn.k_norm.weight", &[HeadDim], Cond::KvProjections),
 ];
 

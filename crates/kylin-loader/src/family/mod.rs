@@ -182,10 +182,28 @@ pub enum LayerRope {
     None,
 }
 
+/// What mixes information across positions in a layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MixerKind {
+    /// Self-attention (full or sliding) over the KV cache.
+    Attention,
+}
+
+/// A layer's feed-forward block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FfnKind {
+    /// The gated MLP.
+    Dense,
+}
+
 /// One decoder layer's choices and sizes (the model-wide values unless the family varies
 /// them per layer, as Gemma 4 does).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct LayerSpec {
+    pub mixer: MixerKind,
+    pub ffn: FfnKind,
     /// A sliding window of this many positions (the query's own included), or full attention.
     pub window: Option<usize>,
     pub rope: LayerRope,
@@ -273,6 +291,8 @@ impl DecoderSpec {
     /// every layer, no multipliers; every layer of the same sizes.
     pub fn plain(num_layers: usize, head_dim: usize, num_kv_heads: usize, intermediate: usize) -> DecoderSpec {
         let layer = LayerSpec {
+            mixer: MixerKind::Attention,
+            ffn: FfnKind::Dense,
             window: None,
             rope: LayerRope::Global,
             head_dim,

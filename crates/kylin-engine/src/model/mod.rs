@@ -1,0 +1,1256 @@
+//! The decoder-only transformer every registered family runs on (`kylin_loader::family`).
+//!
+//! One layer is composed from shared blocks as the family's `DecoderSpec` says: attention with
+//! grouped KV heads (a sliding window per layer, a score scale, a soft cap), rotate-half RoPE
+//! from the layer's table (global, local, partial, or none), q/k RMSNorm per head or over the
+//! projection, norms before and/or after each sub-block (`w` or Gemma's `1 + w`), a gated MLP
+//! (SwiGLU or GeGLU), and scalar multipliers on the embedding, the residual branches and the
+//! logits, plus a final soft cap. Every choice is made once in [`Model::new`]; `forward` reads
+//! as the same numbered steps for every family and never looks at its name.
+//!
+//! Guarantees:
+//! - Weights are read in place, in their stored dtype (BF16, F16 or F32); nothing is copied,
+//!   except under [`Model::quantize`] (`--quantize q8_0`), which makes Q8_0 copies of the
+//!   linear layers and the head at load, and [`Model::prepare_published`], which decodes a
+//!   published quantized checkpoint (compressed-tensors, FP8, GPTQ, AWQ) into f32 weights or
+//!   the integer kernels' planes: explicit, reported exceptions.
+//! - Every shape is checked in [`Model::new`]; the forward pass never re-checks or branches on a
+//!   format.
+//! - Activations ([`Scratch`]) are planned by [`Model::plan_scratch`] from the configuration and
+//!   the batch limits; the KV cache is the engine's paged [`KvPool`]; [`Model::forward`] allocates
+//!   nothing.
+//! - A forward pass runs a [`BatchPlan`]: segments of many sequences, each at its own positions.
+//!   Linear layers run once over all tokens; norms and RoPE per token; attention per sequence
+//!   over its own blocks. A token's result does not depend on the other segments (batch
+//!   invariance), as long as the kernels reduce in the same order for any token count.
+//! - Compute is float32 in the same order of operations as transformers' eager float32 path,
+//!   except under `Precision::Bf16` ([`PrecisionChoice`]), where the inputs of the matrix
+//!   products are rounded to BF16 (products and sums stay f32), as transformers computes a
+//!   BF16 model's linear layers.
+
+/// The arithmetic of the matrix products, as asked for (`--precision`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PrecisionChoice {
+    /// f32 activations: exact match with transformers' float32 references.
+    #[default]
+    F32,
+    /// BF16 activations at every matrix product; needs BF16 weights and a BF16 kernel family,
+    /// or Q8_0 weights (`--quantize q8_0`) and AVX-512 BF16 (`kylin_kernels::w16`).
+    Bf16,
+    /// `bf16` when the weights are BF16 and the CPU has a BF16 kernel family, else `f32`.
+    Auto,
+}
+
+impl PrecisionChoice {
+    /// Parses `f32`, `bf16` or `auto`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" => Some(PrecisionChoice::F32),
+            "bf16" => Some(PrecisionChoice::Bf16),
+            "auto" => Some(PrecisionChoice::Auto),
+            _ => None,
+        }
+    }
+}
+
+/// A weight format the linear layers can be quantized to at load (`--quantize`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuantFormat {
+    /// GGUF's Q8_0: blocks of 32 int8 with an f16 scale, int8 activations (`kylin_kernels::quant`).
+    Q8_0,
+    /// GGUF's Q4_K (super-blocks of 256 with 6-bit sub-block scales and mins; int8 activations,
+    /// `kylin_kernels::q4k`), mixed as llama.cpp's Q4_K_M: see [`Model::quantize`].
+    Q4K,
+    /// A published quantized checkpoint (compressed-tensors, FP8, GPTQ, AWQ) repacked at load
+    /// for the integer kernels ([`Model::prepare_published`]): `Q8_0` for 8-bit integers and
+    /// FP8, `Q4G` for 4-bit groups. Not a `--quantize` value.
+    Published(Packing),
+}
+
+impl QuantFormat {
+    /// The name used by flags and reports (`q8_0`).
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantFormat::Q8_0 => "q8_0",
+            QuantFormat::Q4K => "q4_k",
+            QuantFormat::Published(packing) => packing.name(),
+        }
+    }
+
+    /// Parses `q8_0`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "q8_0" => Some(QuantFormat::Q8_0),
+            "q4_k" => Some(QuantFormat::Q4K),
+            _ => None,
+        }
+    }
+}
+
+mod attention;
+mod linear;
+mod mlp;
+mod per_layer;
+mod scratch;
+
+use std::sync::Arc;
+
+use kylin_kernels::paged::{MAX_HEAD_DIM, PARTITION, PartialStats};
+use kylin_kernels::quant::{Packing, QuantBuffer, QuantMatrix};
+use kylin_kernels::{self as kernels, Bf16Kernels, Precision, ThreadPool, WeightDType};
+use kylin_loader::arch::Role;
+use kylin_loader::family::{FfnKind, LayerRope, MixerKind};
+use kylin_loader::{KylinError, LayerWeights, ModelConfig, ModelWeights, Result, RopeConfig};
+
+use crate::kv_pool::{KvPool, KvShape};
+use crate::rope::Ropes;
+use attention::{Attention, SPLIT_SEGMENTS};
+use linear::{Linear, Matmul, Norm, PublishedDecode, QuantSource, Vector, decode_published};
+use mlp::Mlp;
+use per_layer::{PerLayerBlock, PerLayerInputs};
+pub use scratch::{ProductScratch, Scratch};
+
+/// What every block of one forward pass shares: how products run and the model's widths.
+#[derive(Clone, Copy)]
+struct Step<'a> {
+    mm: Matmul<'a>,
+    hidden: usize,
+    n_heads: usize,
+    eps: f32,
+}
+
+/// The largest number of prompt tokens run through the layers at once; longer prompts are
+/// processed in chunks of this size so activation buffers stay bounded.
+pub const DEFAULT_MAX_CHUNK: usize = 512;
+
+/// What mixes information across positions in a layer.
+#[derive(Debug, Clone)]
+enum Mixer {
+    /// Self-attention over the paged KV cache.
+    Attention(Attention),
+}
+
+/// The layer's feed-forward block.
+#[derive(Debug, Clone)]
+enum Ffn {
+    /// The gated MLP.
+    Dense(Mlp),
+}
+
+/// One decoder layer with the family's choices already made (`DecoderSpec`): which norms
+/// exist around each sub-block, its mixer and feed-forward block, and Gemma 4's extras.
+#[derive(Debug, Clone)]
+struct Layer {
+    /// Before the mixer (absent in OLMo 2).
+    attn_norm: Option<Norm>,
+    mixer: Mixer,
+    /// After the mixer, before the residual add (Gemma, OLMo 2).
+    attn_post_norm: Option<Norm>,
+    /// Before the feed-forward block (absent in OLMo 2).
+    mlp_norm: Option<Norm>,
+    ffn: Ffn,
+    /// After the feed-forward block, before the residual add (Gemma, OLMo 2).
+    mlp_post_norm: Option<Norm>,
+    /// Gemma 4's per-layer input block.
+    per_layer: Option<PerLayerBlock>,
+    /// The layer's output is multiplied by this (Gemma 4's `layer_scalar`).
+    scalar: Option<f32>,
+}
+
+impl Layer {
+    /// `weights` holds the scale planes of a checkpoint stored quantized and the tensors of a
+    /// published quantized one (both empty otherwise). Every shape is checked here. `rope`
+    /// is the index of the layer's rotary table, when it has one.
+    fn new(
+        w: &LayerWeights,
+        index: usize,
+        config: &ModelConfig,
+        rope: Option<usize>,
+        weights: &ModelWeights,
+    ) -> Result<Self> {
+        let spec = &config.decoder;
+        let layer =
+            spec.layers.get(index).copied().ok_or_else(|| {
+                KylinError::config_invalid(format!("internal: the decoder plan has no layer {index}"))
+            })?;
+        let hidden = config.hidden_size;
+        let norm = |role: Role| -> Result<Norm> { Norm::new(w.require(role, index)?, hidden, spec.norm) };
+        let optional_norm =
+            |wanted: bool, role: Role| -> Result<Option<Norm>> { wanted.then(|| norm(role)).transpose() };
+        let per_layer = spec
+            .per_layer_input
+            .map(|p| PerLayerBlock::new(w, index, hidden, p.width, spec.norm, weights))
+            .transpose()?;
+        let scalar =
+            if spec.layer_scalar { Some(Vector::new(w.require(Role::LayerScalar, index)?, 1)?.scalar()) } else { None };
+        Ok(Layer {
+            attn_norm: optional_norm(spec.attention_norms.pre(), Role::AttnNorm)?,
+            mixer: match layer.mixer {
+                MixerKind::Attention => Mixer::Attention(Attention::new(w, index, config, &layer, rope, weights)?),
+            },
+            attn_post_norm: optional_norm(spec.attention_norms.post(), Role::PostAttnNorm)?,
+            mlp_norm: optional_norm(spec.mlp_norms.pre(), Role::MlpNorm)?,
+            ffn: match layer.ffn {
+                FfnKind::Dense => Ffn::Dense(Mlp::new(w, index, hidden, layer.intermediate, spec.activation, weights)?),
+            },
+            mlp_post_norm: optional_norm(spec.mlp_norms.post(), Role::PostMlpNorm)?,
+            per_layer,
+            scalar,
+        })
+    }
+
+    /// The attention of the layer, if its mixer is attention.
+    fn attention(&self) -> Option<&Attention> {
+        match &self.mixer {
+            Mixer::Attention(a) => Some(a),
+        }
+    }
+
+    fn attention_mut(&mut self) -> Option<&mut Attention> {
+        match &mut self.mixer {
+            Mixer::Attention(a) => Some(a),
+        }
+    }
+
+    /// The matrices of the layer's mixer and feed-forward block with their roles (attention
+    /// q, k, v, o, then the MLP's gate, up, down): the ones `--quantize` quantizes.
+    fn linears(&self) -> impl Iterator<Item = (Role, &Linear)> {
+        let mixer = match &self.mixer {
+            Mixer::Attention(a) => a.linears(),
+        };
+        let ffn = match &self.ffn {
+            Ffn::Dense(m) => m.linears(),
+        };
+        mixer.chain(ffn)
+    }
+
+    fn linears_mut(&mut self) -> impl Iterator<Item = &mut Linear> {
+        let mixer = match &mut self.mixer {
+            Mixer::Attention(a) => a.linears_mut(),
+        };
+        let ffn = match &mut self.ffn {
+            Ffn::Dense(m) => m.linears_mut(),
+        };
+        mixer.chain(ffn)
+    }
+
+    /// The per-layer input block's two matrices (Gemma 4), which stay as stored under
+    /// `--quantize`.
+    fn side_linears(&self) -> impl Iterator<Item = &Linear> {
+        self.per_layer.iter().flat_map(|p| [&p.gate, &p.projection])
+    }
+
+    fn vectors(&self) -> impl Iterator<Item = &Vector> {
+        let mixer = self.attention().into_iter().flat_map(Attention::norms);
+        [&self.attn_norm, &self.mlp_norm, &self.attn_post_norm, &self.mlp_post_norm]
+            .into_iter()
+            .flatten()
+            .chain(mixer)
+            .chain(self.per_layer.iter().map(|p| &p.post_norm))
+            .map(|n| &n.weight)
+    }
+}
+
+/// "No block": an entry of a sliding table below the window, released (never read).
+pub const NO_BLOCK: u32 = u32::MAX;
+
+/// How a model's keys and values are split between two KV pools: the full-attention layers
+/// keep every position (paged, prefix-cached); the sliding layers, when they share one window,
+/// keep only the positions their window still reaches, in a pool of their own, so a long
+/// context costs the full layers' memory plus a bounded window.
+///
+/// Only layers that compute their own keys and values hold a place; a layer reusing an
+/// earlier layer's (Gemma 4) reads that layer's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvGroups {
+    /// The full pool's layers in slot order, with their heads and widths.
+    pub full: Vec<KvShape>,
+    /// The sliding pool's (empty: every layer is in the full pool).
+    pub sliding: Vec<KvShape>,
+    /// Their window, when there is a sliding pool.
+    pub window: Option<usize>,
+}
+
+/// The model's dimensions, from the resolved configuration.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Dims {
+    pub hidden: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub intermediate: usize,
+    pub vocab: usize,
+    /// RMSNorm epsilon as float32 (transformers adds it to a float32 variance).
+    pub eps: f32,
+    /// `head_dim ** -0.5`, the attention score scale.
+    pub attn_scale: f32,
+}
+
+impl Dims {
+    /// `num_heads * head_dim`.
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+
+    /// `num_kv_heads * head_dim`.
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+
+    /// Query heads per KV head.
+    pub fn group(&self) -> usize {
+        self.n_heads / self.n_kv_heads
+    }
+}
+
+/// One sequence's part of a batch: `n` consecutive tokens starting at position `start` of
+/// the sequence, whose earlier positions are in the KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    /// Index of the segment's first token in [`BatchPlan::ids`].
+    pub t0: usize,
+    pub n: usize,
+    /// Position of the first token in its sequence.
+    pub start: usize,
+    /// The sequence's block table is `block_ids[b0..b0 + nb]` of the plan; it covers every
+    /// position up to `start + n`.
+    pub b0: usize,
+    pub nb: usize,
+    /// Its table in the sliding layers' pool (when they have one) is
+    /// `sliding_block_ids[sb0..sb0 + snb]`: entries below the window of position `start` may
+    /// be released ([`NO_BLOCK`]) and are never read.
+    pub sb0: usize,
+    pub snb: usize,
+    /// Row of the logits buffer that receives the segment's last token's logits, if wanted.
+    /// Rows are numbered `0..` in segment order.
+    pub logits_row: Option<usize>,
+}
+
+/// What one forward pass computes: the tokens of every segment, back to back.
+/// Built anew each step into the same buffers (their capacity is planned; nothing reallocates).
+#[derive(Debug, Default)]
+pub struct BatchPlan {
+    pub ids: Vec<u32>,
+    pub segments: Vec<Segment>,
+    pub block_ids: Vec<u32>,
+    pub sliding_block_ids: Vec<u32>,
+    /// Segments whose logits are wanted.
+    pub logit_rows: usize,
+}
+
+impl BatchPlan {
+    /// Empty buffers with room for `max_tokens` tokens, `max_segments` segments and
+    /// `max_blocks` block ids.
+    pub fn with_capacity(max_tokens: usize, max_segments: usize, max_blocks: usize) -> Self {
+        BatchPlan {
+            ids: Vec::with_capacity(max_tokens),
+            segments: Vec::with_capacity(max_segments),
+            block_ids: Vec::with_capacity(max_blocks),
+            sliding_block_ids: Vec::with_capacity(max_blocks),
+            logit_rows: 0,
+        }
+    }
+
+    pub fn clear(&mut self) {
+        self.ids.clear();
+        self.segments.clear();
+        self.block_ids.clear();
+        self.sliding_block_ids.clear();
+        self.logit_rows = 0;
+    }
+
+    /// Adds a segment of `ids` at position `start` of a sequence with block table `blocks`
+    /// (and `sliding` in the sliding layers' pool, empty without one); returns its logits row
+    /// when `logits` is asked for.
+    pub fn push(&mut self, ids: &[u32], start: usize, blocks: &[u32], sliding: &[u32], logits: bool) -> Option<usize> {
+        let logits_row = logits.then(|| {
+            self.logit_rows += 1;
+            self.logit_rows - 1
+        });
+        self.segments.push(Segment {
+            t0: self.ids.len(),
+            n: ids.len(),
+            start,
+            b0: self.block_ids.len(),
+            nb: blocks.len(),
+            sb0: self.sliding_block_ids.len(),
+            snb: sliding.len(),
+            logits_row,
+        });
+        self.ids.extend_from_slice(ids);
+        self.block_ids.extend_from_slice(blocks);
+        self.sliding_block_ids.extend_from_slice(sliding);
+        logits_row
+    }
+
+    pub fn tokens(&self) -> usize {
+        self.ids.len()
+    }
+}
+
+/// The transformer: weights bound by role, with the architecture's choices made.
+#[derive(Debug, Clone)]
+pub struct Model {
+    dims: Dims,
+    /// The rotary tables the layers use, each with the head width it is built for: the
+    /// global one first, then Gemma 3's local one, then tables for other head widths
+    /// (Gemma 4's global layers).
+    rope_configs: Vec<(RopeConfig, usize)>,
+    max_position_embeddings: usize,
+    /// `[vocab, hidden]`, rows widened to f32 on lookup.
+    embed: Linear,
+    /// Gemma 4's per-layer inputs, computed once per token before the layers.
+    per_layer_inputs: Option<PerLayerInputs>,
+    layers: Vec<Layer>,
+    final_norm: Norm,
+    /// `[vocab, hidden]`; the embedding's bytes when tied.
+    lm_head: Linear,
+    tied: bool,
+    /// The family's model-wide constants (`DecoderSpec`), as f32 where they multiply
+    /// activations. This one multiplies the embedding rows (Gemma, Granite); `None` for 1.
+    embedding_scale: Option<f32>,
+    /// Multiplies each sub-block's output before the residual add (Granite); 1 adds plainly.
+    residual_scale: f32,
+    /// `cap · tanh(s / cap)` on attention scores (Gemma 2).
+    attention_softcap: Option<f32>,
+    /// Logits are divided by this (Granite), then soft-capped (Gemma 2).
+    logits_divisor: Option<f32>,
+    final_softcap: Option<f32>,
+    /// The BF16 kernels when the matrix products run in `Precision::Bf16`.
+    bf16: Option<Bf16Kernels>,
+    /// The format the linear layers and the head were quantized to at load, if any.
+    quantization: Option<QuantFormat>,
+    /// Quantized weights with BF16 activations (`--quantize q8_0 --precision bf16`: every
+    /// Q8_0 matrix read as `q8_0_a16`).
+    quantized_bf16: bool,
+}
+
+impl Model {
+    /// Binds the weights, checking every shape and dtype against the configuration.
+    pub fn new(config: &ModelConfig, weights: &ModelWeights) -> Result<Self> {
+        if config.num_heads == 0 || config.num_kv_heads == 0 || !config.num_heads.is_multiple_of(config.num_kv_heads) {
+            return Err(KylinError::config_invalid(format!(
+                "num_attention_heads ({}) must be a non-zero multiple of num_key_value_heads ({})",
+                config.num_heads, config.num_kv_heads
+            )));
+        }
+        if config.head_dim == 0 || config.head_dim > MAX_HEAD_DIM {
+            return Err(KylinError::operator_unsupported(format!(
+                "head_dim {} is outside the attention kernels' range 1..={MAX_HEAD_DIM}",
+                config.head_dim
+            )));
+        }
+        if weights.layers.len() != config.num_layers || config.decoder.layers.len() != config.num_layers {
+            return Err(KylinError::config_invalid(format!(
+                "num_hidden_layers is {} but {} layers were bound",
+                config.num_layers,
+                weights.layers.len()
+            )));
+        }
+        let spec = &config.decoder;
+        // The buffers are sized by the widest layer (Gemma 4's global layers are wider).
+        let widest = |f: fn(&kylin_loader::family::LayerSpec) -> usize, global: usize| {
+            spec.layers.iter().map(f).max().unwrap_or(global).max(global)
+        };
+        let dims = Dims {
+            hidden: config.hidden_size,
+            n_layers: config.num_layers,
+            n_heads: config.num_heads,
+            n_kv_heads: widest(|l| l.num_kv_heads, config.num_kv_heads),
+            head_dim: widest(|l| l.head_dim, config.head_dim),
+            intermediate: widest(|l| l.intermediate, config.intermediate_size),
+            vocab: config.vocab_size,
+            eps: config.rms_norm_eps as f32,
+            attn_scale: spec.attention_scale as f32,
+        };
+        // Table 0 is the global RoPE; table 1 the local one when the family has it; then one
+        // per other head width a layer needs.
+        let mut rope_configs = vec![(config.rope.clone(), config.head_dim)];
+        if let Some(local) = &spec.local_rope {
+            rope_configs.push((local.clone(), config.head_dim));
+        }
+        let mut layers = Vec::with_capacity(config.num_layers);
+        for (i, w) in weights.layers.iter().enumerate() {
+            let l = &spec.layers[i];
+            let rope = match l.rope {
+                LayerRope::None => None,
+                LayerRope::Global => Some(config.rope.clone()),
+                LayerRope::Local => spec.local_rope.clone(),
+            };
+            let table = rope.map(|r| {
+                let key = (r, l.head_dim);
+                match rope_configs.iter().position(|c| *c == key) {
+                    Some(t) => t,
+                    None => {
+                        rope_configs.push(key);
+                        rope_configs.len() - 1
+                    }
+                }
+            });
+            layers.push(Layer::new(w, i, config, table, weights)?);
+        }
+        // The sliding layers get a KV pool of their own when they share one window: it holds
+        // only the positions their windows still reach (`KvGroups`). A layer that reuses an
+        // earlier layer's keys and values reads that layer's place and takes none of its own.
+        let mut windows = layers.iter().filter_map(|l| l.attention().and_then(|a| a.window));
+        let split = windows.next().is_some_and(|w| windows.all(|x| x == w));
+        let (mut full, mut sliding) = (0, 0);
+        for i in 0..layers.len() {
+            let Some(shared) = layers[i].attention().map(|a| (a.kv_shape(), a.window)) else { continue };
+            if let Some(source) = spec.layers[i].kv_source {
+                let place = layers[source]
+                    .attention()
+                    .filter(|a| (a.kv_shape(), a.window) == shared)
+                    .map(|a| (a.kv_slot, a.in_sliding_pool))
+                    .ok_or_else(|| {
+                        KylinError::config_invalid(format!(
+                            "layer {i} reuses the keys and values of layer {source}, whose heads or window differ"
+                        ))
+                    })?;
+                if let Some(a) = layers[i].attention_mut() {
+                    (a.kv_slot, a.in_sliding_pool) = place;
+                }
+                continue;
+            }
+            let in_sliding = split && shared.1.is_some();
+            let counter = if in_sliding { &mut sliding } else { &mut full };
+            if let Some(a) = layers[i].attention_mut() {
+                (a.kv_slot, a.in_sliding_pool) = (*counter, in_sliding);
+            }
+            *counter += 1;
+        }
+        let per_layer_inputs = match spec.per_layer_input {
+            Some(p) => Some(PerLayerInputs::new(weights, p.width, p.vocab, &dims, spec.norm)?),
+            None => None,
+        };
+        let lm_head = Linear::bind(&weights.lm_head, None, dims.vocab, dims.hidden, weights)?;
+        let quantization = match config.quantization {
+            None => None,
+            Some(stored) => {
+                let format = match stored {
+                    kylin_loader::StoredQuantization::KylinQ8_0 => QuantFormat::Q8_0,
+                    kylin_loader::StoredQuantization::KylinQ4K => QuantFormat::Q4K,
+                };
+                if lm_head.quant.is_none() {
+                    return Err(KylinError::operator_unsupported(format!(
+                        "a checkpoint stored in {} must store its head quantized (lm_head.weight and lm_head.weight_scale, tie_word_embeddings false), as kylin quantize writes it",
+                        format.name()
+                    )));
+                }
+                Some(format)
+            }
+        };
+        let not_one = |v: f64| (v != 1.0).then_some(v as f32);
+        Ok(Model {
+            dims,
+            rope_configs,
+            max_position_embeddings: config.max_position_embeddings,
+            embed: Linear::new(&weights.embed_tokens, None, dims.vocab, dims.hidden)?,
+            per_layer_inputs,
+            layers,
+            final_norm: Norm::new(&weights.final_norm, dims.hidden, spec.norm)?,
+            lm_head,
+            tied: weights.lm_head.same_bytes(&weights.embed_tokens),
+            embedding_scale: not_one(spec.embedding_scale),
+            residual_scale: spec.residual_scale as f32,
+            attention_softcap: spec.attention_softcap.map(|c| c as f32),
+            logits_divisor: not_one(spec.logits_divisor),
+            final_softcap: spec.final_softcap.map(|c| c as f32),
+            bf16: None,
+            quantized_bf16: false,
+            quantization,
+        })
+    }
+
+    /// Quantizes every linear layer and the head to `format` (before
+    /// [`Model::set_precision`] and [`Model::plan_scratch`]), with GGUF's numbers, made on
+    /// `threads` threads, `progress(done, total)` called with the source bytes done after each
+    /// piece. The embedding stays as stored (a lookup reads one row per token); a tied head is
+    /// quantized from it. Each quantized matrix's source pages are released from resident
+    /// memory as soon as it is done (the map stays: a lookup faults back the rows it reads).
+    ///
+    /// `Q8_0` quantizes every matrix to Q8_0. `Q4K` follows llama.cpp's Q4_K_M recipe with
+    /// Q8_0 wherever that recipe asks for Q6_K (which Kylin does not implement; Q8_0 is the
+    /// more accurate of the two): the head, and `v_proj` and `down_proj` in the layers
+    /// llama.cpp's `use_more_bits` picks (the first and last eighth, and every third between);
+    /// all other matrices are Q4_K. A matrix whose columns are not whole super-blocks of 256 is
+    /// Q8_0 too, where llama.cpp falls back to Q5_0 (Qwen2.5-0.5B's 896 columns). The Q4_K
+    /// kernels could run such a matrix with a partial last super-block, but measured on
+    /// Qwen2.5-Coder-0.5B that costs ten times llama.cpp's KL divergence (BENCHMARKS.md).
+    ///
+    /// `OPERATOR_UNSUPPORTED` naming the tensor when a matrix's columns are not whole blocks
+    /// of 32.
+    pub fn quantize(
+        &mut self,
+        format: QuantFormat,
+        threads: usize,
+        progress: &(dyn Fn(u64, u64) + Sync),
+    ) -> Result<()> {
+        use kylin_kernels::quant::GROUP_ROWS;
+        if let Some(m) = self.pending().next() {
+            return Err(KylinError::config_invalid(format!(
+                "--quantize {} does not apply to a published quantized checkpoint (module '{}' is stored quantized): it runs on the integer kernels as published; quantize its BF16 original instead",
+                format.name(),
+                m.module
+            )));
+        }
+        if self.quantization.is_some() {
+            return Ok(());
+        }
+        let n_layers = self.layers.len();
+        // llama.cpp's `use_more_bits(i_layer, n_layers)` (llama-quant.cpp), by layer index.
+        let more_bits = |i: usize| i < n_layers / 8 || i >= 7 * n_layers / 8 || (i - n_layers / 8) % 3 == 2;
+        let mut matrices: Vec<(&Linear, Packing)> = Vec::new();
+        for (i, layer) in self.layers.iter().enumerate() {
+            for (role, m) in layer.linears() {
+                let wants = match format {
+                    QuantFormat::Q8_0 | QuantFormat::Published(_) => Packing::Q8_0,
+                    QuantFormat::Q4K if matches!(role, Role::VProj | Role::DownProj) && more_bits(i) => Packing::Q8_0,
+                    QuantFormat::Q4K => Packing::Q4K,
+                };
+                matrices.push((m, wants));
+            }
+        }
+        matrices.push((&self.lm_head, Packing::Q8_0));
+        let mut buffers = Vec::with_capacity(matrices.len());
+        for (m, packing) in matrices.iter_mut() {
+            if *packing == Packing::Q4K && !m.cols.is_multiple_of(kylin_kernels::q4k::QK_K) {
+                *packing = Packing::Q8_0;
+            }
+            let buffer = QuantBuffer::zeroed(*packing, m.rows, m.cols).ok_or_else(|| {
+                KylinError::operator_unsupported(format!(
+                    "--quantize {} needs matrices whose columns are whole blocks of {}; tensor '{}' has {} columns",
+                    format.name(),
+                    kylin_kernels::quant::QK8_0,
+                    m.weight.name,
+                    m.cols
+                ))
+            })?;
+            buffers.push(buffer);
+        }
+        // Work items of at most `CHUNK_GROUPS` groups of 16 rows, largest matrices first.
+        const CHUNK_GROUPS: usize = 64;
+        let mut items = Vec::new();
+        for (index, ((m, packing), buffer)) in matrices.iter().zip(buffers.iter_mut()).enumerate() {
+            let groups = m.rows.div_ceil(GROUP_ROWS);
+            let (gq, gs) = buffer.group_bytes();
+            let (quants, scales) = buffer.planes_mut();
+            let pieces = quants.chunks_mut(CHUNK_GROUPS * gq).zip(scales.chunks_mut(CHUNK_GROUPS * gs));
+            for (i, out) in pieces.enumerate() {
+                let g0 = i * CHUNK_GROUPS;
+                let g1 = (g0 + CHUNK_GROUPS).min(groups);
+                let source_bytes = ((g1 * GROUP_ROWS).min(m.rows) - g0 * GROUP_ROWS) * m.cols * m.dtype.size_in_bytes();
+                items.push((index, *packing, m.matrix(), g0..g1, out, source_bytes as u64));
+            }
+        }
+        let total: u64 = items.iter().map(|item| item.5).sum();
+        // Pieces left per matrix: whoever finishes a matrix's last piece releases its source
+        // pages from resident memory, so the peak stays near the quantized size, not the sum.
+        let left: Vec<std::sync::atomic::AtomicUsize> = (0..matrices.len())
+            .map(|i| std::sync::atomic::AtomicUsize::new(items.iter().filter(|item| item.0 == i).count()))
+            .collect();
+        items.reverse();
+        let queue = std::sync::Mutex::new(items);
+        let done = std::sync::atomic::AtomicU64::new(0);
+        std::thread::scope(|scope| {
+            for _ in 0..threads.max(1) {
+                scope.spawn(|| {
+                    let mut row = Vec::new();
+                    loop {
+                        let Some((index, packing, w, groups, (quants, scales), bytes)) =
+                            queue.lock().unwrap_or_else(|e| e.into_inner()).pop()
+                        else {
+                            break;
+                        };
+                        row.resize(w.cols, 0.0);
+                        QuantBuffer::quantize_groups(packing, w, groups, quants, scales, &mut row);
+                        if left[index].fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
+                            // A tied head's pages are the embedding's: a lookup faults back
+                            // only the rows it reads.
+                            matrices[index].0.weight.advise_dont_need();
+                        }
+                        let now = done.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed) + bytes;
+                        progress(now, total);
+                    }
+                });
+            }
+        });
+        let linears = self.layers.iter_mut().flat_map(|l| l.linears_mut()).chain(std::iter::once(&mut self.lm_head));
+        for (linear, buffer) in linears.zip(buffers) {
+            linear.quant = Some(QuantSource::Owned(Arc::new(buffer)));
+        }
+        self.quantization = Some(format);
+        Ok(())
+    }
+
+    /// The published quantized matrices still waiting for [`Model::prepare_published`].
+    fn pending(&self) -> impl Iterator<Item = &kylin_loader::published::PublishedMatrix> {
+        self.layers.iter().flat_map(|l| l.linears().map(|(_, m)| m)).chain(std::iter::once(&self.lm_head)).filter_map(
+            |l| match &l.quant {
+                Some(QuantSource::Pending(m)) => Some(&**m),
+                _ => None,
+            },
+        )
+    }
+
+    /// Decodes a published quantized checkpoint (compressed-tensors, FP8, GPTQ, AWQ; before
+    /// [`Model::set_precision`] and [`Model::plan_scratch`]; nothing to do for any other model),
+    /// on `threads` threads:
+    ///
+    /// - `F32`: every quantized matrix is dequantized exactly to f32 (`scale · (q − zero)`, FP8
+    ///   times its scale), the weights transformers computes with; the activations stay f32.
+    /// - `Auto` (the default): the integer kernels. 8-bit symmetric integers with groups of a
+    ///   multiple of 32 (W8A8, W8A16) keep their integers and scale per block in Q8_0's planes;
+    ///   4-bit integers with groups of a multiple of 32 and no activation order (W4A16, GPTQ,
+    ///   AWQ) keep theirs in Q4G's, with the scale and `scale · zero` per group (f16). Where the
+    ///   CPU has AVX-512 BF16 ([`kernels::w16::available`]), every scheme but W8A8 (whose
+    ///   producer quantized the activations to int8) runs with BF16 activations: `q8_0_a16`,
+    ///   `q4_g_a16`, and FP8 as stored (`f8_e4m3_a16`, decoded in the kernel, one f32 scale
+    ///   per row and 32 columns). Elsewhere the int8 products run (`q8_0`, `q4_g`) and FP8 is
+    ///   dequantized and quantized to Q8_0. Activation order and asymmetric 8-bit are
+    ///   dequantized and quantized to Q8_0 everywhere. Unquantized modules (`ignore`, usually
+    ///   the head) become Q8_0, as under `--quantize`.
+    /// - `Bf16`: every quantized matrix is dequantized and rounded to BF16, for the BF16 kernels
+    ///   (BF16 activations; twice the bytes per token of Q8_0, four times Q4G's, for 16-bit
+    ///   activations as the A16 schemes intend). `CONFIG_INVALID` without BF16 kernels.
+    ///
+    /// Errors name the tensor whose values are wrong (`FILE_CORRUPTED`, `TENSOR_SHAPE_MISMATCH`).
+    pub fn prepare_published(&mut self, choice: PrecisionChoice, threads: usize) -> Result<()> {
+        if self.pending().next().is_none() {
+            return Ok(());
+        }
+        let mode = match choice {
+            PrecisionChoice::F32 => PublishedDecode::F32,
+            PrecisionChoice::Bf16 => PublishedDecode::Bf16,
+            PrecisionChoice::Auto => PublishedDecode::Integer,
+        };
+        if mode == PublishedDecode::Bf16 && kernels::bf16_kernels().is_none() {
+            return Err(KylinError::config_invalid(format!(
+                "--precision bf16 needs BF16 matrix kernels (AMX-BF16 or AVX-512 BF16), which this CPU lacks (kernels: {}); use --precision auto (integer kernels, the default) or f32 (the exactly dequantized weights)",
+                kernels::kernel_family(Precision::F32)
+            )));
+        }
+        let integer = mode == PublishedDecode::Integer;
+        let linears: Vec<&mut Linear> = self
+            .layers
+            .iter_mut()
+            .flat_map(|l| l.linears_mut())
+            .chain(std::iter::once(&mut self.lm_head))
+            .filter(|l| {
+                matches!(l.quant, Some(QuantSource::Pending(_))) || (mode != PublishedDecode::F32 && l.quant.is_none())
+            })
+            .collect();
+        let queue = std::sync::Mutex::new(linears);
+        let failure: std::sync::Mutex<Option<KylinError>> = std::sync::Mutex::new(None);
+        let packings = std::sync::Mutex::new(Vec::new());
+        std::thread::scope(|scope| {
+            for _ in 0..threads.max(1) {
+                scope.spawn(|| {
+                    loop {
+                        if failure.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
+                            break;
+                        }
+                        let Some(linear) = queue.lock().unwrap_or_else(|e| e.into_inner()).pop() else { break };
+                        match decode_published(linear, mode) {
+                            Ok(p) => packings.lock().unwrap_or_else(|e| e.into_inner()).extend(p),
+                            Err(e) => {
+                                failure.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
+                                break;
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        if let Some(e) = failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            return Err(e);
+        }
+        if integer {
+            // Reported by the packing most matrices got (Q4G for a 4-bit checkpoint); ties go
+            // to the first in `Packing`'s order.
+            let packings = packings.into_inner().unwrap_or_else(|e| e.into_inner());
+            let mut counts: Vec<(Packing, usize)> = Vec::new();
+            for p in packings {
+                match counts.iter_mut().find(|(q, _)| *q == p) {
+                    Some((_, n)) => *n += 1,
+                    None => counts.push((p, 1)),
+                }
+            }
+            counts.sort_by_key(|&(p, n)| (std::cmp::Reverse(n), p as u8));
+            let packing = counts.first().map_or(Packing::Q8_0, |&(p, _)| p);
+            self.quantization = Some(QuantFormat::Published(packing));
+        }
+        Ok(())
+    }
+
+    /// The quantized matrices, for `kylin quantize` to store: `(name, planes)` for every layer's
+    /// projections (their checkpoint names) and the head (`lm_head.weight`, also when it was
+    /// tied to the embedding). Empty unless quantized.
+    pub fn quantized_matrices(&self) -> Vec<(String, QuantMatrix<'_>)> {
+        let layers = self.layers.iter().flat_map(|l| l.linears()).map(|(_, m)| (m.weight.name.clone(), m));
+        layers
+            .chain(std::iter::once(("lm_head.weight".to_string(), &self.lm_head)))
+            .filter_map(|(name, m)| m.quant_matrix().map(|q| (name, q)))
+            .collect()
+    }
+
+    /// The format the linear layers were quantized to at load, if any.
+    pub fn quantization(&self) -> Option<QuantFormat> {
+        self.quantization
+    }
+
+    /// The KV cache's element type when none is asked for: BF16 under `Precision::Bf16` (what
+    /// transformers keeps for a BF16 model), F16 for a quantized model (llama.cpp's default;
+    /// measured closest to f32 of the 16-bit types, see BENCHMARKS.md), f32 otherwise (exact
+    /// against the float32 references).
+    pub fn default_kv_dtype(&self) -> WeightDType {
+        match (self.quantization, self.precision()) {
+            (Some(_), _) => WeightDType::F16,
+            (None, Precision::Bf16) => WeightDType::BF16,
+            (None, Precision::F32) => WeightDType::F32,
+        }
+    }
+
+    /// Chooses the arithmetic of the matrix products (before [`Model::plan_scratch`]).
+    ///
+    /// `CONFIG_INVALID` for `Bf16` when a matrix is not stored in BF16 (naming it and its
+    /// dtype) or the CPU has no BF16 kernels.
+    pub fn set_precision(&mut self, choice: PrecisionChoice) -> Result<()> {
+        if let Some(format) = self.quantization {
+            // The quantized products have their own arithmetic: int8 activations by default;
+            // BF16 activations over Q8_0 weights on request.
+            self.bf16 = None;
+            return match choice {
+                PrecisionChoice::Auto => Ok(()),
+                PrecisionChoice::Bf16 => self.run_quantized_on_bf16_activations(format),
+                PrecisionChoice::F32 => Err(KylinError::config_invalid(format!(
+                    "--precision f32 does not apply to --quantize {}: its matrix products quantize the activations to int8 (or, with --precision bf16, round them to BF16); use --precision auto (the default)",
+                    format.name()
+                ))),
+            };
+        }
+        let non_bf16 = self
+            .layers
+            .iter()
+            .flat_map(|l| l.linears().map(|(_, m)| m).chain(l.side_linears()))
+            .chain(self.per_layer_inputs.as_ref().map(|p| &p.projection))
+            .chain(std::iter::once(&self.lm_head))
+            .find(|m| m.dtype != WeightDType::BF16);
+        self.bf16 = match choice {
+            PrecisionChoice::F32 => None,
+            PrecisionChoice::Auto => kernels::bf16_kernels().filter(|_| non_bf16.is_none()),
+            PrecisionChoice::Bf16 => {
+                if let Some(m) = non_bf16 {
+                    return Err(KylinError::config_invalid(format!(
+                        "--precision bf16 needs BF16 weights; tensor '{}' is stored as {:?}; use --precision f32 or auto",
+                        m.weight.name, m.dtype
+                    )));
+                }
+                let Some(k) = kernels::bf16_kernels() else {
+                    return Err(KylinError::config_invalid(format!(
+                        "--precision bf16 needs BF16 matrix kernels (AMX-BF16 or AVX-512 BF16), which this CPU lacks (kernels: {}); use --precision f32 or auto",
+                        kernels::kernel_family(Precision::F32)
+                    )));
+                };
+                Some(k)
+            }
+        };
+        Ok(())
+    }
+
+    /// `--quantize q8_0 --precision bf16`: every Q8_0 matrix (made at load or stored by `kylin
+    /// quantize`) is read as `q8_0_a16`, the same planes with BF16 activations. `CONFIG_INVALID`
+    /// without AVX-512 BF16, for Q4_K (no BF16-activation kernel reads its 6-bit scales) and for
+    /// a published checkpoint (whose `--precision bf16` path is decided at load).
+    fn run_quantized_on_bf16_activations(&mut self, format: QuantFormat) -> Result<()> {
+        if format != QuantFormat::Q8_0 {
+            return Err(KylinError::config_invalid(format!(
+                "--precision bf16 with --quantize {} is not supported: BF16 activations run over Q8_0 weights only; use --quantize q8_0, or --precision auto (int8 activations)",
+                format.name()
+            )));
+        }
+        if !kernels::w16::available() {
+            return Err(KylinError::config_invalid(format!(
+                "--precision bf16 with --quantize q8_0 needs AVX-512 BF16, which this CPU lacks (kernels: {}); use --precision auto (int8 activations)",
+                kernels::quant::q8_kernels()
+            )));
+        }
+        for linear in self.layers.iter_mut().flat_map(|l| l.linears_mut()).chain(std::iter::once(&mut self.lm_head)) {
+            match &mut linear.quant {
+                Some(QuantSource::Owned(buffer)) => {
+                    // Made by `Model::quantize` and not shared yet.
+                    let Some(buffer) = Arc::get_mut(buffer) else {
+                        return Err(KylinError::config_invalid("the quantized matrices are already in use"));
+                    };
+                    buffer.set_packing(Packing::Q8_0A16);
+                }
+                Some(QuantSource::Mapped { packing, .. }) => {
+                    if *packing == Packing::Q8_0 {
+                        *packing = Packing::Q8_0A16;
+                    }
+                }
+                Some(QuantSource::Pending(_)) | None => {}
+            }
+        }
+        self.quantized_bf16 = true;
+        Ok(())
+    }
+
+    /// The arithmetic of the matrix products.
+    pub fn precision(&self) -> Precision {
+        if self.bf16.is_some() { Precision::Bf16 } else { Precision::F32 }
+    }
+
+    /// The kernel family running the matrix products (`amx-bf16`, `avx512`, `avx2`, `scalar`,
+    /// or for a quantized model `avx512-vnni q8_0`, ...).
+    pub fn kernel_family(&self) -> String {
+        match self.quantization {
+            Some(format) if self.quantized_bf16 => format!("avx512-bf16 {}_a16", format.name()),
+            Some(format) if self.bf16_activations(format) => format!("avx512-bf16 {}", format.name()),
+            Some(format) => format!("{} {}", kernels::quant::q8_kernels(), format.name()),
+            None => kernels::kernel_family(self.precision()).to_string(),
+        }
+    }
+
+    /// Whether most of a quantized model's products run on BF16 activations (the `_a16`
+    /// packings of `kylin_kernels::w16`).
+    fn bf16_activations(&self, format: QuantFormat) -> bool {
+        self.quantized_bf16
+            || matches!(format, QuantFormat::Published(p) if p.activation_kind() == kernels::quant::ActivationKind::Bf16)
+    }
+
+    /// The arithmetic of the matrix products for reports: `f32`, `bf16`, `int8` (quantized, int8
+    /// activations) or `bf16 activations` (quantized weights, BF16 activations).
+    pub fn precision_name(&self) -> &'static str {
+        match (self.quantization, self.precision()) {
+            (Some(format), _) if self.bf16_activations(format) => "bf16 activations",
+            (Some(_), _) => "int8",
+            (None, Precision::Bf16) => "bf16",
+            (None, Precision::F32) => "f32",
+        }
+    }
+
+    /// What reports name as the kernels: the matrix products' family, and attention's path
+    /// over a KV cache of `kv_dtype` when it differs (`amx-bf16`, or `avx512, attention f32`).
+    pub fn kernels_report(&self, kv_dtype: WeightDType, block_size: usize) -> String {
+        let attention = kernels::paged::attention_path(
+            self.precision(),
+            kv_dtype,
+            self.attention_head_dim(),
+            block_size,
+            self.attention_needs(),
+        );
+        let family = self.kernel_family();
+        if attention.name() == family { family } else { format!("{family}, attention {}", attention.name()) }
+    }
+
+    pub fn dims(&self) -> &Dims {
+        &self.dims
+    }
+
+    pub fn max_position_embeddings(&self) -> usize {
+        self.max_position_embeddings
+    }
+
+    /// Number of parameters (a tied head counted once).
+    pub fn parameter_count(&self) -> u64 {
+        let layers: u64 = self
+            .layers
+            .iter()
+            .map(|l| {
+                l.linears().map(|(_, m)| m).chain(l.side_linears()).map(Linear::element_count).sum::<u64>()
+                    + l.vectors().map(|v| v.tensor.element_count() as u64).sum::<u64>()
+            })
+            .sum();
+        let head = if self.tied { 0 } else { self.lm_head.element_count() };
+        let per_layer = self.per_layer_inputs.as_ref().map_or(0, |p| {
+            p.embed.element_count() + p.projection.element_count() + p.norm.weight.tensor.element_count() as u64
+        });
+        self.embed.element_count() + per_layer + layers + self.final_norm.weight.tensor.element_count() as u64 + head
+    }
+
+    /// Bytes of weights read to produce one token: every matrix and vector once, the head once,
+    /// and one embedding row (and one row of the per-layer embedding).
+    pub fn weight_bytes_per_token(&self) -> u64 {
+        let layers: u64 = self
+            .layers
+            .iter()
+            .map(|l| {
+                l.linears().map(|(_, m)| m).chain(l.side_linears()).map(Linear::byte_len).sum::<u64>()
+                    + l.vectors().map(|v| v.tensor.byte_len() as u64).sum::<u64>()
+            })
+            .sum();
+        let embed_row = (self.dims.hidden * self.embed.dtype.size_in_bytes()) as u64;
+        let per_layer = self.per_layer_inputs.as_ref().map_or(0, |p| {
+            (p.embed.cols * p.embed.dtype.size_in_bytes()) as u64
+                + p.projection.byte_len()
+                + p.norm.weight.tensor.byte_len() as u64
+        });
+        layers + per_layer + self.final_norm.weight.tensor.byte_len() as u64 + self.lm_head.byte_len() + embed_row
+    }
+
+    /// Plans the activation buffers for forward passes of up to `max_tokens` tokens in up to
+    /// `max_segments` segments (attention needs no buffer sized by the context: its state is
+    /// per tile). `CONFIG_INVALID` if a size overflows.
+    pub fn plan_scratch(&self, max_tokens: usize, max_segments: usize, context: usize) -> Result<Scratch> {
+        if let Some(m) = self.pending().next() {
+            return Err(KylinError::config_invalid(format!(
+                "internal: module '{}' of a published quantized checkpoint was not decoded (Model::prepare_published)",
+                m.module
+            )));
+        }
+        let d = &self.dims;
+        let max_tokens = max_tokens.max(1);
+        let max_segments = max_segments.clamp(1, max_tokens);
+        let split_segments = SPLIT_SEGMENTS.min(max_segments);
+        let split_parts = context.div_ceil(PARTITION).max(1);
+        let split_rows = split_segments * d.n_heads * split_parts;
+        let (ple_width, ple_all) = self.per_layer_inputs.as_ref().map_or((0, 0), |p| (p.width, p.embed.cols));
+        let sized = |rows: usize, cols: usize, what: &str| -> Result<Vec<f32>> {
+            let len = rows.checked_mul(cols).ok_or_else(|| {
+                KylinError::config_invalid(format!(
+                    "{what} buffer of {rows} x {cols} overflows; pass a smaller --ctx-size or --max-batch-tokens"
+                ))
+            })?;
+            Ok(vec![0.0; len])
+        };
+        Ok(Scratch {
+            max_tokens,
+            max_segments,
+            x: sized(max_tokens, d.hidden, "residual")?,
+            xn: sized(max_tokens, d.hidden, "norm")?,
+            q: sized(max_tokens, d.q_dim(), "query")?,
+            k: sized(max_tokens, d.kv_dim(), "key")?,
+            v: sized(max_tokens, d.kv_dim(), "value")?,
+            attn: sized(max_tokens, d.q_dim(), "attention")?,
+            proj: sized(max_tokens, d.hidden, "projection")?,
+            gate: sized(max_tokens, d.intermediate, "gate")?,
+            up: sized(max_tokens, d.intermediate, "up")?,
+            attention_tasks: vec![0; max_segments + 1],
+            split_segments,
+            split_parts,
+            split_outputs: sized(split_rows, d.head_dim, "split attention")?,
+            split_stats: vec![PartialStats::EMPTY; split_rows],
+            head_tmp: sized(1, d.q_dim().max(d.head_dim), "head")?,
+            logit_hidden: sized(max_segments, d.hidden, "hidden")?,
+            logits: sized(max_segments, d.vocab, "logits")?,
+            ple: sized(max_tokens, ple_all, "per-layer input")?,
+            ple_row: sized(1, ple_all, "per-layer input")?,
+            ple_gate: sized(max_tokens, ple_width, "per-layer gate")?,
+            products: {
+                let widest = d.hidden.max(d.q_dim()).max(d.intermediate).max(ple_width);
+                ProductScratch {
+                    xb: if self.bf16.is_some() {
+                        vec![0; kernels::bf16_scratch_len(max_tokens, widest)]
+                    } else {
+                        Vec::new()
+                    },
+                    xq: if self.quantization.is_some() {
+                        vec![0; kernels::quant::quant_scratch_len(max_tokens, widest)]
+                    } else {
+                        Vec::new()
+                    },
+                }
+            },
+        })
+    }
+
+    /// RoPE tables for positions `0..context`, one per rotary table the layers use.
+    pub fn rope(&self, context: usize) -> Result<Ropes> {
+        Ropes::new(&self.rope_configs, context)
+    }
+
+    /// How the layers' keys and values are split between the KV pools.
+    pub fn kv_groups(&self) -> KvGroups {
+        // The layers that hold a place, in slot order (slots are given out in layer order).
+        let owners = |sliding: bool| -> Vec<KvShape> {
+            self.attentions().filter(|a| a.owns_kv() && a.in_sliding_pool == sliding).map(Attention::kv_shape).collect()
+        };
+        KvGroups {
+            full: owners(false),
+            sliding: owners(true),
+            window: self.attentions().find(|a| a.in_sliding_pool).and_then(|a| a.window),
+        }
+    }
+
+    /// The head width that decides the attention path (its kernels need every layer's width
+    /// to be a multiple of 32): a width that is not, if some layer has one, else the widest.
+    pub fn attention_head_dim(&self) -> usize {
+        let widths = || self.attentions().map(|a| a.head_dim);
+        widths().find(|w| !w.is_multiple_of(32)).unwrap_or_else(|| widths().max().unwrap_or(self.dims.head_dim))
+    }
+
+    /// Whether some layer slides (attention over a window of positions).
+    pub fn has_window(&self) -> bool {
+        self.attentions().any(|a| a.window.is_some())
+    }
+
+    /// The attention of every layer whose mixer is attention.
+    fn attentions(&self) -> impl Iterator<Item = &Attention> {
+        self.layers.iter().filter_map(Layer::attention)
+    }
+
+    /// What the attention layers ask of the kernels beyond plain causal attention (a window,
+    /// a soft cap), for the choice of the attention path and the KV cache's layout.
+    pub fn attention_needs(&self) -> kernels::paged::AttentionNeeds {
+        kernels::paged::AttentionNeeds { window: self.has_window(), softcap: self.attention_softcap.is_some() }
+    }
+
+    /// One forward pass over every segment of `plan`: appends each segment's keys and values to
+    /// its blocks in `kv` and writes the logits of the segments that want them into `s`
+    /// (read them with [`Scratch::logits`]). With `all_logits`, the plan must hold one segment,
+    /// and the logits of all its positions are written there, `(n, vocab)`.
+    ///
+    /// The caller guarantees (the engine plans it so): at most `max_tokens` tokens and
+    /// `max_segments` segments, ids inside the vocabulary, block tables covering every position
+    /// up to `start + n <= context`, and RoPE prepared for those positions. Allocates nothing.
+    pub fn forward(
+        &self,
+        pool: &ThreadPool,
+        kv: &mut KvPool,
+        mut sliding_kv: Option<&mut KvPool>,
+        rope: &Ropes,
+        s: &mut Scratch,
+        plan: &BatchPlan,
+        all_logits: Option<&mut [f32]>,
+    ) {
+        let d = &self.dims;
+        let n = plan.tokens();
+        let h = d.hidden;
+        let mm = Matmul { pool, bf16: self.bf16 };
+        assert!(n <= s.max_tokens && plan.segments.len() <= s.max_segments, "batch larger than planned");
+
+        // 1. Embedding lookup: ids (n) -> x (n, hidden), times the embedding scale if any.
+        let embed = self.embed.matrix();
+        for (&id, row) in plan.ids.iter().zip(s.x.chunks_exact_mut(h)) {
+            kernels::widen_row(embed, id as usize, row);
+            if let Some(scale) = self.embedding_scale {
+                kernels::scale(row, scale);
+            }
+        }
+
+        // Gemma 4's per-layer inputs: x (n, hidden) -> ple (n, layers · width).
+        if let Some(p) = &self.per_layer_inputs {
+            let all = p.embed.cols;
+            p.compute(
+                mm,
+                &plan.ids,
+                &s.x[..n * h],
+                &mut s.ple[..n * all],
+                &mut s.ple_row[..all],
+                d.eps,
+                &mut s.products,
+            );
+        }
+
+        // 2. The decoder layers, each updating the residual stream x (n, hidden) in place:
+        //    x += r · post_norm?(mixer(norm?(x))); x += r · post_norm?(ffn(norm?(x))); then
+        //    Gemma 4's per-layer input block and layer scalar.
+        let step = Step { mm, hidden: h, n_heads: d.n_heads, eps: d.eps };
+        for (i, layer) in self.layers.iter().enumerate() {
+            if let Some(norm) = &layer.attn_norm {
+                norm.rows(&s.x[..n * h], h, d.eps, &mut s.xn[..n * h]);
+            }
+            match &layer.mixer {
+                Mixer::Attention(a) => {
+                    // The layer's pool: the sliding layers' own when it has one.
+                    let pool = match (&mut sliding_kv, a.in_sliding_pool) {
+                        (Some(sliding), true) => &mut **sliding,
+                        _ => &mut *kv,
+                    };
+                    a.forward(&step, pool, rope, s, plan, layer.attn_norm.is_some());
+                }
+            }
+            self.residual_add_block(layer.attn_post_norm.as_ref(), s, n);
+
+            if let Some(norm) = &layer.mlp_norm {
+                norm.rows(&s.x[..n * h], h, d.eps, &mut s.xn[..n * h]);
+            }
+            match &layer.ffn {
+                Ffn::Dense(mlp) => mlp.forward(&step, s, n, layer.mlp_norm.is_some()),
+            }
+            self.residual_add_block(layer.mlp_post_norm.as_ref(), s, n);
+
+            if let Some(block) = &layer.per_layer {
+                block.forward(&step, i, s, n);
+                self.residual_add(&mut s.x[..n * h], &s.xn[..n * h]);
+            }
+            if let Some(scalar) = layer.scalar {
+                kernels::scale(&mut s.x[..n * h], scalar);
+            }
+        }
+
+        // 3. Final norm and head, only for the rows whose logits are wanted; then the logit
+        //    divisor and soft-cap.
+        match all_logits {
+            Some(out) => {
+                // x (n, hidden) -> xn (n, hidden) -> out (n, vocab).
+                self.final_norm.rows(&s.x[..n * h], h, d.eps, &mut s.xn[..n * h]);
+                self.lm_head.forward(mm, &s.xn[..n * h], n, out, &mut s.products);
+                self.finish_logits(&mut out[..n * d.vocab]);
+            }
+            None => {
+                let rows = plan.logit_rows;
+                if rows == 0 {
+                    return;
+                }
+                // Last row of each segment that wants logits: x[t0 + n - 1] (hidden) ->
+                // logit_hidden[row] (hidden); then logit_hidden (rows, hidden) -> logits (rows, vocab).
+                for seg in &plan.segments {
+                    if let Some(row) = seg.logits_row {
+                        let t = seg.t0 + seg.n - 1;
+                        self.final_norm.apply(
+                            &s.x[t * h..(t + 1) * h],
+                            d.eps,
+                            &mut s.logit_hidden[row * h..(row + 1) * h],
+                        );
+                    }
+                }
+                self.lm_head.forward(
+                    mm,
+                    &s.logit_hidden[..rows * h],
+                    rows,
+                    &mut s.logits[..rows * d.vocab],
+                    &mut s.products,
+                );
+                self.finish_logits(&mut s.logits[..rows * d.vocab]);
+            }
+        }
+    }
+
+    /// `logits / divisor` (Granite), then `cap · tanh(logits / cap)` (Gemma 2), in place.
+    fn finish_logits(&self, logits: &mut [f32]) {
+        if let Some(divisor) = self.logits_divisor {
+            for v in logits.iter_mut() {
+                *v /= divisor;
+            }
+        }
+        if let Some(cap) = self.final_softcap {
+            kernels::softcap(logits, cap);
+        }
+    }
+
+    /// `x += r · post_norm?(proj)` for a sub-block's output in `proj (n, hidden)`.
+    fn residual_add_block(&self, post_norm: Option<&Norm>, s: &mut Scratch, n: usize) {
+        let h = self.dims.hidden;
+        match post_norm {
+            Some(norm) => {
+                norm.rows(&s.proj[..n * h], h, self.dims.eps, &mut s.xn[..n * h]);
+                self.residual_add(&mut s.x[..n * h], &s.xn[..n * h]);
+            }
+            None => self.residual_add(&mut s.x[..n * h], &s.proj[..n * h]),
+        }
+    }
+
+    /// `x += r · h` for a sub-block's output `h`: the residual add, scaled by Granite's
+    /// multiplier.
+    #[inline]
+    fn residual_add(&self, x: &mut [f32], h: &[f32]) {
+        if self.residual_scale == 1.0 {
+            kernels::add_assign(x, h);
+        } else {
+            kernels::add_scaled(x, h, self.residual_scale);
+        }
+    }
+}

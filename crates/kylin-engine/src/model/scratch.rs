@@ -1,0 +1,131 @@
+//! The activation buffers of one forward pass, planned once (`Model::plan_scratch`).
+
+use kylin_kernels::paged::PartialStats;
+
+/// Activation buffers for up to `max_tokens` tokens and `max_segments` segments per forward
+/// pass over sequences of up to `context` positions.
+#[derive(Debug)]
+pub struct Scratch {
+    pub(super) max_tokens: usize,
+    pub(super) max_segments: usize,
+    /// Residual stream, `(max_tokens, hidden)`.
+    pub(super) x: Vec<f32>,
+    /// Normalised input of a block, `(max_tokens, hidden)`.
+    pub(super) xn: Vec<f32>,
+    /// Queries, `(max_tokens, n_heads * head_dim)`.
+    pub(super) q: Vec<f32>,
+    /// Keys and values of the batch, `(max_tokens, n_kv_heads * head_dim)`.
+    pub(super) k: Vec<f32>,
+    pub(super) v: Vec<f32>,
+    /// Attention output, `(max_tokens, n_heads * head_dim)`.
+    pub(super) attn: Vec<f32>,
+    /// Block output before the residual add, `(max_tokens, hidden)`.
+    pub(super) proj: Vec<f32>,
+    /// MLP gate and up projections, `(max_tokens, intermediate)`.
+    pub(super) gate: Vec<f32>,
+    pub(super) up: Vec<f32>,
+    /// First attention task of each segment, and the total, `(max_segments + 1)`.
+    pub(super) attention_tasks: Vec<usize>,
+    /// Split-K decode: at most this many segments of a step are split, each over at most
+    /// `split_parts` partitions.
+    pub(super) split_segments: usize,
+    pub(super) split_parts: usize,
+    /// Their undivided outputs, `(split_segments, n_heads, split_parts, head_dim)`, and states,
+    /// `(split_segments, n_heads, split_parts)`.
+    pub(super) split_outputs: Vec<f32>,
+    pub(super) split_stats: Vec<PartialStats>,
+    /// One head (or, for a norm over the whole projection, one token's queries) for the
+    /// in-place q/k norm, `(max(head_dim, n_heads * head_dim))`.
+    pub(super) head_tmp: Vec<f32>,
+    /// Final-normed last rows of the segments that want logits, `(max_segments, hidden)`.
+    pub(super) logit_hidden: Vec<f32>,
+    /// Their logits, `(max_segments, vocab)`.
+    pub(super) logits: Vec<f32>,
+    /// Gemma 4's per-layer inputs, `(max_tokens, layers · width)`, one token's row of the
+    /// second embedding, `(layers · width)`, and a layer's gate, `(max_tokens, width)` (empty
+    /// for other families).
+    pub(super) ple: Vec<f32>,
+    pub(super) ple_row: Vec<f32>,
+    pub(super) ple_gate: Vec<f32>,
+    /// The quantized or rounded activations of one matrix product.
+    pub(super) products: ProductScratch,
+}
+
+/// The activations of one matrix product in the form its kernels read.
+#[derive(Debug, Default)]
+pub struct ProductScratch {
+    /// BF16 activations (`Precision::Bf16` only; else empty).
+    pub(super) xb: Vec<u16>,
+    /// Int8 activations with their block scales (quantized models only; else empty).
+    pub(super) xq: Vec<u8>,
+}
+
+impl Scratch {
+    pub fn max_tokens(&self) -> usize {
+        self.max_tokens
+    }
+
+    /// Bytes of all buffers.
+    pub fn bytes(&self) -> u64 {
+        let elements = self.x.len()
+            + self.xn.len()
+            + self.q.len()
+            + self.k.len()
+            + self.v.len()
+            + self.attn.len()
+            + self.proj.len()
+            + self.gate.len()
+            + self.up.len()
+            + self.head_tmp.len()
+            + self.logit_hidden.len()
+            + self.logits.len()
+            + self.ple.len()
+            + self.ple_row.len()
+            + self.ple_gate.len()
+            + self.split_outputs.len()
+            + 2 * self.split_stats.len();
+        (elements * std::mem::size_of::<f32>()
+            + self.products.xb.len() * std::mem::size_of::<u16>()
+            + self.products.xq.len()) as u64
+    }
+
+    /// Touches every buffer now, so their memory is resident from the start.
+    pub fn prefault(&mut self) {
+        for buffer in [
+            &mut self.x,
+            &mut self.xn,
+            &mut self.q,
+            &mut self.k,
+            &mut self.v,
+            &mut self.attn,
+            &mut self.proj,
+            &mut self.gate,
+            &mut self.up,
+            &mut self.logit_hidden,
+            &mut self.logits,
+            &mut self.ple,
+            &mut self.ple_gate,
+            &mut self.split_outputs,
+        ] {
+            for page in buffer.chunks_mut(1024) {
+                // A volatile write, so the compiler cannot drop it as a store of zero into
+                // memory it knows to be zeroed.
+                // SAFETY: `page` is a non-empty slice, so its first element is valid for writes.
+                unsafe { std::ptr::write_volatile(page.as_mut_ptr(), 0.0) };
+            }
+        }
+        for page in self.products.xb.chunks_mut(2048) {
+            // SAFETY: as above.
+            unsafe { std::ptr::write_volatile(page.as_mut_ptr(), 0) };
+        }
+        for page in self.products.xq.chunks_mut(4096) {
+            // SAFETY: as above.
+            unsafe { std::ptr::write_volatile(page.as_mut_ptr(), 0) };
+        }
+    }
+
+    /// Logits row `row` of the last forward pass, `(vocab)`.
+    pub fn logits(&self, row: usize, vocab: usize) -> &[f32] {
+        &self.logits[row * vocab..(row + 1) * vocab]
+    }
+}
