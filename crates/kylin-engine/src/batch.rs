@@ -686,7 +686,7 @@ fn kv_blocks(
         .ok_or_else(|| KylinError::config_invalid("the KV block size overflows; pass a smaller --kv-block-size"))?;
     let after_weights = || {
         memory_available().map(|m| {
-            m.saturating_sub(model.weight_bytes_per_token())
+            m.saturating_sub(model.weight_bytes_resident())
                 .saturating_sub(scratch.bytes())
                 .saturating_sub(sliding_bytes)
         })

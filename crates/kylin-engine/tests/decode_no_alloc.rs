@@ -26,7 +26,8 @@ fn decode_steps_allocate_nothing() {
     // registry's shared blocks: sliding windows and their own KV pool (Gemma 2/3, Mistral),
     // soft-caps and sandwich norms (Gemma 2), fused projections (Phi-3), NoPE (SmolLM3),
     // post-norms (OLMo 2), multipliers (Granite), and Gemma 4's per-layer inputs, wider global
-    // heads and shared keys and values. The 39-token prompt and 33 decode steps cross the
+    // heads and shared keys and values; the Mixture-of-Experts families (routing, grouping by
+    // expert, shared experts, sinks). The 39-token prompt and 33 decode steps cross the
     // windows of 5 to 8, so sliding blocks are released while decoding.
     let families = [
         "tiny-gemma2",
@@ -37,6 +38,12 @@ fn decode_steps_allocate_nothing() {
         "tiny-smollm3",
         "tiny-olmo2",
         "tiny-granite",
+        "tiny-qwen3-moe",
+        "tiny-qwen2-moe",
+        "tiny-mixtral",
+        "tiny-olmoe",
+        "tiny-gpt-oss",
+        "tiny-gemma4-moe",
     ];
     let more = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/families/fixtures");
     let models = ["tiny-qwen2-f16", "tiny-qwen3-yarn", "tiny-qwen3-sharded-f32"]

@@ -32,9 +32,9 @@ const FAMILIES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/fam
 /// Further configurations of the same families, written by `scripts/make_family_fixtures.py`.
 const MORE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/families");
 
-/// The dense families this engine runs; the others in `shared/families` (Mixture-of-Experts,
-/// hybrid) must be refused with a clear code until their issues land.
-const DENSE: [&str; 8] = [
+/// The families this engine runs (dense and Mixture-of-Experts); the others in
+/// `shared/families` (hybrid) must be refused with a clear code until their issue lands.
+const RUNNING: [&str; 14] = [
     "tiny-gemma2",
     "tiny-gemma3",
     "tiny-gemma4",
@@ -43,6 +43,12 @@ const DENSE: [&str; 8] = [
     "tiny-olmo2",
     "tiny-phi3",
     "tiny-smollm3",
+    "tiny-qwen3-moe",
+    "tiny-qwen2-moe",
+    "tiny-mixtral",
+    "tiny-olmoe",
+    "tiny-gpt-oss",
+    "tiny-gemma4-moe",
 ];
 
 fn fixture(name: &str) -> PathBuf {
@@ -130,6 +136,12 @@ family_tests! {
     olmo2_matches_transformers => "tiny-olmo2",
     phi3_matches_transformers => "tiny-phi3",
     smollm3_matches_transformers => "tiny-smollm3",
+    qwen3_moe_matches_transformers => "tiny-qwen3-moe",
+    qwen2_moe_matches_transformers => "tiny-qwen2-moe",
+    mixtral_matches_transformers => "tiny-mixtral",
+    olmoe_matches_transformers => "tiny-olmoe",
+    gemma4_moe_matches_transformers => "tiny-gemma4-moe",
+    gpt_oss_matches_transformers => "tiny-gpt-oss",
 }
 
 /// The further configurations (`tests/fixtures/families`): windows of 5 to 7, one KV head,
@@ -156,7 +168,7 @@ fn phi3_longrope_matches_transformers_on_both_sides_of_the_original_context() {
     check_with_context(MORE, "tiny-phi3-longrope", &|needed| Some(if needed <= 64 { 64 } else { 256 }));
 }
 
-/// Every family fixture either is one of [`DENSE`] and loads, or is refused with
+/// Every family fixture either is one of [`RUNNING`] and loads, or is refused with
 /// `MAPPING_MISSING` naming its architecture (not a panic, not a wrong answer).
 #[test]
 fn every_family_fixture_runs_or_is_refused_by_name() {
@@ -167,7 +179,7 @@ fn every_family_fixture_runs_or_is_refused_by_name() {
     names.sort();
     for name in &names {
         let result = kylin_loader::load(&fixture(name), &kylin_loader::LoadOptions::default());
-        if DENSE.contains(&name.as_str()) {
+        if RUNNING.contains(&name.as_str()) {
             result.unwrap_or_else(|e| panic!("{name}: {e}"));
         } else {
             let err = result.err().unwrap_or_else(|| panic!("{name} loads but has no reference test here"));
@@ -187,7 +199,7 @@ fn every_family_fixture_runs_or_is_refused_by_name() {
             );
         }
     }
-    for name in DENSE {
+    for name in RUNNING {
         assert!(names.iter().any(|n| n == name), "{name}: fixture missing from shared/families");
     }
 }
@@ -250,16 +262,16 @@ fn batch_invariance(name: &str, precision: PrecisionChoice, quantize: Option<Qua
 }
 
 #[test]
-fn every_dense_family_batches_invariantly_in_f32() {
-    for name in DENSE {
+fn every_family_batches_invariantly_in_f32() {
+    for name in RUNNING {
         batch_invariance(name, PrecisionChoice::F32, None);
     }
 }
 
 #[test]
-fn every_dense_family_batches_invariantly_on_the_fast_paths() {
+fn every_family_batches_invariantly_on_the_fast_paths() {
     let bf16 = kylin_kernels::bf16_kernels().is_some();
-    for name in DENSE {
+    for name in RUNNING {
         if bf16 {
             batch_invariance(name, PrecisionChoice::Bf16, None);
         }
@@ -301,10 +313,13 @@ fn kl_against_f32(name: &str, precision: PrecisionChoice, quantize: Option<Quant
 /// are far more sensitive than trained models, Gemma's most (four `1 + w` norms per layer and
 /// a √hidden embedding amplify every rounding: its BF16 KL is 25 times Mistral's, and Q8_0
 /// keeps the same ratio to BF16 as every other family), so the bounds are loose: mean KL per
-/// position below 0.2 nats and the same argmax at 70% of positions or more. The fixtures'
-/// 64- and 128-column matrices are below one Q4_K super-block, so `q4_k` runs them as Q8_0.
+/// position below 0.2 nats and the same argmax at 70% of positions or more (50% for the
+/// Mixture-of-Experts families, whose top-k routing is discrete: a rounding that swaps two
+/// nearly tied experts changes a token's output wholesale, and random routers make near-ties
+/// common). The fixtures' 64- and 128-column matrices are below one Q4_K super-block, so
+/// `q4_k` runs them as Q8_0; their experts of width 48 stay as stored.
 #[test]
-fn fast_paths_stay_close_to_f32_on_every_dense_family() {
+fn fast_paths_stay_close_to_f32_on_every_family() {
     let mut paths: Vec<(&str, PrecisionChoice, Option<QuantFormat>)> = vec![
         ("q8_0", PrecisionChoice::Auto, Some(QuantFormat::Q8_0)),
         ("q4_k", PrecisionChoice::Auto, Some(QuantFormat::Q4K)),
@@ -313,11 +328,13 @@ fn fast_paths_stay_close_to_f32_on_every_dense_family() {
         paths.insert(0, ("bf16", PrecisionChoice::Bf16, None));
     }
     let mut failures = Vec::new();
-    for name in DENSE {
+    for name in RUNNING {
         for &(label, precision, quantize) in &paths {
             let (kl, agree) = kl_against_f32(name, precision, quantize);
             println!("{name:<18} {label:<5} KL {kl:.6}  argmax agreement {:.1}%", agree * 100.0);
-            if kl >= 0.2 || agree < 0.7 {
+            let floor =
+                if name.contains("moe") || name.contains("mixtral") || name.contains("gpt-oss") { 0.5 } else { 0.7 };
+            if kl >= 0.2 || agree < floor {
                 failures.push(format!("{name} {label}: KL {kl:.4}, argmax agreement {:.1}%", agree * 100.0));
             }
         }

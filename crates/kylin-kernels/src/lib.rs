@@ -422,6 +422,12 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// In-place gpt-oss clamped SwiGLU: `gate = (clamp(up, ±limit) + 1) · g · sigmoid(alpha · g)`
+/// with `g = min(gate, limit)` (the experts' activation; scalar, the products dominate).
+pub fn clamped_swiglu_mul(gate: &mut [f32], up: &[f32], alpha: f32, limit: f32) {
+    reference::clamped_swiglu_mul(gate, up, alpha, limit)
+}
+
 /// Attention of one query head over `len` cached positions of its KV head.
 ///
 /// `q`: `(head_dim)`; `keys`, `values`: `(len, head_dim)` row-major (at least `len * head_dim`

@@ -214,6 +214,33 @@ pub fn attention_rows(
     }
 }
 
+/// [`attention_rows`] with an attention sink per row (gpt-oss's `sinks`, one logit per query
+/// head): each row's softmax denominator gains `e^(sinks[i] - m_i)`, as if the sink were one
+/// more score whose value vector is zero. The output is the plain one times
+/// `l / (l + e^(sink - m))`, so split partitions merged by [`merge_partitions_sink`] give the
+/// same bits.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_rows_sinks(
+    rows: &mut [QueryRow<'_>],
+    keys: KvView<'_>,
+    values: KvView<'_>,
+    blocks: &[u32],
+    offset: usize,
+    map: ScoreMap,
+    sinks: &[f32],
+) {
+    assert!(sinks.len() >= rows.len(), "one sink per row");
+    let stats = run(rows, keys, values, blocks, offset, map, None);
+    for ((r, st), &sink) in rows.iter_mut().zip(&stats).zip(sinks) {
+        let inv = 1.0 / st.l;
+        let out = &mut r.out[..keys.head_dim];
+        for o in out.iter_mut() {
+            *o *= inv;
+        }
+        apply_sink(out, *st, sink);
+    }
+}
+
 /// Split-K: [`attention_rows`] over the positions of partition `partition` only
 /// (`partition · PARTITION ..`), leaving each row's `out` undivided and its state in `stats`
 /// (one per row). [`merge_partitions`] folds the partitions of a row, computed by as many
@@ -244,6 +271,31 @@ pub fn attention_rows_partition(
 /// kernels skip it (so the partitions before a window's start may be passed or left out).
 /// Panics if the lengths disagree.
 pub fn merge_partitions(layout: KvLayout, stats: &[PartialStats], o: &[f32], out: &mut [f32]) {
+    merge_folded(layout, stats, o, out);
+}
+
+/// [`merge_partitions`] for a row with an attention sink (gpt-oss): the softmax's denominator
+/// gains `e^(sink - m)`, so the output has exactly the bits [`attention_rows_sinks`] gives the
+/// row in one call.
+pub fn merge_partitions_sink(layout: KvLayout, stats: &[PartialStats], o: &[f32], sink: f32, out: &mut [f32]) {
+    let state = merge_folded(layout, stats, o, out);
+    apply_sink(out, state, sink);
+}
+
+/// An attention sink on a row already divided by its state's `l`: the output times
+/// `l / (l + e^(sink - m))`, as if the sink were one more score whose value vector is zero.
+fn apply_sink(out: &mut [f32], state: PartialStats, sink: f32) {
+    if state == PartialStats::EMPTY {
+        return;
+    }
+    let factor = state.l / (state.l + (sink - state.m).exp());
+    for o in out.iter_mut() {
+        *o *= factor;
+    }
+}
+
+/// The fold of [`merge_partitions`], returning the row's merged state.
+fn merge_folded(layout: KvLayout, stats: &[PartialStats], o: &[f32], out: &mut [f32]) -> PartialStats {
     let hd = out.len();
     assert!(o.len() == stats.len() * hd, "one head_dim of output per partition");
     // SAFETY (each arm): the ISA was detected (the pair layout exists only with AMX, which
@@ -264,7 +316,7 @@ pub fn merge_partitions(layout: KvLayout, stats: &[PartialStats], o: &[f32], out
 /// # Safety
 /// `L`'s instructions are available.
 #[inline(always)]
-unsafe fn merge_body<L: Lanes>(stats: &[PartialStats], o: &[f32], out: &mut [f32]) {
+unsafe fn merge_body<L: Lanes>(stats: &[PartialStats], o: &[f32], out: &mut [f32]) -> PartialStats {
     let hd = out.len();
     let (mut big_m, mut big_l) = (f32::NEG_INFINITY, 0.0f32);
     out.fill(0.0);
@@ -289,6 +341,7 @@ unsafe fn merge_body<L: Lanes>(stats: &[PartialStats], o: &[f32], out: &mut [f32
     for out in out.iter_mut() {
         *out *= inv;
     }
+    PartialStats { m: big_m, l: big_l }
 }
 
 /// The checked entry of [`attention_rows`] and [`attention_rows_partition`]: runs the path of
@@ -1128,7 +1181,7 @@ mod simd {
     /// # Safety
     /// AVX-512 F/BW/VL, AVX2, FMA and F16C are available.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    pub(super) unsafe fn merge_avx512(stats: &[PartialStats], o: &[f32], out: &mut [f32]) {
+    pub(super) unsafe fn merge_avx512(stats: &[PartialStats], o: &[f32], out: &mut [f32]) -> PartialStats {
         // SAFETY: the caller's contract.
         unsafe { merge_body::<Zmm>(stats, o, out) }
     }
@@ -1162,7 +1215,7 @@ mod simd {
     /// # Safety
     /// AVX2, FMA and F16C are available.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn merge_avx2(stats: &[PartialStats], o: &[f32], out: &mut [f32]) {
+    pub(super) unsafe fn merge_avx2(stats: &[PartialStats], o: &[f32], out: &mut [f32]) -> PartialStats {
         // SAFETY: the caller's contract.
         unsafe { merge_body::<Ymm2>(stats, o, out) }
     }

@@ -89,6 +89,17 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// gpt-oss's clamped SwiGLU: `g = min(gate, limit)`, `u = clamp(up, -limit, limit)`,
+/// `gate = (u + 1) · (g · sigmoid(g · alpha))`, in PyTorch's order of operations.
+pub fn clamped_swiglu_mul(gate: &mut [f32], up: &[f32], alpha: f32, limit: f32) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let g0 = g.min(limit);
+        let u = u.clamp(-limit, limit);
+        let sigmoid = 1.0 / (1.0 + (-(g0 * alpha)).exp());
+        *g = (u + 1.0) * (g0 * sigmoid);
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 pub fn attention_head(
     q: &[f32],

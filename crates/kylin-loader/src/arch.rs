@@ -57,6 +57,16 @@ pub enum Dim {
     AllLayerInputs,
     /// `vocab_size_per_layer_input`.
     PerLayerVocab,
+    /// `num_attention_heads`.
+    QHeads,
+    /// The number of routed experts.
+    Experts,
+    /// One expert's width.
+    ExpertInter,
+    /// Twice one expert's width (gate and up fused).
+    ExpertGateUp,
+    /// The shared expert's width (Qwen2-MoE).
+    SharedInter,
 }
 
 /// The sizes that vary per layer: the layer's own, or the model's for global entries.
@@ -84,6 +94,11 @@ impl Dim {
             Dim::PerLayerInput => per_layer.map_or(0, |p| p.width),
             Dim::AllLayerInputs => per_layer.map_or(0, |p| p.width * c.num_layers),
             Dim::PerLayerVocab => per_layer.map_or(0, |p| p.vocab),
+            Dim::QHeads => c.num_heads,
+            Dim::Experts => c.decoder.moe.map_or(0, |m| m.num_experts),
+            Dim::ExpertInter => c.decoder.moe.map_or(0, |m| m.intermediate),
+            Dim::ExpertGateUp => c.decoder.moe.map_or(0, |m| 2 * m.intermediate),
+            Dim::SharedInter => c.decoder.moe.and_then(|m| m.shared_intermediate).unwrap_or(0),
         }
     }
 
@@ -109,6 +124,11 @@ impl Dim {
                 format!("num_hidden_layers={} * hidden_size_per_layer_input={width}", c.num_layers)
             }
             Dim::PerLayerVocab => format!("vocab_size_per_layer_input={}", per_layer.map_or(0, |p| p.vocab)),
+            Dim::QHeads => format!("num_attention_heads={}", c.num_heads),
+            Dim::Experts => format!("num_experts={}", self.value(c, layer)),
+            Dim::ExpertInter => format!("the expert width {}", self.value(c, layer)),
+            Dim::ExpertGateUp => format!("2 * the expert width {}", self.value(c, layer) / 2),
+            Dim::SharedInter => format!("shared_expert_intermediate_size={}", self.value(c, layer)),
         }
     }
 }
@@ -139,13 +159,48 @@ pub enum Cond {
     PerLayerInput,
     /// The layers carry a `layer_scalar` (Gemma 4).
     LayerScalar,
+    /// A layer with routed experts: its router.
+    Router,
+    /// The router's bias (gpt-oss).
+    RouterBias,
+    /// Gemma 4's router scales and the norms around its experts.
+    Gemma4Router,
+    /// One tensor per expert (`experts.{expert}.gate_proj.weight`): on layers with experts
+    /// when the checkpoint stores them so.
+    ExpertsSplit,
+    /// Their biases (gpt-oss in this layout).
+    ExpertBiasSplit,
+    /// Experts stacked in 3-D tensors `[experts, out, in]` (`experts.gate_up_proj`).
+    ExpertsStacked,
+    /// Experts stacked input-major, `[experts, in, out]` (gpt-oss's BF16 layout).
+    ExpertsStackedInputMajor,
+    /// The stacked experts' biases `[experts, out]` (gpt-oss).
+    ExpertBiasStacked,
+    /// The shared expert and its gate (Qwen2-MoE).
+    SharedExpert,
+    /// Per-head attention sinks (gpt-oss).
+    Sinks,
+}
+
+/// How a checkpoint stores its experts, decided once per binding from the tensors present.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertLayout {
+    /// One tensor per expert and projection, `[out, in]`.
+    Split,
+    /// 3-D tensors `[experts, out, in]`, gate and up fused (gate first, or interleaved where
+    /// the family's activation says so).
+    Stacked,
+    /// 3-D tensors `[experts, in, out]` (gpt-oss as transformers saves it).
+    StackedInputMajor,
 }
 
 impl Cond {
-    fn holds(self, c: &ModelConfig, layer: Option<usize>) -> bool {
+    fn holds(self, c: &ModelConfig, layer: Option<usize>, experts: ExpertLayout) -> bool {
         let spec = layer.and_then(|i| c.decoder.layers.get(i));
         let attention = spec.is_none_or(|l| l.mixer == crate::family::MixerKind::Attention);
-        let dense = spec.is_none_or(|l| l.ffn == crate::family::FfnKind::Dense);
+        let dense = spec.is_none_or(|l| l.ffn.has_mlp());
+        let moe = c.decoder.moe.filter(|_| spec.is_some_and(|l| l.ffn.has_experts()));
+        let layout = |l: ExpertLayout| moe.is_some() && experts == l;
         let own_kv = attention && spec.is_none_or(|l| l.has_kv_projections());
         let own_v = attention && spec.is_none_or(|l| l.has_value_projection());
         match self {
@@ -162,6 +217,19 @@ impl Cond {
             Cond::VBias => c.qkv_bias && own_v,
             Cond::PerLayerInput => c.decoder.per_layer_input.is_some(),
             Cond::LayerScalar => c.decoder.layer_scalar,
+            Cond::Router => moe.is_some(),
+            Cond::RouterBias => moe.is_some_and(|m| m.router_bias),
+            Cond::Gemma4Router => moe.is_some_and(|m| m.routing == crate::family::Routing::Gemma4),
+            Cond::ExpertsSplit => layout(ExpertLayout::Split),
+            Cond::ExpertBiasSplit => layout(ExpertLayout::Split) && moe.is_some_and(|m| m.expert_bias),
+            Cond::ExpertsStacked => layout(ExpertLayout::Stacked),
+            Cond::ExpertsStackedInputMajor => layout(ExpertLayout::StackedInputMajor),
+            Cond::ExpertBiasStacked => {
+                (layout(ExpertLayout::Stacked) || layout(ExpertLayout::StackedInputMajor))
+                    && moe.is_some_and(|m| m.expert_bias)
+            }
+            Cond::SharedExpert => moe.is_some_and(|m| m.shared_intermediate.is_some()),
+            Cond::Sinks => attention && c.decoder.attention_sinks,
         }
     }
 }
@@ -211,6 +279,47 @@ pub enum Role {
     EmbedPerLayer,
     PerLayerModelProjection,
     PerLayerProjectionNorm,
+    /// The Mixture-of-Experts router `[experts, hidden]` and its bias `[experts]`.
+    Router,
+    RouterBias,
+    /// Gemma 4's router `scale` `[hidden]` and `per_expert_scale` `[experts]`.
+    RouterScale,
+    RouterExpertScale,
+    /// Gemma 4's norms around its two feed-forward branches: after the MLP, before and after
+    /// the experts.
+    PostMlpNorm1,
+    PreExpertNorm,
+    PostExpertNorm,
+    /// One expert's projections (`LayerWeights::experts`), `[width, hidden]` and
+    /// `[hidden, width]`, and their biases.
+    ExpertGate,
+    ExpertUp,
+    ExpertDown,
+    ExpertGateBias,
+    ExpertUpBias,
+    ExpertDownBias,
+    /// One expert's gate and up fused, `[2 · width, hidden]`, and its bias; split from a
+    /// stacked tensor.
+    ExpertGateUp,
+    ExpertGateUpBias,
+    /// One expert's projections stored input-major (`[hidden, 2 · width]`, `[width, hidden]`):
+    /// views of gpt-oss's stacked BF16 tensors, transposed when the model is built.
+    ExpertGateUpInputMajor,
+    ExpertDownInputMajor,
+    /// The stacked tensors as stored, split into the roles above when bound.
+    StackedGateUp,
+    StackedDown,
+    StackedGateUpInputMajor,
+    StackedDownInputMajor,
+    StackedGateUpBias,
+    StackedDownBias,
+    /// Qwen2-MoE's shared expert and its gate `[1, hidden]`.
+    SharedGate,
+    SharedUp,
+    SharedDown,
+    SharedExpertGate,
+    /// gpt-oss's attention sinks, one logit per query head.
+    Sinks,
 }
 
 impl Role {
@@ -228,6 +337,29 @@ impl Role {
                 | Role::DownProj
                 | Role::QkvProj
                 | Role::GateUpProj
+                | Role::ExpertGate
+                | Role::ExpertUp
+                | Role::ExpertDown
+                | Role::SharedGate
+                | Role::SharedUp
+                | Role::SharedDown
+        )
+    }
+
+    /// A per-expert role (`{expert}` in its name, or split from a stacked tensor).
+    pub fn is_expert(self) -> bool {
+        matches!(
+            self,
+            Role::ExpertGate
+                | Role::ExpertUp
+                | Role::ExpertDown
+                | Role::ExpertGateBias
+                | Role::ExpertUpBias
+                | Role::ExpertDownBias
+                | Role::ExpertGateUp
+                | Role::ExpertGateUpBias
+                | Role::ExpertGateUpInputMajor
+                | Role::ExpertDownInputMajor
         )
     }
 
@@ -392,6 +524,212 @@ pub const PER_LAYER_INPUTS: &[Spec] = &[
 pub const LAYER_SCALAR: &[Spec] =
     &[spec(Role::LayerScalar, "model.layers.{layer}.layer_scalar", &[One], Cond::LayerScalar)];
 
+/// The Mixture-of-Experts router under `mlp.gate` (Qwen-MoE, OLMoE).
+pub const MLP_ROUTER: &[Spec] =
+    &[spec(Role::Router, "model.layers.{layer}.mlp.gate.weight", &[Experts, Hidden], Cond::Router)];
+
+/// Experts under `mlp.experts`: one tensor per expert and projection, or stacked 3-D tensors
+/// (gate and up fused, gate first), whichever the checkpoint has.
+pub const MLP_EXPERTS: &[Spec] = &[
+    spec(
+        Role::ExpertGate,
+        "model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",
+        &[ExpertInter, Hidden],
+        Cond::ExpertsSplit,
+    ),
+    spec(
+        Role::ExpertUp,
+        "model.layers.{layer}.mlp.experts.{expert}.up_proj.weight",
+        &[ExpertInter, Hidden],
+        Cond::ExpertsSplit,
+    ),
+    spec(
+        Role::ExpertDown,
+        "model.layers.{layer}.mlp.experts.{expert}.down_proj.weight",
+        &[Hidden, ExpertInter],
+        Cond::ExpertsSplit,
+    ),
+    spec(
+        Role::StackedGateUp,
+        "model.layers.{layer}.mlp.experts.gate_up_proj",
+        &[Experts, ExpertGateUp, Hidden],
+        Cond::ExpertsStacked,
+    ),
+    spec(
+        Role::StackedDown,
+        "model.layers.{layer}.mlp.experts.down_proj",
+        &[Experts, Hidden, ExpertInter],
+        Cond::ExpertsStacked,
+    ),
+];
+
+/// Qwen2-MoE's shared expert and its sigmoid gate.
+pub const SHARED_EXPERT: &[Spec] = &[
+    spec(
+        Role::SharedGate,
+        "model.layers.{layer}.mlp.shared_expert.gate_proj.weight",
+        &[SharedInter, Hidden],
+        Cond::SharedExpert,
+    ),
+    spec(
+        Role::SharedUp,
+        "model.layers.{layer}.mlp.shared_expert.up_proj.weight",
+        &[SharedInter, Hidden],
+        Cond::SharedExpert,
+    ),
+    spec(
+        Role::SharedDown,
+        "model.layers.{layer}.mlp.shared_expert.down_proj.weight",
+        &[Hidden, SharedInter],
+        Cond::SharedExpert,
+    ),
+    spec(
+        Role::SharedExpertGate,
+        "model.layers.{layer}.mlp.shared_expert_gate.weight",
+        &[One, Hidden],
+        Cond::SharedExpert,
+    ),
+];
+
+/// Mixtral's `block_sparse_moe`: router and experts `w1` (gate), `w3` (up), `w2` (down).
+pub const BLOCK_SPARSE_MOE: &[Spec] = &[
+    spec(Role::Router, "model.layers.{layer}.block_sparse_moe.gate.weight", &[Experts, Hidden], Cond::Router),
+    spec(
+        Role::ExpertGate,
+        "model.layers.{layer}.block_sparse_moe.experts.{expert}.w1.weight",
+        &[ExpertInter, Hidden],
+        Cond::ExpertsSplit,
+    ),
+    spec(
+        Role::ExpertUp,
+        "model.layers.{layer}.block_sparse_moe.experts.{expert}.w3.weight",
+        &[ExpertInter, Hidden],
+        Cond::ExpertsSplit,
+    ),
+    spec(
+        Role::ExpertDown,
+        "model.layers.{layer}.block_sparse_moe.experts.{expert}.w2.weight",
+        &[Hidden, ExpertInter],
+        Cond::ExpertsSplit,
+    ),
+];
+
+/// gpt-oss: a router with a bias; experts stacked input-major with gate and up interleaved
+/// (`[E, hidden, 2w]`, `[E, w, hidden]`) and biases, or one tensor per expert `[out, in]`.
+pub const GPT_OSS_EXPERTS: &[Spec] = &[
+    spec(Role::Router, "model.layers.{layer}.mlp.router.weight", &[Experts, Hidden], Cond::Router),
+    spec(Role::RouterBias, "model.layers.{layer}.mlp.router.bias", &[Experts], Cond::RouterBias),
+    spec(
+        Role::StackedGateUpInputMajor,
+        "model.layers.{layer}.mlp.experts.gate_up_proj",
+        &[Experts, Hidden, ExpertGateUp],
+        Cond::ExpertsStackedInputMajor,
+    ),
+    spec(
+        Role::StackedDownInputMajor,
+        "model.layers.{layer}.mlp.experts.down_proj",
+        &[Experts, ExpertInter, Hidden],
+        Cond::ExpertsStackedInputMajor,
+    ),
+    spec(
+        Role::StackedGateUpBias,
+        "model.layers.{layer}.mlp.experts.gate_up_proj_bias",
+        &[Experts, ExpertGateUp],
+        Cond::ExpertBiasStacked,
+    ),
+    spec(
+        Role::StackedDownBias,
+        "model.layers.{layer}.mlp.experts.down_proj_bias",
+        &[Experts, Hidden],
+        Cond::ExpertBiasStacked,
+    ),
+    spec(
+        Role::ExpertGate,
+        "model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",
+        &[ExpertInter, Hidden],
+        Cond::ExpertsSplit,
+    ),
+    spec(
+        Role::ExpertUp,
+        "model.layers.{layer}.mlp.experts.{expert}.up_proj.weight",
+        &[ExpertInter, Hidden],
+        Cond::ExpertsSplit,
+    ),
+    spec(
+        Role::ExpertDown,
+        "model.layers.{layer}.mlp.experts.{expert}.down_proj.weight",
+        &[Hidden, ExpertInter],
+        Cond::ExpertsSplit,
+    ),
+    spec(
+        Role::ExpertGateBias,
+        "model.layers.{layer}.mlp.experts.{expert}.gate_proj.bias",
+        &[ExpertInter],
+        Cond::ExpertBiasSplit,
+    ),
+    spec(
+        Role::ExpertUpBias,
+        "model.layers.{layer}.mlp.experts.{expert}.up_proj.bias",
+        &[ExpertInter],
+        Cond::ExpertBiasSplit,
+    ),
+    spec(
+        Role::ExpertDownBias,
+        "model.layers.{layer}.mlp.experts.{expert}.down_proj.bias",
+        &[Hidden],
+        Cond::ExpertBiasSplit,
+    ),
+];
+
+/// gpt-oss's per-head attention sinks.
+pub const SINKS: &[Spec] = &[spec(Role::Sinks, "model.layers.{layer}.self_attn.sinks", &[QHeads], Cond::Sinks)];
+
+/// Gemma 4's experts beside its MLP: the router (`proj`, `scale`, `per_expert_scale`), the
+/// norms around the two branches, and the experts, stacked or one tensor per expert.
+pub const GEMMA4_EXPERTS: &[Spec] = &[
+    spec(Role::Router, "model.layers.{layer}.router.proj.weight", &[Experts, Hidden], Cond::Router),
+    spec(Role::RouterScale, "model.layers.{layer}.router.scale", &[Hidden], Cond::Gemma4Router),
+    spec(Role::RouterExpertScale, "model.layers.{layer}.router.per_expert_scale", &[Experts], Cond::Gemma4Router),
+    spec(Role::PostMlpNorm1, "model.layers.{layer}.post_feedforward_layernorm_1.weight", &[Hidden], Cond::Gemma4Router),
+    spec(Role::PreExpertNorm, "model.layers.{layer}.pre_feedforward_layernorm_2.weight", &[Hidden], Cond::Gemma4Router),
+    spec(
+        Role::PostExpertNorm,
+        "model.layers.{layer}.post_feedforward_layernorm_2.weight",
+        &[Hidden],
+        Cond::Gemma4Router,
+    ),
+    spec(
+        Role::StackedGateUp,
+        "model.layers.{layer}.experts.gate_up_proj",
+        &[Experts, ExpertGateUp, Hidden],
+        Cond::ExpertsStacked,
+    ),
+    spec(
+        Role::StackedDown,
+        "model.layers.{layer}.experts.down_proj",
+        &[Experts, Hidden, ExpertInter],
+        Cond::ExpertsStacked,
+    ),
+    spec(
+        Role::ExpertGate,
+        "model.layers.{layer}.experts.{expert}.gate_proj.weight",
+        &[ExpertInter, Hidden],
+        Cond::ExpertsSplit,
+    ),
+    spec(
+        Role::ExpertUp,
+        "model.layers.{layer}.experts.{expert}.up_proj.weight",
+        &[ExpertInter, Hidden],
+        Cond::ExpertsSplit,
+    ),
+    spec(
+        Role::ExpertDown,
+        "model.layers.{layer}.experts.{expert}.down_proj.weight",
+        &[Hidden, ExpertInter],
+        Cond::ExpertsSplit,
+    ),
+];
+
 /// The registry: each architecture's table as a list of groups.
 fn groups(arch: Architecture) -> &'static [&'static [Spec]] {
     arch.family().tensors
@@ -539,6 +877,61 @@ fn split_fused(config: &ModelConfig, layer: usize, tensors: &mut BTreeMap<Role, 
     Ok(())
 }
 
+/// How the checkpoint stores its experts: stacked when the first layer with experts has the
+/// stacked gate/up tensor of the family's table, input-major stacked when it has that one,
+/// else one tensor per expert.
+fn expert_layout(config: &ModelConfig, specs: &[Spec], index: &TensorIndex, map: &TensorMap) -> ExpertLayout {
+    let Some(first) = config.decoder.layers.iter().position(|l| l.ffn.has_experts()) else {
+        return ExpertLayout::Split;
+    };
+    let present = |role: Role| {
+        specs.iter().filter(|s| s.role == role).any(|s| {
+            let name = map.name_for(s.name).replace("{layer}", &first.to_string());
+            index.raw(&name).is_some()
+        })
+    };
+    if present(Role::StackedGateUp) {
+        ExpertLayout::Stacked
+    } else if present(Role::StackedGateUpInputMajor) {
+        ExpertLayout::StackedInputMajor
+    } else {
+        ExpertLayout::Split
+    }
+}
+
+/// Splits a layer's stacked expert tensors (`[experts, ...]`) into per-expert views (no copy):
+/// `gate_up_proj` `[E, 2w, hidden]` → each expert's `ExpertGateUp` `[2w, hidden]`, `down_proj`
+/// `[E, hidden, w]` → `ExpertDown`, their biases likewise; the input-major ones of gpt-oss into
+/// `ExpertGateUpInputMajor` `[hidden, 2w]` and `ExpertDownInputMajor` `[w, hidden]`.
+fn split_stacked(
+    config: &ModelConfig,
+    tensors: &mut BTreeMap<Role, WeightTensor>,
+    experts: &mut [BTreeMap<Role, WeightTensor>],
+) -> Result<()> {
+    let pairs = [
+        (Role::StackedGateUp, Role::ExpertGateUp),
+        (Role::StackedDown, Role::ExpertDown),
+        (Role::StackedGateUpInputMajor, Role::ExpertGateUpInputMajor),
+        (Role::StackedDownInputMajor, Role::ExpertDownInputMajor),
+        (Role::StackedGateUpBias, Role::ExpertGateUpBias),
+        (Role::StackedDownBias, Role::ExpertDownBias),
+    ];
+    let _ = config;
+    for (stacked, part) in pairs {
+        let Some(t) = tensors.remove(&stacked) else { continue };
+        for (e, map) in experts.iter_mut().enumerate() {
+            let view = t.entry(e, format!("{}[{e}]", t.name)).ok_or_else(|| {
+                KylinError::tensor_shape_mismatch(format!(
+                    "tensor '{}' ({:?}) has no entry for expert {e}",
+                    t.name, t.shape
+                ))
+            })?;
+            map.insert(part, view);
+        }
+    }
+    Ok(())
+}
+
 /// Takes a bound required role out of `found`.
 pub(crate) fn take(
     found: &mut BTreeMap<(usize, Role), WeightTensor>,
@@ -554,24 +947,33 @@ pub(crate) fn take(
 /// Binds every role of `config.architecture`'s table to a tensor of `index`.
 pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -> Result<Bound> {
     let specs = table(config.architecture);
+    let layout = expert_layout(config, &specs, index, map);
     let mut missing: Vec<String> = Vec::new();
     let mut shape_errors: Vec<String> = Vec::new();
     let mut dtype_errors: Vec<String> = Vec::new();
     let mut used: BTreeSet<String> = BTreeSet::new();
-    // Role per layer (usize::MAX for global roles) -> view.
+    // Role per layer (usize::MAX for global roles) -> view; per (layer, expert) for experts.
     let mut found: BTreeMap<(usize, Role), WeightTensor> = BTreeMap::new();
+    let mut found_experts: BTreeMap<(usize, usize, Role), WeightTensor> = BTreeMap::new();
     // Weight name -> its scale plane, for a stored-quantized checkpoint.
     let mut scales: BTreeMap<String, WeightTensor> = BTreeMap::new();
     // Weight name -> its checked tensors, for a published quantized checkpoint.
     let mut published: BTreeMap<String, crate::published::PublishedMatrix> = BTreeMap::new();
 
-    let mut check = |spec: &Spec, layer: Option<usize>, found: &mut BTreeMap<(usize, Role), WeightTensor>| {
+    // Checks one entry (for `layer` and `expert` where its name has them) and returns its
+    // view, or records what is wrong.
+    let mut check = |spec: &Spec, layer: Option<usize>, expert: Option<usize>| -> Option<WeightTensor> {
         let template = map.name_for(spec.name);
-        let name = match layer {
+        let mut name = match layer {
             Some(i) => template.replace("{layer}", &i.to_string()),
             None => template,
         };
-        if let Some(q) = config.published.as_ref().filter(|_| spec.role.is_matrix() && spec.cond.holds(config, layer)) {
+        if let Some(e) = expert {
+            name = name.replace("{expert}", &e.to_string());
+        }
+        if let Some(q) =
+            config.published.as_ref().filter(|_| spec.role.is_matrix() && spec.cond.holds(config, layer, layout))
+        {
             let module = name.strip_suffix(".weight").unwrap_or(&name).to_string();
             if !q.ignores(&module) {
                 // A published quantized matrix: its tensors, as its config and shape imply.
@@ -589,25 +991,26 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
                                 used.insert(n);
                             }
                         }
-                        found.insert((layer.unwrap_or(usize::MAX), spec.role), m.values.clone());
-                        published.insert(name, m);
+                        let values = m.values.clone();
+                        published.insert(values.name.clone(), m);
+                        return Some(values);
                     }
                     Err(crate::published::BindProblem::Missing(n)) => missing.push(n),
                     Err(crate::published::BindProblem::Shape(e)) => shape_errors.push(e),
                     Err(crate::published::BindProblem::DType(e)) => dtype_errors.push(e),
                 }
-                return;
+                return None;
             }
         }
         let Some(raw) = index.raw(&name) else {
-            if spec.cond.holds(config, layer) {
+            if spec.cond.holds(config, layer, layout) {
                 missing.push(name);
             }
-            return;
+            return None;
         };
-        if !spec.cond.holds(config, layer) {
+        if !spec.cond.holds(config, layer, layout) {
             // Present but not wanted (e.g. a bias the config turns off): left for `unused`.
-            return;
+            return None;
         }
         used.insert(name.clone());
         let expected: Vec<usize> = spec.shape.iter().map(|d| d.value(config, layer)).collect();
@@ -627,7 +1030,7 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
                     "tensor '{name}': {format} needs columns in multiples of {unit}; the matrix has {cols} ({})",
                     why()
                 ));
-                return;
+                return None;
             }
             let groups = rows.div_ceil(16);
             let planes: [(&String, Vec<usize>, DType); 2] = if q4k {
@@ -641,7 +1044,7 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
             for (slot, (plane, shape, dtype)) in views.iter_mut().zip(planes) {
                 let Some(raw) = index.raw(plane) else {
                     missing.push(plane.clone());
-                    return;
+                    return None;
                 };
                 used.insert(plane.clone());
                 if raw.shape != shape {
@@ -651,7 +1054,7 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
                         shape_text(&shape),
                         why()
                     ));
-                    return;
+                    return None;
                 }
                 match (raw.dtype, index.view(plane)) {
                     (Some(dt), Some(view)) if dt == dtype => *slot = Some(view),
@@ -661,15 +1064,14 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
                             raw.dtype_name,
                             dtype.as_str()
                         ));
-                        return;
+                        return None;
                     }
                 }
             }
             // Each plane either filled its slot or returned above.
-            let [Some(quants), Some(scale)] = views else { return };
+            let [Some(quants), Some(scale)] = views else { return None };
             scales.insert(name.clone(), scale);
-            found.insert((layer.unwrap_or(usize::MAX), spec.role), quants);
-            return;
+            return Some(quants);
         }
         if raw.shape != expected {
             let why: Vec<String> = spec.shape.iter().map(|d| d.explain(config, layer)).collect();
@@ -679,25 +1081,39 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
                 shape_text(&expected),
                 why.join(", ")
             ));
-            return;
+            return None;
         }
         match (raw.dtype, index.view(&name)) {
-            (Some(dt), Some(view)) if dt.is_float() => {
-                found.insert((layer.unwrap_or(usize::MAX), spec.role), view);
+            (Some(dt), Some(view)) if dt.is_float() => Some(view),
+            _ => {
+                dtype_errors.push(format!(
+                    "tensor '{name}' is stored as {}; the engine computes on BF16, F16 or F32 only",
+                    raw.dtype_name
+                ));
+                None
             }
-            _ => dtype_errors.push(format!(
-                "tensor '{name}' is stored as {}; the engine computes on BF16, F16 or F32 only",
-                raw.dtype_name
-            )),
         }
     };
+    let experts = config.decoder.moe.map_or(0, |m| m.num_experts);
     for spec in &specs {
-        if spec.name.contains("{layer}") {
-            for i in 0..config.num_layers {
-                check(spec, Some(i), &mut found);
+        if !spec.name.contains("{layer}") {
+            if let Some(t) = check(spec, None, None) {
+                found.insert((usize::MAX, spec.role), t);
             }
-        } else {
-            check(spec, None, &mut found);
+            continue;
+        }
+        for i in 0..config.num_layers {
+            if !spec.name.contains("{expert}") {
+                if let Some(t) = check(spec, Some(i), None) {
+                    found.insert((i, spec.role), t);
+                }
+            } else if spec.cond.holds(config, Some(i), layout) {
+                for e in 0..experts {
+                    if let Some(t) = check(spec, Some(i), Some(e)) {
+                        found_experts.insert((i, e, spec.role), t);
+                    }
+                }
+            }
         }
     }
 
@@ -753,7 +1169,18 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
             }
         }
         split_fused(config, i, &mut tensors)?;
-        layers.push(LayerWeights { tensors });
+        let mut per_expert: Vec<BTreeMap<Role, WeightTensor>> = (0..experts).map(|_| BTreeMap::new()).collect();
+        // This layer's entries are the map's first ones (keys start with the layer).
+        let rest = found_experts.split_off(&(i + 1, 0, Role::Embed));
+        for ((_, e, role), t) in std::mem::replace(&mut found_experts, rest) {
+            per_expert[e].insert(role, t);
+        }
+        if config.decoder.layers.get(i).is_some_and(|l| l.ffn.has_experts()) {
+            split_stacked(config, &mut tensors, &mut per_expert)?;
+        } else {
+            per_expert.clear();
+        }
+        layers.push(LayerWeights { tensors, experts: per_expert });
     }
     let unused: Vec<String> = index.names().filter(|n| !used.contains(*n)).map(str::to_string).collect();
     Ok(Bound {

@@ -174,6 +174,18 @@ impl WeightTensor {
         WeightTensor::new(name, self.dtype, vec![r1 - r0, cols], Arc::clone(&self.storage), offset, len)
     }
 
+    /// A view of entry `i` along the first dimension (one expert of a stacked `[experts, ...]`
+    /// tensor), with the remaining dimensions, named `name`; `None` if `i` is out of range.
+    pub fn entry(&self, i: usize, name: String) -> Option<WeightTensor> {
+        let (&count, rest) = self.shape.split_first()?;
+        if i >= count || rest.is_empty() {
+            return None;
+        }
+        let entry_bytes = self.len / count;
+        let offset = self.offset.checked_add(i.checked_mul(entry_bytes)?)?;
+        WeightTensor::new(name, self.dtype, rest.to_vec(), Arc::clone(&self.storage), offset, entry_bytes)
+    }
+
     /// Whether two views share the same bytes (a tied head bound to the embedding).
     pub fn same_bytes(&self, other: &WeightTensor) -> bool {
         Arc::ptr_eq(&self.storage, &other.storage) && self.offset == other.offset && self.len == other.len

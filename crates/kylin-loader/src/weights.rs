@@ -11,6 +11,9 @@ use crate::tensor::WeightTensor;
 #[derive(Debug, Clone, Default)]
 pub struct LayerWeights {
     pub tensors: BTreeMap<Role, WeightTensor>,
+    /// Each routed expert's tensors by role (empty on a layer without experts). Stacked
+    /// checkpoints' tensors are split into per-expert views when bound.
+    pub experts: Vec<BTreeMap<Role, WeightTensor>>,
 }
 
 impl LayerWeights {
@@ -29,9 +32,17 @@ impl LayerWeights {
         })
     }
 
-    /// The matrices of the layer's products, in role order.
+    /// The matrices of the layer's products, in role order, then the experts'.
     pub fn matrices(&self) -> impl Iterator<Item = &WeightTensor> {
-        self.tensors.iter().filter(|(r, _)| r.is_matrix()).map(|(_, t)| t)
+        let experts = self.experts.iter().flat_map(|e| e.iter());
+        self.tensors.iter().chain(experts).filter(|(r, _)| r.is_matrix()).map(|(_, t)| t)
+    }
+
+    /// Expert `e`'s tensor of `role`; `TENSOR_MISSING` naming them when absent.
+    pub fn require_expert(&self, e: usize, role: Role, layer: usize) -> crate::Result<&WeightTensor> {
+        self.experts.get(e).and_then(|m| m.get(&role)).ok_or_else(|| {
+            crate::KylinError::tensor_missing(format!("layer {layer} has no {role:?} tensor for expert {e}"))
+        })
     }
 }
 
@@ -63,16 +74,18 @@ pub struct ModelWeights {
     /// `weight_scale` plane, keyed by its weight tensor's name.
     pub scales: std::collections::BTreeMap<String, WeightTensor>,
     /// For a published quantized checkpoint (`ModelConfig::published`): each quantized
-    /// matrix's checked tensors, keyed by the name its role's float weight would have
-    /// (`model.layers.0.self_attn.q_proj.weight`). The role's own tensor is then the matrix's
-    /// stored values (`weight`, `weight_packed` or `qweight`), not a float `[rows, cols]`.
+    /// matrix's checked tensors, keyed by the name of its stored values tensor (`weight`,
+    /// `weight_packed` or `qweight`), which is then the role's own tensor, not a float
+    /// `[rows, cols]`.
     pub published: std::collections::BTreeMap<String, crate::published::PublishedMatrix>,
 }
 
 impl ModelWeights {
-    /// The published quantized matrix whose stored values are `t` (a role's tensor), if any.
+    /// The published quantized matrix whose stored values are `t` (a role's tensor), if any:
+    /// found by the values tensor's name, then checked to be the same bytes (an indexed lookup:
+    /// a MoE checkpoint has tens of thousands of matrices).
     pub fn published_matrix(&self, t: &WeightTensor) -> Option<&crate::published::PublishedMatrix> {
-        self.published.values().find(|m| m.values.same_bytes(t))
+        self.published.get(&t.name).filter(|m| m.values.same_bytes(t))
     }
 
     /// The matrices of the matrix products: every layer's seven projections, then the head
@@ -90,6 +103,7 @@ impl ModelWeights {
         out.extend(self.globals.values());
         for l in &self.layers {
             out.extend(l.tensors.values());
+            out.extend(l.experts.iter().flat_map(|e| e.values()));
         }
         out
     }

@@ -350,6 +350,52 @@ fn unsupported_rope_type_is_operator_unsupported() {
 }
 
 #[test]
+fn mixture_of_experts_configs_and_tensors_are_checked() {
+    let dir = copy_family("tiny-qwen3-moe");
+    let config = dir.path().join("config.json");
+    // More experts per token than experts.
+    edit_json(&config, |c| {
+        c.insert("num_experts_per_tok".into(), Value::from(9));
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &["num_experts_per_tok=9", "8 experts"]);
+    // An expert count the checkpoint does not have: expert 8's tensors are missing, named.
+    edit_json(&config, |c| {
+        c.insert("num_experts_per_tok".into(), Value::from(2));
+        c.insert("num_experts".into(), Value::from(9));
+    });
+    assert_code(
+        &load_err(dir.path()),
+        ErrorCode::TensorMissing,
+        &["12 required tensors", "model.layers.0.mlp.experts.8.gate_proj.weight", "layers.3.mlp.experts.8.down_proj"],
+    );
+    // An implausible expert count is refused before anything is sized by it.
+    edit_json(&config, |c| {
+        c.insert("num_experts".into(), Value::from(1u64 << 40));
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &["num_experts"]);
+    // A wrong expert width names the tensor and the field it comes from.
+    edit_json(&config, |c| {
+        c.insert("num_experts".into(), Value::from(8));
+        c.insert("moe_intermediate_size".into(), Value::from(40));
+    });
+    assert_code(
+        &load_err(dir.path()),
+        ErrorCode::TensorShapeMismatch,
+        &["model.layers.0.mlp.experts.0.gate_proj.weight", "[48, 64]", "[40, 64]"],
+    );
+    // Stacked experts of the wrong shape (gpt-oss's `[experts, hidden, 2 · width]`).
+    let dir = copy_family("tiny-gpt-oss");
+    edit_json(&dir.path().join("config.json"), |c| {
+        c.insert("num_local_experts".into(), Value::from(4));
+    });
+    assert_code(
+        &load_err(dir.path()),
+        ErrorCode::TensorShapeMismatch,
+        &["model.layers.0.mlp.experts.gate_up_proj", "[8, 64, 128]", "[4, 64, 128]"],
+    );
+}
+
+#[test]
 fn gemma4_sizes_per_layer_and_shared_keys_are_checked() {
     let dir = copy_family("tiny-gemma4");
     let config = dir.path().join("config.json");
@@ -386,12 +432,12 @@ fn gemma4_sizes_per_layer_and_shared_keys_are_checked() {
         c.insert("num_kv_shared_layers".into(), Value::from(1));
     });
     assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &["layer 5", "full_attention"]);
-    // The Mixture-of-Experts variant is refused by its field until it runs.
+    // The Mixture-of-Experts variant needs its expert fields.
     edit_json(&config, |c| {
         c.insert("num_kv_shared_layers".into(), Value::from(0));
         c.insert("enable_moe_block".into(), Value::from(true));
     });
-    assert_code(&load_err(dir.path()), ErrorCode::OperatorUnsupported, &["enable_moe_block"]);
+    assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &["enable_moe_block", "num_experts"]);
 }
 
 #[test]

@@ -14,7 +14,7 @@ use kylin_loader::arch::Role;
 use kylin_loader::family::{LayerSpec, QkNorm};
 use kylin_loader::{KylinError, LayerWeights, ModelConfig, ModelWeights, Result};
 
-use super::linear::{Linear, Norm};
+use super::linear::{Linear, Norm, Vector};
 use super::scratch::Scratch;
 use super::{BatchPlan, Segment, Step};
 use crate::kv_pool::{KvPool, KvShape};
@@ -38,6 +38,8 @@ pub(super) struct Attention {
     v_norm: Option<Norm>,
     /// The score scale and soft cap.
     scores: ScoreMap,
+    /// A sink logit per query head joining every softmax's denominator (gpt-oss).
+    sinks: Option<Vec<f32>>,
     pub(super) head_dim: usize,
     pub(super) n_kv_heads: usize,
     /// A sliding window of this many positions, the query's own included.
@@ -99,6 +101,11 @@ impl Attention {
             qk_norm: spec.qk_norm,
             v_norm: (spec.value_norm && own_kv).then(|| Norm::unweighted(head_dim)),
             scores: ScoreMap { scale: spec.attention_scale as f32, softcap: spec.attention_softcap.map(|c| c as f32) },
+            sinks: if spec.attention_sinks {
+                Some(Vector::new(w.require(Role::Sinks, index)?, n_heads)?.values())
+            } else {
+                None
+            },
             head_dim,
             n_kv_heads,
             window: layer.window,
@@ -320,8 +327,12 @@ impl Attention {
             let mut first = row0;
             while first < row_end {
                 let count = MAX_ROWS.min(row_end - first);
+                let mut sinks = [0.0f32; MAX_ROWS];
                 for (slot, row) in rows.iter_mut().enumerate().take(count) {
                     let (t, head) = ((first + slot) / group, kv_head * group + (first + slot) % group);
+                    if let Some(s) = &layer.sinks {
+                        sinks[slot] = s[head];
+                    }
                     let token = seg.t0 + t;
                     let at = token * q_dim + head * hd;
                     // SAFETY: the (token, head) block of attn belongs to this task's segment, KV
@@ -331,7 +342,18 @@ impl Attention {
                     let pos = seg.start + t;
                     *row = QueryRow { q: &q[at..at + hd], from: first_position(pos), len: pos + 1, out };
                 }
-                kernels::paged::attention_rows(&mut rows[..count], keys, values, blocks, offset, scores);
+                match &layer.sinks {
+                    Some(_) => kernels::paged::attention_rows_sinks(
+                        &mut rows[..count],
+                        keys,
+                        values,
+                        blocks,
+                        offset,
+                        scores,
+                        &sinks[..count],
+                    ),
+                    None => kernels::paged::attention_rows(&mut rows[..count], keys, values, blocks, offset, scores),
+                }
                 first += count;
             }
         });
@@ -342,12 +364,17 @@ impl Attention {
                 for head in 0..n_heads {
                     let row = (slot * n_heads + head) * max_parts;
                     let at = seg.t0 * q_dim + head * hd;
-                    kernels::paged::merge_partitions(
-                        kv.layout,
-                        &s.split_stats[row..row + np],
-                        &s.split_outputs[row * hd..(row + np) * hd],
-                        &mut s.attn[at..at + hd],
-                    );
+                    let (stats, outputs) = (&s.split_stats[row..row + np], &s.split_outputs[row * hd..(row + np) * hd]);
+                    match &layer.sinks {
+                        Some(sinks) => kernels::paged::merge_partitions_sink(
+                            kv.layout,
+                            stats,
+                            outputs,
+                            sinks[head],
+                            &mut s.attn[at..at + hd],
+                        ),
+                        None => kernels::paged::merge_partitions(kv.layout, stats, outputs, &mut s.attn[at..at + hd]),
+                    }
                 }
             }
         }

@@ -65,6 +65,15 @@ impl Vector {
         WeightVector { dtype: self.dtype, data: self.tensor.bytes() }
     }
 
+    /// Every element as f32 (load time: small vectors such as router scales).
+    pub(super) fn values(&self) -> Vec<f32> {
+        let n = self.tensor.element_count();
+        let mut out = vec![0.0f32; n];
+        let all = WeightMatrix { dtype: self.dtype, rows: 1, cols: n, data: self.tensor.bytes() };
+        kernels::widen_row(all, 0, &mut out);
+        out
+    }
+
     /// The first element as f32 (a one-element tensor's value).
     pub(super) fn scalar(&self) -> f32 {
         let mut out = [0.0f32];

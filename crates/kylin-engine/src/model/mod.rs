@@ -90,6 +90,7 @@ impl QuantFormat {
 mod attention;
 mod linear;
 mod mlp;
+mod moe;
 mod per_layer;
 mod scratch;
 
@@ -107,6 +108,8 @@ use crate::rope::Ropes;
 use attention::{Attention, SPLIT_SEGMENTS};
 use linear::{Linear, Matmul, Norm, PublishedDecode, QuantSource, Vector, decode_published};
 use mlp::Mlp;
+use moe::Moe;
+pub use moe::MoeScratch;
 use per_layer::{PerLayerBlock, PerLayerInputs};
 pub use scratch::{ProductScratch, Scratch};
 
@@ -135,6 +138,22 @@ enum Mixer {
 enum Ffn {
     /// The gated MLP.
     Dense(Mlp),
+    /// Routed experts.
+    Moe(Moe),
+    /// Gemma 4's MLP and experts side by side.
+    DenseAndMoe(Box<DenseAndMoe>),
+}
+
+/// Gemma 4's two feed-forward branches: `post_mlp_norm(mlp(h)) +
+/// post_expert_norm(moe(pre_expert_norm(x)))`, with `h` the pre-normed input and the router
+/// reading `x`.
+#[derive(Debug, Clone)]
+struct DenseAndMoe {
+    mlp: Mlp,
+    post_mlp_norm: Norm,
+    pre_expert_norm: Norm,
+    moe: Moe,
+    post_expert_norm: Norm,
 }
 
 /// One decoder layer with the family's choices already made (`DecoderSpec`): which norms
@@ -190,8 +209,25 @@ impl Layer {
             },
             attn_post_norm: optional_norm(spec.attention_norms.post(), Role::PostAttnNorm)?,
             mlp_norm: optional_norm(spec.mlp_norms.pre(), Role::MlpNorm)?,
-            ffn: match layer.ffn {
-                FfnKind::Dense => Ffn::Dense(Mlp::new(w, index, hidden, layer.intermediate, spec.activation, weights)?),
+            ffn: {
+                let mlp = || Mlp::new(w, index, hidden, layer.intermediate, spec.activation, weights);
+                let moe = || -> Result<Moe> {
+                    let m = spec.moe.as_ref().ok_or_else(|| {
+                        KylinError::config_invalid(format!("internal: layer {index} has experts but no MoE spec"))
+                    })?;
+                    Moe::new(w, index, hidden, m, weights)
+                };
+                match layer.ffn {
+                    FfnKind::Dense => Ffn::Dense(mlp()?),
+                    FfnKind::Moe => Ffn::Moe(moe()?),
+                    FfnKind::DenseAndMoe => Ffn::DenseAndMoe(Box::new(DenseAndMoe {
+                        mlp: mlp()?,
+                        post_mlp_norm: norm(Role::PostMlpNorm1)?,
+                        pre_expert_norm: norm(Role::PreExpertNorm)?,
+                        moe: moe()?,
+                        post_expert_norm: norm(Role::PostExpertNorm)?,
+                    })),
+                }
             },
             mlp_post_norm: optional_norm(spec.mlp_norms.post(), Role::PostMlpNorm)?,
             per_layer,
@@ -218,35 +254,50 @@ impl Layer {
         let mixer = match &self.mixer {
             Mixer::Attention(a) => a.linears(),
         };
-        let ffn = match &self.ffn {
-            Ffn::Dense(m) => m.linears(),
-        };
-        mixer.chain(ffn)
+        let (mlp, moe) = self.ffn_parts();
+        mixer.chain(mlp.into_iter().flat_map(Mlp::linears)).chain(moe.into_iter().flat_map(Moe::linears))
+    }
+
+    /// The layer's MLP and experts, where it has them.
+    fn ffn_parts(&self) -> (Option<&Mlp>, Option<&Moe>) {
+        match &self.ffn {
+            Ffn::Dense(m) => (Some(m), None),
+            Ffn::Moe(e) => (None, Some(e)),
+            Ffn::DenseAndMoe(b) => (Some(&b.mlp), Some(&b.moe)),
+        }
     }
 
     fn linears_mut(&mut self) -> impl Iterator<Item = &mut Linear> {
         let mixer = match &mut self.mixer {
             Mixer::Attention(a) => a.linears_mut(),
         };
-        let ffn = match &mut self.ffn {
-            Ffn::Dense(m) => m.linears_mut(),
+        let (mlp, moe): (Option<&mut Mlp>, Option<&mut Moe>) = match &mut self.ffn {
+            Ffn::Dense(m) => (Some(m), None),
+            Ffn::Moe(e) => (None, Some(e)),
+            Ffn::DenseAndMoe(b) => (Some(&mut b.mlp), Some(&mut b.moe)),
         };
-        mixer.chain(ffn)
+        mixer.chain(mlp.into_iter().flat_map(Mlp::linears_mut)).chain(moe.into_iter().flat_map(Moe::linears_mut))
     }
 
-    /// The per-layer input block's two matrices (Gemma 4), which stay as stored under
-    /// `--quantize`.
+    /// The matrices that stay as stored under `--quantize`: Gemma 4's per-layer input block,
+    /// a MoE router and Qwen2-MoE's shared-expert gate.
     fn side_linears(&self) -> impl Iterator<Item = &Linear> {
-        self.per_layer.iter().flat_map(|p| [&p.gate, &p.projection])
+        let moe = self.ffn_parts().1.into_iter().flat_map(Moe::side_linears);
+        self.per_layer.iter().flat_map(|p| [&p.gate, &p.projection]).chain(moe)
     }
 
     fn vectors(&self) -> impl Iterator<Item = &Vector> {
         let mixer = self.attention().into_iter().flat_map(Attention::norms);
+        let branches = match &self.ffn {
+            Ffn::DenseAndMoe(b) => Some([&b.post_mlp_norm, &b.pre_expert_norm, &b.post_expert_norm]),
+            _ => None,
+        };
         [&self.attn_norm, &self.mlp_norm, &self.attn_post_norm, &self.mlp_post_norm]
             .into_iter()
             .flatten()
             .chain(mixer)
             .chain(self.per_layer.iter().map(|p| &p.post_norm))
+            .chain(branches.into_iter().flatten())
             .map(|n| &n.weight)
     }
 }
@@ -402,6 +453,8 @@ pub struct Model {
     embed: Linear,
     /// Gemma 4's per-layer inputs, computed once per token before the layers.
     per_layer_inputs: Option<PerLayerInputs>,
+    /// The routed experts' shape, for planning their buffers.
+    moe: Option<kylin_loader::family::MoeSpec>,
     layers: Vec<Layer>,
     final_norm: Norm,
     /// `[vocab, hidden]`; the embedding's bytes when tied.
@@ -424,6 +477,8 @@ pub struct Model {
     /// Quantized weights with BF16 activations (`--quantize q8_0 --precision bf16`: every
     /// Q8_0 matrix read as `q8_0_a16`).
     quantized_bf16: bool,
+    /// Matrices `--quantize` left as stored (columns not whole blocks of 32).
+    unquantized: usize,
 }
 
 impl Model {
@@ -548,6 +603,7 @@ impl Model {
             max_position_embeddings: config.max_position_embeddings,
             embed: Linear::new(&weights.embed_tokens, None, dims.vocab, dims.hidden)?,
             per_layer_inputs,
+            moe: spec.moe,
             layers,
             final_norm: Norm::new(&weights.final_norm, dims.hidden, spec.norm)?,
             lm_head,
@@ -559,6 +615,7 @@ impl Model {
             final_softcap: spec.final_softcap.map(|c| c as f32),
             bf16: None,
             quantized_bf16: false,
+            unquantized: 0,
             quantization,
         })
     }
@@ -606,33 +663,33 @@ impl Model {
             for (role, m) in layer.linears() {
                 let wants = match format {
                     QuantFormat::Q8_0 | QuantFormat::Published(_) => Packing::Q8_0,
-                    QuantFormat::Q4K if matches!(role, Role::VProj | Role::DownProj) && more_bits(i) => Packing::Q8_0,
+                    QuantFormat::Q4K
+                        if matches!(role, Role::VProj | Role::DownProj | Role::ExpertDown | Role::SharedDown)
+                            && more_bits(i) =>
+                    {
+                        Packing::Q8_0
+                    }
                     QuantFormat::Q4K => Packing::Q4K,
                 };
                 matrices.push((m, wants));
             }
         }
         matrices.push((&self.lm_head, Packing::Q8_0));
-        let mut buffers = Vec::with_capacity(matrices.len());
+        // A matrix whose columns are not whole blocks of 32 stays as stored (llama.cpp falls
+        // back to a wider type the same way); its products run in f32.
+        let mut buffers: Vec<Option<QuantBuffer>> = Vec::with_capacity(matrices.len());
         for (m, packing) in matrices.iter_mut() {
             if *packing == Packing::Q4K && !m.cols.is_multiple_of(kylin_kernels::q4k::QK_K) {
                 *packing = Packing::Q8_0;
             }
-            let buffer = QuantBuffer::zeroed(*packing, m.rows, m.cols).ok_or_else(|| {
-                KylinError::operator_unsupported(format!(
-                    "--quantize {} needs matrices whose columns are whole blocks of {}; tensor '{}' has {} columns",
-                    format.name(),
-                    kylin_kernels::quant::QK8_0,
-                    m.weight.name,
-                    m.cols
-                ))
-            })?;
-            buffers.push(buffer);
+            buffers.push(QuantBuffer::zeroed(*packing, m.rows, m.cols));
         }
+        self.unquantized = buffers.iter().filter(|b| b.is_none()).count();
         // Work items of at most `CHUNK_GROUPS` groups of 16 rows, largest matrices first.
         const CHUNK_GROUPS: usize = 64;
         let mut items = Vec::new();
         for (index, ((m, packing), buffer)) in matrices.iter().zip(buffers.iter_mut()).enumerate() {
+            let Some(buffer) = buffer else { continue };
             let groups = m.rows.div_ceil(GROUP_ROWS);
             let (gq, gs) = buffer.group_bytes();
             let (quants, scales) = buffer.planes_mut();
@@ -647,9 +704,12 @@ impl Model {
         let total: u64 = items.iter().map(|item| item.5).sum();
         // Pieces left per matrix: whoever finishes a matrix's last piece releases its source
         // pages from resident memory, so the peak stays near the quantized size, not the sum.
-        let left: Vec<std::sync::atomic::AtomicUsize> = (0..matrices.len())
-            .map(|i| std::sync::atomic::AtomicUsize::new(items.iter().filter(|item| item.0 == i).count()))
-            .collect();
+        let mut pieces = vec![0usize; matrices.len()];
+        for item in &items {
+            pieces[item.0] += 1;
+        }
+        let left: Vec<std::sync::atomic::AtomicUsize> =
+            pieces.into_iter().map(std::sync::atomic::AtomicUsize::new).collect();
         items.reverse();
         let queue = std::sync::Mutex::new(items);
         let done = std::sync::atomic::AtomicU64::new(0);
@@ -678,7 +738,9 @@ impl Model {
         });
         let linears = self.layers.iter_mut().flat_map(|l| l.linears_mut()).chain(std::iter::once(&mut self.lm_head));
         for (linear, buffer) in linears.zip(buffers) {
-            linear.quant = Some(QuantSource::Owned(Arc::new(buffer)));
+            if let Some(buffer) = buffer {
+                linear.quant = Some(QuantSource::Owned(Arc::new(buffer)));
+            }
         }
         self.quantization = Some(format);
         Ok(())
@@ -793,6 +855,12 @@ impl Model {
             .chain(std::iter::once(("lm_head.weight".to_string(), &self.lm_head)))
             .filter_map(|(name, m)| m.quant_matrix().map(|q| (name, q)))
             .collect()
+    }
+
+    /// How many matrices `--quantize` left in their stored dtype because their columns are not
+    /// whole blocks of 32.
+    pub fn unquantized_matrices(&self) -> usize {
+        self.unquantized
     }
 
     /// The format the linear layers were quantized to at load, if any.
@@ -970,15 +1038,34 @@ impl Model {
         self.embed.element_count() + per_layer + layers + self.final_norm.weight.tensor.element_count() as u64 + head
     }
 
-    /// Bytes of weights read to produce one token: every matrix and vector once, the head once,
-    /// and one embedding row (and one row of the per-layer embedding).
+    /// Bytes of weights read to produce one token: every matrix and vector once (of a layer's
+    /// routed experts, `top_k` of them), the head once, and one embedding row (and one row of
+    /// the per-layer embedding). For a Mixture-of-Experts model this is a fraction of
+    /// [`Model::weight_bytes_resident`].
     pub fn weight_bytes_per_token(&self) -> u64 {
+        self.weight_bytes(true)
+    }
+
+    /// Bytes of all the weights the forward pass may read (every expert), as the memory
+    /// budget counts them; the embeddings count one row each, since a lookup touches only the
+    /// rows it reads.
+    pub fn weight_bytes_resident(&self) -> u64 {
+        self.weight_bytes(false)
+    }
+
+    fn weight_bytes(&self, per_token: bool) -> u64 {
         let layers: u64 = self
             .layers
             .iter()
             .map(|l| {
-                l.linears().map(|(_, m)| m).chain(l.side_linears()).map(Linear::byte_len).sum::<u64>()
-                    + l.vectors().map(|v| v.tensor.byte_len() as u64).sum::<u64>()
+                let (mlp, moe) = l.ffn_parts();
+                let mixer: u64 =
+                    l.attention().into_iter().flat_map(Attention::linears).map(|(_, m)| m.byte_len()).sum();
+                let mlp: u64 = mlp.into_iter().flat_map(Mlp::linears).map(|(_, m)| m.byte_len()).sum();
+                let moe: u64 = moe.map_or(0, |m| if per_token { m.bytes_per_token() } else { m.bytes_resident() });
+                let per_layer: u64 =
+                    l.per_layer.iter().flat_map(|p| [&p.gate, &p.projection]).map(Linear::byte_len).sum();
+                mixer + mlp + moe + per_layer + l.vectors().map(|v| v.tensor.byte_len() as u64).sum::<u64>()
             })
             .sum();
         let embed_row = (self.dims.hidden * self.embed.dtype.size_in_bytes()) as u64;
@@ -1038,8 +1125,18 @@ impl Model {
             ple: sized(max_tokens, ple_all, "per-layer input")?,
             ple_row: sized(1, ple_all, "per-layer input")?,
             ple_gate: sized(max_tokens, ple_width, "per-layer gate")?,
+            moe: MoeScratch::plan(
+                self.moe.as_ref(),
+                max_tokens,
+                d.hidden,
+                self.layers.iter().any(|l| matches!(l.ffn, Ffn::DenseAndMoe(_))),
+            )
+            .ok_or_else(|| {
+                KylinError::config_invalid("the experts' buffers overflow; pass a smaller --max-batch-tokens")
+            })?,
             products: {
-                let widest = d.hidden.max(d.q_dim()).max(d.intermediate).max(ple_width);
+                let expert_width = self.moe.map_or(0, |m| m.intermediate.max(m.shared_intermediate.unwrap_or(0)));
+                let widest = d.hidden.max(d.q_dim()).max(d.intermediate).max(ple_width).max(expert_width);
                 ProductScratch {
                     xb: if self.bf16.is_some() {
                         vec![0; kernels::bf16_scratch_len(max_tokens, widest)]
@@ -1169,6 +1266,33 @@ impl Model {
             }
             match &layer.ffn {
                 Ffn::Dense(mlp) => mlp.forward(&step, s, n, layer.mlp_norm.is_some()),
+                Ffn::Moe(moe) => {
+                    let input = if layer.mlp_norm.is_some() { &s.xn[..n * h] } else { &s.x[..n * h] };
+                    moe.forward(&step, input, input, n, &mut s.proj[..n * h], &mut s.moe, &mut s.products);
+                }
+                Ffn::DenseAndMoe(b) => {
+                    // proj = post_mlp_norm(mlp(xn)) + post_expert_norm(moe(pre_expert_norm(x))),
+                    // the router reading x.
+                    b.mlp.forward(&step, s, n, true);
+                    b.post_mlp_norm.rows(&s.proj[..n * h], h, d.eps, &mut s.moe.branch_sum[..n * h]);
+                    b.pre_expert_norm.rows(&s.x[..n * h], h, d.eps, &mut s.moe.branch_input[..n * h]);
+                    let input = std::mem::take(&mut s.moe.branch_input);
+                    b.moe.forward(
+                        &step,
+                        &input[..n * h],
+                        &s.x[..n * h],
+                        n,
+                        &mut s.proj[..n * h],
+                        &mut s.moe,
+                        &mut s.products,
+                    );
+                    s.moe.branch_input = input;
+                    b.post_expert_norm.rows(&s.proj[..n * h], h, d.eps, &mut s.xn[..n * h]);
+                    for ((p, &a), &b) in s.proj[..n * h].iter_mut().zip(&s.moe.branch_sum[..n * h]).zip(&s.xn[..n * h])
+                    {
+                        *p = a + b;
+                    }
+                }
             }
             self.residual_add_block(layer.mlp_post_norm.as_ref(), s, n);
 

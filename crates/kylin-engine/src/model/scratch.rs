@@ -47,6 +47,8 @@ pub struct Scratch {
     pub(super) ple: Vec<f32>,
     pub(super) ple_row: Vec<f32>,
     pub(super) ple_gate: Vec<f32>,
+    /// The routed experts' tables and activations (empty without experts).
+    pub(super) moe: super::MoeScratch,
     /// The quantized or rounded activations of one matrix product.
     pub(super) products: ProductScratch,
 }
@@ -82,6 +84,7 @@ impl Scratch {
             + self.ple.len()
             + self.ple_row.len()
             + self.ple_gate.len()
+            + self.moe.elements()
             + self.split_outputs.len()
             + 2 * self.split_stats.len();
         (elements * std::mem::size_of::<f32>()
@@ -106,7 +109,10 @@ impl Scratch {
             &mut self.ple,
             &mut self.ple_gate,
             &mut self.split_outputs,
-        ] {
+        ]
+        .into_iter()
+        .chain(self.moe.buffers_mut())
+        {
             for page in buffer.chunks_mut(1024) {
                 // A volatile write, so the compiler cannot drop it as a store of zero into
                 // memory it knows to be zeroed.

@@ -3,7 +3,8 @@
 //! layers, with plain `w` RMSNorms (no `1 + w`), an unscaled value norm, attention scores not
 //! scaled (the q norm does it), global layers with their own head width and KV heads and a
 //! proportional RoPE, and, in the small sizes, per-layer input embeddings, keys and values
-//! shared by the last layers, and a double-wide MLP on those layers.
+//! shared by the last layers, and a double-wide MLP on those layers; with `enable_moe_block`
+//! (26B-A4B), routed experts beside every layer's MLP.
 //!
 //! A layer, top to bottom (`x`: the residual stream, `(n, hidden)`):
 //! 1. `h = input_layernorm(x)`; `q (n, heads · head_dim)`, per-head `q_norm`, RoPE (local
@@ -14,6 +15,10 @@
 //!    and values; attention (scale 1) over the window or everything; `o_proj` → `(n, hidden)`;
 //!    `x += post_attention_layernorm(h)`.
 //! 2. `h = pre_feedforward_layernorm(x)`; `down(gelu_tanh(gate(h)) · up(h))`;
+//!    `x += post_feedforward_layernorm(h)`. With experts: `h = post_feedforward_layernorm_1(h)
+//!    + post_feedforward_layernorm_2(Σ_e w_e · expert_e(pre_feedforward_layernorm_2(x)))`,
+//!    routed from `x` itself (normed without a weight, times `router.scale` and
+//!    `hidden^-0.5`; softmax, top k, renormalised, times `router.per_expert_scale`), then
 //!    `x += post_feedforward_layernorm(h)`.
 //! 3. With per-layer inputs `p (n, width)` for this layer: `g = gelu_tanh(per_layer_input_gate(x))
 //!    · p` `(n, width)`; `x += post_per_layer_input_norm(per_layer_projection(g))`.
@@ -25,9 +30,13 @@
 
 use serde_json::{Map, Value};
 
-use super::{Activation, Defaults, Family, LLAMA_DEFAULTS, LayerRope, NormKind, NormPlacement, PerLayerInput, QkNorm};
+use super::{
+    Activation, Defaults, ExpertActivation, Family, FfnKind, LLAMA_DEFAULTS, LayerRope, MoeDefaults, NormKind,
+    NormPlacement, PerLayerInput, QkNorm, Routing,
+};
 use crate::arch::{
-    EMBED_HEAD, LAYER_SCALAR, MLP, PER_LAYER_INPUTS, SANDWICH_NORMS, SHARED_KV_ATTENTION, SHARED_KV_BIAS,
+    EMBED_HEAD, GEMMA4_EXPERTS, LAYER_SCALAR, MLP, PER_LAYER_INPUTS, SANDWICH_NORMS, SHARED_KV_ATTENTION,
+    SHARED_KV_BIAS,
 };
 use crate::config::{HfConfig, ModelConfig, raw_bool, raw_str, raw_u64};
 use crate::error::{KylinError, Result};
@@ -49,15 +58,19 @@ pub const FAMILY: Family = Family {
         ..LLAMA_DEFAULTS
     },
     resolve,
-    tensors: &[EMBED_HEAD, SANDWICH_NORMS, SHARED_KV_ATTENTION, SHARED_KV_BIAS, MLP, PER_LAYER_INPUTS, LAYER_SCALAR],
+    tensors: &[
+        EMBED_HEAD,
+        SANDWICH_NORMS,
+        SHARED_KV_ATTENTION,
+        SHARED_KV_BIAS,
+        MLP,
+        PER_LAYER_INPUTS,
+        LAYER_SCALAR,
+        GEMMA4_EXPERTS,
+    ],
 };
 
 fn resolve(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
-    if raw_bool(hf, "enable_moe_block")? == Some(true) {
-        return Err(KylinError::operator_unsupported(
-            "config.json sets enable_moe_block (Gemma 4's Mixture-of-Experts variant); Kylin runs the dense Gemma 4 models",
-        ));
-    }
     match raw_str(hf, "use_bidirectional_attention")?.as_deref() {
         None | Some("vision") => {}
         Some(other) => {
@@ -87,7 +100,36 @@ fn resolve(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
     layer_sizes(hf, c)?;
     kv_sharing(hf, c)?;
     ropes(hf, c)?;
-    per_layer_inputs(hf, c)
+    per_layer_inputs(hf, c)?;
+    experts(hf, c)
+}
+
+/// `enable_moe_block`: every layer runs routed experts beside its MLP (the 26B-A4B model):
+/// `num_experts`, `top_k_experts` and `moe_intermediate_size` are then required.
+fn experts(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
+    if raw_bool(hf, "enable_moe_block")? != Some(true) {
+        return Ok(());
+    }
+    for key in ["num_experts", "top_k_experts", "moe_intermediate_size"] {
+        if raw_u64(hf, key)?.is_none() {
+            return Err(KylinError::config_invalid(format!(
+                "config.json sets enable_moe_block but not '{key}'; Gemma 4's experts need it"
+            )));
+        }
+    }
+    let defaults =
+        MoeDefaults { num_experts: 0, top_k: 0, width_key: "moe_intermediate_size", width: 0, normalize: None };
+    let mut moe = super::moe_fields(hf, c, &defaults)?;
+    moe.routing = Routing::Gemma4;
+    moe.activation = match c.decoder.activation {
+        Activation::Silu => ExpertActivation::Silu,
+        Activation::GeluTanh => ExpertActivation::GeluTanh,
+    };
+    c.decoder.moe = Some(moe);
+    for layer in &mut c.decoder.layers {
+        layer.ffn = FfnKind::DenseAndMoe;
+    }
+    Ok(())
 }
 
 /// The sliding and full layers: `layer_types`, else five sliding to one full; the last layer

@@ -26,13 +26,18 @@ use crate::error::Result;
 pub mod gemma2;
 pub mod gemma3;
 pub mod gemma4;
+pub mod gpt_oss;
 pub mod granite;
 pub mod llama;
 pub mod mistral;
+pub mod mixtral;
 pub mod olmo2;
+pub mod olmoe;
 pub mod phi3;
 pub mod qwen2;
+pub mod qwen2_moe;
 pub mod qwen3;
+pub mod qwen3_moe;
 pub mod smollm3;
 
 /// Every family Kylin's native engine runs, by `architectures[0]`.
@@ -48,6 +53,11 @@ pub static REGISTRY: &[&Family] = &[
     &smollm3::FAMILY,
     &olmo2::FAMILY,
     &granite::FAMILY,
+    &qwen3_moe::FAMILY,
+    &qwen2_moe::FAMILY,
+    &mixtral::FAMILY,
+    &olmoe::FAMILY,
+    &gpt_oss::FAMILY,
 ];
 
 /// The defaults transformers' configuration class declares for fields `config.json` may omit.
@@ -196,6 +206,71 @@ pub enum MixerKind {
 pub enum FfnKind {
     /// The gated MLP.
     Dense,
+    /// Routed experts ([`MoeSpec`]), with a shared expert where the family has one.
+    Moe,
+    /// The gated MLP and routed experts side by side, their outputs normed and summed
+    /// (Gemma 4's `enable_moe_block`).
+    DenseAndMoe,
+}
+
+impl FfnKind {
+    /// Whether the block has the gated MLP.
+    pub fn has_mlp(self) -> bool {
+        matches!(self, FfnKind::Dense | FfnKind::DenseAndMoe)
+    }
+
+    /// Whether the block has routed experts.
+    pub fn has_experts(self) -> bool {
+        matches!(self, FfnKind::Moe | FfnKind::DenseAndMoe)
+    }
+}
+
+/// How a Mixture-of-Experts router turns its logits into each token's experts and weights.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Routing {
+    /// Softmax over every expert, the top k, renormalised to sum to one when `normalize`
+    /// (Qwen3-MoE's and OLMoE's `norm_topk_prob`; always in Mixtral).
+    SoftmaxTopK { normalize: bool },
+    /// The top k of the logits, then a softmax over those k (gpt-oss).
+    TopKSoftmax,
+    /// Gemma 4: the router's input is RMS-normed (no weight), scaled by the stored `scale`
+    /// vector and `hidden^-0.5`; softmax, top k, renormalised, each weight times its expert's
+    /// stored `per_expert_scale`.
+    Gemma4,
+}
+
+/// The experts' activation: `down(act(gate) · up)`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExpertActivation {
+    Silu,
+    GeluTanh,
+    /// gpt-oss: `gate = min(gate, limit)`, `up = clamp(up, -limit, limit)`,
+    /// `(up + 1) · gate · sigmoid(alpha · gate)`; gate and up interleaved in a fused
+    /// `gate_up_proj` (even rows gate, odd rows up).
+    ClampedSwiGlu {
+        alpha: f64,
+        limit: f64,
+    },
+}
+
+/// A model's Mixture-of-Experts block (the same on every layer that has one).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct MoeSpec {
+    pub num_experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// One expert's width.
+    pub intermediate: usize,
+    pub routing: Routing,
+    pub activation: ExpertActivation,
+    /// The router and the experts' projections carry biases (gpt-oss).
+    pub router_bias: bool,
+    pub expert_bias: bool,
+    /// A shared expert of this width beside the routed ones, its output times
+    /// `sigmoid(shared_expert_gate(x))` (Qwen2-MoE).
+    pub shared_intermediate: Option<usize>,
 }
 
 /// One decoder layer's choices and sizes (the model-wide values unless the family varies
@@ -275,6 +350,11 @@ pub struct DecoderSpec {
     pub per_layer_input: Option<PerLayerInput>,
     /// Each layer's output is multiplied by its stored `layer_scalar` (Gemma 4).
     pub layer_scalar: bool,
+    /// The routed experts of the layers whose `ffn` has them.
+    pub moe: Option<MoeSpec>,
+    /// Attention sinks: a learned logit per query head that joins every softmax's
+    /// denominator (gpt-oss's `sinks`).
+    pub attention_sinks: bool,
 }
 
 /// The sizes of Gemma 4's per-layer inputs.
@@ -318,6 +398,8 @@ impl DecoderSpec {
             value_norm: false,
             per_layer_input: None,
             layer_scalar: false,
+            moe: None,
+            attention_sinks: false,
         }
     }
 
@@ -367,6 +449,26 @@ impl DecoderSpec {
         }
         if self.layer_scalar {
             out.push("layer scalars".into());
+        }
+        if let Some(m) = &self.moe {
+            let layers = self.layers.iter().filter(|l| l.ffn.has_experts()).count();
+            let mut text = format!(
+                "{} experts of width {}, top {}, on {layers} of {} layers",
+                m.num_experts,
+                m.intermediate,
+                m.top_k,
+                self.layers.len()
+            );
+            if let Some(w) = m.shared_intermediate {
+                text.push_str(&format!(", shared expert of width {w}"));
+            }
+            if self.layers.iter().any(|l| l.ffn == FfnKind::DenseAndMoe) {
+                text.push_str(", beside the dense MLP");
+            }
+            out.push(text);
+        }
+        if self.attention_sinks {
+            out.push("attention sinks".into());
         }
         if self.norm == NormKind::RmsUnitOffset {
             out.push("norms scale by (1 + w)".into());
@@ -543,6 +645,91 @@ pub(crate) fn gemma_layers(hf: &HfConfig, config: &mut ModelConfig, pattern: usi
     };
     for (layer, w) in config.decoder.layers.iter_mut().zip(windows) {
         layer.window = w;
+    }
+    Ok(())
+}
+
+/// What a family's configuration class declares for its Mixture-of-Experts fields.
+pub(crate) struct MoeDefaults {
+    pub num_experts: usize,
+    pub top_k: usize,
+    /// The field holding one expert's width (`moe_intermediate_size`, or Mixtral's and
+    /// OLMoE's `intermediate_size`) and its default.
+    pub width_key: &'static str,
+    pub width: usize,
+    /// `norm_topk_prob`'s default, or `None` where the family always renormalises (Mixtral).
+    pub normalize: Option<bool>,
+}
+
+/// The largest expert count a configuration may ask for (the plan is sized by it).
+const MAX_EXPERTS: u64 = 4096;
+
+/// The routed experts' common fields: `num_experts` (or `num_local_experts`),
+/// `num_experts_per_tok`, the expert width and `norm_topk_prob`, each with the family's
+/// default; `CONFIG_INVALID` naming the field for zero or impossible values.
+pub(crate) fn moe_fields(hf: &HfConfig, c: &mut ModelConfig, d: &MoeDefaults) -> Result<MoeSpec> {
+    use crate::config::{raw_bool, raw_u64};
+    use crate::error::KylinError;
+    let number = |keys: &[&str], default: usize, c: &mut ModelConfig| -> Result<usize> {
+        for key in keys {
+            if let Some(v) = raw_u64(hf, key)? {
+                if v == 0 || v > MAX_EXPERTS * 1024 {
+                    return Err(KylinError::config_invalid(format!(
+                        "config.json field '{key}' is {v}; it must be positive (and plausible)"
+                    )));
+                }
+                return Ok(v as usize);
+            }
+        }
+        c.defaulted.push(keys[0].to_string());
+        Ok(default)
+    };
+    let num_experts = number(&["num_experts", "num_local_experts"], d.num_experts, c)?;
+    if num_experts as u64 > MAX_EXPERTS {
+        return Err(KylinError::config_invalid(format!(
+            "config.json field 'num_experts' is {num_experts}; Kylin runs at most {MAX_EXPERTS} experts"
+        )));
+    }
+    let top_k = number(&["num_experts_per_tok", "top_k_experts"], d.top_k, c)?;
+    if top_k > num_experts {
+        return Err(KylinError::config_invalid(format!(
+            "config.json: num_experts_per_tok={top_k} exceeds the {num_experts} experts"
+        )));
+    }
+    let intermediate = number(&[d.width_key], d.width, c)?;
+    let normalize = match d.normalize {
+        None => true,
+        Some(default) => raw_bool(hf, "norm_topk_prob")?.unwrap_or_else(|| {
+            c.defaulted.push("norm_topk_prob".into());
+            default
+        }),
+    };
+    Ok(MoeSpec {
+        num_experts,
+        top_k,
+        intermediate,
+        routing: Routing::SoftmaxTopK { normalize },
+        activation: ExpertActivation::Silu,
+        router_bias: false,
+        expert_bias: false,
+        shared_intermediate: None,
+    })
+}
+
+/// Qwen's rule for which layers are sparse: layer `i` has experts unless it is in
+/// `mlp_only_layers`, when `(i + 1) % decoder_sparse_step == 0`; the others keep the dense
+/// MLP of `intermediate_size`.
+pub(crate) fn qwen_sparse_layers(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
+    use crate::config::{raw_u64, raw_u64_list};
+    use crate::error::KylinError;
+    let step = raw_u64(hf, "decoder_sparse_step")?.unwrap_or(1);
+    if step == 0 {
+        return Err(KylinError::config_invalid("config.json field 'decoder_sparse_step' is 0; it must be at least 1"));
+    }
+    let dense: Vec<u64> = raw_u64_list(hf, "mlp_only_layers")?.unwrap_or_default();
+    for (i, layer) in c.decoder.layers.iter_mut().enumerate() {
+        let sparse = !dense.contains(&(i as u64)) && (i as u64 + 1).is_multiple_of(step);
+        layer.ffn = if sparse { FfnKind::Moe } else { FfnKind::Dense };
     }
     Ok(())
 }

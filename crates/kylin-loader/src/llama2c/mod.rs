@@ -840,7 +840,7 @@ pub(crate) fn bind(layout: &BinLayout, map: Arc<Storage>) -> Result<BoundBin> {
         ] {
             tensors.insert(role, arch::take(&mut found, i, role)?);
         }
-        layers.push(LayerWeights { tensors });
+        layers.push(LayerWeights { tensors, experts: Vec::new() });
     }
     Ok(BoundBin {
         weights: ModelWeights {

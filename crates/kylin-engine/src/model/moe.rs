@@ -1,0 +1,620 @@
+//! The Mixture-of-Experts feed-forward block every MoE family runs: a router picks each token's
+//! experts and weights, the tokens are grouped by expert so that one expert's weights are read
+//! once for all the tokens routed to it, and each token's output is the weighted sum of its
+//! experts' outputs.
+//!
+//! Guarantees:
+//! - The router, the top-k choice and the weights follow transformers' arithmetic per family
+//!   (`Routing`), in f32.
+//! - Every expert is a pair of [`Linear`] layers over the stored weights (views into the map:
+//!   zero copy), quantized like any other linear layer under `--quantize`; an expert no token
+//!   is routed to is never read, so resident memory follows the experts in use.
+//! - Batch invariance: an expert's product gives each token's row the same bits whatever other
+//!   tokens share it (the kernels' guarantee), and a token's experts are summed in the order of
+//!   their indices, as transformers' `index_add_` loop does; so a token's output does not depend
+//!   on its batch.
+//! - Nothing is allocated per step: the routing tables and gathered activations live in
+//!   [`MoeScratch`], planned from the batch limits.
+
+use kylin_kernels::{self as kernels};
+use kylin_loader::arch::Role;
+use kylin_loader::family::{ExpertActivation, MoeSpec, Routing};
+use kylin_loader::{DType, KylinError, LayerWeights, ModelWeights, Result, WeightTensor};
+
+use super::Step;
+use super::linear::{Linear, Norm, Vector};
+use super::scratch::ProductScratch;
+
+/// One routed expert: `down(act(gate(x)) · up(x))`, each `[width, hidden]` / `[hidden, width]`.
+#[derive(Debug, Clone)]
+pub(super) struct Expert {
+    pub(super) gate: Linear,
+    pub(super) up: Linear,
+    pub(super) down: Linear,
+}
+
+/// Qwen2-MoE's shared expert: a gated MLP whose output is multiplied by
+/// `sigmoid(gate(x))` and added to the routed experts'.
+#[derive(Debug, Clone)]
+pub(super) struct SharedExpert {
+    pub(super) expert: Expert,
+    /// `[1, hidden]`.
+    gate: Linear,
+}
+
+/// The router and the experts of one layer.
+#[derive(Debug, Clone)]
+pub(super) struct Moe {
+    /// `[experts, hidden]` (with a bias for gpt-oss).
+    router: Linear,
+    routing: Routing,
+    /// Gemma 4: the router input's scale `(hidden)` and each expert's weight scale.
+    router_scale: Option<Vec<f32>>,
+    expert_scale: Option<Vec<f32>>,
+    /// Gemma 4's unweighted RMSNorm of the router's input.
+    router_norm: Option<Norm>,
+    pub(super) experts: Vec<Expert>,
+    pub(super) shared: Option<SharedExpert>,
+    top_k: usize,
+    width: usize,
+    activation: ExpertActivation,
+}
+
+/// The routing tables and gathered activations of one step, sized for `max_tokens` tokens.
+#[derive(Debug, Default)]
+pub struct MoeScratch {
+    /// Router logits, `(max_tokens, experts)`.
+    logits: Vec<f32>,
+    /// Gemma 4's normed and scaled router input, `(max_tokens, hidden)`.
+    router_input: Vec<f32>,
+    /// Each token's experts and weights, `(max_tokens, top_k)`, in increasing expert order.
+    route_expert: Vec<u32>,
+    route_weight: Vec<f32>,
+    /// Entries (`token · top_k + slot`) grouped by expert; expert `e`'s are
+    /// `order[start[e]..start[e + 1]]`; and each entry's place in that order.
+    order: Vec<u32>,
+    start: Vec<usize>,
+    place: Vec<u32>,
+    /// One expert's gathered inputs `(max_tokens, hidden)`, gate and up `(max_tokens, width)`.
+    x: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    /// Every entry's expert output, in grouped order, `(max_tokens · top_k, hidden)`.
+    y: Vec<f32>,
+    /// The shared expert's output `(max_tokens, hidden)` and gate `(max_tokens, 1)`.
+    shared: Vec<f32>,
+    shared_gate: Vec<f32>,
+    /// Gemma 4's two branches: the experts' normed input and the MLP's normed output,
+    /// `(max_tokens, hidden)` each.
+    pub(super) branch_input: Vec<f32>,
+    pub(super) branch_sum: Vec<f32>,
+}
+
+impl MoeScratch {
+    /// Buffers for `max_tokens` tokens of a model whose MoE block is `spec` (empty without one).
+    pub(super) fn plan(spec: Option<&MoeSpec>, max_tokens: usize, hidden: usize, gemma4: bool) -> Option<MoeScratch> {
+        let Some(m) = spec else { return Some(MoeScratch::default()) };
+        let entries = max_tokens.checked_mul(m.top_k)?;
+        let width = m.intermediate.max(m.shared_intermediate.unwrap_or(0));
+        let sized = |rows: usize, cols: usize| rows.checked_mul(cols).map(|n| vec![0.0f32; n]);
+        Some(MoeScratch {
+            logits: sized(max_tokens, m.num_experts)?,
+            router_input: if gemma4 { sized(max_tokens, hidden)? } else { Vec::new() },
+            route_expert: vec![0; entries],
+            route_weight: vec![0.0; entries],
+            order: vec![0; entries],
+            start: vec![0; m.num_experts + 1],
+            place: vec![0; entries],
+            x: sized(max_tokens, hidden)?,
+            gate: sized(max_tokens, width)?,
+            up: sized(max_tokens, width)?,
+            y: sized(entries, hidden)?,
+            shared: if m.shared_intermediate.is_some() { sized(max_tokens, hidden)? } else { Vec::new() },
+            shared_gate: if m.shared_intermediate.is_some() { vec![0.0; max_tokens] } else { Vec::new() },
+            branch_input: if gemma4 { sized(max_tokens, hidden)? } else { Vec::new() },
+            branch_sum: if gemma4 { sized(max_tokens, hidden)? } else { Vec::new() },
+        })
+    }
+
+    /// Elements of every buffer (f32 and u32 alike take four bytes).
+    pub(super) fn elements(&self) -> usize {
+        self.logits.len()
+            + self.router_input.len()
+            + self.route_expert.len()
+            + self.route_weight.len()
+            + self.order.len()
+            + 2 * self.start.len()
+            + self.place.len()
+            + self.x.len()
+            + self.gate.len()
+            + self.up.len()
+            + self.y.len()
+            + self.shared.len()
+            + self.shared_gate.len()
+            + self.branch_input.len()
+            + self.branch_sum.len()
+    }
+
+    /// The float buffers, to touch their pages at start-up.
+    pub(super) fn buffers_mut(&mut self) -> [&mut Vec<f32>; 7] {
+        [
+            &mut self.logits,
+            &mut self.x,
+            &mut self.gate,
+            &mut self.up,
+            &mut self.y,
+            &mut self.shared,
+            &mut self.branch_sum,
+        ]
+    }
+}
+
+impl Expert {
+    fn linears(&self) -> [&Linear; 3] {
+        [&self.gate, &self.up, &self.down]
+    }
+
+    fn linears_mut(&mut self) -> [&mut Linear; 3] {
+        [&mut self.gate, &mut self.up, &mut self.down]
+    }
+}
+
+impl Moe {
+    /// Binds layer `index`'s router and experts (`spec`), checking every shape. Stacked
+    /// experts arrive as per-expert views; gpt-oss's input-major BF16 experts are transposed
+    /// and their interleaved gate and up rows separated here, into owned copies (an explicit
+    /// exception to zero copy, for a layout that is not the published MXFP4 one).
+    pub(super) fn new(
+        w: &LayerWeights,
+        index: usize,
+        hidden: usize,
+        spec: &MoeSpec,
+        weights: &ModelWeights,
+    ) -> Result<Self> {
+        let width = spec.intermediate;
+        let router =
+            Linear::bind(w.require(Role::Router, index)?, w.get(Role::RouterBias), spec.num_experts, hidden, weights)?;
+        let (router_scale, expert_scale, router_norm) = match spec.routing {
+            Routing::Gemma4 => (
+                Some(Vector::new(w.require(Role::RouterScale, index)?, hidden)?.values()),
+                Some(Vector::new(w.require(Role::RouterExpertScale, index)?, spec.num_experts)?.values()),
+                Some(Norm::unweighted(hidden)),
+            ),
+            _ => (None, None, None),
+        };
+        if w.experts.len() != spec.num_experts {
+            return Err(KylinError::tensor_missing(format!(
+                "layer {index} has {} experts bound; the configuration has {}",
+                w.experts.len(),
+                spec.num_experts
+            )));
+        }
+        let experts = (0..spec.num_experts)
+            .map(|e| Self::expert(w, index, e, hidden, width, weights))
+            .collect::<Result<Vec<_>>>()?;
+        let shared = match spec.shared_intermediate {
+            Some(sw) => {
+                let linear = |role: Role, rows: usize, cols: usize| -> Result<Linear> {
+                    Linear::bind(w.require(role, index)?, None, rows, cols, weights)
+                };
+                Some(SharedExpert {
+                    expert: Expert {
+                        gate: linear(Role::SharedGate, sw, hidden)?,
+                        up: linear(Role::SharedUp, sw, hidden)?,
+                        down: linear(Role::SharedDown, hidden, sw)?,
+                    },
+                    gate: linear(Role::SharedExpertGate, 1, hidden)?,
+                })
+            }
+            None => None,
+        };
+        Ok(Moe {
+            router,
+            routing: spec.routing,
+            router_scale,
+            expert_scale,
+            router_norm,
+            experts,
+            shared,
+            top_k: spec.top_k,
+            width,
+            activation: spec.activation,
+        })
+    }
+
+    /// Expert `e` of layer `index`, from whichever layout the checkpoint has.
+    fn expert(
+        w: &LayerWeights,
+        index: usize,
+        e: usize,
+        hidden: usize,
+        width: usize,
+        weights: &ModelWeights,
+    ) -> Result<Expert> {
+        let tensors = &w.experts[e];
+        let get = |role: Role| tensors.get(&role);
+        let need = |role: Role| w.require_expert(e, role, index);
+        if let Some(gate) = get(Role::ExpertGate) {
+            // One tensor per expert and projection.
+            return Ok(Expert {
+                gate: Linear::bind(gate, get(Role::ExpertGateBias), width, hidden, weights)?,
+                up: Linear::bind(need(Role::ExpertUp)?, get(Role::ExpertUpBias), width, hidden, weights)?,
+                down: Linear::bind(need(Role::ExpertDown)?, get(Role::ExpertDownBias), hidden, width, weights)?,
+            });
+        }
+        if let Some(gate_up) = get(Role::ExpertGateUp) {
+            // Stacked `[2w, hidden]`, gate rows first: two row views.
+            let part = |r0: usize, what: &str| {
+                gate_up.rows(r0, r0 + width, format!("{}.{what}", gate_up.name)).ok_or_else(|| {
+                    KylinError::tensor_shape_mismatch(format!(
+                        "tensor '{}' ({:?}) is not [2 * {width}, {hidden}]",
+                        gate_up.name, gate_up.shape
+                    ))
+                })
+            };
+            let (gate, up) = (part(0, "gate")?, part(width, "up")?);
+            return Ok(Expert {
+                gate: Linear::bind(&gate, None, width, hidden, weights)?,
+                up: Linear::bind(&up, None, width, hidden, weights)?,
+                down: Linear::bind(need(Role::ExpertDown)?, get(Role::ExpertDownBias), hidden, width, weights)?,
+            });
+        }
+        // gpt-oss's input-major BF16 layout: `[hidden, 2w]` with gate and up interleaved by
+        // column, `[w, hidden]`, biases `[2w]` interleaved and `[hidden]`.
+        let gate_up = need(Role::ExpertGateUpInputMajor)?;
+        let down = need(Role::ExpertDownInputMajor)?;
+        let gate_up_values = float_values(gate_up, &[hidden, 2 * width])?;
+        let down_values = float_values(down, &[width, hidden])?;
+        // (hidden, 2w) -> gate (w, hidden) from even columns, up (w, hidden) from odd ones.
+        let mut gate = vec![0.0f32; width * hidden];
+        let mut up = vec![0.0f32; width * hidden];
+        for i in 0..hidden {
+            for j in 0..width {
+                gate[j * hidden + i] = gate_up_values[i * 2 * width + 2 * j];
+                up[j * hidden + i] = gate_up_values[i * 2 * width + 2 * j + 1];
+            }
+        }
+        // (w, hidden) -> (hidden, w).
+        let mut down_t = vec![0.0f32; hidden * width];
+        for j in 0..width {
+            for i in 0..hidden {
+                down_t[i * width + j] = down_values[j * hidden + i];
+            }
+        }
+        let (gate_bias, up_bias) = match get(Role::ExpertGateUpBias) {
+            Some(b) => {
+                let v = float_values(b, &[2 * width])?;
+                let even: Vec<f32> = v.iter().step_by(2).copied().collect();
+                let odd: Vec<f32> = v.iter().skip(1).step_by(2).copied().collect();
+                (
+                    Some(owned(format!("{}.gate", b.name), b.dtype, vec![width], &even)?),
+                    Some(owned(format!("{}.up", b.name), b.dtype, vec![width], &odd)?),
+                )
+            }
+            None => (None, None),
+        };
+        let dtype = gate_up.dtype;
+        let gate = owned(format!("{}.gate", gate_up.name), dtype, vec![width, hidden], &gate)?;
+        let up = owned(format!("{}.up", gate_up.name), dtype, vec![width, hidden], &up)?;
+        let down_t = owned(format!("{}.t", down.name), down.dtype, vec![hidden, width], &down_t)?;
+        Ok(Expert {
+            gate: Linear::bind(&gate, gate_bias.as_ref(), width, hidden, weights)?,
+            up: Linear::bind(&up, up_bias.as_ref(), width, hidden, weights)?,
+            down: Linear::bind(&down_t, get(Role::ExpertDownBias), hidden, width, weights)?,
+        })
+    }
+
+    /// The experts' and the shared expert's matrices with their roles (the router stays as
+    /// stored).
+    pub(super) fn linears(&self) -> impl Iterator<Item = (Role, &Linear)> {
+        let routed = self.experts.iter().flat_map(|x| {
+            let [g, u, d] = x.linears();
+            [(Role::ExpertGate, g), (Role::ExpertUp, u), (Role::ExpertDown, d)]
+        });
+        let shared = self.shared.iter().flat_map(|s| {
+            let [g, u, d] = s.expert.linears();
+            [(Role::SharedGate, g), (Role::SharedUp, u), (Role::SharedDown, d)]
+        });
+        routed.chain(shared)
+    }
+
+    pub(super) fn linears_mut(&mut self) -> impl Iterator<Item = &mut Linear> {
+        let routed = self.experts.iter_mut().flat_map(|x| x.linears_mut());
+        let shared = self.shared.iter_mut().flat_map(|s| s.expert.linears_mut());
+        routed.chain(shared)
+    }
+
+    /// The router and the shared expert's gate, which stay in their stored dtype.
+    pub(super) fn side_linears(&self) -> impl Iterator<Item = &Linear> {
+        std::iter::once(&self.router).chain(self.shared.iter().map(|s| &s.gate))
+    }
+
+    /// Bytes of every expert, the shared expert and the router.
+    pub(super) fn bytes_resident(&self) -> u64 {
+        let all: u64 = self.experts.iter().flat_map(|x| x.linears()).map(Linear::byte_len).sum();
+        let shared: u64 = self.shared.iter().flat_map(|s| s.expert.linears()).map(Linear::byte_len).sum();
+        all + shared + self.side_linears().map(Linear::byte_len).sum::<u64>()
+    }
+
+    /// Bytes one token reads: the router, `top_k` experts (their average size) and the shared
+    /// expert.
+    pub(super) fn bytes_per_token(&self) -> u64 {
+        let all: u64 = self.experts.iter().flat_map(|x| x.linears()).map(Linear::byte_len).sum();
+        let routed = all * self.top_k as u64 / self.experts.len().max(1) as u64;
+        let shared: u64 = self.shared.iter().flat_map(|s| s.expert.linears()).map(Linear::byte_len).sum();
+        routed + shared + self.side_linears().map(Linear::byte_len).sum::<u64>()
+    }
+
+    /// `out (n, hidden) = Σ_e w_e · expert_e(x)` over each token's routed experts (plus the
+    /// shared expert), with the router reading `router_x` (`x` itself but for Gemma 4, which
+    /// routes from the layer's un-normed input).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn forward(
+        &self,
+        c: &Step<'_>,
+        x: &[f32],
+        router_x: &[f32],
+        n: usize,
+        out: &mut [f32],
+        ms: &mut MoeScratch,
+        p: &mut ProductScratch,
+    ) {
+        let h = c.hidden;
+        let (k, e_count, w) = (self.top_k, self.experts.len(), self.width);
+
+        // 1. Router logits: router_x (n, hidden) -> logits (n, experts); Gemma 4 first normalises
+        //    its input (no weight) and scales it by `scale · hidden^-0.5`.
+        let logits = &mut ms.logits[..n * e_count];
+        match (&self.router_norm, &self.router_scale) {
+            (Some(norm), Some(scale)) => {
+                let root = (h as f64).powf(-0.5) as f32;
+                let input = &mut ms.router_input[..n * h];
+                norm.rows(&router_x[..n * h], h, c.eps, input);
+                for row in input.chunks_exact_mut(h) {
+                    for (v, &s) in row.iter_mut().zip(scale) {
+                        *v = *v * s * root;
+                    }
+                }
+                self.router.forward(c.mm, input, n, logits, p);
+            }
+            _ => self.router.forward(c.mm, &router_x[..n * h], n, logits, p),
+        }
+
+        // 2. Each token's top k experts and their weights, then sorted by expert index (the
+        //    order their outputs are summed in).
+        for t in 0..n {
+            let row = &mut logits[t * e_count..(t + 1) * e_count];
+            let experts = &mut ms.route_expert[t * k..(t + 1) * k];
+            let weights = &mut ms.route_weight[t * k..(t + 1) * k];
+            route(self.routing, row, experts, weights, self.expert_scale.as_deref());
+            sort_by_expert(experts, weights);
+        }
+
+        // 3. Entries grouped by expert (a counting sort): expert e's entries are
+        //    order[start[e]..start[e + 1]], in token order.
+        let entries = n * k;
+        let start = &mut ms.start[..e_count + 1];
+        start.fill(0);
+        for &e in &ms.route_expert[..entries] {
+            start[e as usize + 1] += 1;
+        }
+        for e in 0..e_count {
+            start[e + 1] += start[e];
+        }
+        for (entry, &e) in ms.route_expert[..entries].iter().enumerate() {
+            // `start[e]` is advanced as entries are placed, then restored below.
+            let at = start[e as usize];
+            ms.order[at] = entry as u32;
+            ms.place[entry] = at as u32;
+            start[e as usize] += 1;
+        }
+        for e in (1..=e_count).rev() {
+            start[e] = start[e - 1];
+        }
+        start[0] = 0;
+
+        // 4. Each expert with tokens: gather their rows x (c, hidden); gate and up (c, width);
+        //    the activation; down (c, width) -> y rows start[e]..start[e + 1] (c, hidden).
+        for (e, expert) in self.experts.iter().enumerate() {
+            let (s0, s1) = (ms.start[e], ms.start[e + 1]);
+            let count = s1 - s0;
+            if count == 0 {
+                continue;
+            }
+            for (i, &entry) in ms.order[s0..s1].iter().enumerate() {
+                let t = entry as usize / k;
+                ms.x[i * h..(i + 1) * h].copy_from_slice(&x[t * h..(t + 1) * h]);
+            }
+            run_expert(
+                c,
+                expert,
+                self.activation,
+                &ms.x[..count * h],
+                count,
+                w,
+                &mut ms.gate,
+                &mut ms.up,
+                &mut ms.y[s0 * h..s1 * h],
+                p,
+            );
+        }
+
+        // 5. out[t] = Σ w · y over the token's entries in expert order: the first product, then
+        //    each further product rounded and added (transformers' `index_add_` of `y · w` into
+        //    zeros).
+        for t in 0..n {
+            let row = &mut out[t * h..(t + 1) * h];
+            for slot in 0..k {
+                let entry = t * k + slot;
+                let weight = ms.route_weight[entry];
+                let y = &ms.y[ms.place[entry] as usize * h..(ms.place[entry] as usize + 1) * h];
+                if slot == 0 {
+                    for (o, &v) in row.iter_mut().zip(y) {
+                        *o = v * weight;
+                    }
+                } else {
+                    kernels::add_scaled(row, y, weight);
+                }
+            }
+        }
+
+        // 6. The shared expert (Qwen2-MoE): out += sigmoid(gate(x)) · shared(x).
+        if let Some(shared) = &self.shared {
+            let sw = shared.expert.gate.rows;
+            run_expert(
+                c,
+                &shared.expert,
+                ExpertActivation::Silu,
+                &x[..n * h],
+                n,
+                sw,
+                &mut ms.gate,
+                &mut ms.up,
+                &mut ms.shared[..n * h],
+                p,
+            );
+            shared.gate.forward(c.mm, &x[..n * h], n, &mut ms.shared_gate[..n], p);
+            for t in 0..n {
+                let g = 1.0 / (1.0 + (-ms.shared_gate[t]).exp());
+                let row = &mut out[t * h..(t + 1) * h];
+                for (o, &v) in row.iter_mut().zip(&ms.shared[t * h..(t + 1) * h]) {
+                    *o += g * v;
+                }
+            }
+        }
+    }
+}
+
+/// One expert over `count` gathered tokens: `x (count, hidden)` -> gate, up `(count, width)`
+/// -> `act` -> `y (count, hidden)`.
+#[allow(clippy::too_many_arguments)]
+fn run_expert(
+    c: &Step<'_>,
+    expert: &Expert,
+    activation: ExpertActivation,
+    x: &[f32],
+    count: usize,
+    width: usize,
+    gate: &mut [f32],
+    up: &mut [f32],
+    y: &mut [f32],
+    p: &mut ProductScratch,
+) {
+    let (gate, up) = (&mut gate[..count * width], &mut up[..count * width]);
+    Linear::forward_many(c.mm, x, count, [(&expert.gate, &mut *gate), (&expert.up, &mut *up)], p);
+    match activation {
+        ExpertActivation::Silu => kernels::silu_mul(gate, up),
+        ExpertActivation::GeluTanh => kernels::gelu_tanh_mul(gate, up),
+        ExpertActivation::ClampedSwiGlu { alpha, limit } => {
+            kernels::clamped_swiglu_mul(gate, up, alpha as f32, limit as f32)
+        }
+    }
+    expert.down.forward(c.mm, gate, count, y, p);
+}
+
+/// One token's experts and weights from its router logits `row` (overwritten), as the family's
+/// router computes them in transformers.
+fn route(routing: Routing, row: &mut [f32], experts: &mut [u32], weights: &mut [f32], expert_scale: Option<&[f32]>) {
+    match routing {
+        Routing::SoftmaxTopK { normalize } => {
+            kernels::softmax(row);
+            top_k(row, experts, weights);
+            if normalize {
+                normalise(weights);
+            }
+        }
+        Routing::TopKSoftmax => {
+            top_k(row, experts, weights);
+            kernels::softmax(weights);
+        }
+        Routing::Gemma4 => {
+            kernels::softmax(row);
+            top_k(row, experts, weights);
+            normalise(weights);
+            if let Some(scale) = expert_scale {
+                for (w, &e) in weights.iter_mut().zip(experts.iter()) {
+                    *w *= scale[e as usize];
+                }
+            }
+        }
+    }
+}
+
+/// `weights /= Σ weights`, the sum taken in order (`top_k` is small).
+fn normalise(weights: &mut [f32]) {
+    let sum: f32 = weights.iter().sum();
+    for w in weights.iter_mut() {
+        *w /= sum;
+    }
+}
+
+/// The `k = experts.len()` largest values of `row`, best first (ties to the lower index, as
+/// `torch.topk` gives them on a CPU), with their indices.
+fn top_k(row: &[f32], experts: &mut [u32], weights: &mut [f32]) {
+    let k = experts.len();
+    for slot in 0..k {
+        let mut best: Option<usize> = None;
+        for (i, &v) in row.iter().enumerate() {
+            if experts[..slot].contains(&(i as u32)) {
+                continue;
+            }
+            // A NaN never wins; the first of equal values does.
+            if best.is_none_or(|b| v > row[b]) && !v.is_nan() {
+                best = Some(i);
+            }
+        }
+        let b = best.unwrap_or(0);
+        experts[slot] = b as u32;
+        weights[slot] = row[b];
+    }
+}
+
+/// Sorts a token's (expert, weight) pairs by expert index (insertion sort: `k` is small).
+fn sort_by_expert(experts: &mut [u32], weights: &mut [f32]) {
+    for i in 1..experts.len() {
+        let mut j = i;
+        while j > 0 && experts[j - 1] > experts[j] {
+            experts.swap(j - 1, j);
+            weights.swap(j - 1, j);
+            j -= 1;
+        }
+    }
+}
+
+/// A float tensor's values as f32, checked against `shape`.
+fn float_values(t: &WeightTensor, shape: &[usize]) -> Result<Vec<f32>> {
+    if t.shape != shape {
+        return Err(KylinError::tensor_shape_mismatch(format!(
+            "tensor '{}' has shape {:?}; expected {shape:?}",
+            t.name, t.shape
+        )));
+    }
+    let bytes = t.bytes();
+    let values: Vec<f32> = match t.dtype {
+        DType::BF16 => {
+            bytes.chunks_exact(2).map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)).collect()
+        }
+        DType::F16 => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        DType::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+        other => {
+            return Err(KylinError::tensor_dtype_unsupported(format!(
+                "tensor '{}' is stored as {}; input-major experts must be BF16, F16 or F32",
+                t.name,
+                other.as_str()
+            )));
+        }
+    };
+    Ok(values)
+}
+
+/// An owned tensor of `values` in `dtype` (the source's: the copies are exact).
+fn owned(name: String, dtype: DType, shape: Vec<usize>, values: &[f32]) -> Result<WeightTensor> {
+    let bytes: Vec<u8> = match dtype {
+        DType::BF16 => values.iter().flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes()).collect(),
+        DType::F16 => values.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect(),
+        _ => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    };
+    let dtype = if matches!(dtype, DType::BF16 | DType::F16) { dtype } else { DType::F32 };
+    WeightTensor::owned(name.clone(), dtype, shape, bytes)
+        .ok_or_else(|| KylinError::tensor_shape_mismatch(format!("'{name}': values do not fill their shape")))
+}
