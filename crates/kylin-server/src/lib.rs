@@ -14,6 +14,7 @@
 //!   500 without affecting other requests.
 
 pub mod api;
+pub mod chat;
 pub mod engine;
 pub mod error;
 pub mod metrics;
@@ -70,19 +71,21 @@ impl ServerConfig {
     }
 }
 
-struct Inner {
+pub(crate) struct Inner {
     config: ServerConfig,
     engine: EngineHandle,
     metrics: Arc<Metrics>,
     in_flight: AtomicUsize,
     response_ids: AtomicU64,
     started: u64,
+    /// The grammar compiler, once the engine has built it.
+    grammar: std::sync::OnceLock<Arc<kylin_engine::grammar::GrammarCompiler>>,
 }
 
 /// What every handler shares: the configuration, the engine handle, the metrics and the
 /// admission count. Cheap to clone.
 #[derive(Clone)]
-pub struct AppState(Arc<Inner>);
+pub struct AppState(pub(crate) Arc<Inner>);
 
 impl AppState {
     /// Starts the engine thread (which builds the engine with `factory`) and returns the state
@@ -91,8 +94,15 @@ impl AppState {
         let metrics = Arc::new(Metrics::new(&config.served_model_name));
         let (engine, join) = EngineHandle::spawn(factory, metrics.clone())?;
         let started = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        let inner =
-            Inner { config, engine, metrics, in_flight: AtomicUsize::new(0), response_ids: AtomicU64::new(0), started };
+        let inner = Inner {
+            config,
+            engine,
+            metrics,
+            in_flight: AtomicUsize::new(0),
+            response_ids: AtomicU64::new(0),
+            started,
+            grammar: std::sync::OnceLock::new(),
+        };
         Ok((AppState(Arc::new(inner)), join))
     }
 
