@@ -224,3 +224,155 @@ pub fn call_id(response_id: &str, choice: usize, index: usize) -> String {
     let tail = &tail[tail.len().saturating_sub(16)..];
     format!("call_{tail}{choice:x}{index:02x}")
 }
+
+/// How one chat generation ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ending {
+    pub reason: kylin_engine::StopReason,
+    pub prompt_tokens: usize,
+    pub cached_tokens: usize,
+    pub completion_tokens: usize,
+    /// The choice called at least one tool.
+    pub called: bool,
+}
+
+/// What a running generation produced next.
+#[derive(Debug)]
+pub enum Progress {
+    /// Text and tool-call pieces, in order.
+    Events(Vec<ToolEvent>),
+    Done(Ending),
+    Failed(String),
+}
+
+/// One choice of a chat request running in the engine, read as text and tool calls (the
+/// Responses and Anthropic APIs, which have no `n`). Dropping it before the end cancels the
+/// request, so the engine frees it at its next step.
+pub struct Generation {
+    rx: tokio::sync::mpsc::UnboundedReceiver<crate::engine::Out>,
+    cancel: kylin_engine::CancelHandle,
+    done: bool,
+    /// The ending, once the events that came with it were handed out.
+    pending_end: Option<Ending>,
+    pub prompt_tokens: usize,
+    pub output: ChoiceOutput,
+    _admission: crate::Admission,
+}
+
+impl Drop for Generation {
+    fn drop(&mut self) {
+        if !self.done {
+            self.cancel.cancel();
+        }
+    }
+}
+
+/// The sampling and limits of a generation.
+pub struct Limits {
+    pub sampling: kylin_engine::SamplingParams,
+    pub max_tokens: Option<usize>,
+    pub stop: Vec<String>,
+}
+
+/// Submits a prepared chat request (one choice); `param` names the field a prompt error is
+/// blamed on.
+pub(crate) async fn start(
+    state: &AppState,
+    prepared: Prepared,
+    limits: Limits,
+    admission: crate::Admission,
+    arrived: std::time::Instant,
+    param: &str,
+) -> Result<Generation, ApiError> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let cancel = kylin_engine::CancelHandle::new();
+    let submission = crate::engine::Submission {
+        prompt: prepared.prompt,
+        sampling: limits.sampling,
+        max_tokens: limits.max_tokens,
+        stop: limits.stop,
+        ignore_eos: false,
+        n: 1,
+        logprobs: None,
+        logit_bias: Vec::new(),
+        grammar: prepared.grammar,
+        skip_special_tokens: prepared.skip_special_tokens,
+        cancel: cancel.clone(),
+        index_offset: 0,
+        events: tx,
+        arrived,
+    };
+    let accepted = state.engine().submit(submission).await.map_err(|e| {
+        let param = if e.message.contains("max_tokens") { "max_tokens" } else { param };
+        ApiError::from_engine(&e, param)
+    })?;
+    Ok(Generation {
+        rx,
+        cancel,
+        done: false,
+        pending_end: None,
+        prompt_tokens: accepted.prompt_tokens,
+        output: ChoiceOutput::new(prepared.syntax),
+        _admission: admission,
+    })
+}
+
+impl Generation {
+    /// The next progress; `None` after [`Progress::Done`] or [`Progress::Failed`].
+    pub async fn next(&mut self) -> Option<Progress> {
+        if let Some(ending) = self.pending_end.take() {
+            return Some(Progress::Done(ending));
+        }
+        if self.done {
+            return None;
+        }
+        loop {
+            match self.rx.recv().await {
+                Some(crate::engine::Out::Token { text, .. }) => {
+                    let events = self.output.push(&text);
+                    if !events.is_empty() {
+                        return Some(Progress::Events(events));
+                    }
+                }
+                Some(crate::engine::Out::Finished { reason, text, usage, .. }) => {
+                    self.done = true;
+                    let mut events = self.output.push(&text);
+                    events.extend(self.output.finish());
+                    let ending = Ending {
+                        reason,
+                        prompt_tokens: self.prompt_tokens,
+                        cached_tokens: usage.cached_prompt_tokens,
+                        completion_tokens: usage.completion_tokens,
+                        called: self.output.has_calls(),
+                    };
+                    if events.is_empty() {
+                        return Some(Progress::Done(ending));
+                    }
+                    // The events first; the ending on the next call.
+                    self.pending_end = Some(ending);
+                    return Some(Progress::Events(events));
+                }
+                Some(crate::engine::Out::Failed { message }) => {
+                    self.done = true;
+                    return Some(Progress::Failed(message));
+                }
+                None => {
+                    self.done = true;
+                    return Some(Progress::Failed("the engine stopped before the request finished".into()));
+                }
+            }
+        }
+    }
+
+    /// Runs to the end; the whole output and how it ended.
+    pub async fn collect(mut self) -> Result<(ParsedResponse, Ending), ApiError> {
+        loop {
+            match self.next().await {
+                Some(Progress::Events(_)) => {}
+                Some(Progress::Done(ending)) => return Ok((std::mem::take(&mut self.output.parsed), ending)),
+                Some(Progress::Failed(m)) => return Err(ApiError::internal(m)),
+                None => return Err(ApiError::internal("the generation ended without an ending")),
+            }
+        }
+    }
+}

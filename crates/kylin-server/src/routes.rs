@@ -70,7 +70,7 @@ pub async fn not_found(request: Request) -> ApiError {
 }
 
 /// The engine's description, or 503 while loading or shutting down.
-fn ready(state: &AppState) -> Result<&Published, ApiError> {
+pub(crate) fn ready(state: &AppState) -> Result<&Published, ApiError> {
     match state.engine().status() {
         Status::Ready => state.engine().published().ok_or_else(|| ApiError::unavailable("the model is loading")),
         Status::Loading => Err(ApiError::unavailable("the model is loading")),
@@ -80,7 +80,11 @@ fn ready(state: &AppState) -> Result<&Published, ApiError> {
 }
 
 /// Reads the whole body within the size limit and the body timeout.
-async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<axum::body::Bytes, ApiError> {
+pub(crate) async fn read_body(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<axum::body::Bytes, ApiError> {
     let limit = state.config().max_body_bytes;
     let declared =
         headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
@@ -102,7 +106,7 @@ async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<
     }
 }
 
-fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
+pub(crate) fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
     let served = &state.config().served_model_name;
     match model {
         Some(m) if m != served => Err(ApiError::model_not_found(m, served)),
@@ -110,7 +114,7 @@ fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
     }
 }
 
-fn unix_now() -> u64 {
+pub(crate) fn unix_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
@@ -155,7 +159,7 @@ pub async fn chat(State(state): State<AppState>, request: Request) -> Result<Res
 }
 
 /// Every `logit_bias` id must be in the vocabulary.
-fn check_logit_bias(common: &Common, published: &Published) -> Result<(), ApiError> {
+pub(crate) fn check_logit_bias(common: &Common, published: &Published) -> Result<(), ApiError> {
     let vocab = published.info.vocab_size;
     match common.logit_bias.iter().find(|(id, _)| *id as usize >= vocab) {
         Some((id, _)) => Err(ApiError::invalid(
