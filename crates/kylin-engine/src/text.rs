@@ -574,8 +574,12 @@ pub(crate) fn json_to_value(v: &serde_json::Value) -> Value {
         }
         serde_json::Value::String(s) => Value::from(s.clone()),
         serde_json::Value::Array(a) => Value::from(a.iter().map(json_to_value).collect::<Vec<_>>()),
-        // In the object's own order (minijinja's maps keep insertion order here).
-        serde_json::Value::Object(o) => o.iter().map(|(k, v)| (k.clone(), json_to_value(v))).collect(),
+        // In the object's own order, as Python's dicts keep it.
+        serde_json::Value::Object(o) => {
+            let map: indexmap::IndexMap<Value, Value> =
+                o.iter().map(|(k, v)| (Value::from(k.clone()), json_to_value(v))).collect();
+            Value::from(map)
+        }
     }
 }
 
