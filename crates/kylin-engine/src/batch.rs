@@ -645,7 +645,7 @@ impl EngineCore {
     }
 
     /// The text codec, or `CONFIG_MISSING` when the model directory has no tokenizer.
-    pub(crate) fn text(&self) -> Result<&TextCodec> {
+    pub fn text(&self) -> Result<&TextCodec> {
         self.text.as_ref().ok_or_else(|| {
             KylinError::config_missing(
                 "model has no tokenizer (tokenizer.json or vocab.json + merges.txt); \

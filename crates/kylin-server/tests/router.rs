@@ -324,8 +324,14 @@ async fn invalid_requests_are_400_naming_the_field() {
     let cases = [
         (json!({"messages": user("hi"), "temperature": -1}), "temperature"),
         (json!({"messages": user("hi"), "top_p": "x"}), "top_p"),
-        (json!({"messages": user("hi"), "tools": [{"type": "function", "function": {"name": "f g"}}]}), "tools[0].function.name"),
-        (json!({"messages": user("hi"), "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}), "tool_choice"),
+        (
+            json!({"messages": user("hi"), "tools": [{"type": "function", "function": {"name": "f g"}}]}),
+            "tools[0].function.name",
+        ),
+        (
+            json!({"messages": user("hi"), "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}),
+            "tool_choice",
+        ),
         (json!({"messages": user("hi"), "tool_choice": "required"}), "tool_choice"),
         (json!({"messages": user("hi"), "response_format": {"type": "yaml"}}), "response_format.type"),
         // The scripted engine cannot mask logits: a format it cannot honour is refused, naming it.
@@ -334,7 +340,10 @@ async fn invalid_requests_are_400_naming_the_field() {
         (json!({"messages": user("hi"), "logit_bias": {"999": 5}}), "logit_bias"),
         (json!({"messages": user("hi"), "logit_bias": {"1": 500}}), "logit_bias.1"),
         (json!({"messages": [{"role": "tool", "content": "x"}]}), "messages[0].tool_call_id"),
-        (json!({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}), "messages[0].tool_calls[0].function.arguments"),
+        (
+            json!({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}),
+            "messages[0].tool_calls[0].function.arguments",
+        ),
         (json!({"messages": user("hi"), "top_logprobs": 21, "logprobs": true}), "top_logprobs"),
         (json!({"messages": user("hi"), "n": 0}), "n"),
         (json!({"messages": user("hi"), "made_up_field": 1}), "made_up_field"),
@@ -604,9 +613,11 @@ async fn the_responses_api_answers_in_its_shape() {
     assert_eq!(kinds.first().map(String::as_str), Some("response.created"));
     assert_eq!(kinds.last().map(String::as_str), Some("response.completed"));
     assert!(kinds.iter().filter(|k| *k == "response.output_text.delta").count() > 3);
-    let (status, v) = send_json(&state, post("/v1/responses", json!({"input": "hi", "previous_response_id": "r"}))).await;
+    let (status, v) =
+        send_json(&state, post("/v1/responses", json!({"input": "hi", "previous_response_id": "r"}))).await;
     assert_eq!((status, v["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("previous_response_id")));
-    let (status, v) = send_json(&state, post("/v1/responses", json!({"input": [{"type": "function_call_output"}]}))).await;
+    let (status, v) =
+        send_json(&state, post("/v1/responses", json!({"input": [{"type": "function_call_output"}]}))).await;
     assert_eq!((status, v["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("input[0].call_id")));
 }
 
@@ -622,7 +633,8 @@ async fn anthropic_messages_answer_and_fail_in_anthropic_shape() {
             .body(Body::from(body.to_string()))
             .unwrap()
     };
-    let (status, v) = send_json(&state, with_key(json!({"max_tokens": 34, "system": "s", "messages": user("hi")}))).await;
+    let (status, v) =
+        send_json(&state, with_key(json!({"max_tokens": 34, "system": "s", "messages": user("hi")}))).await;
     assert_eq!(status, StatusCode::OK, "{v}");
     assert_eq!((v["type"].as_str(), v["role"].as_str()), (Some("message"), Some("assistant")));
     assert_eq!(v["content"][0], json!({"type": "text", "text": "Hello world! The answer is 42."}));
