@@ -58,17 +58,57 @@ pub fn json_layout() -> Value {
     json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
 }
 
-/// A JSON schema with Kylin's layout options attached (unless the schema sets its own
-/// `x-guidance`), ready for llguidance.
-pub fn schema_with_layout(schema: &Value) -> Value {
-    match schema {
-        Value::Object(map) if !map.contains_key("x-guidance") => {
-            let mut map = map.clone();
-            map.insert("x-guidance".into(), json_layout());
-            Value::Object(map)
-        }
-        other => other.clone(),
+/// The largest integer a constrained number may take when its schema gives no bound: 2^53 - 1,
+/// the largest integer every JSON parser reads exactly. Without a bound a model can write
+/// digits for ever (`"stars": 10000000...` until the token limit); with it a number has at most
+/// 16 digits before its point, and every value still validates against the schema as given.
+pub const NUMBER_BOUND: i64 = 9_007_199_254_740_991;
+
+/// Bounds every `integer` and `number` schema that has no bound of its own ([`NUMBER_BOUND`]).
+fn bound_numbers(schema: &mut Value, depth: usize) {
+    if depth > 64 {
+        return;
     }
+    match schema {
+        Value::Object(map) => {
+            let numeric = match map.get("type") {
+                Some(Value::String(t)) => t == "integer" || t == "number",
+                Some(Value::Array(ts)) => ts.iter().any(|t| t == "integer" || t == "number"),
+                _ => false,
+            };
+            if numeric {
+                let no_max = !map.contains_key("maximum") && !map.contains_key("exclusiveMaximum");
+                let no_min = !map.contains_key("minimum") && !map.contains_key("exclusiveMinimum");
+                if no_max {
+                    map.insert("maximum".into(), json!(NUMBER_BOUND));
+                }
+                if no_min {
+                    map.insert("minimum".into(), json!(-NUMBER_BOUND));
+                }
+            }
+            for (key, value) in map.iter_mut() {
+                // `enum`, `const` and `default` are values, not schemas.
+                if !matches!(key.as_str(), "enum" | "const" | "default" | "examples" | "x-guidance") {
+                    bound_numbers(value, depth + 1);
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(|v| bound_numbers(v, depth + 1)),
+        _ => {}
+    }
+}
+
+/// A JSON schema with Kylin's layout options attached (unless the schema sets its own
+/// `x-guidance`) and its unbounded numbers bounded, ready for llguidance.
+pub fn schema_with_layout(schema: &Value) -> Value {
+    let mut schema = schema.clone();
+    bound_numbers(&mut schema, 0);
+    if let Value::Object(map) = &mut schema
+        && !map.contains_key("x-guidance")
+    {
+        map.insert("x-guidance".into(), json_layout());
+    }
+    schema
 }
 
 /// The tokenizer as llguidance sees it: every token's bytes in a trie, and the Hugging Face

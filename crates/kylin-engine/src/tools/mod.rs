@@ -32,7 +32,7 @@ pub mod scan;
 
 use serde_json::{Value, json};
 
-use crate::grammar::json_layout;
+use crate::grammar::schema_with_layout;
 
 /// A function the model may call.
 #[derive(Debug, Clone, PartialEq)]
@@ -283,18 +283,13 @@ pub(crate) fn call_object_json(tool: &ToolSpec, args_key: &str) -> String {
         "properties": {"name": {"const": tool.name}, args_key: parameters_schema(tool)},
         "required": ["name", args_key],
         "additionalProperties": false,
-        "x-guidance": json_layout(),
     });
-    format!("%json {schema}")
+    format!("%json {}", schema_with_layout(&schema))
 }
 
 /// `%json {...}` of a tool's arguments alone.
 pub(crate) fn arguments_json(tool: &ToolSpec) -> String {
-    let mut schema = parameters_schema(tool);
-    if let Value::Object(m) = &mut schema {
-        m.insert("x-guidance".into(), json_layout());
-    }
-    format!("%json {schema}")
+    format!("%json {}", schema_with_layout(&parameters_schema(tool)))
 }
 
 /// The text a grammar may leave free: anything (the marker of a text syntax excluded by the
