@@ -20,8 +20,11 @@ if ! command -v python3 >/dev/null || ! python3 -c 'import venv, ensurepip' 2>/d
   $SUDO apt-get update -q
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q python3 python3-venv
 fi
-if [ ! -x "$ROOT/.venv/bin/pytest" ] || ! "$ROOT/.venv/bin/python" -c 'import openai, pytest' 2>/dev/null; then
-  echo "creating $ROOT/.venv with openai and pytest"
+# The agents' tests (tests/e2e/test_agents.py) drive it with the official anthropic client and
+# LangChain's ChatOpenAI as their users call them, and check outputs with jsonschema.
+if [ ! -x "$ROOT/.venv/bin/pytest" ] || ! "$ROOT/.venv/bin/python" -c 'import openai, pytest, anthropic, langchain_openai, jsonschema' 2>/dev/null; then
+  echo "creating $ROOT/.venv with openai, anthropic, langchain-openai, jsonschema and pytest"
   python3 -m venv "$ROOT/.venv"
-  "$ROOT/.venv/bin/pip" install -q --disable-pip-version-check "openai>=3,<4" "pytest>=9,<10"
+  "$ROOT/.venv/bin/pip" install -q --disable-pip-version-check "openai>=3,<4" "pytest>=9,<10" \
+    "anthropic>=2,<3" "langchain-openai>=1,<2" "jsonschema>=4,<5"
 fi

@@ -262,11 +262,11 @@ def test_400_with_the_field(client):
         chat(client, "hi", temperature=-1)
     assert e.value.body["param"] == "temperature"
     with pytest.raises(openai.BadRequestError) as e:
-        chat(client, "hi", tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    assert e.value.body["param"] == "tools"
+        chat(client, "hi", tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}], tool_choice="g")
+    assert e.value.body["param"] == "tool_choice"
     with pytest.raises(openai.BadRequestError) as e:
-        chat(client, "hi", response_format={"type": "json_object"})
-    assert e.value.body["param"] == "response_format"
+        chat(client, "hi", response_format={"type": "xml"})
+    assert e.value.body["param"] == "response_format.type"
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, "hi " * 3000)
     assert e.value.body["code"] == "context_length_exceeded"

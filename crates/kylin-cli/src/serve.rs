@@ -26,15 +26,32 @@ pub fn run(args: ServeArgs) -> Result<()> {
     runtime.block_on(serve(args, config))
 }
 
+/// The name a model is served under when `--served-model-name` is not given: a directory's
+/// name as it is (`qwen2.5-coder-0.5b-instruct` keeps its dots), a file's name without its
+/// extension only when that extension is a model format's (`.gguf`, `.bin`, `.safetensors`).
+pub fn default_served_name(path: &std::path::Path) -> String {
+    // A trailing slash or `.` component would leave no file name: resolve it first.
+    let resolved = if path.file_name().is_none() { std::fs::canonicalize(path).ok() } else { None };
+    let path = resolved.as_deref().unwrap_or(path);
+    let Some(name) = path.file_name().map(|n| n.to_string_lossy().into_owned()) else {
+        return path.display().to_string();
+    };
+    if path.is_dir() {
+        return name;
+    }
+    const MODEL_EXTENSIONS: [&str; 3] = [".gguf", ".bin", ".safetensors"];
+    for ext in MODEL_EXTENSIONS {
+        if name.len() > ext.len() && name.to_ascii_lowercase().ends_with(ext) {
+            return name[..name.len() - ext.len()].to_string();
+        }
+    }
+    name
+}
+
 fn server_config(args: &ServeArgs) -> Result<ServerConfig> {
     let name = match &args.served_model_name {
         Some(name) => name.clone(),
-        None => args
-            .model
-            .model
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| args.model.model.display().to_string()),
+        None => default_served_name(&args.model.model),
     };
     let api_key = match (&args.api_key, &args.api_key_file) {
         (Some(key), _) => Some(key.clone()),
@@ -134,4 +151,29 @@ async fn shutdown_signal() {
         () = term => {}
     }
     eprintln!("kylin serve: shutting down (running requests get the grace period)");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::default_served_name;
+
+    #[test]
+    fn directory_names_keep_their_dots_and_files_lose_only_a_model_extension() {
+        let dir = tempfile::tempdir().unwrap();
+        let model_dir = dir.path().join("qwen2.5-coder-0.5b-instruct");
+        std::fs::create_dir(&model_dir).unwrap();
+        assert_eq!(default_served_name(&model_dir), "qwen2.5-coder-0.5b-instruct");
+        let with_slash = std::path::PathBuf::from(format!("{}/", model_dir.display()));
+        assert_eq!(default_served_name(&with_slash), "qwen2.5-coder-0.5b-instruct");
+        for (file, name) in [
+            ("smollm2-135m.Q4_1.gguf", "smollm2-135m.Q4_1"),
+            ("stories15M.bin", "stories15M"),
+            ("model-v1.5.safetensors", "model-v1.5"),
+            ("weights.v2.txt", "weights.v2.txt"),
+        ] {
+            let path = dir.path().join(file);
+            std::fs::write(&path, b"x").unwrap();
+            assert_eq!(default_served_name(&path), name, "{file}");
+        }
+    }
 }

@@ -641,7 +641,7 @@ impl EngineCore {
     }
 
     /// The text codec, or `CONFIG_MISSING` when the model directory has no tokenizer.
-    pub(crate) fn text(&self) -> Result<&TextCodec> {
+    pub fn text(&self) -> Result<&TextCodec> {
         self.text.as_ref().ok_or_else(|| {
             KylinError::config_missing(
                 "model has no tokenizer (tokenizer.json or vocab.json + merges.txt); \
@@ -1041,6 +1041,10 @@ impl BatchEngine {
             seq.tokens.push(id);
             self.stats.generation_tokens_total += 1;
             events.push(Event { request: request.id, index, kind: token });
+            let reason = match reason {
+                None => take_forced(&mut seq, text, self.core.context, &mut self.stats, events)?,
+                some => some,
+            };
             match reason {
                 Some(reason) => self.end_waiting(seq, reason, events),
                 None if seq.computed == prompt_len && self.running.len() < self.core.max_seqs => self.running.push(seq),
@@ -1072,7 +1076,26 @@ impl BatchEngine {
             s.logits_row =
                 self.core.plan.push(ids, seq.computed, &seq.kv.blocks, &seq.kv.sliding, end == seq.tokens.len());
         }
-        self.core.forward(None);
+        // Constrained sequences compute the grammar mask for their next token while the forward
+        // pass runs, on a thread of their own (the pool's threads run the forward); an
+        // unconstrained batch takes the plain path and allocates nothing.
+        if self.running.iter().any(|s| s.decoding.needs_mask()) {
+            let running = &mut self.running;
+            let core = &mut self.core;
+            std::thread::scope(|scope| {
+                // Without a thread (none could be started), the masks are computed when
+                // sampling; a panic inside llguidance is caught there and ends its sequence.
+                let masks = std::thread::Builder::new()
+                    .name("kylin-grammar".into())
+                    .spawn_scoped(scope, || prepare_masks(running.iter_mut()));
+                core.forward(None);
+                if let Ok(handle) = masks {
+                    let _ = handle.join();
+                }
+            });
+        } else {
+            self.core.forward(None);
+        }
         self.stats.steps += 1;
 
         self.finished.clear();
@@ -1090,6 +1113,10 @@ impl BatchEngine {
             seq.tokens.push(id);
             self.stats.generation_tokens_total += 1;
             events.push(Event { request: seq.request, index: seq.index, kind: token });
+            let reason = match reason {
+                None => take_forced(seq, text, self.core.context, &mut self.stats, events)?,
+                some => some,
+            };
             if let Some(reason) = reason {
                 let kind = seq.decoding.finish(reason, text)?;
                 events.push(Event { request: seq.request, index: seq.index, kind });
@@ -1106,6 +1133,41 @@ impl BatchEngine {
             seq.kv.release_all(&mut self.core.allocs());
         }
         Ok(())
+    }
+}
+
+/// Computes the grammar masks the sequences will need for their next token.
+fn prepare_masks<'a>(seqs: impl Iterator<Item = &'a mut Seq>) {
+    for seq in seqs {
+        if seq.decoding.needs_mask() {
+            seq.decoding.prepare_mask();
+        }
+    }
+}
+
+/// Appends the tokens the sequence's grammar forces after its last token, without sampling
+/// (they are computed by the next forward pass as a chunk); returns why the sequence ended,
+/// if one of them ended it.
+fn take_forced(
+    seq: &mut Seq,
+    text: Option<&TextCodec>,
+    context: usize,
+    stats: &mut EngineStats,
+    events: &mut Vec<Event>,
+) -> Result<Option<StopReason>> {
+    loop {
+        let at_end = seq.tokens.len() + 1 > context;
+        match seq.decoding.next_forced(text, at_end)? {
+            None => return Ok(None),
+            Some((id, token, reason)) => {
+                seq.tokens.push(id);
+                stats.generation_tokens_total += 1;
+                events.push(Event { request: seq.request, index: seq.index, kind: token });
+                if reason.is_some() {
+                    return Ok(reason);
+                }
+            }
+        }
     }
 }
 
@@ -1178,5 +1240,22 @@ impl Serving for BatchEngine {
         kwargs: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String> {
         self.core.text()?.apply_chat_template(messages, add_generation_prompt, kwargs)
+    }
+
+    fn render_chat(
+        &self,
+        messages: &[serde_json::Value],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String> {
+        self.core.text()?.render_chat(messages, add_generation_prompt, kwargs)
+    }
+
+    fn tool_syntax(&self) -> Option<crate::tools::ToolSyntax> {
+        self.core.text.as_ref().and_then(TextCodec::tool_syntax)
+    }
+
+    fn grammar_compiler(&self) -> Result<Arc<crate::grammar::GrammarCompiler>> {
+        self.core.text()?.grammar_compiler(self.core.model.dims().vocab, &self.core.eos_ids)
     }
 }

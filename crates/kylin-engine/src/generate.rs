@@ -44,7 +44,7 @@ impl From<StopReason> for FinishReason {
         match reason {
             StopReason::Eos => FinishReason::Eos,
             // A cancelled generation ends like one stopped by a stop string.
-            StopReason::StopString | StopReason::Cancelled => FinishReason::Stop,
+            StopReason::StopString | StopReason::Cancelled | StopReason::GrammarFailed => FinishReason::Stop,
             StopReason::Length => FinishReason::Length,
             StopReason::ContextFull => FinishReason::ContextFull,
         }

@@ -6,6 +6,7 @@ pub mod backend;
 pub mod batch;
 pub mod detok;
 pub mod generate;
+pub mod grammar;
 pub mod kv_pool;
 pub mod model;
 pub mod native;
@@ -15,6 +16,7 @@ pub mod sequence;
 pub mod serial;
 pub mod serving;
 pub mod text;
+pub mod tools;
 
 pub use backend::{Backend, BackendSummary, ChatMessage};
 pub use generate::{ChatSession, FinishReason, GenerateRequest, GenerationResult, GenerationTimings, generate};

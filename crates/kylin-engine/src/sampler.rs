@@ -232,6 +232,13 @@ impl Sampler {
 
     /// Picks the next token from `logits` (one row of `vocab_size` values).
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32> {
+        self.sample_with(logits, |_| Ok(()))
+    }
+
+    /// Picks the next token after `adjust` has changed the sampler's copy of the logits (a
+    /// logit bias, a grammar's mask setting forbidden ids to `-inf`); `logits` itself is not
+    /// changed. Allocates nothing.
+    pub fn sample_with(&mut self, logits: &[f32], adjust: impl FnOnce(&mut [f32]) -> Result<()>) -> Result<u32> {
         if logits.len() != self.vocab {
             return Err(KylinError::input_invalid(format!(
                 "the sampler was built for {} logits but got {}",
@@ -247,6 +254,7 @@ impl Sampler {
         for (dst, &src) in self.logits.iter_mut().zip(logits) {
             *dst = if src.is_nan() { f32::NEG_INFINITY } else { src };
         }
+        adjust(&mut self.logits)?;
 
         // 1. Repetition penalty (HF RepetitionPenaltyLogitsProcessor), once per distinct id.
         if p.repetition_penalty != 1.0 {

@@ -4,11 +4,13 @@
 //! whichever engine runs it.
 //!
 //! Guarantees: every buffer the sampler needs is allocated when the choice is created; a step
-//! allocates only the text pieces and log-probability lists it hands out.
+//! allocates only the text pieces and log-probability lists it hands out (and, for a
+//! constrained choice, what llguidance allocates for its mask).
 
 use kylin_loader::Result;
 
 use crate::detok::{Detokenize, StopMatcher, StopOutcome, StreamDecoder};
+use crate::grammar::GrammarState;
 use crate::sampler::Sampler;
 use crate::serving::{EventKind, MAX_TOP_LOGPROBS, Request, StopReason, TokenLogprob, Usage};
 
@@ -23,10 +25,17 @@ pub struct Decoding {
     max_new_tokens: usize,
     logprobs: Option<usize>,
     detokenize: bool,
+    /// Added to the logits before sampling.
+    logit_bias: Vec<(u32, f32)>,
+    /// The choice's position in its grammar, when the request is constrained.
+    grammar: Option<GrammarState>,
     /// Tokens generated so far (an ending EOS included).
     pub generated: usize,
     pub usage: Usage,
 }
+
+/// What one token did to a choice: its id, its event, and why the choice ended with it.
+pub type Accepted = (u32, EventKind, Option<StopReason>);
 
 impl Decoding {
     /// The state of choice `index` of `request`; its sampler is seeded with `seed + index` and
@@ -38,49 +47,129 @@ impl Decoding {
         sampler.observe_all(&request.prompt_ids);
         Decoding {
             sampler,
-            decoder: StreamDecoder::new(true),
+            decoder: StreamDecoder::new(request.skip_special_tokens),
             stops: StopMatcher::new(&request.stop),
             eos: if request.ignore_eos { Vec::new() } else { eos_ids.to_vec() },
             max_new_tokens: request.max_new_tokens,
             logprobs: request.logprobs.map(|k| k.min(MAX_TOP_LOGPROBS)),
             detokenize: request.detokenize,
+            logit_bias: request.logit_bias.iter().copied().filter(|&(id, _)| (id as usize) < vocab).collect(),
+            grammar: request.grammar.as_ref().map(|g| g.start()),
             generated: 0,
             usage: Usage { prompt_tokens: request.prompt_ids.len(), ..Usage::default() },
+        }
+    }
+
+    /// True when the choice is constrained and the mask for its next token is not computed
+    /// yet: [`Decoding::prepare_mask`] can run while the forward pass does.
+    pub fn needs_mask(&self) -> bool {
+        self.grammar.as_ref().is_some_and(GrammarState::needs_mask)
+    }
+
+    /// Computes the grammar's mask for the next token (nothing without a grammar). A failure
+    /// is reported by the next [`Decoding::accept`], which computes the mask again.
+    pub fn prepare_mask(&mut self) {
+        if let Some(g) = &mut self.grammar {
+            let _ = g.prepare();
         }
     }
 
     /// Samples the next token from `logits` (`(vocab)`), and returns it with the token event
     /// and, when the choice ends with it, the reason. `at_context_end` says the sequence has no
     /// room for another token. `text` is the detokenizer (None: ids only).
+    ///
+    /// With a grammar, the forbidden ids are masked first, and the tokens the grammar forces
+    /// after this one are then handed out by [`Decoding::next_forced`].
     pub fn accept<D: Detokenize + ?Sized>(
         &mut self,
         logits: &[f32],
         text: Option<&D>,
         at_context_end: bool,
-    ) -> Result<(u32, EventKind, Option<StopReason>)> {
-        let id = self.sampler.sample(logits)?;
+    ) -> Result<Accepted> {
+        let bias = &self.logit_bias;
+        let grammar = &mut self.grammar;
+        let sampled = self.sampler.sample_with(logits, |l| {
+            for &(id, b) in bias {
+                if let Some(x) = l.get_mut(id as usize) {
+                    *x += b;
+                }
+            }
+            match grammar {
+                Some(g) => g.apply(l),
+                None => Ok(()),
+            }
+        });
+        let id = match sampled {
+            Ok(id) => id,
+            Err(_) if self.grammar.is_some() => {
+                // The grammar could not say what may come next: the choice ends here, with
+                // what it has (no token of this step is emitted).
+                let id = self.eos.first().copied().unwrap_or(0);
+                self.grammar = None;
+                return Ok((
+                    id,
+                    EventKind::Token { id, text: String::new(), logprob: None },
+                    Some(StopReason::GrammarFailed),
+                ));
+            }
+            Err(e) => return Err(e),
+        };
+        let logprob = self.logprobs.map(|k| token_logprob(logits, id, k));
+        self.take(id, logprob, text, at_context_end)
+    }
+
+    /// The next token the grammar forces after the last one, with its event and, when the
+    /// choice ends with it, the reason; `None` when nothing is forced (sample next). A forced
+    /// token's log-probability is 0 (it was the only possible token).
+    pub fn next_forced<D: Detokenize + ?Sized>(
+        &mut self,
+        text: Option<&D>,
+        at_context_end: bool,
+    ) -> Result<Option<Accepted>> {
+        let Some(id) = self.grammar.as_ref().and_then(GrammarState::forced) else { return Ok(None) };
+        let logprob = self.logprobs.map(|_| TokenLogprob { id, logprob: 0.0, top: Vec::new() });
+        self.take(id, logprob, text, at_context_end).map(Some)
+    }
+
+    /// Appends `id` to the choice: counts, grammar, detokenization, stop strings and limits.
+    fn take<D: Detokenize + ?Sized>(
+        &mut self,
+        id: u32,
+        logprob: Option<TokenLogprob>,
+        text: Option<&D>,
+        at_context_end: bool,
+    ) -> Result<Accepted> {
         self.sampler.observe_generated(id);
         self.generated += 1;
         self.usage.completion_tokens = self.generated;
-        let logprob = self.logprobs.map(|k| token_logprob(logits, id, k));
         let mut piece = String::new();
         let mut reason = None;
         if self.eos.contains(&id) {
             reason = Some(StopReason::Eos);
-        } else if let (true, Some(text)) = (self.detokenize, text) {
-            let decoded = self.decoder.push(text, id)?;
-            if !decoded.is_empty() {
-                match self.stops.push(&decoded) {
-                    StopOutcome::Continue(out) => piece = out,
-                    StopOutcome::Stopped(out) => {
-                        piece = out;
-                        reason = Some(StopReason::StopString);
+        } else {
+            if let Some(g) = &mut self.grammar
+                && g.commit(id).is_err()
+            {
+                reason = Some(StopReason::GrammarFailed);
+            }
+            if let (true, Some(text)) = (self.detokenize, text) {
+                let decoded = self.decoder.push(text, id)?;
+                if !decoded.is_empty() {
+                    match self.stops.push(&decoded) {
+                        StopOutcome::Continue(out) => piece = out,
+                        StopOutcome::Stopped(out) => {
+                            piece = out;
+                            reason = reason.or(Some(StopReason::StopString));
+                        }
                     }
                 }
             }
         }
         if reason.is_none() {
-            if self.generated >= self.max_new_tokens {
+            if self.grammar.as_ref().is_some_and(GrammarState::is_finished) {
+                // The grammar is complete: nothing but EOS could follow.
+                reason = Some(StopReason::Eos);
+            } else if self.generated >= self.max_new_tokens {
                 reason = Some(StopReason::Length);
             } else if at_context_end {
                 reason = Some(StopReason::ContextFull);

@@ -57,8 +57,37 @@ struct Running {
     request: Request,
     index: usize,
     decoding: Decoding,
-    /// The token sampled last, not yet run through the model.
-    pending: Option<u32>,
+    /// The tokens sampled (and forced by a grammar) last, not yet run through the model.
+    pending: Vec<u32>,
+}
+
+/// After a sampled token (already in `pending`), appends the tokens the choice's grammar
+/// forces; returns why the choice ended, if one of them ended it.
+#[allow(clippy::too_many_arguments)]
+fn take_forced(
+    decoding: &mut Decoding,
+    text: Option<&dyn Backend>,
+    position: usize,
+    context: usize,
+    pending: &mut Vec<u32>,
+    (request, index): (u64, usize),
+    stats: &mut EngineStats,
+    events: &mut Vec<Event>,
+) -> Result<Option<StopReason>> {
+    loop {
+        let at_end = position + pending.len() >= context;
+        match decoding.next_forced(text, at_end)? {
+            None => return Ok(None),
+            Some((id, token, reason)) => {
+                pending.push(id);
+                stats.generation_tokens_total += 1;
+                events.push(Event { request, index, kind: token });
+                if reason.is_some() {
+                    return Ok(reason);
+                }
+            }
+        }
+    }
 }
 
 /// A [`Backend`] serving requests one sequence at a time.
@@ -107,7 +136,16 @@ impl SerialEngine {
         let (id, token, reason) = decoding.accept(&self.logits, text, at_end)?;
         self.stats.generation_tokens_total += 1;
         events.push(Event { request: request.id, index, kind: token });
-        let running = Running { request, index, decoding, pending: Some(id) };
+        let mut pending = vec![id];
+        let reason = match reason {
+            None => {
+                let (position, context) = (self.backend.position(), self.backend.context_size());
+                let who = (request.id, index);
+                take_forced(&mut decoding, text, position, context, &mut pending, who, &mut self.stats, events)?
+            }
+            some => some,
+        };
+        let running = Running { request, index, decoding, pending };
         self.after_token(running, reason, events)
     }
 
@@ -200,15 +238,28 @@ impl Serving for SerialEngine {
                 return Ok(());
             }
             let mut running = running;
-            let Some(id) = running.pending else { return Ok(()) };
-            self.logits.copy_from_slice(self.backend.decode(id)?);
-            self.cached.push(id);
+            let logits = match running.pending.as_slice() {
+                [] => return Ok(()),
+                [id] => self.backend.decode(*id)?,
+                ids => self.backend.prefill(ids)?,
+            };
+            self.logits.copy_from_slice(logits);
+            self.cached.append(&mut running.pending);
             let at_end = self.backend.position() >= self.backend.context_size();
             let text = self.backend.has_tokenizer().then_some(&*self.backend);
             let (next, token, reason) = running.decoding.accept(&self.logits, text, at_end)?;
             self.stats.generation_tokens_total += 1;
-            running.pending = Some(next);
+            running.pending.push(next);
             events.push(Event { request: running.request.id, index: running.index, kind: token });
+            let reason = match reason {
+                None => {
+                    let (position, context) = (self.backend.position(), self.backend.context_size());
+                    let who = (running.request.id, running.index);
+                    let (decoding, pending) = (&mut running.decoding, &mut running.pending);
+                    take_forced(decoding, text, position, context, pending, who, &mut self.stats, events)?
+                }
+                some => some,
+            };
             return self.after_token(running, reason, events);
         }
         if let Some(request) = self.queue.pop_front() {

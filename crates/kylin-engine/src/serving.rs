@@ -65,6 +65,17 @@ pub struct Request {
     pub logprobs: Option<usize>,
     /// Stream text with the tokens (false: ids only, as `bench` wants).
     pub detokenize: bool,
+    /// Drop special tokens from the text (true, as HF's `skip_special_tokens`); false keeps
+    /// them, which tool-call syntaxes built on special tokens (`[TOOL_CALLS]`,
+    /// `<|python_tag|>`) need.
+    pub skip_special_tokens: bool,
+    /// Added to the logits of these ids before sampling (OpenAI's `logit_bias`; -100 bans an
+    /// id, 100 all but forces it). Log-probabilities stay those of the model.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// A grammar every choice's output must follow (constrained decoding): the logits of the
+    /// tokens it forbids are masked at every step, the tokens it forces are appended without
+    /// sampling, and the choice ends (as EOS) when the grammar is complete.
+    pub grammar: Option<crate::grammar::Grammar>,
     pub cancel: CancelHandle,
 }
 
@@ -84,6 +95,9 @@ impl Request {
             n: 1,
             logprobs: None,
             detokenize: true,
+            skip_special_tokens: true,
+            logit_bias: Vec::new(),
+            grammar: None,
             cancel: CancelHandle::new(),
         }
     }
@@ -112,6 +126,9 @@ pub enum StopReason {
     ContextFull,
     /// The request was cancelled.
     Cancelled,
+    /// The request's grammar failed while generating (a step exceeded llguidance's limits);
+    /// the text so far is kept.
+    GrammarFailed,
 }
 
 impl StopReason {
@@ -121,6 +138,7 @@ impl StopReason {
             StopReason::Eos | StopReason::StopString => "stop",
             StopReason::Length | StopReason::ContextFull => "length",
             StopReason::Cancelled => "cancelled",
+            StopReason::GrammarFailed => "error",
         }
     }
 }
@@ -247,4 +265,46 @@ pub trait Serving {
         add_generation_prompt: bool,
         kwargs: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String>;
+
+    /// Renders messages as OpenAI's JSON holds them (tool calls, tool results) through the
+    /// chat template; tools go in `kwargs["tools"]`. The default takes plain `role`/`content`
+    /// messages only (`INPUT_INVALID` otherwise), for engines whose renderer cannot do more.
+    fn render_chat(
+        &self,
+        messages: &[serde_json::Value],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String> {
+        let mut plain = Vec::with_capacity(messages.len());
+        for m in messages {
+            let role = m.get("role").and_then(serde_json::Value::as_str);
+            let content = m.get("content").and_then(serde_json::Value::as_str);
+            let extra = m.as_object().is_some_and(|o| o.keys().any(|k| k != "role" && k != "content"));
+            match (role, content, extra) {
+                (Some(role), Some(content), false) => {
+                    plain.push(ChatMessage { role: role.to_string(), content: content.to_string() })
+                }
+                _ => {
+                    return Err(kylin_loader::KylinError::input_invalid(
+                        "this engine renders plain text messages only (no tool calls or tool results)",
+                    ));
+                }
+            }
+        }
+        self.apply_chat_template(&plain, add_generation_prompt, kwargs)
+    }
+
+    /// The tool-call syntax of the model's chat template (`None`: the template renders no
+    /// tools, or the engine cannot tell).
+    fn tool_syntax(&self) -> Option<crate::tools::ToolSyntax> {
+        None
+    }
+
+    /// The grammar compiler over the model's vocabulary, for constrained decoding; engines
+    /// that cannot mask logits say so (`INPUT_INVALID`).
+    fn grammar_compiler(&self) -> Result<std::sync::Arc<crate::grammar::GrammarCompiler>> {
+        Err(kylin_loader::KylinError::input_invalid(
+            "constrained decoding (response_format, tool_choice, grammars) is not available on this backend",
+        ))
+    }
 }

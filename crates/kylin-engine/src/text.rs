@@ -62,6 +62,10 @@ pub struct TextCodec {
     template: Option<Environment<'static>>,
     /// Where the template came from, for error messages.
     template_origin: String,
+    /// The template's text (tool-call syntax detection reads it).
+    template_source: Option<String>,
+    /// The grammar compiler over this vocabulary, built on first use.
+    grammar: std::sync::OnceLock<Result<std::sync::Arc<crate::grammar::GrammarCompiler>>>,
 }
 
 impl std::fmt::Debug for TextCodec {
@@ -89,6 +93,7 @@ impl TextCodec {
                 None => (None, "tokenizer_config.json".to_string()),
             },
         };
+        let template_source = source.clone();
         let template = match source {
             Some(source) => Some(build_environment(source, &origin)?),
             None => None,
@@ -103,12 +108,38 @@ impl TextCodec {
             add_eos_token: bundle.add_eos_token,
             template,
             template_origin: origin,
+            template_source,
+            grammar: std::sync::OnceLock::new(),
         })
     }
 
     /// True when a chat template is available (from the model or the override).
     pub fn has_chat_template(&self) -> bool {
         self.template.is_some()
+    }
+
+    /// The chat template's text, when there is one.
+    pub fn template_source(&self) -> Option<&str> {
+        self.template_source.as_deref()
+    }
+
+    /// The tool-call syntax the chat template teaches (`None`: it renders no tools).
+    pub fn tool_syntax(&self) -> Option<crate::tools::ToolSyntax> {
+        self.template_source.as_deref().and_then(crate::tools::ToolSyntax::detect)
+    }
+
+    /// The grammar compiler for this tokenizer with `vocab` logits and `eos_ids`, built on the
+    /// first call (it indexes the vocabulary once) and shared after.
+    pub fn grammar_compiler(
+        &self,
+        vocab: usize,
+        eos_ids: &[u32],
+    ) -> Result<std::sync::Arc<crate::grammar::GrammarCompiler>> {
+        self.grammar
+            .get_or_init(|| {
+                crate::grammar::GrammarCompiler::new(&self.tokenizer, vocab, eos_ids).map(std::sync::Arc::new)
+            })
+            .clone()
     }
 
     /// The underlying `tokenizers` tokenizer.
@@ -164,6 +195,21 @@ impl TextCodec {
         add_generation_prompt: bool,
         kwargs: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String> {
+        let messages: Vec<serde_json::Value> =
+            messages.iter().map(|m| serde_json::json!({"role": m.role, "content": m.content})).collect();
+        self.render_chat(&messages, add_generation_prompt, kwargs)
+    }
+
+    /// [`TextCodec::apply_chat_template`] for messages as OpenAI's JSON holds them, with
+    /// whatever fields they carry (`tool_calls` with their arguments as objects, `tool_call_id`,
+    /// `name`, ...); the tools go in `kwargs["tools"]`. Objects keep their keys' order, as
+    /// Python's dicts do, so `tojson` writes what transformers writes.
+    pub fn render_chat(
+        &self,
+        messages: &[serde_json::Value],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String> {
         let Some(env) = &self.template else {
             return Err(KylinError::config_missing(
                 "this model has no chat template: tokenizer_config.json has no 'chat_template'; \
@@ -171,15 +217,7 @@ impl TextCodec {
             ));
         };
         let mut ctx: BTreeMap<String, Value> = BTreeMap::new();
-        let msgs: Vec<Value> = messages
-            .iter()
-            .map(|m| {
-                let mut map: BTreeMap<String, Value> = BTreeMap::new();
-                map.insert("role".into(), Value::from(m.role.clone()));
-                map.insert("content".into(), Value::from(m.content.clone()));
-                Value::from(map)
-            })
-            .collect();
+        let msgs: Vec<Value> = messages.iter().map(json_to_value).collect();
         ctx.insert("messages".into(), Value::from(msgs));
         ctx.insert("add_generation_prompt".into(), Value::from(add_generation_prompt));
         ctx.insert("tools".into(), Value::from(()));
@@ -536,8 +574,10 @@ pub(crate) fn json_to_value(v: &serde_json::Value) -> Value {
         }
         serde_json::Value::String(s) => Value::from(s.clone()),
         serde_json::Value::Array(a) => Value::from(a.iter().map(json_to_value).collect::<Vec<_>>()),
+        // In the object's own order, as Python's dicts keep it.
         serde_json::Value::Object(o) => {
-            let map: BTreeMap<String, Value> = o.iter().map(|(k, v)| (k.clone(), json_to_value(v))).collect();
+            let map: indexmap::IndexMap<Value, Value> =
+                o.iter().map(|(k, v)| (Value::from(k.clone()), json_to_value(v))).collect();
             Value::from(map)
         }
     }

@@ -14,11 +14,12 @@
 //!
 //! `null` is the same as an absent field everywhere.
 
-use kylin_engine::ChatMessage;
+use kylin_engine::grammar::GrammarSpec;
 use kylin_engine::sampler::SamplingParams;
+use kylin_engine::tools::{ToolChoice, ToolSpec};
 use kylin_loader::GenerationDefaults;
 use serde::de::DeserializeOwned;
-use serde_json::{Map, Value};
+use serde_json::{Map, Value, json};
 
 use crate::error::ApiError;
 
@@ -30,8 +31,7 @@ pub const MAX_STOP: usize = 16;
 pub const MAX_LOGPROBS: usize = kylin_engine::serving::MAX_TOP_LOGPROBS;
 
 /// Fields accepted everywhere and ignored: they do not change the answer.
-const HARMLESS: &[&str] =
-    &["user", "metadata", "store", "service_tier", "parallel_tool_calls", "prediction", "request_id", "priority"];
+const HARMLESS: &[&str] = &["user", "metadata", "store", "service_tier", "prediction", "request_id", "priority"];
 
 /// A JSON object being taken apart.
 pub struct Fields {
@@ -86,10 +86,6 @@ fn is_empty_list(v: &Value) -> bool {
     v.as_array().is_some_and(Vec::is_empty)
 }
 
-fn is_empty_object(v: &Value) -> bool {
-    v.as_object().is_some_and(Map::is_empty)
-}
-
 /// The fields chat and completions share: the model, sampling, limits, stop strings, `n`,
 /// streaming.
 #[derive(Debug, Clone, Default)]
@@ -109,6 +105,10 @@ pub struct Common {
     pub stream: bool,
     pub include_usage: bool,
     pub ignore_eos: bool,
+    pub logit_bias: Vec<(u32, f32)>,
+    /// A vLLM-style `guided_*` constraint and the field it came from.
+    pub guided: Option<(GrammarSpec, &'static str)>,
+    pub skip_special_tokens: bool,
 }
 
 /// `stop`: a string or a list of strings.
@@ -135,6 +135,7 @@ impl Common {
             n: f.take("n", "a positive integer")?.unwrap_or(1),
             stream: f.take("stream", "a boolean")?.unwrap_or(false),
             ignore_eos: f.take("ignore_eos", "a boolean")?.unwrap_or(false),
+            skip_special_tokens: true,
             ..Common::default()
         };
         c.stop = match f.take::<Stop>("stop", "a string or a list of strings")? {
@@ -179,20 +180,21 @@ impl Common {
         if c.max_tokens == Some(0) {
             return Err(ApiError::invalid("max_tokens", "`max_tokens` must be at least 1"));
         }
+        c.logit_bias = logit_bias(f)?;
+        c.guided = guided(f)?;
+        if let Some(b) = f.take::<bool>("skip_special_tokens", "a boolean")? {
+            c.skip_special_tokens = b;
+        }
         // Fields that would change the answer, refused unless they hold their neutral value.
-        f.refuse_unless("logit_bias", is_empty_object, "logit biases are not implemented")?;
         f.refuse_unless("best_of", |v| v.as_u64().is_some_and(|b| b as usize <= c.n), "best-of sampling")?;
         f.refuse_unless("min_tokens", |v| v.as_u64() == Some(0), "a minimum length is not implemented")?;
-        f.refuse_unless("skip_special_tokens", |v| v.as_bool() == Some(true), "special tokens are always skipped")?;
         f.refuse_unless(
             "include_stop_str_in_output",
             |v| v.as_bool() == Some(false),
             "the stop string is never included",
         )?;
         f.refuse_unless("use_beam_search", |v| v.as_bool() == Some(false), "beam search is not implemented")?;
-        for key in ["guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"] {
-            f.refuse_unless(key, |_| false, "constrained decoding is not implemented")?;
-        }
+        f.refuse_unless("structured_outputs", |_| false, "use response_format or guided_json/regex/grammar/choice")?;
         f.refuse_unless("truncate_prompt_tokens", |_| false, "prompts are never truncated")?;
         Ok(c)
     }
@@ -248,7 +250,12 @@ impl Common {
 #[derive(Debug, Clone)]
 pub struct ChatRequest {
     pub common: Common,
-    pub messages: Vec<ChatMessage>,
+    /// Normalized messages ([`message`]).
+    pub messages: Vec<Value>,
+    pub tools: Vec<ToolSpec>,
+    pub tool_choice: ToolChoice,
+    pub parallel_tool_calls: bool,
+    pub response_format: Option<GrammarSpec>,
     /// `Some(k)` when `logprobs` is true: `k` is `top_logprobs` (0 by default).
     pub logprobs: Option<usize>,
     pub chat_template_kwargs: Map<String, Value>,
@@ -287,15 +294,19 @@ impl ChatRequest {
         }
         let chat_template_kwargs = f.take("chat_template_kwargs", "an object")?.unwrap_or_default();
         let add_generation_prompt = f.take("add_generation_prompt", "a boolean")?.unwrap_or(true);
-        f.refuse_unless("tools", is_empty_list, "tool calling is not implemented")?;
-        f.refuse_unless("tool_choice", |v| v == "none" || v == "auto", "tool calling is not implemented")?;
-        f.refuse_unless("functions", is_empty_list, "function calling is not implemented")?;
-        f.refuse_unless("function_call", |v| v == "none" || v == "auto", "function calling is not implemented")?;
+        let tools = tools(f.take("tools", "a list of tools")?, "tools")?;
+        let tool_choice = tool_choice(f.take("tool_choice", "a string or an object")?, &tools)?;
+        let parallel_tool_calls = f.take::<bool>("parallel_tool_calls", "a boolean")?.unwrap_or(true);
+        f.refuse_unless("functions", is_empty_list, "OpenAI's deprecated form; send `tools`")?;
         f.refuse_unless(
-            "response_format",
-            |v| v.get("type").is_some_and(|t| t == "text"),
-            "only {\"type\": \"text\"}",
+            "function_call",
+            |v| v == "none" || v == "auto",
+            "OpenAI's deprecated form; send `tool_choice`",
         )?;
+        let response_format = response_format(f.take("response_format", "an object")?, "response_format")?;
+        if response_format.is_some() && common.guided.is_some() {
+            return Err(ApiError::invalid("response_format", "give `response_format` or a guided_* field, not both"));
+        }
         f.refuse_unless("modalities", |v| v.as_array().is_some_and(|a| a.iter().all(|m| m == "text")), "text only")?;
         f.refuse_unless("audio", |_| false, "audio output is not implemented")?;
         f.refuse_unless("reasoning_effort", |_| false, "use chat_template_kwargs (e.g. enable_thinking)")?;
@@ -306,6 +317,10 @@ impl ChatRequest {
         Ok(ChatRequest {
             common,
             messages,
+            tools,
+            tool_choice,
+            parallel_tool_calls,
+            response_format,
             logprobs: logprobs.then_some(top.unwrap_or(0)),
             chat_template_kwargs,
             add_generation_prompt,
@@ -313,8 +328,51 @@ impl ChatRequest {
     }
 }
 
-/// One message: a role and text content (a string or a list of text parts).
-fn message(i: usize, value: Value) -> Result<ChatMessage, ApiError> {
+/// The text of a message's `content`: a string, a list of text parts, or null (empty).
+fn content_text(value: Option<Value>, at: &str) -> Result<String, ApiError> {
+    match value {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for (j, part) in parts.iter().enumerate() {
+                let kind = part.get("type").and_then(Value::as_str);
+                match (kind, part.get("text").and_then(Value::as_str)) {
+                    (Some("text" | "input_text" | "output_text"), Some(t)) => text.push_str(t),
+                    (Some("text" | "input_text" | "output_text"), None) => {
+                        return Err(ApiError::invalid(format!("{at}[{j}].text"), "a text part needs `text`"));
+                    }
+                    _ => {
+                        return Err(ApiError::invalid(
+                            format!("{at}[{j}].type"),
+                            "only text content parts are supported",
+                        )
+                        .code("unsupported_parameter"));
+                    }
+                }
+            }
+            Ok(text)
+        }
+        Some(_) => Err(ApiError::invalid(at, "`content` must be a string or a list of text parts")),
+    }
+}
+
+/// A tool call's arguments as the chat template wants them: an object (parsed from OpenAI's
+/// JSON string).
+pub fn arguments_object(arguments: &Value, at: &str) -> Result<Value, ApiError> {
+    match arguments {
+        Value::String(s) if s.trim().is_empty() => Ok(Value::Object(Map::new())),
+        Value::String(s) => serde_json::from_str::<Value>(s)
+            .map_err(|e| ApiError::invalid(at, format!("`arguments` must be a JSON text: {e}"))),
+        Value::Object(_) => Ok(arguments.clone()),
+        Value::Null => Ok(Value::Object(Map::new())),
+        _ => Err(ApiError::invalid(at, "`arguments` must be a JSON string")),
+    }
+}
+
+/// One message, checked and normalized to what chat templates read: `role`, `content` (text),
+/// and for tool calling `tool_calls` (arguments as objects) or `tool_call_id`.
+pub fn message(i: usize, value: Value) -> Result<Value, ApiError> {
     let at = |field: &str| format!("messages[{i}].{field}");
     let Value::Object(mut m) = value else {
         return Err(ApiError::invalid(format!("messages[{i}]"), "each message must be an object"));
@@ -324,61 +382,263 @@ fn message(i: usize, value: Value) -> Result<ChatMessage, ApiError> {
         _ => return Err(ApiError::invalid(at("role"), "each message needs a string `role`")),
     };
     let role = match role.as_str() {
-        "system" | "user" | "assistant" => role,
+        "system" | "user" | "assistant" | "tool" => role,
         // OpenAI's newer name for system instructions; chat templates know `system`.
         "developer" => "system".to_string(),
-        "tool" | "function" => {
+        "function" => {
             return Err(ApiError::invalid(
                 at("role"),
-                format!("role `{role}` needs tool calling, which is not implemented"),
+                "role `function` is OpenAI's deprecated form; send `tool` messages",
             )
             .code("unsupported_parameter"));
         }
         _ => return Err(ApiError::invalid(at("role"), format!("unknown role `{role}`"))),
     };
-    let content = match m.remove("content") {
-        None | Some(Value::Null) => String::new(),
-        Some(Value::String(s)) => s,
-        Some(Value::Array(parts)) => {
-            let mut text = String::new();
-            for (j, part) in parts.iter().enumerate() {
-                let kind = part.get("type").and_then(Value::as_str);
-                match (kind, part.get("text").and_then(Value::as_str)) {
-                    (Some("text"), Some(t)) => text.push_str(t),
-                    (Some("text"), None) => {
-                        return Err(ApiError::invalid(
-                            format!("messages[{i}].content[{j}].text"),
-                            "a text part needs `text`",
-                        ));
-                    }
-                    _ => {
-                        return Err(ApiError::invalid(
-                            format!("messages[{i}].content[{j}].type"),
-                            "only text content parts are supported",
-                        )
-                        .code("unsupported_parameter"));
-                    }
-                }
+    let content = content_text(m.remove("content"), &at("content"))?;
+    let mut out = Map::new();
+    out.insert("role".into(), Value::String(role.clone()));
+    out.insert("content".into(), Value::String(content));
+    let tool_calls = m.remove("tool_calls");
+    let tool_call_id = m.remove("tool_call_id");
+    let name = m.remove("name");
+    match (role.as_str(), tool_calls) {
+        ("assistant", Some(Value::Array(calls))) if !calls.is_empty() => {
+            let mut list = Vec::with_capacity(calls.len());
+            for (j, call) in calls.into_iter().enumerate() {
+                let call_at = |f: &str| format!("messages[{i}].tool_calls[{j}].{f}");
+                let id = call.get("id").and_then(Value::as_str).unwrap_or("").to_string();
+                let function = call
+                    .get("function")
+                    .ok_or_else(|| ApiError::invalid(call_at("function"), "a tool call needs `function`"))?;
+                let fname =
+                    function.get("name").and_then(Value::as_str).filter(|n| !n.is_empty()).ok_or_else(|| {
+                        ApiError::invalid(call_at("function.name"), "a tool call needs a function `name`")
+                    })?;
+                let args = arguments_object(
+                    function.get("arguments").unwrap_or(&Value::Null),
+                    &call_at("function.arguments"),
+                )?;
+                list.push(json!({"id": id, "type": "function", "function": {"name": fname, "arguments": args}}));
             }
-            text
+            out.insert("tool_calls".into(), Value::Array(list));
         }
-        Some(_) => return Err(ApiError::invalid(at("content"), "`content` must be a string or a list of text parts")),
-    };
+        (_, None | Some(Value::Null)) => {}
+        ("assistant", Some(Value::Array(_))) => {}
+        (_, Some(_)) => {
+            return Err(ApiError::invalid(at("tool_calls"), "`tool_calls` belongs to assistant messages, as a list"));
+        }
+    }
+    if role == "tool" {
+        let id = match tool_call_id {
+            Some(Value::String(id)) if !id.is_empty() => id,
+            _ => {
+                return Err(ApiError::invalid(
+                    at("tool_call_id"),
+                    "a `tool` message needs the `tool_call_id` it answers",
+                ));
+            }
+        };
+        out.insert("tool_call_id".into(), Value::String(id));
+    } else if tool_call_id.is_some_and(|v| !v.is_null()) {
+        return Err(ApiError::invalid(at("tool_call_id"), "`tool_call_id` belongs to `tool` messages"));
+    }
+    if let Some(Value::String(n)) = name {
+        out.insert("name".into(), Value::String(n));
+    }
     for (key, value) in m {
         match key.as_str() {
-            "name" | "refusal" => {}
-            "tool_calls" | "function_call" | "audio" if !value.is_null() && !is_empty_list(&value) => {
-                return Err(ApiError::invalid(
-                    at(&key),
-                    format!("`{key}` needs tool calling, which is not implemented"),
-                )
-                .code("unsupported_parameter"));
+            "refusal" | "reasoning_content" | "reasoning" => {}
+            "function_call" | "audio" if value.is_null() => {}
+            "function_call" | "audio" => {
+                return Err(ApiError::invalid(at(&key), format!("`{key}` is not supported; use `tool_calls`"))
+                    .code("unsupported_parameter"));
             }
-            "tool_calls" | "function_call" | "audio" => {}
             _ => return Err(ApiError::invalid(at(&key), format!("unrecognized message field `{key}`"))),
         }
     }
-    Ok(ChatMessage { role, content })
+    Ok(Value::Object(out))
+}
+
+/// Tool names OpenAI accepts: letters, digits, `_` and `-`, at most 64.
+fn valid_tool_name(name: &str) -> bool {
+    !name.is_empty() && name.len() <= 64 && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// The most tools one request may declare.
+pub const MAX_TOOLS: usize = 128;
+
+/// One tool declared the Chat Completions way (`{"type": "function", "function": {...}}`) or
+/// flat (`{"type": "function", "name", ...}`, the Responses API's form).
+pub fn tool(j: usize, value: &Value, param: &str) -> Result<ToolSpec, ApiError> {
+    let at = |f: &str| format!("{param}[{j}]{f}");
+    let kind = value.get("type").and_then(Value::as_str);
+    if kind != Some("function") {
+        return Err(ApiError::invalid(at(".type"), "only `function` tools are supported").code("unsupported_parameter"));
+    }
+    let (f, prefix) = match value.get("function") {
+        Some(f) => (f, ".function"),
+        None => (value, ""),
+    };
+    let name = f.get("name").and_then(Value::as_str).unwrap_or("");
+    if !valid_tool_name(name) {
+        return Err(ApiError::invalid(
+            at(&format!("{prefix}.name")),
+            format!("a tool name must be 1 to 64 letters, digits, `_` or `-`; got `{name}`"),
+        ));
+    }
+    let parameters = match f.get("parameters") {
+        None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
+        Some(p @ Value::Object(_)) => p.clone(),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                at(&format!("{prefix}.parameters")),
+                "`parameters` must be a JSON schema object",
+            ));
+        }
+    };
+    let description = f.get("description").and_then(Value::as_str).map(str::to_string);
+    Ok(ToolSpec { name: name.to_string(), description, parameters })
+}
+
+/// `tools` of a request.
+pub fn tools(value: Option<Value>, param: &str) -> Result<Vec<ToolSpec>, ApiError> {
+    let list = match value {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(list)) => list,
+        Some(_) => return Err(ApiError::invalid(param, format!("`{param}` must be a list of tools"))),
+    };
+    if list.len() > MAX_TOOLS {
+        return Err(ApiError::invalid(param, format!("`{param}` has {} tools; at most {MAX_TOOLS}", list.len())));
+    }
+    let tools = list.iter().enumerate().map(|(j, t)| tool(j, t, param)).collect::<Result<Vec<_>, _>>()?;
+    for (j, t) in tools.iter().enumerate() {
+        if tools[..j].iter().any(|u| u.name == t.name) {
+            return Err(ApiError::invalid(format!("{param}[{j}]"), format!("two tools are named `{}`", t.name)));
+        }
+    }
+    Ok(tools)
+}
+
+/// OpenAI's `tool_choice` (a string or `{"type": "function", "function": {"name"}}`), checked
+/// against the declared tools.
+pub fn tool_choice(value: Option<Value>, tools: &[ToolSpec]) -> Result<ToolChoice, ApiError> {
+    let choice = match &value {
+        None | Some(Value::Null) => return Ok(if tools.is_empty() { ToolChoice::None } else { ToolChoice::Auto }),
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            other => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    format!("`tool_choice` must be `none`, `auto`, `required` or a named function; got `{other}`"),
+                ));
+            }
+        },
+        Some(v) => {
+            let name = v
+                .pointer("/function/name")
+                .or_else(|| v.get("name"))
+                .and_then(Value::as_str)
+                .ok_or_else(|| ApiError::invalid("tool_choice", "a named `tool_choice` needs `function.name`"))?;
+            ToolChoice::Named(name.to_string())
+        }
+    };
+    match &choice {
+        ToolChoice::Named(name) if !tools.iter().any(|t| &t.name == name) => Err(ApiError::invalid(
+            "tool_choice",
+            format!("`tool_choice` names the tool `{name}`, which is not among `tools`"),
+        )),
+        ToolChoice::Required | ToolChoice::Named(_) if tools.is_empty() => {
+            Err(ApiError::invalid("tool_choice", "`tool_choice` asks for a tool call, but `tools` is empty"))
+        }
+        _ => Ok(choice),
+    }
+}
+
+/// OpenAI's `response_format` (and the Responses API's `text.format`): `text`, `json_object`,
+/// or `json_schema` with its `schema`.
+pub fn response_format(value: Option<Value>, param: &str) -> Result<Option<GrammarSpec>, ApiError> {
+    let Some(v) = value.filter(|v| !v.is_null()) else { return Ok(None) };
+    match v.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(GrammarSpec::JsonObject)),
+        Some("json_schema") => {
+            // Chat Completions nests it under `json_schema`; the Responses API puts it flat.
+            let inner = v.get("json_schema").unwrap_or(&v);
+            match inner.get("schema") {
+                Some(schema @ (Value::Object(_) | Value::Bool(true))) => {
+                    Ok(Some(GrammarSpec::JsonSchema(schema.clone())))
+                }
+                None | Some(Value::Null) => Ok(Some(GrammarSpec::JsonObject)),
+                Some(_) => Err(ApiError::invalid(
+                    format!("{param}.json_schema.schema"),
+                    "`schema` must be a JSON schema object",
+                )),
+            }
+        }
+        Some(other) => Err(ApiError::invalid(
+            format!("{param}.type"),
+            format!("`{param}.type` must be `text`, `json_object` or `json_schema`; got `{other}`"),
+        )),
+        None => Err(ApiError::invalid(format!("{param}.type"), format!("`{param}` needs a `type`"))),
+    }
+}
+
+/// vLLM's structured-output fields (`guided_json`, `guided_regex`, `guided_grammar`,
+/// `guided_choice`): at most one.
+fn guided(f: &mut Fields) -> Result<Option<(GrammarSpec, &'static str)>, ApiError> {
+    let mut found = Vec::new();
+    if let Some(v) = f.take::<Value>("guided_json", "a JSON schema")? {
+        let schema = match v {
+            Value::String(s) => {
+                serde_json::from_str(&s).map_err(|e| ApiError::invalid("guided_json", format!("not JSON: {e}")))?
+            }
+            v => v,
+        };
+        found.push((GrammarSpec::JsonSchema(schema), "guided_json"));
+    }
+    if let Some(rx) = f.take::<String>("guided_regex", "a string")? {
+        found.push((GrammarSpec::Regex(rx), "guided_regex"));
+    }
+    if let Some(g) = f.take::<String>("guided_grammar", "a string (a Lark grammar)")? {
+        found.push((GrammarSpec::Lark(g), "guided_grammar"));
+    }
+    if let Some(choices) = f.take::<Vec<String>>("guided_choice", "a list of strings")? {
+        if choices.is_empty() {
+            return Err(ApiError::invalid("guided_choice", "`guided_choice` must not be empty"));
+        }
+        let alternatives: Vec<String> = choices.iter().map(|c| serde_json::to_string(c).unwrap_or_default()).collect();
+        found.push((GrammarSpec::Lark(format!("start: {}", alternatives.join(" | "))), "guided_choice"));
+    }
+    if found.len() > 1 {
+        return Err(ApiError::invalid(
+            found[1].1,
+            "give at most one of guided_json, guided_regex, guided_grammar, guided_choice",
+        ));
+    }
+    Ok(found.pop())
+}
+
+/// OpenAI's `logit_bias`: token ids (as strings) to a bias in [-100, 100].
+fn logit_bias(f: &mut Fields) -> Result<Vec<(u32, f32)>, ApiError> {
+    let Some(map) = f.take::<Map<String, Value>>("logit_bias", "an object of token ids to biases")? else {
+        return Ok(Vec::new());
+    };
+    if map.len() > 1024 {
+        return Err(ApiError::invalid("logit_bias", "`logit_bias` may hold at most 1024 ids"));
+    }
+    let mut out = Vec::with_capacity(map.len());
+    for (k, v) in map {
+        let id: u32 = k
+            .parse()
+            .map_err(|_| ApiError::invalid("logit_bias", format!("`logit_bias` keys must be token ids; got `{k}`")))?;
+        let bias = v.as_f64().filter(|b| (-100.0..=100.0).contains(b)).ok_or_else(|| {
+            ApiError::invalid(format!("logit_bias.{k}"), format!("a bias must be a number in [-100, 100]; got {v}"))
+        })?;
+        out.push((id, bias as f32));
+    }
+    Ok(out)
 }
 
 /// A completions prompt: text or token ids, one or several.
@@ -429,11 +689,17 @@ impl CompletionRequest {
         }
         f.refuse_unless("echo", |v| v.as_bool() == Some(false), "echoing the prompt is not implemented")?;
         f.refuse_unless("suffix", |v| v.as_str() == Some(""), "insertion (suffix) is not implemented")?;
-        f.refuse_unless(
-            "response_format",
-            |v| v.get("type").is_some_and(|t| t == "text"),
-            "only {\"type\": \"text\"}",
-        )?;
+        let format = response_format(f.take("response_format", "an object")?, "response_format")?;
+        let mut common = common;
+        if let Some(spec) = format {
+            if common.guided.is_some() {
+                return Err(ApiError::invalid(
+                    "response_format",
+                    "give `response_format` or a guided_* field, not both",
+                ));
+            }
+            common.guided = Some((spec, "response_format"));
+        }
         f.finish()?;
         Ok(CompletionRequest { common, prompts, logprobs })
     }
@@ -443,7 +709,7 @@ impl CompletionRequest {
 #[derive(Debug, Clone)]
 pub enum TokenizeRequest {
     Text { model: Option<String>, text: String, add_special_tokens: bool },
-    Chat { model: Option<String>, messages: Vec<ChatMessage>, kwargs: Map<String, Value>, add_generation_prompt: bool },
+    Chat { model: Option<String>, messages: Vec<Value>, kwargs: Map<String, Value>, add_generation_prompt: bool },
 }
 
 impl TokenizeRequest {
@@ -506,7 +772,7 @@ mod tests {
     fn answer_changing_fields_are_refused_and_neutral_values_accepted() {
         let base = r#""messages":[{"role":"user","content":"hi"}]"#;
         let e = ChatRequest::parse(format!(r#"{{{base},"tools":[{{"type":"function"}}]}}"#).as_bytes()).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("tools"));
+        assert_eq!(e.param.as_deref(), Some("tools[0].name"));
         let e = ChatRequest::parse(format!(r#"{{{base},"frobnicate":1}}"#).as_bytes()).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("frobnicate"));
         let ok = ChatRequest::parse(

@@ -23,10 +23,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use kylin_engine::grammar::{Grammar, GrammarCompiler};
 use kylin_engine::sampler::SamplingParams;
-use kylin_engine::{
-    CancelHandle, ChatMessage, EngineInfo, EngineStats, Event, EventKind, Request, Serving, StopReason, Usage,
-};
+use kylin_engine::tools::ToolSyntax;
+use kylin_engine::{CancelHandle, EngineInfo, EngineStats, Event, EventKind, Request, Serving, StopReason, Usage};
 use kylin_loader::{GenerationDefaults, KylinError};
 use tokio::sync::{mpsc as tmpsc, oneshot, watch};
 
@@ -52,8 +52,13 @@ pub enum Prompt {
     Text(String),
     /// Token ids, used as they are.
     Ids(Vec<u32>),
-    /// Chat messages rendered through the model's chat template (which adds its own specials).
-    Chat { messages: Vec<ChatMessage>, kwargs: serde_json::Map<String, serde_json::Value>, add_generation_prompt: bool },
+    /// Chat messages (OpenAI's JSON, normalized) rendered through the model's chat template
+    /// (which adds its own specials); tools, when shown to the model, are in `kwargs["tools"]`.
+    Chat {
+        messages: Vec<serde_json::Value>,
+        kwargs: serde_json::Map<String, serde_json::Value>,
+        add_generation_prompt: bool,
+    },
 }
 
 /// One generation request as the server hands it to the engine thread.
@@ -68,6 +73,12 @@ pub struct Submission {
     pub n: usize,
     /// `Some(k)`: log-probabilities with the `k` best alternatives.
     pub logprobs: Option<usize>,
+    /// Added to the logits of these ids before sampling.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// The compiled grammar every choice follows.
+    pub grammar: Option<Grammar>,
+    /// Drop special tokens from the text (false keeps them for a tool-call parser).
+    pub skip_special_tokens: bool,
     pub cancel: CancelHandle,
     /// Added to the engine's choice index in the events (several prompts in one completion).
     pub index_offset: usize,
@@ -114,13 +125,26 @@ pub enum TextJob {
     Detokenize {
         ids: Vec<u32>,
     },
+    /// The grammar compiler over the model's vocabulary (built on first use).
+    GrammarCompiler,
 }
 
 /// A text job's answer.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Clone)]
 pub enum TextReply {
     Ids(Vec<u32>),
     Text(String),
+    Compiler(Arc<GrammarCompiler>),
+}
+
+impl std::fmt::Debug for TextReply {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TextReply::Ids(ids) => f.debug_tuple("Ids").field(ids).finish(),
+            TextReply::Text(t) => f.debug_tuple("Text").field(t).finish(),
+            TextReply::Compiler(_) => f.write_str("Compiler"),
+        }
+    }
 }
 
 enum Command {
@@ -135,6 +159,8 @@ enum Command {
 pub struct Published {
     pub info: EngineInfo,
     pub defaults: GenerationDefaults,
+    /// The tool-call syntax of the model's chat template (`None`: it renders no tools).
+    pub tool_syntax: Option<ToolSyntax>,
 }
 
 /// The handlers' side of the engine thread. Cheap to clone; `Send` and `Sync`.
@@ -292,7 +318,8 @@ fn engine_thread(factory: EngineFactory, commands: Receiver<Command>, handle: En
             return;
         }
     };
-    let published = Published { info: engine.info(), defaults: engine.generation_defaults() };
+    let published =
+        Published { info: engine.info(), defaults: engine.generation_defaults(), tool_syntax: engine.tool_syntax() };
     let _ = handle.published.set(published);
     let mut state = EngineLoop { engine, handle, metrics, live: HashMap::new(), events: Vec::new() };
     state.publish_stats();
@@ -362,7 +389,7 @@ impl EngineLoop {
             }
             Prompt::Chat { messages, kwargs, add_generation_prompt } => {
                 self.require_tokenizer()?;
-                let text = self.engine.apply_chat_template(&messages, add_generation_prompt, &kwargs)?;
+                let text = self.engine.render_chat(&messages, add_generation_prompt, &kwargs)?;
                 self.engine.tokenize(&text, false)
             }
         }
@@ -402,6 +429,9 @@ impl EngineLoop {
             n: s.n,
             logprobs: s.logprobs,
             detokenize: self.handle.published.get().is_some_and(|p| p.info.has_tokenizer),
+            skip_special_tokens: s.skip_special_tokens,
+            logit_bias: s.logit_bias,
+            grammar: s.grammar,
             cancel: s.cancel.clone(),
         };
         self.engine.add_request(request)?;
@@ -432,6 +462,10 @@ impl EngineLoop {
                     )));
                 }
                 self.engine.detokenize(&ids, false).map(TextReply::Text)
+            }
+            TextJob::GrammarCompiler => {
+                self.require_tokenizer()?;
+                self.engine.grammar_compiler().map(TextReply::Compiler)
             }
         }
     }

@@ -7,16 +7,20 @@
 //!
 //! Guarantees:
 //! * `/health` is public and answers 200 only when the engine is ready; every other route
-//!   needs the API key when one is set.
+//!   needs the API key when one is set (`Authorization: Bearer` or Anthropic's `x-api-key`).
 //! * At most `max_seqs + max_queue` generation requests are admitted at once; the rest get 429
 //!   with `Retry-After`.
-//! * Every error is OpenAI-shaped JSON; a panic in a handler (there should be none) becomes a
-//!   500 without affecting other requests.
+//! * Every error is in its API's shape (OpenAI's `{"error": {...}}`, Anthropic's
+//!   `{"type": "error", ...}` under `/v1/messages`); a panic in a handler (there should be
+//!   none) becomes a 500 without affecting other requests.
 
+pub mod anthropic;
 pub mod api;
+pub mod chat;
 pub mod engine;
 pub mod error;
 pub mod metrics;
+pub mod responses;
 pub mod routes;
 
 use std::future::Future;
@@ -70,19 +74,21 @@ impl ServerConfig {
     }
 }
 
-struct Inner {
+pub(crate) struct Inner {
     config: ServerConfig,
     engine: EngineHandle,
     metrics: Arc<Metrics>,
     in_flight: AtomicUsize,
     response_ids: AtomicU64,
     started: u64,
+    /// The grammar compiler, once the engine has built it.
+    grammar: std::sync::OnceLock<Arc<kylin_engine::grammar::GrammarCompiler>>,
 }
 
 /// What every handler shares: the configuration, the engine handle, the metrics and the
 /// admission count. Cheap to clone.
 #[derive(Clone)]
-pub struct AppState(Arc<Inner>);
+pub struct AppState(pub(crate) Arc<Inner>);
 
 impl AppState {
     /// Starts the engine thread (which builds the engine with `factory`) and returns the state
@@ -91,8 +97,15 @@ impl AppState {
         let metrics = Arc::new(Metrics::new(&config.served_model_name));
         let (engine, join) = EngineHandle::spawn(factory, metrics.clone())?;
         let started = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        let inner =
-            Inner { config, engine, metrics, in_flight: AtomicUsize::new(0), response_ids: AtomicU64::new(0), started };
+        let inner = Inner {
+            config,
+            engine,
+            metrics,
+            in_flight: AtomicUsize::new(0),
+            response_ids: AtomicU64::new(0),
+            started,
+            grammar: std::sync::OnceLock::new(),
+        };
         Ok((AppState(Arc::new(inner)), join))
     }
 
@@ -113,23 +126,23 @@ impl AppState {
         self.0.in_flight.load(Ordering::Acquire)
     }
 
-    fn started(&self) -> u64 {
+    pub(crate) fn started(&self) -> u64 {
         self.0.started
     }
 
-    fn next_response_id(&self) -> String {
+    pub(crate) fn next_response_id(&self) -> String {
         let n = self.0.response_ids.fetch_add(1, Ordering::Relaxed);
         format!("{:x}{n:06x}", self.0.started)
     }
 
     /// A seed for a request that gives none: different for every request.
-    fn random_seed(&self) -> u64 {
+    pub(crate) fn random_seed(&self) -> u64 {
         let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
         nanos ^ self.0.response_ids.load(Ordering::Relaxed).wrapping_mul(0x9E37_79B9_7F4A_7C15)
     }
 
     /// Takes an admission slot, or 429 when `max_seqs + max_queue` requests are in flight.
-    fn admit(&self) -> Result<Admission, ApiError> {
+    pub(crate) fn admit(&self) -> Result<Admission, ApiError> {
         let max_seqs = self.engine().published().map_or(1, |p| p.info.max_seqs);
         let limit = max_seqs + self.config().max_queue;
         let taken =
@@ -145,7 +158,7 @@ impl AppState {
 }
 
 /// An admission slot, given back when dropped.
-struct Admission(AppState);
+pub(crate) struct Admission(AppState);
 
 impl Drop for Admission {
     fn drop(&mut self) {
@@ -158,13 +171,21 @@ async fn require_key(State(state): State<AppState>, request: Request, next: Next
     if let Some(key) = &state.config().api_key
         && request.uri().path() != "/health"
     {
-        let given = request
+        // `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's).
+        let bearer = request
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
             .map(str::trim);
-        if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
+        let x_api_key = request.headers().get("x-api-key").and_then(|v| v.to_str().ok()).map(str::trim);
+        let matches = |given: Option<&str>| given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes()));
+        if !matches(bearer) && !matches(x_api_key) {
+            if request.uri().path().starts_with("/v1/messages") {
+                let mut e = ApiError::unauthorized();
+                e.message = "a valid API key is required: send it as `x-api-key: KEY`".into();
+                return anthropic::AnthropicError(e).into_response();
+            }
             return ApiError::unauthorized().into_response();
         }
     }
@@ -188,6 +209,9 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/models", get(routes::models))
         .route("/v1/chat/completions", post(routes::chat))
         .route("/v1/completions", post(routes::completions))
+        .route("/v1/responses", post(responses::responses))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/tokenize", post(routes::tokenize))
         .route("/detokenize", post(routes::detokenize))
         .fallback(routes::not_found)

@@ -112,6 +112,7 @@ impl Metrics {
             StopReason::Eos | StopReason::StopString => "stop",
             StopReason::Length | StopReason::ContextFull => "length",
             StopReason::Cancelled => "abort",
+            StopReason::GrammarFailed => "error",
         };
         self.with(|h| *h.finished.entry(key).or_insert(0) += 1);
     }

@@ -22,7 +22,11 @@ use kylin_engine::{CancelHandle, StopReason};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
+use kylin_engine::grammar::Grammar;
+use kylin_engine::tools::{ParsedResponse, ToolEvent, ToolSyntax};
+
 use crate::api::{ChatRequest, Common, CompletionRequest, DetokenizeRequest, PromptInput, TokenizeRequest};
+use crate::chat::{self, ChatPlan, ChoiceOutput};
 use crate::engine::{LogprobInfo, Out, Prompt, Published, Status, Submission, TextJob, TextReply};
 use crate::error::ApiError;
 use crate::{Admission, AppState};
@@ -66,7 +70,7 @@ pub async fn not_found(request: Request) -> ApiError {
 }
 
 /// The engine's description, or 503 while loading or shutting down.
-fn ready(state: &AppState) -> Result<&Published, ApiError> {
+pub(crate) fn ready(state: &AppState) -> Result<&Published, ApiError> {
     match state.engine().status() {
         Status::Ready => state.engine().published().ok_or_else(|| ApiError::unavailable("the model is loading")),
         Status::Loading => Err(ApiError::unavailable("the model is loading")),
@@ -76,7 +80,11 @@ fn ready(state: &AppState) -> Result<&Published, ApiError> {
 }
 
 /// Reads the whole body within the size limit and the body timeout.
-async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<axum::body::Bytes, ApiError> {
+pub(crate) async fn read_body(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<axum::body::Bytes, ApiError> {
     let limit = state.config().max_body_bytes;
     let declared =
         headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
@@ -98,7 +106,7 @@ async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<
     }
 }
 
-fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
+pub(crate) fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
     let served = &state.config().served_model_name;
     match model {
         Some(m) if m != served => Err(ApiError::model_not_found(m, served)),
@@ -106,7 +114,7 @@ fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
     }
 }
 
-fn unix_now() -> u64 {
+pub(crate) fn unix_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
@@ -119,14 +127,47 @@ pub async fn chat(State(state): State<AppState>, request: Request) -> Result<Res
     let req = ChatRequest::parse(&body)?;
     check_model(&state, req.common.model.as_deref())?;
     let sampling = req.common.sampling(&published.defaults, state.random_seed())?;
+    check_logit_bias(&req.common, &published)?;
     let admission = state.admit()?;
-    let prompt = Prompt::Chat {
+    let mut common = req.common;
+    let format = req
+        .response_format
+        .map(|spec| (spec, "response_format".to_string()))
+        .or_else(|| common.guided.take().map(|(spec, param)| (spec, param.to_string())));
+    let plan = ChatPlan {
         messages: req.messages,
+        tools: req.tools,
+        tool_choice: req.tool_choice,
+        parallel_tool_calls: req.parallel_tool_calls,
+        format,
         kwargs: req.chat_template_kwargs,
         add_generation_prompt: req.add_generation_prompt,
+        tools_param: "tools",
     };
-    let job = Job { kind: Kind::Chat, common: req.common, logprobs: req.logprobs, prompts: vec![prompt], sampling };
+    let prepared = chat::prepare(&state, &published, plan).await?;
+    let job = Job {
+        kind: Kind::Chat,
+        common,
+        logprobs: req.logprobs,
+        prompts: vec![prepared.prompt],
+        sampling,
+        grammar: prepared.grammar,
+        skip_special_tokens: prepared.skip_special_tokens,
+        syntax: prepared.syntax,
+    };
     run(state, job, admission, arrived, "messages").await
+}
+
+/// Every `logit_bias` id must be in the vocabulary.
+pub(crate) fn check_logit_bias(common: &Common, published: &Published) -> Result<(), ApiError> {
+    let vocab = published.info.vocab_size;
+    match common.logit_bias.iter().find(|(id, _)| *id as usize >= vocab) {
+        Some((id, _)) => Err(ApiError::invalid(
+            "logit_bias",
+            format!("`logit_bias` names token id {id}, outside the model's vocabulary of {vocab} ids"),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// `POST /v1/completions`.
@@ -138,7 +179,14 @@ pub async fn completions(State(state): State<AppState>, request: Request) -> Res
     let req = CompletionRequest::parse(&body)?;
     check_model(&state, req.common.model.as_deref())?;
     let sampling = req.common.sampling(&published.defaults, state.random_seed())?;
+    check_logit_bias(&req.common, &published)?;
     let admission = state.admit()?;
+    let mut common = req.common;
+    let grammar = match common.guided.take() {
+        Some((spec, param)) => Some(chat::compile(&state, spec, param).await?),
+        None => None,
+    };
+    let skip_special_tokens = common.skip_special_tokens;
     let prompts = req
         .prompts
         .into_iter()
@@ -147,7 +195,16 @@ pub async fn completions(State(state): State<AppState>, request: Request) -> Res
             PromptInput::Ids(ids) => Prompt::Ids(ids),
         })
         .collect();
-    let job = Job { kind: Kind::Completion, common: req.common, logprobs: req.logprobs, prompts, sampling };
+    let job = Job {
+        kind: Kind::Completion,
+        common,
+        logprobs: req.logprobs,
+        prompts,
+        sampling,
+        grammar,
+        skip_special_tokens,
+        syntax: None,
+    };
     run(state, job, admission, arrived, "prompt").await
 }
 
@@ -180,6 +237,10 @@ struct Job {
     logprobs: Option<usize>,
     prompts: Vec<Prompt>,
     sampling: kylin_engine::sampler::SamplingParams,
+    grammar: Option<Grammar>,
+    skip_special_tokens: bool,
+    /// Parse the choices' text for tool calls in this syntax.
+    syntax: Option<ToolSyntax>,
 }
 
 /// The engine requests of one HTTP request; dropping it before the end cancels them.
@@ -220,6 +281,9 @@ async fn run(
             ignore_eos: job.common.ignore_eos,
             n,
             logprobs: job.logprobs,
+            logit_bias: job.common.logit_bias.clone(),
+            grammar: job.grammar.clone(),
+            skip_special_tokens: job.skip_special_tokens && job.common.skip_special_tokens,
             cancel,
             index_offset: i * n,
             events: tx.clone(),
@@ -240,7 +304,7 @@ async fn run(
         model: state.config().served_model_name.clone(),
         kind: job.kind,
     };
-    let collector = Collector::new(choices, prompt_tokens);
+    let collector = Collector::new(choices, n, prompt_tokens, job.syntax);
     if job.common.stream {
         let stream = StreamState {
             rx,
@@ -263,11 +327,14 @@ async fn run(
     while !collector.all_finished() {
         match rx.recv().await {
             Some(Out::Failed { message }) => return Err(ApiError::internal(message)),
-            Some(out) => collector.absorb(&out),
+            Some(out) => {
+                collector.absorb(&out);
+            }
             None => return Err(ApiError::internal("the engine stopped before the request finished")),
         }
     }
     running.done = true;
+    collector.finish_outputs();
     Ok(axum::Json(whole_response(&header, &collector, job.logprobs.is_some())).into_response())
 }
 
@@ -281,20 +348,28 @@ struct Header {
 /// What the choices produced so far.
 struct Collector {
     texts: Vec<String>,
+    /// Each choice's text read for tool calls (plain text when no tools were offered).
+    outputs: Vec<ChoiceOutput>,
     reasons: Vec<Option<StopReason>>,
     logprobs: Vec<Vec<LogprobInfo>>,
+    /// Choices per prompt (`n`).
+    n: usize,
     prompt_tokens: usize,
+    cached_tokens: usize,
     completion_tokens: usize,
     open: usize,
 }
 
 impl Collector {
-    fn new(choices: usize, prompt_tokens: usize) -> Self {
+    fn new(choices: usize, n: usize, prompt_tokens: usize, syntax: Option<ToolSyntax>) -> Self {
         Collector {
             texts: vec![String::new(); choices],
+            outputs: (0..choices).map(|_| ChoiceOutput::new(syntax)).collect(),
             reasons: vec![None; choices],
             logprobs: vec![Vec::new(); choices],
+            n: n.max(1),
             prompt_tokens,
+            cached_tokens: 0,
             completion_tokens: 0,
             open: choices,
         }
@@ -304,7 +379,8 @@ impl Collector {
         self.open == 0
     }
 
-    fn absorb(&mut self, out: &Out) {
+    /// Records an event; returns what the choice's output completed with it (for streaming).
+    fn absorb(&mut self, out: &Out) -> Vec<ToolEvent> {
         match out {
             Out::Token { index, text, logprob } => {
                 if let Some(t) = self.texts.get_mut(*index) {
@@ -313,29 +389,55 @@ impl Collector {
                 if let (Some(lp), Some(list)) = (logprob, self.logprobs.get_mut(*index)) {
                     list.push(lp.clone());
                 }
+                self.outputs.get_mut(*index).map(|o| o.push(text)).unwrap_or_default()
             }
             Out::Finished { index, reason, text, usage } => {
                 if let Some(t) = self.texts.get_mut(*index) {
                     t.push_str(text);
                 }
+                let mut events = self.outputs.get_mut(*index).map(|o| o.push(text)).unwrap_or_default();
                 if let Some(r) = self.reasons.get_mut(*index)
                     && r.is_none()
                 {
                     *r = Some(*reason);
                     self.open = self.open.saturating_sub(1);
                     self.completion_tokens += usage.completion_tokens;
+                    if index % self.n == 0 {
+                        self.cached_tokens += usage.cached_prompt_tokens;
+                    }
+                    if let Some(o) = self.outputs.get_mut(*index) {
+                        events.extend(o.finish());
+                    }
                 }
+                events
             }
-            Out::Failed { .. } => {}
+            Out::Failed { .. } => Vec::new(),
         }
     }
+
+    /// Nothing to do: each choice's output is finished with its last event.
+    fn finish_outputs(&mut self) {}
 
     fn usage(&self) -> Value {
         json!({
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         })
+    }
+
+    /// OpenAI's `finish_reason` of choice `i`: `tool_calls` when it called a tool.
+    fn finish_reason(&self, i: usize) -> Value {
+        let reason = self.reasons.get(i).copied().flatten();
+        match reason {
+            Some(StopReason::Eos | StopReason::StopString)
+                if self.outputs.get(i).is_some_and(ChoiceOutput::has_calls) =>
+            {
+                json!("tool_calls")
+            }
+            other => finish_reason(other),
+        }
     }
 }
 
@@ -379,20 +481,47 @@ fn completion_logprobs(list: &[LogprobInfo], mut offset: usize) -> Value {
     })
 }
 
+/// A chat choice's message: its text (`null` when it only called tools) and its tool calls.
+fn chat_message(header: &Header, choice: usize, parsed: &ParsedResponse) -> Value {
+    let mut message = json!({"role": "assistant"});
+    if parsed.calls.is_empty() {
+        message["content"] = json!(parsed.content);
+    } else {
+        let content = parsed.content.trim();
+        message["content"] = if content.is_empty() { Value::Null } else { json!(content) };
+        message["tool_calls"] = parsed
+            .calls
+            .iter()
+            .enumerate()
+            .map(|(k, call)| {
+                json!({
+                    "id": chat::call_id(&header.id, choice, k),
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                })
+            })
+            .collect();
+    }
+    if !parsed.reasoning.is_empty() {
+        message["reasoning_content"] = json!(parsed.reasoning);
+    }
+    message
+}
+
 fn whole_response(header: &Header, c: &Collector, logprobs: bool) -> Value {
     let choices: Vec<Value> = (0..c.texts.len())
         .map(|i| match header.kind {
             Kind::Chat => json!({
                 "index": i,
-                "message": {"role": "assistant", "content": c.texts[i]},
+                "message": chat_message(header, i, &c.outputs[i].parsed),
                 "logprobs": if logprobs { json!({"content": c.logprobs[i].iter().map(chat_logprob).collect::<Vec<_>>()}) } else { Value::Null },
-                "finish_reason": finish_reason(c.reasons[i]),
+                "finish_reason": c.finish_reason(i),
             }),
             Kind::Completion => json!({
                 "index": i,
                 "text": c.texts[i],
                 "logprobs": if logprobs { completion_logprobs(&c.logprobs[i], 0) } else { Value::Null },
-                "finish_reason": finish_reason(c.reasons[i]),
+                "finish_reason": c.finish_reason(i),
             }),
         })
         .collect();
@@ -460,8 +589,8 @@ impl StreamState {
                         }
                         Out::Failed { .. } => 0,
                     };
-                    self.collector.absorb(&out);
-                    self.emit(&out, offset);
+                    let events = self.collector.absorb(&out);
+                    self.emit(&out, offset, events);
                 }
             }
         }
@@ -492,38 +621,88 @@ impl StreamState {
         self.pending.push_back(chunk.to_string());
     }
 
-    fn emit(&mut self, out: &Out, offset: usize) {
+    fn emit(&mut self, out: &Out, offset: usize, events: Vec<ToolEvent>) {
         let chat = self.header.kind == Kind::Chat;
         match out {
             Out::Token { index, text, logprob } => {
+                if chat {
+                    let lp = match (self.logprobs, logprob) {
+                        (true, Some(lp)) => json!({"content": [chat_logprob(lp)]}),
+                        _ => Value::Null,
+                    };
+                    let mut deltas = self.chat_deltas(*index, events);
+                    if deltas.is_empty() && !lp.is_null() {
+                        deltas.push(json!({"content": ""}));
+                    }
+                    let n = deltas.len();
+                    for (k, delta) in deltas.into_iter().enumerate() {
+                        let lp = if k + 1 == n { lp.clone() } else { Value::Null };
+                        self.push_choice(
+                            json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": null}),
+                        );
+                    }
+                    return;
+                }
                 if text.is_empty() && !(self.logprobs && logprob.is_some()) {
                     return;
                 }
                 let lp = match (self.logprobs, logprob) {
-                    (true, Some(lp)) if chat => json!({"content": [chat_logprob(lp)]}),
                     (true, Some(lp)) => completion_logprobs(std::slice::from_ref(lp), offset),
                     _ => Value::Null,
                 };
-                let choice = if chat {
-                    json!({"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": null})
-                } else {
-                    json!({"index": index, "text": text, "logprobs": lp, "finish_reason": null})
-                };
-                self.push_choice(choice);
+                self.push_choice(json!({"index": index, "text": text, "logprobs": lp, "finish_reason": null}));
             }
-            Out::Finished { index, reason, text, .. } => {
-                let reason = finish_reason(Some(*reason));
-                let choice = match (chat, text.is_empty()) {
-                    (true, true) => json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": reason}),
-                    (true, false) => {
-                        json!({"index": index, "delta": {"content": text}, "logprobs": null, "finish_reason": reason})
+            Out::Finished { index, text, .. } => {
+                let reason = self.collector.finish_reason(*index);
+                if chat {
+                    for delta in self.chat_deltas(*index, events) {
+                        self.push_choice(
+                            json!({"index": index, "delta": delta, "logprobs": null, "finish_reason": null}),
+                        );
                     }
-                    (false, _) => json!({"index": index, "text": text, "logprobs": null, "finish_reason": reason}),
-                };
-                self.push_choice(choice);
+                    self.push_choice(json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": reason}));
+                } else {
+                    self.push_choice(json!({"index": index, "text": text, "logprobs": null, "finish_reason": reason}));
+                }
             }
             Out::Failed { .. } => {}
         }
+    }
+
+    /// The chat deltas for what a choice's output completed: text as `content`, tool calls as
+    /// `tool_calls` (the first delta of a call carries its id, type and name; the next ones
+    /// pieces of its arguments).
+    fn chat_deltas(&mut self, choice: usize, events: Vec<ToolEvent>) -> Vec<Value> {
+        let mut deltas = Vec::new();
+        let mut text = String::new();
+        let mut reasoning = String::new();
+        for e in events {
+            match e {
+                ToolEvent::Text(t) => text.push_str(&t),
+                ToolEvent::Reasoning(t) => reasoning.push_str(&t),
+                ToolEvent::Start { index, name } => {
+                    flush_text(&mut deltas, &mut text, &mut reasoning);
+                    let id = chat::call_id(&self.header.id, choice, index);
+                    deltas.push(json!({"tool_calls": [{"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]}));
+                }
+                ToolEvent::Arguments { index, delta } => {
+                    flush_text(&mut deltas, &mut text, &mut reasoning);
+                    deltas.push(json!({"tool_calls": [{"index": index, "function": {"arguments": delta}}]}));
+                }
+                ToolEvent::End { .. } => {}
+            }
+        }
+        flush_text(&mut deltas, &mut text, &mut reasoning);
+        deltas
+    }
+}
+
+fn flush_text(deltas: &mut Vec<Value>, text: &mut String, reasoning: &mut String) {
+    if !reasoning.is_empty() {
+        deltas.push(json!({"reasoning_content": std::mem::take(reasoning)}));
+    }
+    if !text.is_empty() {
+        deltas.push(json!({"content": std::mem::take(text)}));
     }
 }
 
@@ -550,7 +729,7 @@ pub async fn tokenize(State(state): State<AppState>, request: Request) -> Result
             "tokens": ids,
         }))
         .into_response()),
-        TextReply::Text(_) => Err(ApiError::internal("the engine answered a tokenize job with text")),
+        _ => Err(ApiError::internal("the engine answered a tokenize job with something else")),
     }
 }
 
@@ -568,6 +747,6 @@ pub async fn detokenize(State(state): State<AppState>, request: Request) -> Resu
         .map_err(|e| ApiError::from_engine(&e, "tokens"))?
     {
         TextReply::Text(text) => Ok(axum::Json(json!({"prompt": text})).into_response()),
-        TextReply::Ids(_) => Err(ApiError::internal("the engine answered a detokenize job with ids")),
+        _ => Err(ApiError::internal("the engine answered a detokenize job with something else")),
     }
 }

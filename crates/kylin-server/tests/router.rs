@@ -223,7 +223,10 @@ async fn chat_completion_has_openai_shape() {
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
     assert_eq!(v["choices"][0]["logprobs"], Value::Null);
     // "user: hi\nassistant: " is 20 bytes; 30 bytes of script and EOS.
-    assert_eq!(v["usage"], json!({"prompt_tokens": 20, "completion_tokens": 31, "total_tokens": 51}));
+    assert_eq!(
+        v["usage"],
+        json!({"prompt_tokens": 20, "completion_tokens": 31, "total_tokens": 51, "prompt_tokens_details": {"cached_tokens": 0}})
+    );
 }
 
 #[tokio::test]
@@ -321,13 +324,30 @@ async fn invalid_requests_are_400_naming_the_field() {
     let cases = [
         (json!({"messages": user("hi"), "temperature": -1}), "temperature"),
         (json!({"messages": user("hi"), "top_p": "x"}), "top_p"),
-        (json!({"messages": user("hi"), "tools": [{"type": "function", "function": {"name": "f"}}]}), "tools"),
-        (json!({"messages": user("hi"), "response_format": {"type": "json_schema"}}), "response_format"),
-        (json!({"messages": user("hi"), "logit_bias": {"1": 5}}), "logit_bias"),
+        (
+            json!({"messages": user("hi"), "tools": [{"type": "function", "function": {"name": "f g"}}]}),
+            "tools[0].function.name",
+        ),
+        (
+            json!({"messages": user("hi"), "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}),
+            "tool_choice",
+        ),
+        (json!({"messages": user("hi"), "tool_choice": "required"}), "tool_choice"),
+        (json!({"messages": user("hi"), "response_format": {"type": "yaml"}}), "response_format.type"),
+        // The scripted engine cannot mask logits: a format it cannot honour is refused, naming it.
+        (json!({"messages": user("hi"), "response_format": {"type": "json_object"}}), "response_format"),
+        (json!({"messages": user("hi"), "logit_bias": {"one": 5}}), "logit_bias"),
+        (json!({"messages": user("hi"), "logit_bias": {"999": 5}}), "logit_bias"),
+        (json!({"messages": user("hi"), "logit_bias": {"1": 500}}), "logit_bias.1"),
+        (json!({"messages": [{"role": "tool", "content": "x"}]}), "messages[0].tool_call_id"),
+        (
+            json!({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}),
+            "messages[0].tool_calls[0].function.arguments",
+        ),
         (json!({"messages": user("hi"), "top_logprobs": 21, "logprobs": true}), "top_logprobs"),
         (json!({"messages": user("hi"), "n": 0}), "n"),
         (json!({"messages": user("hi"), "made_up_field": 1}), "made_up_field"),
-        (json!({"messages": [{"role": "tool", "content": "x"}]}), "messages[0].role"),
+        (json!({"messages": [{"role": "function", "content": "x"}]}), "messages[0].role"),
         (json!({"messages": []}), "messages"),
         (json!({"model": "scripted"}), "messages"),
     ];
@@ -572,4 +592,82 @@ async fn a_slow_client_is_cut_off_by_the_header_timeout() {
     stop.send(()).unwrap();
     let result = tokio::time::timeout(std::time::Duration::from_secs(10), server).await;
     assert!(matches!(result, Ok(Ok(Ok(())))), "the server did not stop cleanly: {result:?}");
+}
+
+#[tokio::test]
+async fn the_responses_api_answers_in_its_shape() {
+    let state = start(config()).await;
+    let (status, v) = send_json(&state, post("/v1/responses", json!({"input": "hi", "instructions": "x"}))).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["object"], "response");
+    assert_eq!(v["status"], "completed");
+    assert_eq!(v["output"][0]["type"], "message");
+    assert_eq!(v["output"][0]["content"][0]["text"], "Hello world! The answer is 42.");
+    assert_eq!(v["instructions"], "x");
+    assert_eq!(v["usage"]["output_tokens"], 31);
+    let (_, _, body) = send(&state, post("/v1/responses", json!({"input": "hi", "stream": true}))).await;
+    let kinds: Vec<String> = sse_data(&body)
+        .iter()
+        .map(|d| serde_json::from_str::<Value>(d).unwrap()["type"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(kinds.first().map(String::as_str), Some("response.created"));
+    assert_eq!(kinds.last().map(String::as_str), Some("response.completed"));
+    assert!(kinds.iter().filter(|k| *k == "response.output_text.delta").count() > 3);
+    let (status, v) =
+        send_json(&state, post("/v1/responses", json!({"input": "hi", "previous_response_id": "r"}))).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("previous_response_id")));
+    let (status, v) =
+        send_json(&state, post("/v1/responses", json!({"input": [{"type": "function_call_output"}]}))).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("input[0].call_id")));
+}
+
+#[tokio::test]
+async fn anthropic_messages_answer_and_fail_in_anthropic_shape() {
+    let mut c = config();
+    c.api_key = Some("sekret".into());
+    let state = start(c).await;
+    let with_key = |body: Value| {
+        Request::post("/v1/messages")
+            .header("content-type", "application/json")
+            .header("x-api-key", "sekret")
+            .body(Body::from(body.to_string()))
+            .unwrap()
+    };
+    let (status, v) =
+        send_json(&state, with_key(json!({"max_tokens": 34, "system": "s", "messages": user("hi")}))).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!((v["type"].as_str(), v["role"].as_str()), (Some("message"), Some("assistant")));
+    assert_eq!(v["content"][0], json!({"type": "text", "text": "Hello world! The answer is 42."}));
+    assert_eq!(v["stop_reason"], "end_turn");
+    assert_eq!(v["usage"]["output_tokens"], 31);
+    let (_, v) = send_json(&state, with_key(json!({"max_tokens": 5, "messages": user("hi")}))).await;
+    assert_eq!(v["stop_reason"], "max_tokens");
+    let (status, v) = send_json(&state, with_key(json!({"messages": user("hi")}))).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(v["type"], "error");
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    assert!(v["error"]["message"].as_str().unwrap().contains("max_tokens"));
+    let (_, _, body) = send(&state, with_key(json!({"max_tokens": 34, "stream": true, "messages": user("hi")}))).await;
+    let events: Vec<&str> = body.lines().filter_map(|l| l.strip_prefix("event: ")).collect();
+    assert_eq!(events[..3], ["message_start", "ping", "content_block_start"]);
+    assert_eq!(events[events.len() - 3..], ["content_block_stop", "message_delta", "message_stop"]);
+    let text: String = sse_data(&body)
+        .iter()
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter(|v| v["type"] == "content_block_delta")
+        .map(|v| v["delta"]["text"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(text, "Hello world! The answer is 42.");
+    let wrong = Request::post("/v1/messages").header("x-api-key", "nope").body(Body::from("{}")).unwrap();
+    let (status, v) = send_json(&state, wrong).await;
+    assert_eq!((status, v["error"]["type"].as_str()), (StatusCode::UNAUTHORIZED, Some("authentication_error")));
+    let (status, v) = send_json(
+        &state,
+        Request::post("/v1/messages/count_tokens")
+            .header("x-api-key", "sekret")
+            .body(Body::from(json!({"messages": user("hi")}).to_string()))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!((status, v["input_tokens"].as_u64()), (StatusCode::OK, Some(20)));
 }
