@@ -107,6 +107,28 @@ SPECS = {
         dict(BASE, head_dim=16, num_hidden_layers=7, num_key_value_heads=2, sliding_window=5,
              hidden_size_per_layer_input=0, attention_bias=True, global_head_dim=64, tie_word_embeddings=True),
         {"per_layer_config": None, "layer_types": None, "rope_parameters": None, "global_head_dim": 64}),
+    # Mixture-of-Experts in other configurations: 12 experts, top 3, renormalised, every second
+    # layer sparse and layer 3 dense (decoder_sparse_step, mlp_only_layers), experts of width 64.
+    "tiny-qwen3-moe-k3-sparse": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+        dict(BASE, head_dim=16, num_key_value_heads=2, num_hidden_layers=5, num_experts=12, num_experts_per_tok=3,
+             moe_intermediate_size=64, norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[3]), []),
+    # One expert per token, renormalised (weight 1), a wider shared expert, untied head.
+    "tiny-qwen2-moe-k1": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",
+        dict(BASE, num_key_value_heads=2, num_experts=6, num_experts_per_tok=1, moe_intermediate_size=32,
+             shared_expert_intermediate_size=160, norm_topk_prob=True), []),
+    # Six experts, top 3, a sliding window of 6.
+    "tiny-mixtral-w6-k3": ("MixtralForCausalLM", "MixtralConfig",
+        dict(BASE, head_dim=16, num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=3,
+             intermediate_size=64, sliding_window=6), []),
+    # 16 experts, top 4, renormalised.
+    "tiny-olmoe-k4-norm": ("OlmoeForCausalLM", "OlmoeConfig",
+        dict(BASE, num_key_value_heads=2, num_experts=16, num_experts_per_tok=4, intermediate_size=32,
+             norm_topk_prob=True), []),
+    # Six experts, top 3, a window of 5, another clamp, full attention on layers 0 and 3.
+    "tiny-gpt-oss-k3": ("GptOssForCausalLM", "GptOssConfig",
+        dict(BASE, head_dim=16, num_local_experts=6, num_experts_per_tok=3, sliding_window=5, intermediate_size=32,
+             swiglu_limit=3.0, max_position_embeddings=4096, num_hidden_layers=4,
+             layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"]), []),
 }
 
 
@@ -232,3 +254,82 @@ if not only or "tiny-gemma4-vl" in only:
             "dtype_on_disk": "bfloat16"}
     json.dump({**meta, "cases": run_cases(ref, seqs)}, open(os.path.join(REF, name + ".json"), "w"))
     print(f"{name}: ok (Gemma4ForConditionalGeneration)")
+
+
+# The other expert layout of each family (the same weights, renamed and reshaped; the same
+# reference): one tensor per expert where transformers saves them stacked (gpt-oss, Gemma 4),
+# stacked where it saves one per expert (Qwen3-MoE). Kylin must give the same logits for both.
+def relayout(src_name, dst_name, convert):
+    from safetensors.torch import load_file, save_file
+    shared = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "families")
+    src = os.path.join(shared, "fixtures", src_name)
+    dst = os.path.join(FIX, dst_name)
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    save_file(convert(tensors), os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(os.path.join(shared, "reference", src_name + ".json"), os.path.join(REF, dst_name + ".json"))
+    print(f"{dst_name}: ok (relayout of {src_name})")
+
+
+def gpt_oss_per_expert(t):
+    out = {}
+    for k, v in t.items():
+        prefix, _, leaf = k.rpartition("mlp.experts.")
+        if not prefix:
+            out[k] = v
+        elif leaf == "gate_up_proj":      # [E, hidden, 2w] input-major, gate/up interleaved
+            for e in range(v.shape[0]):
+                out[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = v[e, :, 0::2].t().contiguous()
+                out[f"{prefix}mlp.experts.{e}.up_proj.weight"] = v[e, :, 1::2].t().contiguous()
+        elif leaf == "gate_up_proj_bias":
+            for e in range(v.shape[0]):
+                out[f"{prefix}mlp.experts.{e}.gate_proj.bias"] = v[e, 0::2].contiguous()
+                out[f"{prefix}mlp.experts.{e}.up_proj.bias"] = v[e, 1::2].contiguous()
+        elif leaf == "down_proj":         # [E, w, hidden]
+            for e in range(v.shape[0]):
+                out[f"{prefix}mlp.experts.{e}.down_proj.weight"] = v[e].t().contiguous()
+        elif leaf == "down_proj_bias":
+            for e in range(v.shape[0]):
+                out[f"{prefix}mlp.experts.{e}.down_proj.bias"] = v[e].contiguous()
+    return out
+
+
+def gemma4_per_expert(t):
+    out = {}
+    for k, v in t.items():
+        prefix, _, leaf = k.rpartition("experts.")
+        if not prefix or "." in leaf:
+            out[k] = v
+        elif leaf == "gate_up_proj":      # [E, 2w, hidden], gate rows first
+            w = v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[f"{prefix}experts.{e}.gate_proj.weight"] = v[e, :w].contiguous()
+                out[f"{prefix}experts.{e}.up_proj.weight"] = v[e, w:].contiguous()
+        elif leaf == "down_proj":         # [E, hidden, w]
+            for e in range(v.shape[0]):
+                out[f"{prefix}experts.{e}.down_proj.weight"] = v[e].contiguous()
+    return out
+
+
+def qwen3_moe_stacked(t):
+    import re
+    out, experts = {}, {}
+    for k, v in t.items():
+        m = re.match(r"(.*mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight", k)
+        if m:
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = v
+        else:
+            out[k] = v
+    for prefix, by_expert in experts.items():
+        ids = sorted(by_expert)
+        out[prefix + "gate_up_proj"] = torch.stack([torch.cat([by_expert[e]["gate"], by_expert[e]["up"]]) for e in ids])
+        out[prefix + "down_proj"] = torch.stack([by_expert[e]["down"] for e in ids])
+    return out
+
+
+for src, dst, convert in (("tiny-gpt-oss", "tiny-gpt-oss-per-expert", gpt_oss_per_expert),
+                          ("tiny-gemma4-moe", "tiny-gemma4-moe-per-expert", gemma4_per_expert),
+                          ("tiny-qwen3-moe", "tiny-qwen3-moe-stacked", qwen3_moe_stacked)):
+    if not only or dst in only:
+        relayout(src, dst, convert)
