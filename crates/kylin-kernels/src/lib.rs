@@ -36,6 +36,7 @@ mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod avx512bf16;
 mod matmul;
+pub mod mxfp4;
 pub mod packed;
 pub mod paged;
 pub mod pool;

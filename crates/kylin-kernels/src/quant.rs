@@ -474,12 +474,13 @@ unsafe fn compute_groups(
             QuantMatrix::Q4K(m) => m.group(g),
             QuantMatrix::Q4G(m) | QuantMatrix::Q4GA16(m) => m.group(g),
             QuantMatrix::F8A16(m) => m.group(g),
+            QuantMatrix::Mxfp4(m) => m.group(g),
         };
         let weights = match w.packing() {
             Packing::Q8_0A16 => Some(crate::w16::Weights::Int8),
             Packing::Q4GA16 => Some(crate::w16::Weights::Int4),
             Packing::F8A16 => Some(crate::w16::Weights::Fp8),
-            Packing::Q8_0 | Packing::Q4K | Packing::Q4G => None,
+            Packing::Q8_0 | Packing::Q4K | Packing::Q4G | Packing::Mxfp4 => None,
         };
         if let Some(weights) = weights {
             // SAFETY: as below, for all the tokens; `xq` holds their packed BF16 rows.
@@ -527,6 +528,14 @@ unsafe fn compute_groups(
                         mt, wq, ws, cols, xt, stride, y, rows, valid,
                     ),
                     (Packing::Q4G, _) => crate::q4g::tile_scalar(mt, wq, ws, cols, xt, stride, y, rows, valid),
+                    // MXFP4 runs its AVX2 tile on AVX-512 CPUs too (same bits as the scalar one).
+                    #[cfg(target_arch = "x86_64")]
+                    (Packing::Mxfp4, Int8Isa::Vnni | Int8Isa::Avx2) => {
+                        crate::quant_x86::tile_avx2_mxfp4(mt, wq, ws, cols / QK8_0, xt, stride, y, rows, valid)
+                    }
+                    (Packing::Mxfp4, _) => {
+                        crate::mxfp4::tile_scalar(mt, wq, ws, cols / QK8_0, xt, stride, y, rows, valid)
+                    }
                     (Packing::Q8_0A16 | Packing::Q4GA16 | Packing::F8A16, _) => unreachable!("handled above"),
                 }
             }
@@ -609,6 +618,8 @@ pub enum Packing {
     Q4GA16 = 4,
     /// [`crate::w16::F8Matrix`]: FP8 E4M3 weights with BF16 activations.
     F8A16 = 5,
+    /// [`crate::mxfp4::Mxfp4Matrix`]: FP4 values with E8M0 block scales, Q8_0 activations.
+    Mxfp4 = 6,
 }
 
 /// The activation quantizations the formats' products read; formats of the same kind share
@@ -648,6 +659,7 @@ impl Packing {
             Packing::Q4G | Packing::Q4GA16 => crate::q4g::q4_g_plane_lens(rows, cols),
             Packing::Q8_0A16 => q8_0_plane_lens(rows, cols),
             Packing::F8A16 => crate::w16::f8_plane_lens(rows, cols),
+            Packing::Mxfp4 => crate::mxfp4::mxfp4_plane_lens(rows, cols),
         }
     }
 
@@ -660,13 +672,14 @@ impl Packing {
             Packing::Q8_0A16 => "q8_0_a16",
             Packing::Q4GA16 => "q4_g_a16",
             Packing::F8A16 => "f8_e4m3_a16",
+            Packing::Mxfp4 => "mxfp4",
         }
     }
 
     /// The activation quantization the format's products read.
     pub fn activation_kind(self) -> ActivationKind {
         match self {
-            Packing::Q8_0 => ActivationKind::Q8_0,
+            Packing::Q8_0 | Packing::Mxfp4 => ActivationKind::Q8_0,
             Packing::Q4K | Packing::Q4G => ActivationKind::Q4K,
             Packing::Q8_0A16 | Packing::Q4GA16 | Packing::F8A16 => ActivationKind::Bf16,
         }
@@ -688,6 +701,7 @@ pub enum QuantMatrix<'a> {
     Q8_0A16(Q8Matrix<'a>),
     Q4GA16(crate::q4g::Q4GMatrix<'a>),
     F8A16(crate::w16::F8Matrix<'a>),
+    Mxfp4(crate::mxfp4::Mxfp4Matrix<'a>),
 }
 
 impl<'a> QuantMatrix<'a> {
@@ -701,6 +715,7 @@ impl<'a> QuantMatrix<'a> {
             Packing::Q8_0A16 => Q8Matrix::new(rows, cols, quants, scales).map(QuantMatrix::Q8_0A16),
             Packing::Q4GA16 => crate::q4g::Q4GMatrix::new(rows, cols, quants, scales).map(QuantMatrix::Q4GA16),
             Packing::F8A16 => crate::w16::F8Matrix::new(rows, cols, quants, scales).map(QuantMatrix::F8A16),
+            Packing::Mxfp4 => crate::mxfp4::Mxfp4Matrix::new(rows, cols, quants, scales).map(QuantMatrix::Mxfp4),
         }
     }
 
@@ -712,6 +727,7 @@ impl<'a> QuantMatrix<'a> {
             QuantMatrix::Q8_0A16(_) => Packing::Q8_0A16,
             QuantMatrix::Q4GA16(_) => Packing::Q4GA16,
             QuantMatrix::F8A16(_) => Packing::F8A16,
+            QuantMatrix::Mxfp4(_) => Packing::Mxfp4,
         }
     }
 
@@ -723,6 +739,7 @@ impl<'a> QuantMatrix<'a> {
             QuantMatrix::Q8_0A16(m) => m.rows(),
             QuantMatrix::Q4GA16(m) => m.rows(),
             QuantMatrix::F8A16(m) => m.rows(),
+            QuantMatrix::Mxfp4(m) => m.rows(),
         }
     }
 
@@ -734,6 +751,7 @@ impl<'a> QuantMatrix<'a> {
             QuantMatrix::Q8_0A16(m) => m.cols(),
             QuantMatrix::Q4GA16(m) => m.cols(),
             QuantMatrix::F8A16(m) => m.cols(),
+            QuantMatrix::Mxfp4(m) => m.cols(),
         }
     }
 
@@ -746,6 +764,7 @@ impl<'a> QuantMatrix<'a> {
             QuantMatrix::Q8_0A16(m) => m.quants(),
             QuantMatrix::Q4GA16(m) => m.quants(),
             QuantMatrix::F8A16(m) => m.quants(),
+            QuantMatrix::Mxfp4(m) => m.quants(),
         }
     }
 
@@ -758,6 +777,7 @@ impl<'a> QuantMatrix<'a> {
             QuantMatrix::Q8_0A16(m) => m.scales(),
             QuantMatrix::Q4GA16(m) => m.scales(),
             QuantMatrix::F8A16(m) => m.scales(),
+            QuantMatrix::Mxfp4(m) => m.scales(),
         }
     }
 
@@ -795,6 +815,7 @@ impl<'a> QuantMatrix<'a> {
             QuantMatrix::Q4G(m) | QuantMatrix::Q4GA16(m) => crate::q4g::dequantize_row_q4_g(*m, r, out),
             QuantMatrix::Q8_0A16(m) => dequantize_row_q8_0(*m, r, out),
             QuantMatrix::F8A16(m) => crate::w16::dequantize_row_f8(*m, r, out),
+            QuantMatrix::Mxfp4(m) => crate::mxfp4::dequantize_row_mxfp4(*m, r, out),
         }
     }
 
@@ -900,6 +921,7 @@ impl QuantBuffer {
             Packing::Q8_0A16 => QuantMatrix::Q8_0A16(Q8Matrix::from_planes(rows, cols, quants, scales)),
             Packing::Q4GA16 => QuantMatrix::Q4GA16(crate::q4g::Q4GMatrix::from_planes(rows, cols, quants, scales)),
             Packing::F8A16 => QuantMatrix::F8A16(crate::w16::F8Matrix::from_planes(rows, cols, quants, scales)),
+            Packing::Mxfp4 => QuantMatrix::Mxfp4(crate::mxfp4::Mxfp4Matrix::from_planes(rows, cols, quants, scales)),
         }
     }
 
@@ -921,7 +943,7 @@ impl QuantBuffer {
         match packing {
             Packing::Q8_0 => quantize_q8_0_groups(w, groups, quants, scales, row),
             Packing::Q4K => crate::q4k::quantize_q4_k_groups(w, groups, quants, scales, row),
-            Packing::Q4G | Packing::Q8_0A16 | Packing::Q4GA16 | Packing::F8A16 => panic!(
+            Packing::Q4G | Packing::Q8_0A16 | Packing::Q4GA16 | Packing::F8A16 | Packing::Mxfp4 => panic!(
                 "{} is packed from a published checkpoint's own numbers, not quantized from floats",
                 packing.name()
             ),

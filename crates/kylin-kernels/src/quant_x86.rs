@@ -240,3 +240,79 @@ pub(crate) unsafe fn tile_avx2(
         }
     }
 }
+
+/// `mt` tokens × one group of 16 MXFP4 rows on AVX2 ([`crate::mxfp4`]): each 32-byte load
+/// holds the codes of 8 rows × 8 columns; `vpshufb` turns low and high nibbles into the doubled
+/// FP4 values (signed bytes, `|w| ≤ 12`), `vpmaddubsw(|w|, sign(x, w))` multiplies them by the
+/// activations and `vpmaddwd` by ones widens the pairs: the exact block sums of the scalar
+/// tile, combined in its order with `dx · 2^(e − 128)` per block and row.
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available; otherwise as [`crate::mxfp4::tile_scalar`].
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn tile_avx2_mxfp4(
+    mt: usize,
+    wq: &[u8],
+    ws: &[u8],
+    nb: usize,
+    xq: &[u8],
+    stride: usize,
+    y: *mut f32,
+    y_stride: usize,
+    valid: usize,
+) {
+    use crate::mxfp4::{BLOCK_BYTES, VALUES_X2};
+    assert!(wq.len() >= nb * BLOCK_BYTES && ws.len() >= nb * GROUP_ROWS && xq.len() >= mt * stride);
+    debug_assert!(valid <= GROUP_ROWS);
+    let cols = nb * QK8_0;
+    let (wp, sp, xp) = (wq.as_ptr(), ws.as_ptr(), xq.as_ptr());
+    // SAFETY: `VALUES_X2` holds 16 bytes.
+    let lut = unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(VALUES_X2.as_ptr() as *const __m128i)) };
+    let (low, ones, one) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi16(1), _mm256_set1_epi32(1));
+    for t in 0..mt {
+        let mut acc = [_mm256_setzero_ps(); 2];
+        for b in 0..nb {
+            // SAFETY: block `b` of the group and token `t`'s activations lie inside the slices
+            // (checked above); the scales' 8-byte loads stay inside the group's 16 bytes.
+            unsafe {
+                let wb = wp.add(b * BLOCK_BYTES);
+                let xt = xp.add(t * stride);
+                let xb = xt.add(b * QK8_0);
+                let mut ii = [_mm256_setzero_si256(); 2];
+                for p in 0..4 {
+                    let x_lo = _mm256_set1_epi32(std::ptr::read_unaligned(xb.add(8 * p) as *const i32));
+                    let x_hi = _mm256_set1_epi32(std::ptr::read_unaligned(xb.add(8 * p + 4) as *const i32));
+                    for (h, ii) in ii.iter_mut().enumerate() {
+                        let codes = _mm256_loadu_si256(wb.add(64 * p + 32 * h) as *const __m256i);
+                        let w_lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(codes, low));
+                        let w_hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(codes, 4), low));
+                        let a = _mm256_maddubs_epi16(_mm256_abs_epi8(w_lo), _mm256_sign_epi8(x_lo, w_lo));
+                        let c = _mm256_maddubs_epi16(_mm256_abs_epi8(w_hi), _mm256_sign_epi8(x_hi, w_hi));
+                        *ii = _mm256_add_epi32(*ii, _mm256_madd_epi16(a, ones));
+                        *ii = _mm256_add_epi32(*ii, _mm256_madd_epi16(c, ones));
+                    }
+                }
+                let dx = _mm256_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * b) as *const f32));
+                for (h, acc) in acc.iter_mut().enumerate() {
+                    // E8M0 bytes -> 2^(e - 128) as f32 bits ((e - 1) << 23), 0 below e = 2.
+                    let e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(sp.add(b * GROUP_ROWS + 8 * h) as *const __m128i));
+                    let bits =
+                        _mm256_slli_epi32(_mm256_max_epi32(_mm256_sub_epi32(e, one), _mm256_setzero_si256()), 23);
+                    let dw = _mm256_castsi256_ps(bits);
+                    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ii[h]), _mm256_mul_ps(dx, dw), *acc);
+                }
+            }
+        }
+        let mut lanes = [0.0f32; GROUP_ROWS];
+        // SAFETY: `lanes` holds 16 floats, two unaligned 8-float stores.
+        unsafe {
+            _mm256_storeu_ps(lanes.as_mut_ptr(), acc[0]);
+            _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc[1]);
+        }
+        for (lane, v) in lanes.iter().enumerate().take(valid) {
+            // SAFETY: the caller's contract: rows `0..valid` of token `t` are writable.
+            unsafe { *y.add(t * y_stride + lane) = *v };
+        }
+    }
+}
