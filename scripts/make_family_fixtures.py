@@ -333,3 +333,57 @@ for src, dst, convert in (("tiny-gpt-oss", "tiny-gpt-oss-per-expert", gpt_oss_pe
                           ("tiny-qwen3-moe", "tiny-qwen3-moe-stacked", qwen3_moe_stacked)):
     if not only or dst in only:
         relayout(src, dst, convert)
+
+
+# gpt-oss as it is published: the experts in MXFP4 (`*_blocks`: two FP4 E2M1 codes per byte,
+# the even column in the low nibble; `*_scales`: one E8M0 byte per 32 columns; rows are the
+# outputs, gate and up interleaved as in the BF16 layout), everything else BF16, and
+# `quantization_config: {quant_method: mxfp4}`. transformers dequantizes MXFP4 on a CPU; its
+# float32 forward over those weights is the reference.
+FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def to_mxfp4(w):
+    """[..., out, in] float -> blocks [..., out, in / 32, 16] and scales [..., out, in / 32]."""
+    *lead, rows, cols = w.shape
+    blocks32 = w.float().reshape(*lead, rows, cols // 32, 32)
+    amax = blocks32.abs().amax(-1).clamp(min=1e-30)
+    e = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)          # largest value fits 6 · 2^e
+    scaled = blocks32 / torch.pow(2.0, e).unsqueeze(-1)
+    codes = (scaled.unsqueeze(-1) - FP4).abs().argmin(-1).to(torch.uint8)   # nearest FP4 value
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed, (e + 127).to(torch.uint8)
+
+
+if not only or "tiny-gpt-oss-mxfp4" in only:
+    from safetensors.torch import load_file, save_file
+    name = "tiny-gpt-oss-mxfp4"
+    torch.manual_seed(0)
+    cfg = T.GptOssConfig(**dict(BASE, head_dim=16, num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2,
+                                sliding_window=6, intermediate_size=64, max_position_embeddings=4096))
+    cfg.dtype = "bfloat16"
+    model = T.GptOssForCausalLM(cfg)
+    randomize(model, 5151)
+    d = os.path.join(FIX, name)
+    shutil.rmtree(d, ignore_errors=True)
+    model.to(torch.bfloat16).save_pretrained(d, safe_serialization=True)
+    tensors = load_file(os.path.join(d, "model.safetensors"))
+    out = {}
+    for k, v in tensors.items():
+        if k.endswith("mlp.experts.gate_up_proj") or k.endswith("mlp.experts.down_proj"):
+            blocks, scales = to_mxfp4(v.transpose(1, 2))   # [E, in, out] -> [E, out, in]
+            out[k + "_blocks"], out[k + "_scales"] = blocks, scales
+        else:
+            out[k] = v
+    save_file(out, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    config = json.load(open(os.path.join(d, "config.json")))
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    json.dump(config, open(os.path.join(d, "config.json"), "w"), indent=2, sort_keys=True)
+    ref = T.GptOssForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(4321)
+    seqs = [[int(t) for t in torch.randint(0, 1024, (n,), generator=g)] for n in (1, 9, 41, 90)]
+    meta = {"model": name, "architecture": "GptOssForCausalLM", "produced_by": meta_base,
+            "dtype_on_disk": "bfloat16 + mxfp4 experts"}
+    json.dump({**meta, "cases": run_cases(ref, seqs)}, open(os.path.join(REF, name + ".json"), "w"))
+    print(f"{name}: ok (MXFP4 experts, reference by transformers' dequantization)")

@@ -109,7 +109,11 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
             }
             // Only a published checkpoint's matrices get these packings, and those are refused
             // above.
-            QuantMatrix::Q4G(_) | QuantMatrix::Q8_0A16(_) | QuantMatrix::Q4GA16(_) | QuantMatrix::F8A16(_) => {
+            QuantMatrix::Q4G(_)
+            | QuantMatrix::Q8_0A16(_)
+            | QuantMatrix::Q4GA16(_)
+            | QuantMatrix::F8A16(_)
+            | QuantMatrix::Mxfp4(_) => {
                 return Err(KylinError::operator_unsupported(format!(
                     "{name} is in the {} packing, which kylin quantize does not write",
                     m.packing().name()

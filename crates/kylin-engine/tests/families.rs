@@ -55,10 +55,6 @@ fn fixture(name: &str) -> PathBuf {
     Path::new(FAMILIES).join("fixtures").join(name)
 }
 
-fn reference(name: &str) -> Value {
-    reference_in(FAMILIES, name)
-}
-
 fn reference_in(root: &str, name: &str) -> Value {
     let path = Path::new(root).join("reference").join(format!("{name}.json"));
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
@@ -231,7 +227,11 @@ fn drain(engine: &mut BatchEngine) -> Outputs {
 /// then together with 40-token steps (so each prompt is chunked differently): the same ids and
 /// log-probabilities, bit for bit.
 fn batch_invariance(name: &str, precision: PrecisionChoice, quantize: Option<QuantFormat>) {
-    let path = fixture(name);
+    batch_invariance_at(&fixture(name), name, precision, quantize)
+}
+
+fn batch_invariance_at(path: &Path, name: &str, precision: PrecisionChoice, quantize: Option<QuantFormat>) {
+    let path = path.to_path_buf();
     let opts = EngineOptions {
         threads: 2,
         ctx_size: Some(256),
@@ -282,9 +282,14 @@ fn every_family_batches_invariantly_on_the_fast_paths() {
 /// `KL(p_f32 || p_fast)` of the last position's distribution, averaged over the reference
 /// prompts; and the share of positions whose argmax agrees with f32.
 fn kl_against_f32(name: &str, precision: PrecisionChoice, quantize: Option<QuantFormat>) -> (f64, f64) {
-    let reference = reference(name);
-    let mut base = native(&fixture(name), PrecisionChoice::F32, None);
-    let mut fast = native(&fixture(name), precision, quantize);
+    kl_in(FAMILIES, name, precision, quantize)
+}
+
+fn kl_in(root: &str, name: &str, precision: PrecisionChoice, quantize: Option<QuantFormat>) -> (f64, f64) {
+    let reference = reference_in(root, name);
+    let path = Path::new(root).join("fixtures").join(name);
+    let mut base = native(&path, PrecisionChoice::F32, None);
+    let mut fast = native(&path, precision, quantize);
     let vocab = base.vocab_size();
     let (mut kl, mut agree, mut count) = (0.0f64, 0usize, 0usize);
     for case in reference["cases"].as_array().unwrap() {
@@ -340,6 +345,27 @@ fn fast_paths_stay_close_to_f32_on_every_family() {
         }
     }
     assert!(failures.is_empty(), "fast paths too far from f32: {failures:?}");
+}
+
+/// gpt-oss as published: the experts run as stored, 4-bit FP4 codes with E8M0 scales in the
+/// MXFP4 kernel (int8 activations), the attention and head in BF16 as stored; close to the
+/// f32 path (which matches transformers' dequantized forward exactly, above), and batch
+/// invariant.
+#[test]
+fn mxfp4_experts_run_as_stored() {
+    let path = Path::new(MORE).join("fixtures/tiny-gpt-oss-mxfp4");
+    let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
+    let options = EngineOptions { threads: 2, precision: PrecisionChoice::Auto, ..EngineOptions::default() };
+    let engine = BatchEngine::new(model, &options).unwrap();
+    assert_eq!(
+        engine.core().model().quantization(),
+        Some(QuantFormat::Published(kylin_kernels::quant::Packing::Mxfp4)),
+        "the experts are packed as MXFP4"
+    );
+    let (kl, agree) = kl_in(MORE, "tiny-gpt-oss-mxfp4", PrecisionChoice::Auto, None);
+    println!("tiny-gpt-oss-mxfp4 mxfp4 kernels: KL {kl:.6}, argmax agreement {:.1}%", agree * 100.0);
+    assert!(kl < 0.05 && agree >= 0.85, "MXFP4 kernels too far from f32: KL {kl}, agreement {agree}");
+    batch_invariance_at(&path, "tiny-gpt-oss-mxfp4", PrecisionChoice::Auto, None);
 }
 
 /// A model whose sliding layers share a window keeps their keys and values for the window

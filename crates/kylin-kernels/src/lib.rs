@@ -429,6 +429,11 @@ pub fn clamped_swiglu_mul(gate: &mut [f32], up: &[f32], alpha: f32, limit: f32) 
     reference::clamped_swiglu_mul(gate, up, alpha, limit)
 }
 
+/// [`clamped_swiglu_mul`] over interleaved `(gate, up)` pairs: `out (n) <- gate_up (2n)`.
+pub fn clamped_swiglu_interleaved(gate_up: &[f32], out: &mut [f32], alpha: f32, limit: f32) {
+    reference::clamped_swiglu_interleaved(gate_up, out, alpha, limit)
+}
+
 /// Attention of one query head over `len` cached positions of its KV head.
 ///
 /// `q`: `(head_dim)`; `keys`, `values`: `(len, head_dim)` row-major (at least `len * head_dim`

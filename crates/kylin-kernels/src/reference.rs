@@ -100,6 +100,17 @@ pub fn clamped_swiglu_mul(gate: &mut [f32], up: &[f32], alpha: f32, limit: f32) 
     }
 }
 
+/// [`clamped_swiglu_mul`] on interleaved pairs: `out[i]` from `gate_up[2i]` (gate) and
+/// `gate_up[2i + 1]` (up).
+pub fn clamped_swiglu_interleaved(gate_up: &[f32], out: &mut [f32], alpha: f32, limit: f32) {
+    for (o, pair) in out.iter_mut().zip(gate_up.chunks_exact(2)) {
+        let g0 = pair[0].min(limit);
+        let u = pair[1].clamp(-limit, limit);
+        let sigmoid = 1.0 / (1.0 + (-(g0 * alpha)).exp());
+        *o = (u + 1.0) * (g0 * sigmoid);
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 pub fn attention_head(
     q: &[f32],

@@ -67,6 +67,11 @@ pub enum Dim {
     ExpertGateUp,
     /// The shared expert's width (Qwen2-MoE).
     SharedInter,
+    /// `hidden_size / 32` and one expert's width / 32: MXFP4 blocks per row.
+    HiddenBlocks,
+    ExpertBlocks,
+    /// 16 bytes: one MXFP4 block's codes.
+    BlockBytes,
 }
 
 /// The sizes that vary per layer: the layer's own, or the model's for global entries.
@@ -99,6 +104,9 @@ impl Dim {
             Dim::ExpertInter => c.decoder.moe.map_or(0, |m| m.intermediate),
             Dim::ExpertGateUp => c.decoder.moe.map_or(0, |m| 2 * m.intermediate),
             Dim::SharedInter => c.decoder.moe.and_then(|m| m.shared_intermediate).unwrap_or(0),
+            Dim::HiddenBlocks => c.hidden_size / 32,
+            Dim::ExpertBlocks => c.decoder.moe.map_or(0, |m| m.intermediate / 32),
+            Dim::BlockBytes => 16,
         }
     }
 
@@ -129,6 +137,9 @@ impl Dim {
             Dim::ExpertInter => format!("the expert width {}", self.value(c, layer)),
             Dim::ExpertGateUp => format!("2 * the expert width {}", self.value(c, layer) / 2),
             Dim::SharedInter => format!("shared_expert_intermediate_size={}", self.value(c, layer)),
+            Dim::HiddenBlocks => format!("hidden_size={} / 32", c.hidden_size),
+            Dim::ExpertBlocks => format!("the expert width {} / 32", self.value(c, layer) * 32),
+            Dim::BlockBytes => "16 bytes per block".to_string(),
         }
     }
 }
@@ -176,6 +187,8 @@ pub enum Cond {
     ExpertsStackedInputMajor,
     /// The stacked experts' biases `[experts, out]` (gpt-oss).
     ExpertBiasStacked,
+    /// Experts stacked as MXFP4 `_blocks` and `_scales` (gpt-oss as published).
+    ExpertsMxfp4,
     /// The shared expert and its gate (Qwen2-MoE).
     SharedExpert,
     /// Per-head attention sinks (gpt-oss).
@@ -192,6 +205,9 @@ pub enum ExpertLayout {
     Stacked,
     /// 3-D tensors `[experts, in, out]` (gpt-oss as transformers saves it).
     StackedInputMajor,
+    /// MXFP4 `_blocks` `[experts, out, in / 32, 16]` and `_scales` `[experts, out, in / 32]`
+    /// (gpt-oss as published), gate and up interleaved by row.
+    StackedMxfp4,
 }
 
 impl Cond {
@@ -225,9 +241,12 @@ impl Cond {
             Cond::ExpertsStacked => layout(ExpertLayout::Stacked),
             Cond::ExpertsStackedInputMajor => layout(ExpertLayout::StackedInputMajor),
             Cond::ExpertBiasStacked => {
-                (layout(ExpertLayout::Stacked) || layout(ExpertLayout::StackedInputMajor))
+                (layout(ExpertLayout::Stacked)
+                    || layout(ExpertLayout::StackedInputMajor)
+                    || layout(ExpertLayout::StackedMxfp4))
                     && moe.is_some_and(|m| m.expert_bias)
             }
+            Cond::ExpertsMxfp4 => layout(ExpertLayout::StackedMxfp4),
             Cond::SharedExpert => moe.is_some_and(|m| m.shared_intermediate.is_some()),
             Cond::Sinks => attention && c.decoder.attention_sinks,
         }
@@ -313,6 +332,11 @@ pub enum Role {
     StackedDownInputMajor,
     StackedGateUpBias,
     StackedDownBias,
+    /// MXFP4 stacked experts: codes and scales of gate/up (interleaved rows) and down.
+    StackedGateUpBlocks,
+    StackedGateUpScales,
+    StackedDownBlocks,
+    StackedDownScales,
     /// Qwen2-MoE's shared expert and its gate `[1, hidden]`.
     SharedGate,
     SharedUp,
@@ -320,6 +344,16 @@ pub enum Role {
     SharedExpertGate,
     /// gpt-oss's attention sinks, one logit per query head.
     Sinks,
+}
+
+impl Role {
+    /// Roles whose tensors hold packed bytes (U8) rather than floats: MXFP4 codes and scales.
+    pub fn is_packed_bytes(self) -> bool {
+        matches!(
+            self,
+            Role::StackedGateUpBlocks | Role::StackedGateUpScales | Role::StackedDownBlocks | Role::StackedDownScales
+        )
+    }
 }
 
 impl Role {
@@ -644,6 +678,30 @@ pub const GPT_OSS_EXPERTS: &[Spec] = &[
         Cond::ExpertBiasStacked,
     ),
     spec(
+        Role::StackedGateUpBlocks,
+        "model.layers.{layer}.mlp.experts.gate_up_proj_blocks",
+        &[Experts, ExpertGateUp, HiddenBlocks, BlockBytes],
+        Cond::ExpertsMxfp4,
+    ),
+    spec(
+        Role::StackedGateUpScales,
+        "model.layers.{layer}.mlp.experts.gate_up_proj_scales",
+        &[Experts, ExpertGateUp, HiddenBlocks],
+        Cond::ExpertsMxfp4,
+    ),
+    spec(
+        Role::StackedDownBlocks,
+        "model.layers.{layer}.mlp.experts.down_proj_blocks",
+        &[Experts, Hidden, ExpertBlocks, BlockBytes],
+        Cond::ExpertsMxfp4,
+    ),
+    spec(
+        Role::StackedDownScales,
+        "model.layers.{layer}.mlp.experts.down_proj_scales",
+        &[Experts, Hidden, ExpertBlocks],
+        Cond::ExpertsMxfp4,
+    ),
+    spec(
         Role::ExpertGate,
         "model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",
         &[ExpertInter, Hidden],
@@ -890,7 +948,9 @@ fn expert_layout(config: &ModelConfig, specs: &[Spec], index: &TensorIndex, map:
             index.raw(&name).is_some()
         })
     };
-    if present(Role::StackedGateUp) {
+    if present(Role::StackedGateUpBlocks) {
+        ExpertLayout::StackedMxfp4
+    } else if present(Role::StackedGateUp) {
         ExpertLayout::Stacked
     } else if present(Role::StackedGateUpInputMajor) {
         ExpertLayout::StackedInputMajor
@@ -905,8 +965,10 @@ fn expert_layout(config: &ModelConfig, specs: &[Spec], index: &TensorIndex, map:
 /// `ExpertGateUpInputMajor` `[hidden, 2w]` and `ExpertDownInputMajor` `[w, hidden]`.
 fn split_stacked(
     config: &ModelConfig,
+    layer: usize,
     tensors: &mut BTreeMap<Role, WeightTensor>,
     experts: &mut [BTreeMap<Role, WeightTensor>],
+    published: &mut BTreeMap<String, crate::published::PublishedMatrix>,
 ) -> Result<()> {
     let pairs = [
         (Role::StackedGateUp, Role::ExpertGateUp),
@@ -916,17 +978,54 @@ fn split_stacked(
         (Role::StackedGateUpBias, Role::ExpertGateUpBias),
         (Role::StackedDownBias, Role::ExpertDownBias),
     ];
-    let _ = config;
+    let entry = |t: &WeightTensor, e: usize| {
+        t.entry(e, format!("{}[{e}]", t.name)).ok_or_else(|| {
+            KylinError::tensor_shape_mismatch(format!(
+                "tensor '{}' ({:?}) has no entry for expert {e}",
+                t.name, t.shape
+            ))
+        })
+    };
     for (stacked, part) in pairs {
         let Some(t) = tensors.remove(&stacked) else { continue };
         for (e, map) in experts.iter_mut().enumerate() {
-            let view = t.entry(e, format!("{}[{e}]", t.name)).ok_or_else(|| {
-                KylinError::tensor_shape_mismatch(format!(
-                    "tensor '{}' ({:?}) has no entry for expert {e}",
-                    t.name, t.shape
-                ))
-            })?;
-            map.insert(part, view);
+            map.insert(part, entry(&t, e)?);
+        }
+    }
+    // MXFP4: each expert's codes and scales become a published matrix (decoded when the model
+    // is built), its codes the role's tensor.
+    let width = config.decoder.moe.map_or(0, |m| m.intermediate);
+    let mxfp4 = [
+        (
+            Role::StackedGateUpBlocks,
+            Role::StackedGateUpScales,
+            Role::ExpertGateUp,
+            "gate_up_proj",
+            2 * width,
+            config.hidden_size,
+        ),
+        (Role::StackedDownBlocks, Role::StackedDownScales, Role::ExpertDown, "down_proj", config.hidden_size, width),
+    ];
+    for (blocks_role, scales_role, part, name, rows, cols) in mxfp4 {
+        let (Some(blocks), Some(scales)) = (tensors.remove(&blocks_role), tensors.remove(&scales_role)) else {
+            continue;
+        };
+        for (e, map) in experts.iter_mut().enumerate() {
+            let values = entry(&blocks, e)?;
+            let matrix = crate::published::PublishedMatrix {
+                module: format!("model.layers.{layer}.mlp.experts.{name}[{e}]"),
+                rows,
+                cols,
+                scheme: crate::published::Scheme::Mxfp4,
+                values: values.clone(),
+                scale: entry(&scales, e)?,
+                zero: None,
+                g_idx: None,
+                shape: None,
+                int8_activations: false,
+            };
+            published.insert(values.name.clone(), matrix);
+            map.insert(part, values);
         }
     }
     Ok(())
@@ -971,8 +1070,10 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
         if let Some(e) = expert {
             name = name.replace("{expert}", &e.to_string());
         }
-        if let Some(q) =
-            config.published.as_ref().filter(|_| spec.role.is_matrix() && spec.cond.holds(config, layer, layout))
+        if let Some(q) = config
+            .published
+            .as_ref()
+            .filter(|q| q.quantizes_linear_layers() && spec.role.is_matrix() && spec.cond.holds(config, layer, layout))
         {
             let module = name.strip_suffix(".weight").unwrap_or(&name).to_string();
             if !q.ignores(&module) {
@@ -1084,6 +1185,12 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
             return None;
         }
         match (raw.dtype, index.view(&name)) {
+            (Some(DType::U8), Some(view)) if spec.role.is_packed_bytes() => Some(view),
+            (Some(_), Some(_)) if spec.role.is_packed_bytes() => {
+                dtype_errors
+                    .push(format!("tensor '{name}' is stored as {}; MXFP4 codes and scales are U8", raw.dtype_name));
+                None
+            }
             (Some(dt), Some(view)) if dt.is_float() => Some(view),
             _ => {
                 dtype_errors.push(format!(
@@ -1176,7 +1283,7 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
             per_expert[e].insert(role, t);
         }
         if config.decoder.layers.get(i).is_some_and(|l| l.ffn.has_experts()) {
-            split_stacked(config, &mut tensors, &mut per_expert)?;
+            split_stacked(config, i, &mut tensors, &mut per_expert, &mut published)?;
         } else {
             per_expert.clear();
         }

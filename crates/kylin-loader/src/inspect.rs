@@ -56,6 +56,7 @@ fn stored_format(w: &crate::ModelWeights, t: &crate::WeightTensor) -> String {
             crate::published::Scheme::Int { bits, group: Some(g), .. } => format!("int{bits}/g{g}"),
             crate::published::Scheme::Int { bits, group: None, .. } => format!("int{bits}/channel"),
             crate::published::Scheme::Float8 { .. } => "F8_E4M3".to_string(),
+            crate::published::Scheme::Mxfp4 => "MXFP4".to_string(),
         };
     }
     match w.scales.get(&t.name) {

@@ -50,6 +50,8 @@ pub enum PublishedMethod {
     Fp8,
     Gptq,
     Awq,
+    /// gpt-oss's `mxfp4`: the experts in MXFP4, everything else as stored.
+    Mxfp4,
 }
 
 impl PublishedMethod {
@@ -59,6 +61,7 @@ impl PublishedMethod {
             PublishedMethod::Fp8 => "fp8",
             PublishedMethod::Gptq => "gptq",
             PublishedMethod::Awq => "awq",
+            PublishedMethod::Mxfp4 => "mxfp4",
         }
     }
 }
@@ -98,6 +101,9 @@ pub enum Scheme {
     Int { bits: u32, group: Option<usize>, symmetric: bool, actorder: bool, packing: IntPacking },
     /// FP8 E4M3 values times `scales`; `inverse_name`: the scale tensor is `weight_scale_inv`.
     Float8 { scales: Fp8Scales, inverse_name: bool },
+    /// FP4 E2M1 codes, two per byte (`_blocks` `[rows, cols / 32, 16]`), times an E8M0 scale
+    /// per block of 32 (`_scales` `[rows, cols / 32]`): gpt-oss's stacked experts.
+    Mxfp4,
 }
 
 /// A checkpoint's `quantization_config`, decided.
@@ -204,6 +210,14 @@ impl PublishedQuantization {
             "fp8" => Self::fine_grained_fp8(q)?,
             "gptq" => Self::gptq(q)?,
             "awq" => Self::awq(q)?,
+            "mxfp4" => PublishedQuantization {
+                method: PublishedMethod::Mxfp4,
+                scheme: Scheme::Mxfp4,
+                ignore: get_strings(q, "", "modules_to_not_convert")?,
+                matcher: IgnoreRule::Substring,
+                activations: None,
+                int8_activations: false,
+            },
             _ => return Ok(None),
         };
         Ok(Some(parsed))
@@ -538,6 +552,7 @@ impl PublishedQuantization {
                 if *symmetric { "symmetric" } else { "asymmetric (zero points)" },
                 if *actorder { ", activation order (g_idx)" } else { "" }
             ),
+            Scheme::Mxfp4 => "mxfp4 experts (fp4 e2m1, e8m0 scale per 32)".to_string(),
             Scheme::Float8 { scales, .. } => format!(
                 "fp8 e4m3 weights, scales {}",
                 match scales {
@@ -562,7 +577,14 @@ impl PublishedQuantization {
         match &self.scheme {
             Scheme::Int { bits, .. } => *bits,
             Scheme::Float8 { .. } => 8,
+            Scheme::Mxfp4 => 4,
         }
+    }
+
+    /// Whether the checkpoint quantizes 2-D linear layers (matrix by matrix); MXFP4
+    /// quantizes only the stacked experts, which bind through their own table entries.
+    pub fn quantizes_linear_layers(&self) -> bool {
+        self.scheme != Scheme::Mxfp4
     }
 }
 
@@ -632,6 +654,7 @@ pub(crate) fn bind_matrix(
         match q.scheme {
             Scheme::Int { bits, .. } => format!("int{bits}"),
             Scheme::Float8 { .. } => "fp8".to_string(),
+            Scheme::Mxfp4 => "mxfp4".to_string(),
         }
     );
     let mut fetch =
@@ -668,6 +691,10 @@ pub(crate) fn bind_matrix(
         Ok(n / unit)
     };
     let scheme = q.scheme.clone();
+    if scheme == Scheme::Mxfp4 {
+        // MXFP4 quantizes stacked experts only; they bind through their own table entries.
+        return Err(BindProblem::Missing(format!("{module} (an MXFP4 checkpoint quantizes only its experts)")));
+    }
     let (values, scale, zero, g_idx, shape) = match &scheme {
         Scheme::Int { bits, group, symmetric, actorder, packing } => {
             let bits = *bits as usize;
@@ -730,6 +757,7 @@ pub(crate) fn bind_matrix(
             let scale = fetch(name, &scale_shape, FLOATS)?;
             (values, scale, None, None, None)
         }
+        Scheme::Mxfp4 => unreachable!("returned above"),
     };
     Ok(PublishedMatrix {
         module: module.to_string(),
@@ -998,6 +1026,33 @@ impl PublishedMatrix {
     /// The weights in f32, row-major `[rows, cols]`, exactly as the producers dequantize them.
     pub fn dequantize(&self) -> Result<Vec<f32>> {
         let mut out = vec![0.0f32; self.rows * self.cols];
+        if self.scheme == Scheme::Mxfp4 {
+            // `fp4(code) · 2^(e - 127)`, exactly, as transformers dequantizes (255 is refused).
+            const FP4: [f32; 16] =
+                [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
+            let (blocks, scales) = (self.values.bytes(), self.scale.bytes());
+            let nb = self.cols / 32;
+            for r in 0..self.rows {
+                for b in 0..nb {
+                    let e = scales[r * nb + b];
+                    if e == 255 {
+                        return Err(KylinError::file_corrupted(format!(
+                            "tensor '{}' row {r} block {b} has the E8M0 scale 255 (NaN)",
+                            self.scale.name
+                        )));
+                    }
+                    // 2^(e - 127): the float with that exponent field (e = 0 is the subnormal 2^-127).
+                    let s = if e == 0 { f32::from_bits(0x0040_0000) } else { f32::from_bits((e as u32) << 23) };
+                    for k in 0..32 {
+                        let c = b * 32 + k;
+                        let byte = blocks[r * self.cols / 2 + c / 2];
+                        let code = if c % 2 == 0 { byte & 15 } else { byte >> 4 };
+                        out[r * self.cols + c] = FP4[code as usize] * s;
+                    }
+                }
+            }
+            return Ok(out);
+        }
         if let Some(ints) = self.integers()? {
             ints.dequantize_into(&mut out);
             return Ok(out);

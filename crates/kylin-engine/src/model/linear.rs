@@ -354,6 +354,22 @@ pub(super) fn decode_published(linear: &mut Linear, mode: PublishedDecode) -> Re
         release_published(&m);
         return Ok(Some(Packing::F8A16));
     }
+    if m.scheme == kylin_loader::published::Scheme::Mxfp4 {
+        // MXFP4 experts keep their 4-bit codes and E8M0 scales, repacked for the kernels.
+        let mut buffer = QuantBuffer::zeroed(Packing::Mxfp4, rows, cols).ok_or_else(|| packing_error(&m, "mxfp4"))?;
+        let (quants, planes) = buffer.planes_mut();
+        kernels::mxfp4::pack_mxfp4(rows, cols, m.values.bytes(), m.scale.bytes(), &|r| r, quants, planes).map_err(
+            |(row, block)| {
+                KylinError::file_corrupted(format!(
+                    "tensor '{}' row {row} block {block} has the E8M0 scale 255 (NaN)",
+                    m.scale.name
+                ))
+            },
+        )?;
+        linear.quant = Some(QuantSource::Owned(Arc::new(buffer)));
+        release_published(&m);
+        return Ok(Some(Packing::Mxfp4));
+    }
     let ints = m.integers()?;
     // Groups in column order whose width is whole Q8_0 blocks (no activation order).
     let uniform =

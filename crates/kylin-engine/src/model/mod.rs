@@ -479,6 +479,8 @@ pub struct Model {
     quantized_bf16: bool,
     /// Matrices `--quantize` left as stored (columns not whole blocks of 32).
     unquantized: usize,
+    /// A published checkpoint that quantizes only its experts (MXFP4).
+    published_experts_only: bool,
 }
 
 impl Model {
@@ -616,6 +618,7 @@ impl Model {
             bf16: None,
             quantized_bf16: false,
             unquantized: 0,
+            published_experts_only: config.published.as_ref().is_some_and(|q| !q.quantizes_linear_layers()),
             quantization,
         })
     }
@@ -794,13 +797,17 @@ impl Model {
             )));
         }
         let integer = mode == PublishedDecode::Integer;
+        // MXFP4 checkpoints quantize only their experts; their attention and head stay as
+        // stored (every other published scheme's unquantized modules become Q8_0).
+        let keep_floats = self.published_experts_only;
         let linears: Vec<&mut Linear> = self
             .layers
             .iter_mut()
             .flat_map(|l| l.linears_mut())
             .chain(std::iter::once(&mut self.lm_head))
             .filter(|l| {
-                matches!(l.quant, Some(QuantSource::Pending(_))) || (mode != PublishedDecode::F32 && l.quant.is_none())
+                matches!(l.quant, Some(QuantSource::Pending(_)))
+                    || (mode != PublishedDecode::F32 && l.quant.is_none() && !keep_floats)
             })
             .collect();
         let queue = std::sync::Mutex::new(linears);

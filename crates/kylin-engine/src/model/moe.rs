@@ -25,12 +25,22 @@ use super::Step;
 use super::linear::{Linear, Norm, Vector};
 use super::scratch::ProductScratch;
 
-/// One routed expert: `down(act(gate(x)) · up(x))`, each `[width, hidden]` / `[hidden, width]`.
+/// One routed expert: `down(act(gate(x)) · up(x))`, gate and up `[width, hidden]` each (or
+/// interleaved by row in one `[2 · width, hidden]` matrix), down `[hidden, width]`.
 #[derive(Debug, Clone)]
 pub(super) struct Expert {
-    pub(super) gate: Linear,
-    pub(super) up: Linear,
+    pub(super) gate_up: GateUp,
     pub(super) down: Linear,
+}
+
+/// An expert's gate and up projections.
+#[derive(Debug, Clone)]
+pub(super) enum GateUp {
+    /// Two matrices (views of a stacked tensor's halves where it is stacked).
+    Split { gate: Linear, up: Linear },
+    /// One matrix whose even rows are the gate and odd rows the up projection (gpt-oss's
+    /// published MXFP4 layout); the activation reads them pairwise.
+    Interleaved(Linear),
 }
 
 /// Qwen2-MoE's shared expert: a gated MLP whose output is multiplied by
@@ -95,7 +105,8 @@ impl MoeScratch {
     pub(super) fn plan(spec: Option<&MoeSpec>, max_tokens: usize, hidden: usize, gemma4: bool) -> Option<MoeScratch> {
         let Some(m) = spec else { return Some(MoeScratch::default()) };
         let entries = max_tokens.checked_mul(m.top_k)?;
-        let width = m.intermediate.max(m.shared_intermediate.unwrap_or(0));
+        // Interleaved gate/up products (gpt-oss) fill `gate` with two columns per unit of width.
+        let width = (2 * m.intermediate).max(m.shared_intermediate.unwrap_or(0));
         let sized = |rows: usize, cols: usize| rows.checked_mul(cols).map(|n| vec![0.0f32; n]);
         Some(MoeScratch {
             logits: sized(max_tokens, m.num_experts)?,
@@ -150,12 +161,25 @@ impl MoeScratch {
 }
 
 impl Expert {
-    fn linears(&self) -> [&Linear; 3] {
-        [&self.gate, &self.up, &self.down]
+    /// The matrices with their roles: gate and up (or the interleaved pair), then down.
+    fn linears(&self) -> impl Iterator<Item = (Role, &Linear)> {
+        let gate_up = match &self.gate_up {
+            GateUp::Split { gate, up } => [Some((Role::ExpertGate, gate)), Some((Role::ExpertUp, up))],
+            GateUp::Interleaved(m) => [Some((Role::ExpertGateUp, m)), None],
+        };
+        gate_up.into_iter().flatten().chain(std::iter::once((Role::ExpertDown, &self.down)))
     }
 
-    fn linears_mut(&mut self) -> [&mut Linear; 3] {
-        [&mut self.gate, &mut self.up, &mut self.down]
+    fn linears_mut(&mut self) -> impl Iterator<Item = &mut Linear> {
+        let gate_up = match &mut self.gate_up {
+            GateUp::Split { gate, up } => [Some(gate), Some(up)],
+            GateUp::Interleaved(m) => [Some(m), None],
+        };
+        gate_up.into_iter().flatten().chain(std::iter::once(&mut self.down))
+    }
+
+    fn split(gate: Linear, up: Linear, down: Linear) -> Expert {
+        Expert { gate_up: GateUp::Split { gate, up }, down }
     }
 }
 
@@ -189,8 +213,9 @@ impl Moe {
                 spec.num_experts
             )));
         }
+        let interleaved = matches!(spec.activation, ExpertActivation::ClampedSwiGlu { .. });
         let experts = (0..spec.num_experts)
-            .map(|e| Self::expert(w, index, e, hidden, width, weights))
+            .map(|e| Self::expert(w, index, e, hidden, width, interleaved, weights))
             .collect::<Result<Vec<_>>>()?;
         let shared = match spec.shared_intermediate {
             Some(sw) => {
@@ -198,11 +223,11 @@ impl Moe {
                     Linear::bind(w.require(role, index)?, None, rows, cols, weights)
                 };
                 Some(SharedExpert {
-                    expert: Expert {
-                        gate: linear(Role::SharedGate, sw, hidden)?,
-                        up: linear(Role::SharedUp, sw, hidden)?,
-                        down: linear(Role::SharedDown, hidden, sw)?,
-                    },
+                    expert: Expert::split(
+                        linear(Role::SharedGate, sw, hidden)?,
+                        linear(Role::SharedUp, sw, hidden)?,
+                        linear(Role::SharedDown, hidden, sw)?,
+                    ),
                     gate: linear(Role::SharedExpertGate, 1, hidden)?,
                 })
             }
@@ -222,13 +247,15 @@ impl Moe {
         })
     }
 
-    /// Expert `e` of layer `index`, from whichever layout the checkpoint has.
+    /// Expert `e` of layer `index`, from whichever layout the checkpoint has; a stacked
+    /// gate/up matrix is `interleaved` by row (gpt-oss) or gate rows first.
     fn expert(
         w: &LayerWeights,
         index: usize,
         e: usize,
         hidden: usize,
         width: usize,
+        interleaved: bool,
         weights: &ModelWeights,
     ) -> Result<Expert> {
         let tensors = &w.experts[e];
@@ -236,9 +263,22 @@ impl Moe {
         let need = |role: Role| w.require_expert(e, role, index);
         if let Some(gate) = get(Role::ExpertGate) {
             // One tensor per expert and projection.
+            return Ok(Expert::split(
+                Linear::bind(gate, get(Role::ExpertGateBias), width, hidden, weights)?,
+                Linear::bind(need(Role::ExpertUp)?, get(Role::ExpertUpBias), width, hidden, weights)?,
+                Linear::bind(need(Role::ExpertDown)?, get(Role::ExpertDownBias), hidden, width, weights)?,
+            ));
+        }
+        if let (Some(gate_up), true) = (get(Role::ExpertGateUp), interleaved) {
+            // gpt-oss's `[2w, hidden]` with gate and up interleaved by row (MXFP4 as published).
             return Ok(Expert {
-                gate: Linear::bind(gate, get(Role::ExpertGateBias), width, hidden, weights)?,
-                up: Linear::bind(need(Role::ExpertUp)?, get(Role::ExpertUpBias), width, hidden, weights)?,
+                gate_up: GateUp::Interleaved(Linear::bind(
+                    gate_up,
+                    get(Role::ExpertGateUpBias),
+                    2 * width,
+                    hidden,
+                    weights,
+                )?),
                 down: Linear::bind(need(Role::ExpertDown)?, get(Role::ExpertDownBias), hidden, width, weights)?,
             });
         }
@@ -253,11 +293,11 @@ impl Moe {
                 })
             };
             let (gate, up) = (part(0, "gate")?, part(width, "up")?);
-            return Ok(Expert {
-                gate: Linear::bind(&gate, None, width, hidden, weights)?,
-                up: Linear::bind(&up, None, width, hidden, weights)?,
-                down: Linear::bind(need(Role::ExpertDown)?, get(Role::ExpertDownBias), hidden, width, weights)?,
-            });
+            return Ok(Expert::split(
+                Linear::bind(&gate, None, width, hidden, weights)?,
+                Linear::bind(&up, None, width, hidden, weights)?,
+                Linear::bind(need(Role::ExpertDown)?, get(Role::ExpertDownBias), hidden, width, weights)?,
+            ));
         }
         // gpt-oss's input-major BF16 layout: `[hidden, 2w]` with gate and up interleaved by
         // column, `[w, hidden]`, biases `[2w]` interleaved and `[hidden]`.
@@ -297,23 +337,26 @@ impl Moe {
         let gate = owned(format!("{}.gate", gate_up.name), dtype, vec![width, hidden], &gate)?;
         let up = owned(format!("{}.up", gate_up.name), dtype, vec![width, hidden], &up)?;
         let down_t = owned(format!("{}.t", down.name), down.dtype, vec![hidden, width], &down_t)?;
-        Ok(Expert {
-            gate: Linear::bind(&gate, gate_bias.as_ref(), width, hidden, weights)?,
-            up: Linear::bind(&up, up_bias.as_ref(), width, hidden, weights)?,
-            down: Linear::bind(&down_t, get(Role::ExpertDownBias), hidden, width, weights)?,
-        })
+        Ok(Expert::split(
+            Linear::bind(&gate, gate_bias.as_ref(), width, hidden, weights)?,
+            Linear::bind(&up, up_bias.as_ref(), width, hidden, weights)?,
+            Linear::bind(&down_t, get(Role::ExpertDownBias), hidden, width, weights)?,
+        ))
     }
 
     /// The experts' and the shared expert's matrices with their roles (the router stays as
     /// stored).
     pub(super) fn linears(&self) -> impl Iterator<Item = (Role, &Linear)> {
-        let routed = self.experts.iter().flat_map(|x| {
-            let [g, u, d] = x.linears();
-            [(Role::ExpertGate, g), (Role::ExpertUp, u), (Role::ExpertDown, d)]
-        });
+        let routed = self.experts.iter().flat_map(Expert::linears);
         let shared = self.shared.iter().flat_map(|s| {
-            let [g, u, d] = s.expert.linears();
-            [(Role::SharedGate, g), (Role::SharedUp, u), (Role::SharedDown, d)]
+            s.expert.linears().map(|(role, m)| {
+                let role = match role {
+                    Role::ExpertGate => Role::SharedGate,
+                    Role::ExpertUp => Role::SharedUp,
+                    _ => Role::SharedDown,
+                };
+                (role, m)
+            })
         });
         routed.chain(shared)
     }
@@ -331,17 +374,17 @@ impl Moe {
 
     /// Bytes of every expert, the shared expert and the router.
     pub(super) fn bytes_resident(&self) -> u64 {
-        let all: u64 = self.experts.iter().flat_map(|x| x.linears()).map(Linear::byte_len).sum();
-        let shared: u64 = self.shared.iter().flat_map(|s| s.expert.linears()).map(Linear::byte_len).sum();
+        let all: u64 = self.experts.iter().flat_map(Expert::linears).map(|(_, m)| m.byte_len()).sum();
+        let shared: u64 = self.shared.iter().flat_map(|s| s.expert.linears()).map(|(_, m)| m.byte_len()).sum();
         all + shared + self.side_linears().map(Linear::byte_len).sum::<u64>()
     }
 
     /// Bytes one token reads: the router, `top_k` experts (their average size) and the shared
     /// expert.
     pub(super) fn bytes_per_token(&self) -> u64 {
-        let all: u64 = self.experts.iter().flat_map(|x| x.linears()).map(Linear::byte_len).sum();
+        let all: u64 = self.experts.iter().flat_map(Expert::linears).map(|(_, m)| m.byte_len()).sum();
         let routed = all * self.top_k as u64 / self.experts.len().max(1) as u64;
-        let shared: u64 = self.shared.iter().flat_map(|s| s.expert.linears()).map(Linear::byte_len).sum();
+        let shared: u64 = self.shared.iter().flat_map(|s| s.expert.linears()).map(|(_, m)| m.byte_len()).sum();
         routed + shared + self.side_linears().map(Linear::byte_len).sum::<u64>()
     }
 
@@ -460,7 +503,7 @@ impl Moe {
 
         // 6. The shared expert (Qwen2-MoE): out += sigmoid(gate(x)) · shared(x).
         if let Some(shared) = &self.shared {
-            let sw = shared.expert.gate.rows;
+            let sw = shared.expert.down.cols;
             run_expert(
                 c,
                 &shared.expert,
@@ -500,16 +543,33 @@ fn run_expert(
     y: &mut [f32],
     p: &mut ProductScratch,
 ) {
-    let (gate, up) = (&mut gate[..count * width], &mut up[..count * width]);
-    Linear::forward_many(c.mm, x, count, [(&expert.gate, &mut *gate), (&expert.up, &mut *up)], p);
-    match activation {
-        ExpertActivation::Silu => kernels::silu_mul(gate, up),
-        ExpertActivation::GeluTanh => kernels::gelu_tanh_mul(gate, up),
-        ExpertActivation::ClampedSwiGlu { alpha, limit } => {
-            kernels::clamped_swiglu_mul(gate, up, alpha as f32, limit as f32)
+    let hidden_in = match &expert.gate_up {
+        GateUp::Split { gate: g, up: u } => {
+            let (gate, up) = (&mut gate[..count * width], &mut up[..count * width]);
+            Linear::forward_many(c.mm, x, count, [(g, &mut *gate), (u, &mut *up)], p);
+            match activation {
+                ExpertActivation::Silu => kernels::silu_mul(gate, up),
+                ExpertActivation::GeluTanh => kernels::gelu_tanh_mul(gate, up),
+                ExpertActivation::ClampedSwiGlu { alpha, limit } => {
+                    kernels::clamped_swiglu_mul(gate, up, alpha as f32, limit as f32)
+                }
+            }
+            &gate[..count * width]
         }
-    }
-    expert.down.forward(c.mm, gate, count, y, p);
+        GateUp::Interleaved(m) => {
+            // gate_up (count, 2 · width), gate at even columns -> act (count, width) in `up`.
+            let pairs = &mut gate[..count * 2 * width];
+            m.forward(c.mm, x, count, pairs, p);
+            let (alpha, limit) = match activation {
+                ExpertActivation::ClampedSwiGlu { alpha, limit } => (alpha as f32, limit as f32),
+                // Only gpt-oss interleaves; its activation is the clamped SwiGLU.
+                _ => (1.702, f32::INFINITY),
+            };
+            kernels::clamped_swiglu_interleaved(pairs, &mut up[..count * width], alpha, limit);
+            &up[..count * width]
+        }
+    };
+    expert.down.forward(c.mm, hidden_in, count, y, p);
 }
 
 /// One token's experts and weights from its router logits `row` (overwritten), as the family's
