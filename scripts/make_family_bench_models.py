@@ -2,7 +2,8 @@
 this machine, seeded random BF16 weights, as a Hugging Face directory for Kylin and the same
 weights as a GGUF for llama.cpp (as ../shared/models/make_bench_model.py does for Qwen3-0.6B).
 
-    python make_family_bench_models.py OUT_DIR [gemma3-1b-shaped gemma4-e2b-shaped ...]
+    python make_family_bench_models.py OUT_DIR [gemma3-1b-shaped gemma4-e2b-shaped qwen3-moe-shaped
+                                                gpt-oss-20b-shaped ...]
 
 OUT_DIR/NAME/ gets config.json, generation_config.json and model.safetensors (BF16), and
 OUT_DIR/NAME/gguf/NAME-bf16.gguf. The weights are random (generated text is noise); speed does
@@ -256,7 +257,190 @@ def gemma4(spec):
     os.system(f"{sys.executable} {convert} {d} {os.path.join(d, 'gguf', name + '-bf16.gguf')} bf16")
 
 
+# Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B's config.json): hidden 2048, 32 query and 4 KV heads of 128,
+# 128 experts of width 768, 8 per token, renormalised; the first LAYERS of its 48 layers (the
+# experts alone are 1.2 GB per layer in BF16; the twins and both engines' page caches must fit
+# this machine). The router's weights are scaled so its logits spread and every expert is used.
+QWEN3_MOE_LAYERS = int(os.environ.get("QWEN3_MOE_LAYERS", "4"))
+QWEN3_MOE = dict(
+    name="qwen3-moe-shaped", L=QWEN3_MOE_LAYERS,
+    config={
+        "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+        "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 6144, "max_position_embeddings": 40960,
+        "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+        "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+        "num_hidden_layers": QWEN3_MOE_LAYERS, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+        "rope_scaling": None, "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "use_sliding_window": False, "vocab_size": 151936},
+    generation={"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643], "pad_token_id": 151643,
+                "temperature": 0.7, "top_k": 20, "top_p": 0.8},
+)
+
+# gpt-oss-20b (openai/gpt-oss-20b's config.json): hidden 2880, 64 query and 8 KV heads of 64,
+# sliding (128) and full attention alternating, 32 experts of width 2880, 4 per token, in MXFP4
+# as published (random FP4 codes, E8M0 scales near 2^-6); the first LAYERS of its 24 layers.
+GPT_OSS_LAYERS = int(os.environ.get("GPT_OSS_LAYERS", "6"))
+GPT_OSS = dict(
+    name="gpt-oss-20b-shaped", L=GPT_OSS_LAYERS,
+    config={
+        "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+        "eos_token_id": 200002, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+        "initial_context_length": 4096, "intermediate_size": 2880,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(GPT_OSS_LAYERS)],
+        "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64,
+        "num_experts_per_tok": 4, "num_hidden_layers": GPT_OSS_LAYERS, "num_key_value_heads": 8,
+        "num_local_experts": 32, "pad_token_id": 199999,
+        "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                           "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                         "rope_type": "yarn", "truncate": False},
+        "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "vocab_size": 201088},
+    generation={"bos_token_id": 199998, "do_sample": True, "eos_token_id": [200002, 199999, 200012],
+                "pad_token_id": 199999},
+)
+
+
+def write_any_safetensors(path, specs, fill):
+    """A safetensors file of `specs` (name -> (dtype, shape)), each tensor written by
+    `fill(name, shape, write)` in pieces; dtype is "BF16" or "U8"."""
+    hdr, off, order = {}, 0, sorted(specs)
+    for k in order:
+        dtype, shape = specs[k]
+        n = (2 if dtype == "BF16" else 1) * int(np.prod(shape))
+        hdr[k] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    hdr["__metadata__"] = {"format": "pt"}
+    h = json.dumps(hdr, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        for k in order:
+            fill(k, specs[k][1], lambda data: f.write(data.tobytes()))
+
+
+def twins(d, name, types):
+    """GGUF twins by llama.cpp's own converter (bf16, q8_0) and quantizer (q4_k_m)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for t in types:
+        target = os.path.join(d, "gguf", f"{name}-{t}.gguf")
+        if os.path.exists(target):
+            continue
+        if t in ("bf16", "q8_0", "auto"):
+            os.system(f"{sys.executable} {os.path.join(here, 'llamacpp_convert.py')} {d} {target} {t}")
+        elif t == "q4_k_m":
+            source = os.path.join(d, "gguf", f"{name}-bf16.gguf")
+            quantize = os.path.join(here, "..", "target", "release", "examples", "gguf_quantize")
+            os.system(f"{quantize} {source} {target} q4_k_m")
+
+
+def qwen3_moe(spec):
+    name, L = spec["name"], spec["L"]
+    c = spec["config"]
+    H, NH, NKV, HD, E, W, V = (c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"],
+                               c["num_experts"], c["moe_intermediate_size"], c["vocab_size"])
+    d = os.path.join(out, name)
+    os.makedirs(os.path.join(d, "gguf"), exist_ok=True)
+    specs = {"model.embed_tokens.weight": ("BF16", (V, H)), "lm_head.weight": ("BF16", (V, H)),
+             "model.norm.weight": ("BF16", (H,))}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        specs[p + "input_layernorm.weight"] = ("BF16", (H,))
+        specs[p + "post_attention_layernorm.weight"] = ("BF16", (H,))
+        specs[p + "self_attn.q_proj.weight"] = ("BF16", (NH * HD, H))
+        specs[p + "self_attn.k_proj.weight"] = ("BF16", (NKV * HD, H))
+        specs[p + "self_attn.v_proj.weight"] = ("BF16", (NKV * HD, H))
+        specs[p + "self_attn.o_proj.weight"] = ("BF16", (H, NH * HD))
+        specs[p + "self_attn.q_norm.weight"] = ("BF16", (HD,))
+        specs[p + "self_attn.k_norm.weight"] = ("BF16", (HD,))
+        specs[p + "mlp.gate.weight"] = ("BF16", (E, H))
+        for e in range(E):
+            q = f"{p}mlp.experts.{e}."
+            specs[q + "gate_proj.weight"] = ("BF16", (W, H))
+            specs[q + "up_proj.weight"] = ("BF16", (W, H))
+            specs[q + "down_proj.weight"] = ("BF16", (H, W))
+    rng = np.random.default_rng(20261127)
+
+    def fill(k, shape, write):
+        if len(shape) == 1:
+            write(bf16(1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)))
+            return
+        rows, cols = shape
+        # The router's logits spread (std about 2) so that top-8 of 128 varies across tokens.
+        scale = 2.0 / np.sqrt(cols) if k.endswith("mlp.gate.weight") else 1.0 / np.sqrt(cols)
+        for r in range(0, rows, 8192):
+            piece = min(8192, rows - r)
+            write(bf16(rng.standard_normal((piece, cols), dtype=np.float32) * scale))
+
+    write_any_safetensors(os.path.join(d, "model.safetensors"), specs, fill)
+    json.dump(spec["config"], open(os.path.join(d, "config.json"), "w"), indent=2)
+    json.dump(spec["generation"], open(os.path.join(d, "generation_config.json"), "w"), indent=2)
+    print("wrote", d)
+    twins(d, name, ["bf16", "q8_0", "q4_k_m"])
+
+
+def gpt_oss(spec):
+    name, L = spec["name"], spec["L"]
+    c = spec["config"]
+    H, NH, NKV, HD, E, W, V = (c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"],
+                               c["num_local_experts"], c["intermediate_size"], c["vocab_size"])
+    d = os.path.join(out, name)
+    os.makedirs(os.path.join(d, "gguf"), exist_ok=True)
+    specs = {"model.embed_tokens.weight": ("BF16", (V, H)), "lm_head.weight": ("BF16", (V, H)),
+             "model.norm.weight": ("BF16", (H,))}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        specs[p + "input_layernorm.weight"] = ("BF16", (H,))
+        specs[p + "post_attention_layernorm.weight"] = ("BF16", (H,))
+        for n, rows, cols in (("q_proj", NH * HD, H), ("k_proj", NKV * HD, H), ("v_proj", NKV * HD, H),
+                              ("o_proj", H, NH * HD)):
+            specs[f"{p}self_attn.{n}.weight"] = ("BF16", (rows, cols))
+            specs[f"{p}self_attn.{n}.bias"] = ("BF16", (rows,))
+        specs[p + "self_attn.sinks"] = ("BF16", (NH,))
+        specs[p + "mlp.router.weight"] = ("BF16", (E, H))
+        specs[p + "mlp.router.bias"] = ("BF16", (E,))
+        specs[p + "mlp.experts.gate_up_proj_blocks"] = ("U8", (E, 2 * W, H // 32, 16))
+        specs[p + "mlp.experts.gate_up_proj_scales"] = ("U8", (E, 2 * W, H // 32))
+        specs[p + "mlp.experts.gate_up_proj_bias"] = ("BF16", (E, 2 * W))
+        specs[p + "mlp.experts.down_proj_blocks"] = ("U8", (E, H, W // 32, 16))
+        specs[p + "mlp.experts.down_proj_scales"] = ("U8", (E, H, W // 32))
+        specs[p + "mlp.experts.down_proj_bias"] = ("BF16", (E, H))
+    rng = np.random.default_rng(20261128)
+
+    def fill(k, shape, write):
+        if k.endswith("_blocks"):
+            for e in range(shape[0]):
+                write(rng.integers(0, 256, size=shape[1:], dtype=np.uint8))
+        elif k.endswith("_scales"):
+            # 2^(e - 127) near 2^-6 to 2^-4: weights of a few hundredths, as in a trained model.
+            write(rng.integers(121, 124, size=shape, dtype=np.uint8))
+        elif len(shape) == 1 and "norm" in k:
+            write(bf16(1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)))
+        elif len(shape) == 1 or k.endswith("_bias"):
+            write(bf16(0.02 * rng.standard_normal(shape, dtype=np.float32)))
+        else:
+            rows, cols = shape
+            scale = 2.0 / np.sqrt(cols) if "router" in k else 1.0 / np.sqrt(cols)
+            for r in range(0, rows, 8192):
+                piece = min(8192, rows - r)
+                write(bf16(rng.standard_normal((piece, cols), dtype=np.float32) * scale))
+
+    write_any_safetensors(os.path.join(d, "model.safetensors"), specs, fill)
+    json.dump(spec["config"], open(os.path.join(d, "config.json"), "w"), indent=2)
+    json.dump(spec["generation"], open(os.path.join(d, "generation_config.json"), "w"), indent=2)
+    print("wrote", d)
+    # llama.cpp's converter keeps MXFP4 experts as MXFP4 (`auto` keeps the rest BF16).
+    twins(d, name, ["auto"])
+
+
 if not only or GEMMA3_1B["name"] in only:
     gemma3(GEMMA3_1B)
+if not only or QWEN3_MOE["name"] in only:
+    qwen3_moe(QWEN3_MOE)
+if not only or GPT_OSS["name"] in only:
+    gpt_oss(GPT_OSS)
 if not only or GEMMA4_E2B["name"] in only:
     gemma4(GEMMA4_E2B)

@@ -193,6 +193,9 @@ pub struct LlamaCppBackend {
     /// The attention kernel the context runs, as [`with_attention_kernel`] labels it.
     attention: String,
     load_ms: f64,
+    /// Weight bytes one decoded token reads (`GgufInfo::bytes_per_token`: one embedding row,
+    /// the active experts).
+    bytes_per_token: u64,
 }
 
 impl std::fmt::Debug for LlamaCppBackend {
@@ -218,6 +221,7 @@ impl LlamaCppBackend {
     pub fn load(path: &Path, opts: &LlamaCppOptions) -> Result<Self> {
         let start = Instant::now();
         let file_architecture = validate_gguf(path)?;
+        let bytes_per_token = kylin_loader::read_gguf_info(path)?.bytes_per_token();
         let backend = llama_backend()?;
         let threads = resolve_threads(opts.threads)?;
 
@@ -295,6 +299,7 @@ impl LlamaCppBackend {
             architecture,
             attention,
             load_ms: start.elapsed().as_secs_f64() * 1e3,
+            bytes_per_token,
         })
     }
 
@@ -390,7 +395,7 @@ impl Backend for LlamaCppBackend {
             backend: "llama.cpp".to_string(),
             architecture: self.architecture.clone(),
             parameters: self.model.n_params(),
-            weight_bytes_per_token: self.model.size(),
+            weight_bytes_per_token: self.bytes_per_token,
             kv_bytes_per_position: None,
             vocab_size: self.n_vocab,
             context_size: self.n_ctx,

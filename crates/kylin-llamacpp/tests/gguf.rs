@@ -256,6 +256,11 @@ fn summary_describes_the_model() {
     assert_eq!(s.parameters, 494_032_768 + 151_936 * 896);
     let file_len = std::fs::metadata(gguf_path(QWEN)).unwrap().len();
     assert!(s.weight_bytes_per_token > 0 && s.weight_bytes_per_token <= file_len);
+    // A decoded token reads one row of the token embedding (the head is `output.weight`): the
+    // per-token bytes are the tensors' less all but one embedding row.
+    let info = kylin_loader::read_gguf_info(&gguf_path(QWEN)).unwrap();
+    assert!(!info.tied_output && info.embedding_bytes > 0);
+    assert_eq!(s.weight_bytes_per_token, info.tensor_bytes - info.embedding_bytes + info.embedding_bytes / 151936);
 }
 
 #[test]

@@ -96,6 +96,9 @@ pub struct GgufInfo {
     pub tensor_types: BTreeMap<String, usize>,
     /// Bytes of tensor data (for tensors of known types).
     pub tensor_bytes: u64,
+    /// Of which: the stacked expert tensors (`*_exps`) and the token embedding.
+    pub expert_bytes: u64,
+    pub embedding_bytes: u64,
     pub alignment: u64,
     /// Absolute offset of the tensor data section.
     pub data_offset: u64,
@@ -116,6 +119,22 @@ pub struct GgufInfo {
 }
 
 impl GgufInfo {
+    /// Bytes of weights one decoded token reads: every tensor once but the token embedding
+    /// (one row, unless it doubles as the head) and the experts (`expert_used_count` of
+    /// `expert_count`), as Kylin counts its own.
+    pub fn bytes_per_token(&self) -> u64 {
+        let embedding = if self.tied_output {
+            self.embedding_bytes
+        } else {
+            self.embedding_bytes / self.vocab_size.filter(|&v| v > 0).unwrap_or(1)
+        };
+        let experts = match (self.arch_u64("expert_used_count"), self.arch_u64("expert_count")) {
+            (Some(k), Some(e)) if e > 0 && k <= e => self.expert_bytes / e * k,
+            _ => self.expert_bytes,
+        };
+        self.tensor_bytes - self.expert_bytes - self.embedding_bytes + experts + embedding
+    }
+
     /// `{architecture}.{key}` as an integer.
     pub fn arch_u64(&self, key: &str) -> Option<u64> {
         let arch = self.architecture.as_deref()?;
@@ -352,6 +371,7 @@ pub fn parse_gguf(path: &Path, bytes: &[u8]) -> Result<GgufInfo> {
 
     let mut tensor_types: BTreeMap<String, usize> = BTreeMap::new();
     let mut tensor_bytes = 0u64;
+    let (mut expert_bytes, mut embedding_bytes) = (0u64, 0u64);
     let mut has_output = false;
     for t in &tensors {
         if t.name == "output.weight" {
@@ -385,6 +405,11 @@ pub fn parse_gguf(path: &Path, bytes: &[u8]) -> Result<GgufInfo> {
         })?;
         let _ = end;
         tensor_bytes += size;
+        if t.name.contains("_exps.") {
+            expert_bytes += size;
+        } else if t.name == "token_embd.weight" {
+            embedding_bytes += size;
+        }
     }
 
     let get_str = |k: &str| metadata.get(k).and_then(GgufValue::as_str).map(str::to_string);
@@ -403,6 +428,8 @@ pub fn parse_gguf(path: &Path, bytes: &[u8]) -> Result<GgufInfo> {
         file_type: get_u64("general.file_type").map(file_type_name),
         tensor_types,
         tensor_bytes,
+        expert_bytes,
+        embedding_bytes,
         alignment,
         data_offset,
         tokenizer_model: get_str("tokenizer.ggml.model"),
