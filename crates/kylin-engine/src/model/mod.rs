@@ -996,9 +996,12 @@ impl Model {
     }
 
     /// The arithmetic of the matrix products for reports: `f32`, `bf16`, `int8` (quantized, int8
-    /// activations) or `bf16 activations` (quantized weights, BF16 activations).
+    /// activations) or `bf16 activations` (quantized weights, BF16 activations); a checkpoint
+    /// that publishes only its experts quantized (gpt-oss's MXFP4) names both halves.
     pub fn precision_name(&self) -> &'static str {
         match (self.quantization, self.precision()) {
+            (Some(_), Precision::Bf16) if self.published_experts_only => "int8 experts, bf16 elsewhere",
+            (Some(_), Precision::F32) if self.published_experts_only => "int8 experts, f32 elsewhere",
             (Some(format), _) if self.bf16_activations(format) => "bf16 activations",
             (Some(_), _) => "int8",
             (None, Precision::Bf16) => "bf16",
