@@ -472,3 +472,37 @@ fn rewinding_a_windowed_sequence_recomputes_what_its_window_lost() {
         assert_eq!(argmax(&got), argmax(&want));
     }
 }
+
+/// A Mixture-of-Experts model's bytes: one token reads k of the E experts of each MoE layer
+/// (what `bench` divides its decode speed by), the memory budget counts all of them, and
+/// `kylin inspect` reports the same per-token figure as the engine.
+#[test]
+fn moe_bytes_per_token_count_the_active_experts() {
+    let cases = [
+        (Path::new(FAMILIES).join("fixtures/tiny-qwen3-moe"), "tiny-qwen3-moe"),
+        (Path::new(FAMILIES).join("fixtures/tiny-gpt-oss"), "tiny-gpt-oss"),
+        (Path::new(FAMILIES).join("fixtures/tiny-qwen2-moe"), "tiny-qwen2-moe"),
+        (Path::new(MORE).join("fixtures/tiny-gpt-oss-mxfp4"), "tiny-gpt-oss-mxfp4"),
+    ];
+    for (path, name) in cases {
+        let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
+        let report = kylin_loader::inspect::quantization_report(&model.config, &model.weights);
+        let moe = model.config.decoder.moe.expect("a MoE fixture");
+        // Every expert's bytes as stored (MXFP4: codes and scales), summed over the layers.
+        let expert_bytes: u64 = model
+            .weights
+            .layers
+            .iter()
+            .flat_map(|l| l.experts.iter().flat_map(|e| e.values()))
+            .map(|t| t.byte_len() as u64 + model.weights.published_matrix(t).map_or(0, |m| m.scale.byte_len() as u64))
+            .sum();
+        let active = expert_bytes / moe.num_experts as u64 * moe.top_k as u64;
+        let options = EngineOptions { threads: 2, precision: PrecisionChoice::Auto, ..EngineOptions::default() };
+        let engine = BatchEngine::new(model, &options).unwrap();
+        let m = engine.core().model();
+        let (per_token, resident) = (m.weight_bytes_per_token(), m.weight_bytes_resident());
+        assert_eq!(report.bytes_per_token, per_token, "{name}: inspect and the engine count a token's bytes alike");
+        assert_eq!(resident - per_token, expert_bytes - active, "{name}: the other experts are resident only");
+        assert!(per_token < resident, "{name}");
+    }
+}

@@ -93,10 +93,25 @@ pub fn quantization_report(config: &crate::ModelConfig, w: &crate::ModelWeights)
                 | Role::GateBias
                 | Role::UpBias
                 | Role::DownBias => "biases",
+                Role::Router | Role::RouterBias => "router",
+                _ if role.is_matrix() => "mlp",
                 _ => "norms",
             };
             add(kind, t);
             bytes += if role.is_matrix() { plane(t) } else { t.byte_len() as u64 };
+        }
+        // A token reads the top k of the layer's experts: k / E of their bytes.
+        let mut expert_bytes = 0u64;
+        for expert in &l.experts {
+            for (&role, t) in expert {
+                let matrix = role.is_matrix()
+                    || matches!(role, Role::ExpertGateUp | Role::ExpertGateUpInputMajor | Role::ExpertDownInputMajor);
+                add(if matrix { "experts" } else { "biases" }, t);
+                expert_bytes += if matrix { plane(t) } else { t.byte_len() as u64 };
+            }
+        }
+        if let Some(moe) = config.decoder.moe.filter(|m| m.num_experts > 0 && !l.experts.is_empty()) {
+            bytes += expert_bytes / moe.num_experts as u64 * moe.top_k as u64;
         }
     }
     add("norms", &w.final_norm);

@@ -40,6 +40,8 @@ pub(super) struct Attention {
     scores: ScoreMap,
     /// A sink logit per query head joining every softmax's denominator (gpt-oss).
     sinks: Option<Vec<f32>>,
+    /// The sinks' bytes as stored (they are widened to f32 at load).
+    pub(super) sink_bytes: u64,
     pub(super) head_dim: usize,
     pub(super) n_kv_heads: usize,
     /// A sliding window of this many positions, the query's own included.
@@ -106,6 +108,7 @@ impl Attention {
             } else {
                 None
             },
+            sink_bytes: if spec.attention_sinks { w.require(Role::Sinks, index)?.byte_len() as u64 } else { 0 },
             head_dim,
             n_kv_heads,
             window: layer.window,

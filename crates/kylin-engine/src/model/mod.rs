@@ -1069,8 +1069,11 @@ impl Model {
             .iter()
             .map(|l| {
                 let (mlp, moe) = l.ffn_parts();
-                let mixer: u64 =
-                    l.attention().into_iter().flat_map(Attention::linears).map(|(_, m)| m.byte_len()).sum();
+                let mixer: u64 = l
+                    .attention()
+                    .into_iter()
+                    .map(|a| a.linears().map(|(_, m)| m.byte_len()).sum::<u64>() + a.sink_bytes)
+                    .sum();
                 let mlp: u64 = mlp.into_iter().flat_map(Mlp::linears).map(|(_, m)| m.byte_len()).sum();
                 let moe: u64 = moe.map_or(0, |m| if per_token { m.bytes_per_token() } else { m.bytes_resident() });
                 let per_layer: u64 =
