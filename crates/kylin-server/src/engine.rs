@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use kylin_engine::grammar::{Grammar, GrammarCompiler};
 use kylin_engine::sampler::SamplingParams;
+use kylin_engine::serving::TokenLogprob;
 use kylin_engine::tools::ToolSyntax;
 use kylin_engine::{CancelHandle, EngineInfo, EngineStats, Event, EventKind, Request, Serving, StopReason, Usage};
 use kylin_loader::{GenerationDefaults, KylinError};
@@ -73,6 +74,12 @@ pub struct Submission {
     pub n: usize,
     /// `Some(k)`: log-probabilities with the `k` best alternatives.
     pub logprobs: Option<usize>,
+    /// `Some(k)`: the prompt's log-probabilities too ([`Out::PromptLogprobs`]), and
+    /// `max_tokens` may be 0.
+    pub prompt_logprobs: Option<usize>,
+    /// Return the prompt's text in [`Accepted::echo`] (the text as given, or the ids
+    /// detokenized).
+    pub echo: bool,
     /// Added to the logits of these ids before sampling.
     pub logit_bias: Vec<(u32, f32)>,
     /// The compiled grammar every choice follows.
@@ -102,6 +109,9 @@ pub enum Out {
     /// New text of choice `index` (possibly empty: held back until a character or a possible
     /// stop string is complete).
     Token { index: usize, text: String, logprob: Option<LogprobInfo> },
+    /// Log-probabilities of prompt tokens `start..` of choice `index` (every choice of a
+    /// prompt gets the same), before any token of it.
+    PromptLogprobs { index: usize, start: usize, logprobs: Vec<LogprobInfo> },
     /// Choice `index` ended; `text` is the last of its text.
     Finished { index: usize, reason: StopReason, text: String, usage: Usage },
     /// The engine failed while running this request.
@@ -109,9 +119,19 @@ pub enum Out {
 }
 
 /// The prompt as the engine will run it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Accepted {
     pub prompt_tokens: usize,
+    /// With [`Submission::echo`]: the prompt's text, and the text of its first token (whose
+    /// log-probability is not defined).
+    pub echo: Option<Echo>,
+}
+
+/// The prompt as an echoing completion shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Echo {
+    pub text: String,
+    pub first_token: String,
 }
 
 /// Text services the handlers ask of the engine.
@@ -404,11 +424,28 @@ impl EngineLoop {
     }
 
     fn submit(&mut self, s: Submission) -> Result<Accepted, KylinError> {
+        let given_text = match (&s.prompt, s.echo) {
+            (Prompt::Text(t), true) => Some(t.clone()),
+            _ => None,
+        };
         let prompt_ids = self.prompt_ids(s.prompt, true)?;
+        let echo = match s.echo {
+            false => None,
+            true => {
+                let has_text = self.handle.published.get().is_some_and(|p| p.info.has_tokenizer);
+                let text = match given_text {
+                    Some(t) => t,
+                    None if has_text => self.engine.detokenize(&prompt_ids, false)?,
+                    None => String::new(),
+                };
+                let first_token = prompt_ids.first().map(|&id| token_text(&*self.engine, id)).unwrap_or_default();
+                Some(Echo { text, first_token })
+            }
+        };
         let context = self.handle.published.get().map_or(0, |p| p.info.context_size);
         let prompt_tokens = prompt_ids.len();
         let max_new_tokens = match s.max_tokens {
-            None => context.saturating_sub(prompt_tokens),
+            None => context.saturating_sub(prompt_tokens).max(1),
             Some(m) if prompt_tokens < context && prompt_tokens + m > context => {
                 return Err(KylinError::context_overflow(format!(
                     "this model's context holds {context} tokens, but the request asks for {} \
@@ -423,11 +460,12 @@ impl EngineLoop {
             id,
             prompt_ids,
             sampling: s.sampling,
-            max_new_tokens: max_new_tokens.max(1),
+            max_new_tokens,
             stop: s.stop,
             ignore_eos: s.ignore_eos,
             n: s.n,
             logprobs: s.logprobs,
+            prompt_logprobs: s.prompt_logprobs,
             detokenize: self.handle.published.get().is_some_and(|p| p.info.has_tokenizer),
             skip_special_tokens: s.skip_special_tokens,
             logit_bias: s.logit_bias,
@@ -447,7 +485,7 @@ impl EngineLoop {
                 open_choices: s.n,
             },
         );
-        Ok(Accepted { prompt_tokens })
+        Ok(Accepted { prompt_tokens, echo })
     }
 
     fn text(&self, job: TextJob) -> Result<TextReply, KylinError> {
@@ -504,14 +542,25 @@ impl EngineLoop {
                     }
                 }
                 let logprob = match (live.logprobs, logprob) {
-                    (true, Some(lp)) => Some(LogprobInfo {
-                        token: token_text(&*self.engine, *id),
-                        logprob: lp.logprob,
-                        top: lp.top.iter().map(|&(t, p)| (token_text(&*self.engine, t), p)).collect(),
-                    }),
+                    (true, Some(lp)) => Some(logprob_info(&*self.engine, &TokenLogprob { id: *id, ..lp.clone() })),
                     _ => None,
                 };
                 Out::Token { index, text: text.clone(), logprob }
+            }
+            EventKind::PromptLogprobs { start, logprobs } => {
+                let logprobs: Vec<LogprobInfo> = logprobs.iter().map(|lp| logprob_info(&*self.engine, lp)).collect();
+                // Every choice of the prompt shows the prompt's log-probabilities.
+                for choice in 0..live.last_token.len() {
+                    let out = Out::PromptLogprobs {
+                        index: live.index_offset + choice,
+                        start: *start,
+                        logprobs: logprobs.clone(),
+                    };
+                    if live.events.send(out).is_err() {
+                        live.cancel.cancel();
+                    }
+                }
+                return;
             }
             EventKind::Finished { reason, text, usage } => {
                 live.open_choices = live.open_choices.saturating_sub(1);
@@ -532,6 +581,15 @@ impl EngineLoop {
         if live.open_choices == 0 {
             self.live.remove(&event.request);
         }
+    }
+}
+
+/// A token's log-probability with the texts of it and its alternatives.
+fn logprob_info(engine: &dyn Serving, lp: &TokenLogprob) -> LogprobInfo {
+    LogprobInfo {
+        token: token_text(engine, lp.id),
+        logprob: lp.logprob,
+        top: lp.top.iter().map(|&(t, p)| (token_text(engine, t), p)).collect(),
     }
 }
 
