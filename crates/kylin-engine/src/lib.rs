@@ -5,6 +5,7 @@
 pub mod backend;
 pub mod batch;
 pub mod detok;
+pub mod encoder;
 pub mod generate;
 pub mod grammar;
 pub mod kv_pool;
