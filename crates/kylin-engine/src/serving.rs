@@ -242,6 +242,21 @@ pub struct EngineInfo {
     pub eos_ids: Vec<u32>,
 }
 
+/// What an embedding model produces (for `/v1/embeddings`, `kylin embed` and `/v1/models`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EmbeddingInfo {
+    /// Width of an embedding.
+    pub dimension: usize,
+    /// `cls`, `mean`, `max`, `mean_sqrt_len` or `last_token`.
+    pub pooling: String,
+    /// Embeddings have unit length (the directory's `Normalize` module).
+    pub normalized: bool,
+    /// Longest input, in tokens.
+    pub max_tokens: usize,
+    /// Named prompts prefixed to a text (`config_sentence_transformers.json`), e.g. `query`.
+    pub prompts: std::collections::BTreeMap<String, String>,
+}
+
 /// A request-level engine: the batching engine or one backend run one sequence at a time.
 ///
 /// Text methods run on the thread that owns the engine. Engines need not be `Send` (llama.cpp's
@@ -305,6 +320,33 @@ pub trait Serving {
             }
         }
         self.apply_chat_template(&plain, add_generation_prompt, kwargs)
+    }
+
+    /// What [`Serving::embed`] produces, when the model makes embeddings.
+    fn embedding_info(&self) -> Option<EmbeddingInfo> {
+        None
+    }
+
+    /// One embedding per input (token ids), pooled and normalised as the model's files say;
+    /// `INPUT_INVALID` when the model makes none, `CONTEXT_OVERFLOW` for a too-long input.
+    /// Runs on the engine's thread between steps: the inputs form one batch.
+    fn embed(&mut self, _inputs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
+        Err(kylin_loader::KylinError::input_invalid(
+            "this model does not make embeddings; serve an embedding model (a sentence-transformers directory)",
+        ))
+    }
+
+    /// Whether [`Serving::rerank`] works (a cross-encoder).
+    fn can_rerank(&self) -> bool {
+        false
+    }
+
+    /// One relevance score per document for `query`, as the model's own scoring gives it (a
+    /// cross-encoder's sigmoid of its logit), and the tokens the pairs took. Runs as one batch.
+    fn rerank(&mut self, _query: &str, _documents: &[String]) -> Result<(Vec<f32>, usize)> {
+        Err(kylin_loader::KylinError::input_invalid(
+            "this model does not rerank; serve a reranker (a cross-encoder such as bge-reranker)",
+        ))
     }
 
     /// The tool-call syntax of the model's chat template (`None`: the template renders no

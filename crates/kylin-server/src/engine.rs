@@ -27,7 +27,9 @@ use kylin_engine::grammar::{Grammar, GrammarCompiler};
 use kylin_engine::sampler::SamplingParams;
 use kylin_engine::serving::TokenLogprob;
 use kylin_engine::tools::ToolSyntax;
-use kylin_engine::{CancelHandle, EngineInfo, EngineStats, Event, EventKind, Request, Serving, StopReason, Usage};
+use kylin_engine::{
+    CancelHandle, EmbeddingInfo, EngineInfo, EngineStats, Event, EventKind, Request, Serving, StopReason, Usage,
+};
 use kylin_loader::{GenerationDefaults, KylinError};
 use tokio::sync::{mpsc as tmpsc, oneshot, watch};
 
@@ -167,8 +169,14 @@ impl std::fmt::Debug for TextReply {
     }
 }
 
+/// Embeddings of prompts (texts tokenized with the tokenizer's specials, or ids), with the
+/// tokens each took.
+pub type EmbedReply = Result<(Vec<Vec<f32>>, usize), KylinError>;
+
 enum Command {
     Submit(Box<Submission>, oneshot::Sender<Result<Accepted, KylinError>>),
+    Embed(Vec<Prompt>, oneshot::Sender<EmbedReply>),
+    Rerank(String, Vec<String>, oneshot::Sender<Result<(Vec<f32>, usize), KylinError>>),
     Text(TextJob, oneshot::Sender<Result<TextReply, KylinError>>),
     CancelAll,
     Stop,
@@ -181,6 +189,10 @@ pub struct Published {
     pub defaults: GenerationDefaults,
     /// The tool-call syntax of the model's chat template (`None`: it renders no tools).
     pub tool_syntax: Option<ToolSyntax>,
+    /// What the model's embeddings are, when it makes them.
+    pub embedding: Option<EmbeddingInfo>,
+    /// Whether the model reranks (`/v1/rerank`).
+    pub rerank: bool,
 }
 
 /// The handlers' side of the engine thread. Cheap to clone; `Send` and `Sync`.
@@ -275,6 +287,20 @@ impl EngineHandle {
         answer.await.map_err(|_| stopped())?
     }
 
+    /// Embeds prompts on the engine thread, as one batch between its steps.
+    pub async fn embed(&self, prompts: Vec<Prompt>) -> EmbedReply {
+        let (reply, answer) = oneshot::channel();
+        self.send(Command::Embed(prompts, reply))?;
+        answer.await.map_err(|_| stopped())?
+    }
+
+    /// Scores documents against a query on the engine thread, as one batch.
+    pub async fn rerank(&self, query: String, documents: Vec<String>) -> Result<(Vec<f32>, usize), KylinError> {
+        let (reply, answer) = oneshot::channel();
+        self.send(Command::Rerank(query, documents, reply))?;
+        answer.await.map_err(|_| stopped())?
+    }
+
     /// Runs a text job on the engine thread.
     pub async fn text(&self, job: TextJob) -> Result<TextReply, KylinError> {
         let (reply, answer) = oneshot::channel();
@@ -330,6 +356,8 @@ fn engine_thread(factory: EngineFactory, commands: Receiver<Command>, handle: En
             while let Ok(command) = commands.recv() {
                 match command {
                     Command::Submit(_, reply) => drop(reply.send(Err(stopped()))),
+                    Command::Embed(_, reply) => drop(reply.send(Err(stopped()))),
+                    Command::Rerank(_, _, reply) => drop(reply.send(Err(stopped()))),
                     Command::Text(_, reply) => drop(reply.send(Err(stopped()))),
                     Command::CancelAll => {}
                     Command::Stop => return,
@@ -338,8 +366,13 @@ fn engine_thread(factory: EngineFactory, commands: Receiver<Command>, handle: En
             return;
         }
     };
-    let published =
-        Published { info: engine.info(), defaults: engine.generation_defaults(), tool_syntax: engine.tool_syntax() };
+    let published = Published {
+        info: engine.info(),
+        defaults: engine.generation_defaults(),
+        tool_syntax: engine.tool_syntax(),
+        embedding: engine.embedding_info(),
+        rerank: engine.can_rerank(),
+    };
     let _ = handle.published.set(published);
     let mut state = EngineLoop { engine, handle, metrics, live: HashMap::new(), events: Vec::new() };
     state.publish_stats();
@@ -375,6 +408,12 @@ fn engine_thread(factory: EngineFactory, commands: Receiver<Command>, handle: En
                 }
                 Command::Text(job, reply) => {
                     let _ = reply.send(state.text(job));
+                }
+                Command::Embed(prompts, reply) => {
+                    let _ = reply.send(state.embed(prompts));
+                }
+                Command::Rerank(query, documents, reply) => {
+                    let _ = reply.send(state.engine.rerank(&query, &documents));
                 }
                 Command::CancelAll => state.live.values().for_each(|l| l.cancel.cancel()),
                 Command::Stop => stopping = true,
@@ -486,6 +525,15 @@ impl EngineLoop {
             },
         );
         Ok(Accepted { prompt_tokens, echo })
+    }
+
+    fn embed(&mut self, prompts: Vec<Prompt>) -> EmbedReply {
+        let mut inputs = Vec::with_capacity(prompts.len());
+        for prompt in prompts {
+            inputs.push(self.prompt_ids(prompt, true)?);
+        }
+        let tokens = inputs.iter().map(Vec::len).sum();
+        Ok((self.engine.embed(&inputs)?, tokens))
     }
 
     fn text(&self, job: TextJob) -> Result<TextReply, KylinError> {

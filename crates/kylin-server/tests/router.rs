@@ -421,6 +421,34 @@ async fn max_tokens_zero_needs_echo() {
 }
 
 #[tokio::test]
+async fn retrieval_routes_on_a_generating_model_are_400_naming_the_model() {
+    let state = start(config()).await;
+    let (status, v) = send_json(&state, post("/v1/embeddings", json!({"input": "hi"}))).await;
+    assert_eq!((status, v["error"]["param"].clone()), (StatusCode::BAD_REQUEST, json!("model")), "{v}");
+    assert_eq!(v["error"]["code"], "model_not_supported");
+    for path in ["/v1/rerank", "/rerank", "/v1/reranking"] {
+        let (status, v) = send_json(&state, post(path, json!({"query": "q", "documents": ["a"]}))).await;
+        assert_eq!((status, v["error"]["param"].clone()), (StatusCode::BAD_REQUEST, json!("model")), "{path}: {v}");
+    }
+    // Field errors come first and name their field.
+    let cases = [
+        ("/v1/embeddings", json!({}), "input"),
+        ("/v1/embeddings", json!({"input": "x", "encoding_format": "hex"}), "encoding_format"),
+        ("/v1/embeddings", json!({"input": "x", "dimensions": "many"}), "dimensions"),
+        ("/v1/embeddings", json!({"input": {"a": 1}}), "input"),
+        ("/v1/embeddings", json!({"input": "x", "frobnicate": 1}), "frobnicate"),
+        ("/v1/rerank", json!({"documents": ["a"]}), "query"),
+        ("/v1/rerank", json!({"query": "q"}), "documents"),
+        ("/v1/rerank", json!({"query": "q", "documents": ["a"], "top_n": -1}), "top_n"),
+    ];
+    for (path, body, param) in cases {
+        let (status, v) = send_json(&state, post(path, body.clone())).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body} -> {v}");
+        assert_eq!(v["error"]["param"], param, "{body} -> {v}");
+    }
+}
+
+#[tokio::test]
 async fn several_prompts_and_token_ids() {
     let state = start(config()).await;
     let (status, v) =
