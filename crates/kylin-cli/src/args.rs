@@ -327,6 +327,10 @@ pub struct EmbedArgs {
     /// `--repetitions` passes after one warm-up.
     #[arg(long)]
     pub bench: bool,
+    /// With --bench: the same model as a GGUF file, timed in llama.cpp's embedding mode on the
+    /// same token ids in the same run (alternating), with the cosine of its embeddings to Kylin's.
+    #[arg(long, value_name = "MODEL.gguf", requires = "bench")]
+    pub vs: Option<PathBuf>,
     #[arg(long, default_value_t = 3)]
     pub repetitions: usize,
     /// One JSON object for the whole run instead of one line per text.

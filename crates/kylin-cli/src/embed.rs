@@ -76,30 +76,56 @@ pub fn run(args: EmbedArgs) -> Result<()> {
     };
     if args.bench {
         let tokens: usize = inputs.iter().map(Vec::len).sum();
-        embed_all(&mut engine)?;
-        let mut best = f64::INFINITY;
-        let mut all = Vec::new();
-        for _ in 0..args.repetitions.max(1) {
+        let reps = args.repetitions.max(1);
+        let mine = embed_all(&mut engine)?;
+        let mut other = match &args.vs {
+            Some(path) => Some(vs::open(path, threads, batch, &inputs)?),
+            None => None,
+        };
+        // Warm-up of the other engine, and how close its embeddings are to Kylin's.
+        let agreement = match &mut other {
+            Some(o) => {
+                let theirs = o.embed(&inputs)?;
+                Some(mine.iter().zip(&theirs).map(|(a, b)| cosine(a, b)).fold(f64::INFINITY, f64::min))
+            }
+            None => None,
+        };
+        // Alternating runs (A B A B ...), best of each.
+        let (mut best, mut best_other) = (f64::INFINITY, f64::INFINITY);
+        for _ in 0..reps {
             let started = Instant::now();
             embed_all(&mut engine)?;
-            let s = started.elapsed().as_secs_f64();
-            best = best.min(s);
-            all.push(texts.len() as f64 / s);
+            best = best.min(started.elapsed().as_secs_f64());
+            if let Some(o) = &mut other {
+                let started = Instant::now();
+                o.embed(&inputs)?;
+                best_other = best_other.min(started.elapsed().as_secs_f64());
+            }
         }
-        let rate = texts.len() as f64 / best;
+        let n = texts.len() as f64;
         if args.json {
             println!(
                 "{}",
                 json!({"texts": texts.len(), "tokens": tokens, "batch": batch, "threads": threads,
-                       "texts_per_second": rate, "tokens_per_second": tokens as f64 / best, "runs": all})
+                       "kylin_texts_per_second": n / best,
+                       "llamacpp_texts_per_second": other.as_ref().map(|_| n / best_other),
+                       "min_cosine_to_llamacpp": agreement})
             );
         } else {
             println!(
-                "kylin embed: {} texts ({tokens} tokens) in batches of {batch}, {threads} threads: {rate:.1} texts/s ({:.0} tokens/s), best of {}",
-                texts.len(),
-                tokens as f64 / best,
-                args.repetitions.max(1)
+                "kylin embed: {} texts ({tokens} tokens), batches of {batch}, {threads} threads, best of {reps}",
+                texts.len()
             );
+            println!("  kylin      {:>8.1} texts/s {:>8.0} tokens/s", n / best, tokens as f64 / best);
+            if other.is_some() {
+                println!(
+                    "  llama.cpp  {:>8.1} texts/s {:>8.0} tokens/s   (kylin/llama.cpp {:.2}x; min cosine {:.6})",
+                    n / best_other,
+                    tokens as f64 / best_other,
+                    best_other / best,
+                    agreement.unwrap_or(f64::NAN)
+                );
+            }
         }
         return Ok(());
     }
@@ -124,4 +150,50 @@ pub fn run(args: EmbedArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let dot: f64 = a.iter().zip(b).map(|(&x, &y)| f64::from(x) * f64::from(y)).sum();
+    let na = a.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
+    let nb = b.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
+    dot / (na * nb).max(1e-30)
+}
+
+/// The llama.cpp side of `--vs`.
+mod vs {
+    use std::path::Path;
+
+    use anyhow::Result;
+
+    #[cfg(feature = "llamacpp")]
+    pub fn open(path: &Path, threads: usize, batch: usize, inputs: &[Vec<u32>]) -> Result<Embedder> {
+        let longest = inputs.iter().map(Vec::len).max().unwrap_or(1);
+        let tokens = inputs.chunks(batch).map(|c| c.iter().map(Vec::len).sum::<usize>()).max().unwrap_or(1);
+        Ok(Embedder(kylin_llamacpp::embed::LlamaCppEmbedder::load(path, threads, batch, tokens.max(longest))?))
+    }
+
+    #[cfg(feature = "llamacpp")]
+    pub struct Embedder(kylin_llamacpp::embed::LlamaCppEmbedder);
+
+    #[cfg(feature = "llamacpp")]
+    impl Embedder {
+        pub fn embed(&mut self, inputs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
+            Ok(self.0.embed(inputs)?)
+        }
+    }
+
+    #[cfg(not(feature = "llamacpp"))]
+    pub struct Embedder;
+
+    #[cfg(not(feature = "llamacpp"))]
+    impl Embedder {
+        pub fn embed(&mut self, _inputs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
+            Ok(Vec::new())
+        }
+    }
+
+    #[cfg(not(feature = "llamacpp"))]
+    pub fn open(_path: &Path, _threads: usize, _batch: usize, _inputs: &[Vec<u32>]) -> Result<Embedder> {
+        Err(kylin_loader::KylinError::operator_unsupported("--vs needs the llamacpp feature").into())
+    }
 }
