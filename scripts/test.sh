@@ -13,6 +13,13 @@ cargo test --release -p kylin-cli --no-default-features --test without_llamacpp
 cargo build --release -p kylin-cli
 TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
 KYLIN_BIN="$TARGET_DIR/release/kylin" timeout 900 "$ROOT/.venv/bin/pytest" -q "$ROOT/tests/e2e"
+# The Python package: its wheel built with maturin (PyO3; the same target directory), installed
+# into the test venv like a user's pip install, and tested from Python.
+rm -rf "$TARGET_DIR/wheels"
+CARGO_TARGET_DIR="$TARGET_DIR" "$ROOT/.venv/bin/maturin" build --release -m "$ROOT/python/Cargo.toml" \
+  -i "$ROOT/.venv/bin/python" --out "$TARGET_DIR/wheels"
+"$ROOT/.venv/bin/pip" install -q --disable-pip-version-check --force-reinstall --no-deps "$TARGET_DIR"/wheels/kylin-*.whl
+(cd "$TARGET_DIR" && KYLIN_BIN="$TARGET_DIR/release/kylin" timeout 900 "$ROOT/.venv/bin/pytest" -q "$ROOT/python/tests")
 # Every cargo-fuzz target for 30 s (issue 15): a crash, a hang over 5 s or an allocation past
 # 2 GiB fails the run. Without a sanitizer here (a from-scratch build takes about 4 minutes
 # instead of 14-20 with AddressSanitizer; the parsers are safe Rust, so panics, hangs and huge

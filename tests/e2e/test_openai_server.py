@@ -248,6 +248,46 @@ def test_logprobs(client):
     assert all(len(t) == 2 for t in lp.top_logprobs)
 
 
+def test_echo_scores_the_prompt_as_transformers_does(client):
+    """lm-evaluation-harness's log-likelihood request: echo, logprobs, max_tokens 0 (and more)."""
+    ref = json.loads((ROOT / "tests/fixtures/prompt_logprobs/smollm2-135m-instruct.json").read_text())
+    want = [p["logprob"] for p in ref["positions"]]
+    n_prompt = len(ref["input_ids"])
+    c = client.completions.create(model=NAME, prompt=ref["prompt"], echo=True, logprobs=5, max_tokens=0)
+    choice = c.choices[0]
+    assert choice.text == ref["prompt"]
+    assert choice.finish_reason == "length"
+    assert c.usage.prompt_tokens == n_prompt and c.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n_prompt
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    worst = max(abs(g - w) for g, w in zip(lp.token_logprobs[1:], want))
+    assert worst < 1e-3, worst
+    for i, top in enumerate(lp.top_logprobs[1:]):
+        # The five best and the prompt's own token when it is not among them.
+        assert 5 <= len(top) <= 6
+        assert lp.tokens[i + 1] in top
+    assert lp.text_offset == sorted(lp.text_offset)
+
+    # Generating after the echo: the prompt's entries, then the generated tokens'.
+    g = client.completions.create(model=NAME, prompt=ref["prompt"], echo=True, logprobs=1, max_tokens=5,
+                                  temperature=0)
+    assert g.choices[0].text.startswith(ref["prompt"])
+    glp = g.choices[0].logprobs
+    assert len(glp.tokens) == n_prompt + g.usage.completion_tokens
+    assert max(abs(a - b) for a, b in zip(glp.token_logprobs[1:n_prompt], want)) < 1e-3
+    plain = client.completions.create(model=NAME, prompt=ref["prompt"], max_tokens=5, temperature=0)
+    assert g.choices[0].text == ref["prompt"] + plain.choices[0].text
+
+    # Streamed: the prompt and its scores come first, in one chunk.
+    chunks = list(client.completions.create(model=NAME, prompt=ref["prompt"], echo=True, logprobs=5,
+                                            max_tokens=5, temperature=0, stream=True))
+    first = chunks[0].choices[0]
+    assert first.text == ref["prompt"]
+    assert max(abs(a - b) for a, b in zip(first.logprobs.token_logprobs[1:], want)) < 1e-3
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref["prompt"] + plain.choices[0].text
+
+
 def test_chat_template_kwargs_and_text_parts(client):
     r = client.chat.completions.create(
         model=NAME, temperature=0, max_tokens=8,

@@ -27,6 +27,8 @@ pub enum Command {
     Perplexity(PerplexityArgs),
     /// Serve the model over an OpenAI-compatible HTTP API.
     Serve(ServeArgs),
+    /// Embed texts with an embedding model (one JSON line per text), or time it (--bench).
+    Embed(EmbedArgs),
     /// Write a quantized copy of a model directory that loads without re-quantizing.
     Quantize(QuantizeArgs),
     /// Convert between a Llama Hugging Face directory and a llama2.c .bin checkpoint.
@@ -46,6 +48,7 @@ impl Command {
             Command::Bench(a) => a.json,
             Command::Perplexity(a) => a.json,
             Command::Serve(_) => false,
+            Command::Embed(a) => a.json,
             Command::Quantize(_) => false,
             Command::Convert(a) => a.json,
             Command::BenchWorker(_) => true,
@@ -299,6 +302,40 @@ pub struct ChatArgs {
     pub sampling: SamplingArgs,
     #[command(flatten)]
     pub template: TemplateArgs,
+}
+
+#[derive(Args, Debug)]
+pub struct EmbedArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// A text to embed (repeatable).
+    #[arg(short, long = "text", value_name = "TEXT")]
+    pub texts: Vec<String>,
+    /// A file of texts to embed, one per line (`-` reads standard input).
+    #[arg(long, value_name = "FILE")]
+    pub file: Option<PathBuf>,
+    /// Prefix the model's named prompt (config_sentence_transformers.json), e.g. `query`.
+    #[arg(long, value_name = "NAME")]
+    pub prompt_name: Option<String>,
+    /// Keep the first N dimensions (Matryoshka models), normalised again if the model normalises.
+    #[arg(long, value_name = "N")]
+    pub dimensions: Option<usize>,
+    /// Texts per batch (one forward pass of the encoder each).
+    #[arg(long, default_value_t = 32)]
+    pub batch: usize,
+    /// Time the embedding of the texts instead of printing them: texts per second over
+    /// `--repetitions` passes after one warm-up.
+    #[arg(long)]
+    pub bench: bool,
+    /// With --bench: the same model as a GGUF file, timed in llama.cpp's embedding mode on the
+    /// same token ids in the same run (alternating), with the cosine of its embeddings to Kylin's.
+    #[arg(long, value_name = "MODEL.gguf", requires = "bench")]
+    pub vs: Option<PathBuf>,
+    #[arg(long, default_value_t = 3)]
+    pub repetitions: usize,
+    /// One JSON object for the whole run instead of one line per text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]

@@ -10,6 +10,7 @@ mod bench;
 mod bench_concurrent;
 mod chat;
 mod convert;
+mod embed;
 mod inspect;
 mod logits;
 mod open;
@@ -39,6 +40,7 @@ fn main() -> ExitCode {
         Command::Perplexity(a) => perplexity::run(a),
         Command::BenchWorker(a) => bench::worker(a),
         Command::Serve(a) => serve::run(a),
+        Command::Embed(a) => embed::run(a),
         Command::Quantize(a) => quantize::run(&a),
         Command::Convert(a) => convert::run(a),
     };

@@ -156,6 +156,9 @@ pub fn open_engine(args: &ModelArgs) -> Result<Box<dyn Serving>> {
     }
     refuse_flash_attn(args)?;
     let threads = threads(args)?;
+    if kylin_loader::encoder::is_encoder_dir(&args.model) {
+        return Ok(Box::new(open_encoder(args, threads)?));
+    }
     let opts = LoadOptions {
         tensor_map: args.tensor_map.clone(),
         allow_vocab_mismatch: args.allow_vocab_mismatch,
@@ -169,6 +172,20 @@ pub fn open_engine(args: &ModelArgs) -> Result<Box<dyn Serving>> {
     // A server holds its memory from the start: the footprint does not grow with traffic.
     let engine = EngineOptions { prefault: true, ..engine_options(args, threads, DEFAULT_MAX_SEQS)? };
     Ok(Box::new(kylin_engine::batch::BatchEngine::new(model, &engine)?))
+}
+
+/// Opens an encoder directory (BERT, XLM-R: embeddings or a cross-encoder) as its engine.
+pub fn open_encoder(args: &ModelArgs, threads: usize) -> Result<kylin_engine::encoder_serving::EncoderEngine> {
+    let loaded = kylin_loader::encoder::load_encoder(&args.model)?;
+    for warning in &loaded.warnings {
+        tracing_warning(warning);
+    }
+    let max_batch_tokens =
+        args.engine.max_batch_tokens.unwrap_or(kylin_engine::encoder::EncoderOptions::default().max_batch_tokens);
+    Ok(kylin_engine::encoder_serving::EncoderEngine::new(
+        loaded,
+        kylin_engine::encoder::EncoderOptions { threads, max_batch_tokens },
+    )?)
 }
 
 /// Parses a memory size: a number of bytes with an optional unit (`B`, `KiB`, `MiB`, `GiB`,

@@ -104,21 +104,41 @@ async fn serve(args: ServeArgs, config: ServerConfig) -> Result<()> {
         if let Ok(p) = announce.wait_ready().await {
             let info = &p.info;
             let engine = if info.max_seqs <= 1 { "one sequence at a time" } else { "continuous batching" };
-            println!(
-                "kylin serve: model `{name}` from {path}: {} {} ({engine}, up to {} sequences), context {} tokens, \
+            if let Some(e) = &p.embedding {
+                println!(
+                    "kylin serve: model `{name}` from {path}: {} {} (embeddings: {} dimensions, {} pooling{},                      inputs up to {} tokens), {} threads, precision {} ({})",
+                    info.backend,
+                    info.architecture,
+                    e.dimension,
+                    e.pooling,
+                    if e.normalized { ", normalized" } else { "" },
+                    e.max_tokens,
+                    info.threads,
+                    info.precision,
+                    info.kernels
+                );
+            } else if p.rerank && info.kv_blocks == 0 {
+                println!(
+                    "kylin serve: model `{name}` from {path}: {} {} (reranker, pairs up to {} tokens), {} threads,                      precision {} ({})",
+                    info.backend, info.architecture, info.context_size, info.threads, info.precision, info.kernels
+                );
+            } else {
+                println!(
+                    "kylin serve: model `{name}` from {path}: {} {} ({engine}, up to {} sequences), context {} tokens, \
                  KV cache {} tokens in {} blocks ({:.1} MiB, {}), {} threads, precision {} ({})",
-                info.backend,
-                info.architecture,
-                info.max_seqs,
-                info.context_size,
-                info.kv_tokens,
-                info.kv_blocks,
-                info.kv_bytes as f64 / (1u64 << 20) as f64,
-                info.kv_dtype,
-                info.threads,
-                info.precision,
-                info.kernels
-            );
+                    info.backend,
+                    info.architecture,
+                    info.max_seqs,
+                    info.context_size,
+                    info.kv_tokens,
+                    info.kv_blocks,
+                    info.kv_bytes as f64 / (1u64 << 20) as f64,
+                    info.kv_dtype,
+                    info.threads,
+                    info.precision,
+                    info.kernels
+                );
+            }
             println!("kylin serve: ready on http://{address}/v1 (GET /health says 200)");
         }
     });

@@ -73,6 +73,19 @@ pub fn default_block_size(
 pub const DEFAULT_MAX_BATCH_TOKENS: usize = 512;
 /// Sequences per batch unless `--max-seqs` says otherwise (the server and `bench`).
 pub const DEFAULT_MAX_SEQS: usize = 16;
+/// Bytes of logits planned for prompt log-probabilities per step (beyond one row per
+/// sequence): `16 MiB / (4 · vocab)` rows, between [`MIN_PROMPT_LOGIT_ROWS`] and
+/// [`MAX_PROMPT_LOGIT_ROWS`]. A request that scores its prompt computes at most that many of
+/// its positions per step.
+pub const PROMPT_LOGITS_BYTES: usize = 16 << 20;
+pub const MIN_PROMPT_LOGIT_ROWS: usize = 8;
+pub const MAX_PROMPT_LOGIT_ROWS: usize = 64;
+
+/// The logits rows planned for prompt log-probabilities for a vocabulary of `vocab` ids.
+pub fn prompt_logit_rows(vocab: usize) -> usize {
+    (PROMPT_LOGITS_BYTES / (4 * vocab.max(1))).clamp(MIN_PROMPT_LOGIT_ROWS, MAX_PROMPT_LOGIT_ROWS)
+}
+
 /// Share of the memory available after the weights that the default KV budget may take.
 pub const DEFAULT_MEMORY_SHARE: f64 = 0.5;
 
@@ -407,6 +420,9 @@ pub struct EngineCore {
     pub(crate) context: usize,
     pub(crate) max_seqs: usize,
     pub(crate) max_batch_tokens: usize,
+    /// Logits rows a step can give to the prompt positions of requests that want their
+    /// prompt's log-probabilities (beyond one row per sequence).
+    pub(crate) prompt_rows: usize,
     /// Milliseconds spent quantizing the weights at load, if asked to.
     pub(crate) quantize_ms: Option<f64>,
 }
@@ -478,7 +494,8 @@ impl EngineCore {
         }
         let max_seqs = opts.max_seqs.min(opts.max_batch_tokens);
         let max_batch_tokens = opts.max_batch_tokens.min(context.max(1) * max_seqs);
-        let mut scratch = model.plan_scratch(max_batch_tokens, max_seqs, context)?;
+        let prompt_rows = prompt_logit_rows(model.dims().vocab).min(max_batch_tokens);
+        let mut scratch = model.plan_scratch_with_rows(max_batch_tokens, max_seqs, context, prompt_rows)?;
         // The sliding layers' pool holds what one step's queries can read: for each sequence
         // the window before its first query plus its share of the step. A sequence computing
         // `len` tokens holds at most `ceil((window - 1 + len) / bs) + 1` blocks, and the `len`
@@ -548,6 +565,7 @@ impl EngineCore {
             context,
             max_seqs,
             max_batch_tokens,
+            prompt_rows,
             quantize_ms,
         })
     }
@@ -756,11 +774,20 @@ struct Seq {
     cancel: crate::serving::CancelHandle,
     /// Prompt tokens the prefix cache supplied at its first admission.
     cached_prompt: Option<usize>,
+    /// With prompt log-probabilities: the first prompt position whose logits are still to be
+    /// scored (position `p` scores token `p + 1`); positions below it were reported.
+    next_scored: usize,
 }
 
 impl Seq {
     fn is_decoding(&self) -> bool {
         self.computed + 1 == self.tokens.len() && self.computed >= self.prompt_len
+    }
+
+    /// True while some prompt position's log-probability is wanted and not reported yet:
+    /// the sequence's chunks then ask for the logits of every token.
+    fn scores_prompt(&self) -> bool {
+        self.decoding.prompt_logprobs().is_some() && self.next_scored + 1 < self.prompt_len
     }
 }
 
@@ -769,7 +796,17 @@ impl Seq {
 struct Scheduled {
     slot: usize,
     len: usize,
+    /// The logits row of the last token, when it samples.
     logits_row: Option<usize>,
+    /// The chunk wants every token's logits (prompt log-probabilities); the first token's row.
+    all_rows: bool,
+    first_row: usize,
+}
+
+impl Scheduled {
+    fn new(slot: usize, len: usize, all_rows: bool) -> Self {
+        Scheduled { slot, len, logits_row: None, all_rows, first_row: 0 }
+    }
 }
 
 /// The continuous-batching engine (see the module documentation).
@@ -838,6 +875,8 @@ impl BatchEngine {
             fork: None,
             cancel: request.cancel.clone(),
             cached_prompt: None,
+            // Choice 0 reports the prompt's log-probabilities; its siblings have nothing to score.
+            next_scored: if index == 0 { 0 } else { request.prompt_ids.len() },
         }
     }
 
@@ -849,12 +888,7 @@ impl BatchEngine {
             events.push(Event { request: seq.request, index: seq.index, kind });
         }
         if let Some(request) = seq.fork.take() {
-            // Siblings that were never forked end too.
-            for index in 1..request.n {
-                let usage = Usage { prompt_tokens: request.prompt_ids.len(), ..Usage::default() };
-                let kind = EventKind::Finished { reason, text: String::new(), usage };
-                events.push(Event { request: request.id, index, kind });
-            }
+            end_unforked(&request, reason, events);
         }
     }
 
@@ -926,12 +960,15 @@ impl BatchEngine {
             let seq = &mut self.running[slot];
             let grown = seq.kv.grow(&mut self.core.allocs(), need, bs);
             debug_assert!(grown);
-            self.scheduled.push(Scheduled { slot, len: 1, logits_row: None });
+            self.scheduled.push(Scheduled::new(slot, 1, false));
             budget -= 1;
             slot += 1;
         }
 
-        // 3a. Running sequences with a partly computed prompt get their next chunk.
+        // 3a. Running sequences with a partly computed prompt get their next chunk. A chunk
+        //     whose logits are all wanted (prompt log-probabilities) is also limited by the
+        //     step's logits rows.
+        let mut rows = self.core.prompt_rows;
         for slot in 0..self.running.len() {
             if budget == 0 {
                 break;
@@ -940,15 +977,19 @@ impl BatchEngine {
             if seq.is_decoding() || seq.computed >= seq.tokens.len() {
                 continue;
             }
-            let len = self.fit(seq, budget);
+            let all_rows = seq.scores_prompt();
+            let len = if all_rows { self.fit(seq, budget).min(rows) } else { self.fit(seq, budget) };
             if len == 0 {
                 continue;
             }
             let end = seq.computed + len;
             let seq = &mut self.running[slot];
             if seq.kv.grow(&mut self.core.allocs(), end, bs) {
-                self.scheduled.push(Scheduled { slot, len, logits_row: None });
+                self.scheduled.push(Scheduled::new(slot, len, all_rows));
                 budget -= len;
+                if all_rows {
+                    rows -= len;
+                }
             }
         }
 
@@ -956,7 +997,12 @@ impl BatchEngine {
         while budget > 0 && self.running.len() < self.core.max_seqs {
             let Some(mut seq) = self.waiting.pop_front() else { break };
             if seq.kv.blocks.is_empty() {
-                let limit = seq.tokens.len() - 1;
+                // Positions whose prompt log-probabilities are still wanted are computed, never
+                // taken from the cache.
+                let limit = match seq.decoding.prompt_logprobs() {
+                    Some(_) => (seq.tokens.len() - 1).min(seq.next_scored),
+                    None => seq.tokens.len() - 1,
+                };
                 let matched = seq.kv.match_prefix(&mut self.core.allocs(), &seq.tokens, limit, bs);
                 seq.computed = matched;
                 self.stats.prefix_cache_queries += seq.tokens.len() as u64;
@@ -968,7 +1014,8 @@ impl BatchEngine {
                     self.stats.prompt_tokens_total += seq.prompt_len as u64;
                 }
             }
-            let len = self.fit(&seq, budget);
+            let all_rows = seq.scores_prompt();
+            let len = if all_rows { self.fit(&seq, budget).min(rows) } else { self.fit(&seq, budget) };
             let end = seq.computed + len;
             if len == 0 || !seq.kv.grow(&mut self.core.allocs(), end, bs) {
                 // Not even one token fits: give the matched blocks back and wait.
@@ -978,8 +1025,11 @@ impl BatchEngine {
                 break;
             }
             self.running.push(seq);
-            self.scheduled.push(Scheduled { slot: self.running.len() - 1, len, logits_row: None });
+            self.scheduled.push(Scheduled::new(self.running.len() - 1, len, all_rows));
             budget -= len;
+            if all_rows {
+                rows -= len;
+            }
         }
     }
 
@@ -1073,8 +1123,13 @@ impl BatchEngine {
             let seq = &self.running[s.slot];
             let end = seq.computed + s.len;
             let ids = &seq.tokens[seq.computed..end];
-            s.logits_row =
-                self.core.plan.push(ids, seq.computed, &seq.kv.blocks, &seq.kv.sliding, end == seq.tokens.len());
+            let last = end == seq.tokens.len();
+            if s.all_rows {
+                s.first_row = self.core.plan.push_all_logits(ids, seq.computed, &seq.kv.blocks, &seq.kv.sliding);
+                s.logits_row = last.then(|| s.first_row + s.len - 1);
+            } else {
+                s.logits_row = self.core.plan.push(ids, seq.computed, &seq.kv.blocks, &seq.kv.sliding, last);
+            }
         }
         // Constrained sequences compute the grammar mask for their next token while the forward
         // pass runs, on a thread of their own (the pool's threads run the forward); an
@@ -1102,11 +1157,25 @@ impl BatchEngine {
         let vocab = self.core.model.dims().vocab;
         let n_scheduled = self.scheduled.len();
         for k in 0..n_scheduled {
-            let Scheduled { slot, len, logits_row } = self.scheduled[k];
+            let Scheduled { slot, len, logits_row, all_rows, first_row } = self.scheduled[k];
             let seq = &mut self.running[slot];
+            if all_rows {
+                report_prompt_logprobs(seq, first_row, len, |row| self.core.scratch.logits(row, vocab), events);
+            }
             seq.computed += len;
             seq.kv.advance(&mut self.core.allocs(), &seq.tokens, seq.computed, bs);
             let Some(row) = logits_row else { continue };
+            if seq.decoding.generates_nothing() {
+                // The request only scores its prompt: it ends here, its choices with it.
+                let text = self.core.text.as_ref();
+                let kind = seq.decoding.finish(StopReason::Length, text)?;
+                events.push(Event { request: seq.request, index: seq.index, kind });
+                if let Some(request) = seq.fork.take() {
+                    end_unforked(&request, StopReason::Length, events);
+                }
+                self.finished.push(slot);
+                continue;
+            }
             let at_end = seq.tokens.len() + 1 > self.core.context;
             let text = self.core.text.as_ref();
             let (id, token, reason) = seq.decoding.accept(self.core.scratch.logits(row, vocab), text, at_end)?;
@@ -1134,6 +1203,42 @@ impl BatchEngine {
         }
         Ok(())
     }
+}
+
+/// Ends choices `1..n` of a request whose siblings were never forked.
+fn end_unforked(request: &Request, reason: StopReason, events: &mut Vec<Event>) {
+    for index in 1..request.n {
+        let usage = Usage { prompt_tokens: request.prompt_ids.len(), ..Usage::default() };
+        let kind = EventKind::Finished { reason, text: String::new(), usage };
+        events.push(Event { request: request.id, index, kind });
+    }
+}
+
+/// Reports the prompt log-probabilities a chunk of `len` tokens (from `seq.computed`, rows
+/// `first_row..` of `logits`) gives: position `p` scores prompt token `p + 1`. Positions
+/// already reported (a chunk recomputed after preemption) are skipped.
+fn report_prompt_logprobs<'a>(
+    seq: &mut Seq,
+    first_row: usize,
+    len: usize,
+    logits: impl Fn(usize) -> &'a [f32],
+    events: &mut Vec<Event>,
+) {
+    let Some(k) = seq.decoding.prompt_logprobs() else { return };
+    let from = seq.next_scored.max(seq.computed);
+    let to = (seq.computed + len).min(seq.prompt_len - 1);
+    if from >= to {
+        return;
+    }
+    let logprobs = (from..to)
+        .map(|p| crate::sequence::token_logprob(logits(first_row + p - seq.computed), seq.tokens[p + 1], k))
+        .collect();
+    seq.next_scored = to;
+    events.push(Event {
+        request: seq.request,
+        index: seq.index,
+        kind: EventKind::PromptLogprobs { start: from + 1, logprobs },
+    });
 }
 
 /// Computes the grammar masks the sequences will need for their next token.

@@ -5,6 +5,8 @@
 pub mod backend;
 pub mod batch;
 pub mod detok;
+pub mod encoder;
+pub mod encoder_serving;
 pub mod generate;
 pub mod grammar;
 pub mod kv_pool;
@@ -23,5 +25,7 @@ pub use generate::{ChatSession, FinishReason, GenerateRequest, GenerationResult,
 pub use model::{PrecisionChoice, QuantFormat};
 pub use sampler::{Sampler, SamplingParams};
 pub use serial::SerialEngine;
-pub use serving::{CancelHandle, EngineInfo, EngineStats, Event, EventKind, Request, Serving, StopReason, Usage};
+pub use serving::{
+    CancelHandle, EmbeddingInfo, EngineInfo, EngineStats, Event, EventKind, Request, Serving, StopReason, Usage,
+};
 pub use text::TextCodec;

@@ -24,6 +24,8 @@ pub struct Decoding {
     eos: Vec<u32>,
     max_new_tokens: usize,
     logprobs: Option<usize>,
+    /// Top alternatives of the prompt's log-probabilities, when they are wanted.
+    prompt_logprobs: Option<usize>,
     detokenize: bool,
     /// Added to the logits before sampling.
     logit_bias: Vec<(u32, f32)>,
@@ -52,12 +54,24 @@ impl Decoding {
             eos: if request.ignore_eos { Vec::new() } else { eos_ids.to_vec() },
             max_new_tokens: request.max_new_tokens,
             logprobs: request.logprobs.map(|k| k.min(MAX_TOP_LOGPROBS)),
+            prompt_logprobs: request.prompt_logprobs.map(|k| k.min(MAX_TOP_LOGPROBS)),
             detokenize: request.detokenize,
             logit_bias: request.logit_bias.iter().copied().filter(|&(id, _)| (id as usize) < vocab).collect(),
             grammar: request.grammar.as_ref().map(|g| g.start()),
             generated: 0,
             usage: Usage { prompt_tokens: request.prompt_ids.len(), ..Usage::default() },
         }
+    }
+
+    /// `Some(k)` when the request wants its prompt's log-probabilities with `k` alternatives.
+    pub fn prompt_logprobs(&self) -> Option<usize> {
+        self.prompt_logprobs
+    }
+
+    /// True when the request only scores its prompt (`max_new_tokens` of 0): the choice ends
+    /// with [`StopReason::Length`] when its prompt is computed, nothing sampled.
+    pub fn generates_nothing(&self) -> bool {
+        self.max_new_tokens == 0
     }
 
     /// True when the choice is constrained and the mask for its next token is not computed

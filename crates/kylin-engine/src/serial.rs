@@ -25,7 +25,8 @@ pub fn validate_request(request: &Request, vocab: usize, context: usize, max_seq
             "token id {bad} is outside the model's vocabulary of {vocab} ids"
         )));
     }
-    if request.prompt_ids.len() >= context {
+    let scoring_only = request.max_new_tokens == 0 && request.prompt_logprobs.is_some();
+    if request.prompt_ids.len() > context || (request.prompt_ids.len() == context && !scoring_only) {
         return Err(KylinError::context_overflow(format!(
             "the prompt has {} tokens but the context holds {context}, which leaves no room to generate; \
              shorten the prompt or raise --ctx-size",
@@ -38,10 +39,10 @@ pub fn validate_request(request: &Request, vocab: usize, context: usize, max_seq
             request.n
         )));
     }
-    if request.max_new_tokens == 0 {
-        return Err(KylinError::input_invalid("max_tokens must be at least 1; got 0"));
+    if request.max_new_tokens == 0 && !scoring_only {
+        return Err(KylinError::input_invalid("max_tokens must be at least 1 (0 only with prompt log-probabilities)"));
     }
-    if let Some(k) = request.logprobs
+    if let Some(k) = request.logprobs.or(request.prompt_logprobs)
         && k > crate::serving::MAX_TOP_LOGPROBS
     {
         return Err(KylinError::input_invalid(format!(
@@ -121,16 +122,45 @@ impl SerialEngine {
         let vocab = self.backend.vocab_size();
         let mut decoding = Decoding::new(&request, index, vocab, self.backend.eos_ids());
         let prompt = &request.prompt_ids;
+        // Choice 0 of a request that scores its prompt computes every position's logits, so
+        // the cache serves none of it.
+        let scoring = request.prompt_logprobs.filter(|_| index == 0);
         let shared = self.cached.iter().zip(prompt).take_while(|(a, b)| a == b).count();
         let shared = shared.min(prompt.len() - 1).min(self.backend.position());
+        let shared = if scoring.is_some() { 0 } else { shared };
         self.backend.rewind(shared);
         self.cached.truncate(shared);
         self.stats.prompt_tokens_total += prompt.len() as u64;
         self.stats.prefix_cache_queries += prompt.len() as u64;
         self.stats.prefix_cache_hits += shared as u64;
         decoding.usage.cached_prompt_tokens = shared;
-        self.logits.copy_from_slice(self.backend.prefill(&prompt[shared..])?);
+        match scoring {
+            Some(k) => {
+                // (prompt, vocab): row p scores prompt token p + 1; the last row samples.
+                let all = self.backend.prefill_all_logits(prompt)?;
+                let logprobs = all
+                    .chunks_exact(vocab)
+                    .zip(&prompt[1..])
+                    .map(|(row, &next)| crate::sequence::token_logprob(row, next, k))
+                    .collect::<Vec<_>>();
+                if !logprobs.is_empty() {
+                    events.push(Event {
+                        request: request.id,
+                        index,
+                        kind: EventKind::PromptLogprobs { start: 1, logprobs },
+                    });
+                }
+                let last = all.len() - vocab;
+                self.logits.copy_from_slice(&all[last..]);
+            }
+            None => self.logits.copy_from_slice(self.backend.prefill(&prompt[shared..])?),
+        }
         self.cached.extend_from_slice(&prompt[shared..]);
+        if decoding.generates_nothing() {
+            // The request only scores its prompt.
+            let running = Running { request, index, decoding, pending: Vec::new() };
+            return self.after_token(running, Some(StopReason::Length), events);
+        }
         let at_end = self.backend.position() >= self.backend.context_size();
         let text = self.backend.has_tokenizer().then_some(&*self.backend);
         let (id, token, reason) = decoding.accept(&self.logits, text, at_end)?;

@@ -50,7 +50,8 @@ pub struct Request {
     /// Sampling for choice `i` uses `sampling` with `seed + i`, so choices differ and are
     /// reproducible.
     pub sampling: SamplingParams,
-    /// Generated tokens per choice at most (an ending EOS included).
+    /// Generated tokens per choice at most (an ending EOS included). 0 is allowed only with
+    /// `prompt_logprobs`: the request then scores its prompt and generates nothing.
     pub max_new_tokens: usize,
     /// Generation of a choice ends when its text contains one of these; the stop string is
     /// never emitted.
@@ -63,6 +64,12 @@ pub struct Request {
     /// `Some(k)`: every token event carries the chosen token's log-probability and the `k`
     /// (at most [`MAX_TOP_LOGPROBS`]) most likely alternatives, from the model's raw logits.
     pub logprobs: Option<usize>,
+    /// `Some(k)`: the log-probability of every prompt token after the first under the model
+    /// (from the logits of the position before it) with the `k` (at most
+    /// [`MAX_TOP_LOGPROBS`]) most likely alternatives, as [`EventKind::PromptLogprobs`] events
+    /// of choice 0 (the prompt is every choice's). Every such position is computed: the prefix
+    /// cache serves none of them.
+    pub prompt_logprobs: Option<usize>,
     /// Stream text with the tokens (false: ids only, as `bench` wants).
     pub detokenize: bool,
     /// Drop special tokens from the text (true, as HF's `skip_special_tokens`); false keeps
@@ -94,6 +101,7 @@ impl Request {
             ignore_eos: false,
             n: 1,
             logprobs: None,
+            prompt_logprobs: None,
             detokenize: true,
             skip_special_tokens: true,
             logit_bias: Vec::new(),
@@ -159,6 +167,11 @@ pub enum EventKind {
     /// UTF-8 character or the start of a possible stop string is held back), never part of a
     /// stop string; empty when the request does not detokenize.
     Token { id: u32, text: String, logprob: Option<TokenLogprob> },
+    /// Log-probabilities of prompt tokens `start..start + logprobs.len()` (`start >= 1`),
+    /// for a request with `prompt_logprobs`, in prompt order and before any token event of
+    /// the request; together the events cover positions `1..prompt_len` once each. Sent for
+    /// choice 0 only: every choice shares the prompt.
+    PromptLogprobs { start: usize, logprobs: Vec<TokenLogprob> },
     /// The choice ended. `text` is whatever was held back and is now released (may be empty).
     Finished { reason: StopReason, text: String, usage: Usage },
 }
@@ -229,6 +242,21 @@ pub struct EngineInfo {
     pub eos_ids: Vec<u32>,
 }
 
+/// What an embedding model produces (for `/v1/embeddings`, `kylin embed` and `/v1/models`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EmbeddingInfo {
+    /// Width of an embedding.
+    pub dimension: usize,
+    /// `cls`, `mean`, `max`, `mean_sqrt_len` or `last_token`.
+    pub pooling: String,
+    /// Embeddings have unit length (the directory's `Normalize` module).
+    pub normalized: bool,
+    /// Longest input, in tokens.
+    pub max_tokens: usize,
+    /// Named prompts prefixed to a text (`config_sentence_transformers.json`), e.g. `query`.
+    pub prompts: std::collections::BTreeMap<String, String>,
+}
+
 /// A request-level engine: the batching engine or one backend run one sequence at a time.
 ///
 /// Text methods run on the thread that owns the engine. Engines need not be `Send` (llama.cpp's
@@ -292,6 +320,33 @@ pub trait Serving {
             }
         }
         self.apply_chat_template(&plain, add_generation_prompt, kwargs)
+    }
+
+    /// What [`Serving::embed`] produces, when the model makes embeddings.
+    fn embedding_info(&self) -> Option<EmbeddingInfo> {
+        None
+    }
+
+    /// One embedding per input (token ids), pooled and normalised as the model's files say;
+    /// `INPUT_INVALID` when the model makes none, `CONTEXT_OVERFLOW` for a too-long input.
+    /// Runs on the engine's thread between steps: the inputs form one batch.
+    fn embed(&mut self, _inputs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
+        Err(kylin_loader::KylinError::input_invalid(
+            "this model does not make embeddings; serve an embedding model (a sentence-transformers directory)",
+        ))
+    }
+
+    /// Whether [`Serving::rerank`] works (a cross-encoder).
+    fn can_rerank(&self) -> bool {
+        false
+    }
+
+    /// One relevance score per document for `query`, as the model's own scoring gives it (a
+    /// cross-encoder's sigmoid of its logit), and the tokens the pairs took. Runs as one batch.
+    fn rerank(&mut self, _query: &str, _documents: &[String]) -> Result<(Vec<f32>, usize)> {
+        Err(kylin_loader::KylinError::input_invalid(
+            "this model does not rerank; serve a reranker (a cross-encoder such as bge-reranker)",
+        ))
     }
 
     /// The tool-call syntax of the model's chat template (`None`: the template renders no

@@ -98,8 +98,13 @@ impl TextCodec {
             Some(source) => Some(build_environment(source, &origin)?),
             None => None,
         };
+        // `tokenizer(text)` in transformers neither pads nor truncates unless asked to, whatever
+        // `tokenizer.json` stores (all-MiniLM-L6-v2's pads every text to 128 tokens).
+        let mut tokenizer = bundle.tokenizer.clone();
+        tokenizer.with_padding(None);
+        let _ = tokenizer.with_truncation(None);
         Ok(TextCodec {
-            tokenizer: bundle.tokenizer.clone(),
+            tokenizer,
             bos: bundle.bos_token.as_ref().map(|t| (t.content.clone(), t.id)),
             eos: bundle.eos_token.as_ref().map(|t| (t.content.clone(), t.id)),
             pad: bundle.pad_token.as_ref().map(|t| t.content.clone()),
@@ -171,6 +176,17 @@ impl TextCodec {
             }
         }
         Ok(ids)
+    }
+
+    /// A pair of texts to ids and token types, as HF `tokenizer(first, second)` (the
+    /// post-processor's pair template: `[CLS] a [SEP] b [SEP]` with types 0 then 1 for BERT,
+    /// `<s> a </s></s> b </s>` for RoBERTa): a cross-encoder's input.
+    pub fn tokenize_pair(&self, first: &str, second: &str) -> Result<(Vec<u32>, Vec<u32>)> {
+        let encoding = self
+            .tokenizer
+            .encode((first, second), true)
+            .map_err(|e| KylinError::input_invalid(format!("the tokenizer could not encode the pair: {e}")))?;
+        Ok((encoding.get_ids().to_vec(), encoding.get_type_ids().to_vec()))
     }
 
     /// Ids to text, as HF `tokenizer.decode(ids, skip_special_tokens=skip_special)`.

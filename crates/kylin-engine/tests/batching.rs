@@ -80,6 +80,7 @@ fn collect(events: &[Event], out: &mut BTreeMap<(u64, usize), Output>) {
                     o.logprobs.push(lp.clone());
                 }
             }
+            EventKind::PromptLogprobs { .. } => panic!("prompt log-probabilities nobody asked for"),
             EventKind::Finished { reason, usage, .. } => {
                 assert!(o.reason.is_none(), "finished twice");
                 o.reason = Some(*reason);

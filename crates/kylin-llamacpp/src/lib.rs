@@ -24,6 +24,7 @@
 //! SmolLM2 insert when the conversation has none.
 
 pub mod concurrent;
+pub mod embed;
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;

@@ -12,6 +12,7 @@
 
 pub mod arch;
 pub mod config;
+pub mod encoder;
 pub mod error;
 pub mod family;
 pub mod generation;

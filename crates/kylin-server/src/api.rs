@@ -121,6 +121,12 @@ enum Stop {
 
 impl Common {
     fn take(f: &mut Fields) -> Result<Self, ApiError> {
+        Common::take_with(f, false)
+    }
+
+    /// The common fields; `max_tokens: 0` is accepted when `zero_max_tokens` (completions that
+    /// echo the prompt, scoring it without generating).
+    fn take_with(f: &mut Fields, zero_max_tokens: bool) -> Result<Self, ApiError> {
         let mut c = Common {
             model: f.take("model", "a string")?,
             max_tokens: f.take("max_tokens", "a positive integer")?,
@@ -177,8 +183,11 @@ impl Common {
         if c.n == 0 || c.n > MAX_N {
             return Err(ApiError::invalid("n", format!("`n` must be between 1 and {MAX_N}; got {}", c.n)));
         }
-        if c.max_tokens == Some(0) {
-            return Err(ApiError::invalid("max_tokens", "`max_tokens` must be at least 1"));
+        if c.max_tokens == Some(0) && !zero_max_tokens {
+            return Err(ApiError::invalid(
+                "max_tokens",
+                "`max_tokens` must be at least 1 (0 only on completions with `echo: true`, to score the prompt)",
+            ));
         }
         c.logit_bias = logit_bias(f)?;
         c.guided = guided(f)?;
@@ -664,12 +673,16 @@ pub struct CompletionRequest {
     pub prompts: Vec<PromptInput>,
     /// `logprobs`: how many alternatives per token (0 means only the chosen token's).
     pub logprobs: Option<usize>,
+    /// `echo`: the text starts with the prompt, and with `logprobs` the log-probabilities
+    /// cover the prompt's tokens too (the first one's is null).
+    pub echo: bool,
 }
 
 impl CompletionRequest {
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
         let mut f = Fields::parse(body)?;
-        let common = Common::take(&mut f)?;
+        let echo = f.take::<bool>("echo", "a boolean")?.unwrap_or(false);
+        let common = Common::take_with(&mut f, echo)?;
         let prompts = match f.take::<RawPrompt>("prompt", "a string, a list of strings, or token ids")? {
             None => return Err(ApiError::invalid("prompt", "`prompt` is required")),
             Some(RawPrompt::Text(t)) => vec![PromptInput::Text(t)],
@@ -687,7 +700,6 @@ impl CompletionRequest {
         if logprobs.is_some_and(|k| k > MAX_LOGPROBS) {
             return Err(ApiError::invalid("logprobs", format!("`logprobs` must be at most {MAX_LOGPROBS}")));
         }
-        f.refuse_unless("echo", |v| v.as_bool() == Some(false), "echoing the prompt is not implemented")?;
         f.refuse_unless("suffix", |v| v.as_str() == Some(""), "insertion (suffix) is not implemented")?;
         let format = response_format(f.take("response_format", "an object")?, "response_format")?;
         let mut common = common;
@@ -701,7 +713,7 @@ impl CompletionRequest {
             common.guided = Some((spec, "response_format"));
         }
         f.finish()?;
-        Ok(CompletionRequest { common, prompts, logprobs })
+        Ok(CompletionRequest { common, prompts, logprobs, echo })
     }
 }
 

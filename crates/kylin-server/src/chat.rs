@@ -294,6 +294,8 @@ pub(crate) async fn start(
         ignore_eos: false,
         n: 1,
         logprobs: None,
+        prompt_logprobs: None,
+        echo: false,
         logit_bias: Vec::new(),
         grammar: prepared.grammar,
         skip_special_tokens: prepared.skip_special_tokens,
@@ -352,6 +354,7 @@ impl Generation {
                     self.pending_end = Some(ending);
                     return Some(Progress::Events(events));
                 }
+                Some(crate::engine::Out::PromptLogprobs { .. }) => {}
                 Some(crate::engine::Out::Failed { message }) => {
                     self.done = true;
                     return Some(Progress::Failed(message));

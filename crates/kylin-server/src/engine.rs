@@ -25,8 +25,11 @@ use std::time::{Duration, Instant};
 
 use kylin_engine::grammar::{Grammar, GrammarCompiler};
 use kylin_engine::sampler::SamplingParams;
+use kylin_engine::serving::TokenLogprob;
 use kylin_engine::tools::ToolSyntax;
-use kylin_engine::{CancelHandle, EngineInfo, EngineStats, Event, EventKind, Request, Serving, StopReason, Usage};
+use kylin_engine::{
+    CancelHandle, EmbeddingInfo, EngineInfo, EngineStats, Event, EventKind, Request, Serving, StopReason, Usage,
+};
 use kylin_loader::{GenerationDefaults, KylinError};
 use tokio::sync::{mpsc as tmpsc, oneshot, watch};
 
@@ -73,6 +76,12 @@ pub struct Submission {
     pub n: usize,
     /// `Some(k)`: log-probabilities with the `k` best alternatives.
     pub logprobs: Option<usize>,
+    /// `Some(k)`: the prompt's log-probabilities too ([`Out::PromptLogprobs`]), and
+    /// `max_tokens` may be 0.
+    pub prompt_logprobs: Option<usize>,
+    /// Return the prompt's text in [`Accepted::echo`] (the text as given, or the ids
+    /// detokenized).
+    pub echo: bool,
     /// Added to the logits of these ids before sampling.
     pub logit_bias: Vec<(u32, f32)>,
     /// The compiled grammar every choice follows.
@@ -102,6 +111,9 @@ pub enum Out {
     /// New text of choice `index` (possibly empty: held back until a character or a possible
     /// stop string is complete).
     Token { index: usize, text: String, logprob: Option<LogprobInfo> },
+    /// Log-probabilities of prompt tokens `start..` of choice `index` (every choice of a
+    /// prompt gets the same), before any token of it.
+    PromptLogprobs { index: usize, start: usize, logprobs: Vec<LogprobInfo> },
     /// Choice `index` ended; `text` is the last of its text.
     Finished { index: usize, reason: StopReason, text: String, usage: Usage },
     /// The engine failed while running this request.
@@ -109,9 +121,19 @@ pub enum Out {
 }
 
 /// The prompt as the engine will run it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Accepted {
     pub prompt_tokens: usize,
+    /// With [`Submission::echo`]: the prompt's text, and the text of its first token (whose
+    /// log-probability is not defined).
+    pub echo: Option<Echo>,
+}
+
+/// The prompt as an echoing completion shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Echo {
+    pub text: String,
+    pub first_token: String,
 }
 
 /// Text services the handlers ask of the engine.
@@ -147,8 +169,14 @@ impl std::fmt::Debug for TextReply {
     }
 }
 
+/// Embeddings of prompts (texts tokenized with the tokenizer's specials, or ids), with the
+/// tokens each took.
+pub type EmbedReply = Result<(Vec<Vec<f32>>, usize), KylinError>;
+
 enum Command {
     Submit(Box<Submission>, oneshot::Sender<Result<Accepted, KylinError>>),
+    Embed(Vec<Prompt>, oneshot::Sender<EmbedReply>),
+    Rerank(String, Vec<String>, oneshot::Sender<Result<(Vec<f32>, usize), KylinError>>),
     Text(TextJob, oneshot::Sender<Result<TextReply, KylinError>>),
     CancelAll,
     Stop,
@@ -161,6 +189,10 @@ pub struct Published {
     pub defaults: GenerationDefaults,
     /// The tool-call syntax of the model's chat template (`None`: it renders no tools).
     pub tool_syntax: Option<ToolSyntax>,
+    /// What the model's embeddings are, when it makes them.
+    pub embedding: Option<EmbeddingInfo>,
+    /// Whether the model reranks (`/v1/rerank`).
+    pub rerank: bool,
 }
 
 /// The handlers' side of the engine thread. Cheap to clone; `Send` and `Sync`.
@@ -255,6 +287,20 @@ impl EngineHandle {
         answer.await.map_err(|_| stopped())?
     }
 
+    /// Embeds prompts on the engine thread, as one batch between its steps.
+    pub async fn embed(&self, prompts: Vec<Prompt>) -> EmbedReply {
+        let (reply, answer) = oneshot::channel();
+        self.send(Command::Embed(prompts, reply))?;
+        answer.await.map_err(|_| stopped())?
+    }
+
+    /// Scores documents against a query on the engine thread, as one batch.
+    pub async fn rerank(&self, query: String, documents: Vec<String>) -> Result<(Vec<f32>, usize), KylinError> {
+        let (reply, answer) = oneshot::channel();
+        self.send(Command::Rerank(query, documents, reply))?;
+        answer.await.map_err(|_| stopped())?
+    }
+
     /// Runs a text job on the engine thread.
     pub async fn text(&self, job: TextJob) -> Result<TextReply, KylinError> {
         let (reply, answer) = oneshot::channel();
@@ -310,6 +356,8 @@ fn engine_thread(factory: EngineFactory, commands: Receiver<Command>, handle: En
             while let Ok(command) = commands.recv() {
                 match command {
                     Command::Submit(_, reply) => drop(reply.send(Err(stopped()))),
+                    Command::Embed(_, reply) => drop(reply.send(Err(stopped()))),
+                    Command::Rerank(_, _, reply) => drop(reply.send(Err(stopped()))),
                     Command::Text(_, reply) => drop(reply.send(Err(stopped()))),
                     Command::CancelAll => {}
                     Command::Stop => return,
@@ -318,8 +366,13 @@ fn engine_thread(factory: EngineFactory, commands: Receiver<Command>, handle: En
             return;
         }
     };
-    let published =
-        Published { info: engine.info(), defaults: engine.generation_defaults(), tool_syntax: engine.tool_syntax() };
+    let published = Published {
+        info: engine.info(),
+        defaults: engine.generation_defaults(),
+        tool_syntax: engine.tool_syntax(),
+        embedding: engine.embedding_info(),
+        rerank: engine.can_rerank(),
+    };
     let _ = handle.published.set(published);
     let mut state = EngineLoop { engine, handle, metrics, live: HashMap::new(), events: Vec::new() };
     state.publish_stats();
@@ -355,6 +408,12 @@ fn engine_thread(factory: EngineFactory, commands: Receiver<Command>, handle: En
                 }
                 Command::Text(job, reply) => {
                     let _ = reply.send(state.text(job));
+                }
+                Command::Embed(prompts, reply) => {
+                    let _ = reply.send(state.embed(prompts));
+                }
+                Command::Rerank(query, documents, reply) => {
+                    let _ = reply.send(state.engine.rerank(&query, &documents));
                 }
                 Command::CancelAll => state.live.values().for_each(|l| l.cancel.cancel()),
                 Command::Stop => stopping = true,
@@ -404,11 +463,28 @@ impl EngineLoop {
     }
 
     fn submit(&mut self, s: Submission) -> Result<Accepted, KylinError> {
+        let given_text = match (&s.prompt, s.echo) {
+            (Prompt::Text(t), true) => Some(t.clone()),
+            _ => None,
+        };
         let prompt_ids = self.prompt_ids(s.prompt, true)?;
+        let echo = match s.echo {
+            false => None,
+            true => {
+                let has_text = self.handle.published.get().is_some_and(|p| p.info.has_tokenizer);
+                let text = match given_text {
+                    Some(t) => t,
+                    None if has_text => self.engine.detokenize(&prompt_ids, false)?,
+                    None => String::new(),
+                };
+                let first_token = prompt_ids.first().map(|&id| token_text(&*self.engine, id)).unwrap_or_default();
+                Some(Echo { text, first_token })
+            }
+        };
         let context = self.handle.published.get().map_or(0, |p| p.info.context_size);
         let prompt_tokens = prompt_ids.len();
         let max_new_tokens = match s.max_tokens {
-            None => context.saturating_sub(prompt_tokens),
+            None => context.saturating_sub(prompt_tokens).max(1),
             Some(m) if prompt_tokens < context && prompt_tokens + m > context => {
                 return Err(KylinError::context_overflow(format!(
                     "this model's context holds {context} tokens, but the request asks for {} \
@@ -423,11 +499,12 @@ impl EngineLoop {
             id,
             prompt_ids,
             sampling: s.sampling,
-            max_new_tokens: max_new_tokens.max(1),
+            max_new_tokens,
             stop: s.stop,
             ignore_eos: s.ignore_eos,
             n: s.n,
             logprobs: s.logprobs,
+            prompt_logprobs: s.prompt_logprobs,
             detokenize: self.handle.published.get().is_some_and(|p| p.info.has_tokenizer),
             skip_special_tokens: s.skip_special_tokens,
             logit_bias: s.logit_bias,
@@ -447,7 +524,16 @@ impl EngineLoop {
                 open_choices: s.n,
             },
         );
-        Ok(Accepted { prompt_tokens })
+        Ok(Accepted { prompt_tokens, echo })
+    }
+
+    fn embed(&mut self, prompts: Vec<Prompt>) -> EmbedReply {
+        let mut inputs = Vec::with_capacity(prompts.len());
+        for prompt in prompts {
+            inputs.push(self.prompt_ids(prompt, true)?);
+        }
+        let tokens = inputs.iter().map(Vec::len).sum();
+        Ok((self.engine.embed(&inputs)?, tokens))
     }
 
     fn text(&self, job: TextJob) -> Result<TextReply, KylinError> {
@@ -504,14 +590,25 @@ impl EngineLoop {
                     }
                 }
                 let logprob = match (live.logprobs, logprob) {
-                    (true, Some(lp)) => Some(LogprobInfo {
-                        token: token_text(&*self.engine, *id),
-                        logprob: lp.logprob,
-                        top: lp.top.iter().map(|&(t, p)| (token_text(&*self.engine, t), p)).collect(),
-                    }),
+                    (true, Some(lp)) => Some(logprob_info(&*self.engine, &TokenLogprob { id: *id, ..lp.clone() })),
                     _ => None,
                 };
                 Out::Token { index, text: text.clone(), logprob }
+            }
+            EventKind::PromptLogprobs { start, logprobs } => {
+                let logprobs: Vec<LogprobInfo> = logprobs.iter().map(|lp| logprob_info(&*self.engine, lp)).collect();
+                // Every choice of the prompt shows the prompt's log-probabilities.
+                for choice in 0..live.last_token.len() {
+                    let out = Out::PromptLogprobs {
+                        index: live.index_offset + choice,
+                        start: *start,
+                        logprobs: logprobs.clone(),
+                    };
+                    if live.events.send(out).is_err() {
+                        live.cancel.cancel();
+                    }
+                }
+                return;
             }
             EventKind::Finished { reason, text, usage } => {
                 live.open_choices = live.open_choices.saturating_sub(1);
@@ -532,6 +629,15 @@ impl EngineLoop {
         if live.open_choices == 0 {
             self.live.remove(&event.request);
         }
+    }
+}
+
+/// A token's log-probability with the texts of it and its alternatives.
+fn logprob_info(engine: &dyn Serving, lp: &TokenLogprob) -> LogprobInfo {
+    LogprobInfo {
+        token: token_text(engine, lp.id),
+        logprob: lp.logprob,
+        top: lp.top.iter().map(|&(t, p)| (token_text(engine, t), p)).collect(),
     }
 }
 

@@ -21,6 +21,7 @@ pub mod engine;
 pub mod error;
 pub mod metrics;
 pub mod responses;
+pub mod retrieval;
 pub mod routes;
 
 use std::future::Future;
@@ -212,6 +213,10 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/responses", post(responses::responses))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/v1/embeddings", post(retrieval::embeddings))
+        .route("/v1/rerank", post(retrieval::rerank))
+        .route("/v1/reranking", post(retrieval::rerank))
+        .route("/rerank", post(retrieval::rerank))
         .route("/tokenize", post(routes::tokenize))
         .route("/detokenize", post(routes::detokenize))
         .fallback(routes::not_found)

@@ -27,7 +27,7 @@ use kylin_engine::tools::{ParsedResponse, ToolEvent, ToolSyntax};
 
 use crate::api::{ChatRequest, Common, CompletionRequest, DetokenizeRequest, PromptInput, TokenizeRequest};
 use crate::chat::{self, ChatPlan, ChoiceOutput};
-use crate::engine::{LogprobInfo, Out, Prompt, Published, Status, Submission, TextJob, TextReply};
+use crate::engine::{Echo, LogprobInfo, Out, Prompt, Published, Status, Submission, TextJob, TextReply};
 use crate::error::ApiError;
 use crate::{Admission, AppState};
 
@@ -149,6 +149,8 @@ pub async fn chat(State(state): State<AppState>, request: Request) -> Result<Res
         kind: Kind::Chat,
         common,
         logprobs: req.logprobs,
+        prompt_logprobs: None,
+        echo: false,
         prompts: vec![prepared.prompt],
         sampling,
         grammar: prepared.grammar,
@@ -195,10 +197,19 @@ pub async fn completions(State(state): State<AppState>, request: Request) -> Res
             PromptInput::Ids(ids) => Prompt::Ids(ids),
         })
         .collect();
+    // Echoing with log-probabilities scores the prompt; so does an echo that generates
+    // nothing (`max_tokens: 0`), whose engine request is the prompt's scoring.
+    let prompt_logprobs = match (req.echo, req.logprobs, common.max_tokens) {
+        (true, Some(k), _) => Some(k),
+        (true, None, Some(0)) => Some(0),
+        _ => None,
+    };
     let job = Job {
         kind: Kind::Completion,
         common,
         logprobs: req.logprobs,
+        prompt_logprobs,
+        echo: req.echo,
         prompts,
         sampling,
         grammar,
@@ -235,6 +246,10 @@ struct Job {
     kind: Kind,
     common: Common,
     logprobs: Option<usize>,
+    /// Score the prompt (echo with log-probabilities).
+    prompt_logprobs: Option<usize>,
+    /// Completions' `echo`: each choice's text starts with its prompt.
+    echo: bool,
     prompts: Vec<Prompt>,
     sampling: kylin_engine::sampler::SamplingParams,
     grammar: Option<Grammar>,
@@ -270,6 +285,7 @@ async fn run(
     let n = job.common.n;
     let mut running = Running { cancels: Vec::new(), done: false, _admission: admission };
     let mut prompt_tokens = 0;
+    let mut echoes = Vec::new();
     for (i, prompt) in job.prompts.into_iter().enumerate() {
         let cancel = CancelHandle::new();
         running.cancels.push(cancel.clone());
@@ -281,6 +297,8 @@ async fn run(
             ignore_eos: job.common.ignore_eos,
             n,
             logprobs: job.logprobs,
+            prompt_logprobs: job.prompt_logprobs,
+            echo: job.echo,
             logit_bias: job.common.logit_bias.clone(),
             grammar: job.grammar.clone(),
             skip_special_tokens: job.skip_special_tokens && job.common.skip_special_tokens,
@@ -295,6 +313,7 @@ async fn run(
             ApiError::from_engine(&e, param)
         })?;
         prompt_tokens += accepted.prompt_tokens;
+        echoes.extend(std::iter::repeat_n(accepted.echo, n));
     }
     drop(tx);
     let choices = running.cancels.len() * n;
@@ -304,7 +323,8 @@ async fn run(
         model: state.config().served_model_name.clone(),
         kind: job.kind,
     };
-    let collector = Collector::new(choices, n, prompt_tokens, job.syntax);
+    let mut collector = Collector::new(choices, n, prompt_tokens, job.syntax);
+    collector.echo = echoes;
     if job.common.stream {
         let stream = StreamState {
             rx,
@@ -352,6 +372,12 @@ struct Collector {
     outputs: Vec<ChoiceOutput>,
     reasons: Vec<Option<StopReason>>,
     logprobs: Vec<Vec<LogprobInfo>>,
+    /// Per choice, with `echo`: the prompt's text and first token (None without echo).
+    echo: Vec<Option<Echo>>,
+    /// The prompt's log-probabilities (positions 1..) of each choice, when it echoes them.
+    prompt_logprobs: Vec<Vec<LogprobInfo>>,
+    /// Streaming: whether the choice's echo chunk went out.
+    echoed: Vec<bool>,
     /// Choices per prompt (`n`).
     n: usize,
     prompt_tokens: usize,
@@ -367,6 +393,9 @@ impl Collector {
             outputs: (0..choices).map(|_| ChoiceOutput::new(syntax)).collect(),
             reasons: vec![None; choices],
             logprobs: vec![Vec::new(); choices],
+            echo: vec![None; choices],
+            prompt_logprobs: vec![Vec::new(); choices],
+            echoed: vec![false; choices],
             n: n.max(1),
             prompt_tokens,
             cached_tokens: 0,
@@ -411,7 +440,36 @@ impl Collector {
                 }
                 events
             }
+            Out::PromptLogprobs { index, logprobs, .. } => {
+                if let Some(list) = self.prompt_logprobs.get_mut(*index) {
+                    list.extend(logprobs.iter().cloned());
+                }
+                Vec::new()
+            }
             Out::Failed { .. } => Vec::new(),
+        }
+    }
+
+    /// The echoed prompt's text of choice `i` ("" without echo).
+    fn echo_text(&self, i: usize) -> &str {
+        self.echo.get(i).and_then(Option::as_ref).map_or("", |e| e.text.as_str())
+    }
+
+    /// The completions API's log-probabilities of choice `i`: with echo, the prompt's tokens
+    /// (the first with null log-probabilities) then the generated ones. Offsets count
+    /// characters of the token texts from 0 over the prompt's tokens, and from the echoed
+    /// text's length over the generated ones.
+    fn completion_logprobs(&self, i: usize) -> Value {
+        let generated = self.logprobs.get(i).map_or(&[][..], Vec::as_slice);
+        match self.echo.get(i).and_then(Option::as_ref) {
+            None => completion_logprobs(generated, 0),
+            Some(echo) => {
+                let prompt = self.prompt_logprobs.get(i).map_or(&[][..], Vec::as_slice);
+                let mut whole = echo_logprobs(&echo.first_token, prompt);
+                let rest = completion_logprobs(generated, echo.text.chars().count());
+                append_logprobs(&mut whole, rest);
+                whole
+            }
         }
     }
 
@@ -464,7 +522,8 @@ fn chat_logprob(lp: &LogprobInfo) -> Value {
 }
 
 /// The completions API's log-probabilities of a run of tokens; offsets count characters from
-/// `offset`.
+/// `offset`. As in OpenAI's legacy API, each position's `top_logprobs` holds the `k` best
+/// tokens and the chosen one (so up to `k + 1` entries).
 fn completion_logprobs(list: &[LogprobInfo], mut offset: usize) -> Value {
     let mut text_offset = Vec::with_capacity(list.len());
     for lp in list {
@@ -474,11 +533,43 @@ fn completion_logprobs(list: &[LogprobInfo], mut offset: usize) -> Value {
     json!({
         "tokens": list.iter().map(|lp| lp.token.as_str()).collect::<Vec<_>>(),
         "token_logprobs": list.iter().map(|lp| finite(lp.logprob)).collect::<Vec<_>>(),
-        "top_logprobs": list.iter().map(|lp| {
-            lp.top.iter().map(|(t, p)| (t.clone(), json!(finite(*p)))).collect::<serde_json::Map<_, _>>()
-        }).collect::<Vec<_>>(),
+        "top_logprobs": list.iter().map(completion_top).collect::<Vec<_>>(),
         "text_offset": text_offset,
     })
+}
+
+/// One position's `top_logprobs`: the best alternatives, then the chosen token if it is not
+/// among them.
+fn completion_top(lp: &LogprobInfo) -> Value {
+    let mut top: serde_json::Map<String, Value> = lp.top.iter().map(|(t, p)| (t.clone(), json!(finite(*p)))).collect();
+    if !top.contains_key(&lp.token) {
+        top.insert(lp.token.clone(), json!(finite(lp.logprob)));
+    }
+    Value::Object(top)
+}
+
+/// The echoed prompt's log-probabilities: its first token (no log-probability: nothing
+/// precedes it) then `rest`, positions 1 onward.
+fn echo_logprobs(first_token: &str, rest: &[LogprobInfo]) -> Value {
+    let mut whole = json!({
+        "tokens": [first_token],
+        "token_logprobs": [null],
+        "top_logprobs": [null],
+        "text_offset": [0],
+    });
+    append_logprobs(&mut whole, completion_logprobs(rest, first_token.chars().count()));
+    whole
+}
+
+/// Appends the lists of `rest` to those of `whole` (both in the completions shape).
+fn append_logprobs(whole: &mut Value, rest: Value) {
+    for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+        if let (Some(Value::Array(into)), Value::Array(from)) =
+            (whole.get_mut(key), rest.get(key).cloned().unwrap_or_default())
+        {
+            into.extend(from);
+        }
+    }
 }
 
 /// A chat choice's message: its text (`null` when it only called tools) and its tool calls.
@@ -519,8 +610,8 @@ fn whole_response(header: &Header, c: &Collector, logprobs: bool) -> Value {
             }),
             Kind::Completion => json!({
                 "index": i,
-                "text": c.texts[i],
-                "logprobs": if logprobs { completion_logprobs(&c.logprobs[i], 0) } else { Value::Null },
+                "text": format!("{}{}", c.echo_text(i), c.texts[i]),
+                "logprobs": if logprobs { c.completion_logprobs(i) } else { Value::Null },
                 "finish_reason": c.finish_reason(i),
             }),
         })
@@ -585,15 +676,31 @@ impl StreamState {
                 Some(out) => {
                     let offset = match &out {
                         Out::Token { index, .. } | Out::Finished { index, .. } => {
-                            self.collector.texts.get(*index).map_or(0, |t| t.chars().count())
+                            self.echo_chunk(*index);
+                            self.collector.echo_text(*index).chars().count()
+                                + self.collector.texts.get(*index).map_or(0, |t| t.chars().count())
                         }
-                        Out::Failed { .. } => 0,
+                        Out::PromptLogprobs { .. } | Out::Failed { .. } => 0,
                     };
                     let events = self.collector.absorb(&out);
                     self.emit(&out, offset, events);
                 }
             }
         }
+    }
+
+    /// An echoing choice's first chunk, before its first generated text: the prompt's text and,
+    /// with log-probabilities, the prompt's.
+    fn echo_chunk(&mut self, index: usize) {
+        let Some(Some(echo)) = self.collector.echo.get(index) else { return };
+        if self.collector.echoed.get(index).copied().unwrap_or(true) {
+            return;
+        }
+        let prompt = self.collector.prompt_logprobs.get(index).map_or(&[][..], Vec::as_slice);
+        let lp = if self.logprobs { echo_logprobs(&echo.first_token, prompt) } else { Value::Null };
+        let text = echo.text.clone();
+        self.collector.echoed[index] = true;
+        self.push_choice(json!({"index": index, "text": text, "logprobs": lp, "finish_reason": null}));
     }
 
     fn fail(&mut self, message: &str) {
@@ -665,7 +772,7 @@ impl StreamState {
                     self.push_choice(json!({"index": index, "text": text, "logprobs": null, "finish_reason": reason}));
                 }
             }
-            Out::Failed { .. } => {}
+            Out::PromptLogprobs { .. } | Out::Failed { .. } => {}
         }
     }
 

@@ -14,7 +14,9 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use kylin_engine::detok::Detokenize;
 use kylin_engine::sequence::Decoding;
-use kylin_engine::{ChatMessage, EngineInfo, EngineStats, Event, Request as EngineRequest, Serving, StopReason};
+use kylin_engine::{
+    ChatMessage, EngineInfo, EngineStats, Event, EventKind, Request as EngineRequest, Serving, StopReason,
+};
 use kylin_loader::{GenerationDefaults, KylinError, Result as KResult};
 use kylin_server::{AppState, EngineFactory, ServerConfig, app};
 use serde_json::{Value, json};
@@ -101,8 +103,22 @@ impl Serving for Scripted {
             && let Some(r) = self.waiting.pop_front()
         {
             self.stats.prompt_tokens_total += r.prompt_ids.len() as u64;
+            if let Some(k) = r.prompt_logprobs {
+                // The "model" at prompt position p is sure of byte p + 1 of the script.
+                let logprobs = r.prompt_ids[1..]
+                    .iter()
+                    .enumerate()
+                    .map(|(p, &next)| kylin_engine::sequence::token_logprob(&Scripted::logits(p + 1), next, k))
+                    .collect();
+                events.push(Event { request: r.id, index: 0, kind: EventKind::PromptLogprobs { start: 1, logprobs } });
+            }
             for index in 0..r.n {
-                let decoding = Decoding::new(&r, index, VOCAB, &[EOS]);
+                let mut decoding = Decoding::new(&r, index, VOCAB, &[EOS]);
+                if decoding.generates_nothing() {
+                    let kind = decoding.finish(StopReason::Length, Some(&Bytes))?;
+                    events.push(Event { request: r.id, index, kind });
+                    continue;
+                }
                 let slow = r.prompt_ids == b"slow".map(u32::from);
                 self.running.push(Choice { request: r.id, index, decoding, cancel: r.cancel.clone(), slow });
             }
@@ -304,6 +320,132 @@ async fn logprobs_in_both_apis() {
     assert_eq!(lp["tokens"], json!(["H", "e"]));
     assert_eq!(lp["text_offset"], json!([0, 1]));
     assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn echo_scores_the_prompt_then_generates() {
+    let state = start(config()).await;
+    // The scripted model is sure of "ello" after "H": each prompt token after the first has a
+    // log-probability near 0, the first none.
+    let body = json!({"prompt": "Hello", "echo": true, "logprobs": 2, "max_tokens": 0});
+    let (status, v) = send_json(&state, post("/v1/completions", body)).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let choice = &v["choices"][0];
+    assert_eq!(choice["text"], "Hello");
+    assert_eq!(choice["finish_reason"], "length");
+    let lp = &choice["logprobs"];
+    assert_eq!(lp["tokens"], json!(["H", "e", "l", "l", "o"]));
+    assert_eq!(lp["text_offset"], json!([0, 1, 2, 3, 4]));
+    assert_eq!(lp["token_logprobs"][0], Value::Null);
+    assert_eq!(lp["top_logprobs"][0], Value::Null);
+    for i in 1..5 {
+        let logprob = lp["token_logprobs"][i].as_f64().unwrap();
+        assert!(logprob < 0.0 && logprob > -0.05, "{lp}");
+        assert_eq!(lp["top_logprobs"][i].as_object().unwrap().len(), 2, "{lp}");
+    }
+    assert_eq!(v["usage"]["completion_tokens"], 0);
+    assert_eq!(v["usage"]["prompt_tokens"], 5);
+
+    // With generated tokens: the prompt's entries, then the generated ones, offsets going on
+    // from the prompt's text; `n` copies the prompt's scores into every choice.
+    let body = json!({"prompt": "Hxy", "echo": true, "logprobs": 0, "max_tokens": 2, "n": 2});
+    let (_, v) = send_json(&state, post("/v1/completions", body)).await;
+    for choice in v["choices"].as_array().unwrap() {
+        assert_eq!(choice["text"], "HxyHe");
+        let lp = &choice["logprobs"];
+        assert_eq!(lp["tokens"], json!(["H", "x", "y", "H", "e"]));
+        assert_eq!(lp["text_offset"], json!([0, 1, 2, 3, 4]));
+        // "x" and "y" are not what the model expects: low log-probabilities, and the chosen
+        // token is added to `top_logprobs` beside the best one (logprobs 0: the chosen only).
+        assert!(lp["token_logprobs"][1].as_f64().unwrap() < -5.0);
+        assert_eq!(lp["top_logprobs"][1].as_object().unwrap().len(), 1);
+        assert!(lp["top_logprobs"][1].get("x").is_some(), "{lp}");
+    }
+
+    // Echo without log-probabilities: the text only.
+    let (_, v) =
+        send_json(&state, post("/v1/completions", json!({"prompt": "ab", "echo": true, "max_tokens": 1}))).await;
+    assert_eq!(v["choices"][0]["text"], "abH");
+    assert_eq!(v["choices"][0]["logprobs"], Value::Null);
+    // Token ids are echoed as their text.
+    let (_, v) =
+        send_json(&state, post("/v1/completions", json!({"prompt": [72, 105], "echo": true, "max_tokens": 0}))).await;
+    assert_eq!(v["choices"][0]["text"], "Hi");
+}
+
+#[tokio::test]
+async fn echo_streams_the_prompt_first() {
+    let state = start(config()).await;
+    let body = json!({"prompt": "He", "echo": true, "logprobs": 1, "max_tokens": 2, "stream": true});
+    let (status, _, body) = send(&state, post("/v1/completions", body)).await;
+    assert_eq!(status, StatusCode::OK);
+    let data = sse_data(&body);
+    assert_eq!(data.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    let first = &chunks[0]["choices"][0];
+    assert_eq!(first["text"], "He");
+    assert_eq!(first["logprobs"]["tokens"], json!(["H", "e"]));
+    assert_eq!(first["logprobs"]["token_logprobs"][0], Value::Null);
+    let text: String = chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();
+    assert_eq!(text, "HeHe");
+    let offsets: Vec<Value> = chunks[1..]
+        .iter()
+        .filter(|c| !c["choices"][0]["logprobs"].is_null())
+        .map(|c| c["choices"][0]["logprobs"]["text_offset"][0].clone())
+        .collect();
+    assert_eq!(offsets, vec![json!(2), json!(3)]);
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "length");
+
+    let body = json!({"prompt": "He", "echo": true, "logprobs": 1, "max_tokens": 0, "stream": true});
+    let (_, _, body) = send(&state, post("/v1/completions", body)).await;
+    let data = sse_data(&body);
+    let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    assert_eq!(chunks.len(), 2, "{chunks:?}");
+    assert_eq!(chunks[0]["choices"][0]["text"], "He");
+    assert_eq!(chunks[1]["choices"][0]["finish_reason"], "length");
+}
+
+#[tokio::test]
+async fn max_tokens_zero_needs_echo() {
+    let state = start(config()).await;
+    for (path, body) in [
+        ("/v1/completions", json!({"prompt": "x", "max_tokens": 0})),
+        ("/v1/chat/completions", json!({"messages": user("hi"), "max_tokens": 0})),
+    ] {
+        let (status, v) = send_json(&state, post(path, body)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+        assert_eq!(v["error"]["param"], "max_tokens");
+    }
+    let (status, v) = send_json(&state, post("/v1/completions", json!({"prompt": "x", "echo": "yes"}))).await;
+    assert_eq!((status, v["error"]["param"].clone()), (StatusCode::BAD_REQUEST, json!("echo")));
+}
+
+#[tokio::test]
+async fn retrieval_routes_on_a_generating_model_are_400_naming_the_model() {
+    let state = start(config()).await;
+    let (status, v) = send_json(&state, post("/v1/embeddings", json!({"input": "hi"}))).await;
+    assert_eq!((status, v["error"]["param"].clone()), (StatusCode::BAD_REQUEST, json!("model")), "{v}");
+    assert_eq!(v["error"]["code"], "model_not_supported");
+    for path in ["/v1/rerank", "/rerank", "/v1/reranking"] {
+        let (status, v) = send_json(&state, post(path, json!({"query": "q", "documents": ["a"]}))).await;
+        assert_eq!((status, v["error"]["param"].clone()), (StatusCode::BAD_REQUEST, json!("model")), "{path}: {v}");
+    }
+    // Field errors come first and name their field.
+    let cases = [
+        ("/v1/embeddings", json!({}), "input"),
+        ("/v1/embeddings", json!({"input": "x", "encoding_format": "hex"}), "encoding_format"),
+        ("/v1/embeddings", json!({"input": "x", "dimensions": "many"}), "dimensions"),
+        ("/v1/embeddings", json!({"input": {"a": 1}}), "input"),
+        ("/v1/embeddings", json!({"input": "x", "frobnicate": 1}), "frobnicate"),
+        ("/v1/rerank", json!({"documents": ["a"]}), "query"),
+        ("/v1/rerank", json!({"query": "q"}), "documents"),
+        ("/v1/rerank", json!({"query": "q", "documents": ["a"], "top_n": -1}), "top_n"),
+    ];
+    for (path, body, param) in cases {
+        let (status, v) = send_json(&state, post(path, body.clone())).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body} -> {v}");
+        assert_eq!(v["error"]["param"], param, "{body} -> {v}");
+    }
 }
 
 #[tokio::test]

@@ -376,6 +376,9 @@ pub struct Segment {
     /// Row of the logits buffer that receives the segment's last token's logits, if wanted.
     /// Rows are numbered `0..` in segment order.
     pub logits_row: Option<usize>,
+    /// Every token's logits are wanted (prompt log-probabilities): rows
+    /// `logits_row + 1 - n ..= logits_row` hold them, in token order.
+    pub all_logits: bool,
 }
 
 /// What one forward pass computes: the tokens of every segment, back to back.
@@ -419,6 +422,31 @@ impl BatchPlan {
             self.logit_rows += 1;
             self.logit_rows - 1
         });
+        self.push_segment(ids, start, blocks, sliding, logits_row, false);
+        logits_row
+    }
+
+    /// Adds a segment as [`BatchPlan::push`] does, asking for the logits of every one of its
+    /// tokens (a request's prompt log-probabilities); returns the row of its first token, the
+    /// others following in order. The scratch must have room for that many rows
+    /// ([`Model::plan_scratch_with_rows`]).
+    pub fn push_all_logits(&mut self, ids: &[u32], start: usize, blocks: &[u32], sliding: &[u32]) -> usize {
+        let first = self.logit_rows;
+        self.logit_rows += ids.len();
+        let last = (!ids.is_empty()).then(|| self.logit_rows - 1);
+        self.push_segment(ids, start, blocks, sliding, last, true);
+        first
+    }
+
+    fn push_segment(
+        &mut self,
+        ids: &[u32],
+        start: usize,
+        blocks: &[u32],
+        sliding: &[u32],
+        logits_row: Option<usize>,
+        all_logits: bool,
+    ) {
         self.segments.push(Segment {
             t0: self.ids.len(),
             n: ids.len(),
@@ -428,11 +456,11 @@ impl BatchPlan {
             sb0: self.sliding_block_ids.len(),
             snb: sliding.len(),
             logits_row,
+            all_logits,
         });
         self.ids.extend_from_slice(ids);
         self.block_ids.extend_from_slice(blocks);
         self.sliding_block_ids.extend_from_slice(sliding);
-        logits_row
     }
 
     pub fn tokens(&self) -> usize {
@@ -1094,6 +1122,19 @@ impl Model {
     /// `max_segments` segments (attention needs no buffer sized by the context: its state is
     /// per tile). `CONFIG_INVALID` if a size overflows.
     pub fn plan_scratch(&self, max_tokens: usize, max_segments: usize, context: usize) -> Result<Scratch> {
+        self.plan_scratch_with_rows(max_tokens, max_segments, context, 0)
+    }
+
+    /// [`Model::plan_scratch`] with room for `extra_logit_rows` logits rows beyond one per
+    /// segment: the rows of the segments that want every token's logits
+    /// ([`BatchPlan::push_all_logits`]).
+    pub fn plan_scratch_with_rows(
+        &self,
+        max_tokens: usize,
+        max_segments: usize,
+        context: usize,
+        extra_logit_rows: usize,
+    ) -> Result<Scratch> {
         if let Some(m) = self.pending().next() {
             return Err(KylinError::config_invalid(format!(
                 "internal: module '{}' of a published quantized checkpoint was not decoded (Model::prepare_published)",
@@ -1103,6 +1144,7 @@ impl Model {
         let d = &self.dims;
         let max_tokens = max_tokens.max(1);
         let max_segments = max_segments.clamp(1, max_tokens);
+        let max_logit_rows = max_segments.saturating_add(extra_logit_rows.min(max_tokens));
         let split_segments = SPLIT_SEGMENTS.min(max_segments);
         let split_parts = context.div_ceil(PARTITION).max(1);
         let split_rows = split_segments * d.n_heads * split_parts;
@@ -1118,6 +1160,7 @@ impl Model {
         Ok(Scratch {
             max_tokens,
             max_segments,
+            max_logit_rows,
             x: sized(max_tokens, d.hidden, "residual")?,
             xn: sized(max_tokens, d.hidden, "norm")?,
             q: sized(max_tokens, d.q_dim(), "query")?,
@@ -1133,8 +1176,8 @@ impl Model {
             split_outputs: sized(split_rows, d.head_dim, "split attention")?,
             split_stats: vec![PartialStats::EMPTY; split_rows],
             head_tmp: sized(1, d.q_dim().max(d.head_dim), "head")?,
-            logit_hidden: sized(max_segments, d.hidden, "hidden")?,
-            logits: sized(max_segments, d.vocab, "logits")?,
+            logit_hidden: sized(max_logit_rows, d.hidden, "hidden")?,
+            logits: sized(max_logit_rows, d.vocab, "logits")?,
             ple: sized(max_tokens, ple_all, "per-layer input")?,
             ple_row: sized(1, ple_all, "per-layer input")?,
             ple_gate: sized(max_tokens, ple_width, "per-layer gate")?,
@@ -1230,6 +1273,7 @@ impl Model {
         let h = d.hidden;
         let mm = Matmul { pool, bf16: self.bf16 };
         assert!(n <= s.max_tokens && plan.segments.len() <= s.max_segments, "batch larger than planned");
+        assert!(plan.logit_rows <= s.max_logit_rows, "more logits rows than planned");
 
         // 1. Embedding lookup: ids (n) -> x (n, hidden), times the embedding scale if any.
         let embed = self.embed.matrix();
@@ -1332,16 +1376,22 @@ impl Model {
                 if rows == 0 {
                     return;
                 }
-                // Last row of each segment that wants logits: x[t0 + n - 1] (hidden) ->
-                // logit_hidden[row] (hidden); then logit_hidden (rows, hidden) -> logits (rows, vocab).
+                // Last row of each segment that wants logits (every row of a segment that wants
+                // them all): x[t] (hidden) -> logit_hidden[row] (hidden); then logit_hidden
+                // (rows, hidden) -> logits (rows, vocab). Each row is its own product, so it
+                // does not depend on which rows share the head.
                 for seg in &plan.segments {
-                    if let Some(row) = seg.logits_row {
-                        let t = seg.t0 + seg.n - 1;
-                        self.final_norm.apply(
-                            &s.x[t * h..(t + 1) * h],
-                            d.eps,
-                            &mut s.logit_hidden[row * h..(row + 1) * h],
-                        );
+                    if let Some(last_row) = seg.logits_row {
+                        let count = if seg.all_logits { seg.n } else { 1 };
+                        let (first_t, first_row) = (seg.t0 + seg.n - count, last_row + 1 - count);
+                        for k in 0..count {
+                            let (t, row) = (first_t + k, first_row + k);
+                            self.final_norm.apply(
+                                &s.x[t * h..(t + 1) * h],
+                                d.eps,
+                                &mut s.logit_hidden[row * h..(row + 1) * h],
+                            );
+                        }
                     }
                 }
                 self.lm_head.forward(

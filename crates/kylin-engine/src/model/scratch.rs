@@ -8,6 +8,9 @@ use kylin_kernels::paged::PartialStats;
 pub struct Scratch {
     pub(super) max_tokens: usize,
     pub(super) max_segments: usize,
+    /// Rows of `logits`: one per segment, plus the rows planned for segments that want every
+    /// token's logits.
+    pub(super) max_logit_rows: usize,
     /// Residual stream, `(max_tokens, hidden)`.
     pub(super) x: Vec<f32>,
     /// Normalised input of a block, `(max_tokens, hidden)`.
@@ -37,9 +40,9 @@ pub struct Scratch {
     /// One head (or, for a norm over the whole projection, one token's queries) for the
     /// in-place q/k norm, `(max(head_dim, n_heads * head_dim))`.
     pub(super) head_tmp: Vec<f32>,
-    /// Final-normed last rows of the segments that want logits, `(max_segments, hidden)`.
+    /// Final-normed rows whose logits are wanted, `(max_logit_rows, hidden)`.
     pub(super) logit_hidden: Vec<f32>,
-    /// Their logits, `(max_segments, vocab)`.
+    /// Their logits, `(max_logit_rows, vocab)`.
     pub(super) logits: Vec<f32>,
     /// Gemma 4's per-layer inputs, `(max_tokens, layers · width)`, one token's row of the
     /// second embedding, `(layers · width)`, and a layer's gate, `(max_tokens, width)` (empty
@@ -65,6 +68,11 @@ pub struct ProductScratch {
 impl Scratch {
     pub fn max_tokens(&self) -> usize {
         self.max_tokens
+    }
+
+    /// Logits rows one forward pass can fill.
+    pub fn max_logit_rows(&self) -> usize {
+        self.max_logit_rows
     }
 
     /// Bytes of all buffers.

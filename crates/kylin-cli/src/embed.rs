@@ -1,0 +1,199 @@
+//! `kylin embed`: embeddings of texts on the command line, or their throughput (`--bench`).
+//!
+//! Texts come from `--text` (repeatable) and `--file` (one per line). Each is tokenized with
+//! the model's tokenizer (its special tokens added), prefixed with `--prompt-name`'s prompt,
+//! embedded in batches of `--batch` with the directory's pooling and normalisation, and printed
+//! as one JSON line `{"index", "text", "embedding"}` (or one object with `--json`). `--bench`
+//! prints texts per second instead (the figure BENCHMARKS.md compares with llama.cpp).
+
+use std::io::BufRead;
+use std::time::Instant;
+
+use anyhow::Result;
+use kylin_engine::Serving;
+use kylin_loader::KylinError;
+use serde_json::json;
+
+use crate::args::EmbedArgs;
+use crate::open::{open_encoder, threads};
+
+pub fn run(args: EmbedArgs) -> Result<()> {
+    let mut texts = args.texts.clone();
+    if let Some(file) = &args.file {
+        let reader: Box<dyn BufRead> = if file.as_os_str() == "-" {
+            Box::new(std::io::stdin().lock())
+        } else {
+            let f = std::fs::File::open(file).map_err(|e| KylinError::io(file, "cannot read", &e))?;
+            Box::new(std::io::BufReader::new(f))
+        };
+        for line in reader.lines() {
+            let line = line.map_err(|e| KylinError::io(file, "cannot read", &e))?;
+            if !line.is_empty() {
+                texts.push(line);
+            }
+        }
+    }
+    if texts.is_empty() {
+        return Err(KylinError::input_invalid("give texts with --text or --file").into());
+    }
+    if !kylin_loader::encoder::is_encoder_dir(&args.model.model) {
+        return Err(KylinError::input_invalid(format!(
+            "{} is not an embedding model Kylin runs (a BERT, RoBERTa or XLM-RoBERTa directory)",
+            args.model.model.display()
+        ))
+        .into());
+    }
+    let threads = threads(&args.model)?;
+    let mut engine = open_encoder(&args.model, threads)?;
+    let info =
+        engine.embedding_info().ok_or_else(|| KylinError::input_invalid("this model does not make embeddings"))?;
+    let prefix = match &args.prompt_name {
+        None => String::new(),
+        Some(name) => info
+            .prompts
+            .get(name)
+            .cloned()
+            .ok_or_else(|| KylinError::input_invalid(format!("the model has no prompt named `{name}`")))?,
+    };
+    if let Some(d) = args.dimensions
+        && (d == 0 || d > info.dimension)
+    {
+        return Err(KylinError::input_invalid(format!(
+            "--dimensions must be between 1 and the model's {}; got {d}",
+            info.dimension
+        ))
+        .into());
+    }
+    let inputs: Vec<Vec<u32>> =
+        texts.iter().map(|t| engine.tokenize(&format!("{prefix}{t}"), true)).collect::<Result<_, _>>()?;
+    let batch = args.batch.max(1);
+    let embed_all = |engine: &mut kylin_engine::encoder_serving::EncoderEngine| -> Result<Vec<Vec<f32>>> {
+        let mut out = Vec::with_capacity(inputs.len());
+        for chunk in inputs.chunks(batch) {
+            out.extend(engine.embed(chunk)?);
+        }
+        Ok(out)
+    };
+    if args.bench {
+        let tokens: usize = inputs.iter().map(Vec::len).sum();
+        let reps = args.repetitions.max(1);
+        let mine = embed_all(&mut engine)?;
+        let mut other = match &args.vs {
+            Some(path) => Some(vs::open(path, threads, batch, &inputs)?),
+            None => None,
+        };
+        // Warm-up of the other engine, and how close its embeddings are to Kylin's.
+        let agreement = match &mut other {
+            Some(o) => {
+                let theirs = o.embed(&inputs)?;
+                Some(mine.iter().zip(&theirs).map(|(a, b)| cosine(a, b)).fold(f64::INFINITY, f64::min))
+            }
+            None => None,
+        };
+        // Alternating runs (A B A B ...), best of each.
+        let (mut best, mut best_other) = (f64::INFINITY, f64::INFINITY);
+        for _ in 0..reps {
+            let started = Instant::now();
+            embed_all(&mut engine)?;
+            best = best.min(started.elapsed().as_secs_f64());
+            if let Some(o) = &mut other {
+                let started = Instant::now();
+                o.embed(&inputs)?;
+                best_other = best_other.min(started.elapsed().as_secs_f64());
+            }
+        }
+        let n = texts.len() as f64;
+        if args.json {
+            println!(
+                "{}",
+                json!({"texts": texts.len(), "tokens": tokens, "batch": batch, "threads": threads,
+                       "kylin_texts_per_second": n / best,
+                       "llamacpp_texts_per_second": other.as_ref().map(|_| n / best_other),
+                       "min_cosine_to_llamacpp": agreement})
+            );
+        } else {
+            println!(
+                "kylin embed: {} texts ({tokens} tokens), batches of {batch}, {threads} threads, best of {reps}",
+                texts.len()
+            );
+            println!("  kylin      {:>8.1} texts/s {:>8.0} tokens/s", n / best, tokens as f64 / best);
+            if other.is_some() {
+                println!(
+                    "  llama.cpp  {:>8.1} texts/s {:>8.0} tokens/s   (kylin/llama.cpp {:.2}x; min cosine {:.6})",
+                    n / best_other,
+                    tokens as f64 / best_other,
+                    best_other / best,
+                    agreement.unwrap_or(f64::NAN)
+                );
+            }
+        }
+        return Ok(());
+    }
+    let mut vectors = embed_all(&mut engine)?;
+    if let Some(d) = args.dimensions {
+        for v in &mut vectors {
+            v.truncate(d);
+            if info.normalized {
+                kylin_engine::encoder::normalize_in_place(v);
+            }
+        }
+    }
+    if args.json {
+        println!(
+            "{}",
+            json!({"model": args.model.model, "dimension": vectors.first().map_or(0, Vec::len), "pooling": info.pooling,
+                   "normalized": info.normalized, "embeddings": vectors})
+        );
+    } else {
+        for (i, (text, v)) in texts.iter().zip(&vectors).enumerate() {
+            println!("{}", json!({"index": i, "text": text, "embedding": v}));
+        }
+    }
+    Ok(())
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let dot: f64 = a.iter().zip(b).map(|(&x, &y)| f64::from(x) * f64::from(y)).sum();
+    let na = a.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
+    let nb = b.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
+    dot / (na * nb).max(1e-30)
+}
+
+/// The llama.cpp side of `--vs`.
+mod vs {
+    use std::path::Path;
+
+    use anyhow::Result;
+
+    #[cfg(feature = "llamacpp")]
+    pub fn open(path: &Path, threads: usize, batch: usize, inputs: &[Vec<u32>]) -> Result<Embedder> {
+        let longest = inputs.iter().map(Vec::len).max().unwrap_or(1);
+        let tokens = inputs.chunks(batch).map(|c| c.iter().map(Vec::len).sum::<usize>()).max().unwrap_or(1);
+        Ok(Embedder(kylin_llamacpp::embed::LlamaCppEmbedder::load(path, threads, batch, tokens.max(longest))?))
+    }
+
+    #[cfg(feature = "llamacpp")]
+    pub struct Embedder(kylin_llamacpp::embed::LlamaCppEmbedder);
+
+    #[cfg(feature = "llamacpp")]
+    impl Embedder {
+        pub fn embed(&mut self, inputs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
+            Ok(self.0.embed(inputs)?)
+        }
+    }
+
+    #[cfg(not(feature = "llamacpp"))]
+    pub struct Embedder;
+
+    #[cfg(not(feature = "llamacpp"))]
+    impl Embedder {
+        pub fn embed(&mut self, _inputs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
+            Ok(Vec::new())
+        }
+    }
+
+    #[cfg(not(feature = "llamacpp"))]
+    pub fn open(_path: &Path, _threads: usize, _batch: usize, _inputs: &[Vec<u32>]) -> Result<Embedder> {
+        Err(kylin_loader::KylinError::operator_unsupported("--vs needs the llamacpp feature").into())
+    }
+}

@@ -1,0 +1,161 @@
+"""The `kylin` wheel from Python, as its users call it (vLLM's offline API).
+
+Runs on the tiny fixtures of ../shared and tests/fixtures/retrieval, SmolLM2-135M-Instruct and
+all-MiniLM-L6-v2 from KYLIN_MODELS (scripts/setup.sh fetches them); `kylin run` (KYLIN_BIN) is
+the reference for the generated tokens.
+"""
+
+import json
+import math
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import kylin
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARED = ROOT.parent / "shared"
+MODELS = Path(os.environ.get("KYLIN_MODELS", Path.home() / ".cache" / "kylin-models"))
+SMOL = MODELS / "smollm2-135m-instruct"
+TINY = SHARED / "fixtures" / "tiny-qwen3"
+RETRIEVAL = ROOT / "tests" / "fixtures" / "retrieval"
+
+
+def kylin_run(model, *args):
+    binary = os.environ.get("KYLIN_BIN", str(ROOT / "target" / "release" / "kylin"))
+    out = subprocess.run([binary, "run", str(model), "--json", "--threads", "2", *args],
+                         check=True, capture_output=True, text=True, timeout=300)
+    return json.loads(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return kylin.LLM(str(SMOL), threads=2, ctx_size=1024, max_seqs=8)
+
+
+def test_generate_gives_the_tokens_of_kylin_run(smol):
+    params = kylin.SamplingParams(temperature=0, max_tokens=24)
+    for prompt in ["The capital of France is", "def fibonacci(n):"]:
+        want = kylin_run(SMOL, "-p", prompt, "--temperature", "0", "--max-tokens", "24")
+        out = smol.generate([prompt], params)[0]
+        assert out.prompt_token_ids == want["prompt_ids"]
+        assert out.outputs[0].token_ids == want["generated_ids"]
+        assert out.outputs[0].text == want["text"]
+        assert out.outputs[0].finish_reason == want["finish_reason"]
+
+
+def test_generate_on_a_tiny_fixture_from_token_ids():
+    llm = kylin.LLM(str(TINY), threads=2, ctx_size=256)
+    ids = [9707, 11, 1879, 0, 358]
+    want = kylin_run(TINY, "--ids", ",".join(map(str, ids)), "--temperature", "0", "--max-tokens", "12",
+                     "--ignore-eos")
+    out = llm.generate({"prompt_token_ids": ids}, kylin.SamplingParams(temperature=0, max_tokens=12,
+                                                                       ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == want["generated_ids"]
+
+
+def test_batched_prompts_equal_each_alone_and_streams_equal_whole(smol):
+    params = kylin.SamplingParams(temperature=0, max_tokens=16, logprobs=3)
+    prompts = ["Once upon a time", "The best way to learn Python is", "1, 2, 3,", "Hello"]
+    together = smol.generate(prompts, params)
+    for prompt, out in zip(prompts, together):
+        alone = smol.generate(prompt, params)[0]
+        assert alone.outputs[0].token_ids == out.outputs[0].token_ids
+        assert alone.outputs[0].logprobs == out.outputs[0].logprobs
+        streamed = list(smol.stream(prompt, params))
+        assert "".join(s.text for s in streamed) == out.outputs[0].text
+        assert streamed[-1].finish_reason == "length"
+    # logprobs: the chosen token's among each position's entries, greedy = the best.
+    first = together[0].outputs[0]
+    for tok, entry in zip(first.token_ids, first.logprobs):
+        assert tok in entry and entry[tok] == max(entry.values())
+
+
+def test_chat_sampling_n_and_seeds(smol):
+    r = smol.chat([{"role": "user", "content": "What is the capital of France?"}],
+                  kylin.SamplingParams(temperature=0, max_tokens=12))[0]
+    assert "Paris" in r.outputs[0].text
+    params = kylin.SamplingParams(temperature=1.0, top_p=0.9, seed=7, n=3, max_tokens=8)
+    a = smol.generate("Tell me a story", params)[0]
+    b = smol.generate("Tell me a story", params)[0]
+    assert len(a.outputs) == 3
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+
+
+def test_prompt_logprobs_match_transformers(smol):
+    ref = json.loads((ROOT / "tests/fixtures/prompt_logprobs/smollm2-135m-instruct.json").read_text())
+    out = smol.generate(ref["prompt"], kylin.SamplingParams(max_tokens=0, prompt_logprobs=5))[0]
+    assert out.prompt_logprobs[0] is None
+    for entry, want in zip(out.prompt_logprobs[1:], ref["positions"]):
+        assert abs(entry[want["token"]] - want["logprob"]) < 1e-3
+    assert out.outputs[0].token_ids == []
+
+
+def test_errors_are_kylin_errors_with_codes(smol):
+    with pytest.raises(kylin.KylinError) as e:
+        smol.generate({"prompt_token_ids": [10**6]})
+    assert e.value.code == "INPUT_INVALID"
+    with pytest.raises(kylin.KylinError) as e:
+        smol.generate("word " * 2000)
+    assert e.value.code == "CONTEXT_OVERFLOW"
+    with pytest.raises(kylin.KylinError) as e:
+        kylin.LLM(str(ROOT / "no-such-model"))
+    assert e.value.code in ("FILE_NOT_FOUND", "CONFIG_MISSING", "INPUT_INVALID", "IO_ERROR")
+    with pytest.raises(kylin.KylinError) as e:
+        kylin.LLM(str(TINY), flux_capacitor=True)
+    assert e.value.code == "INPUT_INVALID"
+    with pytest.raises(kylin.KylinError) as e:
+        smol.embed("x")
+    assert e.value.code == "INPUT_INVALID"
+
+
+def test_the_gil_is_released_while_the_engine_runs(smol):
+    ticks = 0
+    stop = False
+
+    def count():
+        nonlocal ticks
+        while not stop:
+            ticks += 1
+            time.sleep(0.001)
+
+    t = threading.Thread(target=count)
+    t.start()
+    started = time.time()
+    smol.generate(["A long story about a dragon:"], kylin.SamplingParams(temperature=0, max_tokens=48))
+    elapsed = time.time() - started
+    stop = True
+    t.join()
+    # A thread that never got the GIL would have ticked a few times at most.
+    assert ticks > elapsed * 100, (ticks, elapsed)
+
+
+def cosine(a, b):
+    dot = sum(x * y for x, y in zip(a, b))
+    return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))
+
+
+def test_embed_matches_sentence_transformers():
+    ref = json.loads((RETRIEVAL / "reference/all-minilm-l6-v2.json").read_text())
+    llm = kylin.LLM(str(MODELS / "all-minilm-l6-v2"), threads=2)
+    outs = llm.embed(ref["texts"])
+    for out, ids, want in zip(outs, ref["input_ids"], ref["embeddings"]):
+        assert out.prompt_token_ids == ids
+        assert cosine(out.outputs.embedding, want) >= 0.9999
+    short = llm.embed(ref["texts"][0], dimensions=32)[0].outputs.embedding
+    assert len(short) == 32 and abs(sum(x * x for x in short) - 1) < 1e-5
+    tiny = json.loads((RETRIEVAL / "reference/tiny-bert-cls-embed.json").read_text())
+    cls = kylin.LLM(str(RETRIEVAL / "fixtures/tiny-bert-cls-embed"), threads=1)
+    for out, want in zip(cls.embed(tiny["texts"]), tiny["embeddings"]):
+        assert cosine(out.outputs.embedding, want) >= 0.9999
+
+
+def test_score_with_a_cross_encoder():
+    ref = json.loads((RETRIEVAL / "reference/tiny-xlmr-reranker.json").read_text())
+    llm = kylin.LLM(str(RETRIEVAL / "fixtures/tiny-xlmr-reranker"), threads=1)
+    scores = llm.score(ref["query"], ref["documents"])
+    assert all(abs(s - w) < 1e-5 for s, w in zip(scores, ref["scores"]))
