@@ -35,6 +35,7 @@ mod amx;
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod avx512bf16;
+pub mod delta;
 mod matmul;
 pub mod packed;
 pub mod paged;
