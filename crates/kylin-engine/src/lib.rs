@@ -14,6 +14,7 @@ pub mod sampler;
 pub mod sequence;
 pub mod serial;
 pub mod serving;
+pub mod state_pool;
 pub mod text;
 
 pub use backend::{Backend, BackendSummary, ChatMessage};
@@ -21,5 +22,7 @@ pub use generate::{ChatSession, FinishReason, GenerateRequest, GenerationResult,
 pub use model::{PrecisionChoice, QuantFormat};
 pub use sampler::{Sampler, SamplingParams};
 pub use serial::SerialEngine;
-pub use serving::{CancelHandle, EngineInfo, EngineStats, Event, EventKind, Request, Serving, StopReason, Usage};
+pub use serving::{
+    CancelHandle, EngineInfo, EngineStats, Event, EventKind, Request, Serving, StatePoolInfo, StopReason, Usage,
+};
 pub use text::TextCodec;

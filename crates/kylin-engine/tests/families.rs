@@ -45,6 +45,10 @@ const DENSE: [&str; 8] = [
     "tiny-smollm3",
 ];
 
+/// The hybrid families: recurrent mixers (Gated DeltaNet, short convolutions) beside attention,
+/// each sequence's state in the engine's state pool.
+const HYBRID: [&str; 3] = ["tiny-qwen3.5", "tiny-qwen3.5-vl", "tiny-lfm2"];
+
 fn fixture(name: &str) -> PathBuf {
     Path::new(FAMILIES).join("fixtures").join(name)
 }
@@ -130,6 +134,9 @@ family_tests! {
     olmo2_matches_transformers => "tiny-olmo2",
     phi3_matches_transformers => "tiny-phi3",
     smollm3_matches_transformers => "tiny-smollm3",
+    qwen3_5_matches_transformers => "tiny-qwen3.5",
+    qwen3_5_conditional_generation_layout_matches_transformers => "tiny-qwen3.5-vl",
+    lfm2_matches_transformers => "tiny-lfm2",
 }
 
 /// The further configurations (`tests/fixtures/families`): windows of 5 to 7, one KV head,
@@ -156,7 +163,7 @@ fn phi3_longrope_matches_transformers_on_both_sides_of_the_original_context() {
     check_with_context(MORE, "tiny-phi3-longrope", &|needed| Some(if needed <= 64 { 64 } else { 256 }));
 }
 
-/// Every family fixture either is one of [`DENSE`] and loads, or is refused with
+/// Every family fixture either is one of [`DENSE`] or [`HYBRID`] and loads, or is refused with
 /// `MAPPING_MISSING` naming its architecture (not a panic, not a wrong answer).
 #[test]
 fn every_family_fixture_runs_or_is_refused_by_name() {
@@ -167,7 +174,7 @@ fn every_family_fixture_runs_or_is_refused_by_name() {
     names.sort();
     for name in &names {
         let result = kylin_loader::load(&fixture(name), &kylin_loader::LoadOptions::default());
-        if DENSE.contains(&name.as_str()) {
+        if DENSE.contains(&name.as_str()) || HYBRID.contains(&name.as_str()) {
             result.unwrap_or_else(|e| panic!("{name}: {e}"));
         } else {
             let err = result.err().unwrap_or_else(|| panic!("{name} loads but has no reference test here"));
@@ -187,7 +194,7 @@ fn every_family_fixture_runs_or_is_refused_by_name() {
             );
         }
     }
-    for name in DENSE {
+    for name in DENSE.iter().chain(&HYBRID) {
         assert!(names.iter().any(|n| n == name), "{name}: fixture missing from shared/families");
     }
 }
@@ -256,6 +263,16 @@ fn every_dense_family_batches_invariantly_in_f32() {
     }
 }
 
+/// The hybrid families: nine requests alone and together (prompts chunked at 40 tokens, so the
+/// delta rule's chunks are split across steps differently), the same bits.
+#[test]
+fn every_hybrid_family_batches_invariantly() {
+    for name in HYBRID {
+        batch_invariance(name, PrecisionChoice::F32, None);
+        batch_invariance(name, PrecisionChoice::Auto, Some(QuantFormat::Q8_0));
+    }
+}
+
 #[test]
 fn every_dense_family_batches_invariantly_on_the_fast_paths() {
     let bf16 = kylin_kernels::bf16_kernels().is_some();
@@ -313,7 +330,7 @@ fn fast_paths_stay_close_to_f32_on_every_dense_family() {
         paths.insert(0, ("bf16", PrecisionChoice::Bf16, None));
     }
     let mut failures = Vec::new();
-    for name in DENSE {
+    for name in DENSE.iter().chain(&HYBRID) {
         for &(label, precision, quantize) in &paths {
             let (kl, agree) = kl_against_f32(name, precision, quantize);
             println!("{name:<18} {label:<5} KL {kl:.6}  argmax agreement {:.1}%", agree * 100.0);

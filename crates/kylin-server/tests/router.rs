@@ -78,6 +78,7 @@ impl Serving for Scripted {
             kernels: "scalar".into(),
             has_tokenizer: true,
             eos_ids: vec![EOS],
+            state_pool: None,
         }
     }
 
