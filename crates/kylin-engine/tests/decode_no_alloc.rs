@@ -26,8 +26,11 @@ fn decode_steps_allocate_nothing() {
     // registry's shared blocks: sliding windows and their own KV pool (Gemma 2/3, Mistral),
     // soft-caps and sandwich norms (Gemma 2), fused projections (Phi-3), NoPE (SmolLM3),
     // post-norms (OLMo 2), multipliers (Granite), and Gemma 4's per-layer inputs, wider global
-    // heads and shared keys and values. The 39-token prompt and 33 decode steps cross the
-    // windows of 5 to 8, so sliding blocks are released while decoding.
+    // heads and shared keys and values; the hybrid families' recurrent layers (Qwen3.5's Gated
+    // DeltaNet, LFM2's short convolutions), whose states are updated in place in the state
+    // pool. The 39-token prompt and 33 decode steps cross the windows of 5 to 8, so sliding
+    // blocks are released while decoding, and the delta rule's chunk boundaries (every 16
+    // positions), so its states are folded while decoding.
     let families = [
         "tiny-gemma2",
         "tiny-gemma3",
@@ -37,6 +40,9 @@ fn decode_steps_allocate_nothing() {
         "tiny-smollm3",
         "tiny-olmo2",
         "tiny-granite",
+        "tiny-qwen3.5",
+        "tiny-qwen3.5-vl",
+        "tiny-lfm2",
     ];
     let more = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/families/fixtures");
     let models = ["tiny-qwen2-f16", "tiny-qwen3-yarn", "tiny-qwen3-sharded-f32"]
