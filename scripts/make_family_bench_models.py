@@ -261,7 +261,8 @@ def gemma4(spec):
 # heads of 256, 2 KV heads, a quarter of each head rotated, interleaved RoPE sections), SwiGLU of
 # 3584, a tied embedding of 248320. Written in the layout Qwen3.5 is published in
 # (Qwen3_5ForConditionalGeneration: `text_config`, weights under `model.language_model.*`);
-# the vision tower and the multi-token-prediction layer are left out (neither runs for text).
+# the vision tower and the multi-token-prediction layer are left out (neither runs for text;
+# llama.cpp's converter runs with --no-mtp, which it needs without the layer's tensors).
 QWEN35_08B = dict(
     name="qwen3.5-0.8b-shaped", H=1024, L=24, NH=8, NKV=2, HD=256, FF=3584, V=248320, HK=16, HV=16, DK=128,
     DV=128, K=4,
@@ -349,7 +350,7 @@ def qwen35(spec):
     json.dump(spec["generation"], open(os.path.join(d, "generation_config.json"), "w"), indent=2)
     print("wrote", d)
     convert = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llamacpp_convert.py")
-    os.system(f"{sys.executable} {convert} {d} {os.path.join(d, 'gguf', name + '-bf16.gguf')} bf16")
+    os.system(f"{sys.executable} {convert} {d} {os.path.join(d, 'gguf', name + '-bf16.gguf')} bf16 --no-mtp")
 
 
 if not only or GEMMA3_1B["name"] in only:

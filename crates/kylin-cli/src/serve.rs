@@ -102,6 +102,17 @@ async fn serve(args: ServeArgs, config: ServerConfig) -> Result<()> {
                 info.precision,
                 info.kernels
             );
+            if let Some(states) = &info.state_pool {
+                println!(
+                    "kylin serve: recurrent layers' state pool {:.1} MiB: {} live states of {:.1} MiB and {} snapshots of {:.1} MiB for the prefix cache (every {} positions)",
+                    states.bytes as f64 / (1u64 << 20) as f64,
+                    states.live_slots,
+                    states.live_bytes as f64 / (1u64 << 20) as f64,
+                    states.snapshots,
+                    states.snapshot_bytes as f64 / (1u64 << 20) as f64,
+                    states.chunk
+                );
+            }
             println!("kylin serve: ready on http://{address}/v1 (GET /health says 200)");
         }
     });
