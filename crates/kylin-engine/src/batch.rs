@@ -1122,6 +1122,12 @@ impl BatchEngine {
                 break;
             };
             seq.state = slot;
+            if self.core.states.is_some() && !seq.kv.blocks.is_empty() {
+                // A fresh state slot holds nothing of this sequence: blocks kept from before
+                // are matched again below, with the state from a snapshot.
+                seq.kv.release_all(&mut self.core.allocs());
+                seq.computed = 0;
+            }
             if seq.kv.blocks.is_empty() {
                 let limit = seq.tokens.len() - 1;
                 seq.kv.match_prefix(&mut self.core.allocs(), &seq.tokens, limit, bs);

@@ -272,6 +272,28 @@ impl Ops for Avx2 {
         // below stays inside them (columns `j + 8 <= main <= dv`, rows `< rows`, `a < dk`).
         unsafe {
             let mut j = 0;
+            // Up to two rows (decode): four column vectors per pass, so eight chains hide the
+            // FMA latency; each element's chain over `a` is the same in every grouping.
+            if rows <= 2 {
+                while j + 32 <= main {
+                    let mut acc = [[_mm256_setzero_ps(); 4]; 2];
+                    for a in 0..dk {
+                        let sv: [__m256; 4] = std::array::from_fn(|q| _mm256_loadu_ps(sp.add(a * dv + j + 8 * q)));
+                        for (r, acc) in acc.iter_mut().enumerate().take(rows) {
+                            let xv = _mm256_set1_ps(*xp.add(r * dk + a));
+                            for (q, acc) in acc.iter_mut().enumerate() {
+                                *acc = _mm256_fmadd_ps(xv, sv[q], *acc);
+                            }
+                        }
+                    }
+                    for (r, acc) in acc.iter().enumerate().take(rows) {
+                        for (q, acc) in acc.iter().enumerate() {
+                            _mm256_storeu_ps(op.add(r * dv + j + 8 * q), *acc);
+                        }
+                    }
+                    j += 32;
+                }
+            }
             while j < main {
                 let mut acc = [_mm256_setzero_ps(); 8];
                 for a in 0..dk {
@@ -307,9 +329,28 @@ impl Ops for Avx2 {
         let (sp, vp) = (s.as_mut_ptr(), values.as_ptr());
         // SAFETY: `s` holds `dk · dv` elements and `values` `m · dv`; columns stay below
         // `main <= dv`, rows below `dk` and `m`.
+        // Four column vectors at a time, so four independent chains hide the FMA latency; each
+        // element's chain is the same in every grouping.
+        let main32 = dv & !31;
         unsafe {
             for a in 0..dk {
                 let mut j = 0;
+                while j < main32 {
+                    let mut acc = [_mm256_setzero_ps(); 4];
+                    for (q, acc) in acc.iter_mut().enumerate() {
+                        *acc = _mm256_mul_ps(dvec, _mm256_loadu_ps(sp.add(a * dv + j + 8 * q)));
+                    }
+                    for (i, &wi) in w.iter().enumerate() {
+                        let coef = _mm256_set1_ps(keys[i * dk + a] * wi);
+                        for (q, acc) in acc.iter_mut().enumerate() {
+                            *acc = _mm256_fmadd_ps(coef, _mm256_loadu_ps(vp.add(i * dv + j + 8 * q)), *acc);
+                        }
+                    }
+                    for (q, acc) in acc.iter().enumerate() {
+                        _mm256_storeu_ps(sp.add(a * dv + j + 8 * q), *acc);
+                    }
+                    j += 32;
+                }
                 while j < main {
                     let mut acc = _mm256_mul_ps(dvec, _mm256_loadu_ps(sp.add(a * dv + j)));
                     for (i, &wi) in w.iter().enumerate() {
@@ -463,25 +504,41 @@ pub fn causal_conv1d(
     let input = |state: &[f32], r: usize, c: usize| -> f32 {
         if r < hist { state[r * channels + c] } else { x[(r - hist) * channels + c] }
     };
-    // Channels in blocks whose taps are widened once, so each row's block is read contiguously.
+    // Channels in blocks whose taps are widened once (transposed, tap-major), so each row's
+    // block is read contiguously and the sums run eight channels at a time; per channel they are
+    // `bias + w₀x₀ + w₁x₁ + ...` in tap order whatever the block.
     const BLOCK: usize = 64;
-    let mut w = [[0.0f32; MAX_CONV_KERNEL]; BLOCK];
+    let mut w = [[0.0f32; BLOCK]; MAX_CONV_KERNEL];
+    let mut acc = [0.0f32; BLOCK];
     let mut c0 = 0;
     while c0 < channels {
         let width = BLOCK.min(channels - c0);
-        for (i, taps_row) in w.iter_mut().enumerate().take(width) {
-            for (j, tap) in taps_row.iter_mut().enumerate().take(taps) {
-                *tap = reference::load_f32(weight.dtype, weight.data, (c0 + i) * taps + j);
+        for (j, tap) in w.iter_mut().enumerate().take(taps) {
+            for (i, t) in tap.iter_mut().enumerate().take(width) {
+                *t = reference::load_f32(weight.dtype, weight.data, (c0 + i) * taps + j);
             }
         }
         for t in 0..n {
-            for (i, taps_row) in w.iter().enumerate().take(width) {
-                let c = c0 + i;
-                let mut acc = bias.as_ref().map_or(0.0, |b| b.get(c));
-                for (j, &tap) in taps_row.iter().enumerate().take(taps) {
-                    acc += tap * input(state, t + j, c);
+            let acc = &mut acc[..width];
+            match &bias {
+                Some(b) => {
+                    for (i, a) in acc.iter_mut().enumerate() {
+                        *a = b.get(c0 + i);
+                    }
                 }
-                out[t * channels + c] = if silu { acc / (1.0 + (-acc).exp()) } else { acc };
+                None => acc.fill(0.0),
+            }
+            for (j, tap) in w.iter().enumerate().take(taps) {
+                let r = t + j;
+                let row = if r < hist { &state[r * channels + c0..] } else { &x[(r - hist) * channels + c0..] };
+                for ((a, &wt), &v) in acc.iter_mut().zip(&tap[..width]).zip(&row[..width]) {
+                    *a += wt * v;
+                }
+            }
+            let dst = &mut out[t * channels + c0..t * channels + c0 + width];
+            dst.copy_from_slice(acc);
+            if silu {
+                crate::silu(dst);
             }
         }
         c0 += width;

@@ -412,6 +412,17 @@ pub fn softmax(x: &mut [f32]) {
     }
 }
 
+/// In-place `x = silu(x) = x / (1 + e^-x)`. The SIMD version's `exp` is within 2 ulp of the
+/// reference's.
+pub fn silu(x: &mut [f32]) {
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2/FMA/F16C were detected.
+        Isa::Avx2Fma | Isa::Avx512 => unsafe { x86::silu(x) },
+        _ => reference::silu(x),
+    }
+}
+
 /// In-place `gate = silu(gate) * up` (SwiGLU). The SIMD version's `exp` is within 2 ulp of the
 /// reference's.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
