@@ -14,7 +14,7 @@ model's files and a placeholder `tokenizer.json` of the model's vocabulary size,
 families read to count tokens), and its vocabulary step is replaced by a placeholder
 SentencePiece vocabulary of that size, so llama.cpp loads the file.
 
-    python llamacpp_convert.py MODEL_DIR OUT.gguf [bf16|f32|q8_0]
+    python llamacpp_convert.py MODEL_DIR OUT.gguf [bf16|f32|q8_0] [CONVERTER FLAGS...]
 
 Needs a Python with torch, numpy, safetensors, transformers and sentencepiece (the converter's
 imports), e.g. `python3 -m venv V && V/bin/pip install torch numpy safetensors transformers
@@ -70,6 +70,9 @@ def main() -> None:
         sys.exit(__doc__)
     model, out = Path(sys.argv[1]), Path(sys.argv[2])
     outtype = sys.argv[3] if len(sys.argv) > 3 else "bf16"
+    # Further arguments go to the converter as they are (e.g. `--no-mtp` for a Qwen3.5 directory
+    # without its multi-token-prediction layer).
+    extra = sys.argv[4:]
     llama = converter_dir()
     sys.path.insert(0, str(llama / "gguf-py"))
     sys.path.insert(0, str(llama))
@@ -112,7 +115,7 @@ def main() -> None:
         (Path(shadow.name) / "tokenizer.json").write_text(json.dumps(placeholder))
         model = Path(shadow.name)
     del conversion
-    sys.argv = ["convert_hf_to_gguf.py", str(model), "--outfile", str(out), "--outtype", outtype]
+    sys.argv = ["convert_hf_to_gguf.py", str(model), "--outfile", str(out), "--outtype", outtype, *extra]
     convert_hf_to_gguf.main()
 
 

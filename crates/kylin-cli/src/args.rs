@@ -181,6 +181,12 @@ pub struct EngineArgs {
     /// `--precision bf16`; 16 elsewhere).
     #[arg(long)]
     pub kv_block_size: Option<usize>,
+    /// Snapshots of recurrent layers' states kept for the prefix cache, for hybrid models
+    /// (Qwen3.5, LFM2): a repeated prompt or the next turn of a chat resumes from one (default
+    /// two per sequence, at least four; 0 turns prefix reuse off for them). Counted in
+    /// --kv-memory with the KV cache.
+    #[arg(long)]
+    pub state_snapshots: Option<usize>,
     /// Arithmetic of the matrix products (default auto); `f32` reproduces transformers' float32.
     #[arg(long, value_enum)]
     pub precision: Option<PrecisionArg>,

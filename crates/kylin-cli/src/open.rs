@@ -249,6 +249,7 @@ pub fn engine_options(args: &ModelArgs, threads: usize, default_max_seqs: usize)
         },
         quantize: e.quantize.map(QuantizeArg::format),
         quantize_progress: e.quantize.map(|_| quantize_progress_bar()),
+        state_snapshots: e.state_snapshots,
     })
 }
 

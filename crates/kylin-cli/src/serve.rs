@@ -106,7 +106,8 @@ async fn serve(args: ServeArgs, config: ServerConfig) -> Result<()> {
             let engine = if info.max_seqs <= 1 { "one sequence at a time" } else { "continuous batching" };
             if let Some(e) = &p.embedding {
                 println!(
-                    "kylin serve: model `{name}` from {path}: {} {} (embeddings: {} dimensions, {} pooling{},                      inputs up to {} tokens), {} threads, precision {} ({})",
+                    "kylin serve: model `{name}` from {path}: {} {} (embeddings: {} dimensions, {} pooling{}, \
+                 inputs up to {} tokens), {} threads, precision {} ({})",
                     info.backend,
                     info.architecture,
                     e.dimension,
@@ -119,7 +120,8 @@ async fn serve(args: ServeArgs, config: ServerConfig) -> Result<()> {
                 );
             } else if p.rerank && info.kv_blocks == 0 {
                 println!(
-                    "kylin serve: model `{name}` from {path}: {} {} (reranker, pairs up to {} tokens), {} threads,                      precision {} ({})",
+                    "kylin serve: model `{name}` from {path}: {} {} (reranker, pairs up to {} tokens), {} threads, \
+                 precision {} ({})",
                     info.backend, info.architecture, info.context_size, info.threads, info.precision, info.kernels
                 );
             } else {
@@ -138,6 +140,17 @@ async fn serve(args: ServeArgs, config: ServerConfig) -> Result<()> {
                     info.precision,
                     info.kernels
                 );
+                if let Some(states) = &info.state_pool {
+                    println!(
+                        "kylin serve: recurrent layers' state pool {:.1} MiB: {} live states of {:.1} MiB and {} snapshots of {:.1} MiB for the prefix cache (every {} positions)",
+                        states.bytes as f64 / (1u64 << 20) as f64,
+                        states.live_slots,
+                        states.live_bytes as f64 / (1u64 << 20) as f64,
+                        states.snapshots,
+                        states.snapshot_bytes as f64 / (1u64 << 20) as f64,
+                        states.chunk
+                    );
+                }
             }
             println!("kylin serve: ready on http://{address}/v1 (GET /health says 200)");
         }

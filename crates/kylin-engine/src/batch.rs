@@ -41,7 +41,8 @@ use crate::native::ModelParts;
 use crate::rope::Ropes;
 use crate::sequence::Decoding;
 use crate::serial::validate_request;
-use crate::serving::{EngineInfo, EngineStats, Event, EventKind, Request, Serving, StopReason, Usage};
+use crate::serving::{EngineInfo, EngineStats, Event, EventKind, Request, Serving, StatePoolInfo, StopReason, Usage};
+use crate::state_pool::{NO_SLOT, StatePool};
 use crate::text::TextCodec;
 
 /// The context size used when none is given, capped by the model's `max_position_embeddings`.
@@ -88,6 +89,30 @@ pub fn prompt_logit_rows(vocab: usize) -> usize {
 
 /// Share of the memory available after the weights that the default KV budget may take.
 pub const DEFAULT_MEMORY_SHARE: f64 = 0.5;
+/// The shortest chunk of the recurrent layers' delta rule: positions between two updates of a
+/// Gated DeltaNet state, and the spacing of state snapshots. The chunk is the smallest multiple
+/// of the KV block size that is at least this, so every snapshot sits on a block boundary.
+pub const MIN_STATE_CHUNK: usize = 16;
+
+/// The chunk of the recurrent layers for KV blocks of `block_size` positions (see
+/// [`MIN_STATE_CHUNK`]); `CONFIG_INVALID` when it would exceed the kernels' longest chunk.
+pub fn state_chunk(block_size: usize) -> Result<usize> {
+    let chunk = block_size * MIN_STATE_CHUNK.div_ceil(block_size.max(1));
+    if chunk > kylin_kernels::delta::MAX_CHUNK {
+        return Err(KylinError::config_invalid(format!(
+            "--kv-block-size {block_size} is too large for a model with recurrent layers (their state is updated once per block); pass at most {}",
+            kylin_kernels::delta::MAX_CHUNK
+        )));
+    }
+    Ok(chunk)
+}
+
+/// Snapshots of recurrent states kept for the prefix cache when `--state-snapshots` is not
+/// given: two per sequence (the end of a prompt and the end of a generation, what a repeated
+/// prompt and the next chat turn reuse), and at least four.
+pub fn default_state_snapshots(max_seqs: usize) -> usize {
+    (2 * max_seqs).max(4)
+}
 
 /// How much memory the KV cache may take.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -128,6 +153,10 @@ pub struct EngineOptions {
     pub quantize: Option<QuantFormat>,
     /// Called with (source bytes done, total) while quantizing.
     pub quantize_progress: Option<QuantizeProgress>,
+    /// Snapshots of recurrent states kept for the prefix cache (`--state-snapshots`); `None`
+    /// takes [`default_state_snapshots`]. 0 turns prefix reuse off for models with recurrent
+    /// layers.
+    pub state_snapshots: Option<usize>,
 }
 
 /// A progress callback for the quantization at load: `(done, total)` source bytes.
@@ -155,6 +184,7 @@ impl Default for EngineOptions {
             precision: PrecisionChoice::F32,
             quantize: None,
             quantize_progress: None,
+            state_snapshots: None,
         }
     }
 }
@@ -410,6 +440,8 @@ pub struct EngineCore {
     pub(crate) kv: KvPool,
     /// The sliding layers' pool, when the model's sliding layers share one window.
     pub(crate) swa: Option<SlidingPool>,
+    /// The recurrent layers' states (live and snapshots), when the model has any.
+    pub(crate) states: Option<StatePool>,
     pub(crate) rope: Ropes,
     pub(crate) scratch: Scratch,
     pub(crate) plan: BatchPlan,
@@ -522,7 +554,28 @@ impl EngineCore {
         let sliding_bytes = sliding_bytes.ok_or_else(|| {
             KylinError::config_invalid("the sliding-window KV pool overflows; pass a smaller --max-seqs")
         })?;
-        let n_blocks = kv_blocks(opts, kv_dtype, block_size, &model, &scratch, context, max_seqs, sliding_bytes)?;
+        // The recurrent layers' state pool: a live state per sequence and the snapshots; like
+        // the sliding pool, it comes out of the budget before the KV blocks.
+        let recurrent = model.recurrent_layers();
+        let state_plan = if recurrent.is_empty() {
+            None
+        } else {
+            let chunk = state_chunk(block_size)?;
+            let snapshots = opts.state_snapshots.unwrap_or_else(|| default_state_snapshots(max_seqs));
+            let (live, snap) = StatePool::slot_bytes(&recurrent, chunk);
+            let bytes = live
+                .checked_mul(max_seqs as u64)
+                .and_then(|l| snap.checked_mul(snapshots as u64).and_then(|s| l.checked_add(s)))
+                .ok_or_else(|| KylinError::config_invalid("the state pool overflows; pass a smaller --max-seqs"))?;
+            Some((chunk, snapshots, bytes))
+        };
+        let state_bytes = state_plan.map_or(0, |p| p.2);
+        let reserved = sliding_bytes.saturating_add(state_bytes);
+        let n_blocks = kv_blocks(opts, kv_dtype, block_size, &model, &scratch, context, max_seqs, reserved)?;
+        let mut states = match state_plan {
+            Some((chunk, snapshots, _)) => Some(StatePool::new(&recurrent, chunk, max_seqs, snapshots)?),
+            None => None,
+        };
         let layout = kylin_kernels::paged::attention_path(
             model.precision(),
             kv_dtype,
@@ -544,6 +597,9 @@ impl EngineCore {
             if let Some(swa) = &mut swa {
                 swa.kv.prefault();
             }
+            if let Some(states) = &mut states {
+                states.prefault();
+            }
             scratch.prefault();
         }
         let max_blocks_per_seq = context.div_ceil(block_size) + 1;
@@ -556,6 +612,7 @@ impl EngineCore {
             pool: ThreadPool::new(opts.threads.max(1)),
             kv,
             swa,
+            states,
             scratch,
             plan,
             text,
@@ -597,6 +654,73 @@ impl EngineCore {
         self.kv.bytes() + self.swa.as_ref().map_or(0, |s| s.kv.bytes())
     }
 
+    /// The recurrent layers' state pool (`None` for a model without recurrent layers).
+    pub fn state_pool(&self) -> Option<&StatePool> {
+        self.states.as_ref()
+    }
+
+    /// Bytes of the recurrent layers' state pool (0 without one).
+    pub fn state_bytes(&self) -> u64 {
+        self.states.as_ref().map_or(0, StatePool::bytes)
+    }
+
+    /// A live state slot for a sequence entering the running set, zeroed; `NO_SLOT` for a
+    /// model without recurrent layers, `None` when every slot is held.
+    pub(crate) fn take_state_slot(&mut self) -> Option<u32> {
+        match &mut self.states {
+            None => Some(NO_SLOT),
+            Some(states) => states.allocate(),
+        }
+    }
+
+    /// Gives a sequence's live state slot back (nothing for `NO_SLOT`).
+    pub(crate) fn release_state_slot(&mut self, slot: u32) {
+        if let (Some(states), true) = (&mut self.states, slot != NO_SLOT) {
+            states.release(slot);
+        }
+    }
+
+    /// Keeps a snapshot of a sequence's state at its anchor (its last chunk boundary at or below
+    /// `computed`, a block boundary), registered under the hash of the block that ends there, so
+    /// a later prompt that begins with the same tokens starts from it. Nothing for a model
+    /// without recurrent layers, at position 0, or when that block is not registered yet.
+    pub(crate) fn snapshot_state(&mut self, kv: &SeqKv, slot: u32, computed: usize) {
+        let bs = self.kv.block_size;
+        let Some(states) = &mut self.states else { return };
+        if slot == NO_SLOT {
+            return;
+        }
+        let anchor = computed / states.chunk() * states.chunk();
+        if anchor == 0 || anchor / bs > kv.hashes.len() {
+            return;
+        }
+        states.store_snapshot(slot, kv.hashes[anchor / bs - 1], anchor);
+    }
+
+    /// After a prefix match put cached blocks in `kv`: cuts the match back to the longest
+    /// prefix whose recurrent state a snapshot holds and puts that state into `slot` (or, with
+    /// none, releases the blocks and zeroes the state); returns the tokens that are computed.
+    /// For a model without recurrent layers, the match as it is.
+    pub(crate) fn resume_state(&mut self, kv: &mut SeqKv, slot: u32, tokens: &[u32]) -> usize {
+        let bs = self.kv.block_size;
+        let matched = kv.blocks.len().min(kv.hashes.len());
+        let Some(states) = &mut self.states else { return kv.blocks.len() * bs };
+        let mut keep = 0;
+        for m in (1..=matched).rev() {
+            let pos = m * bs;
+            if pos.is_multiple_of(states.chunk()) && states.restore_snapshot(kv.hashes[m - 1], pos, slot) {
+                keep = m;
+                break;
+            }
+        }
+        if keep == 0 {
+            states.reset(slot);
+        }
+        let kept = kv.truncate(&mut self.allocs(), tokens, keep, bs);
+        debug_assert_eq!(kept, keep);
+        kept * bs
+    }
+
     /// Bytes of the sliding layers' own pool (0 without one).
     pub fn sliding_kv_bytes(&self) -> u64 {
         self.swa.as_ref().map_or(0, |s| s.kv.bytes())
@@ -626,7 +750,16 @@ impl EngineCore {
         let end = self.plan.segments.iter().map(|s| s.start + s.n).max().unwrap_or(0);
         self.rope.prepare(0, end);
         let sliding = self.swa.as_mut().map(|s| &mut s.kv);
-        self.model.forward(&self.pool, &mut self.kv, sliding, &self.rope, &mut self.scratch, &self.plan, all_logits);
+        self.model.forward(
+            &self.pool,
+            &mut self.kv,
+            sliding,
+            self.states.as_mut(),
+            &self.rope,
+            &mut self.scratch,
+            &self.plan,
+            all_logits,
+        );
     }
 
     /// Logits row `row` of the last forward pass.
@@ -655,6 +788,17 @@ impl EngineCore {
             kernels: self.model.kernels_report(self.kv.dtype, self.kv.block_size),
             has_tokenizer: self.text.is_some(),
             eos_ids: self.eos_ids.clone(),
+            state_pool: self.states.as_ref().map(|s| {
+                let (live_bytes, snapshot_bytes) = StatePool::slot_bytes(&self.model.recurrent_layers(), s.chunk());
+                StatePoolInfo {
+                    live_slots: s.live_slots(),
+                    snapshots: s.snapshot_slots(),
+                    live_bytes,
+                    snapshot_bytes,
+                    bytes: s.bytes(),
+                    chunk: s.chunk(),
+                }
+            }),
         }
     }
 
@@ -680,8 +824,10 @@ fn kv_blocks(
     scratch: &Scratch,
     context: usize,
     max_seqs: usize,
-    sliding_bytes: u64,
+    reserved_bytes: u64,
 ) -> Result<usize> {
+    // The sliding layers' pool and the recurrent layers' states come out of the budget first.
+    let sliding_bytes = reserved_bytes;
     let full = model.kv_groups().full;
     let per_seq = context.div_ceil(bs);
     if full.is_empty() {
@@ -692,7 +838,7 @@ fn kv_blocks(
             && bytes < sliding_bytes
         {
             return Err(KylinError::config_invalid(format!(
-                "--kv-memory {} is below the sliding-window KV pool of {} ({max_seqs} sequences); raise it or lower --max-seqs",
+                "--kv-memory {} is below the sliding-window KV pool and recurrent states of {} ({max_seqs} sequences); raise it or lower --max-seqs",
                 human_bytes(bytes),
                 human_bytes(sliding_bytes)
             )));
@@ -777,6 +923,9 @@ struct Seq {
     /// With prompt log-probabilities: the first prompt position whose logits are still to be
     /// scored (position `p` scores token `p + 1`); positions below it were reported.
     next_scored: usize,
+    /// Its live slot in the recurrent layers' state pool while it runs (`NO_SLOT` otherwise,
+    /// and always for a model without recurrent layers).
+    state: u32,
 }
 
 impl Seq {
@@ -877,12 +1026,25 @@ impl BatchEngine {
             cached_prompt: None,
             // Choice 0 reports the prompt's log-probabilities; its siblings have nothing to score.
             next_scored: if index == 0 { 0 } else { request.prompt_ids.len() },
+            state: NO_SLOT,
         }
+    }
+
+    /// A running sequence leaves the running set (it ends or is preempted): its state is kept
+    /// as a snapshot at its anchor for a later prompt or its own recomputation, then its slot
+    /// and blocks are released.
+    fn leave(&mut self, seq: &mut Seq) {
+        if seq.state != NO_SLOT {
+            self.core.snapshot_state(&seq.kv, seq.state, seq.computed);
+            self.core.release_state_slot(seq.state);
+            seq.state = NO_SLOT;
+        }
+        seq.kv.release_all(&mut self.core.allocs());
     }
 
     /// Ends a sequence that is not running (waiting or never admitted).
     fn end_waiting(&mut self, mut seq: Seq, reason: StopReason, events: &mut Vec<Event>) {
-        seq.kv.release_all(&mut self.core.allocs());
+        self.leave(&mut seq);
         let text = self.core.text.as_ref();
         if let Ok(kind) = seq.decoding.finish(reason, text) {
             events.push(Event { request: seq.request, index: seq.index, kind });
@@ -895,7 +1057,7 @@ impl BatchEngine {
     /// Moves the last running sequence back to the front of the queue, its blocks released.
     fn preempt_last(&mut self) {
         if let Some(mut seq) = self.running.pop() {
-            seq.kv.release_all(&mut self.core.allocs());
+            self.leave(&mut seq);
             seq.computed = 0;
             self.stats.preemptions += 1;
             self.waiting.push_front(seq);
@@ -996,6 +1158,17 @@ impl BatchEngine {
         // 3b. Admit waiting sequences, first come first served.
         while budget > 0 && self.running.len() < self.core.max_seqs {
             let Some(mut seq) = self.waiting.pop_front() else { break };
+            let Some(slot) = self.core.take_state_slot() else {
+                self.waiting.push_front(seq);
+                break;
+            };
+            seq.state = slot;
+            if self.core.states.is_some() && !seq.kv.blocks.is_empty() {
+                // A fresh state slot holds nothing of this sequence: blocks kept from before
+                // are matched again below, with the state from a snapshot.
+                seq.kv.release_all(&mut self.core.allocs());
+                seq.computed = 0;
+            }
             if seq.kv.blocks.is_empty() {
                 // Positions whose prompt log-probabilities are still wanted are computed, never
                 // taken from the cache.
@@ -1003,7 +1176,9 @@ impl BatchEngine {
                     Some(_) => (seq.tokens.len() - 1).min(seq.next_scored),
                     None => seq.tokens.len() - 1,
                 };
-                let matched = seq.kv.match_prefix(&mut self.core.allocs(), &seq.tokens, limit, bs);
+                seq.kv.match_prefix(&mut self.core.allocs(), &seq.tokens, limit, bs);
+                // With recurrent layers, the hit is cut back to the last snapshot of their state.
+                let matched = self.core.resume_state(&mut seq.kv, seq.state, &seq.tokens);
                 seq.computed = matched;
                 self.stats.prefix_cache_queries += seq.tokens.len() as u64;
                 self.stats.prefix_cache_hits += matched as u64;
@@ -1020,6 +1195,8 @@ impl BatchEngine {
             if len == 0 || !seq.kv.grow(&mut self.core.allocs(), end, bs) {
                 // Not even one token fits: give the matched blocks back and wait.
                 seq.kv.release_all(&mut self.core.allocs());
+                self.core.release_state_slot(seq.state);
+                seq.state = NO_SLOT;
                 seq.computed = 0;
                 self.waiting.push_front(seq);
                 break;
@@ -1095,9 +1272,35 @@ impl BatchEngine {
                 None => take_forced(&mut seq, text, self.core.context, &mut self.stats, events)?,
                 some => some,
             };
+            let room = self.running.len() < self.core.max_seqs;
             match reason {
                 Some(reason) => self.end_waiting(seq, reason, events),
-                None if seq.computed == prompt_len && self.running.len() < self.core.max_seqs => self.running.push(seq),
+                None if seq.computed == prompt_len && room => {
+                    // The sibling continues from the leader's recurrent state too.
+                    let leader_state = self.running[leader_slot].state;
+                    match self.core.take_state_slot() {
+                        Some(slot) => {
+                            if let (Some(states), true) = (&mut self.core.states, slot != NO_SLOT) {
+                                states.copy_live(leader_state, slot);
+                            }
+                            seq.state = slot;
+                            self.running.push(seq)
+                        }
+                        None => {
+                            seq.kv.release_all(&mut self.core.allocs());
+                            seq.computed = 0;
+                            self.waiting.push_back(seq)
+                        }
+                    }
+                }
+                None if self.core.states.is_some() => {
+                    // With recurrent layers a sibling cannot resume at a block boundary without a
+                    // snapshot of its state there: it is admitted again, from the prompt's
+                    // snapshot through the prefix cache.
+                    seq.kv.release_all(&mut self.core.allocs());
+                    seq.computed = 0;
+                    self.waiting.push_back(seq)
+                }
                 None => {
                     // Recomputed later (the partial block), or no room to run now.
                     let kept = seq.kv.truncate(&mut self.core.allocs(), &seq.tokens, full, bs);
@@ -1125,10 +1328,10 @@ impl BatchEngine {
             let ids = &seq.tokens[seq.computed..end];
             let last = end == seq.tokens.len();
             if s.all_rows {
-                s.first_row = self.core.plan.push_all_logits(ids, seq.computed, &seq.kv.blocks, &seq.kv.sliding);
+                s.first_row = self.core.plan.push_all_logits(ids, seq.computed, &seq.kv.blocks, &seq.kv.sliding, seq.state);
                 s.logits_row = last.then(|| s.first_row + s.len - 1);
             } else {
-                s.logits_row = self.core.plan.push(ids, seq.computed, &seq.kv.blocks, &seq.kv.sliding, last);
+                s.logits_row = self.core.plan.push(ids, seq.computed, &seq.kv.blocks, &seq.kv.sliding, seq.state, last);
             }
         }
         // Constrained sequences compute the grammar mask for their next token while the forward
@@ -1164,6 +1367,12 @@ impl BatchEngine {
             }
             seq.computed += len;
             seq.kv.advance(&mut self.core.allocs(), &seq.tokens, seq.computed, bs);
+            if seq.computed >= seq.prompt_len && seq.computed - len < seq.prompt_len {
+                // The prompt is complete: its recurrent state at its last chunk boundary is what
+                // a repeated prompt or the next turn of a chat reuses.
+                self.core.snapshot_state(&seq.kv, seq.state, seq.computed);
+            }
+            let seq = &mut self.running[slot];
             let Some(row) = logits_row else { continue };
             if seq.decoding.generates_nothing() {
                 // The request only scores its prompt: it ends here, its choices with it.
@@ -1199,7 +1408,7 @@ impl BatchEngine {
         self.finished.sort_unstable();
         while let Some(slot) = self.finished.pop() {
             let mut seq = self.running.remove(slot);
-            seq.kv.release_all(&mut self.core.allocs());
+            self.leave(&mut seq);
         }
         Ok(())
     }

@@ -81,6 +81,7 @@ impl Serving for EncoderEngine {
             kernels: kylin_kernels::kernel_family(kylin_kernels::Precision::F32).into(),
             has_tokenizer: self.text.is_some(),
             eos_ids: self.eos_ids.clone(),
+            state_pool: None,
         }
     }
 

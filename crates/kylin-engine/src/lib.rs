@@ -17,6 +17,7 @@ pub mod sampler;
 pub mod sequence;
 pub mod serial;
 pub mod serving;
+pub mod state_pool;
 pub mod text;
 pub mod tools;
 
@@ -26,6 +27,7 @@ pub use model::{PrecisionChoice, QuantFormat};
 pub use sampler::{Sampler, SamplingParams};
 pub use serial::SerialEngine;
 pub use serving::{
-    CancelHandle, EmbeddingInfo, EngineInfo, EngineStats, Event, EventKind, Request, Serving, StopReason, Usage,
+    CancelHandle, EmbeddingInfo, EngineInfo, EngineStats, Event, EventKind, Request, Serving, StatePoolInfo, StopReason,
+    Usage,
 };
 pub use text::TextCodec;

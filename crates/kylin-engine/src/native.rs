@@ -39,12 +39,14 @@ pub struct ModelParts<'a> {
     pub eos_ids: Vec<u32>,
 }
 
-/// The one sequence: its ids, how many of them are computed, and its blocks.
-#[derive(Debug, Default)]
+/// The one sequence: its ids, how many of them are computed, its blocks, and its live slot in
+/// the recurrent layers' state pool (`NO_SLOT` without recurrent layers).
+#[derive(Debug)]
 struct Direct {
     tokens: Vec<u32>,
     computed: usize,
     kv: SeqKv,
+    state: u32,
 }
 
 /// A Hugging Face model run by Kylin's own kernels, one sequence at a time.
@@ -80,10 +82,18 @@ impl NativeBackend {
         engine.ctx_size = opts.ctx_size.or(engine.ctx_size);
         engine.chat_template_override = opts.chat_template_override.or(engine.chat_template_override);
         engine.max_seqs = 1;
-        let core = EngineCore::new(parts, &engine)?;
+        let mut core = EngineCore::new(parts, &engine)?;
         let max_blocks = core.context().div_ceil(core.block_size()) + 1;
-        let seq =
-            Direct { tokens: Vec::with_capacity(core.context()), computed: 0, kv: SeqKv::with_capacity(max_blocks) };
+        // The one sequence owns the one live state slot for the backend's lifetime.
+        let state = core
+            .take_state_slot()
+            .ok_or_else(|| KylinError::config_invalid("internal: the state pool has no slot for the sequence"))?;
+        let seq = Direct {
+            tokens: Vec::with_capacity(core.context()),
+            computed: 0,
+            kv: SeqKv::with_capacity(max_blocks),
+            state,
+        };
         Ok(NativeBackend { core, seq })
     }
 
@@ -131,9 +141,14 @@ impl NativeBackend {
         let bs = self.core.block_size();
         let vocab = self.core.model().dims().vocab;
         let seq = &mut self.seq;
-        if seq.kv.blocks.is_empty() && all_logits.is_none() {
-            let limit = seq.tokens.len().saturating_sub(1);
-            seq.computed = seq.kv.match_prefix(&mut self.core.allocs(), &seq.tokens, limit, bs);
+        if seq.kv.blocks.is_empty() {
+            if all_logits.is_none() {
+                let limit = seq.tokens.len().saturating_sub(1);
+                seq.kv.match_prefix(&mut self.core.allocs(), &seq.tokens, limit, bs);
+            }
+            // With recurrent layers the hit is cut back to the last snapshot of their state (or
+            // the state starts from zero).
+            seq.computed = self.core.resume_state(&mut seq.kv, seq.state, &seq.tokens);
         }
         let first = seq.computed;
         while seq.computed < seq.tokens.len() {
@@ -152,6 +167,7 @@ impl NativeBackend {
                 seq.computed,
                 &seq.kv.blocks,
                 &seq.kv.sliding,
+                seq.state,
                 last && all_logits.is_none(),
             );
             let rows =
@@ -160,7 +176,40 @@ impl NativeBackend {
             seq.computed = end;
             seq.kv.advance(&mut self.core.allocs(), &seq.tokens, seq.computed, bs);
         }
+        if seq.computed - first > 1 {
+            // A prompt: its recurrent state at its last chunk boundary is what a repeated prompt
+            // or the next turn reuses.
+            self.core.snapshot_state(&seq.kv, seq.state, seq.computed);
+        }
         Ok(())
+    }
+}
+
+impl NativeBackend {
+    /// [`Backend::rewind`] for a model with recurrent layers, whose state cannot be cut back
+    /// like blocks: the sequence resumes from its own anchor (its last chunk boundary) when
+    /// that is within the kept tokens, else from the latest snapshot of a kept prefix, else
+    /// from the start; what lies between is recomputed with the next call. The state at the
+    /// anchor is snapshotted first, since it ends a turn the next prompt may share.
+    fn rewind_recurrent(&mut self, len: usize) {
+        let bs = self.core.block_size();
+        let seq = &mut self.seq;
+        self.core.snapshot_state(&seq.kv, seq.state, seq.computed);
+        let chunk = self.core.state_pool().map_or(bs, |s| s.chunk());
+        let anchor = seq.computed / chunk * chunk;
+        let keep_blocks = (len / bs).min(seq.kv.blocks.len());
+        let computed = if anchor <= len && anchor / bs <= seq.kv.hashes.len() {
+            if let Some(states) = &mut self.core.states {
+                states.rewind_to_anchor(seq.state);
+            }
+            let kept = seq.kv.truncate(&mut self.core.allocs(), &seq.tokens, anchor / bs, bs);
+            kept * bs
+        } else {
+            seq.kv.truncate(&mut self.core.allocs(), &seq.tokens, keep_blocks, bs);
+            self.core.resume_state(&mut seq.kv, seq.state, &seq.tokens)
+        };
+        seq.tokens.truncate(len);
+        seq.computed = computed;
     }
 }
 
@@ -223,8 +272,10 @@ impl Backend for NativeBackend {
         self.core.text()?.apply_chat_template(messages, add_generation_prompt, kwargs)
     }
 
-    /// Releases the sequence's blocks; its full blocks stay in the prefix cache.
+    /// Releases the sequence's blocks; its full blocks stay in the prefix cache (and, with
+    /// recurrent layers, a snapshot of their state at its last chunk boundary).
     fn reset(&mut self) {
+        self.core.snapshot_state(&self.seq.kv, self.seq.state, self.seq.computed);
         self.seq.kv.release_all(&mut self.core.allocs());
         self.seq.tokens.clear();
         self.seq.computed = 0;
@@ -238,6 +289,10 @@ impl Backend for NativeBackend {
             return;
         }
         let bs = self.core.block_size();
+        if self.core.state_pool().is_some() {
+            self.rewind_recurrent(len);
+            return;
+        }
         let keep = (len / bs).min(self.seq.kv.blocks.len());
         let keep = self.seq.kv.truncate(&mut self.core.allocs(), &self.seq.tokens, keep, bs);
         self.seq.tokens.truncate(len);

@@ -231,6 +231,7 @@ impl Serving for SerialEngine {
             kernels: summary.kernels,
             has_tokenizer: self.backend.has_tokenizer(),
             eos_ids: self.backend.eos_ids().to_vec(),
+            state_pool: None,
         }
     }
 

@@ -240,6 +240,25 @@ pub struct EngineInfo {
     pub kernels: String,
     pub has_tokenizer: bool,
     pub eos_ids: Vec<u32>,
+    /// The recurrent layers' state pool of a hybrid model (`None` without recurrent layers).
+    pub state_pool: Option<StatePoolInfo>,
+}
+
+/// The state pool of a model with recurrent layers (Gated DeltaNet, short convolutions),
+/// counted in the memory budget beside the KV cache (`kylin_engine::state_pool`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct StatePoolInfo {
+    /// Live states: one per running sequence (`max_seqs`).
+    pub live_slots: usize,
+    /// Snapshots of states at chunk boundaries, for the prefix cache (`--state-snapshots`).
+    pub snapshots: usize,
+    /// Bytes of one live state and of one snapshot.
+    pub live_bytes: u64,
+    pub snapshot_bytes: u64,
+    /// Bytes of the whole pool.
+    pub bytes: u64,
+    /// Positions between two state updates; snapshots sit at its multiples.
+    pub chunk: usize,
 }
 
 /// What an embedding model produces (for `/v1/embeddings`, `kylin embed` and `/v1/models`).

@@ -38,6 +38,8 @@ fn a_step_with_eight_running_sequences_allocates_nothing() {
         (fixture("tiny-qwen3-yarn"), PrecisionChoice::Auto, None),
         (fixture("tiny-qwen3-yarn"), PrecisionChoice::Auto, Some(QuantFormat::Q8_0)),
         (models.join("smollm2-135m-instruct"), PrecisionChoice::Auto, Some(QuantFormat::Q4K)),
+        // A hybrid model: eight live states updated in place by the Gated DeltaNet layers.
+        (Path::new(SHARED).join("families/fixtures/tiny-qwen3.5"), PrecisionChoice::F32, None),
     ] {
         let name = path.display();
         let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();

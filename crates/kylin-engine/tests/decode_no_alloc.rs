@@ -27,8 +27,11 @@ fn decode_steps_allocate_nothing() {
     // soft-caps and sandwich norms (Gemma 2), fused projections (Phi-3), NoPE (SmolLM3),
     // post-norms (OLMo 2), multipliers (Granite), and Gemma 4's per-layer inputs, wider global
     // heads and shared keys and values; the Mixture-of-Experts families (routing, grouping by
-    // expert, shared experts, sinks). The 39-token prompt and 33 decode steps cross the
-    // windows of 5 to 8, so sliding blocks are released while decoding.
+    // expert, shared experts, sinks); the hybrid families' recurrent layers (Qwen3.5's Gated
+    // DeltaNet, LFM2's short convolutions), whose states are updated in place in the state
+    // pool. The 39-token prompt and 33 decode steps cross the windows of 5 to 8, so sliding
+    // blocks are released while decoding, and the delta rule's chunk boundaries (every 16
+    // positions), so its states are folded while decoding.
     let families = [
         "tiny-gemma2",
         "tiny-gemma3",
@@ -44,6 +47,9 @@ fn decode_steps_allocate_nothing() {
         "tiny-olmoe",
         "tiny-gpt-oss",
         "tiny-gemma4-moe",
+        "tiny-qwen3.5",
+        "tiny-qwen3.5-vl",
+        "tiny-lfm2",
     ];
     let more = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/families/fixtures");
     let models = ["tiny-qwen2-f16", "tiny-qwen3-yarn", "tiny-qwen3-sharded-f32"]

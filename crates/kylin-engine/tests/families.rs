@@ -32,8 +32,8 @@ const FAMILIES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/fam
 /// Further configurations of the same families, written by `scripts/make_family_fixtures.py`.
 const MORE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/families");
 
-/// The families this engine runs (dense and Mixture-of-Experts); the others in
-/// `shared/families` (hybrid) must be refused with a clear code until their issue lands.
+/// The dense and Mixture-of-Experts families this engine runs; with [`HYBRID`], every family in
+/// `shared/families`. A fixture in neither must be refused with a clear code.
 const RUNNING: [&str; 14] = [
     "tiny-gemma2",
     "tiny-gemma3",
@@ -50,6 +50,10 @@ const RUNNING: [&str; 14] = [
     "tiny-gpt-oss",
     "tiny-gemma4-moe",
 ];
+
+/// The hybrid families: recurrent mixers (Gated DeltaNet, short convolutions) beside attention,
+/// each sequence's state in the engine's state pool.
+const HYBRID: [&str; 3] = ["tiny-qwen3.5", "tiny-qwen3.5-vl", "tiny-lfm2"];
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(FAMILIES).join("fixtures").join(name)
@@ -138,6 +142,9 @@ family_tests! {
     olmoe_matches_transformers => "tiny-olmoe",
     gemma4_moe_matches_transformers => "tiny-gemma4-moe",
     gpt_oss_matches_transformers => "tiny-gpt-oss",
+    qwen3_5_matches_transformers => "tiny-qwen3.5",
+    qwen3_5_conditional_generation_layout_matches_transformers => "tiny-qwen3.5-vl",
+    lfm2_matches_transformers => "tiny-lfm2",
 }
 
 /// The further configurations (`tests/fixtures/families`): windows of 5 to 7, one KV head,
@@ -164,7 +171,7 @@ fn phi3_longrope_matches_transformers_on_both_sides_of_the_original_context() {
     check_with_context(MORE, "tiny-phi3-longrope", &|needed| Some(if needed <= 64 { 64 } else { 256 }));
 }
 
-/// Every family fixture either is one of [`RUNNING`] and loads, or is refused with
+/// Every family fixture either is one of [`RUNNING`] or [`HYBRID`] and loads, or is refused with
 /// `MAPPING_MISSING` naming its architecture (not a panic, not a wrong answer).
 #[test]
 fn every_family_fixture_runs_or_is_refused_by_name() {
@@ -175,7 +182,7 @@ fn every_family_fixture_runs_or_is_refused_by_name() {
     names.sort();
     for name in &names {
         let result = kylin_loader::load(&fixture(name), &kylin_loader::LoadOptions::default());
-        if RUNNING.contains(&name.as_str()) {
+        if RUNNING.contains(&name.as_str()) || HYBRID.contains(&name.as_str()) {
             result.unwrap_or_else(|e| panic!("{name}: {e}"));
         } else {
             let err = result.err().unwrap_or_else(|| panic!("{name} loads but has no reference test here"));
@@ -268,6 +275,16 @@ fn every_family_batches_invariantly_in_f32() {
     }
 }
 
+/// The hybrid families: nine requests alone and together (prompts chunked at 40 tokens, so the
+/// delta rule's chunks are split across steps differently), the same bits.
+#[test]
+fn every_hybrid_family_batches_invariantly() {
+    for name in HYBRID {
+        batch_invariance(name, PrecisionChoice::F32, None);
+        batch_invariance(name, PrecisionChoice::Auto, Some(QuantFormat::Q8_0));
+    }
+}
+
 #[test]
 fn every_family_batches_invariantly_on_the_fast_paths() {
     let bf16 = kylin_kernels::bf16_kernels().is_some();
@@ -333,7 +350,7 @@ fn fast_paths_stay_close_to_f32_on_every_family() {
         paths.insert(0, ("bf16", PrecisionChoice::Bf16, None));
     }
     let mut failures = Vec::new();
-    for name in RUNNING {
+    for name in RUNNING.iter().chain(&HYBRID) {
         for &(label, precision, quantize) in &paths {
             let (kl, agree) = kl_against_f32(name, precision, quantize);
             println!("{name:<18} {label:<5} KL {kl:.6}  argmax agreement {:.1}%", agree * 100.0);

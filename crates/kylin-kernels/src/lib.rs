@@ -35,6 +35,7 @@ mod amx;
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod avx512bf16;
+pub mod delta;
 mod matmul;
 pub mod mxfp4;
 pub mod packed;
@@ -409,6 +410,17 @@ pub fn softmax(x: &mut [f32]) {
         // SAFETY: AVX2/FMA/F16C were detected.
         Isa::Avx2Fma | Isa::Avx512 => unsafe { x86::softmax(x) },
         _ => reference::softmax(x),
+    }
+}
+
+/// In-place `x = silu(x) = x / (1 + e^-x)`. The SIMD version's `exp` is within 2 ulp of the
+/// reference's.
+pub fn silu(x: &mut [f32]) {
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2/FMA/F16C were detected.
+        Isa::Avx2Fma | Isa::Avx512 => unsafe { x86::silu(x) },
+        _ => reference::silu(x),
     }
 }
 

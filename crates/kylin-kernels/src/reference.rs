@@ -83,6 +83,12 @@ pub fn softmax(x: &mut [f32]) {
     }
 }
 
+pub fn silu(x: &mut [f32]) {
+    for v in x.iter_mut() {
+        *v = *v / (1.0 + (-*v).exp());
+    }
+}
+
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     for (g, u) in gate.iter_mut().zip(up) {
         *g = *g / (1.0 + (-*g).exp()) * u;
@@ -224,5 +230,41 @@ pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
 pub fn softcap(x: &mut [f32], cap: f32) {
     for v in x.iter_mut() {
         *v = (*v / cap).tanh() * cap;
+    }
+}
+
+/// The gated delta rule of one value head token by token, in f64 (transformers'
+/// `torch_recurrent_gated_delta_rule`): for each token, `S ← e^g S`, `u = β (v − Sᵀ k)`,
+/// `S ← S + k uᵀ`, `o = Sᵀ q`. Rows `t` of `q`, `k` (`dk`) and `v` (`dv`) are contiguous;
+/// `s` is `(dk, dv)` and is advanced; `out` is `(n, dv)`. The accuracy reference of
+/// [`crate::delta::delta_rule`].
+#[allow(clippy::too_many_arguments)]
+pub fn delta_rule_recurrent(
+    dk: usize,
+    dv: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    s: &mut [f64],
+    out: &mut [f32],
+) {
+    for t in 0..g.len() {
+        let decay = (g[t] as f64).exp();
+        for x in s.iter_mut() {
+            *x *= decay;
+        }
+        let (qt, kt, vt) = (&q[t * dk..(t + 1) * dk], &k[t * dk..(t + 1) * dk], &v[t * dv..(t + 1) * dv]);
+        for j in 0..dv {
+            let mem: f64 = (0..dk).map(|a| s[a * dv + j] * kt[a] as f64).sum();
+            let delta = (vt[j] as f64 - mem) * beta[t] as f64;
+            for a in 0..dk {
+                s[a * dv + j] += kt[a] as f64 * delta;
+            }
+        }
+        for j in 0..dv {
+            out[t * dv + j] = (0..dk).map(|a| s[a * dv + j] * qt[a] as f64).sum::<f64>() as f32;
+        }
     }
 }

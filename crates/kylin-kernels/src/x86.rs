@@ -417,6 +417,28 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// In-place `x = silu(x) = x / (1 + e^-x)`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn silu(x: &mut [f32]) {
+    let n = x.len();
+    let main = n & !7;
+    let p = x.as_mut_ptr();
+    let one = _mm256_set1_ps(1.0);
+    let zero = _mm256_setzero_ps();
+    let mut i = 0;
+    // SAFETY: every access is at `i..i + 8 <= main <= n`, inside the slice.
+    unsafe {
+        while i < main {
+            let v = _mm256_loadu_ps(p.add(i));
+            _mm256_storeu_ps(p.add(i), _mm256_div_ps(v, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, v)))));
+            i += 8;
+        }
+    }
+    for v in &mut x[main..] {
+        *v = *v / (1.0 + exp1(-*v));
+    }
+}
+
 /// `tanh(u) = 1 − 2 / (e^{2u} + 1)` on eight lanes (finite for every finite `u`: [`exp8`]
 /// clamps its input).
 #[target_feature(enable = "avx2,fma,f16c")]

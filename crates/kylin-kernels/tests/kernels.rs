@@ -351,6 +351,10 @@ fn softmax_and_silu_match_reference_within_a_few_ulp() {
         reference::silu_mul(&mut a, &y);
         kylin_kernels::silu_mul(&mut b, &y);
         assert_ulps(&b, &a, 6.0, &format!("silu_mul n={n}"));
+        let (mut a, mut b) = (x.clone(), x.clone());
+        reference::silu(&mut a);
+        kylin_kernels::silu(&mut b);
+        assert_ulps(&b, &a, 6.0, &format!("silu n={n}"));
     }
     let mut extremes = vec![-1e4f32, -100.0, -88.0, -87.0, 0.0, 87.0, 88.0, 100.0, 1e4];
     let mut reference_copy = extremes.clone();

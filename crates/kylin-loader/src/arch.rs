@@ -72,6 +72,24 @@ pub enum Dim {
     ExpertBlocks,
     /// 16 bytes: one MXFP4 block's codes.
     BlockBytes,
+    /// `2 * num_attention_heads * head_dim`: a gated attention's `q_proj`, each head's queries
+    /// followed by its gate (Qwen3.5).
+    QGateDim,
+    /// Gated DeltaNet's convolution channels, `2 * key_heads * key_head_dim + value_heads *
+    /// value_head_dim` (its `in_proj_qkv` rows).
+    LinearConvDim,
+    /// `linear_num_value_heads * linear_value_head_dim`.
+    LinearValueDim,
+    /// `linear_num_value_heads`.
+    LinearValueHeads,
+    /// `linear_value_head_dim`.
+    LinearValueHeadDim,
+    /// `linear_conv_kernel_dim`.
+    LinearConvKernel,
+    /// `conv_L_cache` (LFM2's short convolution).
+    ShortConvKernel,
+    /// `3 * hidden_size` (LFM2's `conv.in_proj`: B, C and x).
+    ThreeHidden,
 }
 
 /// The sizes that vary per layer: the layer's own, or the model's for global entries.
@@ -107,6 +125,14 @@ impl Dim {
             Dim::HiddenBlocks => c.hidden_size / 32,
             Dim::ExpertBlocks => c.decoder.moe.map_or(0, |m| m.intermediate / 32),
             Dim::BlockBytes => 16,
+            Dim::QGateDim => 2 * c.num_heads * head_dim,
+            Dim::LinearConvDim => c.decoder.linear_attention.map_or(0, |l| l.conv_dim()),
+            Dim::LinearValueDim => c.decoder.linear_attention.map_or(0, |l| l.value_dim()),
+            Dim::LinearValueHeads => c.decoder.linear_attention.map_or(0, |l| l.value_heads),
+            Dim::LinearValueHeadDim => c.decoder.linear_attention.map_or(0, |l| l.value_head_dim),
+            Dim::LinearConvKernel => c.decoder.linear_attention.map_or(0, |l| l.conv_kernel),
+            Dim::ShortConvKernel => c.decoder.short_conv.map_or(0, |s| s.kernel),
+            Dim::ThreeHidden => 3 * c.hidden_size,
         }
     }
 
@@ -140,6 +166,30 @@ impl Dim {
             Dim::HiddenBlocks => format!("hidden_size={} / 32", c.hidden_size),
             Dim::ExpertBlocks => format!("the expert width {} / 32", self.value(c, layer) * 32),
             Dim::BlockBytes => "16 bytes per block".to_string(),
+            Dim::QGateDim => format!("2 * num_attention_heads={} * head_dim={head_dim}", c.num_heads),
+            Dim::LinearConvDim
+            | Dim::LinearValueDim
+            | Dim::LinearValueHeads
+            | Dim::LinearValueHeadDim
+            | Dim::LinearConvKernel => {
+                let l = c.decoder.linear_attention;
+                let (kh, vh, kd, vd, k) = l.map_or((0, 0, 0, 0, 0), |l| {
+                    (l.key_heads, l.value_heads, l.key_head_dim, l.value_head_dim, l.conv_kernel)
+                });
+                match self {
+                    Dim::LinearConvDim => format!(
+                        "2 * linear_num_key_heads={kh} * linear_key_head_dim={kd} + linear_num_value_heads={vh} * linear_value_head_dim={vd}"
+                    ),
+                    Dim::LinearValueDim => {
+                        format!("linear_num_value_heads={vh} * linear_value_head_dim={vd}")
+                    }
+                    Dim::LinearValueHeads => format!("linear_num_value_heads={vh}"),
+                    Dim::LinearValueHeadDim => format!("linear_value_head_dim={vd}"),
+                    _ => format!("linear_conv_kernel_dim={k}"),
+                }
+            }
+            Dim::ShortConvKernel => format!("conv_L_cache={}", c.decoder.short_conv.map_or(0, |s| s.kernel)),
+            Dim::ThreeHidden => format!("3 * hidden_size={}", c.hidden_size),
         }
     }
 }
@@ -170,6 +220,12 @@ pub enum Cond {
     PerLayerInput,
     /// The layers carry a `layer_scalar` (Gemma 4).
     LayerScalar,
+    /// A Gated DeltaNet layer's tensor.
+    DeltaNet,
+    /// A short-convolution layer's tensor.
+    ShortConv,
+    /// A short-convolution layer's bias (`conv_bias`).
+    ShortConvBias,
     /// A layer with routed experts: its router.
     Router,
     /// The router's bias (gpt-oss).
@@ -217,6 +273,7 @@ impl Cond {
         let dense = spec.is_none_or(|l| l.ffn.has_mlp());
         let moe = c.decoder.moe.filter(|_| spec.is_some_and(|l| l.ffn.has_experts()));
         let layout = |l: ExpertLayout| moe.is_some() && experts == l;
+        let mixer = |kind: crate::family::MixerKind| spec.is_some_and(|l| l.mixer == kind);
         let own_kv = attention && spec.is_none_or(|l| l.has_kv_projections());
         let own_v = attention && spec.is_none_or(|l| l.has_value_projection());
         match self {
@@ -249,6 +306,11 @@ impl Cond {
             Cond::ExpertsMxfp4 => layout(ExpertLayout::StackedMxfp4),
             Cond::SharedExpert => moe.is_some_and(|m| m.shared_intermediate.is_some()),
             Cond::Sinks => attention && c.decoder.attention_sinks,
+            Cond::DeltaNet => mixer(crate::family::MixerKind::GatedDeltaNet),
+            Cond::ShortConv => mixer(crate::family::MixerKind::ShortConv),
+            Cond::ShortConvBias => {
+                mixer(crate::family::MixerKind::ShortConv) && c.decoder.short_conv.is_some_and(|s| s.bias)
+            }
         }
     }
 }
@@ -298,6 +360,27 @@ pub enum Role {
     EmbedPerLayer,
     PerLayerModelProjection,
     PerLayerProjectionNorm,
+    /// Gated DeltaNet (`linear_attn.*`): `in_proj_qkv` `[conv_dim, hidden]`, `in_proj_z`
+    /// `[value_dim, hidden]`, `in_proj_b` and `in_proj_a` `[value_heads, hidden]`, `conv1d`
+    /// `[conv_dim, 1, kernel]`, `A_log` and `dt_bias` `[value_heads]`, the gated norm
+    /// `[value_head_dim]` and `out_proj` `[hidden, value_dim]`.
+    LinearQkvProj,
+    LinearZProj,
+    LinearBProj,
+    LinearAProj,
+    LinearConv,
+    LinearALog,
+    LinearDtBias,
+    LinearNorm,
+    LinearOutProj,
+    /// LFM2's short convolution (`conv.*`): `in_proj` `[3 hidden, hidden]`, `conv` `[hidden, 1,
+    /// kernel]`, `out_proj` `[hidden, hidden]`, and their biases with `conv_bias`.
+    ConvInProj,
+    ConvWeight,
+    ConvOutProj,
+    ConvInBias,
+    ConvBias,
+    ConvOutBias,
     /// The Mixture-of-Experts router `[experts, hidden]` and its bias `[experts]`.
     Router,
     RouterBias,
@@ -371,6 +454,13 @@ impl Role {
                 | Role::DownProj
                 | Role::QkvProj
                 | Role::GateUpProj
+                | Role::LinearQkvProj
+                | Role::LinearZProj
+                | Role::LinearBProj
+                | Role::LinearAProj
+                | Role::LinearOutProj
+                | Role::ConvInProj
+                | Role::ConvOutProj
                 | Role::ExpertGate
                 | Role::ExpertUp
                 | Role::ExpertDown
@@ -553,6 +643,101 @@ pub const PER_LAYER_INPUTS: &[Spec] = &[
         &[Hidden],
         Cond::PerLayerInput,
     ),
+];
+
+/// Qwen3.5's gated attention: `q_proj` holds each head's queries followed by its output
+/// gate; per-head q/k norms.
+pub const GATED_ATTENTION: &[Spec] = &[
+    spec(Role::QProj, "model.layers.{layer}.self_attn.q_proj.weight", &[QGateDim, Hidden], Cond::Attention),
+    spec(Role::KProj, "model.layers.{layer}.self_attn.k_proj.weight", &[KvDim, Hidden], Cond::Attention),
+    spec(Role::VProj, "model.layers.{layer}.self_attn.v_proj.weight", &[KvDim, Hidden], Cond::Attention),
+    spec(Role::OProj, "model.layers.{layer}.self_attn.o_proj.weight", &[Hidden, QDim], Cond::Attention),
+    spec(Role::QNorm, "model.layers.{layer}.self_attn.q_norm.weight", &[HeadDim], Cond::Attention),
+    spec(Role::KNorm, "model.layers.{layer}.self_attn.k_norm.weight", &[HeadDim], Cond::Attention),
+];
+
+/// Gated DeltaNet (Qwen3.5's `linear_attn`), on its layers.
+pub const GATED_DELTA_NET: &[Spec] = &[
+    spec(
+        Role::LinearQkvProj,
+        "model.layers.{layer}.linear_attn.in_proj_qkv.weight",
+        &[LinearConvDim, Hidden],
+        Cond::DeltaNet,
+    ),
+    spec(
+        Role::LinearZProj,
+        "model.layers.{layer}.linear_attn.in_proj_z.weight",
+        &[LinearValueDim, Hidden],
+        Cond::DeltaNet,
+    ),
+    spec(
+        Role::LinearBProj,
+        "model.layers.{layer}.linear_attn.in_proj_b.weight",
+        &[LinearValueHeads, Hidden],
+        Cond::DeltaNet,
+    ),
+    spec(
+        Role::LinearAProj,
+        "model.layers.{layer}.linear_attn.in_proj_a.weight",
+        &[LinearValueHeads, Hidden],
+        Cond::DeltaNet,
+    ),
+    spec(
+        Role::LinearConv,
+        "model.layers.{layer}.linear_attn.conv1d.weight",
+        &[LinearConvDim, One, LinearConvKernel],
+        Cond::DeltaNet,
+    ),
+    spec(Role::LinearALog, "model.layers.{layer}.linear_attn.A_log", &[LinearValueHeads], Cond::DeltaNet),
+    spec(Role::LinearDtBias, "model.layers.{layer}.linear_attn.dt_bias", &[LinearValueHeads], Cond::DeltaNet),
+    spec(Role::LinearNorm, "model.layers.{layer}.linear_attn.norm.weight", &[LinearValueHeadDim], Cond::DeltaNet),
+    spec(
+        Role::LinearOutProj,
+        "model.layers.{layer}.linear_attn.out_proj.weight",
+        &[Hidden, LinearValueDim],
+        Cond::DeltaNet,
+    ),
+];
+
+/// LFM2: the embedding, the final norm (`embedding_norm`, applied after the layers) and the
+/// head.
+pub const LFM2_EMBED_HEAD: &[Spec] = &[
+    spec(Role::Embed, "model.embed_tokens.weight", &[Vocab, Hidden], Cond::Always),
+    spec(Role::FinalNorm, "model.embedding_norm.weight", &[Hidden], Cond::Always),
+    spec(Role::LmHead, "lm_head.weight", &[Vocab, Hidden], Cond::Untied),
+];
+
+/// LFM2's norms: before the mixer (`operator_norm`) and before the MLP (`ffn_norm`).
+pub const LFM2_NORMS: &[Spec] = &[
+    spec(Role::AttnNorm, "model.layers.{layer}.operator_norm.weight", &[Hidden], Cond::Always),
+    spec(Role::MlpNorm, "model.layers.{layer}.ffn_norm.weight", &[Hidden], Cond::Always),
+];
+
+/// LFM2's attention: `out_proj`, per-head `q_layernorm` and `k_layernorm`.
+pub const LFM2_ATTENTION: &[Spec] = &[
+    spec(Role::QProj, "model.layers.{layer}.self_attn.q_proj.weight", &[QDim, Hidden], Cond::Attention),
+    spec(Role::KProj, "model.layers.{layer}.self_attn.k_proj.weight", &[KvDim, Hidden], Cond::Attention),
+    spec(Role::VProj, "model.layers.{layer}.self_attn.v_proj.weight", &[KvDim, Hidden], Cond::Attention),
+    spec(Role::OProj, "model.layers.{layer}.self_attn.out_proj.weight", &[Hidden, QDim], Cond::Attention),
+    spec(Role::QNorm, "model.layers.{layer}.self_attn.q_layernorm.weight", &[HeadDim], Cond::Attention),
+    spec(Role::KNorm, "model.layers.{layer}.self_attn.k_layernorm.weight", &[HeadDim], Cond::Attention),
+];
+
+/// LFM2's gated MLP (`feed_forward`: `w1` gate, `w3` up, `w2` down).
+pub const LFM2_MLP: &[Spec] = &[
+    spec(Role::GateProj, "model.layers.{layer}.feed_forward.w1.weight", &[Intermediate, Hidden], Cond::DenseFfn),
+    spec(Role::UpProj, "model.layers.{layer}.feed_forward.w3.weight", &[Intermediate, Hidden], Cond::DenseFfn),
+    spec(Role::DownProj, "model.layers.{layer}.feed_forward.w2.weight", &[Hidden, Intermediate], Cond::DenseFfn),
+];
+
+/// LFM2's short convolution, on its layers.
+pub const SHORT_CONV: &[Spec] = &[
+    spec(Role::ConvInProj, "model.layers.{layer}.conv.in_proj.weight", &[ThreeHidden, Hidden], Cond::ShortConv),
+    spec(Role::ConvWeight, "model.layers.{layer}.conv.conv.weight", &[Hidden, One, ShortConvKernel], Cond::ShortConv),
+    spec(Role::ConvOutProj, "model.layers.{layer}.conv.out_proj.weight", &[Hidden, Hidden], Cond::ShortConv),
+    spec(Role::ConvInBias, "model.layers.{layer}.conv.in_proj.bias", &[ThreeHidden], Cond::ShortConvBias),
+    spec(Role::ConvBias, "model.layers.{layer}.conv.conv.bias", &[Hidden], Cond::ShortConvBias),
+    spec(Role::ConvOutBias, "model.layers.{layer}.conv.out_proj.bias", &[Hidden], Cond::ShortConvBias),
 ];
 
 pub const LAYER_SCALAR: &[Spec] =

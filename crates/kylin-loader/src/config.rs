@@ -398,7 +398,11 @@ impl HfConfig {
             num_attention_heads: get_u64(obj, "num_attention_heads")?,
             num_key_value_heads: get_u64(obj, "num_key_value_heads")?,
             head_dim: get_u64(obj, "head_dim")?,
-            intermediate_size: get_u64(obj, "intermediate_size")?,
+            // LFM2's configurations may name it `block_ff_dim` (transformers reads that alias).
+            intermediate_size: match get_u64(obj, "intermediate_size")? {
+                Some(v) => Some(v),
+                None => get_u64(obj, "block_ff_dim")?,
+            },
             vocab_size: get_u64(obj, "vocab_size")?,
             max_position_embeddings: get_u64(obj, "max_position_embeddings")?,
             rms_norm_eps: get_f64(obj, "rms_norm_eps")?,

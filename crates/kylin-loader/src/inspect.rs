@@ -30,6 +30,9 @@ pub struct BindingReport {
     pub bound_tensors: usize,
     /// Checkpoint tensors the architecture's table did not use.
     pub unused_tensors: Vec<String>,
+    /// Parts of the checkpoint the native engine does not run (a vision tower, Qwen3.5's
+    /// multi-token-prediction head), with their tensors.
+    pub not_run: Vec<crate::NotRun>,
     /// Stored dtype -> count of the matrices of the matrix products ([`crate::ModelWeights::matrices`]).
     pub matrix_dtypes: BTreeMap<String, usize>,
     /// How each kind of tensor is stored, and the bytes one token reads.
@@ -249,6 +252,7 @@ fn native_report(path: &Path, opts: &LoadOptions) -> Result<InspectReport> {
             head: model.weights.head.clone(),
             bound_tensors,
             unused_tensors: model.unused_tensors.clone(),
+            not_run: model.not_run.clone(),
             matrix_dtypes: model.weights.matrices().fold(BTreeMap::new(), |mut counts, t| {
                 let dtype = stored_format(&model.weights, t);
                 *counts.entry(dtype.to_string()).or_insert(0) += 1;
@@ -444,6 +448,18 @@ impl InspectReport {
             let _ = writeln!(s, "binding     {} tensors bound; head: {}", b.bound_tensors, b.head.reason);
             if !b.unused_tensors.is_empty() {
                 let _ = writeln!(s, "  unused: {}", b.unused_tensors.join(", "));
+            }
+            for part in &b.not_run {
+                let shown: Vec<&str> = part.tensors.iter().take(6).map(String::as_str).collect();
+                let more = part.tensors.len().saturating_sub(shown.len());
+                let _ = writeln!(
+                    s,
+                    "  not run: {}, {} tensors: {}{}",
+                    part.part,
+                    part.tensors.len(),
+                    shown.join(", "),
+                    if more > 0 { format!(", ... and {more} more") } else { String::new() }
+                );
             }
             let q = &b.quantization;
             let kinds: Vec<String> = q.kinds.iter().map(|(k, v)| format!("{k} {v}")).collect();

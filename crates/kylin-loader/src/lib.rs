@@ -193,6 +193,10 @@ pub struct LoadedModel {
     /// Stored dtype name -> tensor count.
     pub dtypes: BTreeMap<String, usize>,
     pub unused_tensors: Vec<String>,
+    /// Tensors of parts the native engine does not run, by part: the vision tower and projector
+    /// of a `*ForConditionalGeneration` directory, and the multi-token-prediction head
+    /// (`mtp.*`, Qwen3.5), kept for speculative decoding.
+    pub not_run: Vec<NotRun>,
     /// The header and tensor layout of a llama2.c `.bin` (`None` for other formats).
     pub llama2c: Option<llama2c::BinInfo>,
     pub tokenizer: Option<TokenizerBundle>,
@@ -258,6 +262,14 @@ pub(crate) fn open_hf(format: &Format) -> Result<HfParts> {
     Ok(HfParts { config, index, warnings })
 }
 
+/// A part of a checkpoint the native engine does not run, and its tensors.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct NotRun {
+    /// What the part is (`vision tower and projector`, `multi-token prediction (mtp.*)`).
+    pub part: String,
+    pub tensors: Vec<String>,
+}
+
 /// Loads a Hugging Face model (directory or safetensors file) or a llama2.c `.bin` for the
 /// native engine.
 ///
@@ -277,9 +289,11 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         None => arch::TensorMap::default(),
     };
     let mut bound = arch::bind(&config, &index, &map)?;
+    let mut not_run = Vec::new();
     if let Some(class) = &config.multimodal {
         // The vision tower and projector are not run (yet): one line instead of every name.
-        let is_language = |n: &String| n.contains("language_model") || n.starts_with("lm_head");
+        let is_language =
+            |n: &String| n.contains("language_model") || n.starts_with("lm_head") || n.starts_with("mtp.");
         let (language, vision): (Vec<String>, Vec<String>) = bound.unused.drain(..).partition(is_language);
         bound.unused = language;
         if !vision.is_empty() {
@@ -287,7 +301,19 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
                 "{class}: the language model runs; the vision tower and projector ({} tensors) are not used (images are not supported yet)",
                 vision.len()
             ));
+            not_run.push(NotRun { part: "vision tower and projector".into(), tensors: vision });
         }
+    }
+    // Qwen3.5's multi-token-prediction head: a further decoder layer that proposes the token
+    // after next, for speculative decoding; the model's own logits do not use it.
+    let (mtp, rest): (Vec<String>, Vec<String>) = bound.unused.drain(..).partition(|n| n.starts_with("mtp."));
+    bound.unused = rest;
+    if !mtp.is_empty() {
+        warnings.push(format!(
+            "{} mtp.* tensors (the multi-token-prediction head) are not run: they are kept for speculative decoding",
+            mtp.len()
+        ));
+        not_run.push(NotRun { part: "multi-token prediction (mtp.*)".into(), tensors: mtp });
     }
     if opts.prefetch {
         for tensor in bound.weights.tensors() {
@@ -321,6 +347,7 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         config,
         weights: bound.weights,
         unused_tensors: bound.unused,
+        not_run,
         llama2c: None,
         tokenizer,
         generation,

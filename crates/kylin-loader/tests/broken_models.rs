@@ -1054,3 +1054,133 @@ fn an_implausible_layer_count_is_refused_before_anything_is_sized_by_it() {
     });
     assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &["num_hidden_layers", "3000000000"]);
 }
+
+#[test]
+fn hybrid_configs_and_tensors_are_checked() {
+    // Qwen3.5: the layer pattern, the Gated DeltaNet sizes and their tensors.
+    let dir = copy_family("tiny-qwen3.5");
+    let config = dir.path().join("config.json");
+    let model = load(dir.path(), &LoadOptions::default()).unwrap();
+    let kinds: Vec<bool> = model.config.decoder.layers.iter().map(|l| l.mixer.is_recurrent()).collect();
+    assert_eq!(kinds, [true, true, true, false]);
+    assert!(model.config.decoder.attention_output_gate);
+    assert_eq!(model.config.rope.partial_rotary_factor, 0.25);
+    edit_json(&config, |c| {
+        c["layer_types"] = serde_json::json!(["linear_attention", "mamba", "linear_attention", "full_attention"]);
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::OperatorUnsupported, &["layer_types[1]", "mamba"]);
+    edit_json(&config, |c| {
+        c["layer_types"] = serde_json::json!(["linear_attention", "full_attention"]);
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &["layer_types", "2 entries", "4"]);
+    // Without layer_types, every full_attention_interval-th layer is attention: here every
+    // second, so layer 1's linear_attn tensors are surplus and its self_attn ones missing.
+    edit_json(&config, |c| {
+        c.remove("layer_types");
+        c.insert("full_attention_interval".into(), Value::from(2));
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::TensorMissing, &["model.layers.1.self_attn.q_proj.weight"]);
+    edit_json(&config, |c| {
+        c.insert("full_attention_interval".into(), Value::from(0));
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &["full_attention_interval", "0"]);
+    edit_json(&config, |c| {
+        c.insert("full_attention_interval".into(), Value::from(4));
+        c["linear_num_value_heads"] = Value::from(3);
+    });
+    assert_code(
+        &load_err(dir.path()),
+        ErrorCode::ConfigInvalid,
+        &["linear_num_value_heads=3", "linear_num_key_heads=2"],
+    );
+    // A value head count that divides but disagrees with the tensors: the shape error names
+    // the sizes it came from.
+    edit_json(&config, |c| {
+        c["linear_num_value_heads"] = Value::from(8);
+    });
+    assert_code(
+        &load_err(dir.path()),
+        ErrorCode::TensorShapeMismatch,
+        &["model.layers.0.linear_attn.in_proj_qkv.weight", "[192, 64]", "linear_num_value_heads=8"],
+    );
+    edit_json(&config, |c| {
+        c["linear_num_value_heads"] = Value::from(4);
+        c["linear_key_head_dim"] = Value::from(512);
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::OperatorUnsupported, &["linear_key_head_dim", "512"]);
+    edit_json(&config, |c| {
+        c["linear_key_head_dim"] = Value::from(16);
+        c["linear_conv_kernel_dim"] = Value::from(0);
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &["linear_conv_kernel_dim", "0"]);
+    edit_json(&config, |c| {
+        c["linear_conv_kernel_dim"] = Value::from(4);
+        c["rope_parameters"]["mrope_section"] = Value::from("11,11,10");
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &["rope_parameters.mrope_section"]);
+    edit_json(&config, |c| {
+        c["rope_parameters"]["mrope_section"] = serde_json::json!([1, 1, 0]);
+        c.insert("attn_output_gate".into(), Value::from(false));
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::OperatorUnsupported, &["attn_output_gate"]);
+    edit_json(&config, |c| {
+        c.remove("attn_output_gate");
+    });
+    // The convolution's weight is [channels, 1, taps].
+    edit_header(&dir.path().join("model.safetensors"), |h| {
+        h["model.layers.2.linear_attn.conv1d.weight"]["shape"] = serde_json::json!([128, 4]);
+    });
+    assert_code(
+        &load_err(dir.path()),
+        ErrorCode::TensorShapeMismatch,
+        &["model.layers.2.linear_attn.conv1d.weight", "[128, 4]", "[128, 1, 4]", "linear_conv_kernel_dim=4"],
+    );
+
+    // LFM2: the layer pattern from full_attn_idxs, the adjusted MLP width, the convolution.
+    let dir = copy_family("tiny-lfm2");
+    let config = dir.path().join("config.json");
+    edit_json(&config, |c| {
+        c.remove("layer_types");
+        c["full_attn_idxs"] = serde_json::json!([2, 9]);
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &["full_attn_idxs", "9"]);
+    edit_json(&config, |c| {
+        c["full_attn_idxs"] = serde_json::json!([2, 5]);
+        c["block_auto_adjust_ff_dim"] = Value::from(true);
+    });
+    // 2 · 128 / 3 = 85, rounded up to 256: the stored MLP (128) no longer fits.
+    assert_code(
+        &load_err(dir.path()),
+        ErrorCode::TensorShapeMismatch,
+        &["model.layers.0.feed_forward.w1.weight", "[256, 64]", "intermediate_size=256"],
+    );
+    edit_json(&config, |c| {
+        c["block_auto_adjust_ff_dim"] = Value::from(false);
+        c["conv_bias"] = Value::from(true);
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::TensorMissing, &["model.layers.0.conv.conv.bias"]);
+    edit_json(&config, |c| {
+        c["conv_bias"] = Value::from(false);
+        c["conv_L_cache"] = Value::from(99);
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::OperatorUnsupported, &["conv_L_cache", "99"]);
+
+    // The Mixture-of-Experts hybrids are refused by name until the MoE block runs them.
+    for name in ["tiny-qwen3.5-moe"] {
+        let err = load_err(&Path::new(SHARED).join("families/fixtures").join(name));
+        assert_code(&err, ErrorCode::MappingMissing, &["Qwen3_5MoeForCausalLM"]);
+    }
+}
+
+#[test]
+fn a_published_qwen3_5_layout_lists_its_vision_tower_and_mtp_tensors_as_not_run() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/families/fixtures/tiny-qwen3.5-vl-mtp");
+    let model = load(&dir, &LoadOptions::default()).unwrap();
+    assert!(model.unused_tensors.is_empty(), "unused: {:?}", model.unused_tensors);
+    let parts: Vec<(&str, usize)> = model.not_run.iter().map(|p| (p.part.as_str(), p.tensors.len())).collect();
+    assert_eq!(parts, [("vision tower and projector", 21), ("multi-token prediction (mtp.*)", 6)]);
+    assert!(model.warnings.iter().any(|w| w.contains("6 mtp.* tensors")), "{:?}", model.warnings);
+    let report = inspect(&dir, &LoadOptions::default()).unwrap().to_human();
+    assert!(report.contains("not run: multi-token prediction (mtp.*), 6 tensors: mtp."), "{report}");
+    assert!(report.contains("Gated DeltaNet on 3 of 4 layers"), "{report}");
+}

@@ -80,6 +80,7 @@ impl Serving for Scripted {
             kernels: "scalar".into(),
             has_tokenizer: true,
             eos_ids: vec![EOS],
+            state_pool: None,
         }
     }
 

@@ -53,6 +53,9 @@ pub(super) struct Attention {
     pub(super) in_sliding_pool: bool,
     /// Index of the layer's table in [`Ropes`], or no RoPE.
     rope: Option<usize>,
+    /// `q_proj` gives each head its queries and then as many gate values, and the output is
+    /// `attention · sigmoid(gate)` before `o_proj` (Qwen3.5).
+    output_gate: bool,
 }
 
 impl Attention {
@@ -90,8 +93,10 @@ impl Attention {
             QkNorm::Projection => (q_dim, kv_dim),
         };
         let own_kv = layer.has_kv_projections();
+        let output_gate = spec.attention_output_gate;
+        let q_rows = if output_gate { 2 * q_dim } else { q_dim };
         Ok(Attention {
-            q_proj: linear(Role::QProj, Role::QBias, q_dim, hidden)?,
+            q_proj: linear(Role::QProj, Role::QBias, q_rows, hidden)?,
             k_proj: own_kv.then(|| linear(Role::KProj, Role::KBias, kv_dim, hidden)).transpose()?,
             v_proj: layer
                 .has_value_projection()
@@ -115,6 +120,7 @@ impl Attention {
             kv_slot: index,
             in_sliding_pool: false,
             rope,
+            output_gate,
         })
     }
 
@@ -139,6 +145,11 @@ impl Attention {
     /// The q and k norms' weights.
     pub(super) fn norms(&self) -> impl Iterator<Item = &Norm> {
         [&self.q_norm, &self.k_norm].into_iter().flatten()
+    }
+
+    /// Whether `q_proj` carries an output gate (Qwen3.5).
+    pub(super) fn has_output_gate(&self) -> bool {
+        self.output_gate
     }
 
     /// Whether the layer computes and stores its own keys and values.
@@ -182,7 +193,10 @@ impl Attention {
         //    k and v (n, n_kv_heads * head_dim). A layer reusing an earlier layer's keys and
         //    values projects only q; one whose values are its keys' projection copies k to v
         //    before k is normed and rotated.
-        let (q_out, k_out, v_out) = (&mut s.q[..n * q_dim], &mut s.k[..n * kv_dim], &mut s.v[..n * kv_dim]);
+        //    A gated layer's q_proj gives (n, heads, 2 · head_dim): each head's queries, then its
+        //    gate; the queries are copied to q below, the gate stays for step 4.
+        let q_out = if layer.output_gate { &mut s.q_gate[..n * 2 * q_dim] } else { &mut s.q[..n * q_dim] };
+        let (k_out, v_out) = (&mut s.k[..n * kv_dim], &mut s.v[..n * kv_dim]);
         match (&layer.k_proj, &layer.v_proj) {
             (Some(k_proj), Some(v_proj)) => Linear::forward_many(
                 mm,
@@ -196,6 +210,15 @@ impl Attention {
                 v_out.copy_from_slice(k_out);
             }
             (None, _) => layer.q_proj.forward(mm, input, n, q_out, &mut s.products),
+        }
+        if layer.output_gate {
+            // (n, heads, [queries | gate]) -> q (n, heads, head_dim).
+            for t in 0..n {
+                for head in 0..c.n_heads {
+                    let from = t * 2 * q_dim + head * 2 * hd;
+                    s.q[t * q_dim + head * hd..t * q_dim + (head + 1) * hd].copy_from_slice(&s.q_gate[from..from + hd]);
+                }
+            }
         }
 
         // 2. The q/k norm (per head, or over the whole projection), then RoPE at each token's
@@ -382,7 +405,20 @@ impl Attention {
             }
         }
 
-        // 4. Output projection: attn (n, n_heads * head_dim) -> proj (n, hidden).
+        // 4. A gated layer's output: attn (n, heads, head_dim) *= sigmoid(gate) element-wise.
+        if layer.output_gate {
+            for t in 0..n {
+                for head in 0..c.n_heads {
+                    let gate = &s.q_gate[t * 2 * q_dim + head * 2 * hd + hd..t * 2 * q_dim + (head + 1) * 2 * hd];
+                    let out = &mut s.attn[t * q_dim + head * hd..t * q_dim + (head + 1) * hd];
+                    for (o, &g) in out.iter_mut().zip(gate) {
+                        *o *= kylin_kernels::delta::sigmoid(g);
+                    }
+                }
+            }
+        }
+
+        // 5. Output projection: attn (n, n_heads * head_dim) -> proj (n, hidden).
         layer.o_proj.forward(mm, &s.attn[..n * q_dim], n, &mut s.proj[..n * h], &mut s.products);
     }
 }
@@ -401,7 +437,7 @@ unsafe impl<T: Send> Send for SharedMut<T> {}
 unsafe impl<T: Send> Sync for SharedMut<T> {}
 
 impl<T> SharedMut<T> {
-    fn new(buffer: &mut [T]) -> Self {
+    pub(super) fn new(buffer: &mut [T]) -> Self {
         SharedMut { ptr: buffer.as_mut_ptr(), len: buffer.len() }
     }
 
@@ -411,7 +447,7 @@ impl<T> SharedMut<T> {
     /// No two slices obtained from the same buffer may be alive at the same time and overlap,
     /// and the buffer must outlive them.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn slice(&self, start: usize, len: usize) -> &mut [T] {
+    pub(super) unsafe fn slice(&self, start: usize, len: usize) -> &mut [T] {
         assert!(start <= self.len && len <= self.len - start, "SharedMut slice out of bounds");
         // SAFETY: in bounds (checked above); exclusivity is the caller's contract.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }

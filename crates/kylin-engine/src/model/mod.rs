@@ -88,11 +88,13 @@ impl QuantFormat {
 }
 
 mod attention;
+mod delta_net;
 mod linear;
 mod mlp;
 mod moe;
 mod per_layer;
 mod scratch;
+mod short_conv;
 
 use std::sync::Arc;
 
@@ -105,13 +107,16 @@ use kylin_loader::{KylinError, LayerWeights, ModelConfig, ModelWeights, Result, 
 
 use crate::kv_pool::{KvPool, KvShape};
 use crate::rope::Ropes;
+use crate::state_pool::{RecurrentShape, StatePool};
 use attention::{Attention, SPLIT_SEGMENTS};
+use delta_net::DeltaNet;
 use linear::{Linear, Matmul, Norm, PublishedDecode, QuantSource, Vector, decode_published};
 use mlp::Mlp;
 use moe::Moe;
 pub use moe::MoeScratch;
 use per_layer::{PerLayerBlock, PerLayerInputs};
 pub use scratch::{ProductScratch, Scratch};
+use short_conv::ShortConv;
 
 /// What every block of one forward pass shares: how products run and the model's widths.
 #[derive(Clone, Copy)]
@@ -131,6 +136,10 @@ pub const DEFAULT_MAX_CHUNK: usize = 512;
 enum Mixer {
     /// Self-attention over the paged KV cache.
     Attention(Attention),
+    /// Gated DeltaNet linear attention over a state per sequence (`delta_net.rs`).
+    DeltaNet(DeltaNet),
+    /// LFM2's short convolution over a state per sequence (`short_conv.rs`).
+    ShortConv(ShortConv),
 }
 
 /// The layer's feed-forward block.
@@ -185,6 +194,7 @@ impl Layer {
         index: usize,
         config: &ModelConfig,
         rope: Option<usize>,
+        recurrent: usize,
         weights: &ModelWeights,
     ) -> Result<Self> {
         let spec = &config.decoder;
@@ -206,6 +216,22 @@ impl Layer {
             attn_norm: optional_norm(spec.attention_norms.pre(), Role::AttnNorm)?,
             mixer: match layer.mixer {
                 MixerKind::Attention => Mixer::Attention(Attention::new(w, index, config, &layer, rope, weights)?),
+                MixerKind::GatedDeltaNet => {
+                    let dims = spec.linear_attention.ok_or_else(|| {
+                        KylinError::config_invalid(format!(
+                            "internal: layer {index} is linear attention without its sizes"
+                        ))
+                    })?;
+                    Mixer::DeltaNet(DeltaNet::new(w, index, hidden, dims, recurrent, weights)?)
+                }
+                MixerKind::ShortConv => {
+                    let conv = spec.short_conv.ok_or_else(|| {
+                        KylinError::config_invalid(format!(
+                            "internal: layer {index} is a short convolution without its sizes"
+                        ))
+                    })?;
+                    Mixer::ShortConv(ShortConv::new(w, index, hidden, conv, recurrent, weights)?)
+                }
             },
             attn_post_norm: optional_norm(spec.attention_norms.post(), Role::PostAttnNorm)?,
             mlp_norm: optional_norm(spec.mlp_norms.pre(), Role::MlpNorm)?,
@@ -239,20 +265,33 @@ impl Layer {
     fn attention(&self) -> Option<&Attention> {
         match &self.mixer {
             Mixer::Attention(a) => Some(a),
+            Mixer::DeltaNet(_) | Mixer::ShortConv(_) => None,
         }
     }
 
     fn attention_mut(&mut self) -> Option<&mut Attention> {
         match &mut self.mixer {
             Mixer::Attention(a) => Some(a),
+            Mixer::DeltaNet(_) | Mixer::ShortConv(_) => None,
+        }
+    }
+
+    /// The state the layer's mixer keeps per sequence, if it is recurrent.
+    fn recurrent_shape(&self) -> Option<RecurrentShape> {
+        match &self.mixer {
+            Mixer::Attention(_) => None,
+            Mixer::DeltaNet(d) => Some(d.shape()),
+            Mixer::ShortConv(c) => Some(c.shape()),
         }
     }
 
     /// The matrices of the layer's mixer and feed-forward block with their roles (attention
     /// q, k, v, o, then the MLP's gate, up, down): the ones `--quantize` quantizes.
     fn linears(&self) -> impl Iterator<Item = (Role, &Linear)> {
-        let mixer = match &self.mixer {
-            Mixer::Attention(a) => a.linears(),
+        let mixer: Box<dyn Iterator<Item = (Role, &Linear)> + '_> = match &self.mixer {
+            Mixer::Attention(a) => Box::new(a.linears()),
+            Mixer::DeltaNet(d) => Box::new(d.linears()),
+            Mixer::ShortConv(c) => Box::new(c.linears()),
         };
         let (mlp, moe) = self.ffn_parts();
         mixer.chain(mlp.into_iter().flat_map(Mlp::linears)).chain(moe.into_iter().flat_map(Moe::linears))
@@ -268,8 +307,10 @@ impl Layer {
     }
 
     fn linears_mut(&mut self) -> impl Iterator<Item = &mut Linear> {
-        let mixer = match &mut self.mixer {
-            Mixer::Attention(a) => a.linears_mut(),
+        let mixer: Box<dyn Iterator<Item = &mut Linear> + '_> = match &mut self.mixer {
+            Mixer::Attention(a) => Box::new(a.linears_mut()),
+            Mixer::DeltaNet(d) => Box::new(d.linears_mut()),
+            Mixer::ShortConv(c) => Box::new(c.linears_mut()),
         };
         let (mlp, moe): (Option<&mut Mlp>, Option<&mut Moe>) = match &mut self.ffn {
             Ffn::Dense(m) => (Some(m), None),
@@ -292,6 +333,11 @@ impl Layer {
             Ffn::DenseAndMoe(b) => Some([&b.post_mlp_norm, &b.pre_expert_norm, &b.post_expert_norm]),
             _ => None,
         };
+        let recurrent: Box<dyn Iterator<Item = &Vector> + '_> = match &self.mixer {
+            Mixer::Attention(_) => Box::new(std::iter::empty()),
+            Mixer::DeltaNet(d) => Box::new(d.vectors()),
+            Mixer::ShortConv(c) => Box::new(c.vectors()),
+        };
         [&self.attn_norm, &self.mlp_norm, &self.attn_post_norm, &self.mlp_post_norm]
             .into_iter()
             .flatten()
@@ -299,6 +345,17 @@ impl Layer {
             .chain(self.per_layer.iter().map(|p| &p.post_norm))
             .chain(branches.into_iter().flatten())
             .map(|n| &n.weight)
+            .chain(recurrent)
+    }
+
+    /// The recurrent mixers' convolution weights (read in place, not matrix products).
+    fn conv_tensors(&self) -> impl Iterator<Item = &kylin_loader::WeightTensor> {
+        match &self.mixer {
+            Mixer::Attention(_) => None,
+            Mixer::DeltaNet(d) => Some(d.conv_tensor()),
+            Mixer::ShortConv(c) => Some(c.conv_tensor()),
+        }
+        .into_iter()
     }
 }
 
@@ -379,6 +436,9 @@ pub struct Segment {
     /// Every token's logits are wanted (prompt log-probabilities): rows
     /// `logits_row + 1 - n ..= logits_row` hold them, in token order.
     pub all_logits: bool,
+    /// The sequence's live slot in the recurrent layers' state pool (`NO_SLOT` for a model
+    /// without recurrent layers); a sequence appears in at most one segment of a plan.
+    pub state: u32,
 }
 
 /// What one forward pass computes: the tokens of every segment, back to back.
@@ -415,14 +475,23 @@ impl BatchPlan {
     }
 
     /// Adds a segment of `ids` at position `start` of a sequence with block table `blocks`
-    /// (and `sliding` in the sliding layers' pool, empty without one); returns its logits row
-    /// when `logits` is asked for.
-    pub fn push(&mut self, ids: &[u32], start: usize, blocks: &[u32], sliding: &[u32], logits: bool) -> Option<usize> {
+    /// (and `sliding` in the sliding layers' pool, empty without one) and live state slot
+    /// `state` (`NO_SLOT` without recurrent layers); returns its logits row when `logits` is
+    /// asked for.
+    pub fn push(
+        &mut self,
+        ids: &[u32],
+        start: usize,
+        blocks: &[u32],
+        sliding: &[u32],
+        state: u32,
+        logits: bool,
+    ) -> Option<usize> {
         let logits_row = logits.then(|| {
             self.logit_rows += 1;
             self.logit_rows - 1
         });
-        self.push_segment(ids, start, blocks, sliding, logits_row, false);
+        self.push_segment(ids, start, blocks, sliding, state, logits_row, false);
         logits_row
     }
 
@@ -430,11 +499,18 @@ impl BatchPlan {
     /// tokens (a request's prompt log-probabilities); returns the row of its first token, the
     /// others following in order. The scratch must have room for that many rows
     /// ([`Model::plan_scratch_with_rows`]).
-    pub fn push_all_logits(&mut self, ids: &[u32], start: usize, blocks: &[u32], sliding: &[u32]) -> usize {
+    pub fn push_all_logits(
+        &mut self,
+        ids: &[u32],
+        start: usize,
+        blocks: &[u32],
+        sliding: &[u32],
+        state: u32,
+    ) -> usize {
         let first = self.logit_rows;
         self.logit_rows += ids.len();
         let last = (!ids.is_empty()).then(|| self.logit_rows - 1);
-        self.push_segment(ids, start, blocks, sliding, last, true);
+        self.push_segment(ids, start, blocks, sliding, state, last, true);
         first
     }
 
@@ -444,6 +520,7 @@ impl BatchPlan {
         start: usize,
         blocks: &[u32],
         sliding: &[u32],
+        state: u32,
         logits_row: Option<usize>,
         all_logits: bool,
     ) {
@@ -457,6 +534,7 @@ impl BatchPlan {
             snb: sliding.len(),
             logits_row,
             all_logits,
+            state,
         });
         self.ids.extend_from_slice(ids);
         self.block_ids.extend_from_slice(blocks);
@@ -556,6 +634,7 @@ impl Model {
             rope_configs.push((local.clone(), config.head_dim));
         }
         let mut layers = Vec::with_capacity(config.num_layers);
+        let mut recurrent = 0;
         for (i, w) in weights.layers.iter().enumerate() {
             let l = &spec.layers[i];
             let rope = match l.rope {
@@ -573,7 +652,18 @@ impl Model {
                     }
                 }
             });
-            layers.push(Layer::new(w, i, config, table, weights)?);
+            layers.push(Layer::new(w, i, config, table, recurrent, weights)?);
+            if l.mixer.is_recurrent() {
+                recurrent += 1;
+            }
+        }
+        // The recurrent layers' prefix reuse and rewinds rest on the full KV pool's block
+        // boundaries; a sliding window beside them would need both schemes at once.
+        if recurrent > 0 && layers.iter().any(|l| l.attention().is_some_and(|a| a.window.is_some())) {
+            return Err(KylinError::operator_unsupported(format!(
+                "{} mixes recurrent layers with sliding-window attention, which Kylin does not run together",
+                config.architecture.hf_name()
+            )));
         }
         // The sliding layers get a KV pool of their own when they share one window: it holds
         // only the positions their windows still reach (`KvGroups`). A layer that reuses an
@@ -1067,6 +1157,7 @@ impl Model {
             .map(|l| {
                 l.linears().map(|(_, m)| m).chain(l.side_linears()).map(Linear::element_count).sum::<u64>()
                     + l.vectors().map(|v| v.tensor.element_count() as u64).sum::<u64>()
+                    + l.conv_tensors().map(|t| t.element_count() as u64).sum::<u64>()
             })
             .sum();
         let head = if self.tied { 0 } else { self.lm_head.element_count() };
@@ -1097,16 +1188,21 @@ impl Model {
             .iter()
             .map(|l| {
                 let (mlp, moe) = l.ffn_parts();
-                let mixer: u64 = l
-                    .attention()
-                    .into_iter()
-                    .map(|a| a.linears().map(|(_, m)| m.byte_len()).sum::<u64>() + a.sink_bytes)
-                    .sum();
+                let mixer: u64 = match &l.mixer {
+                    Mixer::Attention(a) => a.linears().map(|(_, m)| m.byte_len()).sum::<u64>() + a.sink_bytes,
+                    Mixer::DeltaNet(d) => d.linears().map(|(_, m)| m.byte_len()).sum(),
+                    Mixer::ShortConv(c) => c.linears().map(|(_, m)| m.byte_len()).sum(),
+                };
                 let mlp: u64 = mlp.into_iter().flat_map(Mlp::linears).map(|(_, m)| m.byte_len()).sum();
                 let moe: u64 = moe.map_or(0, |m| if per_token { m.bytes_per_token() } else { m.bytes_resident() });
                 let per_layer: u64 =
                     l.per_layer.iter().flat_map(|p| [&p.gate, &p.projection]).map(Linear::byte_len).sum();
-                mixer + mlp + moe + per_layer + l.vectors().map(|v| v.tensor.byte_len() as u64).sum::<u64>()
+                mixer
+                    + mlp
+                    + moe
+                    + per_layer
+                    + l.vectors().map(|v| v.tensor.byte_len() as u64).sum::<u64>()
+                    + l.conv_tensors().map(|t| t.byte_len() as u64).sum::<u64>()
             })
             .sum();
         let embed_row = (self.dims.hidden * self.embed.dtype.size_in_bytes()) as u64;
@@ -1149,6 +1245,23 @@ impl Model {
         let split_parts = context.div_ceil(PARTITION).max(1);
         let split_rows = split_segments * d.n_heads * split_parts;
         let (ple_width, ple_all) = self.per_layer_inputs.as_ref().map_or((0, 0), |p| (p.width, p.embed.cols));
+        // The recurrent mixers' widths: (input projection, convolution, gate/output, value
+        // heads, value head width).
+        let mut lin = (0usize, 0usize, 0usize, 0usize, 0usize);
+        for shape in self.recurrent_layers() {
+            let widths = match shape {
+                RecurrentShape::DeltaNet { heads, dv, channels, .. } => (channels, channels, heads * dv, heads, dv),
+                RecurrentShape::ShortConv { channels, .. } => (3 * channels, channels, channels, 0, 0),
+            };
+            lin = (
+                lin.0.max(widths.0),
+                lin.1.max(widths.1),
+                lin.2.max(widths.2),
+                lin.3.max(widths.3),
+                lin.4.max(widths.4),
+            );
+        }
+        let gated = self.attentions().any(Attention::has_output_gate);
         let sized = |rows: usize, cols: usize, what: &str| -> Result<Vec<f32>> {
             let len = rows.checked_mul(cols).ok_or_else(|| {
                 KylinError::config_invalid(format!(
@@ -1190,6 +1303,14 @@ impl Model {
             .ok_or_else(|| {
                 KylinError::config_invalid("the experts' buffers overflow; pass a smaller --max-batch-tokens")
             })?,
+            q_gate: sized(max_tokens, if gated { 2 * d.q_dim() } else { 0 }, "gated query")?,
+            lin_in: sized(max_tokens, lin.0, "linear-attention projection")?,
+            lin_mixed: sized(max_tokens, lin.1, "convolution")?,
+            lin_z: sized(max_tokens, lin.2, "linear-attention gate")?,
+            lin_gates: sized(2 * max_tokens, lin.3, "linear-attention decay")?,
+            lin_beta: sized(max_tokens, 2 * lin.3, "linear-attention decay")?,
+            lin_core: sized(max_tokens, lin.2, "linear-attention output")?,
+            lin_tmp: sized(1, lin.4, "linear-attention head")?,
             products: {
                 let expert_width = self.moe.map_or(0, |m| m.intermediate.max(m.shared_intermediate.unwrap_or(0)));
                 let widest = d.hidden.max(d.q_dim()).max(d.intermediate).max(ple_width).max(expert_width);
@@ -1207,6 +1328,12 @@ impl Model {
                 }
             },
         })
+    }
+
+    /// The state each recurrent layer (Gated DeltaNet, short convolution) keeps per sequence,
+    /// in layer order; empty for a model without them.
+    pub fn recurrent_layers(&self) -> Vec<RecurrentShape> {
+        self.layers.iter().filter_map(Layer::recurrent_shape).collect()
     }
 
     /// RoPE tables for positions `0..context`, one per rotary table the layers use.
@@ -1263,6 +1390,7 @@ impl Model {
         pool: &ThreadPool,
         kv: &mut KvPool,
         mut sliding_kv: Option<&mut KvPool>,
+        mut states: Option<&mut StatePool>,
         rope: &Ropes,
         s: &mut Scratch,
         plan: &BatchPlan,
@@ -1314,6 +1442,14 @@ impl Model {
                         _ => &mut *kv,
                     };
                     a.forward(&step, pool, rope, s, plan, layer.attn_norm.is_some());
+                }
+                Mixer::DeltaNet(d) => {
+                    let states = states.as_deref_mut().expect("the engine passes a state pool to recurrent models");
+                    d.forward(&step, states, s, plan, layer.attn_norm.is_some());
+                }
+                Mixer::ShortConv(c) => {
+                    let states = states.as_deref_mut().expect("the engine passes a state pool to recurrent models");
+                    c.forward(&step, states, s, plan, layer.attn_norm.is_some());
                 }
             }
             self.residual_add_block(layer.attn_post_norm.as_ref(), s, n);

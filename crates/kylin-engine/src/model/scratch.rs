@@ -52,6 +52,23 @@ pub struct Scratch {
     pub(super) ple_gate: Vec<f32>,
     /// The routed experts' tables and activations (empty without experts).
     pub(super) moe: super::MoeScratch,
+    /// A gated attention's q_proj output, `(max_tokens, n_heads, 2 · head_dim)` (empty without
+    /// gated attention layers).
+    pub(super) q_gate: Vec<f32>,
+    /// The recurrent mixers' buffers (empty without them): the input projection
+    /// `(max_tokens, max(2 · key_dim + value_dim, 3 · hidden))`, the convolution's input or
+    /// output `(max_tokens, max(conv_dim, hidden))`, the output gate `(max_tokens,
+    /// max(value_dim, hidden))`, DeltaNet's raw b and a `(2, max_tokens, value_heads)` and its
+    /// β and g `(max_tokens, 2 · value_heads)`, its outputs head-major `(value_heads,
+    /// max_tokens, value_head_dim)` (or the convolution's `(max_tokens, hidden)`), one head's
+    /// normed output `(value_head_dim)`.
+    pub(super) lin_in: Vec<f32>,
+    pub(super) lin_mixed: Vec<f32>,
+    pub(super) lin_z: Vec<f32>,
+    pub(super) lin_gates: Vec<f32>,
+    pub(super) lin_beta: Vec<f32>,
+    pub(super) lin_core: Vec<f32>,
+    pub(super) lin_tmp: Vec<f32>,
     /// The quantized or rounded activations of one matrix product.
     pub(super) products: ProductScratch,
 }
@@ -93,6 +110,14 @@ impl Scratch {
             + self.ple_row.len()
             + self.ple_gate.len()
             + self.moe.elements()
+            + self.q_gate.len()
+            + self.lin_in.len()
+            + self.lin_mixed.len()
+            + self.lin_z.len()
+            + self.lin_gates.len()
+            + self.lin_beta.len()
+            + self.lin_core.len()
+            + self.lin_tmp.len()
             + self.split_outputs.len()
             + 2 * self.split_stats.len();
         (elements * std::mem::size_of::<f32>()
@@ -116,6 +141,13 @@ impl Scratch {
             &mut self.logits,
             &mut self.ple,
             &mut self.ple_gate,
+            &mut self.q_gate,
+            &mut self.lin_in,
+            &mut self.lin_mixed,
+            &mut self.lin_z,
+            &mut self.lin_gates,
+            &mut self.lin_beta,
+            &mut self.lin_core,
             &mut self.split_outputs,
         ]
         .into_iter()

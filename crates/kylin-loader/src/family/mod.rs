@@ -28,6 +28,7 @@ pub mod gemma3;
 pub mod gemma4;
 pub mod gpt_oss;
 pub mod granite;
+pub mod lfm2;
 pub mod llama;
 pub mod mistral;
 pub mod mixtral;
@@ -38,6 +39,7 @@ pub mod qwen2;
 pub mod qwen2_moe;
 pub mod qwen3;
 pub mod qwen3_moe;
+pub mod qwen3_5;
 pub mod smollm3;
 
 /// Every family Kylin's native engine runs, by `architectures[0]`.
@@ -58,6 +60,8 @@ pub static REGISTRY: &[&Family] = &[
     &mixtral::FAMILY,
     &olmoe::FAMILY,
     &gpt_oss::FAMILY,
+    &qwen3_5::FAMILY,
+    &lfm2::FAMILY,
 ];
 
 /// The defaults transformers' configuration class declares for fields `config.json` may omit.
@@ -198,6 +202,61 @@ pub enum LayerRope {
 pub enum MixerKind {
     /// Self-attention (full or sliding) over the KV cache.
     Attention,
+    /// Gated DeltaNet linear attention (Qwen3.5's `linear_attn`): a causal convolution, then
+    /// the gated delta rule over a fixed-size state per sequence ([`LinearAttention`]).
+    GatedDeltaNet,
+    /// LFM2's short convolution (`conv`): `out_proj(C · conv(B · x))` with a rolling state of
+    /// the last `kernel - 1` inputs per sequence ([`ShortConv`]).
+    ShortConv,
+}
+
+impl MixerKind {
+    /// Whether the mixer keeps a fixed-size state per sequence instead of keys and values.
+    pub fn is_recurrent(self) -> bool {
+        matches!(self, MixerKind::GatedDeltaNet | MixerKind::ShortConv)
+    }
+}
+
+/// The sizes of the Gated DeltaNet layers (Qwen3.5's `linear_*` fields).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct LinearAttention {
+    /// `linear_num_key_heads`: query and key heads (each serves `value_heads / key_heads`
+    /// consecutive value heads).
+    pub key_heads: usize,
+    /// `linear_num_value_heads`.
+    pub value_heads: usize,
+    /// `linear_key_head_dim`.
+    pub key_head_dim: usize,
+    /// `linear_value_head_dim`.
+    pub value_head_dim: usize,
+    /// `linear_conv_kernel_dim`: taps of the causal convolution over q, k and v.
+    pub conv_kernel: usize,
+}
+
+impl LinearAttention {
+    /// `key_heads · key_head_dim`.
+    pub fn key_dim(&self) -> usize {
+        self.key_heads * self.key_head_dim
+    }
+
+    /// `value_heads · value_head_dim`.
+    pub fn value_dim(&self) -> usize {
+        self.value_heads * self.value_head_dim
+    }
+
+    /// Channels of the convolution: queries, keys and values, `2 · key_dim + value_dim`.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+}
+
+/// LFM2's short-convolution layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ShortConv {
+    /// `conv_L_cache`: taps of the depthwise convolution.
+    pub kernel: usize,
+    /// `conv_bias`: the projections and the convolution carry biases.
+    pub bias: bool,
 }
 
 /// A layer's feed-forward block.
@@ -355,6 +414,13 @@ pub struct DecoderSpec {
     /// Attention sinks: a learned logit per query head that joins every softmax's
     /// denominator (gpt-oss's `sinks`).
     pub attention_sinks: bool,
+    /// Attention's output is gated per element: `q_proj` gives each head its queries and then
+    /// as many gate values, and `o_proj` reads `attention · sigmoid(gate)` (Qwen3.5).
+    pub attention_output_gate: bool,
+    /// The sizes of the [`MixerKind::GatedDeltaNet`] layers, when the model has any.
+    pub linear_attention: Option<LinearAttention>,
+    /// The sizes of the [`MixerKind::ShortConv`] layers, when the model has any.
+    pub short_conv: Option<ShortConv>,
 }
 
 /// The sizes of Gemma 4's per-layer inputs.
@@ -400,12 +466,39 @@ impl DecoderSpec {
             layer_scalar: false,
             moe: None,
             attention_sinks: false,
+            attention_output_gate: false,
+            linear_attention: None,
+            short_conv: None,
         }
     }
 
     /// A short description for `inspect`: `sliding window 4096 on 20 of 26 layers`, ...
     pub fn describe(&self) -> Vec<String> {
         let mut out = Vec::new();
+        let count = |kind: MixerKind| self.layers.iter().filter(|l| l.mixer == kind).count();
+        if let Some(l) = &self.linear_attention {
+            out.push(format!(
+                "Gated DeltaNet on {} of {} layers ({} key heads x {}, {} value heads x {}, conv {})",
+                count(MixerKind::GatedDeltaNet),
+                self.layers.len(),
+                l.key_heads,
+                l.key_head_dim,
+                l.value_heads,
+                l.value_head_dim,
+                l.conv_kernel
+            ));
+        }
+        if let Some(c) = &self.short_conv {
+            out.push(format!(
+                "short convolution on {} of {} layers (kernel {})",
+                count(MixerKind::ShortConv),
+                self.layers.len(),
+                c.kernel
+            ));
+        }
+        if self.attention_output_gate {
+            out.push("gated attention output".into());
+        }
         let sliding: Vec<usize> = self.layers.iter().filter_map(|l| l.window).collect();
         if let Some(&w) = sliding.first() {
             out.push(format!("sliding window {w} on {} of {} layers", sliding.len(), self.layers.len()));

@@ -998,6 +998,7 @@ pub(crate) fn load(file: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         total_bytes: layout.sections.iter().map(|s| s.bytes as u64).sum(),
         dtypes,
         unused_tensors: Vec::new(),
+        not_run: Vec::new(),
         llama2c: Some(BinInfo::new(&layout, bound.owned_bytes)),
         config,
         weights: bound.weights,
