@@ -144,6 +144,15 @@ SPECS = {
     # intermediate_size (2/3, times 1.5, rounded up to 64), attention layers from
     # `full_attn_idxs` (layer_types left out), convolutions of 4 taps with biases, and the
     # untied head named by `tie_embedding`.
+    # Qwen3.5-MoE with 12 experts, top 3, a wider shared expert, grouped value heads (2 per key
+    # head), full attention every second layer from `full_attention_interval` (layer_types left
+    # out), one KV head.
+    "tiny-qwen3.5-moe-k3-interval": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig",
+        dict(BASE, head_dim=16, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+             linear_key_head_dim=16, linear_value_head_dim=24, num_experts=12, num_experts_per_tok=3,
+             moe_intermediate_size=32, shared_expert_intermediate_size=96, full_attention_interval=2,
+             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5}),
+        {"layer_types": None, "full_attention_interval": 2}),
     "tiny-lfm2-autoff-bias": ("Lfm2ForCausalLM", "Lfm2Config",
         dict(BASE, intermediate_size=200, block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.5,
              block_multiple_of=64, num_key_value_heads=2, full_attn_idxs=[0, 3], conv_L_cache=4, conv_bias=True,
@@ -350,7 +359,8 @@ def qwen3_moe_stacked(t):
 
 for src, dst, convert in (("tiny-gpt-oss", "tiny-gpt-oss-per-expert", gpt_oss_per_expert),
                           ("tiny-gemma4-moe", "tiny-gemma4-moe-per-expert", gemma4_per_expert),
-                          ("tiny-qwen3-moe", "tiny-qwen3-moe-stacked", qwen3_moe_stacked)):
+                          ("tiny-qwen3-moe", "tiny-qwen3-moe-stacked", qwen3_moe_stacked),
+                          ("tiny-qwen3.5-moe", "tiny-qwen3.5-moe-stacked", qwen3_moe_stacked)):
     if not only or dst in only:
         relayout(src, dst, convert)
 
@@ -445,3 +455,34 @@ if not only or "tiny-qwen3.5-vl-mtp" in only:
             "dtype_on_disk": "bfloat16"}
     json.dump({**meta, "cases": run_cases(ref, seqs)}, open(os.path.join(REF, name + ".json"), "w"))
     print(f"{name}: ok (Qwen3_5ForConditionalGeneration)")
+
+
+# Qwen3.5-MoE in the layout it is published in: Qwen3_5MoeForConditionalGeneration with a nested
+# text_config, the language model under model.language_model.*, a tiny vision tower.
+if not only or "tiny-qwen3.5-moe-vl" in only:
+    name = "tiny-qwen3.5-moe-vl"
+    torch.manual_seed(0)
+    text = dict(BASE, head_dim=16, num_hidden_layers=4, num_key_value_heads=2, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=6,
+                num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=64,
+                layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [1, 1, 0], "mrope_interleaved": True})
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  num_position_embeddings=64)
+    cfg = T.Qwen3_5MoeConfig(text_config=text, vision_config=vision, image_token_id=1000, video_token_id=1001,
+                             vision_start_token_id=1002, vision_end_token_id=1003, tie_word_embeddings=False)
+    cfg.dtype = "bfloat16"
+    model = T.Qwen3_5MoeForConditionalGeneration(cfg)
+    randomize(model, 3636)
+    d = os.path.join(FIX, name)
+    shutil.rmtree(d, ignore_errors=True)
+    model.to(torch.bfloat16).save_pretrained(d, safe_serialization=True)
+    ref = T.Qwen3_5MoeForConditionalGeneration.from_pretrained(d, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(4321)
+    seqs = [[int(t) for t in torch.randint(0, 1000, (n,), generator=g)] for n in (1, 9, 41, 90)]
+    meta = {"model": name, "architecture": "Qwen3_5MoeForConditionalGeneration", "produced_by": meta_base,
+            "dtype_on_disk": "bfloat16"}
+    json.dump({**meta, "cases": run_cases(ref, seqs)}, open(os.path.join(REF, name + ".json"), "w"))
+    print(f"{name}: ok (Qwen3_5MoeForConditionalGeneration)")

@@ -1328,7 +1328,8 @@ impl BatchEngine {
             let ids = &seq.tokens[seq.computed..end];
             let last = end == seq.tokens.len();
             if s.all_rows {
-                s.first_row = self.core.plan.push_all_logits(ids, seq.computed, &seq.kv.blocks, &seq.kv.sliding, seq.state);
+                s.first_row =
+                    self.core.plan.push_all_logits(ids, seq.computed, &seq.kv.blocks, &seq.kv.sliding, seq.state);
                 s.logits_row = last.then(|| s.first_row + s.len - 1);
             } else {
                 s.logits_row = self.core.plan.push(ids, seq.computed, &seq.kv.blocks, &seq.kv.sliding, seq.state, last);

@@ -27,7 +27,7 @@ pub use model::{PrecisionChoice, QuantFormat};
 pub use sampler::{Sampler, SamplingParams};
 pub use serial::SerialEngine;
 pub use serving::{
-    CancelHandle, EmbeddingInfo, EngineInfo, EngineStats, Event, EventKind, Request, Serving, StatePoolInfo, StopReason,
-    Usage,
+    CancelHandle, EmbeddingInfo, EngineInfo, EngineStats, Event, EventKind, Request, Serving, StatePoolInfo,
+    StopReason, Usage,
 };
 pub use text::TextCodec;

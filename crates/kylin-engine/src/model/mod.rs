@@ -499,14 +499,7 @@ impl BatchPlan {
     /// tokens (a request's prompt log-probabilities); returns the row of its first token, the
     /// others following in order. The scratch must have room for that many rows
     /// ([`Model::plan_scratch_with_rows`]).
-    pub fn push_all_logits(
-        &mut self,
-        ids: &[u32],
-        start: usize,
-        blocks: &[u32],
-        sliding: &[u32],
-        state: u32,
-    ) -> usize {
+    pub fn push_all_logits(&mut self, ids: &[u32], start: usize, blocks: &[u32], sliding: &[u32], state: u32) -> usize {
         let first = self.logit_rows;
         self.logit_rows += ids.len();
         let last = (!ids.is_empty()).then(|| self.logit_rows - 1);

@@ -38,8 +38,9 @@ pub mod phi3;
 pub mod qwen2;
 pub mod qwen2_moe;
 pub mod qwen3;
-pub mod qwen3_moe;
 pub mod qwen3_5;
+pub mod qwen3_5_moe;
+pub mod qwen3_moe;
 pub mod smollm3;
 
 /// Every family Kylin's native engine runs, by `architectures[0]`.
@@ -62,6 +63,7 @@ pub static REGISTRY: &[&Family] = &[
     &gpt_oss::FAMILY,
     &qwen3_5::FAMILY,
     &lfm2::FAMILY,
+    &qwen3_5_moe::FAMILY,
 ];
 
 /// The defaults transformers' configuration class declares for fields `config.json` may omit.

@@ -45,7 +45,7 @@ pub const FAMILY: Family = Family {
 pub(crate) const MAX_LINEAR_HEAD_DIM: usize = 256;
 pub(crate) const MAX_CONV_KERNEL: usize = 16;
 
-fn resolve(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
+pub(crate) fn resolve(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
     hf.silu_only(c)?;
     if hf.attention_bias == Some(true) {
         return Err(KylinError::operator_unsupported(
