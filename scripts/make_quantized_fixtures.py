@@ -19,12 +19,33 @@ real producers:
   AutoAWQ pack them. Each packed tensor is unpacked again with their unpacking rules (written
   out below) and checked against the integers it was packed from.
 
-For every fixture, `reference/NAME.json` records what transformers (float32, eager attention)
-computes from the *dequantized* weights, in the format of ../shared/reference: per input
-`input_ids`, `last_top20`, `argmax_per_position`, `greedy_new_ids` (20 greedy tokens), plus the
-last position's full logits. For the compressed-tensors fixtures the dequantized weights are
-transformers' own decompression of the directory; for the others, the dequantization written
-here, which the compressed-tensors ones cross-check (same rule, same numbers).
+For every fixture, `reference/NAME.json` records what transformers computes (float32, eager
+attention), in the format of ../shared/reference: per input `input_ids`, `last_top20`,
+`argmax_per_position`, `greedy_new_ids` (20 greedy tokens), plus the last position's full
+logits.
+
+- The schemes that quantize activations, by the real loading path:
+  - compressed-tensors W8A8, FP8_DYNAMIC, FP8_BLOCK: `AutoModelForCausalLM.from_pretrained(dir,
+    dtype=float32)`: compressed-tensors decompresses the weights on the first forward pass and
+    quantizes every quantized Linear's input at run time as the scheme's `input_activations`
+    says (int8 per token; FP8 per token; FP8 per token and group of 128);
+  - fine-grained FP8 (`quant_method: fp8`, `activation_scheme: dynamic`): transformers'
+    dequantized weights (its CPU load) with each quantized Linear's input quantized to FP8
+    E4M3 per token and group of 128 columns (`amax / 448` per group), which is what its
+    `FP8Linear` computes on a GPU; the rounding is compressed-tensors' own
+    (`compute_dynamic_scales_and_zp`, `fake_quantize` with FP8_BLOCK's activation arguments).
+- The weight-only schemes: the dequantized weights in a float32 copy of the model (for
+  compressed-tensors, transformers' own decompression of the directory, which is also what its
+  real loading path computes for them; for GPTQ and AWQ, whose loaders need GPU packages, the
+  dequantization written here).
+
+For the schemes that quantize activations, `reference/weights-only/NAME.json` is the same
+model with the activations left alone (compressed-tensors' `quantization_enabled = False`;
+for `fp8` what transformers computes on a CPU, where it dequantizes the weights and runs no FP8
+kernel).
+
+`python scripts/make_quantized_fixtures.py --references [OUT_DIR]` recomputes the references
+from the directories already written (no re-quantization).
 
 Run with a Python that has torch, transformers, compressed-tensors and llmcompressor:
     python scripts/make_quantized_fixtures.py [OUT_DIR]
@@ -39,7 +60,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "tests" / "fixtures" / "quantized"
+ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
+OUT = Path(ARGS[0]) if ARGS else ROOT / "tests" / "fixtures" / "quantized"
 VOCAB = 512
 GROUP = 128
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -76,7 +98,11 @@ def base_model(kind):
     return model.to(torch.bfloat16)
 
 
-def reference(model_f32, name, produced_by):
+def reference(model_f32, name, produced_by, compute="float32, eager attention, dequantized weights",
+              every_position=False):
+    """`every_position`: the greedy tokens from whole-sequence forward passes (no KV cache, so
+    every position is computed as in `argmax_per_position`), and each position's top 20 over
+    the prompt and the greedy tokens (`positions_top20`)."""
     model_f32.config._attn_implementation = "eager"
     model_f32.eval()
     cases = []
@@ -86,17 +112,25 @@ def reference(model_f32, name, produced_by):
             logits = model_f32(x).logits[0]
             last = logits[-1]
             top = torch.topk(last, 20)
-            greedy = model_f32.generate(x, max_new_tokens=20, do_sample=False, eos_token_id=None,
-                                        pad_token_id=0)[0, len(ids):].tolist()
-            cases.append({
+            case = {
                 "input_ids": ids,
                 "last_top20": [[int(i), float(v)] for v, i in zip(top.values, top.indices)],
                 "last_logits": [float(v) for v in last],
                 "argmax_per_position": logits.argmax(-1).tolist(),
-                "greedy_new_ids": greedy,
-            })
-    return {"model": name, "produced_by": produced_by, "compute": "float32, eager attention, dequantized weights",
-            "cases": cases}
+            }
+            if every_position:
+                seq = list(ids)
+                for _ in range(20):
+                    seq.append(int(model_f32(torch.tensor([seq])).logits[0, -1].argmax()))
+                all_logits = model_f32(torch.tensor([seq])).logits[0]
+                case["greedy_new_ids"] = seq[len(ids):]
+                case["positions_top20"] = [
+                    [[int(i), float(v)] for v, i in zip(*torch.topk(row, 20))] for row in all_logits]
+            else:
+                case["greedy_new_ids"] = model_f32.generate(x, max_new_tokens=20, do_sample=False, eos_token_id=None,
+                                                            pad_token_id=0)[0, len(ids):].tolist()
+            cases.append(case)
+    return {"model": name, "produced_by": produced_by, "compute": compute, "cases": cases}
 
 
 def float_copy(model, state):
@@ -211,6 +245,154 @@ def fp8_blocks(w):
     return q, scale_inv, deq
 
 
+# ---- References by the real loading path ----
+
+ACTIVATION_QUANTIZED = ("w8a8", "fp8-dynamic", "fp8-block", "fp8")
+FP8_GROUP_ACTIVATIONS = dict(num_bits=8, type="float", symmetric=True, strategy="group", group_size=128, dynamic=True)
+
+
+def quantized_linears(model):
+    """The Linear modules a fine-grained FP8 checkpoint quantized (every decoder projection,
+    experts included; not the head, not a MoE router)."""
+    return [m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in LINEARS]
+
+
+def quantize_inputs_fp8_groups(model):
+    """Pre-hooks quantizing each quantized Linear's input as `FP8Linear` does on a GPU (FP8 E4M3
+    per token and group of 128, `amax / 448`), with compressed-tensors' own functions."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    args = QuantizationArgs(**FP8_GROUP_ACTIVATIONS)
+
+    def hook(module, inputs):
+        x = inputs[0]
+        scale, zero = compute_dynamic_scales_and_zp(value=x, args=args, module=module)
+        return (fake_quantize(x, scale, zero, args),) + tuple(inputs[1:])
+
+    for m in quantized_linears(model):
+        m.register_forward_pre_hook(hook)
+    return model
+
+
+def load_as_transformers(directory, activations=True, dtype=torch.float32):
+    """`directory` as transformers loads it in float32; `activations=False` leaves the
+    activations alone (the weights-only computation)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+    method = json.loads((Path(directory) / "config.json").read_text()).get("quantization_config", {}).get("quant_method")
+    if method == "compressed-tensors" and not activations:
+        for m in model.modules():
+            if hasattr(m, "quantization_scheme"):
+                m.quantization_enabled = False
+    if method == "fp8" and activations:
+        quantize_inputs_fp8_groups(model)
+    return model
+
+
+def f32_hex(t):
+    """A float32 tensor's values as hex of their little-endian bytes (exact and compact)."""
+    return t.detach().to(torch.float32).contiguous().numpy().tobytes().hex()
+
+
+def record_input_quantization(names):
+    """`reference/input-quantization.json`: real layer inputs of each activation-quantized
+    fixture (captured on the first case) and what compressed-tensors' own functions make of
+    them, plus crafted rows (ties, zeros, the clamp), so that Kylin's rounding can be checked
+    bit for bit."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    crafted = torch.tensor([
+        [1.0, -1.0, 0.5, -0.5, 127.5 / 255.0, 0.25, 3e-8, 0.0] * 16,
+        [0.0] * 128,
+        [-2.0 ** (-20)] + [2.0 ** (-30)] * 127,
+        [(-1) ** i * (i + 0.5) / 7.0 for i in range(128)],
+    ], dtype=torch.float32)
+    records = []
+    for name in names:
+        model = load_as_transformers(OUT / name, activations=False)
+        config = json.loads((OUT / name / "config.json").read_text())["quantization_config"]
+        if config["quant_method"] == "fp8":
+            args = QuantizationArgs(**FP8_GROUP_ACTIVATIONS)
+        else:
+            args = QuantizationArgs(**next(iter(config["config_groups"].values()))["input_activations"])
+        captured = {}
+        def capture(layer):
+            def hook(module, inputs):
+                captured.setdefault(layer, inputs[0][0, :4].clone())  # the first 4 tokens
+            return hook
+
+        for layer in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+            model.get_submodule(layer).register_forward_pre_hook(capture(layer))
+        with torch.no_grad():
+            model(torch.tensor([CASES[1]]))
+        for layer, x in list(captured.items()) + [("crafted", crafted)]:
+            # As a layer sees it, (batch, tokens, columns): on a 2-D input compressed-tensors'
+            # `token` strategy would reduce over the whole tensor.
+            x3 = x.unsqueeze(0)
+            scale, zero = compute_dynamic_scales_and_zp(value=x3, args=args, module=None)
+            records.append({"fixture": name, "layer": layer, "args": args.model_dump(mode="json"),
+                            "rows": x.shape[0], "cols": x.shape[1], "x": f32_hex(x),
+                            "quantized": f32_hex(fake_quantize(x3, scale, zero, args)[0])})
+    json.dump({"produced_by": "compressed-tensors compute_dynamic_scales_and_zp + fake_quantize", "records": records},
+              open(OUT / "reference" / "input-quantization.json", "w"))
+
+
+def write_static_variant(kind):
+    """`tiny-KIND-w8a8-static`: the W8A8 directory with a static per-tensor input scale per
+    layer (`input_activations` `strategy: tensor`, `dynamic: false`, `X.input_scale` [1] BF16),
+    as llm-compressor writes calibrated INT8 checkpoints; each scale is `amax / 127` of the
+    layer's inputs over the reference prompts (a calibration by hand: no data set here)."""
+    from safetensors.torch import load_file, save_file
+
+    src, out = OUT / f"tiny-{kind}-w8a8", OUT / f"tiny-{kind}-w8a8-static"
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(src, out)
+    (out / "recipe.yaml").unlink(missing_ok=True)  # llm-compressor's recipe was the dynamic one
+    model = load_as_transformers(src, activations=False)
+    amax = {}
+
+    def observe(name):
+        def hook(module, inputs):
+            amax[name] = max(amax.get(name, 0.0), float(inputs[0].abs().max()))
+        return hook
+
+    for n, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in LINEARS:
+            m.register_forward_pre_hook(observe(n))
+    with torch.no_grad():
+        for ids in CASES:
+            model(torch.tensor([ids]))
+    tensors = load_file(str(out / "model.safetensors"))
+    for n, a in amax.items():
+        tensors[f"{n}.input_scale"] = torch.tensor([a / 127.0], dtype=torch.bfloat16)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    activations = config["quantization_config"]["config_groups"]["group_0"]["input_activations"]
+    activations.update(dynamic=False, strategy="tensor", observer="minmax")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_references(names, versions):
+    """Recomputes every reference of `names` (directory names under OUT) by the real path."""
+    (OUT / "reference" / "weights-only").mkdir(parents=True, exist_ok=True)
+    for name in names:
+        compute = ("float32, eager attention, as transformers loads the directory: dequantized weights, "
+                   "each quantized layer's input quantized as the scheme says")
+        ref = reference(load_as_transformers(OUT / name), name, versions, compute, every_position=True)
+        json.dump(ref, open(OUT / "reference" / f"{name}.json", "w"))
+        compute = "float32, eager attention, dequantized weights, activations not quantized"
+        ref = reference(load_as_transformers(OUT / name, activations=False), name, versions, compute)
+        json.dump(ref, open(OUT / "reference" / "weights-only" / f"{name}.json", "w"))
+        print(f"{name}: references written")
+    if len(names) > 1:
+        record_input_quantization([f"tiny-qwen3-{suffix}" for suffix in ACTIVATION_QUANTIZED])
+
+
 def main():
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
@@ -224,6 +406,15 @@ def main():
     tok = tokenizer()
     versions = (f"transformers {transformers.__version__}, torch {torch.__version__}, "
                 f"llm-compressor {llmcompressor.__version__}, compressed-tensors {compressed_tensors.__version__}")
+    by_real_path = [f"tiny-{kind}-{suffix}" for kind in ("qwen3", "llama") for suffix in ACTIVATION_QUANTIZED]
+    by_real_path.append("tiny-qwen3-w8a8-static")
+    if "--static" in sys.argv:
+        write_static_variant("qwen3")
+        write_references(["tiny-qwen3-w8a8-static"], versions)
+        return
+    if "--references" in sys.argv:
+        write_references(by_real_path, versions)
+        return
     for kind in ("qwen3", "llama"):
         base = OUT / f"tiny-{kind}-bf16"
         shutil.rmtree(base, ignore_errors=True)
@@ -302,6 +493,9 @@ def main():
             (out / "generation_config.json").write_text((base / "generation_config.json").read_text())
             json.dump(reference(float_copy(model, deq), name, versions), open(OUT / "reference" / f"{name}.json", "w"))
         print(f"{kind}: done")
+    write_static_variant("qwen3")
+    # The references of every scheme that quantizes activations, by transformers' real path.
+    write_references(by_real_path, versions)
 
 
 if __name__ == "__main__":

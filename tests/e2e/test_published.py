@@ -1,11 +1,14 @@
 """`kylin serve` on published quantized checkpoints (issue 13), with the official openai client
-on loopback: the tiny fixtures of tests/fixtures/quantized (compressed-tensors W4A16, GPTQ,
-Qwen FP8, compressed-tensors W8A8), served as they are.
+on loopback: the tiny fixtures of tests/fixtures/quantized (compressed-tensors W4A16 and
+W8A16, GPTQ, compressed-tensors W8A8), served as they are.
 
 With `--precision f32` the served greedy answer is transformers' (the ids of the reference's
 `greedy_new_ids`, up to the first end-of-sequence id); on the default path (integer kernels)
-the server answers every request in full. The fixtures' vocabulary is the words `w0`..`w511`,
-so a completion's text spells its ids.
+the server answers every request in full. (The FP8 fixtures' f32 follows transformers' FP8
+rounding of every layer input, and with it transformers' answers only up to the first input
+value the two f32 computations round to different sides: see
+crates/kylin-engine/tests/published.rs. The W8A8 fixture's greedy answers are transformers'.)
+The fixtures' vocabulary is the words `w0`..`w511`, so a completion's text spells its ids.
 """
 
 import json
@@ -28,7 +31,7 @@ def ids_of(text):
     return [int(m) for m in re.findall(r"w(\d+)", text)]
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3-w4a16", "tiny-llama-gptq", "tiny-qwen3-fp8", "tiny-llama-w8a8"])
+@pytest.mark.parametrize("name", ["tiny-qwen3-w4a16", "tiny-llama-gptq", "tiny-qwen3-w8a16", "tiny-llama-w8a8"])
 def test_served_answers_equal_transformers_in_f32_and_complete_on_the_fast_path(name):
     cases = reference(name)["cases"]
     for precision in ["f32", "auto"]:

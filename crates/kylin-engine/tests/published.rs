@@ -1,8 +1,14 @@
 //! Published quantized checkpoints (compressed-tensors, FP8, GPTQ, AWQ) against what transformers
-//! computes from their dequantized weights, on the fixtures of `tests/fixtures/quantized`.
+//! computes when it loads them, on the fixtures of `tests/fixtures/quantized`.
 //!
-//! - `--precision f32` dequantizes exactly: the argmax of every position, 20 greedy tokens and
-//!   every logit of the last position within 2e-3 of the reference, for every fixture.
+//! - `--precision f32` dequantizes exactly and, where the scheme quantizes activations (W8A8,
+//!   FP8_DYNAMIC, FP8_BLOCK, fine-grained FP8), quantizes each quantized layer's input as the
+//!   scheme says, as compressed-tensors does: the argmax of every position, 20 greedy tokens and
+//!   every logit of the last position within [`EXACT_LOGIT_BOUND`] of the reference, for every
+//!   fixture.
+//! - The same matrices with the activations left alone (the weights-only computation: what
+//!   transformers computes for a fine-grained FP8 checkpoint on a CPU) against
+//!   `reference/weights-only`.
 //! - The default (where the CPU has AVX-512 BF16: the weights as stored with BF16 activations,
 //!   `q8_0_a16`, `q4_g_a16`, `f8_e4m3_a16`, and W8A8 on int8 activations, `q8_0`; elsewhere
 //!   Q8_0 for 8-bit integers and FP8, Q4G for 4-bit groups) is measured against the reference
@@ -75,10 +81,20 @@ fn backend(name: &str, precision: PrecisionChoice) -> NativeBackend {
     try_backend(&fixture(name), precision).unwrap_or_else(|e| panic!("{name}: {e}"))
 }
 
+/// The largest last-position logit difference from transformers in f32: the two differ only
+/// in the order of f32 sums (and, where activations are quantized, in the rare value the
+/// different order puts on the other side of a rounding boundary).
+const EXACT_LOGIT_BOUND: f64 = 1e-3;
+
 /// `--precision f32`: the dequantized weights, computed as transformers computes them.
 fn check_exact(name: &str) {
-    let reference = reference(name);
     let mut backend = backend(name, PrecisionChoice::F32);
+    check_against(name, &mut backend, &reference(name));
+}
+
+/// `backend`'s argmax at every position, greedy tokens and last-position logits against
+/// `reference`.
+fn check_against(name: &str, backend: &mut NativeBackend, reference: &Value) {
     assert_eq!(backend.core().model().quantization(), None, "{name}: f32 must not pack");
     let vocab = backend.vocab_size();
     for (index, case) in reference["cases"].as_array().expect("cases").iter().enumerate() {
@@ -92,9 +108,41 @@ fn check_exact(name: &str) {
         let full = case["last_logits"].as_array().expect("last_logits");
         assert_eq!(full.len(), vocab);
         let diff = max_abs_diff(full, last);
-        assert!(diff <= 2e-3, "{label}: max |logit difference| {diff} > 2e-3");
+        assert!(diff <= EXACT_LOGIT_BOUND, "{label}: max |logit difference| {diff} > {EXACT_LOGIT_BOUND}");
         let want = ids(&case["greedy_new_ids"]);
-        assert_eq!(greedy(&mut backend, &prompt, want.len()), want, "{label}: greedy tokens");
+        assert_eq!(greedy(backend, &prompt, want.len()), want, "{label}: greedy tokens");
+    }
+}
+
+/// The fixtures whose scheme quantizes activations (per token, per group of 128; static: one
+/// stored scale per layer, Qwen3 only).
+const ACTIVATION_QUANTIZED: [&str; 4] = ["w8a8", "fp8-dynamic", "fp8-block", "fp8"];
+
+fn activation_quantized() -> Vec<String> {
+    let mut names: Vec<String> = ["tiny-qwen3", "tiny-llama"]
+        .iter()
+        .flat_map(|family| ACTIVATION_QUANTIZED.iter().map(move |suffix| format!("{family}-{suffix}")))
+        .collect();
+    names.push("tiny-qwen3-w8a8-static".to_string());
+    names
+}
+
+#[test]
+fn the_weights_only_computation_matches_transformers_without_activation_quantization() {
+    {
+        for name in activation_quantized() {
+            let path = fixture("reference").join("weights-only").join(format!("{name}.json"));
+            let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            let reference: Value = serde_json::from_str(&text).expect("JSON");
+            let mut model = kylin_loader::load(&fixture(&name), &LoadOptions::default()).expect("load");
+            let mut quantized = 0;
+            for m in model.weights.published.values_mut() {
+                quantized += usize::from(m.input.take().is_some());
+            }
+            assert_eq!(quantized, model.weights.published.len(), "{name}: every quantized layer's input is");
+            let mut backend = NativeBackend::new(model, options(PrecisionChoice::F32)).expect("backend");
+            check_against(&name, &mut backend, &reference);
+        }
     }
 }
 
@@ -104,13 +152,44 @@ fn check_exact(name: &str) {
 const FAST_LOGIT_BOUND: f64 = 0.15;
 const A16_LOGIT_BOUND: f64 = 0.05;
 
+/// The FP8 schemes quantize every layer's input to FP8 E4M3 (3 mantissa bits), and the static
+/// W8A8 scheme to int8 with one stored scale per layer (clamping what lies beyond it), which
+/// the fast path does not (it keeps BF16 activations, or int8 ones with a scale per 32
+/// columns): against the schemes' f32 its last-position logits measured 0.18 to 0.29 apart
+/// without AVX-512 BF16.
+const COARSE_ACTIVATIONS_LOGIT_BOUND: f64 = 0.4;
+
+/// The fixtures of [`COARSE_ACTIVATIONS_LOGIT_BOUND`].
+fn coarse_activations(suffix: &str) -> bool {
+    suffix.starts_with("fp8") || suffix == "w8a8-static"
+}
+
 /// The argmax agreement below which the fast path fails: the 95%, measured at 95.7% to
-/// 99.3% over the fixtures where the CPU has AVX-512 BF16 (W8A8 on int8 activations the
-/// lowest). Without it every scheme runs on int8 activations, which on these random fixtures
-/// (their top two logits often within a few hundredths) measured 93.5% to 96.3%: the floor
-/// there is 92%.
-fn fast_agreement_floor() -> f64 {
-    if kylin_kernels::w16::available() { 0.95 } else { 0.92 }
+/// 99.3% over the weight-only fixtures where the CPU has AVX-512 BF16 (before the references
+/// followed the activations' rounding). Without it every scheme runs on int8 activations,
+/// which on these random fixtures (their top two logits often within a few hundredths)
+/// measured 92.1% (W8A8) to 96.1%: the floor there is 92%. Against the schemes whose f32
+/// rounds every input coarsely ([`coarse_activations`]), the fast path's activations measured
+/// 82.6% to 86.2%: the floor is 80%.
+fn fast_agreement_floor(suffix: &str) -> f64 {
+    if coarse_activations(suffix) {
+        0.80
+    } else if kylin_kernels::w16::available() {
+        0.95
+    } else {
+        0.92
+    }
+}
+
+/// `KL(p ‖ q)` of two rows of logits, in nats.
+fn kl_divergence(p: &[f32], q: &[f32]) -> f64 {
+    let log_softmax = |row: &[f32]| -> Vec<f64> {
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
+        let sum: f64 = row.iter().map(|&v| (v as f64 - max).exp()).sum();
+        row.iter().map(|&v| v as f64 - max - sum.ln()).collect()
+    };
+    let (lp, lq) = (log_softmax(p), log_softmax(q));
+    lp.iter().zip(&lq).map(|(a, b)| a.exp() * (a - b)).sum()
 }
 
 /// Deterministic token ids in `3..503` for `len` positions.
@@ -125,10 +204,11 @@ fn pseudo_random_prompt(seed: u64, len: usize) -> Vec<u32> {
 }
 
 /// The default (integer kernels) against transformers' reference (its cases) and against the
-/// f32 path (which matches transformers, tested above) on four prompts of 128 tokens: returns
+/// f32 path (which follows transformers, tested above) on four prompts of 128 tokens: returns
 /// (positions, positions whose argmax agrees, the largest last-position logit difference from
-/// the reference).
-fn measure_fast(name: &str, packing: Packing) -> (usize, usize, f64) {
+/// the reference, the mean KL divergence of the fast path from the f32 path over the prompts'
+/// positions).
+fn measure_fast(name: &str, packing: Packing) -> (usize, usize, f64, f64) {
     let reference = reference(name);
     let mut fast = backend(name, PrecisionChoice::Auto);
     assert_eq!(fast.core().model().quantization(), Some(QuantFormat::Published(packing)), "{name}: the packing");
@@ -145,25 +225,106 @@ fn measure_fast(name: &str, packing: Packing) -> (usize, usize, f64) {
         worst = worst.max(max_abs_diff(case["last_logits"].as_array().expect("last_logits"), last));
     }
     let mut exact = backend(name, PrecisionChoice::F32);
+    let (mut kl, mut kl_positions) = (0.0f64, 0usize);
     for seed in 1..=4 {
         let prompt = pseudo_random_prompt(seed, 128);
         exact.reset();
         fast.reset();
-        let want: Vec<u32> = exact.prefill_all_logits(&prompt).expect("f32").chunks_exact(vocab).map(argmax).collect();
+        let exact_rows = exact.prefill_all_logits(&prompt).expect("f32").to_vec();
+        let want: Vec<u32> = exact_rows.chunks_exact(vocab).map(argmax).collect();
         let got = fast.prefill_all_logits(&prompt).expect("fast");
         positions += want.len();
         agree += got.chunks_exact(vocab).map(argmax).zip(&want).filter(|(a, b)| a == *b).count();
+        kl +=
+            exact_rows.chunks_exact(vocab).zip(got.chunks_exact(vocab)).map(|(p, q)| kl_divergence(p, q)).sum::<f64>();
+        kl_positions += want.len();
     }
-    (positions, agree, worst)
+    (positions, agree, worst, kl / kl_positions as f64)
 }
 
 #[test]
-fn every_quantized_fixture_matches_transformers_in_f32() {
+fn every_weight_only_fixture_matches_transformers_in_f32() {
     for family in ["tiny-qwen3", "tiny-llama"] {
         check_exact(&format!("{family}-bf16"));
-        for (suffix, _, _) in QUANTIZED {
+        for (suffix, _, _) in QUANTIZED.iter().filter(|(s, _, _)| !ACTIVATION_QUANTIZED.contains(s)) {
             check_exact(&format!("{family}-{suffix}"));
         }
+    }
+}
+
+/// How closely `backend` follows a reference with `positions_top20` (every position of each
+/// case's prompt and greedy tokens, fed as one sequence): (positions, positions whose argmax
+/// agrees, positions where the argmax agrees and the reference's 20 best logits are within
+/// [`EXACT_LOGIT_BOUND`], whether every case's first position is such a position).
+fn follow_every_position(backend: &mut NativeBackend, reference: &Value) -> (usize, usize, usize, bool) {
+    let vocab = backend.vocab_size();
+    let (mut positions, mut agree, mut exact, mut firsts) = (0, 0, 0, true);
+    for case in reference["cases"].as_array().expect("cases") {
+        let mut sequence = ids(&case["input_ids"]);
+        sequence.extend(ids(&case["greedy_new_ids"]));
+        backend.reset();
+        let all = backend.prefill_all_logits(&sequence).expect("prefill_all_logits");
+        let rows = case["positions_top20"].as_array().expect("positions_top20");
+        assert_eq!(rows.len(), sequence.len());
+        for (p, (row, top)) in all.chunks_exact(vocab).zip(rows).enumerate() {
+            let top = top.as_array().expect("top 20");
+            let same_argmax = argmax(row) as u64 == top[0][0].as_u64().expect("id");
+            let close = top.iter().all(|pair| {
+                let (id, logit) = (pair[0].as_u64().expect("id") as usize, pair[1].as_f64().expect("logit"));
+                (row[id] as f64 - logit).abs() <= EXACT_LOGIT_BOUND
+            });
+            positions += 1;
+            agree += usize::from(same_argmax);
+            exact += usize::from(same_argmax && close);
+            if p == 0 {
+                firsts &= same_argmax && close;
+            }
+        }
+    }
+    (positions, agree, exact, firsts)
+}
+
+/// `--precision f32` on the schemes that quantize activations (W8A8, FP8_DYNAMIC, FP8_BLOCK,
+/// fine-grained FP8), against transformers with compressed-tensors at every position of the
+/// prompts and their greedy continuations.
+///
+/// The rounding itself is compressed-tensors' to the bit (`input_quant.rs`'s tests, on these
+/// fixtures' own layer inputs). End to end, an input value whose two f32 computations (Kylin's
+/// and PyTorch's, which sum in different orders) fall on either side of a rounding boundary
+/// moves by one quantization step, and through the KV cache every later position with it:
+/// transformers' own cached and uncached computations of the same sequence differ in the same
+/// way (up to 0.06 with int8, 0.13 with FP8 on these fixtures). So the logits are exact (within
+/// [`EXACT_LOGIT_BOUND`]) up to the first such value, about every 10 to 30 tokens here, and
+/// differ by 0.01 to 0.3 after it. The test asserts what that allows: every case's first
+/// position exact, a quarter of all positions exact (measured 45% to 75%; the weights-only
+/// computation, which skips the activations' rounding, is exact nowhere, and that is asserted
+/// too) and the argmax at 90% of positions (measured 93% to 100%; weights only, 81% to 98%).
+#[test]
+fn activation_quantized_fixtures_follow_transformers_in_f32() {
+    let mut report = Vec::new();
+    {
+        for name in activation_quantized() {
+            let reference = reference(&name);
+            let mut scheme = backend(&name, PrecisionChoice::F32);
+            assert_eq!(scheme.core().model().quantization(), None, "{name}: f32 must not pack");
+            let followed = follow_every_position(&mut scheme, &reference);
+            let mut model = kylin_loader::load(&fixture(&name), &LoadOptions::default()).expect("load");
+            model.weights.published.values_mut().for_each(|m| m.input = None);
+            let mut weights_only = NativeBackend::new(model, options(PrecisionChoice::F32)).expect("backend");
+            let skipped = follow_every_position(&mut weights_only, &reference);
+            report.push((name, followed, skipped));
+        }
+    }
+    for (name, (positions, agree, exact, _), (_, agree_w, exact_w, _)) in &report {
+        println!(
+            "{name}: f32 argmax agrees at {agree} of {positions} positions, exact at {exact}; weights only: {agree_w} and {exact_w}"
+        );
+    }
+    for (name, (positions, agree, exact, firsts), (_, _, exact_w, _)) in report {
+        assert!(firsts, "{name}: a case's first position differs from transformers");
+        assert!(exact * 4 >= positions, "{name}: exact at {exact} of {positions} positions");
+        assert!(agree * 10 >= positions * 9, "{name}: argmax agrees at {agree} of {positions} positions");
+        assert!(exact_w * 20 < positions, "{name}: skipping the activations' rounding is exact at {exact_w} positions");
     }
 }
 
@@ -174,22 +335,31 @@ fn the_integer_kernels_agree_with_transformers() {
         for (suffix, with_bf16, without) in QUANTIZED {
             let name = format!("{family}-{suffix}");
             let packing = expected_packing(with_bf16, without);
-            let (positions, agree, worst) = measure_fast(&name, packing);
-            report.push((name, positions, agree, worst, packing));
+            let (positions, agree, worst, kl) = measure_fast(&name, packing);
+            report.push((name, suffix, positions, agree, worst, kl, packing));
         }
     }
-    for (name, positions, agree, worst, _) in &report {
+    let (positions, agree, worst, kl) = measure_fast("tiny-qwen3-w8a8-static", Packing::Q8_0);
+    report.push(("tiny-qwen3-w8a8-static".to_string(), "w8a8-static", positions, agree, worst, kl, Packing::Q8_0));
+    for (name, _, positions, agree, worst, kl, packing) in &report {
         let share = 100.0 * *agree as f64 / *positions as f64;
         println!(
-            "{name}: argmax agrees at {agree} of {positions} positions ({share:.1}%), last-position logits within {worst:.4}"
+            "{name} ({}): argmax agrees at {agree} of {positions} positions ({share:.1}%), last-position logits within {worst:.4}, mean KL from f32 {kl:.5}",
+            packing.name()
         );
     }
-    for (name, positions, agree, worst, packing) in report {
+    for (name, suffix, positions, agree, worst, _, packing) in report {
         assert!(
-            agree as f64 >= fast_agreement_floor() * positions as f64,
+            agree as f64 >= fast_agreement_floor(suffix) * positions as f64,
             "{name}: argmax agrees at {agree} of {positions} positions"
         );
-        let bound = if packing.name().ends_with("_a16") { A16_LOGIT_BOUND } else { FAST_LOGIT_BOUND };
+        let bound = if coarse_activations(suffix) {
+            COARSE_ACTIVATIONS_LOGIT_BOUND
+        } else if packing.name().ends_with("_a16") {
+            A16_LOGIT_BOUND
+        } else {
+            FAST_LOGIT_BOUND
+        };
         assert!(worst < bound, "{name}: last-position logits differ by up to {worst}");
     }
 }
@@ -322,4 +492,63 @@ fn activation_order_runs_through_the_dequantized_path() {
     assert!(diff < FAST_LOGIT_BOUND as f32, "activation order: f32 and the fast path differ by {diff}");
     let original = reference["cases"][0]["last_logits"].as_array().expect("last_logits");
     assert!(max_abs_diff(original, &a) > 1e-3, "reversing the groups changed nothing: g_idx is not read");
+}
+
+/// `tiny-qwen3-w8a8` with its `input_activations` changed by `edit`.
+fn w8a8_with(edit: impl Fn(&mut Value)) -> tempfile::TempDir {
+    let dir = copy_fixture("tiny-qwen3-w8a8");
+    let config = dir.path().join("config.json");
+    let mut c: Value = serde_json::from_slice(&std::fs::read(&config).expect("config")).expect("json");
+    edit(&mut c["quantization_config"]["config_groups"]["group_0"]["input_activations"]);
+    std::fs::write(&config, serde_json::to_vec_pretty(&c).expect("json")).expect("write");
+    dir
+}
+
+#[test]
+fn a_dynamic_per_tensor_activation_scale_is_refused_in_f32_and_runs_on_the_fast_path() {
+    // One scale over a call's whole input would make a sequence's numbers depend on its batch.
+    let dir = w8a8_with(|a| a["strategy"] = Value::from("tensor"));
+    let err = try_backend(dir.path(), PrecisionChoice::F32).unwrap_err();
+    assert_eq!(err.code, ErrorCode::OperatorUnsupported, "{err}");
+    assert!(err.message.contains("strategy 'tensor'") && err.message.contains("--precision auto"), "{err}");
+    let mut fast = try_backend(dir.path(), PrecisionChoice::Auto).expect("the fast path has its own activations");
+    assert!(fast.prefill(&[5, 17, 300]).is_ok());
+}
+
+#[test]
+fn a_static_scheme_without_its_input_scales_is_tensor_missing() {
+    let dir = w8a8_with(|a| {
+        a["strategy"] = Value::from("tensor");
+        a["dynamic"] = Value::Bool(false);
+    });
+    let err = try_backend(dir.path(), PrecisionChoice::F32).unwrap_err();
+    assert_eq!(err.code, ErrorCode::TensorMissing, "{err}");
+    assert!(err.message.contains("input_scale"), "{err}");
+}
+
+/// Overwrites the first bytes of tensor `tensor` of `file` with `value`.
+fn poke_bytes(file: &Path, tensor: &str, value: &[u8]) {
+    let mut bytes = std::fs::read(file).expect("read");
+    let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).expect("header");
+    let start = header[tensor]["data_offsets"][0].as_u64().unwrap_or_else(|| panic!("no tensor {tensor}")) as usize;
+    let at = 8 + n + start;
+    bytes[at..at + value.len()].copy_from_slice(value);
+    std::fs::write(file, bytes).expect("write");
+}
+
+#[test]
+fn a_static_input_scale_that_is_not_a_positive_number_is_file_corrupted_in_f32() {
+    // BF16 -1.0, NaN and 0.0: a stored activation scale is positive and finite.
+    let tensor = "model.layers.1.mlp.up_proj.input_scale";
+    for value in [0xBF80u16, 0x7FC0, 0x0000] {
+        let dir = copy_fixture("tiny-qwen3-w8a8-static");
+        poke_bytes(&dir.path().join("model.safetensors"), tensor, &value.to_le_bytes());
+        let err = try_backend(dir.path(), PrecisionChoice::F32).unwrap_err();
+        assert_eq!(err.code, ErrorCode::FileCorrupted, "{err}");
+        assert!(err.message.contains(tensor), "{err}");
+        // The integer kernels quantize activations their own way and never read it.
+        let mut fast = try_backend(dir.path(), PrecisionChoice::Auto).expect("the fast path");
+        assert!(fast.prefill(&[5, 17, 300]).is_ok());
+    }
 }

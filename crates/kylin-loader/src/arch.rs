@@ -1208,6 +1208,8 @@ fn split_stacked(
                 g_idx: None,
                 shape: None,
                 int8_activations: false,
+                input: None,
+                input_scale: None,
             };
             published.insert(values.name.clone(), matrix);
             map.insert(part, values);
@@ -1269,8 +1271,9 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
                 used.extend(read);
                 match bound {
                     Ok(m) => {
-                        // Static activation scales are not used: Kylin quantizes activations
-                        // dynamically (finer than a stored per-tensor scale).
+                        // A static scheme's `input_scale` was bound with the matrix; a dynamic
+                        // scheme computes its scales at run time, and compressed-tensors then
+                        // reads no stored ones either.
                         for extra in ["input_scale", "input_zero_point"] {
                             let n = format!("{module}.{extra}");
                             if index.raw(&n).is_some() {

@@ -92,6 +92,61 @@ pub enum Fp8Scales {
     Block(usize, usize),
 }
 
+/// What a quantized layer's input is rounded to at run time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum ActivationType {
+    /// Integers in `-128..=127` (`type: int`, `num_bits: 8`), rounded half to even.
+    Int8,
+    /// FP8 E4M3 (`type: float`, `num_bits: 8`; fine-grained FP8), rounded to nearest even.
+    Fp8E4M3,
+}
+
+/// Where a layer input's quantization scales apply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum ActivationScales {
+    /// One scale per token, from that token's values (`strategy: token`, dynamic).
+    Token,
+    /// One per token and group of this many columns, from the group's values (`strategy:
+    /// group`, dynamic; fine-grained FP8's `activation_scheme: dynamic`, groups of the weight
+    /// block's width).
+    Group(usize),
+    /// One per call, from every value of the call's input (`strategy: tensor`, dynamic): the
+    /// scale depends on what shares the batch.
+    DynamicTensor,
+    /// One stored scale per layer (`strategy: tensor`, not dynamic): `X.input_scale` `[1]`.
+    Static,
+}
+
+/// How a scheme quantizes the input of each quantized linear layer at run time
+/// (compressed-tensors' `input_activations`, fine-grained FP8's `activation_scheme`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ActivationScheme {
+    pub kind: ActivationType,
+    pub scales: ActivationScales,
+    /// Symmetric (no zero point); only int8 may be asymmetric, and only when dynamic.
+    pub symmetric: bool,
+}
+
+impl ActivationScheme {
+    /// `int8 per token, dynamic, symmetric` (for `inspect` and errors).
+    pub fn describe(&self) -> String {
+        format!(
+            "{} {}, {}",
+            match self.kind {
+                ActivationType::Int8 => "int8",
+                ActivationType::Fp8E4M3 => "fp8 e4m3",
+            },
+            match self.scales {
+                ActivationScales::Token => "per token, dynamic".to_string(),
+                ActivationScales::Group(g) => format!("per token and group of {g}, dynamic"),
+                ActivationScales::DynamicTensor => "per tensor, dynamic".to_string(),
+                ActivationScales::Static => "per tensor, static (input_scale)".to_string(),
+            },
+            if self.symmetric { "symmetric" } else { "asymmetric" }
+        )
+    }
+}
+
 /// What the stored numbers of every quantized matrix are.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub enum Scheme {
@@ -117,9 +172,10 @@ pub struct PublishedQuantization {
     /// How `ignore` entries match a module name.
     #[serde(skip)]
     matcher: IgnoreRule,
-    /// The activations the producer intended (`input_activations`), for `inspect`; Kylin
-    /// quantizes activations its own way on the fast path (module docs of the engine).
-    pub activations: Option<String>,
+    /// How the scheme quantizes each quantized layer's input at run time (`None`: the
+    /// activations stay as they are, as in the weight-only `A16` schemes). `--precision f32`
+    /// computes it; the integer kernels quantize activations their own way.
+    pub input: Option<ActivationScheme>,
     /// Whether the producer quantized the activations to int8 (`W8A8`): the engine then runs
     /// the int8 activations of its integer kernels; every other scheme keeps 16-bit
     /// activations where the CPU has BF16 kernels.
@@ -201,6 +257,73 @@ fn group_size(v: Option<i64>, path: &str) -> Result<Option<usize>> {
     }
 }
 
+/// Decides compressed-tensors' `input_activations` (at `path`): 8-bit integers or FP8 E4M3,
+/// dynamic per token, per group or per tensor, or static per tensor.
+fn input_activations(a: &Map<String, Value>, path: &str) -> Result<ActivationScheme> {
+    let kind = match (get_str(a, path, "type")?.unwrap_or("int"), get_u64(a, path, "num_bits")?.unwrap_or(8)) {
+        ("int", 8) => ActivationType::Int8,
+        ("float", 8) => ActivationType::Fp8E4M3,
+        (kind, bits) => {
+            return Err(unsupported(
+                &format!("{path}type"),
+                &format!("'{kind}' with num_bits {bits}"),
+                "Kylin runs activations quantized to int8 or FP8 E4M3",
+            ));
+        }
+    };
+    let symmetric = get_bool(a, path, "symmetric")?.unwrap_or(true);
+    let dynamic = match get(a, "dynamic") {
+        None | Some(Value::Bool(false)) => false,
+        Some(Value::Bool(true)) => true,
+        Some(v) => {
+            return Err(unsupported(
+                &format!("{path}dynamic"),
+                v,
+                "Kylin runs dynamic (true) or static (false) activation scales",
+            ));
+        }
+    };
+    if let Some(v) = get(a, "scale_dtype").filter(|v| !v.is_null()) {
+        return Err(unsupported(
+            &format!("{path}scale_dtype"),
+            v,
+            "Kylin computes activation scales in float32, as the scheme does when scale_dtype is null",
+        ));
+    }
+    let strategy = get_str(a, path, "strategy")?.unwrap_or("tensor");
+    let scales = match (strategy, dynamic) {
+        ("token", true) => ActivationScales::Token,
+        ("group", true) => match get_i64(a, path, "group_size")? {
+            Some(g) if g > 0 && g as u64 <= MAX_GROUP => ActivationScales::Group(g as usize),
+            Some(g) => {
+                return Err(unsupported(&format!("{path}group_size"), &g, "expected a group of 1 to 2^20 columns"));
+            }
+            None => {
+                return Err(KylinError::config_invalid(format!(
+                    "config.json quantization_config.{path}strategy is 'group' but group_size is missing"
+                )));
+            }
+        },
+        ("tensor", true) => ActivationScales::DynamicTensor,
+        ("tensor", false) => ActivationScales::Static,
+        (other, dynamic) => {
+            return Err(unsupported(
+                &format!("{path}strategy"),
+                &format!("'{other}' ({})", if dynamic { "dynamic" } else { "static" }),
+                "Kylin runs activations quantized per token, per group or per tensor when dynamic, per tensor when static",
+            ));
+        }
+    };
+    if !symmetric && (kind == ActivationType::Fp8E4M3 || scales == ActivationScales::Static) {
+        return Err(unsupported(
+            &format!("{path}symmetric"),
+            &false,
+            "Kylin runs asymmetric activations only as dynamic int8 (no stored zero points)",
+        ));
+    }
+    Ok(ActivationScheme { kind, scales, symmetric })
+}
+
 impl PublishedQuantization {
     /// Decides a `quantization_config` whose `quant_method` is `method` (one of
     /// `compressed-tensors`, `fp8`, `gptq`, `awq`); `None` for any other method.
@@ -215,7 +338,7 @@ impl PublishedQuantization {
                 scheme: Scheme::Mxfp4,
                 ignore: get_strings(q, "", "modules_to_not_convert")?,
                 matcher: IgnoreRule::Substring,
-                activations: None,
+                input: None,
                 int8_activations: false,
             },
             _ => return Ok(None),
@@ -297,22 +420,22 @@ impl PublishedQuantization {
             Some(Value::Bool(true)) => true,
             Some(v) => return Err(bad(&format!("{wpath}actorder"), "null, \"group\" or \"weight\"", v)),
         };
-        let int8_activations = match get(group, "input_activations") {
-            Some(Value::Object(a)) => {
-                get_str(a, &path, "type")?.unwrap_or("int") == "int" && get_u64(a, &path, "num_bits")?.unwrap_or(8) == 8
+        let input = match get(group, "input_activations") {
+            None | Some(Value::Null) => None,
+            Some(Value::Object(a)) => Some(input_activations(a, &format!("{path}input_activations."))?),
+            Some(v) => return Err(bad(&format!("{path}input_activations"), "an object or null", v)),
+        };
+        match get(group, "output_activations") {
+            None | Some(Value::Null) => {}
+            Some(v) => {
+                return Err(unsupported(
+                    &format!("{path}output_activations"),
+                    v,
+                    "Kylin quantizes a layer's input as the scheme says, never its output",
+                ));
             }
-            _ => false,
-        };
-        let activations = match get(group, "input_activations") {
-            Some(Value::Object(a)) => Some(format!(
-                "{} {} bits, {}, {}",
-                get_str(a, &path, "type")?.unwrap_or("int"),
-                get_u64(a, &path, "num_bits")?.unwrap_or(8),
-                get_str(a, &path, "strategy")?.unwrap_or("tensor"),
-                if get_bool(a, &path, "dynamic")?.unwrap_or(false) { "dynamic" } else { "static" }
-            )),
-            _ => None,
-        };
+        }
+        let int8_activations = input.is_some_and(|a| a.kind == ActivationType::Int8);
         let grouped = |what: &str| -> Result<Option<usize>> {
             match strategy {
                 "channel" => Ok(None),
@@ -426,7 +549,7 @@ impl PublishedQuantization {
             scheme,
             ignore: get_strings(q, "", "ignore")?,
             matcher: IgnoreRule::CompressedTensors,
-            activations,
+            input,
             int8_activations,
         })
     }
@@ -456,12 +579,29 @@ impl PublishedQuantization {
         {
             return Err(unsupported("fmt", &format!("'{fmt}'"), "Kylin runs E4M3 FP8 weights"));
         }
+        // transformers' `FP8Linear` quantizes each token's input to FP8 E4M3 per group of the
+        // block's width (`amax / 448` per group) before its FP8 product; `static` would read a
+        // stored per-tensor scale instead.
+        match get_str(q, "", "activation_scheme")?.unwrap_or("dynamic") {
+            "dynamic" => {}
+            other => {
+                return Err(unsupported(
+                    "activation_scheme",
+                    &format!("'{other}'"),
+                    "Kylin runs fine-grained FP8 with dynamic activation scales",
+                ));
+            }
+        }
         Ok(PublishedQuantization {
             method: PublishedMethod::Fp8,
             scheme: Scheme::Float8 { scales: Fp8Scales::Block(block.0, block.1), inverse_name: true },
             ignore: with_head(get_strings(q, "", "modules_to_not_convert")?),
             matcher: IgnoreRule::Substring,
-            activations: get_str(q, "", "activation_scheme")?.map(|s| format!("fp8 {s}")),
+            input: Some(ActivationScheme {
+                kind: ActivationType::Fp8E4M3,
+                scales: ActivationScales::Group(block.1),
+                symmetric: true,
+            }),
             int8_activations: false,
         })
     }
@@ -499,7 +639,7 @@ impl PublishedQuantization {
             },
             ignore,
             matcher: IgnoreRule::Substring,
-            activations: None,
+            input: None,
             int8_activations: false,
         })
     }
@@ -521,7 +661,7 @@ impl PublishedQuantization {
             scheme: Scheme::Int { bits: 4, group, symmetric: !zero_point, actorder: false, packing: IntPacking::Awq },
             ignore: with_head(get_strings(q, "", "modules_to_not_convert")?),
             matcher: IgnoreRule::Substring,
-            activations: None,
+            input: None,
             int8_activations: false,
         })
     }
@@ -568,7 +708,7 @@ impl PublishedQuantization {
         } else {
             format!("unquantized: {}", self.ignore.join(", "))
         };
-        let activations = self.activations.as_ref().map_or(String::new(), |a| format!("; activations as written: {a}"));
+        let activations = self.input.as_ref().map_or(String::new(), |a| format!("; activations: {}", a.describe()));
         format!("{}: {scheme}; {ignore}{activations}", self.method.name())
     }
 
@@ -624,6 +764,10 @@ pub struct PublishedMatrix {
     pub shape: Option<WeightTensor>,
     /// [`PublishedQuantization::int8_activations`].
     pub int8_activations: bool,
+    /// How the scheme quantizes this layer's input ([`PublishedQuantization::input`]).
+    pub input: Option<ActivationScheme>,
+    /// The stored input scale of a static scheme (`X.input_scale`, `[1]`).
+    pub input_scale: Option<WeightTensor>,
 }
 
 /// A problem with one tensor, sorted by [`bind_matrix`]'s caller into the error of its kind.
@@ -759,6 +903,10 @@ pub(crate) fn bind_matrix(
         }
         Scheme::Mxfp4 => unreachable!("returned above"),
     };
+    let input_scale = match q.input {
+        Some(ActivationScheme { scales: ActivationScales::Static, .. }) => Some(fetch("input_scale", &[1], FLOATS)?),
+        _ => None,
+    };
     Ok(PublishedMatrix {
         module: module.to_string(),
         rows,
@@ -770,6 +918,8 @@ pub(crate) fn bind_matrix(
         g_idx,
         shape,
         int8_activations: q.int8_activations,
+        input: q.input,
+        input_scale,
     })
 }
 
@@ -1121,6 +1271,89 @@ mod tests {
         assert!(gptq(false).ignores("lm_head"));
         assert!(!gptq(true).ignores("lm_head"));
         assert!(matches!(gptq(true).scheme, Scheme::Int { bits: 8, group: None, .. }), "group_size -1 is per channel");
+    }
+
+    fn ct_int8(input: Value) -> Result<PublishedQuantization> {
+        parse(
+            "compressed-tensors",
+            serde_json::json!({
+                "quant_method": "compressed-tensors",
+                "format": "int-quantized",
+                "ignore": ["lm_head"],
+                "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": input, "weights": {
+                    "num_bits": 8, "type": "int", "symmetric": true, "strategy": "channel"}}}
+            }),
+        )
+    }
+
+    #[test]
+    fn input_activations_are_decided_or_refused_naming_the_field() {
+        let token = ct_int8(
+            serde_json::json!({"num_bits": 8, "type": "int", "symmetric": true, "strategy": "token", "dynamic": true}),
+        )
+        .unwrap();
+        let want = ActivationScheme { kind: ActivationType::Int8, scales: ActivationScales::Token, symmetric: true };
+        assert_eq!(token.input, Some(want));
+        assert!(token.int8_activations);
+        assert!(token.describe().contains("int8 per token, dynamic"), "{}", token.describe());
+        let fp8 = |v: Value| {
+            ct_int8(
+                serde_json::json!({"num_bits": 8, "type": "float", "symmetric": true, "strategy": "group", "group_size": 128, "dynamic": v}),
+            )
+        };
+        let group = fp8(Value::Bool(true)).unwrap();
+        assert_eq!(group.input.map(|a| a.scales), Some(ActivationScales::Group(128)));
+        assert!(!group.int8_activations);
+        let err = fp8(Value::from("local")).unwrap_err();
+        assert_eq!(err.code, ErrorCode::OperatorUnsupported);
+        assert!(err.message.contains("input_activations.dynamic"), "{err}");
+        let stat =
+            ct_int8(serde_json::json!({"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": false})).unwrap();
+        assert_eq!(stat.input.map(|a| a.scales), Some(ActivationScales::Static));
+        let per_tensor =
+            ct_int8(serde_json::json!({"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": true})).unwrap();
+        assert_eq!(per_tensor.input.map(|a| a.scales), Some(ActivationScales::DynamicTensor));
+        for (input, field) in [
+            (serde_json::json!({"num_bits": 4, "type": "int", "strategy": "token", "dynamic": true}), "type"),
+            (serde_json::json!({"num_bits": 8, "type": "int", "strategy": "channel", "dynamic": false}), "strategy"),
+            (
+                serde_json::json!({"num_bits": 8, "type": "int", "strategy": "token", "dynamic": true, "scale_dtype": "torch.bfloat16"}),
+                "scale_dtype",
+            ),
+            (
+                serde_json::json!({"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": false, "symmetric": false}),
+                "symmetric",
+            ),
+        ] {
+            let err = ct_int8(input).unwrap_err();
+            assert_eq!(err.code, ErrorCode::OperatorUnsupported, "{err}");
+            assert!(err.message.contains(&format!("input_activations.{field}")), "{err}");
+        }
+        let err = parse(
+            "compressed-tensors",
+            serde_json::json!({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"group_0": {
+                "targets": ["Linear"], "output_activations": {"num_bits": 8, "type": "int"},
+                "weights": {"num_bits": 8, "type": "int", "symmetric": true, "strategy": "channel"}}}}),
+        )
+        .unwrap_err();
+        assert!(err.message.contains("output_activations"), "{err}");
+        // Fine-grained FP8: FP8 per token and group of the block's width, dynamic only.
+        let fp8 = parse("fp8", serde_json::json!({"quant_method": "fp8", "weight_block_size": [128, 64]})).unwrap();
+        assert_eq!(
+            fp8.input,
+            Some(ActivationScheme {
+                kind: ActivationType::Fp8E4M3,
+                scales: ActivationScales::Group(64),
+                symmetric: true
+            })
+        );
+        let err = parse(
+            "fp8",
+            serde_json::json!({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}),
+        )
+        .unwrap_err();
+        assert_eq!(err.code, ErrorCode::OperatorUnsupported);
+        assert!(err.message.contains("activation_scheme") && err.message.contains("static"), "{err}");
     }
 
     #[test]

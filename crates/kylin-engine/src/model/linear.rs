@@ -1,6 +1,8 @@
 //! Linear layers and vector weights as the blocks use them: `y = x · Wᵀ (+ b)` over weights in
 //! their stored dtype, quantized at load (`--quantize`), stored quantized (`kylin quantize`) or
-//! published quantized (decoded by [`decode_published`]); RMSNorm weights (`w` or `1 + w`).
+//! published quantized (decoded by [`decode_published`]; under `--precision f32` with the input
+//! quantized first as the checkpoint's scheme says, [`InputQuant`]); RMSNorm weights (`w` or
+//! `1 + w`).
 
 use std::sync::Arc;
 
@@ -9,6 +11,7 @@ use kylin_kernels::{self as kernels, Bf16Kernels, ThreadPool, WeightDType, Weigh
 use kylin_loader::family::NormKind;
 use kylin_loader::{DType, KylinError, ModelWeights, Result, WeightTensor};
 
+use super::input_quant::InputQuant;
 use super::scratch::ProductScratch;
 
 /// Maps a stored dtype to the kernels' weight dtype; `TENSOR_DTYPE_UNSUPPORTED` for the
@@ -93,6 +96,9 @@ pub(super) struct Linear {
     pub(super) bias: Option<Vector>,
     /// The quantized planes the products read instead of a float `weight`.
     pub(super) quant: Option<QuantSource>,
+    /// The run-time quantization of the input a published scheme asks for, applied before
+    /// the product (`--precision f32` on a W8A8 or FP8 checkpoint; `None` otherwise).
+    pub(super) input_quant: Option<InputQuant>,
 }
 
 /// Where a quantized linear layer's planes live.
@@ -120,6 +126,7 @@ impl Linear {
             cols,
             bias: Vector::optional(bias, rows)?,
             quant: None,
+            input_quant: None,
         })
     }
 
@@ -152,6 +159,7 @@ impl Linear {
             cols,
             bias: Vector::optional(bias, rows)?,
             quant: Some(QuantSource::Mapped { scales: scales.clone(), packing }),
+            input_quant: None,
         })
     }
 
@@ -185,6 +193,7 @@ impl Linear {
             cols,
             bias: Vector::optional(bias, rows)?,
             quant: Some(QuantSource::Pending(Arc::new(published.clone()))),
+            input_quant: None,
         })
     }
 
@@ -217,12 +226,29 @@ impl Linear {
         self.add_bias(y);
     }
 
-    /// `y (n, rows) = x (n, cols) · Wᵀ (cols, rows)`, without the bias.
+    /// `y (n, rows) = x (n, cols) · Wᵀ (cols, rows)`, without the bias (the input quantized
+    /// first where the layer's scheme says so).
     #[inline]
     pub(super) fn product(&self, mm: Matmul<'_>, x: &[f32], n: usize, y: &mut [f32], p: &mut ProductScratch) {
+        let ProductScratch { xb, xq, xa } = p;
+        let x = match &self.input_quant {
+            Some(q) => {
+                // (n, cols) -> (n, cols): each token's values through the scheme's rounding.
+                let xa = &mut xa[..n * self.cols];
+                q.apply(&x[..n * self.cols], self.cols, xa);
+                &*xa
+            }
+            None => x,
+        };
+        self.product_on(mm, x, n, y, xb, xq);
+    }
+
+    /// [`Linear::product`] of an input already in the form this layer reads.
+    #[inline]
+    fn product_on(&self, mm: Matmul<'_>, x: &[f32], n: usize, y: &mut [f32], xb: &mut [u16], xq: &mut [u8]) {
         match (self.quant_matrix(), mm.bf16) {
-            (Some(q), _) => q.matmul(mm.pool, x, n, &mut p.xq, y),
-            (None, Some(k)) => kernels::matmul_many_bf16(mm.pool, k, x, n, &mut p.xb, &mut [(self.matrix(), y)]),
+            (Some(q), _) => q.matmul(mm.pool, x, n, xq, y),
+            (None, Some(k)) => kernels::matmul_many_bf16(mm.pool, k, x, n, xb, &mut [(self.matrix(), y)]),
             (None, None) => kernels::matmul(mm.pool, self.matrix(), x, n, y),
         }
     }
@@ -252,21 +278,42 @@ impl Linear {
         // with the input quantized once per format. A published checkpoint's `--precision f32`
         // can leave some quantized and others not: one product each then.
         let linears: [&Linear; N] = layers.each_ref().map(|(l, _)| *l);
+        // The layers of one input share their scheme's input quantization (computed once),
+        // unless a checkpoint's ignore list or a static scheme's per-layer input scales set
+        // them apart: one product each then.
+        let input_quant = linears.first().and_then(|l| l.input_quant);
+        if linears.iter().any(|l| l.input_quant != input_quant) {
+            for (l, y) in layers.iter_mut() {
+                l.product(mm, x, n, y, p);
+                l.add_bias(y);
+            }
+            return;
+        }
+        let ProductScratch { xb, xq, xa } = p;
+        let x = match (&input_quant, linears.first()) {
+            (Some(q), Some(l)) => {
+                // (n, cols) -> (n, cols): each token's values through the scheme's rounding.
+                let xa = &mut xa[..n * l.cols];
+                q.apply(&x[..n * l.cols], l.cols, xa);
+                &*xa
+            }
+            _ => x,
+        };
         let planes = linears.map(Linear::quant_matrix);
         let quantized = planes.iter().filter(|q| q.is_some()).count();
         if quantized == N {
             let mut planes = planes.into_iter().flatten();
             let mut mats = layers.each_mut().map(|(_, y)| (planes.next().expect("counted above"), &mut **y));
-            kernels::quant::matmul_many_quant(mm.pool, x, n, &mut p.xq, &mut mats);
+            kernels::quant::matmul_many_quant(mm.pool, x, n, xq, &mut mats);
         } else if quantized == 0 {
             let mut mats: [(WeightMatrix<'_>, &mut [f32]); N] = layers.each_mut().map(|(l, y)| (l.matrix(), &mut **y));
             match mm.bf16 {
-                Some(k) => kernels::matmul_many_bf16(mm.pool, k, x, n, &mut p.xb, &mut mats),
+                Some(k) => kernels::matmul_many_bf16(mm.pool, k, x, n, xb, &mut mats),
                 None => kernels::matmul_many(mm.pool, x, n, &mut mats),
             }
         } else {
             for (l, y) in layers.iter_mut() {
-                l.product(mm, x, n, y, p);
+                l.product_on(mm, x, n, y, xb, xq);
             }
         }
         for (l, y) in layers.iter_mut() {
@@ -288,7 +335,8 @@ impl Linear {
 /// What [`Model::prepare_published`] decodes a published matrix into.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum PublishedDecode {
-    /// f32 weights, exactly `scale · (q − zero)`.
+    /// f32 weights, exactly `scale · (q − zero)`, and the input quantized as the scheme says
+    /// ([`InputQuant`]).
     F32,
     /// BF16 weights (the f32 values rounded to nearest even), for the BF16 kernels.
     Bf16,
@@ -336,6 +384,11 @@ pub(super) fn decode_published(linear: &mut Linear, mode: PublishedDecode) -> Re
         PublishedDecode::Integer => None,
     };
     if let Some((dtype, kernel_dtype)) = float_dtype {
+        if mode == PublishedDecode::F32 {
+            // What compressed-tensors computes: the scheme's input quantization, then the
+            // product with the dequantized weights.
+            linear.input_quant = InputQuant::new(&m)?;
+        }
         linear.weight = owned_weights(format!("{}.weight", m.module), dtype, rows, cols, &m.dequantize()?)?;
         linear.dtype = kernel_dtype;
         linear.quant = None;

@@ -89,6 +89,7 @@ impl QuantFormat {
 
 mod attention;
 mod delta_net;
+mod input_quant;
 mod linear;
 mod mlp;
 mod moe;
@@ -860,6 +861,17 @@ impl Model {
         Ok(())
     }
 
+    /// Whether a linear layer quantizes its input first (a published scheme with quantized
+    /// activations under `--precision f32`). The head counts too: a scheme that does not
+    /// ignore it quantizes its input like any other layer's.
+    fn quantizes_inputs(&self) -> bool {
+        self.layers
+            .iter()
+            .flat_map(|l| l.linears().map(|(_, m)| m))
+            .chain(std::iter::once(&self.lm_head))
+            .any(|l| l.input_quant.is_some())
+    }
+
     /// The published quantized matrices still waiting for [`Model::prepare_published`].
     fn pending(&self) -> impl Iterator<Item = &kylin_loader::published::PublishedMatrix> {
         self.layers.iter().flat_map(|l| l.linears().map(|(_, m)| m)).chain(std::iter::once(&self.lm_head)).filter_map(
@@ -1315,6 +1327,11 @@ impl Model {
                     },
                     xq: if self.quantization.is_some() {
                         vec![0; kernels::quant::quant_scratch_len(max_tokens, widest)]
+                    } else {
+                        Vec::new()
+                    },
+                    xa: if self.quantizes_inputs() {
+                        sized(max_tokens, widest, "quantized input")?
                     } else {
                         Vec::new()
                     },

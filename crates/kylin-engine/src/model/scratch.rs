@@ -80,6 +80,9 @@ pub struct ProductScratch {
     pub(super) xb: Vec<u16>,
     /// Int8 activations with their block scales (quantized models only; else empty).
     pub(super) xq: Vec<u8>,
+    /// The input of a product quantized as a published scheme says, `(max_tokens, widest)`
+    /// (`--precision f32` on a checkpoint whose scheme quantizes activations; else empty).
+    pub(super) xa: Vec<f32>,
 }
 
 impl Scratch {
@@ -122,7 +125,8 @@ impl Scratch {
             + 2 * self.split_stats.len();
         (elements * std::mem::size_of::<f32>()
             + self.products.xb.len() * std::mem::size_of::<u16>()
-            + self.products.xq.len()) as u64
+            + self.products.xq.len()
+            + self.products.xa.len() * std::mem::size_of::<f32>()) as u64
     }
 
     /// Touches every buffer now, so their memory is resident from the start.
@@ -149,6 +153,7 @@ impl Scratch {
             &mut self.lin_beta,
             &mut self.lin_core,
             &mut self.split_outputs,
+            &mut self.products.xa,
         ]
         .into_iter()
         .chain(self.moe.buffers_mut())
