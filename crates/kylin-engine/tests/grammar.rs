@@ -214,9 +214,7 @@ fn auto_lets_text_through_and_constrains_what_follows_the_marker() {
     // Free text is allowed, and so is a call after it; a malformed call after the marker is not.
     let mut state = compiled.start();
     for id in codec.tokenize("Let me check.\n<tool_call>", false).unwrap() {
-        while state.forced().is_some_and(|f| f != id) {
-            panic!("text before the marker is free, nothing is forced");
-        }
+        assert!(state.forced().is_none_or(|f| f == id), "text before the marker is free, nothing is forced");
         state.commit(id).unwrap();
     }
     // After the marker the grammar takes over: the call's start is forced, not sampled.

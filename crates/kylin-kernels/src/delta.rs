@@ -497,7 +497,7 @@ pub fn causal_conv1d(
     out: &mut [f32],
 ) {
     let taps = weight.cols;
-    assert!(taps >= 1 && taps <= MAX_CONV_KERNEL && weight.rows == channels, "causal_conv1d: weight shape");
+    assert!((1..=MAX_CONV_KERNEL).contains(&taps) && weight.rows == channels, "causal_conv1d: weight shape");
     let hist = taps - 1;
     assert!(x.len() >= n * channels && out.len() >= n * channels && state.len() >= hist * channels);
     // Row `r` of the extended input: the state's rows, then x's.

@@ -96,9 +96,11 @@ pub struct GgufInfo {
     pub tensor_types: BTreeMap<String, usize>,
     /// Bytes of tensor data (for tensors of known types).
     pub tensor_bytes: u64,
-    /// Of which: the stacked expert tensors (`*_exps`) and the token embedding.
+    /// Of which: the stacked expert tensors (`*_exps`), the token embedding, and Gemma 4's
+    /// per-layer input embedding (`per_layer_token_embd`, one row per token like the first).
     pub expert_bytes: u64,
     pub embedding_bytes: u64,
+    pub per_layer_embedding_bytes: u64,
     pub alignment: u64,
     /// Absolute offset of the tensor data section.
     pub data_offset: u64,
@@ -119,20 +121,21 @@ pub struct GgufInfo {
 }
 
 impl GgufInfo {
-    /// Bytes of weights one decoded token reads: every tensor once but the token embedding
-    /// (one row, unless it doubles as the head) and the experts (`expert_used_count` of
-    /// `expert_count`), as Kylin counts its own.
+    /// Bytes of weights one decoded token reads: every tensor once but the token embeddings
+    /// (one row each, unless the first doubles as the head) and the experts
+    /// (`expert_used_count` of `expert_count`), as Kylin counts its own.
     pub fn bytes_per_token(&self) -> u64 {
-        let embedding = if self.tied_output {
-            self.embedding_bytes
-        } else {
-            self.embedding_bytes / self.vocab_size.filter(|&v| v > 0).unwrap_or(1)
-        };
+        let vocab = self.vocab_size.filter(|&v| v > 0).unwrap_or(1);
+        let embedding = if self.tied_output { self.embedding_bytes } else { self.embedding_bytes / vocab };
+        let per_layer = self.per_layer_embedding_bytes / vocab;
         let experts = match (self.arch_u64("expert_used_count"), self.arch_u64("expert_count")) {
             (Some(k), Some(e)) if e > 0 && k <= e => self.expert_bytes / e * k,
             _ => self.expert_bytes,
         };
-        self.tensor_bytes - self.expert_bytes - self.embedding_bytes + experts + embedding
+        self.tensor_bytes - self.expert_bytes - self.embedding_bytes - self.per_layer_embedding_bytes
+            + experts
+            + embedding
+            + per_layer
     }
 
     /// `{architecture}.{key}` as an integer.
@@ -371,7 +374,7 @@ pub fn parse_gguf(path: &Path, bytes: &[u8]) -> Result<GgufInfo> {
 
     let mut tensor_types: BTreeMap<String, usize> = BTreeMap::new();
     let mut tensor_bytes = 0u64;
-    let (mut expert_bytes, mut embedding_bytes) = (0u64, 0u64);
+    let (mut expert_bytes, mut embedding_bytes, mut per_layer_embedding_bytes) = (0u64, 0u64, 0u64);
     let mut has_output = false;
     for t in &tensors {
         if t.name == "output.weight" {
@@ -409,6 +412,8 @@ pub fn parse_gguf(path: &Path, bytes: &[u8]) -> Result<GgufInfo> {
             expert_bytes += size;
         } else if t.name == "token_embd.weight" {
             embedding_bytes += size;
+        } else if t.name == "per_layer_token_embd.weight" {
+            per_layer_embedding_bytes += size;
         }
     }
 
@@ -430,6 +435,7 @@ pub fn parse_gguf(path: &Path, bytes: &[u8]) -> Result<GgufInfo> {
         tensor_bytes,
         expert_bytes,
         embedding_bytes,
+        per_layer_embedding_bytes,
         alignment,
         data_offset,
         tokenizer_model: get_str("tokenizer.ggml.model"),
@@ -473,6 +479,11 @@ mod tests {
 
     /// A minimal GGUF: one string key, one u32 key, one F32 tensor of 4 elements.
     pub(crate) fn tiny_gguf() -> Vec<u8> {
+        tiny_gguf_with("token_embd.weight")
+    }
+
+    /// The same with the tensor named `tensor`.
+    fn tiny_gguf_with(tensor: &str) -> Vec<u8> {
         let mut b = Vec::new();
         b.extend_from_slice(b"GGUF");
         b.extend_from_slice(&3u32.to_le_bytes());
@@ -488,7 +499,7 @@ mod tests {
         s(&mut b, "llama.context_length");
         b.extend_from_slice(&4u32.to_le_bytes());
         b.extend_from_slice(&2048u32.to_le_bytes());
-        s(&mut b, "token_embd.weight");
+        s(&mut b, tensor);
         b.extend_from_slice(&2u32.to_le_bytes());
         b.extend_from_slice(&2u64.to_le_bytes());
         b.extend_from_slice(&2u64.to_le_bytes());
@@ -509,6 +520,19 @@ mod tests {
         assert_eq!(info.tensor_types.get("F32"), Some(&1));
         assert_eq!(info.tensor_bytes, 16);
         assert!(info.tied_output);
+    }
+
+    /// Gemma 4's per-layer input embedding is read one row per token, as the token embedding
+    /// is: a token's bytes count one of its rows, not the whole table.
+    #[test]
+    fn a_per_layer_embedding_counts_one_row_per_token() {
+        let mut info = parse_gguf(Path::new("t.gguf"), &tiny_gguf_with("per_layer_token_embd.weight")).unwrap();
+        assert_eq!((info.per_layer_embedding_bytes, info.embedding_bytes), (16, 0));
+        info.vocab_size = Some(2);
+        assert_eq!(info.bytes_per_token(), 8, "one row of 2 f32 values");
+        let mut info = parse_gguf(Path::new("t.gguf"), &tiny_gguf_with("blk.0.attn_q.weight")).unwrap();
+        info.vocab_size = Some(2);
+        assert_eq!(info.bytes_per_token(), 16, "an ordinary matrix is read whole");
     }
 
     #[test]
