@@ -77,25 +77,7 @@ fn resolve(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
 fn layer_types(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
     let n = c.num_layers;
     let kinds: Vec<MixerKind> = match &hf.layer_types {
-        Some(types) => {
-            if types.len() != n {
-                return Err(KylinError::config_invalid(format!(
-                    "config.json layer_types has {} entries; num_hidden_layers is {n}",
-                    types.len()
-                )));
-            }
-            types
-                .iter()
-                .enumerate()
-                .map(|(i, t)| match t.as_str() {
-                    "conv" => Ok(MixerKind::ShortConv),
-                    "full_attention" => Ok(MixerKind::Attention),
-                    other => Err(KylinError::operator_unsupported(format!(
-                        "config.json layer_types[{i}] is '{other}'; LFM2's layers are 'conv' or 'full_attention'"
-                    ))),
-                })
-                .collect::<Result<_>>()?
-        }
+        Some(types) => super::mixers_from_layer_types(types, n, "LFM2", "conv", MixerKind::ShortConv)?,
         None => {
             let full = match raw_u64_list(hf, "full_attn_idxs")? {
                 Some(idxs) => {

@@ -600,6 +600,36 @@ impl DecoderSpec {
     }
 }
 
+/// A hybrid family's mixers from `layer_types`: `full_attention` is attention, `recurrent` (the
+/// family's name for its other layer, `linear_attention` or `conv`) is `kind`; anything else, or
+/// a list of the wrong length, is refused naming the entry.
+pub(crate) fn mixers_from_layer_types(
+    types: &[String],
+    num_layers: usize,
+    family: &str,
+    recurrent: &str,
+    kind: MixerKind,
+) -> Result<Vec<MixerKind>> {
+    use crate::error::KylinError;
+    if types.len() != num_layers {
+        return Err(KylinError::config_invalid(format!(
+            "config.json layer_types has {} entries; num_hidden_layers is {num_layers}",
+            types.len()
+        )));
+    }
+    types
+        .iter()
+        .enumerate()
+        .map(|(i, t)| match t.as_str() {
+            "full_attention" => Ok(MixerKind::Attention),
+            r if r == recurrent => Ok(kind),
+            other => Err(KylinError::operator_unsupported(format!(
+                "config.json layer_types[{i}] is '{other}'; {family}'s layers are '{recurrent}' or 'full_attention'"
+            ))),
+        })
+        .collect()
+}
+
 /// The sliding window of each layer from `layer_types` (`sliding_attention` /
 /// `full_attention`), as transformers 5 writes it; `CONFIG_INVALID` for another length or
 /// value, `OPERATOR_UNSUPPORTED` for a layer type Kylin does not run.

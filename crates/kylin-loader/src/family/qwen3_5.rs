@@ -95,23 +95,7 @@ fn layer_types(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
     let n = c.num_layers;
     let kinds: Vec<MixerKind> = match &hf.layer_types {
         Some(types) => {
-            if types.len() != n {
-                return Err(KylinError::config_invalid(format!(
-                    "config.json layer_types has {} entries; num_hidden_layers is {n}",
-                    types.len()
-                )));
-            }
-            types
-                .iter()
-                .enumerate()
-                .map(|(i, t)| match t.as_str() {
-                    "linear_attention" => Ok(MixerKind::GatedDeltaNet),
-                    "full_attention" => Ok(MixerKind::Attention),
-                    other => Err(KylinError::operator_unsupported(format!(
-                        "config.json layer_types[{i}] is '{other}'; Qwen3.5's layers are 'linear_attention' or 'full_attention'"
-                    ))),
-                })
-                .collect::<Result<_>>()?
+            super::mixers_from_layer_types(types, n, "Qwen3.5", "linear_attention", MixerKind::GatedDeltaNet)?
         }
         None => {
             let interval = match raw_u64(hf, "full_attention_interval")? {
