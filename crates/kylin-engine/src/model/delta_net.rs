@@ -172,28 +172,7 @@ impl DeltaNet {
         let layout = *states.layer(self.state);
         let stride = states.live_stride();
         let conv = WeightMatrix { dtype: self.conv_dtype, rows: cd, cols: d.conv_kernel, data: self.conv.bytes() };
-        let conv_len = cd * (d.conv_kernel - 1);
-        for seg in &plan.segments {
-            let base = seg.state as usize * stride;
-            let live = states.live_mut();
-            let (before, after) = live.split_at_mut(base + layout.conv_anchor);
-            let rows = &mut before[base + layout.conv..base + layout.conv + conv_len];
-            let anchor = &mut after[..conv_len];
-            let boundary = (seg.start + seg.n) / chunk * chunk;
-            let anchor = (boundary > seg.start).then(|| (boundary - seg.start, anchor));
-            let (t0, t1) = (seg.t0 * cd, (seg.t0 + seg.n) * cd);
-            delta::causal_conv1d(
-                &s.lin_in[t0..t1],
-                seg.n,
-                cd,
-                conv,
-                None,
-                true,
-                rows,
-                anchor,
-                &mut s.lin_mixed[t0..t1],
-            );
-        }
+        convolve_segments(plan, states, self.state, conv, None, true, &s.lin_in, &mut s.lin_mixed);
 
         // 3. Per token: q and k L2-normalised per key head, q scaled by dk^-½; per value head
         //    β = sigmoid(b) and g = -exp(A_log) · softplus(a + dt_bias), side by side in
@@ -270,5 +249,38 @@ impl DeltaNet {
             }
         }
         self.out_proj.forward(c.mm, &s.lin_z[..n * vd], n, &mut s.proj[..n * h], &mut s.products);
+    }
+}
+
+/// The causal depthwise convolution of a recurrent layer (Gated DeltaNet's, LFM2's), per
+/// segment over its sequence's rolling rows in the state pool: `input` `(n, width)` ->
+/// `output` `(n, width)`, `width = conv.rows`, optionally plus `bias` and through SiLU. The rows
+/// at the last chunk boundary a segment reaches become its slot's anchor.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn convolve_segments(
+    plan: &BatchPlan,
+    states: &mut StatePool,
+    state_layer: usize,
+    conv: WeightMatrix<'_>,
+    bias: Option<kernels::WeightVector<'_>>,
+    silu: bool,
+    input: &[f32],
+    output: &mut [f32],
+) {
+    let width = conv.rows;
+    let layout = *states.layer(state_layer);
+    let stride = states.live_stride();
+    let chunk = states.chunk();
+    let conv_len = width * (conv.cols - 1);
+    for seg in &plan.segments {
+        let base = seg.state as usize * stride;
+        let live = states.live_mut();
+        let (before, after) = live.split_at_mut(base + layout.conv_anchor);
+        let rows = &mut before[base + layout.conv..base + layout.conv + conv_len];
+        let anchor = &mut after[..conv_len];
+        let boundary = (seg.start + seg.n) / chunk * chunk;
+        let anchor = (boundary > seg.start).then(|| (boundary - seg.start, anchor));
+        let (t0, t1) = (seg.t0 * width, (seg.t0 + seg.n) * width);
+        delta::causal_conv1d(&input[t0..t1], seg.n, width, conv, bias, silu, rows, anchor, &mut output[t0..t1]);
     }
 }

@@ -131,33 +131,9 @@ impl ShortConv {
         // 3. The causal convolution per segment over its sequence's last rows (no activation):
         //    (n, hidden) -> (n, hidden); the rows at the last chunk boundary the segment
         //    reaches become the slot's anchor.
-        let layout = *states.layer(self.state);
-        let stride = states.live_stride();
-        let chunk = states.chunk();
         let conv = WeightMatrix { dtype: self.conv_dtype, rows: h, cols: self.kernel, data: self.conv.bytes() };
         let bias = self.conv_bias.as_ref().map(Vector::view);
-        let conv_len = h * (self.kernel - 1);
-        for seg in &plan.segments {
-            let base = seg.state as usize * stride;
-            let live = states.live_mut();
-            let (before, after) = live.split_at_mut(base + layout.conv_anchor);
-            let rows = &mut before[base + layout.conv..base + layout.conv + conv_len];
-            let anchor = &mut after[..conv_len];
-            let boundary = (seg.start + seg.n) / chunk * chunk;
-            let anchor = (boundary > seg.start).then(|| (boundary - seg.start, anchor));
-            let (t0, t1) = (seg.t0 * h, (seg.t0 + seg.n) * h);
-            delta::causal_conv1d(
-                &s.lin_mixed[t0..t1],
-                seg.n,
-                h,
-                conv,
-                bias,
-                false,
-                rows,
-                anchor,
-                &mut s.lin_core[t0..t1],
-            );
-        }
+        super::delta_net::convolve_segments(plan, states, self.state, conv, bias, false, &s.lin_mixed, &mut s.lin_core);
 
         // 4. y = C · conv (n, hidden); out_proj: (n, hidden) -> proj (n, hidden).
         for t in 0..n {
