@@ -841,6 +841,23 @@ pub(crate) fn moe_fields(hf: &HfConfig, c: &mut ModelConfig, d: &MoeDefaults) ->
     })
 }
 
+/// `shared_expert_intermediate_size`, the width of the shared expert beside the routed ones
+/// (Qwen2-MoE, Qwen3.5-MoE), with the family's default; 0 is refused naming the field.
+pub(crate) fn shared_expert_width(hf: &HfConfig, c: &mut ModelConfig, family: &str, default: usize) -> Result<usize> {
+    use crate::config::raw_u64;
+    use crate::error::KylinError;
+    match raw_u64(hf, "shared_expert_intermediate_size")? {
+        Some(0) => Err(KylinError::config_invalid(format!(
+            "config.json field 'shared_expert_intermediate_size' is 0; {family}'s shared expert needs a width"
+        ))),
+        Some(v) => Ok(v as usize),
+        None => {
+            c.defaulted.push("shared_expert_intermediate_size".into());
+            Ok(default)
+        }
+    }
+}
+
 /// Qwen's rule for which layers are sparse: layer `i` has experts unless it is in
 /// `mlp_only_layers`, when `(i + 1) % decoder_sparse_step == 0`; the others keep the dense
 /// MLP of `intermediate_size`.

@@ -7,8 +7,8 @@
 
 use super::{Defaults, Family, LLAMA_DEFAULTS, MoeDefaults};
 use crate::arch::{ATTENTION, EMBED_HEAD, MLP, MLP_EXPERTS, MLP_ROUTER, PRE_NORMS, QKV_BIAS, SHARED_EXPERT};
-use crate::config::{HfConfig, ModelConfig, raw_u64};
-use crate::error::{KylinError, Result};
+use crate::config::{HfConfig, ModelConfig};
+use crate::error::Result;
 
 pub const FAMILY: Family = Family {
     hf_name: "Qwen2MoeForCausalLM",
@@ -33,18 +33,7 @@ fn resolve(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
         normalize: Some(false),
     };
     let mut moe = super::moe_fields(hf, c, &defaults)?;
-    let shared = match raw_u64(hf, "shared_expert_intermediate_size")? {
-        Some(0) => {
-            return Err(KylinError::config_invalid(
-                "config.json field 'shared_expert_intermediate_size' is 0; Qwen2-MoE's shared expert needs a width",
-            ));
-        }
-        Some(v) => v as usize,
-        None => {
-            c.defaulted.push("shared_expert_intermediate_size".into());
-            5632
-        }
-    };
+    let shared = super::shared_expert_width(hf, c, "Qwen2-MoE", 5632)?;
     moe.shared_intermediate = Some(shared);
     c.decoder.moe = Some(moe);
     super::qwen_sparse_layers(hf, c)

@@ -12,8 +12,8 @@
 
 use super::{Defaults, Family, FfnKind, LLAMA_DEFAULTS, MoeDefaults};
 use crate::arch::{EMBED_HEAD, GATED_ATTENTION, GATED_DELTA_NET, MLP_EXPERTS, MLP_ROUTER, PRE_NORMS, SHARED_EXPERT};
-use crate::config::{HfConfig, ModelConfig, raw_u64};
-use crate::error::{KylinError, Result};
+use crate::config::{HfConfig, ModelConfig};
+use crate::error::Result;
 
 pub const FAMILY: Family = Family {
     hf_name: "Qwen3_5MoeForCausalLM",
@@ -33,18 +33,7 @@ const MOE: MoeDefaults =
 fn resolve(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
     super::qwen3_5::resolve(hf, c)?;
     let mut moe = super::moe_fields(hf, c, &MOE)?;
-    let shared = match raw_u64(hf, "shared_expert_intermediate_size")? {
-        Some(0) => {
-            return Err(KylinError::config_invalid(
-                "config.json field 'shared_expert_intermediate_size' is 0; Qwen3.5-MoE's shared expert needs a width",
-            ));
-        }
-        Some(v) => v as usize,
-        None => {
-            c.defaulted.push("shared_expert_intermediate_size".into());
-            512
-        }
-    };
+    let shared = super::shared_expert_width(hf, c, "Qwen3.5-MoE", 512)?;
     moe.shared_intermediate = Some(shared);
     c.decoder.moe = Some(moe);
     // Every layer's feed-forward block is the sparse one (Qwen3_5MoeDecoderLayer).
