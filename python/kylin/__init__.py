@@ -126,10 +126,11 @@ class LLM:
 
     Engine options: `threads` (default: physical cores), `ctx_size`, `max_seqs`,
     `max_batch_tokens`, `kv_memory` (bytes), `precision` (`"f32"`, the default, exact against
-    transformers' float32; `"bf16"`; `"auto"`)."""
+    transformers' float32; `"bf16"`; `"auto"`), `task` (`"auto"`, the default: what the
+    directory's files say; `"generate"`, `"embed"`, `"rerank"`, as `kylin serve --task`)."""
 
     def __init__(self, model: str, **engine_options: Any):
-        known = {"threads", "ctx_size", "max_seqs", "max_batch_tokens", "kv_memory", "precision"}
+        known = {"threads", "ctx_size", "max_seqs", "max_batch_tokens", "kv_memory", "precision", "task"}
         unknown = set(engine_options) - known
         if unknown:
             raise KylinError(f"unknown engine options: {', '.join(sorted(unknown))}", "INPUT_INVALID")
@@ -278,7 +279,8 @@ class LLM:
                 for i, (t, v) in enumerate(zip(ids, vectors))]
 
     def score(self, query: str, documents: Sequence[str]) -> list:
-        """Relevance of each document to `query` with a reranker (a cross-encoder)."""
+        """Relevance of each document to `query` with a reranker (a cross-encoder, or a yes/no
+        decoder reranker such as Qwen3-Reranker)."""
         return list(self._engine.rerank(query, list(documents)))
 
 

@@ -179,6 +179,7 @@ fn event_json(e: &Event) -> Value {
             "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "cached_tokens": usage.cached_prompt_tokens,
         }),
+        EventKind::Pooled { values } => json!({"kind": "pooled", "index": e.index, "values": values}),
     }
 }
 
@@ -193,7 +194,8 @@ fn parse_object(text: &str, what: &str) -> PyResult<Map<String, Value>> {
 impl Engine {
     /// Opens `path` (a Hugging Face directory): a decoder on the batching engine, an encoder
     /// (embeddings, reranking) on the encoder engine. `options` is JSON: `threads`, `ctx_size`,
-    /// `max_seqs`, `max_batch_tokens`, `kv_memory` (bytes), `precision` (`f32`, `bf16`, `auto`).
+    /// `max_seqs`, `max_batch_tokens`, `kv_memory` (bytes), `precision` (`f32`, `bf16`, `auto`),
+    /// `task` (`auto`, `generate`, `embed`, `rerank`: as `kylin serve --task`).
     #[new]
     fn new(py: Python<'_>, path: &str, options: &str) -> PyResult<Self> {
         let opts = parse_object(options, "the engine options")?;
@@ -204,6 +206,13 @@ impl Engine {
             Some(p) => PrecisionChoice::parse(p)
                 .ok_or_else(|| invalid(format!("precision must be f32, bf16 or auto; got {p}")))?,
         };
+        let task = match opts.get("task").and_then(Value::as_str) {
+            None | Some("auto") => kylin_loader::task::TaskChoice::Auto,
+            Some("generate") => kylin_loader::task::TaskChoice::Generate,
+            Some("embed") => kylin_loader::task::TaskChoice::Embed,
+            Some("rerank") => kylin_loader::task::TaskChoice::Rerank,
+            Some(t) => return Err(invalid(format!("task must be auto, generate, embed or rerank; got {t}"))),
+        };
         let path = Path::new(path).to_path_buf();
         let engine: Box<dyn Serving + Send> = py
             .detach(|| -> kylin_loader::Result<Box<dyn Serving + Send>> {
@@ -213,8 +222,10 @@ impl Engine {
                         usize_opt("max_batch_tokens").unwrap_or(EncoderOptions::default().max_batch_tokens);
                     return Ok(Box::new(EncoderEngine::new(loaded, EncoderOptions { threads, max_batch_tokens })?));
                 }
-                let model =
-                    kylin_loader::load(&path, &kylin_loader::LoadOptions { prefetch: true, ..Default::default() })?;
+                let model = kylin_loader::load(
+                    &path,
+                    &kylin_loader::LoadOptions { prefetch: true, task, ..Default::default() },
+                )?;
                 let defaults = EngineOptions::default();
                 let options = EngineOptions {
                     threads,

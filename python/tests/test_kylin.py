@@ -159,3 +159,26 @@ def test_score_with_a_cross_encoder():
     llm = kylin.LLM(str(RETRIEVAL / "fixtures/tiny-xlmr-reranker"), threads=1)
     scores = llm.score(ref["query"], ref["documents"])
     assert all(abs(s - w) < 1e-5 for s, w in zip(scores, ref["scores"]))
+
+
+def test_decoder_embedder_and_reranker():
+    """Qwen3-Embedding- and Qwen3-Reranker-shaped fixtures on the batching engine."""
+    ref = json.loads((RETRIEVAL / "reference/tiny-qwen3-embedding.json").read_text())
+    llm = kylin.LLM(str(RETRIEVAL / "fixtures/tiny-qwen3-embedding"), threads=1)
+    for out, ids, want in zip(llm.embed(ref["texts"]), ref["input_ids"], ref["embeddings"]):
+        assert out.prompt_token_ids == ids
+        assert cosine(out.outputs.embedding, want) >= 0.9999
+    query = llm.embed(ref["query"], prompt_name="query")[0].outputs.embedding
+    assert cosine(query, ref["query_embedding"]) >= 0.9999
+    rr = json.loads((RETRIEVAL / "reference/tiny-qwen3-reranker.json").read_text())
+    reranker = kylin.LLM(str(RETRIEVAL / "fixtures/tiny-qwen3-reranker"), threads=1)
+    scores = reranker.score(rr["query"], rr["documents"])
+    assert all(abs(s - w) < 1e-4 for s, w in zip(scores, rr["scores"]))
+    # The same directory as a plain language model, and as an embedder on request.
+    as_lm = kylin.LLM(str(RETRIEVAL / "fixtures/tiny-qwen3-reranker"), threads=1, task="generate")
+    with pytest.raises(kylin.KylinError) as e:
+        as_lm.score(rr["query"], rr["documents"])
+    assert e.value.code == "INPUT_INVALID"
+    as_embedder = kylin.LLM(str(RETRIEVAL / "fixtures/tiny-qwen3-reranker"), threads=1, task="embed")
+    v = as_embedder.embed("The cat sits on the mat.")[0].outputs.embedding
+    assert len(v) == 32 and abs(sum(x * x for x in v) - 1) < 1e-5

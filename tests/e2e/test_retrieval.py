@@ -174,3 +174,53 @@ def test_rerank_matches_the_cross_encoder(reranker):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "query"
         bad = client.post("/v1/embeddings", json={"input": "x"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "model"
+
+
+@pytest.fixture(scope="module")
+def qwen3_embedder():
+    s = Server(FIXTURES / "fixtures/tiny-qwen3-embedding", "tiny-qwen3-embedding")
+    yield s
+    assert s.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def qwen3_reranker():
+    s = Server(FIXTURES / "fixtures/tiny-qwen3-reranker", "tiny-qwen3-reranker")
+    yield s
+    assert s.stop() == 0
+
+
+def test_decoder_embeddings_match_sentence_transformers(qwen3_embedder):
+    """A Qwen3-Embedding-shaped directory: last-token pooling of the bare decoder, the query
+    through its named prompt (`prompt_name`, Kylin's extension), from the openai client."""
+    ref = reference("tiny-qwen3-embedding")
+    client = openai.OpenAI(base_url=qwen3_embedder.base + "/v1", api_key=KEY, max_retries=0)
+    r = client.embeddings.create(model="tiny-qwen3-embedding", input=ref["texts"], encoding_format="float")
+    assert r.usage.prompt_tokens == sum(len(i) for i in ref["input_ids"])
+    for d, want in zip(r.data, ref["embeddings"]):
+        assert len(d.embedding) == 32
+        assert cosine(d.embedding, want) >= 0.9999
+    q = client.embeddings.create(model="tiny-qwen3-embedding", input=ref["query"],
+                                 extra_body={"prompt_name": "query"})
+    assert cosine(q.data[0].embedding, ref["query_embedding"]) >= 0.9999
+    models = httpx.get(qwen3_embedder.base + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert models["data"][0]["id"] == "tiny-qwen3-embedding"
+    # An embedding model generates nothing: a 400 in OpenAI's shape.
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny-qwen3-embedding", prompt="The cat", max_tokens=4)
+
+
+def test_decoder_reranker_matches_the_model_card(qwen3_reranker):
+    """A Qwen3-Reranker-shaped directory, from httpx: P(yes) after the model card's prompt; the
+    same server still completes text."""
+    ref = reference("tiny-qwen3-reranker")
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=qwen3_reranker.base, headers=headers, timeout=30) as client:
+        r = client.post("/v1/rerank", json={"query": ref["query"], "documents": ref["documents"]})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        for x in body["results"]:
+            assert abs(x["relevance_score"] - ref["scores"][x["index"]]) < 1e-4
+        assert body["usage"]["prompt_tokens"] == sum(len(i) for i in ref["input_ids"])
+        c = client.post("/v1/completions", json={"prompt": "The cat", "max_tokens": 3})
+        assert c.status_code == 200 and c.json()["usage"]["completion_tokens"] == 3

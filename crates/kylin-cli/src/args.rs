@@ -96,8 +96,34 @@ pub struct ModelArgs {
     /// attention and refuses `on`/`off`.
     #[arg(long, value_enum, default_value = "auto")]
     pub flash_attn: FlashAttnArg,
+    /// What a decoder serves: by default what its files say (sentence-transformers' modules.json:
+    /// embeddings; a Qwen3-Reranker README: reranking; otherwise text). `embed` pools the last
+    /// token's final state (normalised); `rerank` scores with the `yes`/`no` logits after
+    /// Qwen3-Reranker's prompt.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub task: TaskArg,
     #[command(flatten)]
     pub engine: EngineArgs,
+}
+
+/// `--task`.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TaskArg {
+    Auto,
+    Generate,
+    Embed,
+    Rerank,
+}
+
+impl From<TaskArg> for kylin_loader::task::TaskChoice {
+    fn from(t: TaskArg) -> Self {
+        match t {
+            TaskArg::Auto => Self::Auto,
+            TaskArg::Generate => Self::Generate,
+            TaskArg::Embed => Self::Embed,
+            TaskArg::Rerank => Self::Rerank,
+        }
+    }
 }
 
 /// llama.cpp's attention kernel for GGUF models.

@@ -15,7 +15,7 @@ use kylin_loader::KylinError;
 use serde_json::json;
 
 use crate::args::EmbedArgs;
-use crate::open::{open_encoder, threads};
+use crate::open::{open_engine_sized, threads};
 
 pub fn run(args: EmbedArgs) -> Result<()> {
     let mut texts = args.texts.clone();
@@ -36,17 +36,22 @@ pub fn run(args: EmbedArgs) -> Result<()> {
     if texts.is_empty() {
         return Err(KylinError::input_invalid("give texts with --text or --file").into());
     }
-    if !kylin_loader::encoder::is_encoder_dir(&args.model.model) {
-        return Err(KylinError::input_invalid(format!(
-            "{} is not an embedding model Kylin runs (a BERT, RoBERTa or XLM-RoBERTa directory)",
+    let threads = threads(&args.model)?;
+    let batch = args.batch.max(1);
+    // An encoder directory runs on the encoder engine; a decoder embedder (Qwen3-Embedding, or
+    // any decoder with --task embed) on the batching engine, sized to one batch of these texts.
+    let mut model_args = args.model.clone();
+    if model_args.ctx_size.is_none() && !kylin_loader::encoder::is_encoder_dir(&model_args.model) {
+        model_args.ctx_size = decoder_context(&model_args.model, &texts, args.prompt_name.as_deref());
+    }
+    let mut engine = open_engine_sized(&model_args, batch, false)?;
+    let info = engine.embedding_info().ok_or_else(|| {
+        KylinError::input_invalid(format!(
+            "{} does not make embeddings (an embedding model is a BERT, RoBERTa or XLM-RoBERTa directory, a decoder \
+             with sentence-transformers' last-token pooling such as Qwen3-Embedding, or any decoder with --task embed)",
             args.model.model.display()
         ))
-        .into());
-    }
-    let threads = threads(&args.model)?;
-    let mut engine = open_encoder(&args.model, threads)?;
-    let info =
-        engine.embedding_info().ok_or_else(|| KylinError::input_invalid("this model does not make embeddings"))?;
+    })?;
     let prefix = match &args.prompt_name {
         None => String::new(),
         Some(name) => info
@@ -66,8 +71,7 @@ pub fn run(args: EmbedArgs) -> Result<()> {
     }
     let inputs: Vec<Vec<u32>> =
         texts.iter().map(|t| engine.tokenize(&format!("{prefix}{t}"), true)).collect::<Result<_, _>>()?;
-    let batch = args.batch.max(1);
-    let embed_all = |engine: &mut kylin_engine::encoder_serving::EncoderEngine| -> Result<Vec<Vec<f32>>> {
+    let embed_all = |engine: &mut Box<dyn Serving>| -> Result<Vec<Vec<f32>>> {
         let mut out = Vec::with_capacity(inputs.len());
         for chunk in inputs.chunks(batch) {
             out.extend(engine.embed(chunk)?);
@@ -79,7 +83,7 @@ pub fn run(args: EmbedArgs) -> Result<()> {
         let reps = args.repetitions.max(1);
         let mine = embed_all(&mut engine)?;
         let mut other = match &args.vs {
-            Some(path) => Some(vs::open(path, threads, batch, &inputs)?),
+            Some(path) => Some(vs::open(path, threads, batch, &inputs, info.pooling == "last_token")?),
             None => None,
         };
         // Warm-up of the other engine, and how close its embeddings are to Kylin's.
@@ -152,6 +156,19 @@ pub fn run(args: EmbedArgs) -> Result<()> {
     Ok(())
 }
 
+/// A context that holds the longest text with its prompt and the tokenizer's specials: a token
+/// is at least one byte (byte-level BPE, SentencePiece with byte fallback), so the bytes bound
+/// the tokens. `None` (the model's default) when the directory's files cannot say.
+fn decoder_context(dir: &std::path::Path, texts: &[String], prompt_name: Option<&str>) -> Option<usize> {
+    let prompt = match prompt_name {
+        None => 0,
+        Some(name) => kylin_loader::encoder::read_sentence_config(dir).ok()??.prompts.get(name).map_or(0, String::len),
+    };
+    let longest = texts.iter().map(String::len).max()? + prompt + 16;
+    let limit = kylin_loader::read_config(dir).ok()?.max_position_embeddings;
+    Some(longest.min(limit))
+}
+
 fn cosine(a: &[f32], b: &[f32]) -> f64 {
     let dot: f64 = a.iter().zip(b).map(|(&x, &y)| f64::from(x) * f64::from(y)).sum();
     let na = a.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
@@ -166,10 +183,16 @@ mod vs {
     use anyhow::Result;
 
     #[cfg(feature = "llamacpp")]
-    pub fn open(path: &Path, threads: usize, batch: usize, inputs: &[Vec<u32>]) -> Result<Embedder> {
+    pub fn open(path: &Path, threads: usize, batch: usize, inputs: &[Vec<u32>], last_token: bool) -> Result<Embedder> {
         let longest = inputs.iter().map(Vec::len).max().unwrap_or(1);
         let tokens = inputs.chunks(batch).map(|c| c.iter().map(Vec::len).sum::<usize>()).max().unwrap_or(1);
-        Ok(Embedder(kylin_llamacpp::embed::LlamaCppEmbedder::load(path, threads, batch, tokens.max(longest))?))
+        Ok(Embedder(kylin_llamacpp::embed::LlamaCppEmbedder::load(
+            path,
+            threads,
+            batch,
+            tokens.max(longest),
+            last_token,
+        )?))
     }
 
     #[cfg(feature = "llamacpp")]
@@ -193,7 +216,7 @@ mod vs {
     }
 
     #[cfg(not(feature = "llamacpp"))]
-    pub fn open(_path: &Path, _threads: usize, _batch: usize, _inputs: &[Vec<u32>]) -> Result<Embedder> {
+    pub fn open(_path: &Path, _threads: usize, _batch: usize, _inputs: &[Vec<u32>], _last: bool) -> Result<Embedder> {
         Err(kylin_loader::KylinError::operator_unsupported("--vs needs the llamacpp feature").into())
     }
 }

@@ -19,6 +19,7 @@ pub fn run(args: InspectArgs) -> Result<()> {
         allow_vocab_mismatch: args.allow_vocab_mismatch,
         require_tokenizer: false,
         prefetch: false,
+        ..LoadOptions::default()
     };
     let report = kylin_loader::inspect(&model, &opts)?;
     let kernels = kernels_report(&report);

@@ -125,6 +125,7 @@ pub fn open(args: &ModelArgs, require_tokenizer: bool) -> Result<Opened> {
         allow_vocab_mismatch: args.allow_vocab_mismatch,
         require_tokenizer,
         prefetch: true,
+        task: args.task.into(),
     };
     let model = kylin_loader::load(&args.model, &opts)?;
     for warning in &model.warnings {
@@ -147,6 +148,13 @@ pub fn open(args: &ModelArgs, require_tokenizer: bool) -> Result<Opened> {
 /// Hugging Face models, llama.cpp one sequence at a time for GGUF files. Called on the thread
 /// that will drive the engine (llama.cpp's context must stay on one thread).
 pub fn open_engine(args: &ModelArgs) -> Result<Box<dyn Serving>> {
+    // A server holds its memory from the start: the footprint does not grow with traffic.
+    open_engine_sized(args, DEFAULT_MAX_SEQS, true)
+}
+
+/// [`open_engine`] with the batching engine's default `--max-seqs` and whether it prefaults its
+/// memory (`kylin embed` sizes it to its batch and touches memory as it goes).
+pub fn open_engine_sized(args: &ModelArgs, default_max_seqs: usize, prefault: bool) -> Result<Box<dyn Serving>> {
     crate::sigbus::watch(&args.model);
     let format = kylin_loader::detect(&args.model)?;
     let gguf = matches!(format, Format::Gguf { .. });
@@ -164,13 +172,13 @@ pub fn open_engine(args: &ModelArgs) -> Result<Box<dyn Serving>> {
         allow_vocab_mismatch: args.allow_vocab_mismatch,
         require_tokenizer: false,
         prefetch: true,
+        task: args.task.into(),
     };
     let model = kylin_loader::load(&args.model, &opts)?;
     for warning in &model.warnings {
         tracing_warning(warning);
     }
-    // A server holds its memory from the start: the footprint does not grow with traffic.
-    let engine = EngineOptions { prefault: true, ..engine_options(args, threads, DEFAULT_MAX_SEQS)? };
+    let engine = EngineOptions { prefault, ..engine_options(args, threads, default_max_seqs)? };
     Ok(Box::new(kylin_engine::batch::BatchEngine::new(model, &engine)?))
 }
 

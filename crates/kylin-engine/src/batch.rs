@@ -31,6 +31,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use kylin_kernels::{ThreadPool, WeightDType};
+use kylin_loader::task::ModelTask;
 use kylin_loader::{GenerationDefaults, KylinError, LoadedModel, Result};
 
 use crate::backend::ChatMessage;
@@ -41,7 +42,10 @@ use crate::native::ModelParts;
 use crate::rope::Ropes;
 use crate::sequence::Decoding;
 use crate::serial::validate_request;
-use crate::serving::{EngineInfo, EngineStats, Event, EventKind, Request, Serving, StatePoolInfo, StopReason, Usage};
+use crate::serving::{
+    EmbeddingInfo, EngineInfo, EngineStats, Event, EventKind, Pooled, Request, Serving, StatePoolInfo, StopReason,
+    Usage,
+};
 use crate::state_pool::{NO_SLOT, StatePool};
 use crate::text::TextCodec;
 
@@ -926,6 +930,8 @@ struct Seq {
     /// Its live slot in the recurrent layers' state pool while it runs (`NO_SLOT` otherwise,
     /// and always for a model without recurrent layers).
     state: u32,
+    /// What the request returns at its last prompt position instead of generating.
+    pooling: Option<Pooled>,
 }
 
 impl Seq {
@@ -968,7 +974,19 @@ pub struct BatchEngine {
     /// Slots of running sequences that finished in this step.
     finished: Vec<usize>,
     stats: EngineStats,
+    /// Generation, embeddings or reranking (the directory's files, or `--task`).
+    task: ModelTask,
+    /// Events of other requests produced while [`Serving::embed`] or [`Serving::rerank`] ran
+    /// steps; the next [`Serving::step`] hands them out first.
+    held: Vec<Event>,
+    /// The id of the next request the engine makes for itself (embedding and reranking
+    /// inputs), counting up from [`INTERNAL_IDS`].
+    next_internal_id: u64,
 }
+
+/// Request ids from here up are the engine's own (the pooled requests behind
+/// [`Serving::embed`] and [`Serving::rerank`]); callers number theirs below.
+pub const INTERNAL_IDS: u64 = 1 << 63;
 
 impl std::fmt::Debug for BatchEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -983,10 +1001,12 @@ impl std::fmt::Debug for BatchEngine {
 impl BatchEngine {
     /// Builds the engine for a model from [`kylin_loader::load`].
     pub fn new(model: LoadedModel, opts: &EngineOptions) -> Result<Self> {
-        let LoadedModel { config, weights, tokenizer, generation, eos_ids, .. } = model;
+        let LoadedModel { config, weights, tokenizer, generation, eos_ids, task, .. } = model;
         let parts =
             ModelParts { config: &config, weights: &weights, tokenizer: tokenizer.as_ref(), generation, eos_ids };
-        BatchEngine::from_parts(parts, opts)
+        let mut engine = BatchEngine::from_parts(parts, opts)?;
+        engine.task = task;
+        Ok(engine)
     }
 
     pub fn from_parts(parts: ModelParts<'_>, opts: &EngineOptions) -> Result<Self> {
@@ -999,6 +1019,9 @@ impl BatchEngine {
             scheduled: Vec::with_capacity(max_seqs),
             finished: Vec::with_capacity(max_seqs),
             stats: EngineStats::default(),
+            task: ModelTask::Generate,
+            held: Vec::new(),
+            next_internal_id: INTERNAL_IDS,
         })
     }
 
@@ -1027,6 +1050,7 @@ impl BatchEngine {
             // Choice 0 reports the prompt's log-probabilities; its siblings have nothing to score.
             next_scored: if index == 0 { 0 } else { request.prompt_ids.len() },
             state: NO_SLOT,
+            pooling: request.pooling.clone(),
         }
     }
 
@@ -1375,6 +1399,16 @@ impl BatchEngine {
             }
             let seq = &mut self.running[slot];
             let Some(row) = logits_row else { continue };
+            if let Some(pooled) = &seq.pooling {
+                let values = match pooled {
+                    Pooled::LastHidden => self.core.scratch.logit_hidden(row, self.core.model.dims().hidden).to_vec(),
+                    Pooled::LastLogits(ids) => {
+                        let logits = self.core.scratch.logits(row, vocab);
+                        ids.iter().map(|&id| logits[id as usize]).collect()
+                    }
+                };
+                events.push(Event { request: seq.request, index: seq.index, kind: EventKind::Pooled { values } });
+            }
             if seq.decoding.generates_nothing() {
                 // The request only scores its prompt: it ends here, its choices with it.
                 let text = self.core.text.as_ref();
@@ -1412,6 +1446,85 @@ impl BatchEngine {
             self.leave(&mut seq);
         }
         Ok(())
+    }
+}
+
+impl BatchEngine {
+    /// One scheduler step (the module documentation's four parts).
+    fn advance(&mut self, events: &mut Vec<Event>) -> Result<()> {
+        self.schedule(events);
+        // Running sequences that all wait for blocks (partly computed prompts filled the pool):
+        // preempt from the back until one of them can go on. The pool holds at least one
+        // sequence of the full context, so the front sequence always fits on its own.
+        while self.scheduled.is_empty() && !self.running.is_empty() {
+            self.preempt_last();
+            self.schedule(events);
+        }
+        if self.scheduled.is_empty() {
+            return Ok(());
+        }
+        self.run_scheduled(events)
+    }
+
+    /// Runs prompt-only requests that return pooled values (embeddings, reranking logits) and
+    /// steps the engine until they are all done: they share every step with the requests
+    /// already running, whose events wait in `held` for the next [`Serving::step`]. The
+    /// inputs are validated before any is queued; the prefix cache serves them as any prompt.
+    fn run_pooled(&mut self, prompts: Vec<(Vec<u32>, Pooled)>) -> Result<Vec<Vec<f32>>> {
+        let (vocab, context, max_seqs) = (self.core.model.dims().vocab, self.core.context, self.core.max_seqs);
+        let first = self.next_internal_id;
+        let count = prompts.len();
+        let mut requests = Vec::with_capacity(count);
+        for (i, (ids, pooled)) in prompts.into_iter().enumerate() {
+            let mut request = Request::new(first + i as u64, ids, 0);
+            request.detokenize = false;
+            request.pooling = Some(pooled);
+            validate_request(&request, vocab, context, max_seqs)
+                .map_err(|e| KylinError { message: format!("input {i}: {}", e.message), ..e })?;
+            requests.push(request);
+        }
+        self.next_internal_id += count as u64;
+        let cancels: Vec<_> = requests.iter().map(|r| r.cancel.clone()).collect();
+        for request in requests {
+            self.add_request(request)?;
+        }
+        let ours = first..first + count as u64;
+        let mut out: Vec<Option<Vec<f32>>> = vec![None; count];
+        let mut done = 0;
+        let mut events = Vec::new();
+        while done < count {
+            events.clear();
+            let stepped = if self.running.is_empty() && self.waiting.is_empty() {
+                Err(KylinError::backend_failed("internal: the engine went idle before its pooled requests finished"))
+            } else {
+                self.advance(&mut events)
+            };
+            if let Err(e) = stepped {
+                // What was not computed is dropped at the next step.
+                cancels.iter().for_each(|c| c.cancel());
+                return Err(e);
+            }
+            for event in events.drain(..) {
+                if !ours.contains(&event.request) {
+                    self.held.push(event);
+                    continue;
+                }
+                let i = (event.request - first) as usize;
+                match event.kind {
+                    EventKind::Pooled { values } => out[i] = Some(values),
+                    EventKind::Finished { .. } => done += 1,
+                    _ => {}
+                }
+            }
+        }
+        out.into_iter()
+            .enumerate()
+            .map(|(i, v)| {
+                v.ok_or_else(|| {
+                    KylinError::backend_failed(format!("internal: pooled input {i} finished without its values"))
+                })
+            })
+            .collect()
     }
 }
 
@@ -1497,6 +1610,12 @@ impl Serving for BatchEngine {
 
     fn add_request(&mut self, request: Request) -> Result<()> {
         validate_request(&request, self.core.model.dims().vocab, self.core.context, self.core.max_seqs)?;
+        if let (ModelTask::Embed(e), None) = (&self.task, &request.pooling) {
+            return Err(KylinError::input_invalid(format!(
+                "this model is an embedding model (from {}): it serves /v1/embeddings and generates no text",
+                e.source
+            )));
+        }
         let duplicate = self.running.iter().chain(self.waiting.iter()).any(|s| s.request == request.id);
         if duplicate {
             return Err(KylinError::input_invalid(format!("request id {} is already in the engine", request.id)));
@@ -1510,22 +1629,60 @@ impl Serving for BatchEngine {
     }
 
     fn step(&mut self, events: &mut Vec<Event>) -> Result<()> {
-        self.schedule(events);
-        // Running sequences that all wait for blocks (partly computed prompts filled the pool):
-        // preempt from the back until one of them can go on. The pool holds at least one
-        // sequence of the full context, so the front sequence always fits on its own.
-        while self.scheduled.is_empty() && !self.running.is_empty() {
-            self.preempt_last();
-            self.schedule(events);
-        }
-        if self.scheduled.is_empty() {
-            return Ok(());
-        }
-        self.run_scheduled(events)
+        events.append(&mut self.held);
+        self.advance(events)
     }
 
     fn has_work(&self) -> bool {
-        !self.running.is_empty() || !self.waiting.is_empty()
+        !self.running.is_empty() || !self.waiting.is_empty() || !self.held.is_empty()
+    }
+
+    fn embedding_info(&self) -> Option<EmbeddingInfo> {
+        let ModelTask::Embed(e) = &self.task else { return None };
+        Some(EmbeddingInfo {
+            dimension: self.core.model.dims().hidden,
+            pooling: "last_token".into(),
+            normalized: e.normalize,
+            max_tokens: self.core.context,
+            prompts: e.prompts.clone(),
+        })
+    }
+
+    fn embed(&mut self, inputs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
+        let ModelTask::Embed(e) = &self.task else {
+            return Err(KylinError::input_invalid(
+                "this model does not make embeddings; serve an embedding model (a sentence-transformers directory such \
+                 as Qwen3-Embedding's, or pass --task embed)",
+            ));
+        };
+        let normalize = e.normalize;
+        let mut out = self.run_pooled(inputs.iter().map(|ids| (ids.clone(), Pooled::LastHidden)).collect())?;
+        if normalize {
+            out.iter_mut().for_each(|v| crate::encoder::normalize_in_place(v));
+        }
+        Ok(out)
+    }
+
+    fn can_rerank(&self) -> bool {
+        matches!(self.task, ModelTask::Rerank(_))
+    }
+
+    fn rerank(&mut self, query: &str, documents: &[String]) -> Result<(Vec<f32>, usize)> {
+        let ModelTask::Rerank(r) = &self.task else {
+            return Err(KylinError::input_invalid(
+                "this model does not rerank; serve a reranker (a cross-encoder such as bge-reranker, Qwen3-Reranker, \
+                 or a decoder with --task rerank)",
+            ));
+        };
+        let ids = vec![r.no_id, r.yes_id];
+        let text = self.core.text()?;
+        let mut prompts = Vec::with_capacity(documents.len());
+        for doc in documents {
+            prompts.push((crate::retrieval::yes_no_prompt(text, query, doc, None)?, Pooled::LastLogits(ids.clone())));
+        }
+        let tokens = prompts.iter().map(|(p, _)| p.len()).sum();
+        let logits = self.run_pooled(prompts)?;
+        Ok((logits.iter().map(|l| crate::retrieval::yes_probability(l[0], l[1])).collect(), tokens))
     }
 
     fn stats(&self) -> EngineStats {

@@ -12,6 +12,7 @@ pub mod grammar;
 pub mod kv_pool;
 pub mod model;
 pub mod native;
+pub mod retrieval;
 pub mod rope;
 pub mod sampler;
 pub mod sequence;

@@ -64,7 +64,14 @@ impl std::fmt::Debug for NativeBackend {
 impl NativeBackend {
     /// Builds the backend for a model from [`kylin_loader::load`]; see [`NativeBackend::from_parts`].
     pub fn new(model: LoadedModel, opts: NativeOptions) -> Result<Self> {
-        let LoadedModel { config, weights, tokenizer, generation, eos_ids, .. } = model;
+        let LoadedModel { config, weights, tokenizer, generation, eos_ids, task, .. } = model;
+        if let kylin_loader::task::ModelTask::Embed(e) = task {
+            return Err(KylinError::input_invalid(format!(
+                "this is an embedding model (from {}): it generates no text; use `kylin embed` or `kylin serve` \
+                 (/v1/embeddings), or --task generate to run its decoder as a language model",
+                e.source
+            )));
+        }
         let parts =
             ModelParts { config: &config, weights: &weights, tokenizer: tokenizer.as_ref(), generation, eos_ids };
         NativeBackend::from_parts(parts, opts)

@@ -25,7 +25,29 @@ pub fn validate_request(request: &Request, vocab: usize, context: usize, max_seq
             "token id {bad} is outside the model's vocabulary of {vocab} ids"
         )));
     }
-    let scoring_only = request.max_new_tokens == 0 && request.prompt_logprobs.is_some();
+    if let Some(pooled) = &request.pooling {
+        if request.max_new_tokens != 0 || request.n != 1 {
+            return Err(KylinError::input_invalid(format!(
+                "a pooled request (embedding, reranking) generates nothing and has one choice; got max_tokens {} and n {}",
+                request.max_new_tokens, request.n
+            )));
+        }
+        if let crate::serving::Pooled::LastLogits(ids) = pooled {
+            if ids.is_empty() || ids.len() > crate::serving::MAX_POOLED_IDS {
+                return Err(KylinError::input_invalid(format!(
+                    "a pooled request names 1 to {} token ids whose logits it returns; got {}",
+                    crate::serving::MAX_POOLED_IDS,
+                    ids.len()
+                )));
+            }
+            if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+                return Err(KylinError::input_invalid(format!(
+                    "pooled token id {bad} is outside the model's vocabulary of {vocab} ids"
+                )));
+            }
+        }
+    }
+    let scoring_only = request.max_new_tokens == 0 && (request.prompt_logprobs.is_some() || request.pooling.is_some());
     if request.prompt_ids.len() > context || (request.prompt_ids.len() == context && !scoring_only) {
         return Err(KylinError::context_overflow(format!(
             "the prompt has {} tokens but the context holds {context}, which leaves no room to generate; \
@@ -243,6 +265,11 @@ impl Serving for SerialEngine {
         // One sequence at a time, but `n` choices run one after the other, so any n up to the
         // OpenAI limit is accepted.
         validate_request(&request, self.backend.vocab_size(), self.backend.context_size(), 128)?;
+        if request.pooling.is_some() {
+            return Err(KylinError::operator_unsupported(
+                "pooled requests (decoder embeddings and reranking) run on the native engine, not one sequence at a time",
+            ));
+        }
         if self.queue.iter().any(|r| r.id == request.id)
             || self.running.as_ref().is_some_and(|r| r.request.id == request.id)
         {

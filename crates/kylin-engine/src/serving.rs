@@ -83,8 +83,26 @@ pub struct Request {
     /// tokens it forbids are masked at every step, the tokens it forces are appended without
     /// sampling, and the choice ends (as EOS) when the grammar is complete.
     pub grammar: Option<crate::grammar::Grammar>,
+    /// `Some`: the request returns values computed at its last prompt position (an
+    /// [`EventKind::Pooled`] event before it finishes) and generates nothing (`max_new_tokens`
+    /// 0, `n` 1): what decoder embedders and rerankers answer with.
+    pub pooling: Option<Pooled>,
     pub cancel: CancelHandle,
 }
+
+/// What a prompt-only request returns at its last prompt position.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Pooled {
+    /// The final hidden state of the last prompt token, after the final norm, `(hidden)`:
+    /// last-token pooling (Qwen3-Embedding).
+    LastHidden,
+    /// The model's logits for these ids at the last prompt position, in this order (a
+    /// Qwen3-Reranker's `no` and `yes`).
+    LastLogits(Vec<u32>),
+}
+
+/// The most ids a [`Pooled::LastLogits`] request may name.
+pub const MAX_POOLED_IDS: usize = 64;
 
 /// The largest `top_logprobs` a request may ask for (OpenAI's limit).
 pub const MAX_TOP_LOGPROBS: usize = 20;
@@ -106,6 +124,7 @@ impl Request {
             skip_special_tokens: true,
             logit_bias: Vec::new(),
             grammar: None,
+            pooling: None,
             cancel: CancelHandle::new(),
         }
     }
@@ -172,6 +191,8 @@ pub enum EventKind {
     /// the request; together the events cover positions `1..prompt_len` once each. Sent for
     /// choice 0 only: every choice shares the prompt.
     PromptLogprobs { start: usize, logprobs: Vec<TokenLogprob> },
+    /// The values a request with [`Request::pooling`] asked for, once, before it finishes.
+    Pooled { values: Vec<f32> },
     /// The choice ended. `text` is whatever was held back and is now released (may be empty).
     Finished { reason: StopReason, text: String, usage: Usage },
 }

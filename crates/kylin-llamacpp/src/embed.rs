@@ -2,7 +2,8 @@
 //! `kylin embed --bench --vs MODEL.gguf` to compare throughput on the same weights.
 //!
 //! The context is created with embeddings on and the pooling the GGUF file declares (what
-//! `llama-embedding` and `llama-server --embedding` do); a batch holds up to `max_seqs`
+//! `llama-embedding` and `llama-server --embedding` do), or last-token pooling when asked (a
+//! decoder embedder's GGUF, which declares none: `--pooling last`); a batch holds up to `max_seqs`
 //! sequences and `max_batch_tokens` tokens in one ubatch (encoders need a sequence whole in one
 //! ubatch), the KV memory is cleared before each batch, and every embedding is normalised to
 //! unit length (llama.cpp's default `--embd-normalize 2`).
@@ -11,7 +12,7 @@ use std::path::Path;
 
 use kylin_loader::{KylinError, Result};
 use llama_cpp_2::context::LlamaContext;
-use llama_cpp_2::context::params::LlamaContextParams;
+use llama_cpp_2::context::params::{LlamaContextParams, LlamaPoolingType};
 use llama_cpp_2::llama_batch::LlamaBatch;
 use llama_cpp_2::model::LlamaModel;
 use llama_cpp_2::model::params::LlamaModelParams;
@@ -37,8 +38,14 @@ impl std::fmt::Debug for LlamaCppEmbedder {
 
 impl LlamaCppEmbedder {
     /// Loads `path` with a context for batches of `max_seqs` sequences and `max_batch_tokens`
-    /// tokens.
-    pub fn load(path: &Path, threads: usize, max_seqs: usize, max_batch_tokens: usize) -> Result<Self> {
+    /// tokens; `last_token` pools by the last token whatever the file declares.
+    pub fn load(
+        path: &Path,
+        threads: usize,
+        max_seqs: usize,
+        max_batch_tokens: usize,
+        last_token: bool,
+    ) -> Result<Self> {
         validate_gguf(path)?;
         let backend = llama_backend()?;
         let threads = resolve_threads(threads)? as i32;
@@ -57,7 +64,7 @@ impl LlamaCppEmbedder {
         // graph reservation (mean pooling's product) at context creation.
         let max_batch_tokens = max_batch_tokens.div_ceil(256) * 256;
         let tokens = max_batch_tokens as u32;
-        let ctx_params = LlamaContextParams::default()
+        let mut ctx_params = LlamaContextParams::default()
             .with_n_ctx(std::num::NonZeroU32::new(tokens))
             .with_n_batch(tokens)
             .with_n_ubatch(tokens)
@@ -65,6 +72,9 @@ impl LlamaCppEmbedder {
             .with_n_threads(threads)
             .with_n_threads_batch(threads)
             .with_embeddings(true);
+        if last_token {
+            ctx_params = ctx_params.with_pooling_type(LlamaPoolingType::Last);
+        }
         let ctx = model.new_context(backend, ctx_params).map_err(|e| {
             KylinError::backend_failed(format!("llama.cpp could not create an embedding context: {e}")).at(path)
         })?;

@@ -1075,7 +1075,23 @@ impl TensorMap {
         TensorMap { renames }
     }
 
-    fn name_for(&self, table_name: &str) -> String {
+    /// True when the checkpoint was saved from the bare `*Model` (no `model.` prefix), as
+    /// Qwen3-Embedding is published.
+    pub(crate) fn is_bare_model(index: &TensorIndex) -> bool {
+        index.raw("embed_tokens.weight").is_some() && index.raw("model.embed_tokens.weight").is_none()
+    }
+
+    /// The names of a checkpoint saved from the bare `*Model`: the table's `model.X` is `X`
+    /// (the head, if any, keeps its name).
+    pub(crate) fn bare_model(arch: Architecture) -> TensorMap {
+        let renames = table_names(arch)
+            .into_iter()
+            .filter_map(|name| name.strip_prefix("model.").map(|rest| (name.to_string(), rest.to_string())))
+            .collect();
+        TensorMap { renames }
+    }
+
+    pub(crate) fn name_for(&self, table_name: &str) -> String {
         self.renames.get(table_name).cloned().unwrap_or_else(|| table_name.to_string())
     }
 }

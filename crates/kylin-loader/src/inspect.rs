@@ -33,6 +33,8 @@ pub struct BindingReport {
     /// Parts of the checkpoint the native engine does not run (a vision tower, Qwen3.5's
     /// multi-token-prediction head), with their tensors.
     pub not_run: Vec<crate::NotRun>,
+    /// What the model serves: generation, embeddings or reranking ([`crate::task`]).
+    pub task: crate::task::ModelTask,
     /// Stored dtype -> count of the matrices of the matrix products ([`crate::ModelWeights::matrices`]).
     pub matrix_dtypes: BTreeMap<String, usize>,
     /// How each kind of tensor is stored, and the bytes one token reads.
@@ -253,6 +255,7 @@ fn native_report(path: &Path, opts: &LoadOptions) -> Result<InspectReport> {
             bound_tensors,
             unused_tensors: model.unused_tensors.clone(),
             not_run: model.not_run.clone(),
+            task: model.task.clone(),
             matrix_dtypes: model.weights.matrices().fold(BTreeMap::new(), |mut counts, t| {
                 let dtype = stored_format(&model.weights, t);
                 *counts.entry(dtype.to_string()).or_insert(0) += 1;
@@ -446,6 +449,24 @@ impl InspectReport {
         let _ = writeln!(s, "  dtypes: {}", dtypes.join(", "));
         if let Some(b) = &self.binding {
             let _ = writeln!(s, "binding     {} tensors bound; head: {}", b.bound_tensors, b.head.reason);
+            match &b.task {
+                crate::task::ModelTask::Generate => {}
+                crate::task::ModelTask::Embed(e) => {
+                    let _ = writeln!(
+                        s,
+                        "task        embeddings (from {}): last-token pooling{}",
+                        e.source,
+                        if e.normalize { ", normalised" } else { "" }
+                    );
+                }
+                crate::task::ModelTask::Rerank(r) => {
+                    let _ = writeln!(
+                        s,
+                        "task        reranking (from {}): P(yes) over ids yes={} no={}",
+                        r.source, r.yes_id, r.no_id
+                    );
+                }
+            }
             if !b.unused_tensors.is_empty() {
                 let _ = writeln!(s, "  unused: {}", b.unused_tensors.join(", "));
             }

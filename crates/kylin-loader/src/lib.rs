@@ -21,6 +21,7 @@ pub mod inspect;
 pub mod llama2c;
 pub mod published;
 pub mod safetensors_file;
+pub mod task;
 pub mod tensor;
 pub mod tokenizer;
 pub mod weights;
@@ -168,6 +169,9 @@ pub struct LoadOptions {
     /// Ask the OS to read the bound weights into memory in the background (for running the
     /// model; `inspect` leaves it off, since it reads nothing in full).
     pub prefetch: bool,
+    /// What the model serves (`--task`): by default what the directory's files say (see
+    /// [`task`]).
+    pub task: task::TaskChoice,
 }
 
 /// Where the load time went, in milliseconds.
@@ -197,6 +201,8 @@ pub struct LoadedModel {
     /// of a `*ForConditionalGeneration` directory, and the multi-token-prediction head
     /// (`mtp.*`, Qwen3.5), kept for speculative decoding.
     pub not_run: Vec<NotRun>,
+    /// Generation, embeddings or reranking ([`task::decide`]).
+    pub task: task::ModelTask,
     /// The header and tensor layout of a llama2.c `.bin` (`None` for other formats).
     pub llama2c: Option<llama2c::BinInfo>,
     pub tokenizer: Option<TokenizerBundle>,
@@ -282,12 +288,33 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         return llama2c::load(file, opts);
     }
     let t0 = Instant::now();
-    let HfParts { config, index, mut warnings } = open_hf(&format)?;
+    let HfParts { mut config, index, mut warnings } = open_hf(&format)?;
+    let dir = format.dir().unwrap_or(Path::new("."));
+    // The tokenizer first: a reranker's task names two of its tokens.
+    let t1 = Instant::now();
+    let tokenizer = tokenizer::load_tokenizer(dir, &mut warnings)?;
+    let tokenizer_ms = t1.elapsed().as_secs_f64() * 1e3;
+    let task = task::decide(dir, opts.task, tokenizer.as_ref())?;
     let map = match &opts.tensor_map {
         Some(p) => arch::TensorMap::load(p, config.architecture)?,
         None if config.multimodal.is_some() => arch::TensorMap::language_model(config.architecture, &index),
+        // Saved from the bare `*Model` (Qwen3-Embedding): no `model.` prefix and no head.
+        None if arch::TensorMap::is_bare_model(&index) => arch::TensorMap::bare_model(config.architecture),
         None => arch::TensorMap::default(),
     };
+    if matches!(task, task::ModelTask::Embed(_))
+        && !config.tie_word_embeddings
+        && index.raw(&map.name_for("lm_head.weight")).is_none()
+    {
+        // An embedder never reads its head: one saved without it binds the embedding there, so
+        // that the engine's shapes hold.
+        warnings.push(
+            "the checkpoint has no lm_head.weight (an embedding model saved without its head): \
+             the embedding matrix stands in for it; no text is generated"
+                .into(),
+        );
+        config.tie_word_embeddings = true;
+    }
     let mut bound = arch::bind(&config, &index, &map)?;
     let mut not_run = Vec::new();
     if let Some(class) = &config.multimodal {
@@ -328,12 +355,8 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
             bound.unused.join(", ")
         ));
     }
-    let weights_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let weights_ms = t0.elapsed().as_secs_f64() * 1e3 - tokenizer_ms;
 
-    let dir = format.dir().unwrap_or(Path::new("."));
-    let t1 = Instant::now();
-    let tokenizer = tokenizer::load_tokenizer(dir, &mut warnings)?;
-    let tokenizer_ms = t1.elapsed().as_secs_f64() * 1e3;
     check_tokenizer(dir, HF_TOKENIZER_FILES, &config, tokenizer.as_ref(), opts, &mut warnings)?;
     let generation = GenerationDefaults::load(&dir.join("generation_config.json"))?;
     let eos_ids = eos_union(&config, &generation, tokenizer.as_ref());
@@ -348,6 +371,7 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         weights: bound.weights,
         unused_tensors: bound.unused,
         not_run,
+        task,
         llama2c: None,
         tokenizer,
         generation,

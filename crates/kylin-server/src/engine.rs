@@ -509,6 +509,7 @@ impl EngineLoop {
             skip_special_tokens: s.skip_special_tokens,
             logit_bias: s.logit_bias,
             grammar: s.grammar,
+            pooling: None,
             cancel: s.cancel.clone(),
         };
         self.engine.add_request(request)?;
@@ -610,6 +611,9 @@ impl EngineLoop {
                 }
                 return;
             }
+            // The server's requests never pool (embeddings and reranking run through
+            // `Serving::embed` and `Serving::rerank`).
+            EventKind::Pooled { .. } => return,
             EventKind::Finished { reason, text, usage } => {
                 live.open_choices = live.open_choices.saturating_sub(1);
                 Out::Finished { index, reason: *reason, text: text.clone(), usage: *usage }

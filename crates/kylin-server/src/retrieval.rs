@@ -63,7 +63,7 @@ pub async fn embeddings(State(state): State<AppState>, request: Request) -> Resu
         return Err(ApiError::invalid(
             "model",
             format!(
-                "`{}` does not make embeddings; serve an embedding model (BERT/XLM-R sentence-transformers directories)",
+                "`{}` does not make embeddings; serve an embedding model (a BERT/XLM-R sentence-transformers directory, Qwen3-Embedding, or a decoder with --task embed)",
                 state.config().served_model_name
             ),
         )
@@ -155,7 +155,7 @@ pub async fn rerank(State(state): State<AppState>, request: Request) -> Result<R
         return Err(ApiError::invalid(
             "model",
             format!(
-                "`{}` does not rerank; serve a reranker (a cross-encoder such as bge-reranker)",
+                "`{}` does not rerank; serve a reranker (a cross-encoder such as bge-reranker, Qwen3-Reranker, or a decoder with --task rerank)",
                 state.config().served_model_name
             ),
         )

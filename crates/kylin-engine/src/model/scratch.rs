@@ -175,6 +175,11 @@ impl Scratch {
         }
     }
 
+    /// The final-normed hidden state `(hidden)` of logits row `row` of the last forward pass.
+    pub fn logit_hidden(&self, row: usize, hidden: usize) -> &[f32] {
+        &self.logit_hidden[row * hidden..(row + 1) * hidden]
+    }
+
     /// Logits row `row` of the last forward pass, `(vocab)`.
     pub fn logits(&self, row: usize, vocab: usize) -> &[f32] {
         &self.logits[row * vocab..(row + 1) * vocab]

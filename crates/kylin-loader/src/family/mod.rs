@@ -119,9 +119,14 @@ impl std::fmt::Debug for Family {
     }
 }
 
-/// The family registered under `name` (`architectures[0]`).
+/// The family registered under `name` (`architectures[0]`). The bare decoder `XModel` (how
+/// sentence-transformers saves a decoder embedder such as Qwen3-Embedding: no head) is the
+/// family of `XForCausalLM`.
 pub fn find(name: &str) -> Option<&'static Family> {
-    REGISTRY.iter().copied().find(|f| f.hf_name == name || f.multimodal == Some(name))
+    REGISTRY.iter().copied().find(|f| f.hf_name == name || f.multimodal == Some(name)).or_else(|| {
+        let base = name.strip_suffix("Model")?;
+        REGISTRY.iter().copied().find(|f| f.hf_name.strip_suffix("ForCausalLM") == Some(base))
+    })
 }
 
 /// How the decoder's RMSNorms scale: by `w` (Llama) or by `1 + w` (Gemma, whose weights are
