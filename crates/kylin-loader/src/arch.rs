@@ -232,6 +232,8 @@ pub enum Cond {
     RouterBias,
     /// Gemma 4's router scales and the norms around its experts.
     Gemma4Router,
+    /// LFM2-MoE's `expert_bias`, which only selects experts (`use_expert_bias`).
+    RouterSelectionBias,
     /// One tensor per expert (`experts.{expert}.gate_proj.weight`): on layers with experts
     /// when the checkpoint stores them so.
     ExpertsSplit,
@@ -293,6 +295,8 @@ impl Cond {
             Cond::Router => moe.is_some(),
             Cond::RouterBias => moe.is_some_and(|m| m.router_bias),
             Cond::Gemma4Router => moe.is_some_and(|m| m.routing == crate::family::Routing::Gemma4),
+            Cond::RouterSelectionBias => moe
+                .is_some_and(|m| matches!(m.routing, crate::family::Routing::SigmoidTopK { selection_bias: true, .. })),
             Cond::ExpertsSplit => layout(ExpertLayout::Split),
             Cond::ExpertBiasSplit => layout(ExpertLayout::Split) && moe.is_some_and(|m| m.expert_bias),
             Cond::ExpertsStacked => layout(ExpertLayout::Stacked),
@@ -387,6 +391,9 @@ pub enum Role {
     /// Gemma 4's router `scale` `[hidden]` and `per_expert_scale` `[experts]`.
     RouterScale,
     RouterExpertScale,
+    /// LFM2-MoE's `expert_bias` `[experts]`: added to the router's sigmoids to choose the
+    /// experts, not to weigh them.
+    RouterSelectionBias,
     /// Gemma 4's norms around its two feed-forward branches: after the MLP, before and after
     /// the experts.
     PostMlpNorm1,
@@ -728,6 +735,49 @@ pub const LFM2_MLP: &[Spec] = &[
     spec(Role::GateProj, "model.layers.{layer}.feed_forward.w1.weight", &[Intermediate, Hidden], Cond::DenseFfn),
     spec(Role::UpProj, "model.layers.{layer}.feed_forward.w3.weight", &[Intermediate, Hidden], Cond::DenseFfn),
     spec(Role::DownProj, "model.layers.{layer}.feed_forward.w2.weight", &[Hidden, Intermediate], Cond::DenseFfn),
+];
+
+/// LFM2-MoE's feed-forward block on its sparse layers (`feed_forward`): the router `gate`,
+/// the selection bias `expert_bias`, and the experts `w1` (gate), `w3` (up), `w2` (down), one
+/// tensor per expert as published, or stacked as transformers holds them in memory.
+pub const LFM2_MOE: &[Spec] = &[
+    spec(Role::Router, "model.layers.{layer}.feed_forward.gate.weight", &[Experts, Hidden], Cond::Router),
+    spec(
+        Role::RouterSelectionBias,
+        "model.layers.{layer}.feed_forward.expert_bias",
+        &[Experts],
+        Cond::RouterSelectionBias,
+    ),
+    spec(
+        Role::ExpertGate,
+        "model.layers.{layer}.feed_forward.experts.{expert}.w1.weight",
+        &[ExpertInter, Hidden],
+        Cond::ExpertsSplit,
+    ),
+    spec(
+        Role::ExpertUp,
+        "model.layers.{layer}.feed_forward.experts.{expert}.w3.weight",
+        &[ExpertInter, Hidden],
+        Cond::ExpertsSplit,
+    ),
+    spec(
+        Role::ExpertDown,
+        "model.layers.{layer}.feed_forward.experts.{expert}.w2.weight",
+        &[Hidden, ExpertInter],
+        Cond::ExpertsSplit,
+    ),
+    spec(
+        Role::StackedGateUp,
+        "model.layers.{layer}.feed_forward.experts.gate_up_proj",
+        &[Experts, ExpertGateUp, Hidden],
+        Cond::ExpertsStacked,
+    ),
+    spec(
+        Role::StackedDown,
+        "model.layers.{layer}.feed_forward.experts.down_proj",
+        &[Experts, Hidden, ExpertInter],
+        Cond::ExpertsStacked,
+    ),
 ];
 
 /// LFM2's short convolution, on its layers.

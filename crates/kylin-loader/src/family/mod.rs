@@ -29,6 +29,7 @@ pub mod gemma4;
 pub mod gpt_oss;
 pub mod granite;
 pub mod lfm2;
+pub mod lfm2_moe;
 pub mod llama;
 pub mod mistral;
 pub mod mixtral;
@@ -64,6 +65,7 @@ pub static REGISTRY: &[&Family] = &[
     &qwen3_5::FAMILY,
     &lfm2::FAMILY,
     &qwen3_5_moe::FAMILY,
+    &lfm2_moe::FAMILY,
 ];
 
 /// The defaults transformers' configuration class declares for fields `config.json` may omit.
@@ -299,6 +301,11 @@ pub enum Routing {
     /// vector and `hidden^-0.5`; softmax, top k, renormalised, each weight times its expert's
     /// stored `per_expert_scale`.
     Gemma4,
+    /// LFM2-MoE: `sigmoid` of each logit; the top k chosen by `sigmoid + expert_bias` when
+    /// `selection_bias` (the stored bias only selects, it never weighs), weighted by the
+    /// sigmoids alone; `w / (Σ w + 1e-6)` when `normalize`; every weight times `scale`
+    /// (`routed_scaling_factor`).
+    SigmoidTopK { normalize: bool, selection_bias: bool, scale: f64 },
 }
 
 /// The experts' activation: `down(act(gate) · up)`.
