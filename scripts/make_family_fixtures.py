@@ -178,6 +178,25 @@ SPECS = {
              conv_L_cache=4, conv_bias=True, tie_word_embeddings=True,
              layer_types=["full_attention", "conv", "conv", "full_attention"]),
         ["routed_scaling_factor"]),
+    # Qwen3-Next with grouped value heads (3 per key head, so the fused in_proj_qkvz and
+    # in_proj_ba interleave three value heads per group), full attention every second layer from
+    # `full_attention_interval` (layer_types left out), experts on every second layer but layer
+    # 3 (decoder_sparse_step, mlp_only_layers), top 3 of 8 not renormalised, a shared expert,
+    # the default quarter of each head rotated.
+    "tiny-qwen3-next-gqa-sparse": ("Qwen3NextForCausalLM", "Qwen3NextConfig",
+        dict(BASE, head_dim=16, num_hidden_layers=5, num_key_value_heads=2, linear_num_key_heads=2,
+             linear_num_value_heads=6, linear_key_head_dim=16, linear_value_head_dim=12, linear_conv_kernel_dim=3,
+             num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+             norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[3], full_attention_interval=2),
+        {"layer_types": None, "full_attention_interval": 2}),
+    # Qwen3-Next with one value head per key head, experts on every layer renormalised, a tied
+    # head, explicit layer_types.
+    "tiny-qwen3-next-moe-tied": ("Qwen3NextForCausalLM", "Qwen3NextConfig",
+        dict(BASE, head_dim=16, num_hidden_layers=4, num_key_value_heads=1, linear_num_key_heads=4,
+             linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+             num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+             norm_topk_prob=True, tie_word_embeddings=True,
+             layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"]), []),
 }
 
 

@@ -86,6 +86,11 @@ pub enum Dim {
     LinearValueHeadDim,
     /// `linear_conv_kernel_dim`.
     LinearConvKernel,
+    /// Qwen3-Next's fused `in_proj_qkvz` rows: the convolution's channels and the output gate's,
+    /// `2 · key_dim + 2 · value_dim`.
+    LinearQkvzDim,
+    /// Qwen3-Next's fused `in_proj_ba` rows, `2 · linear_num_value_heads`.
+    LinearBaDim,
     /// `conv_L_cache` (LFM2's short convolution).
     ShortConvKernel,
     /// `3 * hidden_size` (LFM2's `conv.in_proj`: B, C and x).
@@ -131,6 +136,8 @@ impl Dim {
             Dim::LinearValueHeads => c.decoder.linear_attention.map_or(0, |l| l.value_heads),
             Dim::LinearValueHeadDim => c.decoder.linear_attention.map_or(0, |l| l.value_head_dim),
             Dim::LinearConvKernel => c.decoder.linear_attention.map_or(0, |l| l.conv_kernel),
+            Dim::LinearQkvzDim => c.decoder.linear_attention.map_or(0, |l| l.conv_dim() + l.value_dim()),
+            Dim::LinearBaDim => c.decoder.linear_attention.map_or(0, |l| 2 * l.value_heads),
             Dim::ShortConvKernel => c.decoder.short_conv.map_or(0, |s| s.kernel),
             Dim::ThreeHidden => 3 * c.hidden_size,
         }
@@ -171,7 +178,9 @@ impl Dim {
             | Dim::LinearValueDim
             | Dim::LinearValueHeads
             | Dim::LinearValueHeadDim
-            | Dim::LinearConvKernel => {
+            | Dim::LinearConvKernel
+            | Dim::LinearQkvzDim
+            | Dim::LinearBaDim => {
                 let l = c.decoder.linear_attention;
                 let (kh, vh, kd, vd, k) = l.map_or((0, 0, 0, 0, 0), |l| {
                     (l.key_heads, l.value_heads, l.key_head_dim, l.value_head_dim, l.conv_kernel)
@@ -185,6 +194,10 @@ impl Dim {
                     }
                     Dim::LinearValueHeads => format!("linear_num_value_heads={vh}"),
                     Dim::LinearValueHeadDim => format!("linear_value_head_dim={vd}"),
+                    Dim::LinearQkvzDim => format!(
+                        "2 * linear_num_key_heads={kh} * linear_key_head_dim={kd} + 2 * linear_num_value_heads={vh} * linear_value_head_dim={vd}"
+                    ),
+                    Dim::LinearBaDim => format!("2 * linear_num_value_heads={vh}"),
                     _ => format!("linear_conv_kernel_dim={k}"),
                 }
             }
@@ -377,6 +390,10 @@ pub enum Role {
     LinearDtBias,
     LinearNorm,
     LinearOutProj,
+    /// Qwen3-Next's fused Gated DeltaNet projections, grouped per key head:
+    /// `in_proj_qkvz` `[conv_dim + value_dim, hidden]` and `in_proj_ba` `[2 · value_heads, hidden]`.
+    LinearQkvzProj,
+    LinearBaProj,
     /// LFM2's short convolution (`conv.*`): `in_proj` `[3 hidden, hidden]`, `conv` `[hidden, 1,
     /// kernel]`, `out_proj` `[hidden, hidden]`, and their biases with `conv_bias`.
     ConvInProj,
@@ -466,6 +483,8 @@ impl Role {
                 | Role::LinearBProj
                 | Role::LinearAProj
                 | Role::LinearOutProj
+                | Role::LinearQkvzProj
+                | Role::LinearBaProj
                 | Role::ConvInProj
                 | Role::ConvOutProj
                 | Role::ExpertGate
@@ -663,8 +682,9 @@ pub const GATED_ATTENTION: &[Spec] = &[
     spec(Role::KNorm, "model.layers.{layer}.self_attn.k_norm.weight", &[HeadDim], Cond::Attention),
 ];
 
-/// Gated DeltaNet (Qwen3.5's `linear_attn`), on its layers.
-pub const GATED_DELTA_NET: &[Spec] = &[
+/// Gated DeltaNet's input projections as Qwen3.5 stores them, one matrix each: queries, keys
+/// and values (`in_proj_qkv`), the output gate `z`, `b` and `a`.
+pub const DELTA_NET_PROJECTIONS: &[Spec] = &[
     spec(
         Role::LinearQkvProj,
         "model.layers.{layer}.linear_attn.in_proj_qkv.weight",
@@ -689,6 +709,30 @@ pub const GATED_DELTA_NET: &[Spec] = &[
         &[LinearValueHeads, Hidden],
         Cond::DeltaNet,
     ),
+];
+
+/// Gated DeltaNet's input projections as Qwen3-Next stores them: `in_proj_qkvz`
+/// `[key_heads · (2 · key_head_dim + 2 · group · value_head_dim), hidden]` and `in_proj_ba`
+/// `[key_heads · 2 · group, hidden]`, rows grouped per key head (`group` = value heads per key
+/// head): each group's q, k, v, z (and b, a) in turn.
+pub const DELTA_NET_GROUPED_PROJECTIONS: &[Spec] = &[
+    spec(
+        Role::LinearQkvzProj,
+        "model.layers.{layer}.linear_attn.in_proj_qkvz.weight",
+        &[LinearQkvzDim, Hidden],
+        Cond::DeltaNet,
+    ),
+    spec(
+        Role::LinearBaProj,
+        "model.layers.{layer}.linear_attn.in_proj_ba.weight",
+        &[LinearBaDim, Hidden],
+        Cond::DeltaNet,
+    ),
+];
+
+/// Gated DeltaNet (`linear_attn`) past its input projections, on its layers: the convolution,
+/// the decay's parameters, the gated norm and the output projection.
+pub const GATED_DELTA_NET: &[Spec] = &[
     spec(
         Role::LinearConv,
         "model.layers.{layer}.linear_attn.conv1d.weight",

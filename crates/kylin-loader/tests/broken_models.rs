@@ -444,6 +444,39 @@ fn lfm2_moe_dense_layers_and_router_fields_are_checked() {
 }
 
 #[test]
+fn qwen3_next_grouped_projections_are_checked() {
+    // A fused in_proj_qkvz of the wrong height names the tensor, the expected and the actual
+    // shape, and the fields the expected one comes from.
+    let dir = copy_more("tiny-qwen3-next-gqa-sparse");
+    let file = dir.path().join("model.safetensors");
+    edit_header(&file, |h| {
+        let t = h.get_mut("model.layers.0.linear_attn.in_proj_qkvz.weight").unwrap().as_object_mut().unwrap();
+        t.insert("shape".into(), serde_json::json!([104, 128]));
+    });
+    assert_code(
+        &load_err(dir.path()),
+        ErrorCode::TensorShapeMismatch,
+        &["model.layers.0.linear_attn.in_proj_qkvz.weight", "[208, 64]", "[104, 128]", "linear_num_value_heads=6"],
+    );
+    // Value heads that do not divide into the key heads' groups.
+    let dir = copy_more("tiny-qwen3-next-gqa-sparse");
+    edit_json(&dir.path().join("config.json"), |c| {
+        c.insert("linear_num_value_heads".into(), Value::from(5));
+    });
+    assert_code(
+        &load_err(dir.path()),
+        ErrorCode::ConfigInvalid,
+        &["linear_num_value_heads=5", "linear_num_key_heads=2"],
+    );
+    // Qwen3.5's split projections under a Qwen3-Next config are missing tensors, named.
+    let dir = copy_more("tiny-qwen3-next-gqa-sparse");
+    edit_header(&dir.path().join("model.safetensors"), |h| {
+        rename_tensor(h, "model.layers.2.linear_attn.in_proj_ba.weight", "model.layers.2.linear_attn.in_proj_b.weight");
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::TensorMissing, &["model.layers.2.linear_attn.in_proj_ba.weight"]);
+}
+
+#[test]
 fn gemma4_sizes_per_layer_and_shared_keys_are_checked() {
     let dir = copy_family("tiny-gemma4");
     let config = dir.path().join("config.json");

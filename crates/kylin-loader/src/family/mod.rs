@@ -42,6 +42,7 @@ pub mod qwen3;
 pub mod qwen3_5;
 pub mod qwen3_5_moe;
 pub mod qwen3_moe;
+pub mod qwen3_next;
 pub mod smollm3;
 
 /// Every family Kylin's native engine runs, by `architectures[0]`.
@@ -66,6 +67,7 @@ pub static REGISTRY: &[&Family] = &[
     &lfm2::FAMILY,
     &qwen3_5_moe::FAMILY,
     &lfm2_moe::FAMILY,
+    &qwen3_next::FAMILY,
 ];
 
 /// The defaults transformers' configuration class declares for fields `config.json` may omit.
@@ -235,6 +237,9 @@ pub struct LinearAttention {
     pub value_head_dim: usize,
     /// `linear_conv_kernel_dim`: taps of the causal convolution over q, k and v.
     pub conv_kernel: usize,
+    /// The input projections are Qwen3-Next's fused `in_proj_qkvz` and `in_proj_ba`, their rows
+    /// grouped per key head, rather than Qwen3.5's four matrices.
+    pub grouped_projections: bool,
 }
 
 impl LinearAttention {
