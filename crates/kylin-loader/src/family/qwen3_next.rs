@@ -32,9 +32,9 @@
 //! The grouped projections are read as stored (zero copy): the engine runs each as one matrix
 //! product and then gathers the output columns into Qwen3.5's layout, a copy of
 //! `2 · key_dim + 2 · value_dim + 2 · value_heads` floats per token
-//! (`kylin_engine`'s `delta_net.rs`). The other choices, a load-time row gather into owned
-//! matrices, would double the projections' memory for the copy and could not gather the
-//! rows of a quantized or published matrix without decoding it; a strided read inside the
+//! (`kylin_engine`'s `delta_net.rs`). Of the other choices, a load-time row gather would hold
+//! owned copies of the projections in place of views of the map and could not gather the
+//! rows of a quantized or published matrix without decoding it, and a strided read inside the
 //! product kernels would give every kernel a layout of its own.
 
 use super::{Defaults, Family, LLAMA_DEFAULTS, MoeDefaults};
