@@ -39,6 +39,10 @@ def randomize(model, seed):
             else:
                 fan_in = p.shape[-1] if p.dim() > 1 else p.shape[0]
                 p.copy_(torch.randn(p.shape, generator=g) * (1.5 / fan_in ** 0.5))
+        # LFM2-MoE's selection bias is a buffer; random, so that it changes which experts win.
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.copy_(0.2 * torch.randn(b.shape, generator=g))
 
 
 BASE = dict(vocab_size=1024, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
@@ -158,6 +162,41 @@ SPECS = {
              block_multiple_of=64, num_key_value_heads=2, full_attn_idxs=[0, 3], conv_L_cache=4, conv_bias=True,
              norm_eps=1e-5, tie_word_embeddings=False),
         {"layer_types": None, "tie_word_embeddings": None, "tie_embedding": False}),
+    # LFM2-MoE: two dense layers first, then 8 experts of width 32, top 3, renormalised and
+    # scaled by 2.5, chosen with a random selection bias; attention on layers 1 and 4.
+    "tiny-lfm2-moe-dense2-bias": ("Lfm2MoeForCausalLM", "Lfm2MoeConfig",
+        dict(BASE, num_hidden_layers=5, num_key_value_heads=2, num_dense_layers=2, num_experts=8,
+             num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True, routed_scaling_factor=2.5,
+             use_expert_bias=True, norm_eps=1e-5, conv_L_cache=3,
+             layer_types=["conv", "full_attention", "conv", "conv", "full_attention"]), []),
+    # LFM2-MoE with every layer sparse, no renormalisation, no selection bias, top 2 of 6,
+    # convolutions of 4 taps with biases, a tied head; the routing fields left to defaults
+    # where they are the defaults.
+    "tiny-lfm2-moe-nonorm": ("Lfm2MoeForCausalLM", "Lfm2MoeConfig",
+        dict(BASE, num_hidden_layers=4, num_key_value_heads=1, num_dense_layers=0, num_experts=6,
+             num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=False, use_expert_bias=False,
+             conv_L_cache=4, conv_bias=True, tie_word_embeddings=True,
+             layer_types=["full_attention", "conv", "conv", "full_attention"]),
+        ["routed_scaling_factor"]),
+    # Qwen3-Next with grouped value heads (3 per key head, so the fused in_proj_qkvz and
+    # in_proj_ba interleave three value heads per group), full attention every second layer from
+    # `full_attention_interval` (layer_types left out), experts on every second layer but layer
+    # 3 (decoder_sparse_step, mlp_only_layers), top 3 of 8 not renormalised, a shared expert,
+    # the default quarter of each head rotated.
+    "tiny-qwen3-next-gqa-sparse": ("Qwen3NextForCausalLM", "Qwen3NextConfig",
+        dict(BASE, head_dim=16, num_hidden_layers=5, num_key_value_heads=2, linear_num_key_heads=2,
+             linear_num_value_heads=6, linear_key_head_dim=16, linear_value_head_dim=12, linear_conv_kernel_dim=3,
+             num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+             norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[3], full_attention_interval=2),
+        {"layer_types": None, "full_attention_interval": 2}),
+    # Qwen3-Next with one value head per key head, experts on every layer renormalised, a tied
+    # head, explicit layer_types.
+    "tiny-qwen3-next-moe-tied": ("Qwen3NextForCausalLM", "Qwen3NextConfig",
+        dict(BASE, head_dim=16, num_hidden_layers=4, num_key_value_heads=1, linear_num_key_heads=4,
+             linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+             num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+             norm_topk_prob=True, tie_word_embeddings=True,
+             layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"]), []),
 }
 
 

@@ -286,6 +286,17 @@ fn every_hybrid_family_batches_invariantly() {
     }
 }
 
+/// The hybrid families whose fixtures are only in `tests/fixtures/families` (LFM2-MoE,
+/// Qwen3-Next): nine requests alone and together, the same bits.
+#[test]
+fn further_hybrid_families_batch_invariantly() {
+    for name in ["tiny-lfm2-moe-dense2-bias", "tiny-qwen3-next-gqa-sparse"] {
+        let path = Path::new(MORE).join("fixtures").join(name);
+        batch_invariance_at(&path, name, PrecisionChoice::F32, None);
+        batch_invariance_at(&path, name, PrecisionChoice::Auto, Some(QuantFormat::Q8_0));
+    }
+}
+
 #[test]
 fn every_family_batches_invariantly_on_the_fast_paths() {
     let bf16 = kylin_kernels::bf16_kernels().is_some();

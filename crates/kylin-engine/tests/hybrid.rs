@@ -24,8 +24,12 @@ use support::{prompt, request};
 
 const FAMILIES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/families/fixtures");
 
+/// The repository's own family fixtures (LFM2-MoE and Qwen3-Next are only there).
+const MORE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/families/fixtures");
+
 fn fixture(name: &str) -> PathBuf {
-    Path::new(FAMILIES).join(name)
+    let more = Path::new(MORE).join(name);
+    if more.is_dir() { more } else { Path::new(FAMILIES).join(name) }
 }
 
 fn options() -> EngineOptions {
@@ -152,7 +156,7 @@ fn the_state_pool_is_sized_per_sequence_and_comes_out_of_the_budget() {
 /// recomputation give the same bits, and every state slot and block returns.
 #[test]
 fn preempted_hybrid_sequences_recompute_to_the_same_bits() {
-    for name in ["tiny-qwen3.5", "tiny-lfm2"] {
+    for name in ["tiny-qwen3.5", "tiny-lfm2", "tiny-qwen3-next-gqa-sparse", "tiny-lfm2-moe-dense2-bias"] {
         let path = fixture(name);
         let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
         let c = &model.config;
@@ -221,7 +225,7 @@ fn cancelled_and_finished_sequences_give_their_states_back() {
 /// message) from the one its answer left, and both give the bits of a fresh engine.
 #[test]
 fn prefix_reuse_resumes_from_state_snapshots() {
-    for name in ["tiny-qwen3.5", "tiny-lfm2"] {
+    for name in ["tiny-qwen3.5", "tiny-lfm2", "tiny-qwen3-next-gqa-sparse", "tiny-lfm2-moe-dense2-bias"] {
         let path = fixture(name);
         let opts = options();
         let first = request(1, prompt(70, 5, 1000), 30);

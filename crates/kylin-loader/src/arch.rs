@@ -86,6 +86,11 @@ pub enum Dim {
     LinearValueHeadDim,
     /// `linear_conv_kernel_dim`.
     LinearConvKernel,
+    /// Qwen3-Next's fused `in_proj_qkvz` rows: the convolution's channels and the output gate's,
+    /// `2 · key_dim + 2 · value_dim`.
+    LinearQkvzDim,
+    /// Qwen3-Next's fused `in_proj_ba` rows, `2 · linear_num_value_heads`.
+    LinearBaDim,
     /// `conv_L_cache` (LFM2's short convolution).
     ShortConvKernel,
     /// `3 * hidden_size` (LFM2's `conv.in_proj`: B, C and x).
@@ -131,6 +136,8 @@ impl Dim {
             Dim::LinearValueHeads => c.decoder.linear_attention.map_or(0, |l| l.value_heads),
             Dim::LinearValueHeadDim => c.decoder.linear_attention.map_or(0, |l| l.value_head_dim),
             Dim::LinearConvKernel => c.decoder.linear_attention.map_or(0, |l| l.conv_kernel),
+            Dim::LinearQkvzDim => c.decoder.linear_attention.map_or(0, |l| l.conv_dim() + l.value_dim()),
+            Dim::LinearBaDim => c.decoder.linear_attention.map_or(0, |l| 2 * l.value_heads),
             Dim::ShortConvKernel => c.decoder.short_conv.map_or(0, |s| s.kernel),
             Dim::ThreeHidden => 3 * c.hidden_size,
         }
@@ -171,7 +178,9 @@ impl Dim {
             | Dim::LinearValueDim
             | Dim::LinearValueHeads
             | Dim::LinearValueHeadDim
-            | Dim::LinearConvKernel => {
+            | Dim::LinearConvKernel
+            | Dim::LinearQkvzDim
+            | Dim::LinearBaDim => {
                 let l = c.decoder.linear_attention;
                 let (kh, vh, kd, vd, k) = l.map_or((0, 0, 0, 0, 0), |l| {
                     (l.key_heads, l.value_heads, l.key_head_dim, l.value_head_dim, l.conv_kernel)
@@ -185,6 +194,10 @@ impl Dim {
                     }
                     Dim::LinearValueHeads => format!("linear_num_value_heads={vh}"),
                     Dim::LinearValueHeadDim => format!("linear_value_head_dim={vd}"),
+                    Dim::LinearQkvzDim => format!(
+                        "2 * linear_num_key_heads={kh} * linear_key_head_dim={kd} + 2 * linear_num_value_heads={vh} * linear_value_head_dim={vd}"
+                    ),
+                    Dim::LinearBaDim => format!("2 * linear_num_value_heads={vh}"),
                     _ => format!("linear_conv_kernel_dim={k}"),
                 }
             }
@@ -232,6 +245,8 @@ pub enum Cond {
     RouterBias,
     /// Gemma 4's router scales and the norms around its experts.
     Gemma4Router,
+    /// LFM2-MoE's `expert_bias`, which only selects experts (`use_expert_bias`).
+    RouterSelectionBias,
     /// One tensor per expert (`experts.{expert}.gate_proj.weight`): on layers with experts
     /// when the checkpoint stores them so.
     ExpertsSplit,
@@ -293,6 +308,8 @@ impl Cond {
             Cond::Router => moe.is_some(),
             Cond::RouterBias => moe.is_some_and(|m| m.router_bias),
             Cond::Gemma4Router => moe.is_some_and(|m| m.routing == crate::family::Routing::Gemma4),
+            Cond::RouterSelectionBias => moe
+                .is_some_and(|m| matches!(m.routing, crate::family::Routing::SigmoidTopK { selection_bias: true, .. })),
             Cond::ExpertsSplit => layout(ExpertLayout::Split),
             Cond::ExpertBiasSplit => layout(ExpertLayout::Split) && moe.is_some_and(|m| m.expert_bias),
             Cond::ExpertsStacked => layout(ExpertLayout::Stacked),
@@ -373,6 +390,10 @@ pub enum Role {
     LinearDtBias,
     LinearNorm,
     LinearOutProj,
+    /// Qwen3-Next's fused Gated DeltaNet projections, grouped per key head:
+    /// `in_proj_qkvz` `[conv_dim + value_dim, hidden]` and `in_proj_ba` `[2 · value_heads, hidden]`.
+    LinearQkvzProj,
+    LinearBaProj,
     /// LFM2's short convolution (`conv.*`): `in_proj` `[3 hidden, hidden]`, `conv` `[hidden, 1,
     /// kernel]`, `out_proj` `[hidden, hidden]`, and their biases with `conv_bias`.
     ConvInProj,
@@ -387,6 +408,9 @@ pub enum Role {
     /// Gemma 4's router `scale` `[hidden]` and `per_expert_scale` `[experts]`.
     RouterScale,
     RouterExpertScale,
+    /// LFM2-MoE's `expert_bias` `[experts]`: added to the router's sigmoids to choose the
+    /// experts, not to weigh them.
+    RouterSelectionBias,
     /// Gemma 4's norms around its two feed-forward branches: after the MLP, before and after
     /// the experts.
     PostMlpNorm1,
@@ -459,6 +483,8 @@ impl Role {
                 | Role::LinearBProj
                 | Role::LinearAProj
                 | Role::LinearOutProj
+                | Role::LinearQkvzProj
+                | Role::LinearBaProj
                 | Role::ConvInProj
                 | Role::ConvOutProj
                 | Role::ExpertGate
@@ -656,8 +682,9 @@ pub const GATED_ATTENTION: &[Spec] = &[
     spec(Role::KNorm, "model.layers.{layer}.self_attn.k_norm.weight", &[HeadDim], Cond::Attention),
 ];
 
-/// Gated DeltaNet (Qwen3.5's `linear_attn`), on its layers.
-pub const GATED_DELTA_NET: &[Spec] = &[
+/// Gated DeltaNet's input projections as Qwen3.5 stores them, one matrix each: queries, keys
+/// and values (`in_proj_qkv`), the output gate `z`, `b` and `a`.
+pub const DELTA_NET_PROJECTIONS: &[Spec] = &[
     spec(
         Role::LinearQkvProj,
         "model.layers.{layer}.linear_attn.in_proj_qkv.weight",
@@ -682,6 +709,30 @@ pub const GATED_DELTA_NET: &[Spec] = &[
         &[LinearValueHeads, Hidden],
         Cond::DeltaNet,
     ),
+];
+
+/// Gated DeltaNet's input projections as Qwen3-Next stores them: `in_proj_qkvz`
+/// `[key_heads · (2 · key_head_dim + 2 · group · value_head_dim), hidden]` and `in_proj_ba`
+/// `[key_heads · 2 · group, hidden]`, rows grouped per key head (`group` = value heads per key
+/// head): each group's q, k, v, z (and b, a) in turn.
+pub const DELTA_NET_GROUPED_PROJECTIONS: &[Spec] = &[
+    spec(
+        Role::LinearQkvzProj,
+        "model.layers.{layer}.linear_attn.in_proj_qkvz.weight",
+        &[LinearQkvzDim, Hidden],
+        Cond::DeltaNet,
+    ),
+    spec(
+        Role::LinearBaProj,
+        "model.layers.{layer}.linear_attn.in_proj_ba.weight",
+        &[LinearBaDim, Hidden],
+        Cond::DeltaNet,
+    ),
+];
+
+/// Gated DeltaNet (`linear_attn`) past its input projections, on its layers: the convolution,
+/// the decay's parameters, the gated norm and the output projection.
+pub const GATED_DELTA_NET: &[Spec] = &[
     spec(
         Role::LinearConv,
         "model.layers.{layer}.linear_attn.conv1d.weight",
@@ -728,6 +779,49 @@ pub const LFM2_MLP: &[Spec] = &[
     spec(Role::GateProj, "model.layers.{layer}.feed_forward.w1.weight", &[Intermediate, Hidden], Cond::DenseFfn),
     spec(Role::UpProj, "model.layers.{layer}.feed_forward.w3.weight", &[Intermediate, Hidden], Cond::DenseFfn),
     spec(Role::DownProj, "model.layers.{layer}.feed_forward.w2.weight", &[Hidden, Intermediate], Cond::DenseFfn),
+];
+
+/// LFM2-MoE's feed-forward block on its sparse layers (`feed_forward`): the router `gate`,
+/// the selection bias `expert_bias`, and the experts `w1` (gate), `w3` (up), `w2` (down), one
+/// tensor per expert as published, or stacked as transformers holds them in memory.
+pub const LFM2_MOE: &[Spec] = &[
+    spec(Role::Router, "model.layers.{layer}.feed_forward.gate.weight", &[Experts, Hidden], Cond::Router),
+    spec(
+        Role::RouterSelectionBias,
+        "model.layers.{layer}.feed_forward.expert_bias",
+        &[Experts],
+        Cond::RouterSelectionBias,
+    ),
+    spec(
+        Role::ExpertGate,
+        "model.layers.{layer}.feed_forward.experts.{expert}.w1.weight",
+        &[ExpertInter, Hidden],
+        Cond::ExpertsSplit,
+    ),
+    spec(
+        Role::ExpertUp,
+        "model.layers.{layer}.feed_forward.experts.{expert}.w3.weight",
+        &[ExpertInter, Hidden],
+        Cond::ExpertsSplit,
+    ),
+    spec(
+        Role::ExpertDown,
+        "model.layers.{layer}.feed_forward.experts.{expert}.w2.weight",
+        &[Hidden, ExpertInter],
+        Cond::ExpertsSplit,
+    ),
+    spec(
+        Role::StackedGateUp,
+        "model.layers.{layer}.feed_forward.experts.gate_up_proj",
+        &[Experts, ExpertGateUp, Hidden],
+        Cond::ExpertsStacked,
+    ),
+    spec(
+        Role::StackedDown,
+        "model.layers.{layer}.feed_forward.experts.down_proj",
+        &[Experts, Hidden, ExpertInter],
+        Cond::ExpertsStacked,
+    ),
 ];
 
 /// LFM2's short convolution, on its layers.

@@ -25,6 +25,11 @@ fn copy_family(name: &str) -> tempfile::TempDir {
     copy_dir(&Path::new(SHARED).join("families/fixtures").join(name))
 }
 
+/// A writable copy of one of the repository's own family fixtures (`tests/fixtures/families`).
+fn copy_more(name: &str) -> tempfile::TempDir {
+    copy_dir(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/families/fixtures").join(name))
+}
+
 fn copy_dir(dir: &Path) -> tempfile::TempDir {
     let tmp = tempfile::tempdir().expect("temp dir");
     for entry in std::fs::read_dir(dir).expect("fixture dir") {
@@ -393,6 +398,82 @@ fn mixture_of_experts_configs_and_tensors_are_checked() {
         ErrorCode::TensorShapeMismatch,
         &["model.layers.0.mlp.experts.gate_up_proj", "[8, 64, 128]", "[4, 64, 128]"],
     );
+}
+
+#[test]
+fn lfm2_moe_dense_layers_and_router_fields_are_checked() {
+    let dir = copy_more("tiny-lfm2-moe-dense2-bias");
+    let config = dir.path().join("config.json");
+    // More dense layers than layers.
+    edit_json(&config, |c| {
+        c.insert("num_dense_layers".into(), Value::from(6));
+    });
+    assert_code(
+        &load_err(dir.path()),
+        ErrorCode::ConfigInvalid,
+        &["'num_dense_layers' is 6", "num_hidden_layers is 5"],
+    );
+    // A third dense layer: layer 2's MLP is not in the checkpoint (its experts are), named.
+    edit_json(&config, |c| {
+        c.insert("num_dense_layers".into(), Value::from(3));
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::TensorMissing, &["model.layers.2.feed_forward.w1.weight"]);
+    // A non-positive scaling factor.
+    edit_json(&config, |c| {
+        c.insert("num_dense_layers".into(), Value::from(2));
+        c.insert("routed_scaling_factor".into(), Value::from(0.0));
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &["routed_scaling_factor"]);
+    // The selection bias of the wrong length.
+    let dir = copy_more("tiny-lfm2-moe-dense2-bias");
+    edit_json(&dir.path().join("config.json"), |c| {
+        c.insert("num_experts".into(), Value::from(4));
+        c.insert("num_experts_per_tok".into(), Value::from(2));
+    });
+    assert_code(
+        &load_err(dir.path()),
+        ErrorCode::TensorShapeMismatch,
+        &["model.layers.2.feed_forward.expert_bias", "[8]", "[4]"],
+    );
+    // No layer_types: transformers' Lfm2MoeConfig has no default for them.
+    let dir = copy_more("tiny-lfm2-moe-dense2-bias");
+    edit_json(&dir.path().join("config.json"), |c| {
+        c.remove("layer_types");
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &["layer_types"]);
+}
+
+#[test]
+fn qwen3_next_grouped_projections_are_checked() {
+    // A fused in_proj_qkvz of the wrong height names the tensor, the expected and the actual
+    // shape, and the fields the expected one comes from.
+    let dir = copy_more("tiny-qwen3-next-gqa-sparse");
+    let file = dir.path().join("model.safetensors");
+    edit_header(&file, |h| {
+        let t = h.get_mut("model.layers.0.linear_attn.in_proj_qkvz.weight").unwrap().as_object_mut().unwrap();
+        t.insert("shape".into(), serde_json::json!([104, 128]));
+    });
+    assert_code(
+        &load_err(dir.path()),
+        ErrorCode::TensorShapeMismatch,
+        &["model.layers.0.linear_attn.in_proj_qkvz.weight", "[208, 64]", "[104, 128]", "linear_num_value_heads=6"],
+    );
+    // Value heads that do not divide into the key heads' groups.
+    let dir = copy_more("tiny-qwen3-next-gqa-sparse");
+    edit_json(&dir.path().join("config.json"), |c| {
+        c.insert("linear_num_value_heads".into(), Value::from(5));
+    });
+    assert_code(
+        &load_err(dir.path()),
+        ErrorCode::ConfigInvalid,
+        &["linear_num_value_heads=5", "linear_num_key_heads=2"],
+    );
+    // Qwen3.5's split projections under a Qwen3-Next config are missing tensors, named.
+    let dir = copy_more("tiny-qwen3-next-gqa-sparse");
+    edit_header(&dir.path().join("model.safetensors"), |h| {
+        rename_tensor(h, "model.layers.2.linear_attn.in_proj_ba.weight", "model.layers.2.linear_attn.in_proj_b.weight");
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::TensorMissing, &["model.layers.2.linear_attn.in_proj_ba.weight"]);
 }
 
 #[test]

@@ -1,6 +1,16 @@
-//! Gated DeltaNet, the linear attention of Qwen3.5 (`linear_attn.*`): projections, a causal
-//! depthwise convolution with SiLU, L2-normalised queries and keys, the gated delta rule over
-//! a fixed-size state per sequence, a gated RMSNorm and the output projection.
+//! Gated DeltaNet, the linear attention of Qwen3.5 and Qwen3-Next (`linear_attn.*`):
+//! projections, a causal depthwise convolution with SiLU, L2-normalised queries and keys, the
+//! gated delta rule over a fixed-size state per sequence, a gated RMSNorm and the output
+//! projection.
+//!
+//! Qwen3-Next stores its input projections fused and grouped per key head (`in_proj_qkvz`,
+//! `in_proj_ba`; [`Projections::Grouped`]). They are bound as stored (zero copy), each run as
+//! one product, and their output columns gathered into Qwen3.5's layout before the
+//! convolution: a copy of `2 · key_dim + 2 · value_dim + 2 · value_heads` floats per token
+//! (12 352 at Qwen3-Next-80B's sizes, against the products' 12 352 · hidden multiply-adds),
+//! where gathering the matrices' rows at load time would hold owned copies of the weights in
+//! place of views of the map, and could not reorder a quantized or published matrix's rows
+//! without decoding it.
 //!
 //! Guarantees: every shape is checked in [`DeltaNet::new`]; [`DeltaNet::forward`] allocates
 //! nothing and gives each token the same bits whatever else is in the batch and however its
@@ -19,16 +29,33 @@ use super::scratch::Scratch;
 use super::{BatchPlan, Step};
 use crate::state_pool::{RecurrentShape, StatePool};
 
+/// The input projections, as the checkpoint stores them (one per layer, built once at load:
+/// the variants' difference in size does not matter).
+#[derive(Debug, Clone)]
+#[allow(clippy::large_enum_variant)]
+pub(super) enum Projections {
+    /// Qwen3.5's four matrices.
+    Split {
+        /// `[2 · key_dim + value_dim, hidden]`: queries, keys and values before the convolution.
+        qkv: Linear,
+        /// `[value_dim, hidden]`: the output gate.
+        z: Linear,
+        /// `[value_heads, hidden]`: the write strength `β` (before its sigmoid) and the decay's
+        /// input.
+        b: Linear,
+        a: Linear,
+    },
+    /// Qwen3-Next's two, rows grouped per key head `g` (`r` value heads per key head):
+    /// `qkvz` `[key_heads · (2 · key_head_dim + 2 · r · value_head_dim), hidden]`, group `g`'s
+    /// rows its query, its key, its `r` heads' values and their gates `z`; `ba`
+    /// `[key_heads · 2 · r, hidden]`, group `g`'s rows its `r` heads' `b` then their `a`.
+    Grouped { qkvz: Linear, ba: Linear },
+}
+
 /// One layer's Gated DeltaNet, with its index among the model's recurrent layers.
 #[derive(Debug, Clone)]
 pub(super) struct DeltaNet {
-    /// `[2 · key_dim + value_dim, hidden]`: queries, keys and values before the convolution.
-    in_proj_qkv: Linear,
-    /// `[value_dim, hidden]`: the output gate.
-    in_proj_z: Linear,
-    /// `[value_heads, hidden]`: the write strength `β` (before its sigmoid) and the decay's input.
-    in_proj_b: Linear,
-    in_proj_a: Linear,
+    projections: Projections,
     /// `[conv_dim, 1, kernel]`, read in its stored dtype.
     conv: WeightTensor,
     conv_dtype: WeightDType,
@@ -77,11 +104,21 @@ impl DeltaNet {
         if conv.shape != [conv_dim, 1, dims.conv_kernel] {
             return Err(shape_error(conv, &[conv_dim, 1, dims.conv_kernel]));
         }
+        let projections = if dims.grouped_projections {
+            Projections::Grouped {
+                qkvz: linear(Role::LinearQkvzProj, conv_dim + value_dim, hidden)?,
+                ba: linear(Role::LinearBaProj, 2 * dims.value_heads, hidden)?,
+            }
+        } else {
+            Projections::Split {
+                qkv: linear(Role::LinearQkvProj, conv_dim, hidden)?,
+                z: linear(Role::LinearZProj, value_dim, hidden)?,
+                b: linear(Role::LinearBProj, dims.value_heads, hidden)?,
+                a: linear(Role::LinearAProj, dims.value_heads, hidden)?,
+            }
+        };
         Ok(DeltaNet {
-            in_proj_qkv: linear(Role::LinearQkvProj, conv_dim, hidden)?,
-            in_proj_z: linear(Role::LinearZProj, value_dim, hidden)?,
-            in_proj_b: linear(Role::LinearBProj, dims.value_heads, hidden)?,
-            in_proj_a: linear(Role::LinearAProj, dims.value_heads, hidden)?,
+            projections,
             conv_dtype: weight_dtype(conv)?,
             conv: conv.clone(),
             a_log: Vector::new(w.require(Role::LinearALog, index)?, dims.value_heads)?,
@@ -105,21 +142,38 @@ impl DeltaNet {
         }
     }
 
-    /// The projections with their roles: in_proj_qkv, z, b, a, then out_proj.
+    /// The projections with their roles: in_proj_qkv, z, b, a (or in_proj_qkvz, ba), then
+    /// out_proj.
     pub(super) fn linears(&self) -> impl Iterator<Item = (Role, &Linear)> {
-        [
-            (Role::LinearQkvProj, &self.in_proj_qkv),
-            (Role::LinearZProj, &self.in_proj_z),
-            (Role::LinearBProj, &self.in_proj_b),
-            (Role::LinearAProj, &self.in_proj_a),
-            (Role::LinearOutProj, &self.out_proj),
-        ]
-        .into_iter()
+        let inputs = match &self.projections {
+            Projections::Split { qkv, z, b, a } => [
+                Some((Role::LinearQkvProj, qkv)),
+                Some((Role::LinearZProj, z)),
+                Some((Role::LinearBProj, b)),
+                Some((Role::LinearAProj, a)),
+            ],
+            Projections::Grouped { qkvz, ba } => {
+                [Some((Role::LinearQkvzProj, qkvz)), Some((Role::LinearBaProj, ba)), None, None]
+            }
+        };
+        inputs.into_iter().flatten().chain(std::iter::once((Role::LinearOutProj, &self.out_proj)))
     }
 
     pub(super) fn linears_mut(&mut self) -> impl Iterator<Item = &mut Linear> {
-        [&mut self.in_proj_qkv, &mut self.in_proj_z, &mut self.in_proj_b, &mut self.in_proj_a, &mut self.out_proj]
-            .into_iter()
+        let inputs = match &mut self.projections {
+            Projections::Split { qkv, z, b, a } => [Some(qkv), Some(z), Some(b), Some(a)],
+            Projections::Grouped { qkvz, ba } => [Some(qkvz), Some(ba), None, None],
+        };
+        inputs.into_iter().flatten().chain(std::iter::once(&mut self.out_proj))
+    }
+
+    /// Floats per token of the grouped projections' outputs before they are gathered (0 for
+    /// the split ones): `(conv_dim + value_dim) + 2 · value_heads`.
+    pub(super) fn grouped_width(&self) -> usize {
+        match self.projections {
+            Projections::Grouped { .. } => self.dims.conv_dim() + self.dims.value_dim() + 2 * self.dims.value_heads,
+            Projections::Split { .. } => 0,
+        }
     }
 
     /// The vectors it reads (for parameter counts): `A_log`, `dt_bias`, the norm's weight.
@@ -153,18 +207,43 @@ impl DeltaNet {
         // 1. Projections over all tokens: input (n, hidden) -> qkv (n, conv_dim), z (n, value_dim),
         //    b and a (n, value_heads).
         let (b_out, a_out) = s.lin_gates[..2 * n * hv].split_at_mut(n * hv);
-        Linear::forward_many(
-            c.mm,
-            input,
-            n,
-            [
-                (&self.in_proj_qkv, &mut s.lin_in[..n * cd]),
-                (&self.in_proj_z, &mut s.lin_z[..n * vd]),
-                (&self.in_proj_b, b_out),
-                (&self.in_proj_a, a_out),
-            ],
-            &mut s.products,
-        );
+        match &self.projections {
+            Projections::Split { qkv, z, b, a } => Linear::forward_many(
+                c.mm,
+                input,
+                n,
+                [(qkv, &mut s.lin_in[..n * cd]), (z, &mut s.lin_z[..n * vd]), (b, b_out), (a, a_out)],
+                &mut s.products,
+            ),
+            Projections::Grouped { qkvz, ba } => {
+                // qkvz (n, conv_dim + value_dim) and ba (n, 2 · value_heads), grouped per key
+                // head, then gathered per token into qkv, z, b and a.
+                let (qw, bw) = (cd + vd, 2 * hv);
+                let (fused_qkvz, fused_ba) = s.lin_grouped[..n * (qw + bw)].split_at_mut(n * qw);
+                Linear::forward_many(c.mm, input, n, [(qkvz, &mut *fused_qkvz), (ba, &mut *fused_ba)], &mut s.products);
+                let r = hv / hk;
+                let group = 2 * dk + 2 * r * dv;
+                for t in 0..n {
+                    let src = &fused_qkvz[t * qw..(t + 1) * qw];
+                    let qkv = &mut s.lin_in[t * cd..(t + 1) * cd];
+                    let z = &mut s.lin_z[t * vd..(t + 1) * vd];
+                    for (g, part) in src.chunks_exact(group).enumerate() {
+                        let (q, rest) = part.split_at(dk);
+                        let (k, rest) = rest.split_at(dk);
+                        let (v, zg) = rest.split_at(r * dv);
+                        qkv[g * dk..(g + 1) * dk].copy_from_slice(q);
+                        qkv[kd + g * dk..kd + (g + 1) * dk].copy_from_slice(k);
+                        qkv[2 * kd + g * r * dv..2 * kd + (g + 1) * r * dv].copy_from_slice(v);
+                        z[g * r * dv..(g + 1) * r * dv].copy_from_slice(zg);
+                    }
+                    let src = &fused_ba[t * bw..(t + 1) * bw];
+                    for (g, part) in src.chunks_exact(2 * r).enumerate() {
+                        b_out[t * hv + g * r..t * hv + (g + 1) * r].copy_from_slice(&part[..r]);
+                        a_out[t * hv + g * r..t * hv + (g + 1) * r].copy_from_slice(&part[r..]);
+                    }
+                }
+            }
+        }
 
         // 2. The causal convolution and SiLU, per segment over its sequence's last rows:
         //    qkv (n, conv_dim) -> mixed (n, conv_dim). The rows at the last chunk boundary the

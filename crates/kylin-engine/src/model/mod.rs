@@ -1266,6 +1266,15 @@ impl Model {
                 lin.4.max(widths.4),
             );
         }
+        let grouped = self
+            .layers
+            .iter()
+            .filter_map(|l| match &l.mixer {
+                Mixer::DeltaNet(d) => Some(d.grouped_width()),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0);
         let gated = self.attentions().any(Attention::has_output_gate);
         let sized = |rows: usize, cols: usize, what: &str| -> Result<Vec<f32>> {
             let len = rows.checked_mul(cols).ok_or_else(|| {
@@ -1316,6 +1325,7 @@ impl Model {
             lin_beta: sized(max_tokens, 2 * lin.3, "linear-attention decay")?,
             lin_core: sized(max_tokens, lin.2, "linear-attention output")?,
             lin_tmp: sized(1, lin.4, "linear-attention head")?,
+            lin_grouped: sized(max_tokens, grouped, "grouped linear-attention projection")?,
             products: {
                 let expert_width = self.moe.map_or(0, |m| m.intermediate.max(m.shared_intermediate.unwrap_or(0)));
                 let widest = d.hidden.max(d.q_dim()).max(d.intermediate).max(ple_width).max(expert_width);

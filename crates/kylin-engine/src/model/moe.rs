@@ -63,6 +63,8 @@ pub(super) struct Moe {
     expert_scale: Option<Vec<f32>>,
     /// Gemma 4's unweighted RMSNorm of the router's input.
     router_norm: Option<Norm>,
+    /// LFM2-MoE's `expert_bias` `(experts)`, added to the scores only to choose the experts.
+    selection_bias: Option<Vec<f32>>,
     pub(super) experts: Vec<Expert>,
     pub(super) shared: Option<SharedExpert>,
     top_k: usize,
@@ -206,6 +208,12 @@ impl Moe {
             ),
             _ => (None, None, None),
         };
+        let selection_bias = match spec.routing {
+            Routing::SigmoidTopK { selection_bias: true, .. } => {
+                Some(Vector::new(w.require(Role::RouterSelectionBias, index)?, spec.num_experts)?.values())
+            }
+            _ => None,
+        };
         if w.experts.len() != spec.num_experts {
             return Err(KylinError::tensor_missing(format!(
                 "layer {index} has {} experts bound; the configuration has {}",
@@ -239,6 +247,7 @@ impl Moe {
             router_scale,
             expert_scale,
             router_norm,
+            selection_bias,
             experts,
             shared,
             top_k: spec.top_k,
@@ -429,7 +438,9 @@ impl Moe {
             let row = &mut logits[t * e_count..(t + 1) * e_count];
             let experts = &mut ms.route_expert[t * k..(t + 1) * k];
             let weights = &mut ms.route_weight[t * k..(t + 1) * k];
-            route(self.routing, row, experts, weights, self.expert_scale.as_deref());
+            let tables =
+                Tables { expert_scale: self.expert_scale.as_deref(), selection_bias: self.selection_bias.as_deref() };
+            route(self.routing, row, experts, weights, tables);
             sort_by_expert(experts, weights);
         }
 
@@ -572,9 +583,18 @@ fn run_expert(
     expert.down.forward(c.mm, hidden_in, count, y, p);
 }
 
+/// The stored per-expert vectors a router reads beside its logits.
+#[derive(Clone, Copy)]
+struct Tables<'a> {
+    /// Gemma 4's `per_expert_scale`.
+    expert_scale: Option<&'a [f32]>,
+    /// LFM2-MoE's `expert_bias`.
+    selection_bias: Option<&'a [f32]>,
+}
+
 /// One token's experts and weights from its router logits `row` (overwritten), as the family's
 /// router computes them in transformers.
-fn route(routing: Routing, row: &mut [f32], experts: &mut [u32], weights: &mut [f32], expert_scale: Option<&[f32]>) {
+fn route(routing: Routing, row: &mut [f32], experts: &mut [u32], weights: &mut [f32], tables: Tables<'_>) {
     match routing {
         Routing::SoftmaxTopK { normalize } => {
             kernels::softmax(row);
@@ -591,10 +611,37 @@ fn route(routing: Routing, row: &mut [f32], experts: &mut [u32], weights: &mut [
             kernels::softmax(row);
             top_k(row, experts, weights);
             normalise(weights);
-            if let Some(scale) = expert_scale {
+            if let Some(scale) = tables.expert_scale {
                 for (w, &e) in weights.iter_mut().zip(experts.iter()) {
                     *w *= scale[e as usize];
                 }
+            }
+        }
+        Routing::SigmoidTopK { normalize, scale, .. } => {
+            // s = sigmoid(logit) in f32, as torch computes it: 1 / (1 + exp(-x)).
+            for v in row.iter_mut() {
+                *v = 1.0 / (1.0 + (-*v).exp());
+            }
+            match tables.selection_bias {
+                Some(bias) => {
+                    // Choose by s + bias; weigh by s alone (transformers' `torch.gather`).
+                    top_k_by(row.len(), |i| row[i] + bias[i], experts, weights);
+                    for (w, &e) in weights.iter_mut().zip(experts.iter()) {
+                        *w = row[e as usize];
+                    }
+                }
+                None => top_k(row, experts, weights),
+            }
+            if normalize {
+                // w / (Σ w + 1e-6), the sum taken in order.
+                let sum: f32 = weights.iter().sum::<f32>() + 1e-6;
+                for w in weights.iter_mut() {
+                    *w /= sum;
+                }
+            }
+            let scale = scale as f32;
+            for w in weights.iter_mut() {
+                *w *= scale;
             }
         }
     }
@@ -611,21 +658,27 @@ fn normalise(weights: &mut [f32]) {
 /// The `k = experts.len()` largest values of `row`, best first (ties to the lower index, as
 /// `torch.topk` gives them on a CPU), with their indices.
 fn top_k(row: &[f32], experts: &mut [u32], weights: &mut [f32]) {
+    top_k_by(row.len(), |i| row[i], experts, weights);
+}
+
+/// [`top_k`] over the values `value(0..len)`.
+fn top_k_by(len: usize, value: impl Fn(usize) -> f32, experts: &mut [u32], weights: &mut [f32]) {
     let k = experts.len();
     for slot in 0..k {
         let mut best: Option<usize> = None;
-        for (i, &v) in row.iter().enumerate() {
+        for i in 0..len {
             if experts[..slot].contains(&(i as u32)) {
                 continue;
             }
+            let v = value(i);
             // A NaN never wins; the first of equal values does.
-            if best.is_none_or(|b| v > row[b]) && !v.is_nan() {
+            if best.is_none_or(|b| v > value(b)) && !v.is_nan() {
                 best = Some(i);
             }
         }
         let b = best.unwrap_or(0);
         experts[slot] = b as u32;
-        weights[slot] = row[b];
+        weights[slot] = value(b);
     }
 }
 

@@ -69,6 +69,9 @@ pub struct Scratch {
     pub(super) lin_beta: Vec<f32>,
     pub(super) lin_core: Vec<f32>,
     pub(super) lin_tmp: Vec<f32>,
+    /// Qwen3-Next's grouped projections before their columns are gathered, `(max_tokens,
+    /// conv_dim + value_dim + 2 · value_heads)` (empty for every other model).
+    pub(super) lin_grouped: Vec<f32>,
     /// The quantized or rounded activations of one matrix product.
     pub(super) products: ProductScratch,
 }
@@ -121,6 +124,7 @@ impl Scratch {
             + self.lin_beta.len()
             + self.lin_core.len()
             + self.lin_tmp.len()
+            + self.lin_grouped.len()
             + self.split_outputs.len()
             + 2 * self.split_stats.len();
         (elements * std::mem::size_of::<f32>()
@@ -152,6 +156,7 @@ impl Scratch {
             &mut self.lin_gates,
             &mut self.lin_beta,
             &mut self.lin_core,
+            &mut self.lin_grouped,
             &mut self.split_outputs,
             &mut self.products.xa,
         ]

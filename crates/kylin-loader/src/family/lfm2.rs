@@ -40,6 +40,13 @@ pub const FAMILY: Family = Family {
 };
 
 fn resolve(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
+    mixers(hf, c)?;
+    mlp_width(hf, c)
+}
+
+/// Everything but the MLP's width, which LFM2-MoE shares: the per-head q/k norms, `norm_eps`,
+/// `tie_embedding`, the layers' mixers and the short convolution's sizes.
+pub(super) fn mixers(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
     c.decoder.qk_norm = QkNorm::PerHead;
     // Every norm uses `norm_eps` (default 1e-5); `rms_norm_eps`, if written, is not read by
     // transformers' LFM2.
@@ -60,7 +67,6 @@ fn resolve(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
         c.tie_word_embeddings = tie;
     }
     layer_types(hf, c)?;
-    mlp_width(hf, c)?;
     let kernel = super::qwen3_5::size_field(hf, "conv_L_cache", 3, super::qwen3_5::MAX_CONV_KERNEL, c)?;
     let bias = raw_bool(hf, "conv_bias")?.unwrap_or_else(|| {
         c.defaulted.push("conv_bias".into());

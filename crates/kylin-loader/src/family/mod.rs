@@ -29,6 +29,7 @@ pub mod gemma4;
 pub mod gpt_oss;
 pub mod granite;
 pub mod lfm2;
+pub mod lfm2_moe;
 pub mod llama;
 pub mod mistral;
 pub mod mixtral;
@@ -41,6 +42,7 @@ pub mod qwen3;
 pub mod qwen3_5;
 pub mod qwen3_5_moe;
 pub mod qwen3_moe;
+pub mod qwen3_next;
 pub mod smollm3;
 
 /// Every family Kylin's native engine runs, by `architectures[0]`.
@@ -64,6 +66,8 @@ pub static REGISTRY: &[&Family] = &[
     &qwen3_5::FAMILY,
     &lfm2::FAMILY,
     &qwen3_5_moe::FAMILY,
+    &lfm2_moe::FAMILY,
+    &qwen3_next::FAMILY,
 ];
 
 /// The defaults transformers' configuration class declares for fields `config.json` may omit.
@@ -238,6 +242,9 @@ pub struct LinearAttention {
     pub value_head_dim: usize,
     /// `linear_conv_kernel_dim`: taps of the causal convolution over q, k and v.
     pub conv_kernel: usize,
+    /// The input projections are Qwen3-Next's fused `in_proj_qkvz` and `in_proj_ba`, their rows
+    /// grouped per key head, rather than Qwen3.5's four matrices.
+    pub grouped_projections: bool,
 }
 
 impl LinearAttention {
@@ -304,6 +311,11 @@ pub enum Routing {
     /// vector and `hidden^-0.5`; softmax, top k, renormalised, each weight times its expert's
     /// stored `per_expert_scale`.
     Gemma4,
+    /// LFM2-MoE: `sigmoid` of each logit; the top k chosen by `sigmoid + expert_bias` when
+    /// `selection_bias` (the stored bias only selects, it never weighs), weighted by the
+    /// sigmoids alone; `w / (Σ w + 1e-6)` when `normalize`; every weight times `scale`
+    /// (`routed_scaling_factor`).
+    SigmoidTopK { normalize: bool, selection_bias: bool, scale: f64 },
 }
 
 /// The experts' activation: `down(act(gate) · up)`.

@@ -24,7 +24,7 @@
 //! 2. `x += mlp(post_attention_layernorm(x))`.
 
 use super::{Defaults, Family, LLAMA_DEFAULTS, LinearAttention, MixerKind, NormKind, QkNorm};
-use crate::arch::{EMBED_HEAD, GATED_ATTENTION, GATED_DELTA_NET, MLP, PRE_NORMS};
+use crate::arch::{DELTA_NET_PROJECTIONS, EMBED_HEAD, GATED_ATTENTION, GATED_DELTA_NET, MLP, PRE_NORMS};
 use crate::config::{HfConfig, ModelConfig, raw_bool, raw_u64};
 use crate::error::{KylinError, Result};
 
@@ -36,7 +36,7 @@ pub const FAMILY: Family = Family {
     // Qwen3_5TextConfig(head_dim=256, max_position_embeddings=32768, rms_norm_eps=1e-6).
     defaults: Defaults { max_position_embeddings: 32768, head_dim: Some(256), ..LLAMA_DEFAULTS },
     resolve,
-    tensors: &[EMBED_HEAD, PRE_NORMS, GATED_ATTENTION, GATED_DELTA_NET, MLP],
+    tensors: &[EMBED_HEAD, PRE_NORMS, GATED_ATTENTION, DELTA_NET_PROJECTIONS, GATED_DELTA_NET, MLP],
 };
 
 /// The largest head width and convolution the linear-attention kernels take
@@ -46,16 +46,21 @@ pub(crate) const MAX_LINEAR_HEAD_DIM: usize = 256;
 pub(crate) const MAX_CONV_KERNEL: usize = 16;
 
 pub(crate) fn resolve(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
+    resolve_named(hf, c, "Qwen3.5")
+}
+
+/// Qwen3.5's decoder, with `family` naming the model in messages (Qwen3-Next shares it).
+pub(crate) fn resolve_named(hf: &HfConfig, c: &mut ModelConfig, family: &str) -> Result<()> {
     hf.silu_only(c)?;
     if hf.attention_bias == Some(true) {
-        return Err(KylinError::operator_unsupported(
-            "config.json sets attention_bias; Kylin's Qwen3.5 block has no attention biases (no published Qwen3.5 uses them)",
-        ));
+        return Err(KylinError::operator_unsupported(format!(
+            "config.json sets attention_bias; Kylin's {family} block has no attention biases (no published {family} uses them)"
+        )));
     }
     if raw_bool(hf, "attn_output_gate")? == Some(false) {
-        return Err(KylinError::operator_unsupported(
-            "config.json sets attn_output_gate to false; Qwen3.5's attention always gates its output (transformers' Qwen3_5Attention)",
-        ));
+        return Err(KylinError::operator_unsupported(format!(
+            "config.json sets attn_output_gate to false; {family}'s attention always gates its output (transformers' attention class)"
+        )));
     }
     let d = &mut c.decoder;
     d.norm = NormKind::RmsUnitOffset;
@@ -70,7 +75,7 @@ pub(crate) fn resolve(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
         c.rope.partial_rotary_factor = 0.25;
     }
     mrope_sections(hf)?;
-    layer_types(hf, c)?;
+    layer_types(hf, c, family)?;
     linear_sizes(hf, c)
 }
 
@@ -91,12 +96,10 @@ fn mrope_sections(hf: &HfConfig) -> Result<()> {
 
 /// Which layers are linear attention: `layer_types` (`linear_attention` / `full_attention`),
 /// else every `full_attention_interval`-th layer (default 4) is full attention.
-fn layer_types(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
+fn layer_types(hf: &HfConfig, c: &mut ModelConfig, family: &str) -> Result<()> {
     let n = c.num_layers;
     let kinds: Vec<MixerKind> = match &hf.layer_types {
-        Some(types) => {
-            super::mixers_from_layer_types(types, n, "Qwen3.5", "linear_attention", MixerKind::GatedDeltaNet)?
-        }
+        Some(types) => super::mixers_from_layer_types(types, n, family, "linear_attention", MixerKind::GatedDeltaNet)?,
         None => {
             let interval = match raw_u64(hf, "full_attention_interval")? {
                 Some(0) => {
@@ -155,8 +158,14 @@ fn linear_sizes(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
         )));
     }
     if c.decoder.layers.iter().any(|l| l.mixer == MixerKind::GatedDeltaNet) {
-        c.decoder.linear_attention =
-            Some(LinearAttention { key_heads, value_heads, key_head_dim, value_head_dim, conv_kernel });
+        c.decoder.linear_attention = Some(LinearAttention {
+            key_heads,
+            value_heads,
+            key_head_dim,
+            value_head_dim,
+            conv_kernel,
+            grouped_projections: false,
+        });
     }
     Ok(())
 }

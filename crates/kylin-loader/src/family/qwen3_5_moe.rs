@@ -11,7 +11,10 @@
 //! shared part added, as Qwen2-MoE does.
 
 use super::{Defaults, Family, FfnKind, LLAMA_DEFAULTS, MoeDefaults};
-use crate::arch::{EMBED_HEAD, GATED_ATTENTION, GATED_DELTA_NET, MLP_EXPERTS, MLP_ROUTER, PRE_NORMS, SHARED_EXPERT};
+use crate::arch::{
+    DELTA_NET_PROJECTIONS, EMBED_HEAD, GATED_ATTENTION, GATED_DELTA_NET, MLP_EXPERTS, MLP_ROUTER, PRE_NORMS,
+    SHARED_EXPERT,
+};
 use crate::config::{HfConfig, ModelConfig};
 use crate::error::Result;
 
@@ -23,7 +26,16 @@ pub const FAMILY: Family = Family {
     // Qwen3_5MoeTextConfig(head_dim=256, max_position_embeddings=32768, rms_norm_eps=1e-6).
     defaults: Defaults { max_position_embeddings: 32768, head_dim: Some(256), ..LLAMA_DEFAULTS },
     resolve,
-    tensors: &[EMBED_HEAD, PRE_NORMS, GATED_ATTENTION, GATED_DELTA_NET, MLP_ROUTER, MLP_EXPERTS, SHARED_EXPERT],
+    tensors: &[
+        EMBED_HEAD,
+        PRE_NORMS,
+        GATED_ATTENTION,
+        DELTA_NET_PROJECTIONS,
+        GATED_DELTA_NET,
+        MLP_ROUTER,
+        MLP_EXPERTS,
+        SHARED_EXPERT,
+    ],
 };
 
 /// `Qwen3_5MoeTextConfig`'s expert defaults; the top k are always renormalised.
