@@ -10,7 +10,7 @@ import struct
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-SHARED = ROOT.parent.parent / "shared"
+SHARED = ROOT.parent / "testdata"
 FIXTURES = SHARED / "fixtures"
 MODELS = Path.home() / ".cache" / "kylin-models"
 CORPUS = ROOT / "corpus"

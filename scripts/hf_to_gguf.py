@@ -1,7 +1,7 @@
 """Write a GGUF twin of one of the real models' Hugging Face directories: the same BF16 weights,
 as BF16 or as Q8_0 (gguf-py's Q8_0, llama.cpp's `quantize_row_q8_0_ref` numbers).
 
-The real models' directories are made by ../shared/models/gguf_to_hf.py from a published GGUF;
+The real models' directories are made by testdata/models/gguf_to_hf.py from a published GGUF;
 this reverses it for the weights (names, llama's Q/K row order) and copies every metadata key,
 tokenizer included, from that published GGUF. llama.cpp then runs exactly the weights Kylin
 runs, which the published Q4_K_M / Q4_1 files are not (the directory was dequantized from them).

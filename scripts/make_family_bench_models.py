@@ -1,6 +1,6 @@
 """Benchmark models of the new families: the exact layer shapes of a published size that fits
 this machine, seeded random BF16 weights, as a Hugging Face directory for Kylin and the same
-weights as a GGUF for llama.cpp (as ../shared/models/make_bench_model.py does for Qwen3-0.6B).
+weights as a GGUF for llama.cpp (as testdata/models/make_bench_model.py does for Qwen3-0.6B).
 
     python make_family_bench_models.py OUT_DIR [gemma3-1b-shaped gemma4-e2b-shaped qwen3-moe-shaped
                                                 gpt-oss-20b-shaped ...]

@@ -1,7 +1,7 @@
-"""More tiny checkpoints of the families, in configurations that ../shared/families does not
+"""More tiny checkpoints of the families, in configurations that testdata/families does not
 cover, and what transformers computes on them (float32, eager attention).
 
-The shared fixtures (written by ../shared/families/make_arch_fixtures.py) fix one configuration
+The shared fixtures (written by testdata/families/make_arch_fixtures.py) fix one configuration
 per family; these vary what a family's resolver decides: other windows and layer counts, one KV
 head, defaults left out of config.json, untied heads, biases, other multipliers and patterns.
 The weights are seeded random BF16 (as in the shared script), the cases random ids.
@@ -329,7 +329,7 @@ if not only or "tiny-gemma4-vl" in only:
 # stacked where it saves one per expert (Qwen3-MoE). Kylin must give the same logits for both.
 def relayout(src_name, dst_name, convert):
     from safetensors.torch import load_file, save_file
-    shared = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "families")
+    shared = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "testdata", "families")
     src = os.path.join(shared, "fixtures", src_name)
     dst = os.path.join(FIX, dst_name)
     shutil.rmtree(dst, ignore_errors=True)

@@ -5,14 +5,14 @@
 #
 #   bash scripts/make_gguf_twins.sh     # into $KYLIN_MODELS/twins (default ~/.cache/kylin-models)
 #
-# Needs the models and the venv of ../shared/models/fetch.sh. Idempotent.
+# Needs the models and the venv of testdata/models/fetch.sh. Idempotent.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 M="${KYLIN_MODELS:-$HOME/.cache/kylin-models}"
 PY="$M/.venv/bin/python"
 OUT="$M/twins"
 mkdir -p "$OUT"
-[ -x "$PY" ] || { echo "missing $PY: run bash ../shared/models/fetch.sh first" >&2; exit 1; }
+[ -x "$PY" ] || { echo "missing $PY: run bash testdata/models/fetch.sh first" >&2; exit 1; }
 cargo build --release -q -p kylin-llamacpp --example gguf_quantize --manifest-path "$ROOT/Cargo.toml"
 QUANTIZE="$ROOT/target/release/examples/gguf_quantize"
 for pair in qwen2.5-coder-0.5b-instruct:qwen2.5-coder-0.5b-instruct-q4_k_m smollm2-135m-instruct:smollm2-135m-instruct-q4_1; do

@@ -20,7 +20,7 @@ real producers:
   out below) and checked against the integers it was packed from.
 
 For every fixture, `reference/NAME.json` records what transformers computes (float32, eager
-attention), in the format of ../shared/reference: per input `input_ids`, `last_top20`,
+attention), in the format of testdata/reference: per input `input_ids`, `last_top20`,
 `argmax_per_position`, `greedy_new_ids` (20 greedy tokens), plus the last position's full
 logits.
 

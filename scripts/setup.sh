@@ -2,7 +2,7 @@
 # Installs what building and testing Kylin needs on a fresh Debian machine, then fetches the
 # real models. Idempotent: a second run only checks.
 #   - cmake and clang (llama-cpp-2 builds llama.cpp from source),
-#   - the test models from ../shared/models/fetch.sh (--bench adds qwen3-0.6b-shaped).
+#   - the test models from testdata/models/fetch.sh (--bench adds qwen3-0.6b-shaped).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SUDO=""
@@ -12,7 +12,7 @@ if ! command -v cmake >/dev/null || ! command -v clang >/dev/null || ! dpkg -s l
   $SUDO apt-get update -q
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q cmake clang libclang-dev
 fi
-bash "$ROOT/../shared/models/fetch.sh" --bench
+bash "$ROOT/testdata/models/fetch.sh" --bench
 # The Python side of the end-to-end test of `kylin serve`: the official openai client and
 # pytest, in a git-ignored venv ($ROOT/.venv), created once.
 if ! command -v python3 >/dev/null || ! python3 -c 'import venv, ensurepip' 2>/dev/null; then

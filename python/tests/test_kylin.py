@@ -1,6 +1,6 @@
 """The `kylin` wheel from Python, as its users call it (vLLM's offline API).
 
-Runs on the tiny fixtures of ../shared and tests/fixtures/retrieval, SmolLM2-135M-Instruct and
+Runs on the tiny fixtures of testdata/ and tests/fixtures/retrieval, SmolLM2-135M-Instruct and
 all-MiniLM-L6-v2 from KYLIN_MODELS (scripts/setup.sh fetches them); `kylin run` (KYLIN_BIN) is
 the reference for the generated tokens.
 """
@@ -18,7 +18,7 @@ import pytest
 import kylin
 
 ROOT = Path(__file__).resolve().parents[2]
-SHARED = ROOT.parent / "shared"
+SHARED = ROOT / "testdata"
 MODELS = Path(os.environ.get("KYLIN_MODELS", Path.home() / ".cache" / "kylin-models"))
 SMOL = MODELS / "smollm2-135m-instruct"
 TINY = SHARED / "fixtures" / "tiny-qwen3"

@@ -10,7 +10,7 @@ use serde_json::Value;
 mod common;
 use common::{kylin, s};
 
-const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared");
+const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata");
 
 fn models_dir() -> PathBuf {
     match std::env::var_os("KYLIN_MODELS") {
@@ -21,7 +21,7 @@ fn models_dir() -> PathBuf {
 
 fn model(name: &str) -> PathBuf {
     let path = models_dir().join(name);
-    assert!(path.exists(), "{} is missing: run `bash ../shared/models/fetch.sh --bench`", path.display());
+    assert!(path.exists(), "{} is missing: run `bash testdata/models/fetch.sh --bench`", path.display());
     path
 }
 

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use common::{kylin, s};
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/fixtures").join(name)
 }
 
 /// A private copy of a fixture directory, so the test may break it.

@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared");
+const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata");
 
 fn models_dir() -> PathBuf {
     match std::env::var_os("KYLIN_MODELS") {
@@ -20,7 +20,7 @@ fn models_dir() -> PathBuf {
 #[test]
 fn gguf_is_refused_with_the_feature_named_and_hf_still_runs() {
     let gguf = models_dir().join("gguf/smollm2-135m-instruct-q4_1.gguf");
-    assert!(gguf.is_file(), "{} is missing: run `bash ../shared/models/fetch.sh`", gguf.display());
+    assert!(gguf.is_file(), "{} is missing: run `bash testdata/models/fetch.sh`", gguf.display());
     let out = Command::new(env!("CARGO_BIN_EXE_kylin")).args(["run"]).arg(&gguf).args(["-p", "x"]).output().unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);

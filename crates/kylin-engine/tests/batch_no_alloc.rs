@@ -19,7 +19,7 @@ use counting_alloc::{ALLOCATIONS, Counting};
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
-const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared");
+const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata");
 
 #[test]
 fn a_step_with_eight_running_sequences_allocates_nothing() {

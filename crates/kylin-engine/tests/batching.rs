@@ -20,7 +20,7 @@ use kylin_engine::{PrecisionChoice, QuantFormat};
 mod support;
 use support::{prompt, request};
 
-const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared");
+const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata");
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(SHARED).join("fixtures").join(name)
@@ -317,7 +317,7 @@ fn smollm2() -> PathBuf {
         .map(PathBuf::from)
         .unwrap_or_else(|_| PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/kylin-models"));
     let path = models.join("smollm2-135m-instruct");
-    assert!(path.is_dir(), "run ../shared/models/fetch.sh first: {} is missing", path.display());
+    assert!(path.is_dir(), "run testdata/models/fetch.sh first: {} is missing", path.display());
     path
 }
 

@@ -18,7 +18,7 @@ use counting_alloc::{ALLOCATIONS, Counting};
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
-const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared");
+const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata");
 
 #[test]
 fn decode_steps_allocate_nothing() {

@@ -28,7 +28,7 @@ fn prompt(len: usize, seed: u64) -> Vec<u32> {
     support::prompt(len, seed, 1000)
 }
 
-const FAMILIES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/families");
+const FAMILIES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/families");
 /// Further configurations of the same families, written by `scripts/make_family_fixtures.py`.
 const MORE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/families");
 

@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 const VOCAB: usize = 151_936;
 
 fn codec() -> (TextCodec, Vec<u32>) {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/tiny-qwen3");
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/fixtures/tiny-qwen3");
     let bundle = kylin_loader::tokenizer::load_tokenizer(&dir, &mut Vec::new()).unwrap().unwrap();
     let codec = TextCodec::new(&bundle, None).unwrap();
     let eos = codec.tokenize("<|im_end|>", false).unwrap();

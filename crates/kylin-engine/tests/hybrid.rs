@@ -22,7 +22,7 @@ use kylin_engine::{PrecisionChoice, QuantFormat};
 mod support;
 use support::{prompt, request};
 
-const FAMILIES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/families/fixtures");
+const FAMILIES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/families/fixtures");
 
 /// The repository's own family fixtures (LFM2-MoE and Qwen3-Next are only there).
 const MORE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/families/fixtures");

@@ -194,7 +194,7 @@ fn models_dir() -> std::path::PathBuf {
 #[test]
 fn q8_0_agrees_with_smollm2_at_95_percent_of_positions() {
     let hf = models_dir().join("smollm2-135m-instruct");
-    assert!(hf.join("config.json").is_file(), "{} is missing; run `bash ../shared/models/fetch.sh`", hf.display());
+    assert!(hf.join("config.json").is_file(), "{} is missing; run `bash testdata/models/fetch.sh`", hf.display());
     let out = tempfile::tempdir().unwrap();
     let file = out.path().join("smollm2-v2.bin");
     write_bin(&load(&hf, &LoadOptions::default()).unwrap(), 2, &file).unwrap();

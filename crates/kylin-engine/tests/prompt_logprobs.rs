@@ -20,7 +20,7 @@ use serde_json::Value;
 
 mod support;
 
-const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared");
+const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata");
 const REFERENCES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/prompt_logprobs");
 
 fn models_dir() -> PathBuf {

@@ -15,7 +15,7 @@ use serde_json::Value;
 mod support;
 use support::{greedy, ids};
 
-const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared");
+const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata");
 
 fn fixtures_dir() -> PathBuf {
     Path::new(SHARED).join("fixtures")

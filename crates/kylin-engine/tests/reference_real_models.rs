@@ -13,7 +13,7 @@ use kylin_engine::native::{NativeBackend, NativeOptions};
 use kylin_engine::sampler::argmax;
 use serde_json::Value;
 
-const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared");
+const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata");
 
 fn models_dir() -> PathBuf {
     match std::env::var_os("KYLIN_MODELS") {
@@ -29,7 +29,7 @@ fn model_path(name: &str) -> PathBuf {
     let path = models_dir().join(name);
     assert!(
         path.join("config.json").is_file(),
-        "real model '{name}' is missing at {}; run `bash ../shared/models/fetch.sh` (or set KYLIN_MODELS)",
+        "real model '{name}' is missing at {}; run `bash testdata/models/fetch.sh` (or set KYLIN_MODELS)",
         path.display()
     );
     path

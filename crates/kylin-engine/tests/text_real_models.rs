@@ -1,5 +1,5 @@
 //! The tokenizer and chat template against what `transformers` produced for the real models
-//! (`../shared/reference/*.json`) and the real Qwen3 tokenizer of the `tiny-qwen3` fixture.
+//! (`testdata/reference/*.json`) and the real Qwen3 tokenizer of the `tiny-qwen3` fixture.
 
 use std::path::{Path, PathBuf};
 
@@ -20,14 +20,14 @@ fn model_dir(name: &str) -> PathBuf {
     let dir = models_dir().join(name);
     assert!(
         dir.join("tokenizer.json").is_file(),
-        "real model '{name}' is missing at {}: run `bash ../shared/models/fetch.sh` (or set KYLIN_MODELS)",
+        "real model '{name}' is missing at {}: run `bash testdata/models/fetch.sh` (or set KYLIN_MODELS)",
         dir.display()
     );
     dir
 }
 
 fn shared(rel: &str) -> PathBuf {
-    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared")).join(rel)
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata")).join(rel)
 }
 
 /// Builds the bundle straight from the files, the way the loader does.

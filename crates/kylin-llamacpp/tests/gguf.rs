@@ -36,14 +36,14 @@ fn gguf_path(name: &str) -> PathBuf {
     let path = models_dir().join("gguf").join(file);
     assert!(
         path.is_file(),
-        "{} is missing: run `bash ../shared/models/fetch.sh` (or set KYLIN_MODELS)",
+        "{} is missing: run `bash testdata/models/fetch.sh` (or set KYLIN_MODELS)",
         path.display()
     );
     path
 }
 
 fn reference(name: &str) -> Value {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/reference/");
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/reference/");
     let text =
         std::fs::read_to_string(format!("{path}{name}.json")).unwrap_or_else(|e| panic!("reference {name}.json: {e}"));
     serde_json::from_str(&text).expect("reference JSON parses")

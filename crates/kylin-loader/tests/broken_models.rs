@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use kylin_loader::{ErrorCode, KylinError, LoadOptions, detect, inspect, load};
 use serde_json::{Map, Value};
 
-const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared");
+const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata");
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(SHARED).join("fixtures").join(name)

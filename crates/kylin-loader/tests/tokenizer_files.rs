@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared");
+const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata");
 
 fn models_dir() -> PathBuf {
     match std::env::var_os("KYLIN_MODELS") {

@@ -365,7 +365,7 @@ mod tests {
     fn the_syntax_is_read_from_the_template() {
         let qwen = std::fs::read_to_string(concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/../../../shared/models/qwen2.5-coder-0.5b-instruct/tokenizer_config.json"
+            "/../../testdata/models/qwen2.5-coder-0.5b-instruct/tokenizer_config.json"
         ))
         .unwrap();
         assert_eq!(ToolSyntax::detect(&qwen), Some(ToolSyntax::Hermes));

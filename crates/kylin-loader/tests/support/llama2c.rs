@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use kylin_loader::llama2c::tokenizer::Vocab;
 
-pub const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared");
+pub const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata");
 
 pub fn shared(rel: &str) -> PathBuf {
     Path::new(SHARED).join(rel)
