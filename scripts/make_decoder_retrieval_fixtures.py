@@ -50,6 +50,7 @@ PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements
           "Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n")
 SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+CUSTOM_INSTRUCTION = "Find the sentence about cats"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
@@ -129,19 +130,25 @@ def reranker(out, name, seed):
     yes, no = fast.convert_tokens_to_ids("yes"), fast.convert_tokens_to_ids("no")
     prefix = fast.encode(PREFIX, add_special_tokens=False)
     suffix = fast.encode(SUFFIX, add_special_tokens=False)
-    ids, scores, logits = [], [], []
-    for doc in DOCUMENTS:
-        pair = f"<Instruct>: {INSTRUCTION}\n<Query>: {QUERY}\n<Document>: {doc}"
-        full = prefix + fast(pair)["input_ids"] + suffix
-        with torch.no_grad():
-            last = model(torch.tensor([full])).logits[0, -1].float()
-        two = torch.stack([last[no], last[yes]])
-        ids.append(full)
-        logits.append([float(last[no]), float(last[yes])])
-        scores.append(float(torch.log_softmax(two, dim=0)[1].exp()))
+    def score(instruction):
+        ids, scores, logits = [], [], []
+        for doc in DOCUMENTS:
+            pair = f"<Instruct>: {instruction}\n<Query>: {QUERY}\n<Document>: {doc}"
+            full = prefix + fast(pair)["input_ids"] + suffix
+            with torch.no_grad():
+                last = model(torch.tensor([full])).logits[0, -1].float()
+            two = torch.stack([last[no], last[yes]])
+            ids.append(full)
+            logits.append([float(last[no]), float(last[yes])])
+            scores.append(float(torch.log_softmax(two, dim=0)[1].exp()))
+        return ids, scores, logits
+
+    ids, scores, logits = score(INSTRUCTION)
+    _, custom_scores, _ = score(CUSTOM_INSTRUCTION)
     write(out / "reference" / f"{name}.json",
           {"query": QUERY, "documents": DOCUMENTS, "instruction": INSTRUCTION, "input_ids": ids,
-           "no_yes_logits": logits, "scores": scores, "yes_id": yes, "no_id": no})
+           "no_yes_logits": logits, "scores": scores, "yes_id": yes, "no_id": no,
+           "custom_instruction": CUSTOM_INSTRUCTION, "custom_scores": custom_scores})
 
 
 def main():

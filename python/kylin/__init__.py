@@ -278,10 +278,10 @@ class LLM:
         return [EmbeddingRequestOutput(request_id=str(i), prompt_token_ids=t, outputs=EmbeddingOutput(v))
                 for i, (t, v) in enumerate(zip(ids, vectors))]
 
-    def score(self, query: str, documents: Sequence[str]) -> list:
+    def score(self, query: str, documents: Sequence[str], instruction: Optional[str] = None) -> list:
         """Relevance of each document to `query` with a reranker (a cross-encoder, or a yes/no
         decoder reranker such as Qwen3-Reranker)."""
-        return list(self._engine.rerank(query, list(documents)))
+        return list(self._engine.rerank(query, list(documents), instruction))
 
 
 class _Tokenizer:

@@ -349,8 +349,11 @@ impl Engine {
     }
 
     /// Relevance scores of documents for a query (a reranker), as a JSON list.
-    fn rerank(&self, py: Python<'_>, query: &str, documents: Vec<String>) -> PyResult<Vec<f32>> {
-        py.detach(|| self.lock().engine.rerank(query, &documents).map(|(s, _)| s).map_err(py_err))
+    #[pyo3(signature = (query, documents, instruction=None))]
+    fn rerank(&self, py: Python<'_>, query: &str, documents: Vec<String>, instruction: Option<String>) -> PyResult<Vec<f32>> {
+        py.detach(|| {
+            self.lock().engine.rerank(query, &documents, instruction.as_deref()).map(|(s, _)| s).map_err(py_err)
+        })
     }
 }
 

@@ -174,6 +174,8 @@ def test_decoder_embedder_and_reranker():
     reranker = kylin.LLM(str(RETRIEVAL / "fixtures/tiny-qwen3-reranker"), threads=1)
     scores = reranker.score(rr["query"], rr["documents"])
     assert all(abs(s - w) < 1e-4 for s, w in zip(scores, rr["scores"]))
+    custom = reranker.score(rr["query"], rr["documents"], instruction=rr["custom_instruction"])
+    assert all(abs(s - w) < 1e-4 for s, w in zip(custom, rr["custom_scores"]))
     # The same directory as a plain language model, and as an embedder on request.
     as_lm = kylin.LLM(str(RETRIEVAL / "fixtures/tiny-qwen3-reranker"), threads=1, task="generate")
     with pytest.raises(kylin.KylinError) as e:

@@ -172,6 +172,8 @@ def test_rerank_matches_the_cross_encoder(reranker):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "documents"
         bad = client.post("/v1/rerank", json={"documents": ["d"]})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "query"
+        bad = client.post("/v1/rerank", json={"query": "q", "documents": ["d"], "instruction": "Judge"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "instruction"
         bad = client.post("/v1/embeddings", json={"input": "x"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "model"
 
@@ -222,5 +224,9 @@ def test_decoder_reranker_matches_the_model_card(qwen3_reranker):
         for x in body["results"]:
             assert abs(x["relevance_score"] - ref["scores"][x["index"]]) < 1e-4
         assert body["usage"]["prompt_tokens"] == sum(len(i) for i in ref["input_ids"])
+        custom = client.post("/v1/rerank", json={"query": ref["query"], "documents": ref["documents"],
+                                                  "instruction": ref["custom_instruction"]}).json()
+        for x in custom["results"]:
+            assert abs(x["relevance_score"] - ref["custom_scores"][x["index"]]) < 1e-4
         c = client.post("/v1/completions", json={"prompt": "The cat", "max_tokens": 3})
         assert c.status_code == 200 and c.json()["usage"]["completion_tokens"] == 3

@@ -1667,7 +1667,7 @@ impl Serving for BatchEngine {
         matches!(self.task, ModelTask::Rerank(_))
     }
 
-    fn rerank(&mut self, query: &str, documents: &[String]) -> Result<(Vec<f32>, usize)> {
+    fn rerank(&mut self, query: &str, documents: &[String], instruction: Option<&str>) -> Result<(Vec<f32>, usize)> {
         let ModelTask::Rerank(r) = &self.task else {
             return Err(KylinError::input_invalid(
                 "this model does not rerank; serve a reranker (a cross-encoder such as bge-reranker, Qwen3-Reranker, \
@@ -1678,7 +1678,10 @@ impl Serving for BatchEngine {
         let text = self.core.text()?;
         let mut prompts = Vec::with_capacity(documents.len());
         for doc in documents {
-            prompts.push((crate::retrieval::yes_no_prompt(text, query, doc, None)?, Pooled::LastLogits(ids.clone())));
+            prompts.push((
+                crate::retrieval::yes_no_prompt(text, query, doc, instruction)?,
+                Pooled::LastLogits(ids.clone()),
+            ));
         }
         let tokens = prompts.iter().map(|(p, _)| p.len()).sum();
         let logits = self.run_pooled(prompts)?;

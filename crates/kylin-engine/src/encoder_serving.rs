@@ -156,7 +156,12 @@ impl Serving for EncoderEngine {
         self.encoder.is_cross_encoder() && self.encoder.config().num_labels == Some(1)
     }
 
-    fn rerank(&mut self, query: &str, documents: &[String]) -> Result<(Vec<f32>, usize)> {
+    fn rerank(&mut self, query: &str, documents: &[String], instruction: Option<&str>) -> Result<(Vec<f32>, usize)> {
+        if instruction.is_some() {
+            return Err(KylinError::input_invalid(
+                "a cross-encoder takes no instruction (only yes/no rerankers such as Qwen3-Reranker do)",
+            ));
+        }
         if !self.can_rerank() {
             return Err(KylinError::input_invalid(
                 "this model does not rerank: a reranker is a cross-encoder with one label (e.g. bge-reranker)",

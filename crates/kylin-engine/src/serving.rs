@@ -382,8 +382,10 @@ pub trait Serving {
     }
 
     /// One relevance score per document for `query`, as the model's own scoring gives it (a
-    /// cross-encoder's sigmoid of its logit), and the tokens the pairs took. Runs as one batch.
-    fn rerank(&mut self, _query: &str, _documents: &[String]) -> Result<(Vec<f32>, usize)> {
+    /// cross-encoder's sigmoid of its logit, a yes/no reranker's `P(yes)`), and the tokens the
+    /// pairs took. Runs as one batch. `instruction` replaces a yes/no reranker's default task
+    /// instruction; a cross-encoder has none and refuses it.
+    fn rerank(&mut self, _query: &str, _documents: &[String], _instruction: Option<&str>) -> Result<(Vec<f32>, usize)> {
         Err(kylin_loader::KylinError::input_invalid(
             "this model does not rerank; serve a reranker (a cross-encoder such as bge-reranker)",
         ))

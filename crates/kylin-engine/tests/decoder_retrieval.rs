@@ -115,12 +115,19 @@ fn qwen3_reranker_matches_the_model_card_scoring() {
         let ids = kylin_engine::retrieval::yes_no_prompt(text, query, doc, None).unwrap();
         assert_eq!(ids, support::ids(&reference["input_ids"][i]), "prompt of document {i}");
     }
-    let (scores, tokens) = engine.rerank(query, &documents).unwrap();
+    let (scores, tokens) = engine.rerank(query, &documents, None).unwrap();
     let total: usize = reference["input_ids"].as_array().unwrap().iter().map(|v| v.as_array().unwrap().len()).sum();
     assert_eq!(tokens, total);
     for (i, (got, want)) in scores.iter().zip(reference["scores"].as_array().unwrap()).enumerate() {
         let want = want.as_f64().unwrap() as f32;
         assert!((got - want).abs() <= 1e-4, "document {i}: {got} vs {want}");
+    }
+    // The task instruction is the request's when it gives one.
+    let custom = reference["custom_instruction"].as_str().unwrap();
+    let (scores, _) = engine.rerank(query, &documents, Some(custom)).unwrap();
+    for (i, (got, want)) in scores.iter().zip(reference["custom_scores"].as_array().unwrap()).enumerate() {
+        let want = want.as_f64().unwrap() as f32;
+        assert!((got - want).abs() <= 1e-4, "document {i} with the custom instruction: {got} vs {want}");
     }
     // A reranker is still a language model: it generates.
     let mut events = Vec::new();
@@ -162,13 +169,13 @@ fn embeddings_batch_with_generation_and_change_nothing() {
     // The reranker scores in the middle of the generation: its steps carry the other request.
     let query = "Where does the cat sit?";
     let docs = vec!["The cat sits on the mat.".to_string(), "Paris is the capital of France.".to_string()];
-    let (mid, _) = busy.rerank(query, &docs).unwrap();
+    let (mid, _) = busy.rerank(query, &docs, None).unwrap();
     while busy.has_work() {
         busy.step(&mut events).unwrap();
     }
     assert_eq!(events, solo, "the generation is the same with pooled requests beside it");
     let mut fresh = self::engine("tiny-qwen3-reranker", TaskChoice::Auto);
-    assert_eq!(fresh.rerank(query, &docs).unwrap().0, mid, "scores are the same with a generation beside them");
+    assert_eq!(fresh.rerank(query, &docs, None).unwrap().0, mid, "scores are the same with a generation beside them");
 }
 
 #[test]

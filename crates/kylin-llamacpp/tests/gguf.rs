@@ -34,11 +34,7 @@ fn gguf_path(name: &str) -> PathBuf {
         other => panic!("no GGUF file known for {other}"),
     };
     let path = models_dir().join("gguf").join(file);
-    assert!(
-        path.is_file(),
-        "{} is missing: run `bash testdata/models/fetch.sh` (or set KYLIN_MODELS)",
-        path.display()
-    );
+    assert!(path.is_file(), "{} is missing: run `bash testdata/models/fetch.sh` (or set KYLIN_MODELS)", path.display());
     path
 }
 

@@ -173,10 +173,17 @@ impl std::fmt::Debug for TextReply {
 /// tokens each took.
 pub type EmbedReply = Result<(Vec<Vec<f32>>, usize), KylinError>;
 
+/// A rerank request as the engine thread runs it.
+struct RerankJob {
+    query: String,
+    documents: Vec<String>,
+    instruction: Option<String>,
+}
+
 enum Command {
     Submit(Box<Submission>, oneshot::Sender<Result<Accepted, KylinError>>),
     Embed(Vec<Prompt>, oneshot::Sender<EmbedReply>),
-    Rerank(String, Vec<String>, oneshot::Sender<Result<(Vec<f32>, usize), KylinError>>),
+    Rerank(Box<RerankJob>, oneshot::Sender<Result<(Vec<f32>, usize), KylinError>>),
     Text(TextJob, oneshot::Sender<Result<TextReply, KylinError>>),
     CancelAll,
     Stop,
@@ -295,9 +302,14 @@ impl EngineHandle {
     }
 
     /// Scores documents against a query on the engine thread, as one batch.
-    pub async fn rerank(&self, query: String, documents: Vec<String>) -> Result<(Vec<f32>, usize), KylinError> {
+    pub async fn rerank(
+        &self,
+        query: String,
+        documents: Vec<String>,
+        instruction: Option<String>,
+    ) -> Result<(Vec<f32>, usize), KylinError> {
         let (reply, answer) = oneshot::channel();
-        self.send(Command::Rerank(query, documents, reply))?;
+        self.send(Command::Rerank(Box::new(RerankJob { query, documents, instruction }), reply))?;
         answer.await.map_err(|_| stopped())?
     }
 
@@ -357,7 +369,7 @@ fn engine_thread(factory: EngineFactory, commands: Receiver<Command>, handle: En
                 match command {
                     Command::Submit(_, reply) => drop(reply.send(Err(stopped()))),
                     Command::Embed(_, reply) => drop(reply.send(Err(stopped()))),
-                    Command::Rerank(_, _, reply) => drop(reply.send(Err(stopped()))),
+                    Command::Rerank(_, reply) => drop(reply.send(Err(stopped()))),
                     Command::Text(_, reply) => drop(reply.send(Err(stopped()))),
                     Command::CancelAll => {}
                     Command::Stop => return,
@@ -412,8 +424,8 @@ fn engine_thread(factory: EngineFactory, commands: Receiver<Command>, handle: En
                 Command::Embed(prompts, reply) => {
                     let _ = reply.send(state.embed(prompts));
                 }
-                Command::Rerank(query, documents, reply) => {
-                    let _ = reply.send(state.engine.rerank(&query, &documents));
+                Command::Rerank(job, reply) => {
+                    let _ = reply.send(state.engine.rerank(&job.query, &job.documents, job.instruction.as_deref()));
                 }
                 Command::CancelAll => state.live.values().for_each(|l| l.cancel.cancel()),
                 Command::Stop => stopping = true,

@@ -146,6 +146,8 @@ pub async fn rerank(State(state): State<AppState>, request: Request) -> Result<R
         .ok_or_else(|| ApiError::invalid("documents", "`documents` is required"))?;
     let top_n: Option<usize> = f.take("top_n", "a positive integer")?;
     let return_documents = f.take::<bool>("return_documents", "a boolean")?.unwrap_or(false);
+    // Kylin's extension: a yes/no reranker's task instruction (Qwen3-Reranker's `<Instruct>`).
+    let instruction: Option<String> = f.take("instruction", "a string")?;
     // Cohere's and Jina's fields that change nothing here.
     f.take::<Value>("max_chunks_per_doc", "an integer")?;
     f.refuse_unless("rank_fields", |_| false, "structured documents are not supported")?;
@@ -179,8 +181,10 @@ pub async fn rerank(State(state): State<AppState>, request: Request) -> Result<R
         return Err(ApiError::invalid("top_n", "`top_n` must be at least 1"));
     }
     let _admission = state.admit()?;
-    let (scores, tokens) =
-        state.engine().rerank(query, documents.clone()).await.map_err(|e| ApiError::from_engine(&e, "documents"))?;
+    let (scores, tokens) = state.engine().rerank(query, documents.clone(), instruction).await.map_err(|e| {
+        let field = if e.message.contains("instruction") { "instruction" } else { "documents" };
+        ApiError::from_engine(&e, field)
+    })?;
     let mut order: Vec<usize> = (0..scores.len()).collect();
     // Best first; equal scores keep the documents' order.
     order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
