@@ -20,7 +20,6 @@ Both use a small byte-level BPE trained here on the texts (the tokenizer is not 
 Qwen's is exercised by the real-model tests), with `yes` and `no` as whole tokens.
 """
 
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -30,20 +29,10 @@ from sentence_transformers import SentenceTransformer, models
 from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-TEXTS = [
-    "The cat sits on the mat.",
-    "A quick brown fox jumps over the lazy dog",
-    "Embeddings map text to vectors; similar texts land close together.",
-    "Kylin runs Hugging Face models on the CPU.",
-    "short",
-]
-QUERY = "Where does the cat sit?"
-DOCUMENTS = [
-    "The cat sits on the mat.",
-    "Paris is the capital of France.",
-    "A cat is a small domesticated carnivorous mammal, and this one likes mats.",
-    "Rerankers score query and document pairs.",
-]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The encoder fixtures' texts, query and documents, and their JSON writer.
+from make_retrieval_fixtures import DOCUMENTS, QUERY, TEXTS, write  # noqa: E402
+
 QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
 # Qwen3-Reranker's model card.
 PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
@@ -52,10 +41,6 @@ SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
 CUSTOM_INSTRUCTION = "Find the sentence about cats"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-
-def write(path, value):
-    path.write_text(json.dumps(value, indent=1))
 
 
 def seeded(model, seed, scale=0.3):

@@ -10,6 +10,8 @@
 
 mod support;
 
+use support::{cosine, floats};
+
 use std::path::{Path, PathBuf};
 
 use kylin_engine::batch::{BatchEngine, EngineOptions};
@@ -27,17 +29,6 @@ fn fixture(name: &str) -> PathBuf {
 fn reference(name: &str) -> Value {
     let path = Path::new(FIXTURES).join("reference").join(format!("{name}.json"));
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
-}
-
-fn floats(v: &Value) -> Vec<f32> {
-    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
-}
-
-fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let dot: f64 = a.iter().zip(b).map(|(&x, &y)| f64::from(x) * f64::from(y)).sum();
-    let na: f64 = a.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
-    let nb: f64 = b.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
-    dot / (na * nb)
 }
 
 fn engine(name: &str, task: TaskChoice) -> BatchEngine {

@@ -7,6 +7,10 @@
 //! Tokenization must give sentence-transformers' ids exactly; embeddings must have a cosine of
 //! at least 0.9999 with its float32 ones (element-wise within 1e-4), logits within 1e-4.
 
+mod support;
+
+use support::{cosine, floats};
+
 use std::path::{Path, PathBuf};
 
 use kylin_engine::TextCodec;
@@ -29,17 +33,6 @@ fn reference(name: &str) -> Value {
 
 fn ids(v: &Value) -> Vec<u32> {
     v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
-}
-
-fn floats(v: &Value) -> Vec<f32> {
-    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
-}
-
-fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let dot: f64 = a.iter().zip(b).map(|(&x, &y)| f64::from(x) * f64::from(y)).sum();
-    let na: f64 = a.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
-    let nb: f64 = b.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
-    dot / (na * nb)
 }
 
 fn open(dir: &Path, threads: usize) -> (Encoder, TextCodec) {

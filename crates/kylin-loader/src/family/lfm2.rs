@@ -27,16 +27,19 @@ pub const FAMILY: Family = Family {
     model_type: "lfm2",
     multimodal: None,
     about: "short-convolution layers beside attention layers, per-head q/k norms",
-    // Lfm2Config(max_position_embeddings=128000, rope theta 1e6, tie_word_embeddings=True).
-    defaults: Defaults {
-        max_position_embeddings: 128_000,
-        rope_theta: 1_000_000.0,
-        tie_word_embeddings: true,
-        rms_norm_eps: 1e-5,
-        ..LLAMA_DEFAULTS
-    },
+    defaults: LFM2_DEFAULTS,
     resolve,
     tensors: &[LFM2_EMBED_HEAD, LFM2_NORMS, LFM2_ATTENTION, SHORT_CONV, LFM2_MLP],
+};
+
+/// `Lfm2Config`'s (and `Lfm2MoeConfig`'s) defaults: max_position_embeddings=128000, rope theta
+/// 1e6, tie_word_embeddings=True, norm_eps 1e-5.
+pub(super) const LFM2_DEFAULTS: Defaults = Defaults {
+    max_position_embeddings: 128_000,
+    rope_theta: 1_000_000.0,
+    tie_word_embeddings: true,
+    rms_norm_eps: 1e-5,
+    ..LLAMA_DEFAULTS
 };
 
 fn resolve(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {

@@ -23,7 +23,7 @@
 //! without them), so a `config.json` that gives neither `layer_types` nor LFM2's
 //! `full_attn_idxs` is refused.
 
-use super::{Defaults, Family, FfnKind, LLAMA_DEFAULTS, MoeDefaults, Routing};
+use super::{Family, FfnKind, MoeDefaults, Routing};
 use crate::arch::{LFM2_ATTENTION, LFM2_EMBED_HEAD, LFM2_MLP, LFM2_MOE, LFM2_NORMS, SHORT_CONV};
 use crate::config::{HfConfig, ModelConfig, raw_bool, raw_f64, raw_u64};
 use crate::error::{KylinError, Result};
@@ -33,14 +33,8 @@ pub const FAMILY: Family = Family {
     model_type: "lfm2_moe",
     multimodal: None,
     about: "LFM2's layers, dense MLPs first, then sigmoid-routed experts with a selection bias",
-    // Lfm2MoeConfig(max_position_embeddings=128000, rope theta 1e6, tie_word_embeddings=True).
-    defaults: Defaults {
-        max_position_embeddings: 128_000,
-        rope_theta: 1_000_000.0,
-        tie_word_embeddings: true,
-        rms_norm_eps: 1e-5,
-        ..LLAMA_DEFAULTS
-    },
+    // Lfm2MoeConfig's defaults are Lfm2Config's.
+    defaults: super::lfm2::LFM2_DEFAULTS,
     resolve,
     tensors: &[LFM2_EMBED_HEAD, LFM2_NORMS, LFM2_ATTENTION, SHORT_CONV, LFM2_MLP, LFM2_MOE],
 };
