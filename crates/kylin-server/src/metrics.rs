@@ -1,6 +1,9 @@
 //! `/metrics`: the engine's gauges and counters and the server's latency histograms in
 //! Prometheus' text format, under `kylin:` names modelled on vLLM's (`vllm:num_requests_running`
-//! becomes `kylin:num_requests_running`, and so on).
+//! becomes `kylin:num_requests_running`, and so on). The three gauges that load-aware
+//! routers read (the Gateway API Inference Extension's endpoint picker, llm-d, vLLM's
+//! production stack) are also published under vLLM's own names (`vllm:num_requests_running`,
+//! `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`), so those routers work unchanged.
 //!
 //! Guarantees: observing a latency takes one short lock and allocates nothing; rendering reads
 //! a snapshot and never waits for the engine.
@@ -128,19 +131,24 @@ impl Metrics {
         let mut metric = |name: &str, kind: &str, help: &str, value: String| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{{labels}}} {value}");
         };
-        metric("kylin:num_requests_running", "gauge", "Sequences in the running batch.", stats.running.to_string());
-        metric(
-            "kylin:num_requests_waiting",
-            "gauge",
-            "Sequences waiting to be admitted (queued or preempted).",
-            stats.waiting.to_string(),
-        );
-        metric(
-            "kylin:kv_cache_usage_perc",
-            "gauge",
-            "Fraction of KV cache blocks held by live sequences (1 means 100 percent).",
-            stats.kv_usage().to_string(),
-        );
+        let router_gauges = [
+            ("num_requests_running", "Sequences in the running batch.", stats.running.to_string()),
+            (
+                "num_requests_waiting",
+                "Sequences waiting to be admitted (queued or preempted).",
+                stats.waiting.to_string(),
+            ),
+            (
+                "kv_cache_usage_perc",
+                "Fraction of KV cache blocks held by live sequences (1 means 100 percent).",
+                stats.kv_usage().to_string(),
+            ),
+        ];
+        for prefix in ["kylin", "vllm"] {
+            for (name, help, value) in &router_gauges {
+                metric(&format!("{prefix}:{name}"), "gauge", help, value.clone());
+            }
+        }
         metric("kylin:kv_cache_blocks_total", "gauge", "KV cache blocks in all.", stats.kv_blocks_total.to_string());
         metric(
             "kylin:kv_cache_blocks_used",

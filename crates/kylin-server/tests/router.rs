@@ -602,6 +602,10 @@ async fn a_full_queue_is_429_and_disconnects_free_their_sequences() {
     let (_, _, metrics) = send(&state, Request::get("/metrics").body(Body::empty()).unwrap()).await;
     assert!(metrics.contains("kylin:num_requests_running{model_name=\"scripted\"} 0"), "{metrics}");
     assert!(metrics.contains("kylin:kv_cache_usage_perc{model_name=\"scripted\"} 0"), "{metrics}");
+    // The names load-aware routers read (vLLM's).
+    for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"] {
+        assert!(metrics.contains(&format!("# TYPE {name} gauge\n{name}{{model_name=\"scripted\"}} 0")), "{metrics}");
+    }
     assert!(metrics.contains("kylin:request_rejected_queue_full_total{model_name=\"scripted\"} 1"));
     assert!(metrics.contains("kylin:request_success_total{model_name=\"scripted\",finished_reason=\"abort\"} 6"));
 }
