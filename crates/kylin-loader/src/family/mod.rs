@@ -617,6 +617,17 @@ impl DecoderSpec {
     }
 }
 
+/// `CONFIG_INVALID` unless `layer_types` has one entry per layer.
+fn check_layer_types_len(types: &[String], num_layers: usize) -> Result<()> {
+    if types.len() != num_layers {
+        return Err(crate::error::KylinError::config_invalid(format!(
+            "config.json layer_types has {} entries; num_hidden_layers is {num_layers}",
+            types.len()
+        )));
+    }
+    Ok(())
+}
+
 /// A hybrid family's mixers from `layer_types`: `full_attention` is attention, `recurrent` (the
 /// family's name for its other layer, `linear_attention` or `conv`) is `kind`; anything else, or
 /// a list of the wrong length, is refused naming the entry.
@@ -628,12 +639,7 @@ pub(crate) fn mixers_from_layer_types(
     kind: MixerKind,
 ) -> Result<Vec<MixerKind>> {
     use crate::error::KylinError;
-    if types.len() != num_layers {
-        return Err(KylinError::config_invalid(format!(
-            "config.json layer_types has {} entries; num_hidden_layers is {num_layers}",
-            types.len()
-        )));
-    }
+    check_layer_types_len(types, num_layers)?;
     types
         .iter()
         .enumerate()
@@ -656,12 +662,7 @@ pub(crate) fn windows_from_layer_types(
     window: Option<usize>,
 ) -> Result<Vec<Option<usize>>> {
     use crate::error::KylinError;
-    if types.len() != num_layers {
-        return Err(KylinError::config_invalid(format!(
-            "config.json layer_types has {} entries; num_hidden_layers is {num_layers}",
-            types.len()
-        )));
-    }
+    check_layer_types_len(types, num_layers)?;
     types
         .iter()
         .enumerate()
