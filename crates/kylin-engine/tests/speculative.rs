@@ -278,3 +278,37 @@ fn too_many_speculative_tokens_are_refused() {
     assert_eq!(err.code(), ErrorCode::ConfigInvalid);
     assert!(err.message.contains("--speculative-tokens"), "{}", err.message);
 }
+
+fn smollm2() -> PathBuf {
+    let models = std::env::var("KYLIN_MODELS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/kylin-models"));
+    let path = models.join("smollm2-135m-instruct");
+    assert!(path.is_dir(), "run ../shared/models/fetch.sh first: {} is missing", path.display());
+    path
+}
+
+#[test]
+fn a_real_model_copying_code_accepts_proposals_with_identical_outputs() {
+    // SmolLM2-135M asked to repeat a function: its output copies the prompt, so proposals are
+    // accepted; a free-form request beside it rejects most of its own.
+    let path = smollm2();
+    let opts = EngineOptions { ctx_size: Some(512), max_batch_tokens: 128, ..options(0) };
+    let e = engine(&path, &opts);
+    let code = "def total(items):\n    result = 0\n    for item in items:\n        result += item.price * item.count\n    return result\n";
+    let copy = format!("Here is a function:\n{code}\nHere is the same function again, unchanged:\n");
+    let requests: Vec<Request> = [copy.as_str(), "Write a short poem about the sea.", "The capital of France is"]
+        .iter()
+        .enumerate()
+        .map(|(i, text)| request(i as u64, e.tokenize(text, true).unwrap(), 48))
+        .collect();
+    drop(e);
+    let (plain, plain_stats) = run(&path, &opts, &requests);
+    let (spec, stats) = run(&path, &EngineOptions { speculative_tokens: 4, ..opts.clone() }, &requests);
+    assert_same(&plain, &spec, "smollm2");
+    eprintln!(
+        "smollm2: {} of {} proposals accepted; {} steps against {}",
+        stats.speculative_accepted_tokens, stats.speculative_proposed_tokens, stats.steps, plain_stats.steps
+    );
+    assert!(stats.speculative_accepted_tokens > 0, "{stats:?}");
+}
