@@ -81,6 +81,7 @@ fn collect(events: &[Event], out: &mut BTreeMap<(u64, usize), Output>) {
                 }
             }
             EventKind::PromptLogprobs { .. } => panic!("prompt log-probabilities nobody asked for"),
+            EventKind::Pooled { .. } => panic!("pooled values nobody asked for"),
             EventKind::Finished { reason, usage, .. } => {
                 assert!(o.reason.is_none(), "finished twice");
                 o.reason = Some(*reason);

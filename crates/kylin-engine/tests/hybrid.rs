@@ -65,7 +65,7 @@ fn collect(events: &[Event], out: &mut Outputs) {
                 o.reason = Some(*reason);
                 o.cached = usage.cached_prompt_tokens;
             }
-            EventKind::PromptLogprobs { .. } => {}
+            EventKind::PromptLogprobs { .. } | EventKind::Pooled { .. } => {}
         }
     }
 }

@@ -67,6 +67,7 @@ fn run(engine: &mut dyn Serving, requests: Vec<Request>) -> Vec<Scored> {
                     }
                 }
                 EventKind::Token { .. } => o.generated += 1,
+                EventKind::Pooled { .. } => panic!("pooled values nobody asked for"),
                 EventKind::Finished { reason, usage, .. } => {
                     o.reason = Some(*reason);
                     o.cached = usage.cached_prompt_tokens;
