@@ -12,6 +12,11 @@
 //!    block is free for it, the most recently admitted running sequence is preempted: its blocks
 //!    are released (full ones stay in the prefix cache) and it goes back to the front of the
 //!    queue, to be recomputed later. The engine never fails because the pool is full.
+//!    With speculative decoding on (`EngineOptions::speculative_tokens`), each decoding
+//!    sequence then extends its token with the n-gram proposer's guesses
+//!    ([`crate::speculative`]) as far as the step's spare tokens, logits rows and free blocks
+//!    allow (never preempting for them); after the forward pass they are verified row by row
+//!    with the sequence's sampler and the rejected ones' blocks are dropped.
 //! 3. Running sequences whose prompt is partly computed get the next chunk, then waiting
 //!    sequences are admitted (FCFS, while fewer than `max_seqs` run) with whatever prefix the
 //!    cache holds for them, and get a chunk, until the step holds `max_batch_tokens` tokens
