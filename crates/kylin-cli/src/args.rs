@@ -213,6 +213,14 @@ pub struct EngineArgs {
     /// --kv-memory with the KV cache.
     #[arg(long)]
     pub state_snapshots: Option<usize>,
+    /// N-gram speculative decoding (prompt lookup) in the batching engine (`serve`, `bench
+    /// --concurrency`): each decoding sequence proposes up to K tokens per step by finding its
+    /// last 3, 2 or 1 tokens earlier in its prompt and output, and checks them in the same
+    /// forward pass. Outputs are identical to decoding without it, greedy and seeded sampling
+    /// alike. Default 0 (off); refused for models with recurrent layers (Qwen3.5, LFM2,
+    /// Qwen3-Next). `run`, `chat` and single-stream `bench` decode one token at a time.
+    #[arg(long, value_name = "K", visible_alias = "spec-tokens")]
+    pub speculative_tokens: Option<usize>,
     /// Arithmetic of the matrix products (default auto); `f32` reproduces transformers' float32.
     #[arg(long, value_enum)]
     pub precision: Option<PrecisionArg>,

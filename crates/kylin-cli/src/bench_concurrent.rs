@@ -74,6 +74,8 @@ pub struct ConcurrentSample {
     pub kv_dtype: Option<String>,
     pub preemptions: Option<u64>,
     pub prefix_hit_rate: Option<f64>,
+    /// With `--speculative-tokens`: the share of proposed tokens the verification accepted.
+    pub spec_acceptance_rate: Option<f64>,
     /// Time to first token of the first sequence and the median of the others (shared prefix).
     #[serde(deserialize_with = "nan_if_null")]
     pub ttft_first_ms: f64,
@@ -123,6 +125,7 @@ impl ConcurrentSample {
             kv_dtype: None,
             preemptions: None,
             prefix_hit_rate: None,
+            spec_acceptance_rate: None,
             ttft_first_ms: first,
             ttft_rest_ms_p50: rest,
             peak_rss_mb: peak_rss_mb(),
@@ -275,6 +278,8 @@ pub fn worker(args: &BenchWorkerArgs, n: usize) -> Result<()> {
         let late_ttft_ms = late.and_then(|(_, first)| first).map(|s| s * 1e3);
         let queries = after.prefix_cache_queries - before.prefix_cache_queries;
         let hits = after.prefix_cache_hits - before.prefix_cache_hits;
+        let proposed = after.speculative_proposed_tokens - before.speculative_proposed_tokens;
+        let accepted = after.speculative_accepted_tokens - before.speculative_accepted_tokens;
         ConcurrentSample {
             late_ttft_ms,
             kv_blocks: Some(info.kv_blocks),
@@ -282,6 +287,7 @@ pub fn worker(args: &BenchWorkerArgs, n: usize) -> Result<()> {
             kv_dtype: Some(info.kv_dtype),
             preemptions: Some(after.preemptions - before.preemptions),
             prefix_hit_rate: (queries > 0).then(|| hits as f64 / queries as f64),
+            spec_acceptance_rate: (proposed > 0).then(|| accepted as f64 / proposed as f64),
             planned_mb: Some(planned as f64 / (1u64 << 20) as f64),
             precision: info.precision.clone(),
             kernels: info.kernels.clone(),
@@ -360,6 +366,7 @@ pub fn summarize_samples(samples: &[ConcurrentSample]) -> serde_json::Value {
         "kv_dtype": first.kv_dtype,
         "preemptions": first.preemptions.map(|_| m(|s| s.preemptions.unwrap_or(0) as f64)),
         "prefix_hit_rate": first.prefix_hit_rate.map(|_| m(|s| s.prefix_hit_rate.unwrap_or(f64::NAN))),
+        "spec_acceptance_rate": first.spec_acceptance_rate.map(|_| m(|s| s.spec_acceptance_rate.unwrap_or(f64::NAN))),
         "peak_rss_mb": m(|s| s.peak_rss_mb),
         "planned_mb": first.planned_mb,
         "samples": samples,

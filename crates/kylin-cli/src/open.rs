@@ -132,7 +132,13 @@ pub fn open(args: &ModelArgs, require_tokenizer: bool) -> Result<Opened> {
         tracing_warning(warning);
     }
     let tokenizer_ms = model.timings.tokenizer_ms;
-    let engine = engine_options(args, threads, 1)?;
+    // One sequence decodes one token at a time here: speculation is the batching engine's.
+    let engine = EngineOptions { speculative_tokens: 0, ..engine_options(args, threads, 1)? };
+    if args.engine.speculative_tokens.is_some_and(|k| k > 0) {
+        tracing_warning(
+            "--speculative-tokens applies to the batching engine (serve, bench --concurrency); ignored here",
+        );
+    }
     let backend = NativeBackend::new(
         model,
         NativeOptions { threads, ctx_size: args.ctx_size, chat_template_override, engine: Some(engine) },
@@ -258,6 +264,7 @@ pub fn engine_options(args: &ModelArgs, threads: usize, default_max_seqs: usize)
         quantize: e.quantize.map(QuantizeArg::format),
         quantize_progress: e.quantize.map(|_| quantize_progress_bar()),
         state_snapshots: e.state_snapshots,
+        speculative_tokens: e.speculative_tokens.unwrap_or(0),
     })
 }
 

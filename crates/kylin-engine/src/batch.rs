@@ -12,6 +12,11 @@
 //!    block is free for it, the most recently admitted running sequence is preempted: its blocks
 //!    are released (full ones stay in the prefix cache) and it goes back to the front of the
 //!    queue, to be recomputed later. The engine never fails because the pool is full.
+//!    With speculative decoding on (`EngineOptions::speculative_tokens`), each decoding
+//!    sequence then extends its token with the n-gram proposer's guesses
+//!    ([`crate::speculative`]) as far as the step's spare tokens, logits rows and free blocks
+//!    allow (never preempting for them); after the forward pass they are verified row by row
+//!    with the sequence's sampler and the rejected ones' blocks are dropped.
 //! 3. Running sequences whose prompt is partly computed get the next chunk, then waiting
 //!    sequences are admitted (FCFS, while fewer than `max_seqs` run) with whatever prefix the
 //!    cache holds for them, and get a chunk, until the step holds `max_batch_tokens` tokens
@@ -46,6 +51,7 @@ use crate::serving::{
     EmbeddingInfo, EngineInfo, EngineStats, Event, EventKind, Pooled, Request, Serving, StatePoolInfo, StopReason,
     Usage,
 };
+use crate::speculative::{MAX_SPECULATIVE_TOKENS, propose_ngram};
 use crate::state_pool::{NO_SLOT, StatePool};
 use crate::text::TextCodec;
 
@@ -161,6 +167,10 @@ pub struct EngineOptions {
     /// takes [`default_state_snapshots`]. 0 turns prefix reuse off for models with recurrent
     /// layers.
     pub state_snapshots: Option<usize>,
+    /// Tokens proposed per decoding sequence and step by n-gram speculative decoding
+    /// (`--speculative-tokens`, [`crate::speculative`]); 0 turns it off. Refused for a model
+    /// with recurrent layers (their state cannot be rolled back yet).
+    pub speculative_tokens: usize,
 }
 
 /// A progress callback for the quantization at load: `(done, total)` source bytes.
@@ -189,6 +199,7 @@ impl Default for EngineOptions {
             quantize: None,
             quantize_progress: None,
             state_snapshots: None,
+            speculative_tokens: 0,
         }
     }
 }
@@ -461,6 +472,8 @@ pub struct EngineCore {
     pub(crate) prompt_rows: usize,
     /// Milliseconds spent quantizing the weights at load, if asked to.
     pub(crate) quantize_ms: Option<f64>,
+    /// Tokens the n-gram proposer may propose per decoding sequence and step (0: off).
+    pub(crate) speculative_tokens: usize,
 }
 
 impl std::fmt::Debug for EngineCore {
@@ -530,7 +543,24 @@ impl EngineCore {
         }
         let max_seqs = opts.max_seqs.min(opts.max_batch_tokens);
         let max_batch_tokens = opts.max_batch_tokens.min(context.max(1) * max_seqs);
-        let prompt_rows = prompt_logit_rows(model.dims().vocab).min(max_batch_tokens);
+        let speculative_tokens = opts.speculative_tokens;
+        if speculative_tokens > MAX_SPECULATIVE_TOKENS {
+            return Err(KylinError::config_invalid(format!(
+                "--speculative-tokens {speculative_tokens} is too large; pass at most {MAX_SPECULATIVE_TOKENS}"
+            )));
+        }
+        if speculative_tokens > 0 && !model.recurrent_layers().is_empty() {
+            return Err(KylinError::config_invalid(format!(
+                "speculative decoding (--speculative-tokens {speculative_tokens}) is not supported for {}: its \
+                 recurrent layers' state cannot be rolled back to the accepted tokens yet; run without it",
+                config.architecture.hf_name()
+            )));
+        }
+        // Logits rows beyond one per sequence: the prompt log-probabilities' share, and with
+        // speculation, one row per proposal of every sequence (both drawn from one budget).
+        let prompt_rows = prompt_logit_rows(model.dims().vocab)
+            .saturating_add(max_seqs.saturating_mul(speculative_tokens))
+            .min(max_batch_tokens);
         let mut scratch = model.plan_scratch_with_rows(max_batch_tokens, max_seqs, context, prompt_rows)?;
         // The sliding layers' pool holds what one step's queries can read: for each sequence
         // the window before its first query plus its share of the step. A sequence computing
@@ -628,6 +658,7 @@ impl EngineCore {
             max_batch_tokens,
             prompt_rows,
             quantize_ms,
+            speculative_tokens,
         })
     }
 
@@ -932,6 +963,9 @@ struct Seq {
     state: u32,
     /// What the request returns at its last prompt position instead of generating.
     pooling: Option<Pooled>,
+    /// With speculative decoding: the segment a speculating step computes, its last sampled
+    /// token followed by the proposals (room for `1 + speculative_tokens` planned up front).
+    draft: Vec<u32>,
 }
 
 impl Seq {
@@ -956,11 +990,14 @@ struct Scheduled {
     /// The chunk wants every token's logits (prompt log-probabilities); the first token's row.
     all_rows: bool,
     first_row: usize,
+    /// Tokens proposed after the sequence's last sampled token (its `draft`): the segment is
+    /// the draft, `1 + proposed` tokens with every row's logits, verified after the forward.
+    proposed: usize,
 }
 
 impl Scheduled {
     fn new(slot: usize, len: usize, all_rows: bool) -> Self {
-        Scheduled { slot, len, logits_row: None, all_rows, first_row: 0 }
+        Scheduled { slot, len, logits_row: None, all_rows, first_row: 0, proposed: 0 }
     }
 }
 
@@ -1051,6 +1088,7 @@ impl BatchEngine {
             next_scored: if index == 0 { 0 } else { request.prompt_ids.len() },
             state: NO_SLOT,
             pooling: request.pooling.clone(),
+            draft: Vec::with_capacity(if core.speculative_tokens > 0 { core.speculative_tokens + 1 } else { 0 }),
         }
     }
 
@@ -1151,10 +1189,17 @@ impl BatchEngine {
             slot += 1;
         }
 
+        // 2b. Speculative decoding: each decoding sequence, in admission order, extends its one
+        //     token with the n-gram proposer's guesses, as far as the step's tokens, its logits
+        //     rows and the free blocks allow; proposals never preempt anyone.
+        let mut rows = self.core.prompt_rows;
+        if self.core.speculative_tokens > 0 {
+            self.propose(&mut budget, &mut rows);
+        }
+
         // 3a. Running sequences with a partly computed prompt get their next chunk. A chunk
         //     whose logits are all wanted (prompt log-probabilities) is also limited by the
         //     step's logits rows.
-        let mut rows = self.core.prompt_rows;
         for slot in 0..self.running.len() {
             if budget == 0 {
                 break;
@@ -1232,6 +1277,98 @@ impl BatchEngine {
                 rows -= len;
             }
         }
+    }
+
+    /// Step 2b: turns the scheduled one-token decodes into speculative segments (the last
+    /// token and the proposals) where the proposer has something to propose and `budget`
+    /// tokens, `rows` logits rows and free blocks are left for it.
+    fn propose(&mut self, budget: &mut usize, rows: &mut usize) {
+        let bs = self.core.kv.block_size;
+        for i in 0..self.scheduled.len() {
+            if *budget == 0 || *rows == 0 {
+                break;
+            }
+            let seq = &mut self.running[self.scheduled[i].slot];
+            if !seq.decoding.may_speculate() {
+                continue;
+            }
+            // The proposals sit at positions `tokens.len()..`, all inside the context; more than
+            // one token fewer than the choice may still generate would never be emitted.
+            let room = self.core.context.saturating_sub(seq.tokens.len());
+            let k = self.core.speculative_tokens.min(*budget).min(*rows).min(room);
+            let k = k.min(seq.decoding.remaining().saturating_sub(1));
+            if k == 0 {
+                continue;
+            }
+            seq.draft.clear();
+            seq.draft.push(seq.tokens[seq.computed]);
+            let proposed = propose_ngram(&seq.tokens, k, &mut seq.draft);
+            if proposed == 0 || !seq.kv.grow(&mut self.core.allocs(), seq.computed + 1 + proposed, bs) {
+                continue;
+            }
+            self.scheduled[i].len = 1 + proposed;
+            self.scheduled[i].proposed = proposed;
+            *budget -= proposed;
+            *rows -= proposed;
+        }
+    }
+
+    /// Verifies the proposals of running sequence `slot` once the forward pass computed its
+    /// draft (logits rows `first_row..=first_row + proposed`): samples row by row with the
+    /// sequence's own sampler, emitting every sampled token, and goes on to the next row while
+    /// the sampled token is the proposal that row was computed with. The keys and values of
+    /// the rejected proposals are dropped: the sequence continues as if only the accepted
+    /// tokens had been computed, and only their blocks reach the prefix cache.
+    fn verify_proposals(
+        &mut self,
+        slot: usize,
+        first_row: usize,
+        proposed: usize,
+        events: &mut Vec<Event>,
+    ) -> Result<()> {
+        let bs = self.core.kv.block_size;
+        let vocab = self.core.model.dims().vocab;
+        let context = self.core.context;
+        let seq = &mut self.running[slot];
+        debug_assert_eq!(seq.draft.len(), 1 + proposed);
+        let text = self.core.text.as_ref();
+        let mut emitted = 0;
+        let mut reason = None;
+        for row in 0..=proposed {
+            let at_end = seq.tokens.len() + 1 > context;
+            let (id, token, ended) =
+                seq.decoding.accept(self.core.scratch.logits(first_row + row, vocab), text, at_end)?;
+            seq.tokens.push(id);
+            emitted += 1;
+            self.stats.generation_tokens_total += 1;
+            events.push(Event { request: seq.request, index: seq.index, kind: token });
+            if ended.is_some() {
+                reason = ended;
+                break;
+            }
+            if row == proposed || id != seq.draft[row + 1] {
+                break;
+            }
+        }
+        self.stats.speculative_proposed_tokens += proposed as u64;
+        self.stats.speculative_accepted_tokens += (emitted - 1) as u64;
+        // The last token and the accepted proposals were computed with the tokens the sequence
+        // now holds at their positions; the blocks past them go back to the pool, never
+        // registered, and the kept last block's rejected positions are overwritten later.
+        seq.computed += emitted;
+        seq.kv.advance(&mut self.core.allocs(), &seq.tokens, seq.computed, bs);
+        let kept = seq.kv.truncate(&mut self.core.allocs(), &seq.tokens, seq.computed.div_ceil(bs), bs);
+        seq.computed = seq.computed.min(kept * bs);
+        let text = self.core.text.as_ref();
+        if reason.is_none() {
+            reason = take_forced(seq, text, context, &mut self.stats, events)?;
+        }
+        if let Some(reason) = reason {
+            let kind = seq.decoding.finish(reason, text)?;
+            events.push(Event { request: seq.request, index: seq.index, kind });
+            self.finished.push(slot);
+        }
+        Ok(())
     }
 
     /// Creates the siblings of `leader` (choice 0 of a request with `n > 1`) right after its
@@ -1348,6 +1485,19 @@ impl BatchEngine {
         self.core.plan.clear();
         for s in self.scheduled.iter_mut() {
             let seq = &self.running[s.slot];
+            if s.proposed > 0 {
+                // The draft: the last sampled token, then the proposals (not in `tokens`).
+                debug_assert_eq!(seq.draft.first(), seq.tokens.get(seq.computed));
+                s.first_row = self.core.plan.push_all_logits(
+                    &seq.draft,
+                    seq.computed,
+                    &seq.kv.blocks,
+                    &seq.kv.sliding,
+                    seq.state,
+                );
+                s.logits_row = Some(s.first_row);
+                continue;
+            }
             let end = seq.computed + s.len;
             let ids = &seq.tokens[seq.computed..end];
             let last = end == seq.tokens.len();
@@ -1385,7 +1535,11 @@ impl BatchEngine {
         let vocab = self.core.model.dims().vocab;
         let n_scheduled = self.scheduled.len();
         for k in 0..n_scheduled {
-            let Scheduled { slot, len, logits_row, all_rows, first_row } = self.scheduled[k];
+            let Scheduled { slot, len, logits_row, all_rows, first_row, proposed } = self.scheduled[k];
+            if proposed > 0 {
+                self.verify_proposals(slot, first_row, proposed, events)?;
+                continue;
+            }
             let seq = &mut self.running[slot];
             if all_rows {
                 report_prompt_logprobs(seq, first_row, len, |row| self.core.scratch.logits(row, vocab), events);

@@ -18,6 +18,7 @@ pub mod sampler;
 pub mod sequence;
 pub mod serial;
 pub mod serving;
+pub mod speculative;
 pub mod state_pool;
 pub mod text;
 pub mod tools;

@@ -74,6 +74,18 @@ impl Decoding {
         self.max_new_tokens == 0
     }
 
+    /// Tokens the choice may still generate before its limit.
+    pub fn remaining(&self) -> usize {
+        self.max_new_tokens.saturating_sub(self.generated)
+    }
+
+    /// True when speculative decoding may propose tokens for the choice: an unconstrained one
+    /// (a grammar's mask for a token depends on accepting the tokens before it, so constrained
+    /// choices decode one token at a time).
+    pub fn may_speculate(&self) -> bool {
+        self.grammar.is_none()
+    }
+
     /// True when the choice is constrained and the mask for its next token is not computed
     /// yet: [`Decoding::prepare_mask`] can run while the forward pass does.
     pub fn needs_mask(&self) -> bool {

@@ -224,6 +224,10 @@ pub struct EngineStats {
     pub prefix_cache_hits: u64,
     pub preemptions: u64,
     pub steps: u64,
+    /// Tokens the speculative proposer proposed, and those the verification accepted (their
+    /// keys and values kept; every emitted token is also in `generation_tokens_total`).
+    pub speculative_proposed_tokens: u64,
+    pub speculative_accepted_tokens: u64,
 }
 
 impl EngineStats {

@@ -32,14 +32,17 @@ fn a_step_with_eight_running_sequences_allocates_nothing() {
         || std::path::PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/kylin-models"),
         std::path::PathBuf::from,
     );
-    for (path, precision, quantize) in [
-        (fixture("tiny-qwen2-f16"), PrecisionChoice::F32, None),
-        (fixture("tiny-qwen3-yarn"), PrecisionChoice::F32, None),
-        (fixture("tiny-qwen3-yarn"), PrecisionChoice::Auto, None),
-        (fixture("tiny-qwen3-yarn"), PrecisionChoice::Auto, Some(QuantFormat::Q8_0)),
-        (models.join("smollm2-135m-instruct"), PrecisionChoice::Auto, Some(QuantFormat::Q4K)),
+    // The last element is `--speculative-tokens`: with it, the n-gram proposer proposes from
+    // prompts that repeat themselves, and the verification rolls rejected proposals back.
+    for (path, precision, quantize, speculative_tokens) in [
+        (fixture("tiny-qwen2-f16"), PrecisionChoice::F32, None, 0),
+        (fixture("tiny-qwen3-yarn"), PrecisionChoice::F32, None, 0),
+        (fixture("tiny-qwen3-yarn"), PrecisionChoice::Auto, None, 0),
+        (fixture("tiny-qwen3-yarn"), PrecisionChoice::Auto, Some(QuantFormat::Q8_0), 0),
+        (models.join("smollm2-135m-instruct"), PrecisionChoice::Auto, Some(QuantFormat::Q4K), 0),
         // A hybrid model: eight live states updated in place by the Gated DeltaNet layers.
-        (Path::new(SHARED).join("families/fixtures/tiny-qwen3.5"), PrecisionChoice::F32, None),
+        (Path::new(SHARED).join("families/fixtures/tiny-qwen3.5"), PrecisionChoice::F32, None, 0),
+        (fixture("tiny-qwen3"), PrecisionChoice::F32, None, 4),
     ] {
         let name = path.display();
         let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
@@ -49,11 +52,13 @@ fn a_step_with_eight_running_sequences_allocates_nothing() {
             max_seqs: 8,
             precision,
             quantize,
+            speculative_tokens,
             ..EngineOptions::default()
         };
         let mut engine = BatchEngine::new(model, &opts).unwrap();
         for i in 0..8u32 {
-            let mut r = Request::new(u64::from(i), (1..20 + 3 * i).collect(), 64);
+            let ids = (1..20 + 3 * i).map(|t| if speculative_tokens > 0 { 1 + t % 7 } else { t }).collect();
+            let mut r = Request::new(u64::from(i), ids, if speculative_tokens > 0 { 200 } else { 64 });
             r.detokenize = false;
             r.ignore_eos = true;
             engine.add_request(r).unwrap();
@@ -65,6 +70,7 @@ fn a_step_with_eight_running_sequences_allocates_nothing() {
             engine.step(&mut events).unwrap();
         }
         assert_eq!(engine.stats().running, 8);
+        let proposed_before = engine.stats().speculative_proposed_tokens;
         let before = ALLOCATIONS.load(Ordering::SeqCst);
         for _ in 0..16 {
             events.clear();
@@ -77,7 +83,12 @@ fn a_step_with_eight_running_sequences_allocates_nothing() {
             "{name} {precision:?} {quantize:?}: 16 steps of 8 sequences allocated {} times",
             after - before
         );
-        assert_eq!(events.len(), 8, "one token per sequence per step");
+        if speculative_tokens > 0 {
+            assert!(events.len() >= 8, "at least one token per sequence per step");
+            assert!(engine.stats().speculative_proposed_tokens > proposed_before, "{name}: nothing was proposed");
+        } else {
+            assert_eq!(events.len(), 8, "one token per sequence per step");
+        }
         assert_eq!(engine.stats().running, 8);
     }
 }

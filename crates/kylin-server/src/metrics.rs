@@ -188,6 +188,18 @@ impl Metrics {
         );
         metric("kylin:num_preemptions_total", "counter", "Sequences preempted.", stats.preemptions.to_string());
         metric(
+            "kylin:spec_decode_num_draft_tokens_total",
+            "counter",
+            "Tokens proposed by speculative decoding (--speculative-tokens).",
+            stats.speculative_proposed_tokens.to_string(),
+        );
+        metric(
+            "kylin:spec_decode_num_accepted_tokens_total",
+            "counter",
+            "Proposed tokens accepted by the verification.",
+            stats.speculative_accepted_tokens.to_string(),
+        );
+        metric(
             "kylin:request_rejected_queue_full_total",
             "counter",
             "Requests refused with 429 because the queue was full.",
