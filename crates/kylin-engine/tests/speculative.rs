@@ -18,10 +18,10 @@ use kylin_loader::ErrorCode;
 mod support;
 use support::{prompt, request};
 
-const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared");
+const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata");
 const FAMILIES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/families/fixtures");
 
-/// A fixture of `../shared/fixtures`, the repository's family fixtures or `../shared`'s.
+/// A fixture of `testdata/fixtures`, the repository's family fixtures or `testdata/families`.
 fn fixture(name: &str) -> PathBuf {
     [Path::new(SHARED).join("fixtures"), PathBuf::from(FAMILIES), Path::new(SHARED).join("families/fixtures")]
         .into_iter()
@@ -284,7 +284,7 @@ fn smollm2() -> PathBuf {
         .map(PathBuf::from)
         .unwrap_or_else(|_| PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/kylin-models"));
     let path = models.join("smollm2-135m-instruct");
-    assert!(path.is_dir(), "run ../shared/models/fetch.sh first: {} is missing", path.display());
+    assert!(path.is_dir(), "run testdata/models/fetch.sh first: {} is missing", path.display());
     path
 }
 
