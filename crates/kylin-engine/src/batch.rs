@@ -1830,13 +1830,10 @@ impl Serving for BatchEngine {
         };
         let ids = vec![r.no_id, r.yes_id];
         let text = self.core.text()?;
-        let mut prompts = Vec::with_capacity(documents.len());
-        for doc in documents {
-            prompts.push((
-                crate::retrieval::yes_no_prompt(text, query, doc, instruction)?,
-                Pooled::LastLogits(ids.clone()),
-            ));
-        }
+        let prompts: Vec<(Vec<u32>, Pooled)> = crate::retrieval::yes_no_prompts(text, query, documents, instruction)?
+            .into_iter()
+            .map(|p| (p, Pooled::LastLogits(ids.clone())))
+            .collect();
         let tokens = prompts.iter().map(|(p, _)| p.len()).sum();
         let logits = self.run_pooled(prompts)?;
         Ok((logits.iter().map(|l| crate::retrieval::yes_probability(l[0], l[1])).collect(), tokens))

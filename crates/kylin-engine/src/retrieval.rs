@@ -20,12 +20,32 @@ pub const RERANK_INSTRUCTION: &str = "Given a web search query, retrieve relevan
 
 /// The token ids of one query–document pair in Qwen3-Reranker's format.
 pub fn yes_no_prompt(text: &TextCodec, query: &str, document: &str, instruction: Option<&str>) -> Result<Vec<u32>> {
+    let mut prompts = yes_no_prompts(text, query, std::slice::from_ref(&document), instruction)?;
+    Ok(prompts.remove(0))
+}
+
+/// The token ids of every query–document pair, the fixed prefix and suffix tokenized once.
+pub fn yes_no_prompts<D: AsRef<str>>(
+    text: &TextCodec,
+    query: &str,
+    documents: &[D],
+    instruction: Option<&str>,
+) -> Result<Vec<Vec<u32>>> {
     let instruction = instruction.unwrap_or(RERANK_INSTRUCTION);
-    let pair = format!("<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}");
-    let mut ids = text.tokenize(RERANK_PREFIX, false)?;
-    ids.extend(text.tokenize(&pair, true)?);
-    ids.extend(text.tokenize(RERANK_SUFFIX, false)?);
-    Ok(ids)
+    let prefix = text.tokenize(RERANK_PREFIX, false)?;
+    let suffix = text.tokenize(RERANK_SUFFIX, false)?;
+    documents
+        .iter()
+        .map(|document| {
+            let pair = format!("<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {}", document.as_ref());
+            let pair = text.tokenize(&pair, true)?;
+            let mut ids = Vec::with_capacity(prefix.len() + pair.len() + suffix.len());
+            ids.extend_from_slice(&prefix);
+            ids.extend(pair);
+            ids.extend_from_slice(&suffix);
+            Ok(ids)
+        })
+        .collect()
 }
 
 /// `exp(log_softmax([no, yes])[1])`: the probability of `yes` over the two answers.

@@ -84,15 +84,7 @@ fn drain(e: &mut BatchEngine, requests: &[Request]) -> Outputs {
         e.add_request(r.clone()).unwrap();
     }
     let mut out = Outputs::new();
-    let mut events = Vec::new();
-    let mut steps = 0;
-    while e.has_work() {
-        events.clear();
-        e.step(&mut events).unwrap();
-        collect(&events, &mut out);
-        steps += 1;
-        assert!(steps < 100_000, "the engine does not finish");
-    }
+    support::step_until_idle(e, |events| collect(events, &mut out));
     out
 }
 

@@ -8,6 +8,20 @@ use kylin_engine::sampler::argmax;
 use kylin_engine::serving::Request;
 use serde_json::Value;
 
+/// Steps `engine` until it has no work, handing each step's events to `on_events`; fails the
+/// test if it has not finished after 100 000 steps.
+pub fn step_until_idle(engine: &mut dyn kylin_engine::Serving, mut on_events: impl FnMut(&[kylin_engine::Event])) {
+    let mut events = Vec::new();
+    let mut steps = 0;
+    while engine.has_work() {
+        events.clear();
+        engine.step(&mut events).unwrap();
+        on_events(&events);
+        steps += 1;
+        assert!(steps < 100_000, "the engine does not finish");
+    }
+}
+
 /// A reference's list of floats.
 pub fn floats(v: &Value) -> Vec<f32> {
     v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
