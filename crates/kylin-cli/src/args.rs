@@ -467,9 +467,37 @@ pub struct BenchWorkerArgs {
 }
 
 #[derive(Args, Debug)]
+#[command(mut_arg("model", |a| {
+    // Empty when --models-dir or --models names the models instead (checked in `serve`).
+    a.required(false)
+        .value_parser(clap::builder::TypedValueParser::map(clap::builder::OsStringValueParser::new(), PathBuf::from))
+        .default_value("")
+        .hide_default_value(true)
+}))]
 pub struct ServeArgs {
+    /// The model (required unless --models-dir or --models is given).
     #[command(flatten)]
     pub model: ModelArgs,
+    /// Serve every model in DIR under its name (each Hugging Face directory with a config.json
+    /// and each .gguf file; the model options given here apply to each): loaded on its first
+    /// request, unloaded when idle and the least recently used while --models-memory has no
+    /// room for another. Each model's KV cache is 1GiB unless --kv-memory says otherwise.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["models", "served_model_name"])]
+    pub models_dir: Option<PathBuf>,
+    /// Serve the models a TOML file lists, with their own options: `[models.NAME]` tables
+    /// with `path` (relative to the file), `pinned = true` to load at start and never unload,
+    /// and any model option by its flag's name (`quantize = "q8_0"`, `kv-memory = "512MiB"`);
+    /// a `[defaults]` table gives options every model starts from.
+    #[arg(long, value_name = "FILE", conflicts_with = "served_model_name")]
+    pub models: Option<PathBuf>,
+    /// Memory the models of --models-dir or --models may take together (weights as their files'
+    /// size, KV caches and state pools as built), e.g. 16GiB (default: 80% of the memory
+    /// available at start).
+    #[arg(long, value_name = "SIZE")]
+    pub models_memory: Option<String>,
+    /// Seconds a request waits for its model to load (then 503 with Retry-After).
+    #[arg(long, value_name = "SECONDS", default_value_t = 300)]
+    pub load_timeout: u64,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,

@@ -18,6 +18,7 @@ mod perplexity;
 mod quantize;
 mod run;
 mod serve;
+mod serve_many;
 mod sigbus;
 
 use std::process::ExitCode;

@@ -205,12 +205,17 @@ pub fn open_encoder(args: &ModelArgs, threads: usize) -> Result<kylin_engine::en
 /// Parses a memory size: a number of bytes with an optional unit (`B`, `KiB`, `MiB`, `GiB`,
 /// `TiB`, or the decimal `KB`, `MB`, `GB`, `TB`; case-insensitive), e.g. `2GiB` or `1.5GB`.
 pub fn parse_size(text: &str) -> Result<u64> {
+    parse_size_of("--kv-memory", text)
+}
+
+/// [`parse_size`] for the flag `flag` (named in the error).
+pub fn parse_size_of(flag: &str, text: &str) -> Result<u64> {
     let t = text.trim();
     let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
     let (number, unit) = t.split_at(split);
     let bad = || {
         KylinError::input_invalid(format!(
-            "--kv-memory '{text}' is not a size; expected a number with a unit such as 2GiB, 512MiB or 1.5GB"
+            "{flag} '{text}' is not a size; expected a number with a unit such as 2GiB, 512MiB or 1.5GB"
         ))
     };
     let value: f64 = number.parse().map_err(|_| bad())?;

@@ -84,6 +84,27 @@ fn server_config(args: &ServeArgs) -> Result<ServerConfig> {
 }
 
 async fn serve(args: ServeArgs, config: ServerConfig) -> Result<()> {
+    let many = args.models_dir.is_some() || args.models.is_some();
+    if many && !args.model.model.as_os_str().is_empty() {
+        return Err(KylinError::input_invalid(format!(
+            "give either a model ({}) or --models-dir/--models, not both",
+            args.model.model.display()
+        ))
+        .into());
+    }
+    if many {
+        return crate::serve_many::serve(args, config, shutdown_signal()).await;
+    }
+    if args.model.model.as_os_str().is_empty() {
+        return Err(KylinError::input_invalid(
+            "kylin serve needs a model (a Hugging Face directory, a .gguf or a .bin file), or --models-dir DIR or \
+             --models FILE",
+        )
+        .into());
+    }
+    if args.models_memory.is_some() {
+        return Err(KylinError::input_invalid("--models-memory applies only with --models-dir or --models").into());
+    }
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
         .await
         .map_err(|e| KylinError::input_invalid(format!("cannot listen on {}:{}: {e}", args.host, args.port)))?;

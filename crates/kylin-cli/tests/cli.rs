@@ -633,3 +633,27 @@ fn published_quantized_checkpoints_run_through_run_logits_and_bench() {
     );
     assert!(!Path::new("/tmp/kylin-never-written/model.safetensors").exists());
 }
+
+#[test]
+fn serve_takes_one_model_or_a_set_of_models_and_says_which_is_missing() {
+    let tiny = Path::new(SHARED).join("fixtures/tiny-qwen3");
+    let dir = tempfile::tempdir().unwrap();
+    let fixtures = Path::new(SHARED).join("fixtures");
+    let cases: [(Vec<&str>, &str); 6] = [
+        (vec!["serve", "--port", "0"], "kylin serve needs a model"),
+        (vec!["serve", s(&tiny), "--models-dir", s(dir.path())], "not both"),
+        (vec!["serve", "--models-dir", s(dir.path())], "no models there"),
+        (vec!["serve", s(&tiny), "--models-memory", "1GiB"], "--models-memory applies only"),
+        (vec!["serve", "--models-dir", s(&tiny)], "is itself a model directory"),
+        (
+            vec!["serve", "--models-dir", s(&fixtures), "--models-memory", "lots"],
+            "--models-memory 'lots' is not a size",
+        ),
+    ];
+    for (args, expected) in cases {
+        let out = kylin(&args);
+        assert!(!out.status.success(), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.starts_with("[INPUT_INVALID] ") && err.contains(expected), "{args:?}: {err}");
+    }
+}

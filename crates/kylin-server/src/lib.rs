@@ -20,6 +20,7 @@ pub mod chat;
 pub mod engine;
 pub mod error;
 pub mod metrics;
+pub mod multi;
 pub mod responses;
 pub mod retrieval;
 pub mod routes;
@@ -169,28 +170,37 @@ impl Drop for Admission {
 
 /// Checks the API key on every route but `/health`.
 async fn require_key(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    if let Some(key) = &state.config().api_key
-        && request.uri().path() != "/health"
-    {
-        // `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's).
-        let bearer = request
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
-        let x_api_key = request.headers().get("x-api-key").and_then(|v| v.to_str().ok()).map(str::trim);
-        let matches = |given: Option<&str>| given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes()));
-        if !matches(bearer) && !matches(x_api_key) {
-            if request.uri().path().starts_with("/v1/messages") {
-                let mut e = ApiError::unauthorized();
-                e.message = "a valid API key is required: send it as `x-api-key: KEY`".into();
-                return anthropic::AnthropicError(e).into_response();
-            }
-            return ApiError::unauthorized().into_response();
-        }
+    match key_rejection(state.config().api_key.as_deref(), &request) {
+        Some(rejection) => rejection,
+        None => next.run(request).await,
     }
-    next.run(request).await
+}
+
+/// The 401 a request gets when `key` is set and the request does not carry it (`/health` needs
+/// no key), in the shape of the API the route belongs to; `None` when it may pass.
+pub(crate) fn key_rejection(key: Option<&str>, request: &Request) -> Option<Response> {
+    let key = key?;
+    if request.uri().path() == "/health" {
+        return None;
+    }
+    // `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's).
+    let bearer = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    let x_api_key = request.headers().get("x-api-key").and_then(|v| v.to_str().ok()).map(str::trim);
+    let matches = |given: Option<&str>| given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes()));
+    if matches(bearer) || matches(x_api_key) {
+        return None;
+    }
+    if request.uri().path().starts_with("/v1/messages") {
+        let mut e = ApiError::unauthorized();
+        e.message = "a valid API key is required: send it as `x-api-key: KEY`".into();
+        return Some(anthropic::AnthropicError(e).into_response());
+    }
+    Some(ApiError::unauthorized().into_response())
 }
 
 /// Compares without stopping at the first difference, so timing does not leak the key.
@@ -238,7 +248,7 @@ pub fn app(state: AppState) -> Router {
 /// closes it otherwise), which `axum::serve` does not set. Accept errors (a peer that reset
 /// before being accepted, or no file descriptors left) never stop the loop; the latter backs
 /// off for a moment.
-async fn accept_loop(
+pub(crate) async fn accept_loop(
     listener: tokio::net::TcpListener,
     app: Router,
     header_timeout: Duration,

@@ -85,13 +85,21 @@ pub(crate) async fn read_body(
     headers: &HeaderMap,
     body: Body,
 ) -> Result<axum::body::Bytes, ApiError> {
-    let limit = state.config().max_body_bytes;
+    read_body_within(state.config().max_body_bytes, state.config().body_timeout, headers, body).await
+}
+
+/// Reads the whole body within `limit` bytes and `timeout`.
+pub(crate) async fn read_body_within(
+    limit: usize,
+    timeout: std::time::Duration,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<axum::body::Bytes, ApiError> {
     let declared =
         headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(ApiError::too_large(limit));
     }
-    let timeout = state.config().body_timeout;
     match tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await {
         Err(_) => Err(ApiError::body_timeout(timeout.as_secs())),
         Ok(Ok(bytes)) => Ok(bytes),
