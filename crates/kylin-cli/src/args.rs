@@ -495,6 +495,14 @@ pub struct ServeArgs {
     /// available at start).
     #[arg(long, value_name = "SIZE")]
     pub models_memory: Option<String>,
+    /// Publish the prefix cache's changes as vLLM's KV-cache events (BlockStored, BlockRemoved,
+    /// AllBlocksCleared in MessagePack) on a ZeroMQ PUB socket bound here, e.g.
+    /// tcp://127.0.0.1:5557 (vLLM's default port) or tcp://*:5557, for precise prefix routers.
+    #[arg(long, value_name = "ENDPOINT", conflicts_with_all = ["models_dir", "models"])]
+    pub kv_events_endpoint: Option<String>,
+    /// The topic of every KV-cache event message (the first frame; default empty, as vLLM's).
+    #[arg(long, value_name = "TOPIC", default_value = "", requires = "kv_events_endpoint")]
+    pub kv_events_topic: String,
     /// Seconds a request waits for its model to load (then 503 with Retry-After).
     #[arg(long, value_name = "SECONDS", default_value_t = 300)]
     pub load_timeout: u64,

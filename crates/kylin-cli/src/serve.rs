@@ -80,10 +80,11 @@ fn server_config(args: &ServeArgs) -> Result<ServerConfig> {
         body_timeout: Duration::from_secs(args.body_timeout.max(1)),
         header_read_timeout: Duration::from_secs(args.header_timeout.max(1)),
         grace_period: Duration::from_secs(args.grace_period),
+        kv_events: None,
     })
 }
 
-async fn serve(args: ServeArgs, config: ServerConfig) -> Result<()> {
+async fn serve(args: ServeArgs, mut config: ServerConfig) -> Result<()> {
     let many = args.models_dir.is_some() || args.models.is_some();
     if many && !args.model.model.as_os_str().is_empty() {
         return Err(KylinError::input_invalid(format!(
@@ -109,6 +110,13 @@ async fn serve(args: ServeArgs, config: ServerConfig) -> Result<()> {
         .await
         .map_err(|e| KylinError::input_invalid(format!("cannot listen on {}:{}: {e}", args.host, args.port)))?;
     let address = listener.local_addr().context("the listener has no address")?;
+    if let Some(endpoint) = &args.kv_events_endpoint {
+        let sender = kylin_server::kv_events::start_publisher(endpoint, &args.kv_events_topic)
+            .await
+            .map_err(KylinError::input_invalid)?;
+        println!("kylin serve: KV-cache events (vLLM's format) published on {endpoint}");
+        config.kv_events = Some(sender);
+    }
     let name = config.served_model_name.clone();
     println!("kylin serve: listening on http://{address} (model `{name}` loading)");
     let model_args = args.model.clone();

@@ -1758,6 +1758,18 @@ impl Serving for BatchEngine {
         self.core.info("kylin")
     }
 
+    fn record_kv_events(&mut self) -> bool {
+        // Between two drains (one step) a block is registered at most once and evicted at most
+        // once per allocation, and a step allocates fewer blocks than the pool holds.
+        let alloc = &mut self.core.kv.alloc;
+        alloc.record_events(2 * alloc.total().max(1));
+        true
+    }
+
+    fn drain_kv_events(&mut self, f: &mut dyn FnMut(crate::kv_pool::KvEvent<'_>)) {
+        self.core.kv.alloc.drain_events(f);
+    }
+
     fn generation_defaults(&self) -> GenerationDefaults {
         self.core.generation.clone()
     }

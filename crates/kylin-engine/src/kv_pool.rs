@@ -50,6 +50,8 @@ pub struct BlockAllocator {
     index: HashMap<u64, u32>,
     /// Unreferenced blocks that are registered.
     cached_free: usize,
+    /// What the prefix cache gained and lost since the last drain, when recorded.
+    events: Option<KvEventLog>,
 }
 
 impl BlockAllocator {
@@ -70,6 +72,21 @@ impl BlockAllocator {
             tokens: vec![0; n_blocks * block_size],
             index: HashMap::with_capacity(n_blocks),
             cached_free: 0,
+            events: None,
+        }
+    }
+
+    /// Starts recording what the prefix cache gains and loses ([`KvEventLog`]), for routers
+    /// that follow the cache; the log is planned for `per_drain` events between two drains.
+    pub fn record_events(&mut self, per_drain: usize) {
+        self.events = Some(KvEventLog::with_capacity(per_drain, self.block_size));
+    }
+
+    /// Hands the recorded events to `f` in order and clears the log (nothing when not
+    /// recording).
+    pub fn drain_events(&mut self, f: &mut dyn FnMut(KvEvent<'_>)) {
+        if let Some(log) = &mut self.events {
+            log.drain(f);
         }
     }
 
@@ -137,6 +154,9 @@ impl BlockAllocator {
             && self.index.get(&h) == Some(&b)
         {
             self.index.remove(&h);
+            if let Some(log) = &mut self.events {
+                log.removed(h);
+            }
         }
         self.ref_count[b as usize] = 1;
         Some(b)
@@ -201,8 +221,95 @@ impl BlockAllocator {
             self.parent[b as usize] = parent;
             self.hash[b as usize] = Some(h);
             self.index.insert(h, b);
+            if let Some(log) = &mut self.events {
+                log.stored(h, parent, tokens);
+            }
         }
         h
+    }
+}
+
+/// One change of the prefix cache, in the terms of vLLM's KV-cache events: a full block
+/// registered under its chained hash (with its parent's hash, 0 for none, and its token ids),
+/// a registered block evicted, or everything forgotten (the log overflowed between drains, so
+/// a follower must start over).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvEvent<'a> {
+    Stored { hash: u64, parent: u64, tokens: &'a [u32] },
+    Removed { hash: u64 },
+    Cleared,
+}
+
+/// The prefix cache's events between two drains, in buffers planned up front: recording never
+/// allocates. When more events come than were planned for, the log keeps none of them and its
+/// next drain says [`KvEvent::Cleared`] (the caches a follower tracks are then unknown to it,
+/// which costs routing quality, never correctness).
+#[derive(Debug)]
+pub struct KvEventLog {
+    /// `(hash, parent, offset of its tokens in tokens, or u32::MAX for a removal)`.
+    entries: Vec<(u64, u64, u32)>,
+    tokens: Vec<u32>,
+    block_size: usize,
+    overflowed: bool,
+}
+
+impl KvEventLog {
+    pub fn with_capacity(events: usize, block_size: usize) -> Self {
+        KvEventLog {
+            entries: Vec::with_capacity(events),
+            tokens: Vec::with_capacity(events * block_size),
+            block_size,
+            overflowed: false,
+        }
+    }
+
+    fn full(&self, tokens: usize) -> bool {
+        self.entries.len() == self.entries.capacity() || self.tokens.len() + tokens > self.tokens.capacity()
+    }
+
+    fn overflow(&mut self) {
+        self.overflowed = true;
+        self.entries.clear();
+        self.tokens.clear();
+    }
+
+    fn stored(&mut self, hash: u64, parent: u64, tokens: &[u32]) {
+        if self.overflowed {
+            return;
+        }
+        if self.full(tokens.len()) {
+            return self.overflow();
+        }
+        self.entries.push((hash, parent, self.tokens.len() as u32));
+        self.tokens.extend_from_slice(tokens);
+    }
+
+    fn removed(&mut self, hash: u64) {
+        if self.overflowed {
+            return;
+        }
+        if self.full(0) {
+            return self.overflow();
+        }
+        self.entries.push((hash, 0, u32::MAX));
+    }
+
+    /// Hands the events to `f` in order and clears the log.
+    pub fn drain(&mut self, f: &mut dyn FnMut(KvEvent<'_>)) {
+        if self.overflowed {
+            f(KvEvent::Cleared);
+            self.overflowed = false;
+        }
+        for &(hash, parent, offset) in &self.entries {
+            if offset == u32::MAX {
+                f(KvEvent::Removed { hash });
+            } else {
+                let start = offset as usize;
+                f(KvEvent::Stored { hash, parent, tokens: &self.tokens[start..start + self.block_size] });
+            }
+        }
+        self.entries.clear();
+        self.tokens.clear();
     }
 }
 
@@ -407,6 +514,48 @@ mod tests {
         assert_eq!(a.cached_free(), 0);
         a.release(x);
         a.release(y);
+    }
+
+    #[test]
+    fn the_event_log_reports_stored_and_evicted_blocks_and_says_cleared_after_an_overflow() {
+        let mut a = BlockAllocator::new(2, 2);
+        a.record_events(3);
+        let b0 = a.allocate().unwrap();
+        let h0 = a.register(b0, 0, &[1, 2]);
+        let b1 = a.allocate().unwrap();
+        let h1 = a.register(b1, h0, &[3, 4]);
+        // The same contents registered again are not a new event.
+        a.register(b1, h0, &[3, 4]);
+        a.release(b0);
+        a.release(b1);
+        let mut seen: Vec<String> = Vec::new();
+        a.drain_events(&mut |e| seen.push(format!("{e:?}")));
+        assert_eq!(
+            seen,
+            [
+                format!("Stored {{ hash: {h0}, parent: 0, tokens: [1, 2] }}"),
+                format!("Stored {{ hash: {h1}, parent: {h0}, tokens: [3, 4] }}")
+            ]
+        );
+        seen.clear();
+        // Handing out the least recently freed block evicts its cached prefix.
+        let again = a.allocate().unwrap();
+        assert_eq!(again, b0);
+        a.drain_events(&mut |e| seen.push(format!("{e:?}")));
+        assert_eq!(seen, [format!("Removed {{ hash: {h0} }}")]);
+        seen.clear();
+        // More events than the three planned: the log keeps none and says cleared.
+        a.release(again);
+        for ids in [[5, 6], [7, 8], [9, 10]] {
+            let block = a.allocate().unwrap();
+            a.register(block, 0, &ids);
+            a.release(block);
+        }
+        a.drain_events(&mut |e| seen.push(format!("{e:?}")));
+        assert_eq!(seen, ["Cleared"]);
+        seen.clear();
+        a.drain_events(&mut |e| seen.push(format!("{e:?}")));
+        assert!(seen.is_empty());
     }
 
     #[test]

@@ -395,6 +395,16 @@ pub trait Serving {
         ))
     }
 
+    /// Starts recording the prefix cache's changes (blocks registered and evicted) for
+    /// [`Serving::drain_kv_events`], which must then be called after every step; `false` when
+    /// the engine has no prefix cache to follow.
+    fn record_kv_events(&mut self) -> bool {
+        false
+    }
+
+    /// Hands the prefix cache's changes since the last call to `f`, in order.
+    fn drain_kv_events(&mut self, _f: &mut dyn FnMut(crate::kv_pool::KvEvent<'_>)) {}
+
     /// The tool-call syntax of the model's chat template (`None`: the template renders no
     /// tools, or the engine cannot tell).
     fn tool_syntax(&self) -> Option<crate::tools::ToolSyntax> {

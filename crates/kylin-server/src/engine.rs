@@ -33,6 +33,7 @@ use kylin_engine::{
 use kylin_loader::{GenerationDefaults, KylinError};
 use tokio::sync::{mpsc as tmpsc, oneshot, watch};
 
+use crate::kv_events::KvEventSender;
 use crate::metrics::Metrics;
 
 /// Builds the engine on the engine thread.
@@ -215,7 +216,11 @@ pub struct EngineHandle {
 impl EngineHandle {
     /// Starts the engine thread, which builds the engine with `factory` and serves commands
     /// until [`EngineHandle::stop`] or until every handle is dropped.
-    pub fn spawn(factory: EngineFactory, metrics: Arc<Metrics>) -> std::io::Result<(EngineHandle, JoinHandle<()>)> {
+    pub fn spawn(
+        factory: EngineFactory,
+        metrics: Arc<Metrics>,
+        kv_events: Option<KvEventSender>,
+    ) -> std::io::Result<(EngineHandle, JoinHandle<()>)> {
         let (commands, receiver) = mpsc::channel();
         let (status, _) = watch::channel(Status::Loading);
         let handle = EngineHandle {
@@ -227,7 +232,7 @@ impl EngineHandle {
         };
         let thread_handle = handle.clone();
         let join = std::thread::Builder::new().name("kylin-engine".to_string()).spawn(move || {
-            engine_thread(factory, receiver, thread_handle, metrics);
+            engine_thread(factory, receiver, thread_handle, metrics, kv_events);
         })?;
         Ok((handle, join))
     }
@@ -357,10 +362,18 @@ struct EngineLoop {
     metrics: Arc<Metrics>,
     live: HashMap<u64, Live>,
     events: Vec<Event>,
+    /// Where the prefix cache's changes go after each step, when they are published.
+    kv_events: Option<(KvEventSender, usize)>,
 }
 
-fn engine_thread(factory: EngineFactory, commands: Receiver<Command>, handle: EngineHandle, metrics: Arc<Metrics>) {
-    let engine = match factory() {
+fn engine_thread(
+    factory: EngineFactory,
+    commands: Receiver<Command>,
+    handle: EngineHandle,
+    metrics: Arc<Metrics>,
+    kv_events: Option<KvEventSender>,
+) {
+    let mut engine = match factory() {
         Ok(engine) => engine,
         Err(e) => {
             handle.status.send_replace(Status::Failed(e));
@@ -385,8 +398,24 @@ fn engine_thread(factory: EngineFactory, commands: Receiver<Command>, handle: En
         embedding: engine.embedding_info(),
         rerank: engine.can_rerank(),
     };
+    let kv_events = match kv_events {
+        Some(sender) if engine.record_kv_events() => {
+            let block_size = published.info.kv_block_size;
+            // A clean start for followers that saw an earlier process on this endpoint.
+            sender.publish(block_size, |f| f(kylin_engine::kv_pool::KvEvent::Cleared));
+            Some((sender, block_size))
+        }
+        Some(_) => {
+            eprintln!(
+                "warning: --kv-events-endpoint: the {} backend has no prefix cache to publish; no events will be sent",
+                published.info.backend
+            );
+            None
+        }
+        None => None,
+    };
     let _ = handle.published.set(published);
-    let mut state = EngineLoop { engine, handle, metrics, live: HashMap::new(), events: Vec::new() };
+    let mut state = EngineLoop { engine, handle, metrics, live: HashMap::new(), events: Vec::new(), kv_events };
     state.publish_stats();
     state.handle.status.send_if_modified(|s| {
         if *s == Status::Loading {
@@ -572,6 +601,10 @@ impl EngineLoop {
     fn step(&mut self) {
         self.events.clear();
         let result = self.engine.step(&mut self.events);
+        if let Some((sender, block_size)) = &self.kv_events {
+            let engine = &mut self.engine;
+            sender.publish(*block_size, |f| engine.drain_kv_events(f));
+        }
         let now = Instant::now();
         // Statistics first, so a client that sees its request end sees its tokens counted.
         self.publish_stats();

@@ -19,6 +19,7 @@ pub mod api;
 pub mod chat;
 pub mod engine;
 pub mod error;
+pub mod kv_events;
 pub mod metrics;
 pub mod multi;
 pub mod responses;
@@ -60,6 +61,8 @@ pub struct ServerConfig {
     pub header_read_timeout: Duration,
     /// Time running requests get to finish after a shutdown signal.
     pub grace_period: Duration,
+    /// Where the engine publishes its prefix cache's changes (vLLM's KV-cache events).
+    pub kv_events: Option<kv_events::KvEventSender>,
 }
 
 impl ServerConfig {
@@ -72,6 +75,7 @@ impl ServerConfig {
             body_timeout: Duration::from_secs(30),
             header_read_timeout: Duration::from_secs(30),
             grace_period: Duration::from_secs(30),
+            kv_events: None,
         }
     }
 }
@@ -97,7 +101,7 @@ impl AppState {
     /// with the thread's handle, to be joined after [`EngineHandle::stop`].
     pub fn start(config: ServerConfig, factory: EngineFactory) -> std::io::Result<(AppState, JoinHandle<()>)> {
         let metrics = Arc::new(Metrics::new(&config.served_model_name));
-        let (engine, join) = EngineHandle::spawn(factory, metrics.clone())?;
+        let (engine, join) = EngineHandle::spawn(factory, metrics.clone(), config.kv_events.clone())?;
         let started = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let inner = Inner {
             config,
