@@ -133,10 +133,10 @@ pub fn open(args: &ModelArgs, require_tokenizer: bool) -> Result<Opened> {
     }
     let tokenizer_ms = model.timings.tokenizer_ms;
     // One sequence decodes one token at a time here: speculation is the batching engine's.
-    let engine = EngineOptions { speculative_tokens: 0, ..engine_options(args, threads, 1)? };
-    if args.engine.speculative_tokens.is_some_and(|k| k > 0) {
+    let engine = EngineOptions { speculative_tokens: 0, draft_model: None, ..engine_options(args, threads, 1)? };
+    if args.engine.speculative_tokens.is_some_and(|k| k > 0) || args.engine.draft_model.is_some() {
         tracing_warning(
-            "--speculative-tokens applies to the batching engine (serve, bench --concurrency); ignored here",
+            "--speculative-tokens and --draft-model apply to the batching engine (serve, bench --concurrency); ignored here",
         );
     }
     let backend = NativeBackend::new(
@@ -264,7 +264,13 @@ pub fn engine_options(args: &ModelArgs, threads: usize, default_max_seqs: usize)
         quantize: e.quantize.map(QuantizeArg::format),
         quantize_progress: e.quantize.map(|_| quantize_progress_bar()),
         state_snapshots: e.state_snapshots,
-        speculative_tokens: e.speculative_tokens.unwrap_or(0),
+        // A draft model without a count proposes its default number of tokens.
+        speculative_tokens: e.speculative_tokens.unwrap_or(if e.draft_model.is_some() {
+            kylin_engine::draft::DEFAULT_DRAFT_TOKENS
+        } else {
+            0
+        }),
+        draft_model: e.draft_model.clone(),
     })
 }
 
