@@ -228,7 +228,8 @@ pub struct EngineArgs {
     /// vocabulary (e.g. Qwen3-0.6B for Qwen3-8B), run by Kylin's own engine beside the target.
     /// It proposes --speculative-tokens tokens (default 4) per sequence and step, greedily, and
     /// the target checks them in one forward pass; outputs are identical to decoding without
-    /// it. A draft with another vocabulary is refused (VOCAB_MISMATCH).
+    /// it. A draft with another vocabulary is refused (VOCAB_MISMATCH), and so are targets and
+    /// drafts with recurrent layers (CONFIG_INVALID).
     #[arg(long, value_name = "DIR")]
     pub draft_model: Option<std::path::PathBuf>,
     /// Arithmetic of the matrix products (default auto); `f32` reproduces transformers' float32.

@@ -185,7 +185,19 @@ pub fn open_engine_sized(args: &ModelArgs, default_max_seqs: usize, prefault: bo
         tracing_warning(warning);
     }
     let engine = EngineOptions { prefault, ..engine_options(args, threads, default_max_seqs)? };
-    Ok(Box::new(kylin_engine::batch::BatchEngine::new(model, &engine)?))
+    let batch = kylin_engine::batch::BatchEngine::new(model, &engine)?;
+    if let Some(draft) = batch.draft()
+        && std::env::var_os("KYLIN_QUIET").is_none()
+    {
+        eprintln!(
+            "draft model {}: {} parameters, {} tokens proposed per sequence and step, KV pool {}",
+            draft.path().display(),
+            draft.model().parameter_count(),
+            engine.speculative_tokens,
+            kylin_engine::batch::human_bytes(draft.kv_bytes())
+        );
+    }
+    Ok(Box::new(batch))
 }
 
 /// Opens an encoder directory (BERT, XLM-R: embeddings or a cross-encoder) as its engine.
