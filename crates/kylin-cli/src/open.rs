@@ -283,6 +283,7 @@ pub fn engine_options(args: &ModelArgs, threads: usize, default_max_seqs: usize)
             0
         }),
         draft_model: e.draft_model.clone(),
+        draft_kv_tokens: None,
     })
 }
 

@@ -177,6 +177,10 @@ pub struct EngineOptions {
     /// proposes the `speculative_tokens` tokens instead of the n-gram proposer
     /// ([`crate::draft`]). Only the batching engine runs it; it needs `speculative_tokens > 0`.
     pub draft_model: Option<PathBuf>,
+    /// Positions the draft model's KV pool holds; `None`: as many as the target's pool plus one
+    /// step's proposals per sequence. A sequence that finds no free draft block does not
+    /// speculate in that step.
+    pub draft_kv_tokens: Option<usize>,
 }
 
 /// A progress callback for the quantization at load: `(done, total)` source bytes.
@@ -207,6 +211,7 @@ impl Default for EngineOptions {
             state_snapshots: None,
             speculative_tokens: 0,
             draft_model: None,
+            draft_kv_tokens: None,
         }
     }
 }
@@ -1087,7 +1092,12 @@ impl BatchEngine {
                 ));
             }
             Some(dir) => {
-                let target = DraftTarget { path: target_path, vocab: core.model.dims().vocab, tokenizer };
+                let target = DraftTarget {
+                    path: target_path,
+                    vocab: core.model.dims().vocab,
+                    tokenizer,
+                    kv_tokens: core.kv.alloc.total() * core.kv.block_size,
+                };
                 Some(DraftModel::load(dir, &target, opts, core.context, max_seqs, core.max_batch_tokens)?)
             }
         };

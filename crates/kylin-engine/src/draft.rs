@@ -13,10 +13,11 @@
 //! the longest prefix it shares with the sequence's tokens (the accepted proposals stay).
 //!
 //! Guarantees: the draft is validated while loading (the same vocabulary size as the target,
-//! the same tokenizer when either has one, no recurrent layers: `VOCAB_MISMATCH` and
-//! `CONFIG_INVALID` naming both directories); its pool holds every running sequence up to the
-//! context, so a draft never runs out of blocks and never preempts; its activations, batch
-//! plan and block tables are planned up front, so proposing allocates nothing.
+//! the same tokenizer when either has one: `VOCAB_MISMATCH` naming both directories and the
+//! expected and found values; no recurrent layers: `CONFIG_INVALID`); its pool holds as many positions as the
+//! target's, plus one step's proposals per sequence; a sequence that finds no free draft
+//! block does not speculate in that step, and the draft never preempts; its activations,
+//! batch plan and block tables are planned up front, so proposing allocates nothing.
 
 use std::path::{Path, PathBuf};
 
@@ -70,18 +71,21 @@ pub(crate) struct DraftSeq {
     pub computed: usize,
 }
 
-/// What the draft is compared against: the target's directory (for messages), vocabulary size
-/// and tokenizer.
+/// What the draft is compared against and sized from: the target's directory (for messages),
+/// vocabulary size and tokenizer, and the positions its KV pool holds.
 pub struct DraftTarget<'a> {
     pub path: Option<&'a Path>,
     pub vocab: usize,
     pub tokenizer: Option<&'a TokenizerBundle>,
+    pub kv_tokens: usize,
 }
 
 impl DraftModel {
-    /// Loads the draft model at `dir` and plans its pool for `max_seqs` sequences of `context`
-    /// positions and forward passes of `max_tokens` tokens, with the precision, quantization,
-    /// KV dtype and block size options of the target (`opts`).
+    /// Loads the draft model at `dir` and plans its pool and passes for `max_seqs` sequences of
+    /// `context` positions and forward passes of `max_tokens` tokens, with the precision,
+    /// quantization, KV dtype and block size options of the target (`opts`). The pool holds
+    /// `opts.draft_kv_tokens` positions, by default as many as the target's pool plus one
+    /// step's proposals per sequence (at most `max_seqs` whole contexts).
     ///
     /// `VOCAB_MISMATCH` when its vocabulary size or tokenizer differs from the target's;
     /// `CONFIG_INVALID` for a draft with recurrent layers or a precision it cannot run; the
@@ -126,14 +130,21 @@ impl DraftModel {
         });
         let max_tokens = max_tokens.max(max_seqs).max(1);
         let scratch = model.plan_scratch(max_tokens, max_seqs, context).map_err(in_draft)?;
-        // Every running sequence up to the context: the draft never runs out of blocks. The
-        // sliding layers' blocks are kept too (the draft registers nothing in a prefix cache
-        // to take them back from after a rollback), so their pool is as large. The pages of
-        // blocks no sequence reached are never touched.
+        // What the target's pool holds, plus the proposals: the running sequences' tokens fit
+        // unless they share prompt blocks in the target (forks, prefix hits), which the draft
+        // does not. A sequence that finds no free draft block does not speculate in that step
+        // (its output is the same). The sliding layers' blocks are kept too (the draft
+        // registers nothing in a prefix cache to take them back from after a rollback), so
+        // their pool is as large.
         let per_seq = context.div_ceil(block_size) + 1;
-        let blocks = per_seq.checked_mul(max_seqs).ok_or_else(|| {
-            KylinError::config_invalid("the draft model's KV pool overflows; pass a smaller --max-seqs")
-        })?;
+        let overflow = || KylinError::config_invalid("the draft model's KV pool overflows; pass a smaller --max-seqs");
+        let most = per_seq.checked_mul(max_seqs).ok_or_else(overflow)?;
+        let slack = (opts.speculative_tokens + 1).div_ceil(block_size) + 1;
+        let blocks = match opts.draft_kv_tokens {
+            Some(tokens) => tokens.div_ceil(block_size).max(1),
+            None => target.kv_tokens.div_ceil(block_size).saturating_add(slack.saturating_mul(max_seqs)),
+        }
+        .min(most);
         let groups = model.kv_groups();
         let layout = kylin_kernels::paged::attention_path(
             model.precision(),
@@ -152,7 +163,7 @@ impl DraftModel {
             _ => None,
         };
         let plan = BatchPlan::with_capacity(max_tokens, max_seqs, max_seqs * per_seq);
-        Ok(DraftModel {
+        let mut draft = DraftModel {
             rope: model.rope(context).map_err(in_draft)?,
             model,
             kv,
@@ -162,7 +173,15 @@ impl DraftModel {
             context,
             max_tokens,
             path: dir.to_path_buf(),
-        })
+        };
+        if opts.prefault {
+            draft.kv.prefault();
+            if let Some(swa) = &mut draft.swa {
+                swa.kv.prefault();
+            }
+            draft.scratch.prefault();
+        }
+        Ok(draft)
     }
 
     /// The draft's directory.
@@ -193,6 +212,11 @@ impl DraftModel {
     /// Blocks of the draft's pool that sequences hold now.
     pub fn blocks_in_use(&self) -> usize {
         self.kv.alloc.total() - self.kv.alloc.free()
+    }
+
+    /// Blocks of the draft's pool.
+    pub fn total_blocks(&self) -> usize {
+        self.kv.alloc.total()
     }
 
     /// A fresh sequence state with room for a sequence of the full context.

@@ -507,3 +507,28 @@ fn draft_models_are_refused_for_hybrid_targets_and_as_hybrid_drafts() {
     assert_eq!(err.code(), ErrorCode::ConfigInvalid, "{err}");
     assert!(err.message.contains("--speculative-tokens"), "{}", err.message);
 }
+
+#[test]
+fn a_draft_model_out_of_blocks_proposes_less_with_identical_outputs() {
+    // A draft pool of 10 blocks of 16 positions for six sequences of up to 88 tokens: the
+    // sequences that find no free draft block decode one token at a time until others end.
+    let path = fixture("tiny-qwen3");
+    let requests = mixed_requests(40);
+    let (plain, _) = run(&path, &options(0), &requests);
+    let (_, roomy) = run_with_draft(&path, &path, 4, &requests);
+    let small = EngineOptions { draft_kv_tokens: Some(160), block_size: Some(16), ..draft_options(4, &path) };
+    let mut e = engine(&path, &small);
+    assert_eq!(e.draft().unwrap().total_blocks(), 10);
+    let spec = drain(&mut e, &requests);
+    assert_same(&plain, &spec, "a draft pool too small for every sequence");
+    assert_all_blocks_free(&e);
+    assert_eq!(e.draft().unwrap().blocks_in_use(), 0);
+    let stats = e.stats();
+    eprintln!(
+        "{} proposals with a small draft pool, {} with a roomy one",
+        stats.draft_model_proposed_tokens, roomy.draft_model_proposed_tokens
+    );
+    assert!(stats.draft_model_proposed_tokens > 0);
+    assert!(stats.draft_model_proposed_tokens < roomy.draft_model_proposed_tokens);
+    assert_eq!(stats.draft_model_accepted_tokens, stats.draft_model_proposed_tokens);
+}
