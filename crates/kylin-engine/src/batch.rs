@@ -14,9 +14,11 @@
 //!    queue, to be recomputed later. The engine never fails because the pool is full.
 //!    With speculative decoding on (`EngineOptions::speculative_tokens`), each decoding
 //!    sequence then extends its token with the n-gram proposer's guesses
-//!    ([`crate::speculative`]) as far as the step's spare tokens, logits rows and free blocks
-//!    allow (never preempting for them); after the forward pass they are verified row by row
-//!    with the sequence's sampler and the rejected ones' blocks are dropped.
+//!    ([`crate::speculative`]), or with a draft model's ([`crate::draft`], which first catches
+//!    up on the sequence's tokens in its own KV pool), as far as the step's spare tokens,
+//!    logits rows and free blocks allow (never preempting for them); after the forward pass
+//!    they are verified row by row with the sequence's sampler and the rejected ones' blocks
+//!    are dropped (in the draft's pool too).
 //! 3. Running sequences whose prompt is partly computed get the next chunk, then waiting
 //!    sequences are admitted (FCFS, while fewer than `max_seqs` run) with whatever prefix the
 //!    cache holds for them, and get a chunk, until the step holds `max_batch_tokens` tokens
