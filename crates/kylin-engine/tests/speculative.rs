@@ -532,3 +532,57 @@ fn a_draft_model_out_of_blocks_proposes_less_with_identical_outputs() {
     assert!(stats.draft_model_proposed_tokens < roomy.draft_model_proposed_tokens);
     assert_eq!(stats.draft_model_accepted_tokens, stats.draft_model_proposed_tokens);
 }
+
+#[test]
+fn a_real_model_with_a_draft_model_keeps_its_outputs() {
+    // SmolLM2-135M drafting for itself (every greedy proposal accepted) and its first 8 of 30
+    // layers as a draft (a layer-skipping draft with the real tokenizer: some proposals
+    // accepted, some rejected), on a request that copies code and two free-form ones.
+    let path = smollm2();
+    let tmp = tempfile::tempdir().unwrap();
+    let skip = tmp.path().join("smollm2-first-8-layers");
+    std::fs::create_dir_all(&skip).unwrap();
+    for entry in std::fs::read_dir(&path).unwrap() {
+        let name = entry.unwrap().file_name();
+        if name != "config.json" {
+            std::os::unix::fs::symlink(path.join(&name), skip.join(&name)).unwrap();
+        }
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path.join("config.json")).unwrap()).unwrap();
+    config["num_hidden_layers"] = 8.into();
+    std::fs::write(skip.join("config.json"), config.to_string()).unwrap();
+
+    let opts = EngineOptions { ctx_size: Some(512), max_batch_tokens: 128, ..options(0) };
+    let e = engine(&path, &opts);
+    let code = "def total(items):\n    result = 0\n    for item in items:\n        result += item.price * item.count\n    return result\n";
+    let copy = format!("Here is a function:\n{code}\nHere is the same function again, unchanged:\n");
+    let requests: Vec<Request> = [copy.as_str(), "Write a short poem about the sea.", "The capital of France is"]
+        .iter()
+        .enumerate()
+        .map(|(i, text)| request(i as u64, e.tokenize(text, true).unwrap(), 32))
+        .collect();
+    drop(e);
+    let (plain, plain_stats) = run(&path, &opts, &requests);
+    for (draft, all_accepted) in [(path.clone(), true), (skip, false)] {
+        let with_draft = EngineOptions { draft_model: Some(draft.clone()), speculative_tokens: 4, ..opts.clone() };
+        let mut e = engine(&path, &with_draft);
+        let spec = drain(&mut e, &requests);
+        let stats = e.stats();
+        assert_same(&plain, &spec, &format!("smollm2 drafted by {}", draft.display()));
+        eprintln!(
+            "smollm2 drafted by {}: {} of {} proposals accepted; {} steps against {}",
+            draft.display(),
+            stats.draft_model_accepted_tokens,
+            stats.draft_model_proposed_tokens,
+            stats.steps,
+            plain_stats.steps
+        );
+        assert!(stats.draft_model_accepted_tokens > 0, "{stats:?}");
+        if all_accepted {
+            assert_eq!(stats.draft_model_accepted_tokens, stats.draft_model_proposed_tokens, "{stats:?}");
+        } else {
+            assert!(stats.draft_model_accepted_tokens < stats.draft_model_proposed_tokens, "{stats:?}");
+        }
+    }
+}
