@@ -190,9 +190,9 @@ pub fn open_engine_sized(args: &ModelArgs, default_max_seqs: usize, prefault: bo
         && std::env::var_os("KYLIN_QUIET").is_none()
     {
         eprintln!(
-            "draft model {}: {} parameters, {} tokens proposed per sequence and step, KV pool {}",
+            "draft model {}: {:.1}M parameters, {} tokens proposed per sequence and step, KV pool {}",
             draft.path().display(),
-            draft.model().parameter_count(),
+            draft.model().parameter_count() as f64 / 1e6,
             engine.speculative_tokens,
             kylin_engine::batch::human_bytes(draft.kv_bytes())
         );
