@@ -1411,6 +1411,9 @@ impl BatchEngine {
                 continue;
             }
             // The draft holds a prefix of the tokens and never the last one.
+            if seq.draft_kv.computed >= len {
+                draft.truncate(&mut seq.draft_kv, &seq.tokens, len - 1);
+            }
             let from = seq.draft_kv.computed;
             let catch_up = len - from;
             if catch_up > left {
@@ -1463,6 +1466,38 @@ impl BatchEngine {
             draft.forward(&self.core.pool);
             round += 1;
         }
+    }
+
+    /// With a draft model, before the forward pass: the draft computes the prompt chunks the
+    /// step schedules (from where its cache ends up to the chunk's end, never a sequence's last
+    /// token, all in one pass of at most its `max_tokens`), so that a sequence's first
+    /// proposals do not wait for the draft to compute its whole prompt. A chunk that does not
+    /// fit is left to the catch-up of [`BatchEngine::propose_with_draft`].
+    fn draft_prefill(&mut self) {
+        let Some(draft) = self.draft.as_mut() else { return };
+        let draft_context = draft.context();
+        let mut left = draft.max_tokens();
+        draft.begin();
+        for s in &self.scheduled {
+            let seq = &mut self.running[s.slot];
+            if s.proposed > 0
+                || seq.is_decoding()
+                || !seq.decoding.may_speculate()
+                || seq.pooling.is_some()
+                || seq.decoding.generates_nothing()
+            {
+                continue;
+            }
+            let from = seq.draft_kv.computed;
+            let end = (seq.computed + s.len).min(seq.tokens.len().saturating_sub(1)).min(draft_context);
+            if end <= from || end - from > left || !draft.grow(&mut seq.draft_kv, end) {
+                continue;
+            }
+            draft.push(&mut seq.draft_kv, &seq.tokens[from..end], false);
+            left -= end - from;
+        }
+        self.stats.draft_model_computed_tokens += draft.planned_tokens() as u64;
+        draft.forward(&self.core.pool);
     }
 
     /// Verifies the proposals of running sequence `slot` once the forward pass computed its
@@ -1776,6 +1811,7 @@ impl BatchEngine {
         if self.scheduled.is_empty() {
             return Ok(());
         }
+        self.draft_prefill();
         self.run_scheduled(events)
     }
 

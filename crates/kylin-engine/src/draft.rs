@@ -4,9 +4,10 @@
 //!
 //! The draft keeps keys and values of its own for every running sequence ([`DraftSeq`]: a
 //! block table in the draft's own [`KvPool`] and how many of the sequence's tokens it holds).
-//! Each step, for the sequences that speculate, the batching engine ([`crate::batch`]) first
-//! lets the draft catch up on the tokens it has not seen (the prompt, the tokens sampled since,
-//! all in one forward pass over every such sequence), which gives the first proposal, then runs
+//! While a prompt is computed, the draft computes the same chunks. Each step, for the
+//! sequences that speculate, the batching engine ([`crate::batch`]) first lets the draft catch
+//! up on the tokens it has not seen (usually those sampled since the last step; all in one
+//! forward pass over every such sequence), which gives the first proposal, then runs
 //! one batched one-token forward pass per further proposal, each fed the previous greedy
 //! proposal. The proposals go to the same verification as the n-gram proposer's: the output is
 //! the target's own, token for token. After the verification the draft's cache is cut back to

@@ -586,3 +586,50 @@ fn a_real_model_with_a_draft_model_keeps_its_outputs() {
         }
     }
 }
+
+#[test]
+fn a_self_draft_accepts_everything_under_preemption_and_prefix_hits() {
+    // The draft's cache follows each sequence through chunked prefill (computed beside the
+    // target's chunks), preemption (released, then computed again) and prefix-cache hits (the
+    // target skips the cached prompt blocks, the draft catches up on them): if it ever held
+    // the wrong keys and values, a proposal would be rejected.
+    let path = fixture("tiny-qwen2-f16");
+    let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
+    let c = &model.config;
+    let shape = kylin_engine::kv_pool::KvShape { n_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
+    let per_block = KvPool::block_bytes(kylin_kernels::WeightDType::F32, &vec![shape; c.num_layers], 16).unwrap();
+    let requests: Vec<Request> = (0..8).map(|i| request(i as u64, prompt(20 + i, 70 + i as u64, 500), 40)).collect();
+    let sized = |o: EngineOptions| EngineOptions { ctx_size: Some(64), max_seqs: 8, max_batch_tokens: 24, ..o };
+    let (plain, _) = run(&path, &sized(options(0)), &requests);
+    let small = EngineOptions { kv_budget: KvBudget::Bytes(12 * per_block), ..sized(draft_options(4, &path)) };
+    let mut e = BatchEngine::new(model, &small).unwrap();
+    let spec = drain(&mut e, &requests);
+    assert_same(&plain, &spec, "self-draft with preemption");
+    let stats = e.stats();
+    assert!(stats.preemptions > 0, "8 sequences of 4 blocks in 12 blocks must preempt");
+    assert!(stats.draft_model_proposed_tokens > 0);
+    assert_eq!(stats.draft_model_accepted_tokens, stats.draft_model_proposed_tokens, "{stats:?}");
+    assert_all_blocks_free(&e);
+    assert_eq!(e.draft().unwrap().blocks_in_use(), 0);
+    // On a pool with room for all: the same requests, then prompts that begin with a
+    // first-round prompt and its first 8 outputs (prefix hits).
+    let mut e = engine(&path, &sized(draft_options(4, &path)));
+    assert_same(&plain, &drain(&mut e, &requests), "self-draft");
+    let second: Vec<Request> = requests
+        .iter()
+        .map(|r| {
+            let mut ids = r.prompt_ids.clone();
+            ids.extend_from_slice(&spec[&(r.id, 0)].ids[..8]);
+            request(100 + r.id, ids, 12)
+        })
+        .collect();
+    let hits_before = e.stats().prefix_cache_hits;
+    let reused = drain(&mut e, &second);
+    assert!(e.stats().prefix_cache_hits > hits_before, "the second round must hit the cache");
+    let (fresh, _) = run(&path, &sized(options(0)), &second);
+    assert_same(&fresh, &reused, "self-draft over cached prefixes");
+    let stats = e.stats();
+    assert_eq!(stats.draft_model_accepted_tokens, stats.draft_model_proposed_tokens, "{stats:?}");
+    assert_all_blocks_free(&e);
+    assert_eq!(e.draft().unwrap().blocks_in_use(), 0);
+}
