@@ -219,8 +219,19 @@ pub struct EngineArgs {
     /// forward pass. Outputs are identical to decoding without it, greedy and seeded sampling
     /// alike. Default 0 (off); refused for models with recurrent layers (Qwen3.5, LFM2,
     /// Qwen3-Next). `run`, `chat` and single-stream `bench` decode one token at a time.
+    /// With --draft-model, K is the number of tokens the draft model proposes per sequence and
+    /// step (default 4 when --draft-model is given without this flag).
     #[arg(long, value_name = "K", visible_alias = "spec-tokens")]
     pub speculative_tokens: Option<usize>,
+    /// Speculative decoding with a draft model instead of n-gram lookup (`serve`, `bench
+    /// --concurrency`): DIR is a smaller Hugging Face model with the same tokenizer and
+    /// vocabulary (e.g. Qwen3-0.6B for Qwen3-8B), run by Kylin's own engine beside the target.
+    /// It proposes --speculative-tokens tokens (default 4) per sequence and step, greedily, and
+    /// the target checks them in one forward pass; outputs are identical to decoding without
+    /// it. A draft with another vocabulary is refused (VOCAB_MISMATCH), and so are targets and
+    /// drafts with recurrent layers (CONFIG_INVALID).
+    #[arg(long, value_name = "DIR")]
+    pub draft_model: Option<std::path::PathBuf>,
     /// Arithmetic of the matrix products (default auto); `f32` reproduces transformers' float32.
     #[arg(long, value_enum)]
     pub precision: Option<PrecisionArg>,

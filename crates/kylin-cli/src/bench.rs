@@ -443,10 +443,14 @@ fn spawn_worker_json(model: &ModelArgs, threads: usize, args: &BenchArgs) -> Res
         ("--kv-dtype", e.kv_dtype.map(|d| crate::args::flag_value(&d))),
         ("--precision", e.precision.map(|p| crate::args::flag_value(&p))),
         ("--quantize", e.quantize.map(|q| crate::args::flag_value(&q))),
+        ("--speculative-tokens", e.speculative_tokens.map(|v| v.to_string())),
     ] {
         if let Some(v) = value {
             cmd.args([flag, &v]);
         }
+    }
+    if let Some(draft) = &e.draft_model {
+        cmd.arg("--draft-model").arg(draft);
     }
     let output = cmd.env("KYLIN_QUIET", "1").output().context("cannot start a bench worker")?;
     let stdout = String::from_utf8_lossy(&output.stdout);

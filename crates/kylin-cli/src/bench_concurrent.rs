@@ -215,8 +215,12 @@ pub fn worker(args: &BenchWorkerArgs, n: usize) -> Result<()> {
         let info = engine.info();
         let vocab = info.vocab_size;
         let core = engine.core();
-        let planned =
-            core.model().weight_bytes_resident() + core.kv_bytes() + core.state_bytes() + core.activation_bytes();
+        let draft = engine.draft().map_or(0, |d| d.model().weight_bytes_resident() + d.kv_bytes());
+        let planned = core.model().weight_bytes_resident()
+            + core.kv_bytes()
+            + core.state_bytes()
+            + core.activation_bytes()
+            + draft;
 
         // Warm-up: every code path once, with a prompt no measured one begins with.
         let warm: Vec<u32> = bench_prompt_seeded(16, vocab, u64::MAX);

@@ -133,10 +133,10 @@ pub fn open(args: &ModelArgs, require_tokenizer: bool) -> Result<Opened> {
     }
     let tokenizer_ms = model.timings.tokenizer_ms;
     // One sequence decodes one token at a time here: speculation is the batching engine's.
-    let engine = EngineOptions { speculative_tokens: 0, ..engine_options(args, threads, 1)? };
-    if args.engine.speculative_tokens.is_some_and(|k| k > 0) {
+    let engine = EngineOptions { speculative_tokens: 0, draft_model: None, ..engine_options(args, threads, 1)? };
+    if args.engine.speculative_tokens.is_some_and(|k| k > 0) || args.engine.draft_model.is_some() {
         tracing_warning(
-            "--speculative-tokens applies to the batching engine (serve, bench --concurrency); ignored here",
+            "--speculative-tokens and --draft-model apply to the batching engine (serve, bench --concurrency); ignored here",
         );
     }
     let backend = NativeBackend::new(
@@ -185,7 +185,19 @@ pub fn open_engine_sized(args: &ModelArgs, default_max_seqs: usize, prefault: bo
         tracing_warning(warning);
     }
     let engine = EngineOptions { prefault, ..engine_options(args, threads, default_max_seqs)? };
-    Ok(Box::new(kylin_engine::batch::BatchEngine::new(model, &engine)?))
+    let batch = kylin_engine::batch::BatchEngine::new(model, &engine)?;
+    if let Some(draft) = batch.draft()
+        && std::env::var_os("KYLIN_QUIET").is_none()
+    {
+        eprintln!(
+            "draft model {}: {:.1}M parameters, {} tokens proposed per sequence and step, KV pool {}",
+            draft.path().display(),
+            draft.model().parameter_count() as f64 / 1e6,
+            engine.speculative_tokens,
+            kylin_engine::batch::human_bytes(draft.kv_bytes())
+        );
+    }
+    Ok(Box::new(batch))
 }
 
 /// Opens an encoder directory (BERT, XLM-R: embeddings or a cross-encoder) as its engine.
@@ -269,7 +281,14 @@ pub fn engine_options(args: &ModelArgs, threads: usize, default_max_seqs: usize)
         quantize: e.quantize.map(QuantizeArg::format),
         quantize_progress: e.quantize.map(|_| quantize_progress_bar()),
         state_snapshots: e.state_snapshots,
-        speculative_tokens: e.speculative_tokens.unwrap_or(0),
+        // A draft model without a count proposes its default number of tokens.
+        speculative_tokens: e.speculative_tokens.unwrap_or(if e.draft_model.is_some() {
+            kylin_engine::draft::DEFAULT_DRAFT_TOKENS
+        } else {
+            0
+        }),
+        draft_model: e.draft_model.clone(),
+        draft_kv_tokens: None,
     })
 }
 

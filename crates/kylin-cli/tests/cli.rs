@@ -656,4 +656,35 @@ fn serve_takes_one_model_or_a_set_of_models_and_says_which_is_missing() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.starts_with("[INPUT_INVALID] ") && err.contains(expected), "{args:?}: {err}");
     }
+
+fn bench_concurrency_with_a_draft_model_accepts_a_self_draft_and_refuses_another_vocabulary() {
+    // A model drafting for itself in greedy decoding: every proposal is accepted.
+    let target = Path::new(SHARED).join("fixtures/tiny-qwen3");
+    let bench = |draft: &Path| {
+        kylin(&[
+            "bench",
+            s(&target),
+            "--concurrency",
+            "2",
+            "--prompt-tokens",
+            "16",
+            "--gen-tokens",
+            "12",
+            "--repetitions",
+            "1",
+            "--draft-model",
+            s(draft),
+            "--json",
+        ])
+    };
+    let out = bench(&target);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let r = json_of(&out);
+    assert_eq!(r["spec_acceptance_rate"].as_f64(), Some(1.0), "{r}");
+    // A draft with another vocabulary size is a typed error naming it.
+    let other = Path::new(SHARED).join("fixtures/tiny-qwen2-f16");
+    let out = bench(&other);
+    assert!(!out.status.success());
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("VOCAB_MISMATCH") && text.contains("tiny-qwen2-f16"), "{text}");
 }

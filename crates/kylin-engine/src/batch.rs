@@ -14,9 +14,11 @@
 //!    queue, to be recomputed later. The engine never fails because the pool is full.
 //!    With speculative decoding on (`EngineOptions::speculative_tokens`), each decoding
 //!    sequence then extends its token with the n-gram proposer's guesses
-//!    ([`crate::speculative`]) as far as the step's spare tokens, logits rows and free blocks
-//!    allow (never preempting for them); after the forward pass they are verified row by row
-//!    with the sequence's sampler and the rejected ones' blocks are dropped.
+//!    ([`crate::speculative`]), or with a draft model's ([`crate::draft`], which first catches
+//!    up on the sequence's tokens in its own KV pool), as far as the step's spare tokens,
+//!    logits rows and free blocks allow (never preempting for them); after the forward pass
+//!    they are verified row by row with the sequence's sampler and the rejected ones' blocks
+//!    are dropped (in the draft's pool too).
 //! 3. Running sequences whose prompt is partly computed get the next chunk, then waiting
 //!    sequences are admitted (FCFS, while fewer than `max_seqs` run) with whatever prefix the
 //!    cache holds for them, and get a chunk, until the step holds `max_batch_tokens` tokens
@@ -33,6 +35,7 @@
 //! a preempted sequence recomputes the same keys and values).
 
 use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use kylin_kernels::{ThreadPool, WeightDType};
@@ -40,6 +43,7 @@ use kylin_loader::task::ModelTask;
 use kylin_loader::{GenerationDefaults, KylinError, LoadedModel, Result};
 
 use crate::backend::ChatMessage;
+use crate::draft::{DraftModel, DraftSeq, DraftTarget};
 use crate::kv_pool::{BlockAllocator, KvPool};
 use crate::model::NO_BLOCK;
 use crate::model::{BatchPlan, Model, PrecisionChoice, QuantFormat, Scratch};
@@ -171,6 +175,14 @@ pub struct EngineOptions {
     /// (`--speculative-tokens`, [`crate::speculative`]); 0 turns it off. Refused for a model
     /// with recurrent layers (their state cannot be rolled back yet).
     pub speculative_tokens: usize,
+    /// A draft model's directory (`--draft-model`): a smaller model with the same vocabulary
+    /// proposes the `speculative_tokens` tokens instead of the n-gram proposer
+    /// ([`crate::draft`]). Only the batching engine runs it; it needs `speculative_tokens > 0`.
+    pub draft_model: Option<PathBuf>,
+    /// Positions the draft model's KV pool holds; `None`: as many as the target's pool plus one
+    /// step's proposals per sequence. A sequence that finds no free draft block does not
+    /// speculate in that step.
+    pub draft_kv_tokens: Option<usize>,
 }
 
 /// A progress callback for the quantization at load: `(done, total)` source bytes.
@@ -200,6 +212,8 @@ impl Default for EngineOptions {
             quantize_progress: None,
             state_snapshots: None,
             speculative_tokens: 0,
+            draft_model: None,
+            draft_kv_tokens: None,
         }
     }
 }
@@ -966,6 +980,9 @@ struct Seq {
     /// With speculative decoding: the segment a speculating step computes, its last sampled
     /// token followed by the proposals (room for `1 + speculative_tokens` planned up front).
     draft: Vec<u32>,
+    /// With a draft model: the sequence's keys and values in the draft's pool, and how many of
+    /// its tokens they hold (empty otherwise, and whenever the sequence is not running).
+    draft_kv: DraftSeq,
 }
 
 impl Seq {
@@ -995,6 +1012,15 @@ struct Scheduled {
     proposed: usize,
 }
 
+/// A sequence the draft model proposes for in this step: `scheduled[i]`, `k` proposals, and
+/// the logits row of the draft's last pass that gives its next one.
+#[derive(Debug, Clone, Copy)]
+struct DraftJob {
+    i: usize,
+    k: usize,
+    row: usize,
+}
+
 impl Scheduled {
     fn new(slot: usize, len: usize, all_rows: bool) -> Self {
         Scheduled { slot, len, logits_row: None, all_rows, first_row: 0, proposed: 0 }
@@ -1019,6 +1045,10 @@ pub struct BatchEngine {
     /// The id of the next request the engine makes for itself (embedding and reranking
     /// inputs), counting up from [`INTERNAL_IDS`].
     next_internal_id: u64,
+    /// The draft model that proposes speculative tokens (`--draft-model`), if any.
+    draft: Option<DraftModel>,
+    /// The sequences the draft proposes for in the current step (room for `max_seqs`).
+    draft_jobs: Vec<DraftJob>,
 }
 
 /// Request ids from here up are the engine's own (the pooled requests behind
@@ -1038,17 +1068,41 @@ impl std::fmt::Debug for BatchEngine {
 impl BatchEngine {
     /// Builds the engine for a model from [`kylin_loader::load`].
     pub fn new(model: LoadedModel, opts: &EngineOptions) -> Result<Self> {
-        let LoadedModel { config, weights, tokenizer, generation, eos_ids, task, .. } = model;
+        let LoadedModel { format, config, weights, tokenizer, generation, eos_ids, task, .. } = model;
         let parts =
             ModelParts { config: &config, weights: &weights, tokenizer: tokenizer.as_ref(), generation, eos_ids };
-        let mut engine = BatchEngine::from_parts(parts, opts)?;
+        let mut engine = BatchEngine::build(parts, opts, format.dir())?;
         engine.task = task;
         Ok(engine)
     }
 
+    /// Builds the engine from bound parts (a draft model's messages then call the target "the
+    /// target model": its directory is not known here).
     pub fn from_parts(parts: ModelParts<'_>, opts: &EngineOptions) -> Result<Self> {
+        BatchEngine::build(parts, opts, None)
+    }
+
+    fn build(parts: ModelParts<'_>, opts: &EngineOptions, target_path: Option<&Path>) -> Result<Self> {
+        let tokenizer = parts.tokenizer;
         let core = EngineCore::new(parts, opts)?;
         let max_seqs = core.max_seqs;
+        let draft = match &opts.draft_model {
+            None => None,
+            Some(_) if core.speculative_tokens == 0 => {
+                return Err(KylinError::config_invalid(
+                    "--draft-model needs --speculative-tokens of at least 1 (the draft tokens per step)",
+                ));
+            }
+            Some(dir) => {
+                let target = DraftTarget {
+                    path: target_path,
+                    vocab: core.model.dims().vocab,
+                    tokenizer,
+                    kv_tokens: core.kv.alloc.total() * core.kv.block_size,
+                };
+                Some(DraftModel::load(dir, &target, opts, core.context, max_seqs, core.max_batch_tokens)?)
+            }
+        };
         Ok(BatchEngine {
             core,
             running: Vec::with_capacity(max_seqs),
@@ -1059,11 +1113,18 @@ impl BatchEngine {
             task: ModelTask::Generate,
             held: Vec::new(),
             next_internal_id: INTERNAL_IDS,
+            draft_jobs: Vec::with_capacity(if draft.is_some() { max_seqs } else { 0 }),
+            draft,
         })
     }
 
     pub fn core(&self) -> &EngineCore {
         &self.core
+    }
+
+    /// The draft model proposing speculative tokens (`--draft-model`), if any.
+    pub fn draft(&self) -> Option<&DraftModel> {
+        self.draft.as_ref()
     }
 
     /// A fresh sequence for choice `index` of `request`, with nothing computed.
@@ -1089,6 +1150,7 @@ impl BatchEngine {
             state: NO_SLOT,
             pooling: request.pooling.clone(),
             draft: Vec::with_capacity(if core.speculative_tokens > 0 { core.speculative_tokens + 1 } else { 0 }),
+            draft_kv: self.draft.as_ref().map_or_else(DraftSeq::default, DraftModel::new_seq),
         }
     }
 
@@ -1102,6 +1164,9 @@ impl BatchEngine {
             seq.state = NO_SLOT;
         }
         seq.kv.release_all(&mut self.core.allocs());
+        if let Some(draft) = &mut self.draft {
+            draft.release(&mut seq.draft_kv);
+        }
     }
 
     /// Ends a sequence that is not running (waiting or never admitted).
@@ -1193,7 +1258,9 @@ impl BatchEngine {
         //     token with the n-gram proposer's guesses, as far as the step's tokens, its logits
         //     rows and the free blocks allow; proposals never preempt anyone.
         let mut rows = self.core.prompt_rows;
-        if self.core.speculative_tokens > 0 {
+        if self.draft.is_some() {
+            self.propose_with_draft(&mut budget, &mut rows);
+        } else if self.core.speculative_tokens > 0 {
             self.propose(&mut budget, &mut rows);
         }
 
@@ -1313,6 +1380,126 @@ impl BatchEngine {
         }
     }
 
+    /// Step 2b with a draft model: like [`BatchEngine::propose`], with the draft's greedy
+    /// guesses. Each speculating sequence first lets the draft catch up on its tokens the
+    /// draft has not computed (all such sequences in one draft pass of at most the draft's
+    /// `max_tokens`; a sequence whose catch-up does not fit computes a chunk of it and proposes
+    /// from a later step), whose last row gives its first proposal; then one batched one-token
+    /// draft pass per further proposal, fed the previous one.
+    fn propose_with_draft(&mut self, budget: &mut usize, rows: &mut usize) {
+        let Some(draft) = self.draft.as_mut() else { return };
+        let bs = self.core.kv.block_size;
+        let draft_context = draft.context();
+        let mut left = draft.max_tokens();
+        self.draft_jobs.clear();
+        draft.begin();
+        // 1. Who proposes how many, and the catch-up pass.
+        for i in 0..self.scheduled.len() {
+            if *budget == 0 || *rows == 0 || left == 0 {
+                break;
+            }
+            let seq = &mut self.running[self.scheduled[i].slot];
+            let len = seq.tokens.len();
+            if !seq.decoding.may_speculate() || len > draft_context {
+                continue;
+            }
+            // As for the n-gram proposer, and the draft computes positions up to `len + k - 2`.
+            let room = self.core.context.saturating_sub(len);
+            let k = self.core.speculative_tokens.min(*budget).min(*rows).min(room);
+            let k = k.min(seq.decoding.remaining().saturating_sub(1)).min(draft_context + 1 - len);
+            if k == 0 {
+                continue;
+            }
+            // The draft holds a prefix of the tokens and never the last one.
+            if seq.draft_kv.computed >= len {
+                draft.truncate(&mut seq.draft_kv, &seq.tokens, len - 1);
+            }
+            let from = seq.draft_kv.computed;
+            let catch_up = len - from;
+            if catch_up > left {
+                let end = from + left;
+                if draft.grow(&mut seq.draft_kv, end) {
+                    draft.push(&mut seq.draft_kv, &seq.tokens[from..end], false);
+                    left = 0;
+                }
+                continue;
+            }
+            if !draft.grow(&mut seq.draft_kv, len + k - 1) {
+                continue;
+            }
+            let proposes = seq.kv.grow(&mut self.core.allocs(), seq.computed + 1 + k, bs);
+            let row = draft.push(&mut seq.draft_kv, &seq.tokens[from..len], proposes);
+            left -= catch_up;
+            let Some(row) = row else { continue };
+            seq.draft.clear();
+            seq.draft.push(seq.tokens[seq.computed]);
+            self.scheduled[i].len = 1 + k;
+            self.scheduled[i].proposed = k;
+            *budget -= k;
+            *rows -= k;
+            self.draft_jobs.push(DraftJob { i, k, row });
+        }
+        self.stats.draft_model_computed_tokens += draft.planned_tokens() as u64;
+        draft.forward(&self.core.pool);
+        // 2. The first proposals, then one pass per further one.
+        let mut round = 1;
+        loop {
+            for job in &self.draft_jobs {
+                if job.k >= round {
+                    let id = draft.greedy(job.row);
+                    self.running[self.scheduled[job.i].slot].draft.push(id);
+                }
+            }
+            if !self.draft_jobs.iter().any(|job| job.k > round) {
+                break;
+            }
+            draft.begin();
+            for job in &mut self.draft_jobs {
+                if job.k > round {
+                    let seq = &mut self.running[self.scheduled[job.i].slot];
+                    let last = seq.draft[round];
+                    // Planned: `grow` above covered the position.
+                    job.row = draft.push(&mut seq.draft_kv, &[last], true).unwrap_or(0);
+                }
+            }
+            self.stats.draft_model_computed_tokens += draft.planned_tokens() as u64;
+            draft.forward(&self.core.pool);
+            round += 1;
+        }
+    }
+
+    /// With a draft model, before the forward pass: the draft computes the prompt chunks the
+    /// step schedules (from where its cache ends up to the chunk's end, never a sequence's last
+    /// token, all in one pass of at most its `max_tokens`), so that a sequence's first
+    /// proposals do not wait for the draft to compute its whole prompt. A chunk that does not
+    /// fit is left to the catch-up of [`BatchEngine::propose_with_draft`].
+    fn draft_prefill(&mut self) {
+        let Some(draft) = self.draft.as_mut() else { return };
+        let draft_context = draft.context();
+        let mut left = draft.max_tokens();
+        draft.begin();
+        for s in &self.scheduled {
+            let seq = &mut self.running[s.slot];
+            if s.proposed > 0
+                || seq.is_decoding()
+                || !seq.decoding.may_speculate()
+                || seq.pooling.is_some()
+                || seq.decoding.generates_nothing()
+            {
+                continue;
+            }
+            let from = seq.draft_kv.computed;
+            let end = (seq.computed + s.len).min(seq.tokens.len().saturating_sub(1)).min(draft_context);
+            if end <= from || end - from > left || !draft.grow(&mut seq.draft_kv, end) {
+                continue;
+            }
+            draft.push(&mut seq.draft_kv, &seq.tokens[from..end], false);
+            left -= end - from;
+        }
+        self.stats.draft_model_computed_tokens += draft.planned_tokens() as u64;
+        draft.forward(&self.core.pool);
+    }
+
     /// Verifies the proposals of running sequence `slot` once the forward pass computed its
     /// draft (logits rows `first_row..=first_row + proposed`): samples row by row with the
     /// sequence's own sampler, emitting every sampled token, and goes on to the next row while
@@ -1352,6 +1539,13 @@ impl BatchEngine {
         }
         self.stats.speculative_proposed_tokens += proposed as u64;
         self.stats.speculative_accepted_tokens += (emitted - 1) as u64;
+        if let Some(draft) = &mut self.draft {
+            self.stats.draft_model_proposed_tokens += proposed as u64;
+            self.stats.draft_model_accepted_tokens += (emitted - 1) as u64;
+            // The draft computed the last token and its proposals but the last; positions up
+            // to the last emitted token hold what it computed there (the accepted proposals).
+            draft.truncate(&mut seq.draft_kv, &seq.tokens, seq.computed + emitted);
+        }
         // The last token and the accepted proposals were computed with the tokens the sequence
         // now holds at their positions; the blocks past them go back to the pool, never
         // registered, and the kept last block's rejected positions are overwritten later.
@@ -1617,6 +1811,7 @@ impl BatchEngine {
         if self.scheduled.is_empty() {
             return Ok(());
         }
+        self.draft_prefill();
         self.run_scheduled(events)
     }
 

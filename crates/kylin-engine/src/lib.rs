@@ -5,6 +5,7 @@
 pub mod backend;
 pub mod batch;
 pub mod detok;
+pub mod draft;
 pub mod encoder;
 pub mod encoder_serving;
 pub mod generate;

@@ -228,6 +228,13 @@ pub struct EngineStats {
     /// keys and values kept; every emitted token is also in `generation_tokens_total`).
     pub speculative_proposed_tokens: u64,
     pub speculative_accepted_tokens: u64,
+    /// The share of those two that a draft model (`--draft-model`) proposed: its proposals and
+    /// the accepted ones (0 with the n-gram proposer).
+    pub draft_model_proposed_tokens: u64,
+    pub draft_model_accepted_tokens: u64,
+    /// Tokens the draft model computed: catching up on the sequences' tokens and feeding its
+    /// own proposals back (the cost of its proposals).
+    pub draft_model_computed_tokens: u64,
 }
 
 impl EngineStats {

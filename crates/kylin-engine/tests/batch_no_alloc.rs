@@ -32,17 +32,23 @@ fn a_step_with_eight_running_sequences_allocates_nothing() {
         || std::path::PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/kylin-models"),
         std::path::PathBuf::from,
     );
-    // The last element is `--speculative-tokens`: with it, the n-gram proposer proposes from
-    // prompts that repeat themselves, and the verification rolls rejected proposals back.
-    for (path, precision, quantize, speculative_tokens) in [
-        (fixture("tiny-qwen2-f16"), PrecisionChoice::F32, None, 0),
-        (fixture("tiny-qwen3-yarn"), PrecisionChoice::F32, None, 0),
-        (fixture("tiny-qwen3-yarn"), PrecisionChoice::Auto, None, 0),
-        (fixture("tiny-qwen3-yarn"), PrecisionChoice::Auto, Some(QuantFormat::Q8_0), 0),
-        (models.join("smollm2-135m-instruct"), PrecisionChoice::Auto, Some(QuantFormat::Q4K), 0),
+    // The fourth element is `--speculative-tokens`: with it, the n-gram proposer proposes from
+    // prompts that repeat themselves, and the verification rolls rejected proposals back. The
+    // last is `--draft-model`: the draft's catch-up and proposal passes, its block tables and
+    // its rollback after the verification allocate nothing either.
+    let none = None::<std::path::PathBuf>;
+    for (path, precision, quantize, speculative_tokens, draft_model) in [
+        (fixture("tiny-qwen2-f16"), PrecisionChoice::F32, None, 0, none.clone()),
+        (fixture("tiny-qwen3-yarn"), PrecisionChoice::F32, None, 0, none.clone()),
+        (fixture("tiny-qwen3-yarn"), PrecisionChoice::Auto, None, 0, none.clone()),
+        (fixture("tiny-qwen3-yarn"), PrecisionChoice::Auto, Some(QuantFormat::Q8_0), 0, none.clone()),
+        (models.join("smollm2-135m-instruct"), PrecisionChoice::Auto, Some(QuantFormat::Q4K), 0, none.clone()),
         // A hybrid model: eight live states updated in place by the Gated DeltaNet layers.
-        (Path::new(SHARED).join("families/fixtures/tiny-qwen3.5"), PrecisionChoice::F32, None, 0),
-        (fixture("tiny-qwen3"), PrecisionChoice::F32, None, 4),
+        (Path::new(SHARED).join("families/fixtures/tiny-qwen3.5"), PrecisionChoice::F32, None, 0, none.clone()),
+        (fixture("tiny-qwen3"), PrecisionChoice::F32, None, 4, none.clone()),
+        (fixture("tiny-qwen3"), PrecisionChoice::F32, None, 4, Some(fixture("tiny-qwen3"))),
+        // A draft whose proposals are all rejected (another model of the same vocabulary).
+        (fixture("tiny-qwen3-yarn"), PrecisionChoice::F32, None, 4, Some(fixture("tiny-qwen2-f16"))),
     ] {
         let name = path.display();
         let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
@@ -53,6 +59,7 @@ fn a_step_with_eight_running_sequences_allocates_nothing() {
             precision,
             quantize,
             speculative_tokens,
+            draft_model,
             ..EngineOptions::default()
         };
         let mut engine = BatchEngine::new(model, &opts).unwrap();

@@ -304,3 +304,332 @@ fn a_real_model_copying_code_accepts_proposals_with_identical_outputs() {
     );
     assert!(stats.speculative_accepted_tokens > 0, "{stats:?}");
 }
+
+// Draft-model speculative decoding (`EngineOptions::draft_model`): a second model with the
+// target's vocabulary proposes the tokens; the outputs stay those of decoding without
+// speculation.
+
+fn draft_options(speculative_tokens: usize, draft: &Path) -> EngineOptions {
+    EngineOptions { draft_model: Some(draft.to_path_buf()), ..options(speculative_tokens) }
+}
+
+/// A copy of tiny-qwen3 that keeps only its first layer (its weights and tokenizer linked, its
+/// `config.json` rewritten): a smaller model with the same tokenizer whose guesses the target
+/// rejects now and then.
+fn first_layer_of_tiny_qwen3(dir: &Path) -> PathBuf {
+    let source = fixture("tiny-qwen3");
+    let out = dir.join("tiny-qwen3-one-layer");
+    std::fs::create_dir_all(&out).unwrap();
+    for name in ["model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+        std::os::unix::fs::symlink(source.join(name), out.join(name)).unwrap();
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(source.join("config.json")).unwrap()).unwrap();
+    config["num_hidden_layers"] = 1.into();
+    config["layer_types"] = serde_json::json!(["full_attention"]);
+    std::fs::write(out.join("config.json"), config.to_string()).unwrap();
+    out
+}
+
+/// Runs `requests` with draft model `draft` and `k` tokens; checks the pools are empty after.
+fn run_with_draft(path: &Path, draft: &Path, k: usize, requests: &[Request]) -> (Outputs, EngineStats) {
+    let mut e = engine(path, &draft_options(k, draft));
+    let out = drain(&mut e, requests);
+    assert_all_blocks_free(&e);
+    assert_eq!(e.draft().unwrap().blocks_in_use(), 0, "draft blocks still held after all requests ended");
+    (out, e.stats())
+}
+
+#[test]
+fn greedy_outputs_with_a_draft_model_equal_those_without() {
+    let tmp = tempfile::tempdir().unwrap();
+    let one_layer = first_layer_of_tiny_qwen3(tmp.path());
+    // (target, draft, the draft is the target): a layer-skipping draft sharing the tokenizer;
+    // other fixtures of the same vocabulary (a Qwen2 in F16 and a Qwen3 with YaRN, two layers,
+    // for a three-layer Qwen3); a sliding-window model drafting for itself (the draft's own
+    // sliding pool).
+    let pairs = [
+        (fixture("tiny-qwen3"), one_layer.clone(), false),
+        (fixture("tiny-qwen3-sharded-f32"), fixture("tiny-qwen2-f16"), false),
+        (fixture("tiny-qwen3-sharded-f32"), fixture("tiny-qwen3-yarn"), false),
+        (fixture("tiny-mistral-w5-mqa"), fixture("tiny-mistral-w5-mqa"), true),
+    ];
+    for (target, draft, same) in &pairs {
+        let what = format!("{} drafted by {}", target.display(), draft.display());
+        let requests = mixed_requests(40);
+        let (plain, plain_stats) = run(target, &options(0), &requests);
+        let mut rejected = 0;
+        for k in [1, 4] {
+            let (spec, stats) = run_with_draft(target, draft, k, &requests);
+            assert_same(&plain, &spec, &format!("{what}, {k} draft tokens"));
+            assert!(stats.speculative_proposed_tokens > 0, "{what}: nothing was proposed");
+            assert_eq!(stats.draft_model_proposed_tokens, stats.speculative_proposed_tokens);
+            assert_eq!(stats.draft_model_accepted_tokens, stats.speculative_accepted_tokens);
+            assert!(stats.draft_model_computed_tokens > 0);
+            assert!(stats.speculative_accepted_tokens <= stats.speculative_proposed_tokens);
+            assert_eq!(stats.generation_tokens_total, plain_stats.generation_tokens_total);
+            rejected += stats.speculative_proposed_tokens - stats.speculative_accepted_tokens;
+            eprintln!(
+                "{what}, k = {k}: {} of {} proposals accepted; {} steps against {}",
+                stats.speculative_accepted_tokens, stats.speculative_proposed_tokens, stats.steps, plain_stats.steps
+            );
+        }
+        if *same {
+            assert_eq!(rejected, 0, "{what}: a model drafting for itself has every greedy proposal accepted");
+        } else {
+            assert!(rejected > 0, "{what}: a different draft must have some proposals rejected");
+        }
+    }
+}
+
+#[test]
+fn seeded_sampling_with_a_draft_model_equals_sampling_without() {
+    let tmp = tempfile::tempdir().unwrap();
+    let draft = first_layer_of_tiny_qwen3(tmp.path());
+    let path = fixture("tiny-qwen3");
+    let mut requests = mixed_requests(40);
+    for (i, r) in requests.iter_mut().enumerate() {
+        r.sampling = SamplingParams {
+            temperature: 0.7,
+            top_p: 0.9,
+            top_k: 50,
+            seed: 100 + i as u64,
+            ..SamplingParams::greedy()
+        };
+    }
+    // A request with two choices: its second choice forks after the prompt, and the draft
+    // catches up on it from the start.
+    requests[1].n = 2;
+    let (plain, _) = run(&path, &options(0), &requests);
+    for draft in [draft.as_path(), path.as_path()] {
+        let (spec, stats) = run_with_draft(&path, draft, 4, &requests);
+        assert_same(&plain, &spec, &format!("seeded sampling drafted by {}", draft.display()));
+        assert!(stats.draft_model_proposed_tokens > 0);
+        assert!(stats.draft_model_accepted_tokens > 0, "{stats:?}");
+    }
+}
+
+#[test]
+fn a_model_drafting_for_itself_has_every_greedy_proposal_accepted() {
+    // The draft computes the target's logits bit for bit (batch invariance), so its greedy
+    // guesses are what greedy sampling picks: every proposal is accepted and each step emits
+    // `k + 1` tokens per sequence.
+    let path = fixture("tiny-qwen3");
+    let requests = mixed_requests(40);
+    let (plain, plain_stats) = run(&path, &options(0), &requests);
+    let (spec, stats) = run_with_draft(&path, &path, 4, &requests);
+    assert_same(&plain, &spec, "self-draft");
+    eprintln!(
+        "self-draft: {} of {} proposals accepted; {} steps against {}",
+        stats.speculative_accepted_tokens, stats.speculative_proposed_tokens, stats.steps, plain_stats.steps
+    );
+    assert!(stats.draft_model_proposed_tokens > 0);
+    assert_eq!(stats.draft_model_accepted_tokens, stats.draft_model_proposed_tokens, "{stats:?}");
+    assert!(stats.steps * 2 < plain_stats.steps, "every proposal accepted must save steps: {stats:?}");
+}
+
+#[test]
+fn preemption_under_a_small_kv_budget_keeps_draft_model_outputs_identical() {
+    let path = fixture("tiny-qwen2-f16");
+    let draft = fixture("tiny-qwen3-yarn");
+    let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
+    let c = &model.config;
+    let shape = kylin_engine::kv_pool::KvShape { n_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
+    let per_block = KvPool::block_bytes(kylin_kernels::WeightDType::F32, &vec![shape; c.num_layers], 16).unwrap();
+    let requests: Vec<Request> = (0..8).map(|i| request(i as u64, prompt(20 + i, 50 + i as u64, 500), 40)).collect();
+    let roomy = EngineOptions { ctx_size: Some(64), max_seqs: 8, ..options(0) };
+    let (plain, _) = run(&path, &roomy, &requests);
+    let small = EngineOptions { kv_budget: KvBudget::Bytes(12 * per_block), ..draft_options(4, &draft) };
+    let mut e = BatchEngine::new(model, &EngineOptions { ctx_size: Some(64), max_seqs: 8, ..small }).unwrap();
+    let spec = drain(&mut e, &requests);
+    assert_same(&plain, &spec, "draft model with preemption");
+    let stats = e.stats();
+    assert!(stats.preemptions > 0, "8 sequences of 4 blocks in 12 blocks must preempt");
+    assert!(stats.draft_model_proposed_tokens > 0);
+    assert_all_blocks_free(&e);
+    assert_eq!(e.draft().unwrap().blocks_in_use(), 0);
+}
+
+#[test]
+fn a_draft_model_with_another_vocabulary_is_refused_with_a_typed_error() {
+    let target = fixture("tiny-qwen3");
+    let refuse = |draft: &Path| {
+        let model = kylin_loader::load(&target, &kylin_loader::LoadOptions::default()).unwrap();
+        BatchEngine::new(model, &draft_options(4, draft)).unwrap_err()
+    };
+    // Another vocabulary size: both directories and both sizes are named.
+    let other = fixture("tiny-qwen2-f16");
+    let err = refuse(&other);
+    assert_eq!(err.code(), ErrorCode::VocabMismatch, "{err}");
+    for part in [target.display().to_string(), other.display().to_string(), "151936".into(), "got 1024".into()] {
+        assert!(err.message.contains(&part), "{part:?} missing from: {}", err.message);
+    }
+    // The same size, but a tokenizer that gives one token another string.
+    let tmp = tempfile::tempdir().unwrap();
+    let renamed = tmp.path().join("swapped-tokens");
+    std::fs::create_dir_all(&renamed).unwrap();
+    for name in ["model.safetensors", "config.json", "tokenizer_config.json", "generation_config.json"] {
+        std::os::unix::fs::symlink(target.join(name), renamed.join(name)).unwrap();
+    }
+    let mut tokenizer: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(target.join("tokenizer.json")).unwrap()).unwrap();
+    // "hello" and "world" swap ids (the merges still name tokens of the vocabulary).
+    let vocab = tokenizer["model"]["vocab"].as_object_mut().unwrap();
+    let (hello, world) = (vocab["hello"].as_u64().unwrap(), vocab["world"].as_u64().unwrap());
+    vocab.insert("hello".into(), world.into());
+    vocab.insert("world".into(), hello.into());
+    std::fs::write(renamed.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    let err = refuse(&renamed);
+    assert_eq!(err.code(), ErrorCode::VocabMismatch, "{err}");
+    // The differing token with the smaller id is named, with both ids.
+    let (first, other) = (hello.min(world), hello.max(world));
+    assert!(err.message.contains(&format!("expected id {first} (the target's), got {other}")), "{}", err.message);
+    assert!(err.message.contains(&renamed.display().to_string()), "{}", err.message);
+}
+
+#[test]
+fn draft_models_are_refused_for_hybrid_targets_and_as_hybrid_drafts() {
+    // A hybrid target refuses speculation whatever proposes.
+    let hybrid = fixture("tiny-qwen3.5");
+    let model = kylin_loader::load(&hybrid, &kylin_loader::LoadOptions::default()).unwrap();
+    let err = BatchEngine::new(model, &draft_options(4, &fixture("tiny-qwen3-sharded-f32"))).unwrap_err();
+    assert_eq!(err.code(), ErrorCode::ConfigInvalid, "{err}");
+    assert!(err.message.contains("speculative"), "{}", err.message);
+    // A hybrid draft (the same vocabulary size) cannot be rolled back either.
+    let target = fixture("tiny-qwen3-sharded-f32");
+    let model = kylin_loader::load(&target, &kylin_loader::LoadOptions::default()).unwrap();
+    let err = BatchEngine::new(model, &draft_options(4, &hybrid)).unwrap_err();
+    assert_eq!(err.code(), ErrorCode::ConfigInvalid, "{err}");
+    assert!(err.message.contains("recurrent") && err.message.contains("draft model"), "{}", err.message);
+    // A draft model needs draft tokens.
+    let model = kylin_loader::load(&target, &kylin_loader::LoadOptions::default()).unwrap();
+    let err = BatchEngine::new(model, &draft_options(0, &target)).unwrap_err();
+    assert_eq!(err.code(), ErrorCode::ConfigInvalid, "{err}");
+    assert!(err.message.contains("--speculative-tokens"), "{}", err.message);
+}
+
+#[test]
+fn a_draft_model_out_of_blocks_proposes_less_with_identical_outputs() {
+    // A draft pool of 10 blocks of 16 positions for six sequences of up to 88 tokens: the
+    // sequences that find no free draft block decode one token at a time until others end.
+    let path = fixture("tiny-qwen3");
+    let requests = mixed_requests(40);
+    let (plain, _) = run(&path, &options(0), &requests);
+    let (_, roomy) = run_with_draft(&path, &path, 4, &requests);
+    let small = EngineOptions { draft_kv_tokens: Some(160), block_size: Some(16), ..draft_options(4, &path) };
+    let mut e = engine(&path, &small);
+    assert_eq!(e.draft().unwrap().total_blocks(), 10);
+    let spec = drain(&mut e, &requests);
+    assert_same(&plain, &spec, "a draft pool too small for every sequence");
+    assert_all_blocks_free(&e);
+    assert_eq!(e.draft().unwrap().blocks_in_use(), 0);
+    let stats = e.stats();
+    eprintln!(
+        "{} proposals with a small draft pool, {} with a roomy one",
+        stats.draft_model_proposed_tokens, roomy.draft_model_proposed_tokens
+    );
+    assert!(stats.draft_model_proposed_tokens > 0);
+    assert!(stats.draft_model_proposed_tokens < roomy.draft_model_proposed_tokens);
+    assert_eq!(stats.draft_model_accepted_tokens, stats.draft_model_proposed_tokens);
+}
+
+#[test]
+fn a_real_model_with_a_draft_model_keeps_its_outputs() {
+    // SmolLM2-135M drafting for itself (every greedy proposal accepted) and its first 8 of 30
+    // layers as a draft (a layer-skipping draft with the real tokenizer: some proposals
+    // accepted, some rejected), on a request that copies code and two free-form ones.
+    let path = smollm2();
+    let tmp = tempfile::tempdir().unwrap();
+    let skip = tmp.path().join("smollm2-first-8-layers");
+    std::fs::create_dir_all(&skip).unwrap();
+    for entry in std::fs::read_dir(&path).unwrap() {
+        let name = entry.unwrap().file_name();
+        if name != "config.json" {
+            std::os::unix::fs::symlink(path.join(&name), skip.join(&name)).unwrap();
+        }
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path.join("config.json")).unwrap()).unwrap();
+    config["num_hidden_layers"] = 8.into();
+    std::fs::write(skip.join("config.json"), config.to_string()).unwrap();
+
+    let opts = EngineOptions { ctx_size: Some(512), max_batch_tokens: 128, ..options(0) };
+    let e = engine(&path, &opts);
+    let code = "def total(items):\n    result = 0\n    for item in items:\n        result += item.price * item.count\n    return result\n";
+    let copy = format!("Here is a function:\n{code}\nHere is the same function again, unchanged:\n");
+    let requests: Vec<Request> = [copy.as_str(), "Write a short poem about the sea.", "The capital of France is"]
+        .iter()
+        .enumerate()
+        .map(|(i, text)| request(i as u64, e.tokenize(text, true).unwrap(), 32))
+        .collect();
+    drop(e);
+    let (plain, plain_stats) = run(&path, &opts, &requests);
+    for (draft, all_accepted) in [(path.clone(), true), (skip, false)] {
+        let with_draft = EngineOptions { draft_model: Some(draft.clone()), speculative_tokens: 4, ..opts.clone() };
+        let mut e = engine(&path, &with_draft);
+        let spec = drain(&mut e, &requests);
+        let stats = e.stats();
+        assert_same(&plain, &spec, &format!("smollm2 drafted by {}", draft.display()));
+        eprintln!(
+            "smollm2 drafted by {}: {} of {} proposals accepted; {} steps against {}",
+            draft.display(),
+            stats.draft_model_accepted_tokens,
+            stats.draft_model_proposed_tokens,
+            stats.steps,
+            plain_stats.steps
+        );
+        assert!(stats.draft_model_accepted_tokens > 0, "{stats:?}");
+        if all_accepted {
+            assert_eq!(stats.draft_model_accepted_tokens, stats.draft_model_proposed_tokens, "{stats:?}");
+        } else {
+            assert!(stats.draft_model_accepted_tokens < stats.draft_model_proposed_tokens, "{stats:?}");
+        }
+    }
+}
+
+#[test]
+fn a_self_draft_accepts_everything_under_preemption_and_prefix_hits() {
+    // The draft's cache follows each sequence through chunked prefill (computed beside the
+    // target's chunks), preemption (released, then computed again) and prefix-cache hits (the
+    // target skips the cached prompt blocks, the draft catches up on them): if it ever held
+    // the wrong keys and values, a proposal would be rejected.
+    let path = fixture("tiny-qwen2-f16");
+    let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
+    let c = &model.config;
+    let shape = kylin_engine::kv_pool::KvShape { n_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
+    let per_block = KvPool::block_bytes(kylin_kernels::WeightDType::F32, &vec![shape; c.num_layers], 16).unwrap();
+    let requests: Vec<Request> = (0..8).map(|i| request(i as u64, prompt(20 + i, 70 + i as u64, 500), 40)).collect();
+    let sized = |o: EngineOptions| EngineOptions { ctx_size: Some(64), max_seqs: 8, max_batch_tokens: 24, ..o };
+    let (plain, _) = run(&path, &sized(options(0)), &requests);
+    let small = EngineOptions { kv_budget: KvBudget::Bytes(12 * per_block), ..sized(draft_options(4, &path)) };
+    let mut e = BatchEngine::new(model, &small).unwrap();
+    let spec = drain(&mut e, &requests);
+    assert_same(&plain, &spec, "self-draft with preemption");
+    let stats = e.stats();
+    assert!(stats.preemptions > 0, "8 sequences of 4 blocks in 12 blocks must preempt");
+    assert!(stats.draft_model_proposed_tokens > 0);
+    assert_eq!(stats.draft_model_accepted_tokens, stats.draft_model_proposed_tokens, "{stats:?}");
+    assert_all_blocks_free(&e);
+    assert_eq!(e.draft().unwrap().blocks_in_use(), 0);
+    // On a pool with room for all: the same requests, then prompts that begin with a
+    // first-round prompt and its first 8 outputs (prefix hits).
+    let mut e = engine(&path, &sized(draft_options(4, &path)));
+    assert_same(&plain, &drain(&mut e, &requests), "self-draft");
+    let second: Vec<Request> = requests
+        .iter()
+        .map(|r| {
+            let mut ids = r.prompt_ids.clone();
+            ids.extend_from_slice(&spec[&(r.id, 0)].ids[..8]);
+            request(100 + r.id, ids, 12)
+        })
+        .collect();
+    let hits_before = e.stats().prefix_cache_hits;
+    let reused = drain(&mut e, &second);
+    assert!(e.stats().prefix_cache_hits > hits_before, "the second round must hit the cache");
+    let (fresh, _) = run(&path, &sized(options(0)), &second);
+    assert_same(&fresh, &reused, "self-draft over cached prefixes");
+    let stats = e.stats();
+    assert_eq!(stats.draft_model_accepted_tokens, stats.draft_model_proposed_tokens, "{stats:?}");
+    assert_all_blocks_free(&e);
+    assert_eq!(e.draft().unwrap().blocks_in_use(), 0);
+}

@@ -200,6 +200,12 @@ impl Metrics {
             stats.speculative_accepted_tokens.to_string(),
         );
         metric(
+            "kylin:spec_decode_draft_model_computed_tokens_total",
+            "counter",
+            "Tokens the draft model (--draft-model) computed: catching up on sequences and feeding back its proposals.",
+            stats.draft_model_computed_tokens.to_string(),
+        );
+        metric(
             "kylin:request_rejected_queue_full_total",
             "counter",
             "Requests refused with 429 because the queue was full.",
