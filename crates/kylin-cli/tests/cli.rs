@@ -656,7 +656,9 @@ fn serve_takes_one_model_or_a_set_of_models_and_says_which_is_missing() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.starts_with("[INPUT_INVALID] ") && err.contains(expected), "{args:?}: {err}");
     }
+}
 
+#[test]
 fn bench_concurrency_with_a_draft_model_accepts_a_self_draft_and_refuses_another_vocabulary() {
     // A model drafting for itself in greedy decoding: every proposal is accepted.
     let target = Path::new(SHARED).join("fixtures/tiny-qwen3");
