@@ -214,9 +214,9 @@ pub struct EngineArgs {
     #[arg(long)]
     pub state_snapshots: Option<usize>,
     /// N-gram speculative decoding (prompt lookup) in the batching engine (`serve`, `bench
-    /// --concurrency`): each decoding sequence proposes up to K tokens per step by finding its
-    /// last 3, 2 or 1 tokens earlier in its prompt and output, and checks them in the same
-    /// forward pass. Outputs are identical to decoding without it, greedy and seeded sampling
+    /// --concurrency`): each decoding sequence proposes up to K tokens per step by finding the
+    /// longest of its last 8 down to 1 tokens earlier in its prompt and output, and checks them
+    /// in the same forward pass; the length adapts to how its proposals fare. Outputs are identical to decoding without it, greedy and seeded sampling
     /// alike. Default 0 (off); refused for models with recurrent layers (Qwen3.5, LFM2,
     /// Qwen3-Next). `run`, `chat` and single-stream `bench` decode one token at a time.
     /// With --draft-model, K is the number of tokens the draft model proposes per sequence and

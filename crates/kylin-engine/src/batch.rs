@@ -55,7 +55,7 @@ use crate::serving::{
     EmbeddingInfo, EngineInfo, EngineStats, Event, EventKind, Pooled, Request, Serving, StatePoolInfo, StopReason,
     Usage,
 };
-use crate::speculative::{MAX_SPECULATIVE_TOKENS, propose_ngram};
+use crate::speculative::{MAX_SPECULATIVE_TOKENS, SpeculationControl, propose_ngram};
 use crate::state_pool::{NO_SLOT, StatePool};
 use crate::text::TextCodec;
 
@@ -980,6 +980,8 @@ struct Seq {
     /// With speculative decoding: the segment a speculating step computes, its last sampled
     /// token followed by the proposals (room for `1 + speculative_tokens` planned up front).
     draft: Vec<u32>,
+    /// How many tokens it proposes next (adapted to how its proposals fared).
+    speculation: SpeculationControl,
     /// With a draft model: the sequence's keys and values in the draft's pool, and how many of
     /// its tokens they hold (empty otherwise, and whenever the sequence is not running).
     draft_kv: DraftSeq,
@@ -1150,6 +1152,7 @@ impl BatchEngine {
             state: NO_SLOT,
             pooling: request.pooling.clone(),
             draft: Vec::with_capacity(if core.speculative_tokens > 0 { core.speculative_tokens + 1 } else { 0 }),
+            speculation: SpeculationControl::default(),
             draft_kv: self.draft.as_ref().map_or_else(DraftSeq::default, DraftModel::new_seq),
         }
     }
@@ -1367,6 +1370,10 @@ impl BatchEngine {
             if k == 0 {
                 continue;
             }
+            let k = k.min(seq.speculation.next_len(self.core.speculative_tokens));
+            if k == 0 {
+                continue;
+            }
             seq.draft.clear();
             seq.draft.push(seq.tokens[seq.computed]);
             let proposed = propose_ngram(&seq.tokens, k, &mut seq.draft);
@@ -1407,6 +1414,10 @@ impl BatchEngine {
             let room = self.core.context.saturating_sub(len);
             let k = self.core.speculative_tokens.min(*budget).min(*rows).min(room);
             let k = k.min(seq.decoding.remaining().saturating_sub(1)).min(draft_context + 1 - len);
+            if k == 0 {
+                continue;
+            }
+            let k = k.min(seq.speculation.next_len(self.core.speculative_tokens));
             if k == 0 {
                 continue;
             }
@@ -1539,6 +1550,10 @@ impl BatchEngine {
         }
         self.stats.speculative_proposed_tokens += proposed as u64;
         self.stats.speculative_accepted_tokens += (emitted - 1) as u64;
+        // A choice that ended on a proposal's row says nothing about the rows after it.
+        if reason.is_none() {
+            seq.speculation.update(proposed, emitted - 1, self.core.speculative_tokens);
+        }
         if let Some(draft) = &mut self.draft {
             self.stats.draft_model_proposed_tokens += proposed as u64;
             self.stats.draft_model_accepted_tokens += (emitted - 1) as u64;

@@ -578,11 +578,14 @@ fn a_real_model_with_a_draft_model_keeps_its_outputs() {
             stats.steps,
             plain_stats.steps
         );
-        assert!(stats.draft_model_accepted_tokens > 0, "{stats:?}");
         if all_accepted {
+            assert!(stats.draft_model_accepted_tokens > 0, "{stats:?}");
             assert_eq!(stats.draft_model_accepted_tokens, stats.draft_model_proposed_tokens, "{stats:?}");
         } else {
             assert!(stats.draft_model_accepted_tokens < stats.draft_model_proposed_tokens, "{stats:?}");
+            // Its guesses keep missing, so the sequences back off: far fewer proposals than the
+            // four per step a fixed length would make (one per generated token at most).
+            assert!(stats.draft_model_proposed_tokens < stats.generation_tokens_total, "{stats:?}");
         }
     }
 }
