@@ -127,14 +127,20 @@ class LLM:
     Engine options: `threads` (default: physical cores), `ctx_size`, `max_seqs`,
     `max_batch_tokens`, `kv_memory` (bytes), `precision` (`"f32"`, the default, exact against
     transformers' float32; `"bf16"`; `"auto"`), `task` (`"auto"`, the default: what the
-    directory's files say; `"generate"`, `"embed"`, `"rerank"`, as `kylin serve --task`)."""
+    directory's files say; `"generate"`, `"embed"`, `"rerank"`, as `kylin serve --task`),
+    `speculative_tokens` (n-gram speculative decoding: up to that many proposals per sequence
+    and step; the outputs are the same) and `draft_model` (a directory whose model, with the
+    same tokenizer, proposes instead; `speculative_tokens` then defaults to 4)."""
 
     def __init__(self, model: str, **engine_options: Any):
-        known = {"threads", "ctx_size", "max_seqs", "max_batch_tokens", "kv_memory", "precision", "task"}
+        known = {"threads", "ctx_size", "max_seqs", "max_batch_tokens", "kv_memory", "precision", "task",
+                 "speculative_tokens", "draft_model"}
         unknown = set(engine_options) - known
         if unknown:
             raise KylinError(f"unknown engine options: {', '.join(sorted(unknown))}", "INPUT_INVALID")
         self.model = os.path.expanduser(str(model))
+        if engine_options.get("draft_model") is not None:
+            engine_options["draft_model"] = os.path.expanduser(str(engine_options["draft_model"]))
         self._engine = _kylin.Engine(self.model, json.dumps(engine_options))
         self.info = json.loads(self._engine.info())
 

@@ -195,7 +195,8 @@ impl Engine {
     /// Opens `path` (a Hugging Face directory): a decoder on the batching engine, an encoder
     /// (embeddings, reranking) on the encoder engine. `options` is JSON: `threads`, `ctx_size`,
     /// `max_seqs`, `max_batch_tokens`, `kv_memory` (bytes), `precision` (`f32`, `bf16`, `auto`),
-    /// `task` (`auto`, `generate`, `embed`, `rerank`: as `kylin serve --task`).
+    /// `task` (`auto`, `generate`, `embed`, `rerank`: as `kylin serve --task`),
+    /// `speculative_tokens` and `draft_model` (a directory), as `kylin serve` reads them.
     #[new]
     fn new(py: Python<'_>, path: &str, options: &str) -> PyResult<Self> {
         let opts = parse_object(options, "the engine options")?;
@@ -212,6 +213,17 @@ impl Engine {
             Some("embed") => kylin_loader::task::TaskChoice::Embed,
             Some("rerank") => kylin_loader::task::TaskChoice::Rerank,
             Some(t) => return Err(invalid(format!("task must be auto, generate, embed or rerank; got {t}"))),
+        };
+        let draft_model = match opts.get("draft_model") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(p)) => Some(std::path::PathBuf::from(p)),
+            Some(_) => return Err(invalid("draft_model must be a path")),
+        };
+        let speculative_tokens = match opts.get("speculative_tokens") {
+            None | Some(Value::Null) => usize::from(draft_model.is_some()) * 4,
+            Some(v) => {
+                v.as_u64().ok_or_else(|| invalid("speculative_tokens must be a non-negative integer"))? as usize
+            }
         };
         let path = Path::new(path).to_path_buf();
         let engine: Box<dyn Serving + Send> = py
@@ -234,6 +246,8 @@ impl Engine {
                     max_seqs: usize_opt("max_seqs").unwrap_or(defaults.max_seqs),
                     max_batch_tokens: usize_opt("max_batch_tokens").unwrap_or(defaults.max_batch_tokens),
                     precision,
+                    speculative_tokens,
+                    draft_model,
                     ..defaults
                 };
                 Ok(Box::new(BatchEngine::new(model, &options)?))

@@ -75,6 +75,19 @@ def test_batched_prompts_equal_each_alone_and_streams_equal_whole(smol):
         assert tok in entry and entry[tok] == max(entry.values())
 
 
+def test_speculative_decoding_keeps_the_outputs(smol):
+    prompts = ["Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox",
+               "def add(a, b):\n    return a + b\n\ndef add(a, b):"]
+    params = kylin.SamplingParams(temperature=0, max_tokens=24)
+    want = [o.outputs[0].token_ids for o in smol.generate(prompts, params)]
+    for options in [{"speculative_tokens": 8}, {"draft_model": str(SMOL)}]:
+        fast = kylin.LLM(str(SMOL), threads=2, ctx_size=1024, max_seqs=8, **options)
+        assert [o.outputs[0].token_ids for o in fast.generate(prompts, params)] == want, options
+    with pytest.raises(kylin.KylinError) as e:
+        kylin.LLM(str(SMOL), threads=2, ctx_size=1024, draft_model=str(TINY))
+    assert e.value.code == "VOCAB_MISMATCH"
+
+
 def test_chat_sampling_n_and_seeds(smol):
     r = smol.chat([{"role": "user", "content": "What is the capital of France?"}],
                   kylin.SamplingParams(temperature=0, max_tokens=12))[0]
