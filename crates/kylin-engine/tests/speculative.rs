@@ -151,10 +151,9 @@ fn greedy_outputs_with_speculation_equal_those_without_on_several_fixtures() {
     }
 }
 
-#[test]
-fn seeded_sampling_with_speculation_equals_sampling_without() {
-    let path = fixture("tiny-qwen3");
-    let mut requests = mixed_requests(40);
+/// [`mixed_requests`] sampled with top-p and top-k, each with its own seed.
+fn seeded_requests(max_tokens: usize) -> Vec<Request> {
+    let mut requests = mixed_requests(max_tokens);
     for (i, r) in requests.iter_mut().enumerate() {
         r.sampling = SamplingParams {
             temperature: 0.7,
@@ -164,6 +163,13 @@ fn seeded_sampling_with_speculation_equals_sampling_without() {
             ..SamplingParams::greedy()
         };
     }
+    requests
+}
+
+#[test]
+fn seeded_sampling_with_speculation_equals_sampling_without() {
+    let path = fixture("tiny-qwen3");
+    let mut requests = seeded_requests(40);
     // A request with two choices: its second choice forks after the prompt and speculates too.
     requests[1].n = 2;
     let (plain, _) = run(&path, &options(0), &requests);
@@ -387,16 +393,7 @@ fn seeded_sampling_with_a_draft_model_equals_sampling_without() {
     let tmp = tempfile::tempdir().unwrap();
     let draft = first_layer_of_tiny_qwen3(tmp.path());
     let path = fixture("tiny-qwen3");
-    let mut requests = mixed_requests(40);
-    for (i, r) in requests.iter_mut().enumerate() {
-        r.sampling = SamplingParams {
-            temperature: 0.7,
-            top_p: 0.9,
-            top_k: 50,
-            seed: 100 + i as u64,
-            ..SamplingParams::greedy()
-        };
-    }
+    let mut requests = seeded_requests(40);
     // A request with two choices: its second choice forks after the prompt, and the draft
     // catches up on it from the start.
     requests[1].n = 2;
