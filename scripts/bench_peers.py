@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""Kylin against ik_llama.cpp on the same weights, alternating, in one run (issue 36).
+
+ik_llama.cpp is built for this CPU by scripts/build_ik_llama.sh (from the sources PyPI's
+ik-llama-cpp-python 0.1.5 ships). For each workload, each round runs `kylin bench` and
+ik_llama.cpp's `llama-bench` (flash attention on; run-time repacking off and on, the faster
+kept, as its users would choose), the order alternating from round to round; 2 threads each.
+Prefill is 512 prompt tokens; decode is 64 tokens after a 512-token prompt (`kylin bench`
+decodes after its prompt; `llama-bench -gp 512,64` does the same).
+
+Workloads (the table of issue 36), where the weights exist in KYLIN_MODELS:
+* qwen3-0.6b-shaped BF16 (Kylin's default precision here) against its BF16 GGUF twin;
+* qwen3-0.6b-shaped `--quantize q8_0` against its Q8_0 twin;
+* Qwen2.5-Coder-0.5B-Instruct `--quantize q4_k` against the published Q4_K_M.
+
+Usage: python3 scripts/bench_peers.py [--rounds 2] [--only NAME] [--markdown]
+Prints every measurement and a table of the figures and the ratios of each round.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = Path(os.environ.get("KYLIN_MODELS", Path.home() / ".cache" / "kylin-models"))
+KYLIN = os.environ.get("KYLIN_BIN", str(ROOT / "target/release/kylin"))
+PROMPT, GEN, THREADS = 512, 64, 2
+
+WORKLOADS = [
+    ("qwen3-0.6b-shaped BF16", MODELS / "qwen3-0.6b-shaped", [],
+     MODELS / "qwen3-0.6b-shaped/gguf/qwen3-0.6b-shaped-bf16.gguf"),
+    ("qwen3-0.6b-shaped q8_0", MODELS / "qwen3-0.6b-shaped", ["--quantize", "q8_0"],
+     MODELS / "qwen3-0.6b-shaped/gguf/qwen3-0.6b-shaped-q8_0.gguf"),
+    ("Qwen2.5-Coder-0.5B q4_k vs Q4_K_M", MODELS / "qwen2.5-coder-0.5b-instruct", ["--quantize", "q4_k"],
+     MODELS / "gguf/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
+]
+
+
+def ik_bench_path():
+    out = subprocess.run(["bash", str(ROOT / "scripts/build_ik_llama.sh")], check=True, capture_output=True,
+                         text=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def kylin(model, extra):
+    out = subprocess.run([KYLIN, "bench", str(model), *extra, "--threads", str(THREADS), "--prompt-tokens",
+                          str(PROMPT), "--gen-tokens", str(GEN), "--repetitions", "1", "--json"],
+                         check=True, capture_output=True, text=True, timeout=1800)
+    r = json.loads(out.stdout)
+    return r["prefill_tok_s"], r["decode_tok_s"]
+
+
+def ik(bench, gguf):
+    best = [0.0, 0.0]
+    for rtr in ("0", "1"):
+        out = subprocess.run([bench, "-m", str(gguf), "-p", str(PROMPT), "-n", "0", "-gp", f"{PROMPT},{GEN}",
+                              "-t", str(THREADS), "-r", "1", "-fa", "1", "-rtr", rtr, "-o", "json"],
+                             check=True, capture_output=True, text=True, timeout=1800)
+        for row in json.loads(out.stdout):
+            kind = 1 if row["n_gen"] > 0 else 0
+            best[kind] = max(best[kind], row["avg_ts"])
+    return best[0], best[1]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--only")
+    args = ap.parse_args()
+    bench = ik_bench_path()
+    rows = []
+    for name, model, extra, gguf in WORKLOADS:
+        if args.only and args.only not in name:
+            continue
+        if not (model / "config.json").is_file() or not gguf.is_file():
+            print(f"{name}: skipped ({model} or {gguf} missing; run testdata/models/fetch.sh --bench)")
+            continue
+        ours, theirs = [], []
+        for r in range(args.rounds):
+            order = [("kylin", lambda: kylin(model, extra)), ("ik_llama.cpp", lambda: ik(bench, gguf))]
+            if r % 2:
+                order.reverse()
+            for label, run in order:
+                prefill, decode = run()
+                (ours if label == "kylin" else theirs).append((prefill, decode))
+                print(f"{name} round {r + 1} {label:12}: prefill {prefill:.1f} tok/s, decode {decode:.1f} tok/s",
+                      flush=True)
+        rows.append((name, ours, theirs))
+    print()
+    print("| workload | Kylin | ik_llama.cpp | ratio per round |")
+    print("|---|---:|---:|---:|")
+    for name, ours, theirs in rows:
+        for i, what in enumerate(("prefill 512", "decode after 512")):
+            k = sum(o[i] for o in ours) / len(ours)
+            t = sum(o[i] for o in theirs) / len(theirs)
+            ratios = ", ".join(f"{o[i] / x[i]:.2f}×" for o, x in zip(ours, theirs))
+            print(f"| {name}, {what} | {k:.1f} | {t:.1f} | {ratios} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
