@@ -12,7 +12,6 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use kylin_engine::batch::{BatchEngine, EngineOptions, KvBudget};
-use kylin_engine::kv_pool::KvPool;
 use kylin_engine::sampler::SamplingParams;
 use kylin_engine::serving::{Event, EventKind, Request, Serving, StopReason, TokenLogprob};
 use kylin_engine::{PrecisionChoice, QuantFormat};
@@ -175,16 +174,14 @@ fn published_quantized_checkpoints_batch_invariantly() {
 #[test]
 fn a_budget_for_three_sequences_finishes_eight_with_preemption() {
     let path = fixture("tiny-qwen2-f16");
-    let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
-    let c = &model.config;
-    let shape = kylin_engine::kv_pool::KvShape { n_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
-    let per_block = KvPool::block_bytes(kylin_kernels::WeightDType::F32, &vec![shape; c.num_layers], 16).unwrap();
+    let per_block = support::f32_block_bytes(&path);
     // Context 64 = 4 blocks per sequence; 12 blocks hold three sequences.
     let opts =
         EngineOptions { ctx_size: Some(64), kv_budget: KvBudget::Bytes(12 * per_block), max_seqs: 8, ..options(2) };
     let requests: Vec<Request> = (0..8).map(|i| request(i, prompt(20 + i as usize, 50 + i, 500), 40)).collect();
     let single = alone(&path, &opts, &requests);
-    let mut e = BatchEngine::new(model, &opts).unwrap();
+    let mut e =
+        BatchEngine::new(kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap(), &opts).unwrap();
     assert_eq!(e.info().kv_blocks, 12);
     for r in &requests {
         e.add_request(r.clone()).unwrap();

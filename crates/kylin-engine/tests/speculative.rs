@@ -10,7 +10,6 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use kylin_engine::batch::{BatchEngine, EngineOptions, KvBudget};
-use kylin_engine::kv_pool::KvPool;
 use kylin_engine::sampler::SamplingParams;
 use kylin_engine::serving::{EngineStats, Event, EventKind, Request, Serving, StopReason};
 use kylin_loader::ErrorCode;
@@ -198,10 +197,7 @@ fn proposals_on_a_repeating_prompt_are_accepted_and_save_steps() {
 #[test]
 fn preemption_under_a_small_kv_budget_keeps_speculative_outputs_identical() {
     let path = fixture("tiny-qwen2-f16");
-    let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
-    let c = &model.config;
-    let shape = kylin_engine::kv_pool::KvShape { n_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
-    let per_block = KvPool::block_bytes(kylin_kernels::WeightDType::F32, &vec![shape; c.num_layers], 16).unwrap();
+    let per_block = support::f32_block_bytes(&path);
     // Context 64 = 4 blocks per sequence; 12 blocks hold three of the eight sequences.
     let small =
         |k| EngineOptions { ctx_size: Some(64), kv_budget: KvBudget::Bytes(12 * per_block), max_seqs: 8, ..options(k) };
@@ -214,7 +210,8 @@ fn preemption_under_a_small_kv_budget_keeps_speculative_outputs_identical() {
         .collect();
     let roomy = EngineOptions { ctx_size: Some(64), max_seqs: 8, ..options(0) };
     let (plain, _) = run(&path, &roomy, &requests);
-    let mut e = BatchEngine::new(model, &small(4)).unwrap();
+    let mut e =
+        BatchEngine::new(kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap(), &small(4)).unwrap();
     assert_eq!(e.info().kv_blocks, 12);
     let spec = drain(&mut e, &requests);
     assert_same(&plain, &spec, "speculation with preemption");
@@ -286,21 +283,26 @@ fn smollm2() -> PathBuf {
     path
 }
 
+/// Three requests for a real model: one asking to repeat a function (its output copies the
+/// prompt), two free-form, each generating up to `max_new` tokens.
+fn copy_code_requests(path: &Path, opts: &EngineOptions, max_new: usize) -> Vec<Request> {
+    let e = engine(path, opts);
+    let code = "def total(items):\n    result = 0\n    for item in items:\n        result += item.price * item.count\n    return result\n";
+    let copy = format!("Here is a function:\n{code}\nHere is the same function again, unchanged:\n");
+    [copy.as_str(), "Write a short poem about the sea.", "The capital of France is"]
+        .iter()
+        .enumerate()
+        .map(|(i, text)| request(i as u64, e.tokenize(text, true).unwrap(), max_new))
+        .collect()
+}
+
 #[test]
 fn a_real_model_copying_code_accepts_proposals_with_identical_outputs() {
     // SmolLM2-135M asked to repeat a function: its output copies the prompt, so proposals are
     // accepted; a free-form request beside it rejects most of its own.
     let path = smollm2();
     let opts = EngineOptions { ctx_size: Some(512), max_batch_tokens: 128, ..options(0) };
-    let e = engine(&path, &opts);
-    let code = "def total(items):\n    result = 0\n    for item in items:\n        result += item.price * item.count\n    return result\n";
-    let copy = format!("Here is a function:\n{code}\nHere is the same function again, unchanged:\n");
-    let requests: Vec<Request> = [copy.as_str(), "Write a short poem about the sea.", "The capital of France is"]
-        .iter()
-        .enumerate()
-        .map(|(i, text)| request(i as u64, e.tokenize(text, true).unwrap(), 48))
-        .collect();
-    drop(e);
+    let requests = copy_code_requests(&path, &opts, 48);
     let (plain, plain_stats) = run(&path, &opts, &requests);
     let (spec, stats) = run(&path, &EngineOptions { speculative_tokens: 4, ..opts.clone() }, &requests);
     assert_same(&plain, &spec, "smollm2");
@@ -429,15 +431,16 @@ fn a_model_drafting_for_itself_has_every_greedy_proposal_accepted() {
 fn preemption_under_a_small_kv_budget_keeps_draft_model_outputs_identical() {
     let path = fixture("tiny-qwen2-f16");
     let draft = fixture("tiny-qwen3-yarn");
-    let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
-    let c = &model.config;
-    let shape = kylin_engine::kv_pool::KvShape { n_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
-    let per_block = KvPool::block_bytes(kylin_kernels::WeightDType::F32, &vec![shape; c.num_layers], 16).unwrap();
+    let per_block = support::f32_block_bytes(&path);
     let requests: Vec<Request> = (0..8).map(|i| request(i as u64, prompt(20 + i, 50 + i as u64, 500), 40)).collect();
     let roomy = EngineOptions { ctx_size: Some(64), max_seqs: 8, ..options(0) };
     let (plain, _) = run(&path, &roomy, &requests);
     let small = EngineOptions { kv_budget: KvBudget::Bytes(12 * per_block), ..draft_options(4, &draft) };
-    let mut e = BatchEngine::new(model, &EngineOptions { ctx_size: Some(64), max_seqs: 8, ..small }).unwrap();
+    let mut e = BatchEngine::new(
+        kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap(),
+        &EngineOptions { ctx_size: Some(64), max_seqs: 8, ..small },
+    )
+    .unwrap();
     let spec = drain(&mut e, &requests);
     assert_same(&plain, &spec, "draft model with preemption");
     let stats = e.stats();
@@ -551,15 +554,7 @@ fn a_real_model_with_a_draft_model_keeps_its_outputs() {
     std::fs::write(skip.join("config.json"), config.to_string()).unwrap();
 
     let opts = EngineOptions { ctx_size: Some(512), max_batch_tokens: 128, ..options(0) };
-    let e = engine(&path, &opts);
-    let code = "def total(items):\n    result = 0\n    for item in items:\n        result += item.price * item.count\n    return result\n";
-    let copy = format!("Here is a function:\n{code}\nHere is the same function again, unchanged:\n");
-    let requests: Vec<Request> = [copy.as_str(), "Write a short poem about the sea.", "The capital of France is"]
-        .iter()
-        .enumerate()
-        .map(|(i, text)| request(i as u64, e.tokenize(text, true).unwrap(), 32))
-        .collect();
-    drop(e);
+    let requests = copy_code_requests(&path, &opts, 32);
     let (plain, plain_stats) = run(&path, &opts, &requests);
     for (draft, all_accepted) in [(path.clone(), true), (skip, false)] {
         let with_draft = EngineOptions { draft_model: Some(draft.clone()), speculative_tokens: 4, ..opts.clone() };
@@ -594,15 +589,13 @@ fn a_self_draft_accepts_everything_under_preemption_and_prefix_hits() {
     // target skips the cached prompt blocks, the draft catches up on them): if it ever held
     // the wrong keys and values, a proposal would be rejected.
     let path = fixture("tiny-qwen2-f16");
-    let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
-    let c = &model.config;
-    let shape = kylin_engine::kv_pool::KvShape { n_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
-    let per_block = KvPool::block_bytes(kylin_kernels::WeightDType::F32, &vec![shape; c.num_layers], 16).unwrap();
+    let per_block = support::f32_block_bytes(&path);
     let requests: Vec<Request> = (0..8).map(|i| request(i as u64, prompt(20 + i, 70 + i as u64, 500), 40)).collect();
     let sized = |o: EngineOptions| EngineOptions { ctx_size: Some(64), max_seqs: 8, max_batch_tokens: 24, ..o };
     let (plain, _) = run(&path, &sized(options(0)), &requests);
     let small = EngineOptions { kv_budget: KvBudget::Bytes(12 * per_block), ..sized(draft_options(4, &path)) };
-    let mut e = BatchEngine::new(model, &small).unwrap();
+    let mut e =
+        BatchEngine::new(kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap(), &small).unwrap();
     let spec = drain(&mut e, &requests);
     assert_same(&plain, &spec, "self-draft with preemption");
     let stats = e.stats();

@@ -79,3 +79,12 @@ pub fn request(id: u64, prompt: Vec<u32>, max_new: usize) -> Request {
     r.logprobs = Some(5);
     r
 }
+
+/// Bytes of one f32 KV block of 16 positions of the model at `path` (every layer), for tests
+/// that size a KV budget in blocks.
+pub fn f32_block_bytes(path: &std::path::Path) -> u64 {
+    let model = kylin_loader::load(path, &kylin_loader::LoadOptions::default()).unwrap();
+    let c = &model.config;
+    let shape = kylin_engine::kv_pool::KvShape { n_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
+    kylin_engine::kv_pool::KvPool::block_bytes(kylin_kernels::WeightDType::F32, &vec![shape; c.num_layers], 16).unwrap()
+}
