@@ -120,20 +120,29 @@ def test_a_model_serving_a_stream_is_not_unloaded_and_loading_requests_wait(serv
 
     stream = client.chat.completions.create(
         model="smol", messages=[{"role": "user", "content": "Count from one to one hundred in words."}],
-        max_tokens=150, temperature=0, stream=True)
+        max_tokens=200, temperature=0, stream=True)
     chunks = iter(stream)
     first = next(chunks)
     assert first.model == "smol"
+
+    # The rest of the stream is read as it arrives, and the moment its last chunk came is kept.
+    def read_rest():
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return text, time.monotonic()
+
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    rest = pool.submit(read_rest)
     busy = httpx.post(server + "/models/unload", json={"model": "smol"}, timeout=10)
     assert busy.status_code == 409
     assert busy.json()["error"]["code"] == "model_busy"
-    # Nor does a request for the other model unload it: that one waits for the stream to end.
-    waiting = concurrent.futures.ThreadPoolExecutor(1).submit(chat, client, "tiny")
-    time.sleep(0.5)
-    assert not waiting.done()
-    rest = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert rest
-    assert waiting.result(timeout=120)
+    # Nor does a request for the other model unload it: that one waits for the stream to end,
+    # so its answer can only come after the stream's last chunk (however fast the machine is).
+    assert not rest.done(), "the stream ended before the test could ask for the other model"
+    waiting = pool.submit(lambda: (chat(client, "tiny"), time.monotonic()))
+    text, stream_ended = rest.result(timeout=120)
+    answer, answered = waiting.result(timeout=120)
+    assert text and answer
+    assert answered > stream_ended
     assert states(server) == {"smol": "unloaded", "tiny": "loaded"}
 
 
