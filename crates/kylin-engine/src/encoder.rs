@@ -36,7 +36,7 @@ impl EncoderInput {
     }
 }
 
-fn dtype_of(t: &WeightTensor) -> Result<WeightDType> {
+pub(crate) fn dtype_of(t: &WeightTensor) -> Result<WeightDType> {
     match t.dtype {
         DType::F32 => Ok(WeightDType::F32),
         DType::F16 => Ok(WeightDType::F16),
@@ -51,7 +51,7 @@ fn dtype_of(t: &WeightTensor) -> Result<WeightDType> {
 
 /// A linear layer `y = x · Wᵀ + b` over a checkpoint's tensors.
 #[derive(Debug, Clone)]
-struct Dense {
+pub(crate) struct Dense {
     weight: WeightTensor,
     dtype: WeightDType,
     bias: WeightTensor,
@@ -62,16 +62,25 @@ struct Dense {
 
 impl Dense {
     fn bind(e: &LoadedEncoder, role: &str) -> Result<Self> {
-        let weight = e.tensor(&format!("{role}.weight"))?.clone();
-        let bias = e.tensor(&format!("{role}.bias"))?.clone();
+        Dense::new(e.tensor(&format!("{role}.weight"))?, e.tensor(&format!("{role}.bias"))?)
+    }
+
+    /// Over a weight of shape `[rows, ...]` (the trailing dimensions are the columns, as a
+    /// convolution whose kernel equals its stride is a matrix over each patch) and its bias.
+    pub(crate) fn new(weight: &WeightTensor, bias: &WeightTensor) -> Result<Self> {
+        let rows = weight.shape.first().copied().unwrap_or(0);
         Ok(Dense {
-            dtype: dtype_of(&weight)?,
-            bias_dtype: dtype_of(&bias)?,
-            rows: weight.shape[0],
-            cols: weight.shape[1],
-            weight,
-            bias,
+            dtype: dtype_of(weight)?,
+            bias_dtype: dtype_of(bias)?,
+            rows,
+            cols: weight.shape.get(1..).unwrap_or(&[]).iter().product(),
+            weight: weight.clone(),
+            bias: bias.clone(),
         })
+    }
+
+    pub(crate) fn rows(&self) -> usize {
+        self.rows
     }
 
     fn matrix(&self) -> WeightMatrix<'_> {
@@ -86,7 +95,7 @@ impl Dense {
     }
 
     /// `y (n, rows) = x (n, cols) · Wᵀ (cols, rows) + b`.
-    fn forward(&self, pool: &ThreadPool, x: &[f32], n: usize, y: &mut [f32]) {
+    pub(crate) fn forward(&self, pool: &ThreadPool, x: &[f32], n: usize, y: &mut [f32]) {
         kernels::matmul(pool, self.matrix(), x, n, y);
         self.add_bias(y);
     }
@@ -94,7 +103,7 @@ impl Dense {
 
 /// LayerNorm with weight and bias: `(x - mean) / sqrt(var + eps) · w + b` per row.
 #[derive(Debug, Clone)]
-struct LayerNorm {
+pub(crate) struct LayerNorm {
     weight: Vec<f32>,
     bias: Vec<f32>,
     eps: f32,
@@ -102,20 +111,20 @@ struct LayerNorm {
 
 impl LayerNorm {
     fn bind(e: &LoadedEncoder, role: &str, eps: f32) -> Result<Self> {
+        LayerNorm::new(e.tensor(&format!("{role}.weight"))?, e.tensor(&format!("{role}.bias"))?, eps)
+    }
+
+    pub(crate) fn new(weight: &WeightTensor, bias: &WeightTensor, eps: f32) -> Result<Self> {
         let widen = |t: &WeightTensor| -> Result<Vec<f32>> {
             let v = WeightVector { dtype: dtype_of(t)?, data: t.bytes() };
             Ok((0..v.len()).map(|i| v.get(i)).collect())
         };
         // Two vectors of `hidden` floats: the norms' parameters are widened once (a few KiB).
-        Ok(LayerNorm {
-            weight: widen(e.tensor(&format!("{role}.weight"))?)?,
-            bias: widen(e.tensor(&format!("{role}.bias"))?)?,
-            eps,
-        })
+        Ok(LayerNorm { weight: widen(weight)?, bias: widen(bias)?, eps })
     }
 
     /// Normalises every row of `x (n, hidden)` in place.
-    fn rows(&self, x: &mut [f32]) {
+    pub(crate) fn rows(&self, x: &mut [f32]) {
         let h = self.weight.len();
         for row in x.chunks_exact_mut(h) {
             // Mean and variance as PyTorch's CPU kernel computes them (biased variance), in
@@ -141,7 +150,7 @@ fn erf(x: f64) -> f64 {
 }
 
 /// `gelu(x) = x/2 · (1 + erf(x / √2))` in place (transformers' `gelu`).
-fn gelu(x: &mut [f32]) {
+pub(crate) fn gelu(x: &mut [f32]) {
     for v in x {
         let f = f64::from(*v);
         *v = (0.5 * f * (1.0 + erf(f * std::f64::consts::FRAC_1_SQRT_2))) as f32;

@@ -23,6 +23,7 @@ pub mod speculative;
 pub mod state_pool;
 pub mod text;
 pub mod tools;
+pub mod vision;
 
 pub use backend::{Backend, BackendSummary, ChatMessage};
 pub use generate::{ChatSession, FinishReason, GenerateRequest, GenerationResult, GenerationTimings, generate};

@@ -318,7 +318,8 @@ fn classifier_table(c: &EncoderConfig, prefix: &str, labels: usize) -> Vec<(Stri
     }
 }
 
-fn bind_one(index: &TensorIndex, name: &str, shape: &[usize], dir: &Path) -> Result<WeightTensor> {
+/// Binds tensor `name` of `index` with exactly `shape`, stored as F32, F16 or BF16.
+pub(crate) fn bind_one(index: &TensorIndex, name: &str, shape: &[usize], dir: &Path) -> Result<WeightTensor> {
     let raw = index
         .raw(name)
         .ok_or_else(|| KylinError::tensor_missing(format!("tensor '{name}' is missing from the checkpoint")).at(dir))?;
@@ -333,7 +334,7 @@ fn bind_one(index: &TensorIndex, name: &str, shape: &[usize], dir: &Path) -> Res
         Some(DType::F32 | DType::F16 | DType::BF16) => {}
         _ => {
             return Err(KylinError::tensor_dtype_unsupported(format!(
-                "tensor '{name}' is {}; the encoder reads F32, F16 or BF16",
+                "tensor '{name}' is {}; Kylin reads it as F32, F16 or BF16",
                 raw.dtype_name
             ))
             .at(index.path_of(name).unwrap_or(dir)));

@@ -33,6 +33,8 @@ pub struct BindingReport {
     /// Parts of the checkpoint the native engine does not run (a vision tower, Qwen3.5's
     /// multi-token-prediction head), with their tensors.
     pub not_run: Vec<crate::NotRun>,
+    /// The vision tower Kylin runs for images in the prompt, if the checkpoint has one.
+    pub vision: Option<crate::vision::VisionConfig>,
     /// What the model serves: generation, embeddings or reranking ([`crate::task`]).
     pub task: crate::task::ModelTask,
     /// Stored dtype -> count of the matrices of the matrix products ([`crate::ModelWeights::matrices`]).
@@ -255,6 +257,7 @@ fn native_report(path: &Path, opts: &LoadOptions) -> Result<InspectReport> {
             bound_tensors,
             unused_tensors: model.unused_tensors.clone(),
             not_run: model.not_run.clone(),
+            vision: model.vision.as_ref().map(|v| v.config.clone()),
             task: model.task.clone(),
             matrix_dtypes: model.weights.matrices().fold(BTreeMap::new(), |mut counts, t| {
                 let dtype = stored_format(&model.weights, t);
@@ -469,6 +472,21 @@ impl InspectReport {
             }
             if !b.unused_tensors.is_empty() {
                 let _ = writeln!(s, "  unused: {}", b.unused_tensors.join(", "));
+            }
+            if let Some(v) = &b.vision {
+                let _ = writeln!(
+                    s,
+                    "  vision tower: {} ({} blocks, width {}, {} heads, patches {}x{}, {}x{} merged into one token of width {}): images run",
+                    v.model_type,
+                    v.depth,
+                    v.hidden,
+                    v.heads,
+                    v.patch_size,
+                    v.patch_size,
+                    v.spatial_merge_size,
+                    v.spatial_merge_size,
+                    v.out_hidden
+                );
             }
             for part in &b.not_run {
                 let shown: Vec<&str> = part.tensors.iter().take(6).map(String::as_str).collect();

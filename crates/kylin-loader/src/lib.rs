@@ -24,6 +24,7 @@ pub mod safetensors_file;
 pub mod task;
 pub mod tensor;
 pub mod tokenizer;
+pub mod vision;
 pub mod weights;
 
 use std::collections::BTreeMap;
@@ -201,6 +202,8 @@ pub struct LoadedModel {
     /// of a `*ForConditionalGeneration` directory, and the multi-token-prediction head
     /// (`mtp.*`, Qwen3.5), kept for speculative decoding.
     pub not_run: Vec<NotRun>,
+    /// The vision tower of a vision-language directory whose tower Kylin runs.
+    pub vision: Option<vision::LoadedVision>,
     /// Generation, embeddings or reranking ([`task::decide`]).
     pub task: task::ModelTask,
     /// The header and tensor layout of a llama2.c `.bin` (`None` for other formats).
@@ -317,19 +320,26 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     }
     let mut bound = arch::bind(&config, &index, &map)?;
     let mut not_run = Vec::new();
+    let mut vision_tower = None;
     if let Some(class) = &config.multimodal {
-        // The vision tower and projector are not run (yet): one line instead of every name.
         let is_language =
             |n: &String| n.contains("language_model") || n.starts_with("lm_head") || n.starts_with("mtp.");
-        let (language, vision): (Vec<String>, Vec<String>) = bound.unused.drain(..).partition(is_language);
+        let (language, mut vision): (Vec<String>, Vec<String>) = bound.unused.drain(..).partition(is_language);
         bound.unused = language;
-        if !vision.is_empty() {
+        // A tower Kylin runs is bound; another is one line instead of every name.
+        if let Some(vision_config) = vision::read_vision_config(dir)? {
+            let tower = vision::bind_vision(vision_config, &index, dir)?;
+            vision.retain(|n| !tower.names.contains(n));
+            vision_tower = Some(tower);
+        } else if !vision.is_empty() {
             warnings.push(format!(
-                "{class}: the language model runs; the vision tower and projector ({} tensors) are not used (images are not supported yet)",
+                "{class}: the language model runs; the vision tower and projector ({} tensors) are not used \
+                 (Kylin runs the Qwen3.5 vision towers)",
                 vision.len()
             ));
-            not_run.push(NotRun { part: "vision tower and projector".into(), tensors: vision });
+            not_run.push(NotRun { part: "vision tower and projector".into(), tensors: std::mem::take(&mut vision) });
         }
+        bound.unused.extend(vision);
     }
     // Qwen3.5's multi-token-prediction head: a further decoder layer that proposes the token
     // after next, for speculative decoding; the model's own logits do not use it.
@@ -371,6 +381,7 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         weights: bound.weights,
         unused_tensors: bound.unused,
         not_run,
+        vision: vision_tower,
         task,
         llama2c: None,
         tokenizer,

@@ -1269,14 +1269,60 @@ fn hybrid_configs_and_tensors_are_checked() {
 }
 
 #[test]
-fn a_published_qwen3_5_layout_lists_its_vision_tower_and_mtp_tensors_as_not_run() {
+fn a_published_qwen3_5_layout_binds_its_vision_tower_and_lists_its_mtp_tensors_as_not_run() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/families/fixtures/tiny-qwen3.5-vl-mtp");
     let model = load(&dir, &LoadOptions::default()).unwrap();
     assert!(model.unused_tensors.is_empty(), "unused: {:?}", model.unused_tensors);
     let parts: Vec<(&str, usize)> = model.not_run.iter().map(|p| (p.part.as_str(), p.tensors.len())).collect();
-    assert_eq!(parts, [("vision tower and projector", 21), ("multi-token prediction (mtp.*)", 6)]);
+    assert_eq!(parts, [("multi-token prediction (mtp.*)", 6)]);
+    let vision = model.vision.as_ref().expect("the Qwen3.5 vision tower is bound");
+    assert_eq!(vision.names.len(), 21);
+    assert_eq!((vision.config.depth, vision.config.hidden, vision.config.out_hidden), (1, 32, 64));
     assert!(model.warnings.iter().any(|w| w.contains("6 mtp.* tensors")), "{:?}", model.warnings);
     let report = inspect(&dir, &LoadOptions::default()).unwrap().to_human();
     assert!(report.contains("not run: multi-token prediction (mtp.*), 6 tensors: mtp."), "{report}");
     assert!(report.contains("Gated DeltaNet on 3 of 4 layers"), "{report}");
+    assert!(report.contains("vision tower: qwen3_5_vision (1 blocks, width 32"), "{report}");
+}
+
+#[test]
+fn a_broken_vision_tower_names_its_field_or_tensor() {
+    let dir = copy_family("tiny-qwen3.5-vl");
+    let config = dir.path().join("config.json");
+    edit_json(&config, |c| {
+        c["vision_config"]["num_heads"] = Value::from(3);
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &["vision_config", "num_heads 3"]);
+    edit_json(&config, |c| {
+        c["vision_config"]["num_heads"] = Value::from(2);
+        c["vision_config"]["num_position_embeddings"] = Value::from(60);
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &["a square", "num_position_embeddings 60"]);
+    edit_json(&config, |c| {
+        c["vision_config"]["num_position_embeddings"] = Value::from(64);
+        c["vision_config"]["patch_size"] = Value::from(-4);
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &["vision_config `patch_size`", "-4"]);
+    edit_json(&config, |c| {
+        c["vision_config"]["patch_size"] = Value::from(4);
+        c.remove("image_token_id");
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::ConfigMissing, &["image_token_id"]);
+    edit_json(&config, |c| {
+        c.insert("image_token_id".into(), Value::from(1000));
+        c["vision_config"]["spatial_merge_size"] = Value::from(4);
+    });
+    // The merger's first matrix is (32 · 2²)²; a merge of 4 implies (32 · 4²)².
+    assert_code(
+        &load_err(dir.path()),
+        ErrorCode::TensorShapeMismatch,
+        &["model.visual.merger.linear_fc1.weight", "[512, 512]", "[128, 128]"],
+    );
+    edit_json(&config, |c| {
+        c["vision_config"]["spatial_merge_size"] = Value::from(2);
+    });
+    edit_header(&dir.path().join("model.safetensors"), |h| {
+        rename_tensor(h, "model.visual.blocks.0.attn.qkv.weight", "model.visual.blocks.0.attn.qkv_proj.weight");
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::TensorMissing, &["model.visual.blocks.0.attn.qkv.weight"]);
 }

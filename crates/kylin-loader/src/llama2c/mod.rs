@@ -999,6 +999,7 @@ pub(crate) fn load(file: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         dtypes,
         unused_tensors: Vec::new(),
         not_run: Vec::new(),
+        vision: None,
         task: crate::task::ModelTask::Generate,
         llama2c: Some(BinInfo::new(&layout, bound.owned_bytes)),
         config,

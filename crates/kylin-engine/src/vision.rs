@@ -1,0 +1,293 @@
+//! The vision tower of Qwen3.5 vision-language models: from an image's patches
+//! (`pixel_values`, as the image processor lays them out) to the rows that replace the image's
+//! placeholder tokens in the language model's input.
+//!
+//! Guarantees:
+//! - Weights are read in place from the loader's views, in their stored dtype.
+//! - Compute is float32 in transformers' order of operations for `Qwen3_5VisionModel` (eager
+//!   attention): patch embedding, the learned position table resampled bilinearly (corners
+//!   aligned) to the image's grid, pre-norm blocks (`x + attn(LN(x))`, `x + mlp(LN(x))`) with
+//!   2-D rotary positions (a patch's row on the first quarter of each head's frequencies, its
+//!   column on the second) and bidirectional attention within each frame, then the merger
+//!   (`fc2(gelu(fc1(LN(x) viewed as blocks of merge² patches))))`.
+//! - Patches arrive in the processor's order: blocks of `merge × merge` patches, blocks in raster
+//!   order; so one merged token is `merge²` consecutive rows, and merged tokens come out in
+//!   raster order over the blocks, which is the order of the image's placeholder tokens.
+//! - Inputs are checked before anything runs (`INPUT_INVALID` naming the numbers).
+
+use kylin_kernels::{self as kernels, ThreadPool, WeightMatrix};
+use kylin_loader::vision::{LoadedVision, VisionActivation, VisionConfig};
+use kylin_loader::{KylinError, Result};
+
+use crate::encoder::{Dense, LayerNorm, dtype_of, gelu};
+
+/// transformers' `nn.LayerNorm(..., eps=1e-6)` in every norm of the tower.
+const NORM_EPS: f32 = 1e-6;
+
+/// An image's patch grid: frames, rows and columns of patches (`image_grid_thw`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+pub struct PatchGrid {
+    pub t: usize,
+    pub h: usize,
+    pub w: usize,
+}
+
+impl PatchGrid {
+    /// Patches in the grid (saturating: [`VisionTower::check`] refuses a grid this large).
+    pub fn patches(&self) -> usize {
+        self.t.saturating_mul(self.h).saturating_mul(self.w)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Block {
+    norm1: LayerNorm,
+    qkv: Dense,
+    proj: Dense,
+    norm2: LayerNorm,
+    fc1: Dense,
+    fc2: Dense,
+}
+
+/// Qwen3.5's vision tower, bound to the checkpoint's tensors.
+#[derive(Debug, Clone)]
+pub struct VisionTower {
+    config: VisionConfig,
+    patch_embed: Dense,
+    /// The learned position table, `(side², hidden)`, in its stored dtype.
+    pos_embed: kylin_loader::WeightTensor,
+    blocks: Vec<Block>,
+    merger_norm: LayerNorm,
+    merger_fc1: Dense,
+    merger_fc2: Dense,
+    /// `1 / theta^(2i / (head_dim / 2))` for `i < head_dim / 4`: the frequencies each axis uses.
+    inv_freq: Vec<f32>,
+}
+
+impl VisionTower {
+    pub fn new(loaded: &LoadedVision) -> Result<Self> {
+        let c = loaded.config.clone();
+        let dense = |role: &str| -> Result<Dense> {
+            Dense::new(loaded.tensor(&format!("{role}.weight"))?, loaded.tensor(&format!("{role}.bias"))?)
+        };
+        let norm = |role: &str| -> Result<LayerNorm> {
+            LayerNorm::new(loaded.tensor(&format!("{role}.weight"))?, loaded.tensor(&format!("{role}.bias"))?, NORM_EPS)
+        };
+        let blocks = (0..c.depth)
+            .map(|l| {
+                Ok(Block {
+                    norm1: norm(&format!("blocks.{l}.norm1"))?,
+                    qkv: dense(&format!("blocks.{l}.attn.qkv"))?,
+                    proj: dense(&format!("blocks.{l}.attn.proj"))?,
+                    norm2: norm(&format!("blocks.{l}.norm2"))?,
+                    fc1: dense(&format!("blocks.{l}.mlp.linear_fc1"))?,
+                    fc2: dense(&format!("blocks.{l}.mlp.linear_fc2"))?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let spatial = c.head_dim() / 2;
+        let inv_freq =
+            (0..spatial).step_by(2).map(|i| 1.0 / (c.rope_theta as f32).powf(i as f32 / spatial as f32)).collect();
+        let pos_embed = loaded.tensor("pos_embed.weight")?.clone();
+        dtype_of(&pos_embed)?;
+        Ok(VisionTower {
+            patch_embed: dense("patch_embed.proj")?,
+            pos_embed,
+            blocks,
+            merger_norm: norm("merger.norm")?,
+            merger_fc1: dense("merger.linear_fc1")?,
+            merger_fc2: dense("merger.linear_fc2")?,
+            inv_freq,
+            config: c,
+        })
+    }
+
+    pub fn config(&self) -> &VisionConfig {
+        &self.config
+    }
+
+    /// The language-model tokens an image of this patch grid becomes.
+    pub fn tokens(&self, grid: PatchGrid) -> usize {
+        grid.patches() / (self.config.spatial_merge_size * self.config.spatial_merge_size)
+    }
+
+    /// Checks a grid and its pixel rows before anything runs.
+    pub fn check(&self, pixels: &[f32], grid: PatchGrid) -> Result<()> {
+        let c = &self.config;
+        let m = c.spatial_merge_size;
+        if grid.t == 0 || grid.h == 0 || grid.w == 0 || grid.h % m != 0 || grid.w % m != 0 {
+            return Err(KylinError::input_invalid(format!(
+                "an image's patch grid must be non-empty with rows and columns multiples of the merge size {m}; \
+                 got {} x {} x {}",
+                grid.t, grid.h, grid.w
+            )));
+        }
+        let expected = grid.patches().checked_mul(c.patch_values()).filter(|_| grid.patches() < usize::MAX);
+        if expected != Some(pixels.len()) {
+            return Err(KylinError::input_invalid(format!(
+                "an image of {} x {} x {} patches has {} pixel values per patch; expected {} values, got {}",
+                grid.t,
+                grid.h,
+                grid.w,
+                c.patch_values(),
+                expected.map_or("too many".to_string(), |e| e.to_string()),
+                pixels.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Runs the tower on one image: `pixels (patches, patch_values)` in the processor's order ->
+    /// `(tokens, out_hidden)`, one row per placeholder token, in prompt order.
+    pub fn encode(&self, pool: &ThreadPool, pixels: &[f32], grid: PatchGrid) -> Result<Vec<f32>> {
+        self.check(pixels, grid)?;
+        let c = &self.config;
+        let (n, h, hd, heads) = (grid.patches(), c.hidden, c.head_dim(), c.heads);
+        let frame = grid.h * grid.w;
+
+        // Each patch's (row, column) in its frame, from the processor's block order.
+        let places: Vec<(usize, usize)> = (0..n).map(|p| self.place(p % frame, grid.w)).collect();
+
+        // 1. Patch embedding: pixels (n, patch_values) -> x (n, hidden); plus the position table
+        //    resampled to the grid.
+        let mut x = vec![0.0f32; n * h];
+        self.patch_embed.forward(pool, pixels, n, &mut x);
+        self.add_positions(&places, grid, &mut x);
+
+        // 2. 2-D rotary angles per patch, (n, head_dim / 2): the row on the first quarter of the
+        //    frequencies, the column on the second.
+        let half = hd / 2;
+        let quarter = self.inv_freq.len();
+        let mut cos = vec![0.0f32; n * half];
+        let mut sin = vec![0.0f32; n * half];
+        for (p, &(row, col)) in places.iter().enumerate() {
+            for i in 0..half {
+                let (axis, f) = if i < quarter { (row, i) } else { (col, i - quarter) };
+                let angle = axis as f32 * self.inv_freq[f];
+                cos[p * half + i] = angle.cos();
+                sin[p * half + i] = angle.sin();
+            }
+        }
+
+        // 3. The blocks.
+        let mut xn = vec![0.0f32; n * h];
+        let mut qkv = vec![0.0f32; n * 3 * h];
+        let mut attn = vec![0.0f32; n * h];
+        let mut proj = vec![0.0f32; n * h];
+        let inter = self.blocks.first().map_or(0, |b| b.fc1.rows());
+        let mut mid = vec![0.0f32; n * inter];
+        let mut keys = vec![0.0f32; frame * hd];
+        let mut values = vec![0.0f32; frame * hd];
+        let mut scores = vec![0.0f32; frame];
+        let scale = (hd as f32).powf(-0.5);
+        for block in &self.blocks {
+            // x (n, h) -> LN -> qkv (n, 3h): q, k, v side by side, each (heads, head_dim).
+            xn.copy_from_slice(&x);
+            block.norm1.rows(&mut xn);
+            block.qkv.forward(pool, &xn, n, &mut qkv);
+            for (p, row) in qkv.chunks_exact_mut(3 * h).enumerate() {
+                let (c_p, s_p) = (&cos[p * half..(p + 1) * half], &sin[p * half..(p + 1) * half]);
+                for head in row[..2 * h].chunks_exact_mut(hd) {
+                    kernels::rope_rotate_half(head, c_p, s_p);
+                }
+            }
+            // Bidirectional attention within each frame, per head.
+            for f0 in (0..n).step_by(frame) {
+                for head in 0..heads {
+                    for j in 0..frame {
+                        let at = (f0 + j) * 3 * h + head * hd;
+                        keys[j * hd..(j + 1) * hd].copy_from_slice(&qkv[at + h..at + h + hd]);
+                        values[j * hd..(j + 1) * hd].copy_from_slice(&qkv[at + 2 * h..at + 2 * h + hd]);
+                    }
+                    for j in 0..frame {
+                        let q = (f0 + j) * 3 * h + head * hd;
+                        let out = (f0 + j) * h + head * hd;
+                        kernels::attention_head(
+                            &qkv[q..q + hd],
+                            &keys,
+                            &values,
+                            frame,
+                            hd,
+                            scale,
+                            &mut scores,
+                            &mut attn[out..out + hd],
+                        );
+                    }
+                }
+            }
+            // attn (n, h) -> proj (n, h); x += proj.
+            block.proj.forward(pool, &attn, n, &mut proj);
+            kernels::add_assign(&mut x, &proj);
+            // x -> LN -> fc1 (n, inter) -> act -> fc2 (n, h); x += that.
+            xn.copy_from_slice(&x);
+            block.norm2.rows(&mut xn);
+            block.fc1.forward(pool, &xn, n, &mut mid);
+            match c.activation {
+                VisionActivation::GeluTanh => mid.iter_mut().for_each(|v| *v = kernels::reference::gelu_tanh(*v)),
+                VisionActivation::Gelu => gelu(&mut mid),
+            }
+            block.fc2.forward(pool, &mid, n, &mut proj);
+            kernels::add_assign(&mut x, &proj);
+        }
+
+        // 4. The merger: LN per patch, then each block of merge² patches as one row
+        //    (tokens, merged_width) -> fc1 (tokens, merged_width) -> gelu -> fc2 (tokens, out).
+        self.merger_norm.rows(&mut x);
+        let tokens = self.tokens(grid);
+        let width = c.merged_width();
+        let mut merged = vec![0.0f32; tokens * width];
+        self.merger_fc1.forward(pool, &x, tokens, &mut merged);
+        gelu(&mut merged);
+        let mut out = vec![0.0f32; tokens * c.out_hidden];
+        self.merger_fc2.forward(pool, &merged, tokens, &mut out);
+        Ok(out)
+    }
+
+    /// A patch's (row, column) in its frame from its index `p` in the processor's order:
+    /// (block row, block column, row in block, column in block).
+    fn place(&self, p: usize, grid_w: usize) -> (usize, usize) {
+        let m = self.config.spatial_merge_size;
+        let blocks_w = grid_w / m;
+        let (in_col, in_row) = (p % m, (p / m) % m);
+        let (block_col, block_row) = ((p / (m * m)) % blocks_w, p / (m * m * blocks_w));
+        (block_row * m + in_row, block_col * m + in_col)
+    }
+
+    /// `x += ` the position table resampled to the grid: bilinear, corners aligned, as
+    /// transformers' `get_vision_interpolation_indices_and_weights` gives it (two taps per
+    /// axis, clamped to the table's edge).
+    fn add_positions(&self, places: &[(usize, usize)], grid: PatchGrid, x: &mut [f32]) {
+        let h = self.config.hidden;
+        let side = self.config.position_side();
+        let table = WeightMatrix {
+            dtype: dtype_of(&self.pos_embed).unwrap_or(kernels::WeightDType::F32),
+            rows: side * side,
+            cols: h,
+            data: self.pos_embed.bytes(),
+        };
+        let taps = |index: usize, size: usize| -> [(usize, f32); 2] {
+            let src = index as f32 * (side - 1) as f32 / (size.max(2) - 1) as f32;
+            let floor = src.floor();
+            [0usize, 1].map(|off| {
+                let tap = (floor as usize + off).min(side - 1);
+                let weight = (1.0 - (src - floor - off as f32).abs()).max(0.0);
+                (tap, weight)
+            })
+        };
+        let mut sum = vec![0.0f32; h];
+        let mut row_values = vec![0.0f32; h];
+        for (&(row, col), out) in places.iter().zip(x.chunks_exact_mut(h)) {
+            sum.fill(0.0);
+            for (tap_h, weight_h) in taps(row, grid.h) {
+                for (tap_w, weight_w) in taps(col, grid.w) {
+                    let weight = weight_h * weight_w;
+                    kernels::widen_row(table, tap_h * side + tap_w, &mut row_values);
+                    for (s, &v) in sum.iter_mut().zip(&row_values) {
+                        *s += v * weight;
+                    }
+                }
+            }
+            kernels::add_assign(out, &sum);
+        }
+    }
+}

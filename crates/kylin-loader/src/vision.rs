@@ -1,0 +1,267 @@
+//! The vision tower of a vision-language checkpoint (`*ForConditionalGeneration`): its
+//! configuration (`vision_config` in `config.json`) and its tensors, bound with their exact
+//! shapes as views into the maps.
+//!
+//! Kylin runs the towers whose blocks it implements: Qwen3.5's and Qwen3.5-MoE's
+//! (`vision_config.model_type` `qwen3_5_vision` / `qwen3_5_moe_vision`): a patch embedding (a
+//! 3-D convolution whose kernel equals its stride, so a matrix over each patch's
+//! `channels · temporal_patch_size · patch_size²` values), a learned square table of position
+//! embeddings resampled to each image's grid, pre-norm transformer blocks with 2-D rotary
+//! positions and bidirectional attention, and a merger that concatenates each
+//! `spatial_merge_size²` block of patches into one token of the language model's width.
+//! Another tower is reported (its tensors stay "not run") and images are refused for it.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde_json::{Map, Value};
+
+use crate::encoder::bind_one;
+use crate::error::{KylinError, Result};
+use crate::safetensors_file::TensorIndex;
+use crate::tensor::WeightTensor;
+use crate::tokenizer;
+
+/// The `vision_config.model_type`s whose towers Kylin runs.
+pub const VISION_TOWERS: &[&str] = &["qwen3_5_vision", "qwen3_5_moe_vision"];
+
+/// The activation of the tower's MLPs (`vision_config.hidden_act`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VisionActivation {
+    /// `gelu_pytorch_tanh`: PyTorch's tanh approximation.
+    GeluTanh,
+    /// `gelu`: the exact (erf) GELU.
+    Gelu,
+}
+
+/// A Qwen3.5 vision tower's configuration, every value decided, and the prompt tokens that
+/// surround and stand for an image.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct VisionConfig {
+    pub model_type: String,
+    pub depth: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub heads: usize,
+    pub in_channels: usize,
+    pub patch_size: usize,
+    pub temporal_patch_size: usize,
+    pub spatial_merge_size: usize,
+    /// Entries of the learned position table: a square, `side²`.
+    pub num_position_embeddings: usize,
+    /// The width of a merged token: the language model's hidden size.
+    pub out_hidden: usize,
+    pub activation: VisionActivation,
+    pub rope_theta: f64,
+    /// The placeholder token that one merged image token replaces in the prompt.
+    pub image_token_id: u32,
+    pub vision_start_token_id: u32,
+    pub vision_end_token_id: u32,
+}
+
+impl VisionConfig {
+    /// Values per patch row of `pixel_values`: `channels · temporal_patch_size · patch_size²`.
+    pub fn patch_values(&self) -> usize {
+        self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.hidden / self.heads
+    }
+
+    /// Side of the learned square position table.
+    pub fn position_side(&self) -> usize {
+        self.num_position_embeddings.isqrt()
+    }
+
+    /// Width of a merged block of patches: `hidden · spatial_merge_size²`.
+    pub fn merged_width(&self) -> usize {
+        self.hidden * self.spatial_merge_size * self.spatial_merge_size
+    }
+}
+
+/// A vision tower ready to run: its configuration and its tensors by role (the checkpoint name
+/// after the tower's prefix, e.g. `blocks.0.attn.qkv.weight`).
+#[derive(Debug)]
+pub struct LoadedVision {
+    pub config: VisionConfig,
+    pub tensors: BTreeMap<String, WeightTensor>,
+    /// Checkpoint names of the bound tensors (so the loader does not list them as unused).
+    pub names: Vec<String>,
+}
+
+impl LoadedVision {
+    /// The tensor bound for `role` (every role of the table is bound by [`bind_vision`]).
+    pub fn tensor(&self, role: &str) -> Result<&WeightTensor> {
+        self.tensors.get(role).ok_or_else(|| {
+            KylinError::tensor_missing(format!("the vision tower has no tensor for role '{role}' (a Kylin bug)"))
+        })
+    }
+}
+
+fn usize_field(map: &Map<String, Value>, key: &str, default: Option<usize>, path: &Path) -> Result<usize> {
+    match map.get(key) {
+        None | Some(Value::Null) => default.ok_or_else(|| {
+            KylinError::config_missing(format!(
+                "config.json vision_config has no `{key}`, which the vision tower needs"
+            ))
+            .at(path)
+        }),
+        Some(v) => {
+            v.as_u64().and_then(|n| usize::try_from(n).ok()).filter(|&n| n > 0 && n <= 1 << 20).ok_or_else(|| {
+                KylinError::config_invalid(format!(
+                    "config.json vision_config `{key}` must be an integer in 1..=2^20; got {v}"
+                ))
+                .at(path)
+            })
+        }
+    }
+}
+
+fn token_field(map: &Map<String, Value>, key: &str, path: &Path) -> Result<u32> {
+    match map.get(key) {
+        Some(v) => v.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(|| {
+            KylinError::config_invalid(format!("config.json `{key}` must be a token id; got {v}")).at(path)
+        }),
+        None => Err(KylinError::config_missing(format!(
+            "config.json has no `{key}`, which placing an image in the prompt needs"
+        ))
+        .at(path)),
+    }
+}
+
+/// Reads `vision_config` of `dir/config.json`: `Ok(None)` when there is none, or when its
+/// tower is not one Kylin runs (the caller reports that); an error names the field that is
+/// wrong.
+pub fn read_vision_config(dir: &Path) -> Result<Option<VisionConfig>> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| KylinError::io(&path, "cannot read", &e))?;
+    let top = tokenizer::parse_json_object(&text, &path)?;
+    let Some(vision) = top.get("vision_config") else { return Ok(None) };
+    let Value::Object(v) = vision else {
+        return Err(KylinError::config_invalid(format!("config.json `vision_config` must be an object; got {vision}"))
+            .at(&path));
+    };
+    let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or_default().to_string();
+    if !VISION_TOWERS.contains(&model_type.as_str()) {
+        return Ok(None);
+    }
+    let activation = match v.get("hidden_act").and_then(Value::as_str) {
+        None | Some("gelu_pytorch_tanh") => VisionActivation::GeluTanh,
+        Some("gelu") => VisionActivation::Gelu,
+        Some(other) => {
+            return Err(KylinError::config_invalid(format!(
+                "config.json vision_config `hidden_act` must be gelu_pytorch_tanh or gelu; got {other}"
+            ))
+            .at(&path));
+        }
+    };
+    let rope_theta = match v.get("rope_parameters").and_then(|p| p.get("rope_theta")) {
+        None => 10_000.0,
+        Some(t) => t.as_f64().filter(|t| t.is_finite() && *t > 1.0).ok_or_else(|| {
+            KylinError::config_invalid(format!(
+                "config.json vision_config.rope_parameters `rope_theta` must be a number above 1; got {t}"
+            ))
+            .at(&path)
+        })?,
+    };
+    if let Some(kind) = v.get("rope_parameters").and_then(|p| p.get("rope_type")).and_then(Value::as_str)
+        && kind != "axial"
+    {
+        return Err(KylinError::config_invalid(format!(
+            "config.json vision_config.rope_parameters `rope_type` must be axial (2-D rotary positions); got {kind}"
+        ))
+        .at(&path));
+    }
+    let config = VisionConfig {
+        model_type,
+        depth: usize_field(v, "depth", Some(27), &path)?,
+        hidden: usize_field(v, "hidden_size", Some(1152), &path)?,
+        intermediate: usize_field(v, "intermediate_size", Some(4304), &path)?,
+        heads: usize_field(v, "num_heads", Some(16), &path)?,
+        in_channels: usize_field(v, "in_channels", Some(3), &path)?,
+        patch_size: usize_field(v, "patch_size", Some(16), &path)?,
+        temporal_patch_size: usize_field(v, "temporal_patch_size", Some(2), &path)?,
+        spatial_merge_size: usize_field(v, "spatial_merge_size", Some(2), &path)?,
+        num_position_embeddings: usize_field(v, "num_position_embeddings", Some(2304), &path)?,
+        out_hidden: usize_field(v, "out_hidden_size", Some(3584), &path)?,
+        activation,
+        rope_theta,
+        image_token_id: token_field(&top, "image_token_id", &path)?,
+        vision_start_token_id: token_field(&top, "vision_start_token_id", &path)?,
+        vision_end_token_id: token_field(&top, "vision_end_token_id", &path)?,
+    };
+    let side = config.position_side();
+    let checks = [
+        (config.hidden % config.heads == 0, "hidden_size must be a multiple of num_heads"),
+        (config.head_dim() % 4 == 0, "hidden_size / num_heads must be a multiple of 4 (2-D rotary positions)"),
+        (side * side == config.num_position_embeddings, "num_position_embeddings must be a square"),
+        (config.in_channels == 3, "in_channels must be 3 (RGB)"),
+    ];
+    if let Some((_, what)) = checks.iter().find(|(ok, _)| !ok) {
+        return Err(KylinError::config_invalid(format!(
+            "config.json vision_config: {what} (hidden_size {}, num_heads {}, num_position_embeddings {}, in_channels {})",
+            config.hidden, config.heads, config.num_position_embeddings, config.in_channels
+        ))
+        .at(&path));
+    }
+    Ok(Some(config))
+}
+
+/// The tower's tensor table: role (the name after the prefix), shape.
+fn table(c: &VisionConfig) -> Vec<(String, Vec<usize>)> {
+    let (h, i, m) = (c.hidden, c.intermediate, c.merged_width());
+    let mut t = vec![
+        (
+            "patch_embed.proj.weight".to_string(),
+            vec![h, c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size],
+        ),
+        ("patch_embed.proj.bias".into(), vec![h]),
+        ("pos_embed.weight".into(), vec![c.num_position_embeddings, h]),
+        ("merger.norm.weight".into(), vec![h]),
+        ("merger.norm.bias".into(), vec![h]),
+        ("merger.linear_fc1.weight".into(), vec![m, m]),
+        ("merger.linear_fc1.bias".into(), vec![m]),
+        ("merger.linear_fc2.weight".into(), vec![c.out_hidden, m]),
+        ("merger.linear_fc2.bias".into(), vec![c.out_hidden]),
+    ];
+    for l in 0..c.depth {
+        for (role, shape) in [
+            ("norm1.weight", vec![h]),
+            ("norm1.bias", vec![h]),
+            ("norm2.weight", vec![h]),
+            ("norm2.bias", vec![h]),
+            ("attn.qkv.weight", vec![3 * h, h]),
+            ("attn.qkv.bias", vec![3 * h]),
+            ("attn.proj.weight", vec![h, h]),
+            ("attn.proj.bias", vec![h]),
+            ("mlp.linear_fc1.weight", vec![i, h]),
+            ("mlp.linear_fc1.bias", vec![i]),
+            ("mlp.linear_fc2.weight", vec![h, i]),
+            ("mlp.linear_fc2.bias", vec![h]),
+        ] {
+            t.push((format!("blocks.{l}.{role}"), shape));
+        }
+    }
+    t
+}
+
+/// Where the tower's tensors are: `model.visual.` (transformers 5) or `visual.` (the layout
+/// the Qwen releases were first published in).
+fn prefix(index: &TensorIndex) -> &'static str {
+    if index.raw("visual.patch_embed.proj.weight").is_some() { "visual." } else { "model.visual." }
+}
+
+/// Binds every tensor of the tower described by `config`, each with its exact shape.
+pub(crate) fn bind_vision(config: VisionConfig, index: &TensorIndex, dir: &Path) -> Result<LoadedVision> {
+    let prefix = prefix(index);
+    let mut tensors = BTreeMap::new();
+    let mut names = Vec::new();
+    for (role, shape) in table(&config) {
+        let name = format!("{prefix}{role}");
+        tensors.insert(role, bind_one(index, &name, &shape, dir)?);
+        names.push(name);
+    }
+    Ok(LoadedVision { config, tensors, names })
+}
