@@ -46,7 +46,7 @@ use crate::backend::ChatMessage;
 use crate::draft::{DraftModel, DraftSeq, DraftTarget};
 use crate::kv_pool::{BlockAllocator, KvPool};
 use crate::model::NO_BLOCK;
-use crate::model::{BatchPlan, Model, PrecisionChoice, QuantFormat, Scratch};
+use crate::model::{BatchPlan, EmbeddingRow, Model, PrecisionChoice, QuantFormat, Scratch};
 use crate::native::ModelParts;
 use crate::rope::Ropes;
 use crate::sequence::Decoding;
@@ -58,6 +58,7 @@ use crate::serving::{
 use crate::speculative::{MAX_SPECULATIVE_TOKENS, SpeculationControl, propose_ngram};
 use crate::state_pool::{NO_SLOT, StatePool};
 use crate::text::TextCodec;
+use crate::vision::VisionTower;
 
 /// The context size used when none is given, capped by the model's `max_position_embeddings`.
 pub const DEFAULT_CONTEXT: usize = 4096;
@@ -985,9 +986,89 @@ struct Seq {
     /// With a draft model: the sequence's keys and values in the draft's pool, and how many of
     /// its tokens they hold (empty otherwise, and whenever the sequence is not running).
     draft_kv: DraftSeq,
+    /// The prompt's images, encoded, in prompt order (shared by a request's choices).
+    images: Arc<[SeqImage]>,
+}
+
+/// An image of a sequence's prompt: where its placeholder tokens are and what replaces them.
+#[derive(Debug)]
+struct SeqImage {
+    /// Index of its first placeholder token in the prompt.
+    start: usize,
+    /// Its tokens: rows times columns of merged patches.
+    tokens: usize,
+    rows: usize,
+    columns: usize,
+    /// The tower's output, `(tokens, hidden)`.
+    embedding: Arc<[f32]>,
+    /// A hash of its pixels and grid, from which its tokens' ids in the sequence are made.
+    content: u64,
+    /// The placeholder token its tokens stand for in the request's prompt.
+    placeholder: u32,
+}
+
+/// Ids from here up in a sequence's tokens are an image's tokens ([`image_token_id`]).
+const IMAGE_IDS: u32 = 0x8000_0000;
+
+/// The id a sequence holds for token `k` of an image with content hash `content`: past every
+/// vocabulary (the forward pass takes the image's row for it), and a function of the image's
+/// content, so the prefix cache, keyed by ids, finds a repeated image and never confuses two.
+fn image_token_id(content: u64, k: usize) -> u32 {
+    let mixed = (content ^ (k as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    IMAGE_IDS | (mixed >> 33) as u32
 }
 
 impl Seq {
+    /// Gives the sequence its prompt's images: their placeholder tokens become ids made from
+    /// each image's content ([`image_token_id`]).
+    fn attach_images(&mut self, images: Arc<[SeqImage]>) {
+        for image in images.iter() {
+            for k in 0..image.tokens {
+                self.tokens[image.start + k] = image_token_id(image.content, k);
+            }
+        }
+        self.images = images;
+    }
+
+    /// The multimodal rotary position (time, row, column) of token `index`, as transformers'
+    /// `get_rope_index` gives it: text tokens take one position on every axis, counting on from
+    /// the previous token; an image's tokens take the position after the text before it plus
+    /// their row and column; the text after an image continues after its larger side.
+    fn rope_position(&self, index: usize) -> [u32; 3] {
+        let mut shift = 0isize;
+        for image in self.images.iter() {
+            if index < image.start {
+                break;
+            }
+            if index < image.start + image.tokens {
+                let base = (image.start as isize + shift) as u32;
+                let k = index - image.start;
+                return [base, base + (k / image.columns) as u32, base + (k % image.columns) as u32];
+            }
+            shift += image.rows.max(image.columns) as isize - image.tokens as isize;
+        }
+        let p = (index as isize + shift) as u32;
+        [p, p, p]
+    }
+
+    /// Plans the multimodal inputs of the segment just pushed: tokens `from..from + n` of the
+    /// sequence (or its proposals after `from`), the first at `t0` in the plan.
+    fn plan_multimodal(&self, plan: &mut BatchPlan, t0: usize, from: usize, n: usize) {
+        for i in 0..n {
+            plan.positions.push(self.rope_position(from + i));
+        }
+        for image in self.images.iter() {
+            let (lo, hi) = (image.start.max(from), (image.start + image.tokens).min(from + n));
+            for index in lo..hi {
+                plan.embedding_rows.push(EmbeddingRow {
+                    t: t0 + index - from,
+                    rows: image.embedding.clone(),
+                    row: index - image.start,
+                });
+            }
+        }
+    }
+
     fn is_decoding(&self) -> bool {
         self.computed + 1 == self.tokens.len() && self.computed >= self.prompt_len
     }
@@ -1051,6 +1132,9 @@ pub struct BatchEngine {
     draft: Option<DraftModel>,
     /// The sequences the draft proposes for in the current step (room for `max_seqs`).
     draft_jobs: Vec<DraftJob>,
+    /// The vision tower that encodes a prompt's images, for a vision-language directory whose
+    /// tower Kylin runs.
+    vision: Option<VisionTower>,
 }
 
 /// Request ids from here up are the engine's own (the pooled requests behind
@@ -1070,11 +1154,12 @@ impl std::fmt::Debug for BatchEngine {
 impl BatchEngine {
     /// Builds the engine for a model from [`kylin_loader::load`].
     pub fn new(model: LoadedModel, opts: &EngineOptions) -> Result<Self> {
-        let LoadedModel { format, config, weights, tokenizer, generation, eos_ids, task, .. } = model;
+        let LoadedModel { format, config, weights, tokenizer, generation, eos_ids, task, vision, .. } = model;
         let parts =
             ModelParts { config: &config, weights: &weights, tokenizer: tokenizer.as_ref(), generation, eos_ids };
         let mut engine = BatchEngine::build(parts, opts, format.dir())?;
         engine.task = task;
+        engine.vision = vision.as_ref().map(VisionTower::new).transpose()?;
         Ok(engine)
     }
 
@@ -1117,6 +1202,7 @@ impl BatchEngine {
             next_internal_id: INTERNAL_IDS,
             draft_jobs: Vec::with_capacity(if draft.is_some() { max_seqs } else { 0 }),
             draft,
+            vision: None,
         })
     }
 
@@ -1154,7 +1240,78 @@ impl BatchEngine {
             draft: Vec::with_capacity(if core.speculative_tokens > 0 { core.speculative_tokens + 1 } else { 0 }),
             speculation: SpeculationControl::default(),
             draft_kv: self.draft.as_ref().map_or_else(DraftSeq::default, DraftModel::new_seq),
+            images: Arc::from(Vec::new()),
         }
+    }
+
+    /// Checks a request's images against its prompt and encodes them with the vision tower:
+    /// one run of the image placeholder token per image, as long as the tokens the image
+    /// becomes. The tower runs here, on the engine's threads, between two steps.
+    fn encode_images(&self, request: &Request) -> Result<Arc<[SeqImage]>> {
+        if request.images.is_empty() {
+            return Ok(Arc::from(Vec::new()));
+        }
+        let Some(tower) = &self.vision else {
+            return Err(KylinError::input_invalid(
+                "this model takes no images: it has no vision tower Kylin runs (images run on Qwen3.5 vision-language directories)",
+            ));
+        };
+        let placeholder = tower.config().image_token_id;
+        let prompt = &request.prompt_ids;
+        let mut runs = Vec::new();
+        let mut i = 0;
+        while i < prompt.len() {
+            if prompt[i] == placeholder {
+                let start = i;
+                while i < prompt.len() && prompt[i] == placeholder {
+                    i += 1;
+                }
+                runs.push((start, i - start));
+            } else {
+                i += 1;
+            }
+        }
+        if runs.len() != request.images.len() {
+            return Err(KylinError::input_invalid(format!(
+                "the prompt has {} run(s) of the image token {placeholder} for {} image(s); expected one run per image",
+                runs.len(),
+                request.images.len()
+            )));
+        }
+        let merge = tower.config().spatial_merge_size;
+        let mut images = Vec::with_capacity(runs.len());
+        for (n, ((start, len), image)) in runs.into_iter().zip(&request.images).enumerate() {
+            tower.check(&image.pixels, image.grid)?;
+            let tokens = tower.tokens(image.grid);
+            if len != tokens {
+                return Err(KylinError::input_invalid(format!(
+                    "image {n} of the prompt ({} x {} patches) becomes {tokens} tokens, but its run of image tokens has {len}",
+                    image.grid.h, image.grid.w
+                )));
+            }
+            if image.grid.t != 1 {
+                return Err(KylinError::input_invalid(format!(
+                    "image {n} has {} frames; an image has one (videos are not supported)",
+                    image.grid.t
+                )));
+            }
+            let embedding = tower.encode(&self.core.pool, &image.pixels, image.grid)?;
+            let mut hasher = std::hash::DefaultHasher::new();
+            std::hash::Hash::hash(&image.grid, &mut hasher);
+            for v in image.pixels.iter() {
+                std::hash::Hash::hash(&v.to_bits(), &mut hasher);
+            }
+            images.push(SeqImage {
+                start,
+                tokens,
+                rows: image.grid.h / merge,
+                columns: image.grid.w / merge,
+                embedding: Arc::from(embedding),
+                content: std::hash::Hasher::finish(&hasher),
+                placeholder,
+            });
+        }
+        Ok(Arc::from(images))
     }
 
     /// A running sequence leaves the running set (it ends or is preempted): its state is kept
@@ -1376,7 +1533,12 @@ impl BatchEngine {
             }
             seq.draft.clear();
             seq.draft.push(seq.tokens[seq.computed]);
-            let proposed = propose_ngram(&seq.tokens, k, &mut seq.draft);
+            let mut proposed = propose_ngram(&seq.tokens, k, &mut seq.draft);
+            // An image's tokens are never sampled: a proposal stops before them.
+            if let Some(cut) = seq.draft[1..].iter().position(|&id| id >= IMAGE_IDS) {
+                seq.draft.truncate(1 + cut);
+                proposed = cut;
+            }
             if proposed == 0 || !seq.kv.grow(&mut self.core.allocs(), seq.computed + 1 + proposed, bs) {
                 continue;
             }
@@ -1407,7 +1569,8 @@ impl BatchEngine {
             }
             let seq = &mut self.running[self.scheduled[i].slot];
             let len = seq.tokens.len();
-            if !seq.decoding.may_speculate() || len > draft_context {
+            // The draft model reads no images: it does not propose for a prompt with them.
+            if !seq.decoding.may_speculate() || len > draft_context || !seq.images.is_empty() {
                 continue;
             }
             // As for the n-gram proposer, and the draft computes positions up to `len + k - 2`.
@@ -1589,6 +1752,7 @@ impl BatchEngine {
         let partial = prompt_len % bs;
         for index in 1..request.n {
             let mut seq = self.new_seq(request, index);
+            seq.attach_images(self.running[leader_slot].images.clone());
             seq.cached_prompt = self.running[leader_slot].cached_prompt;
             seq.decoding.usage.cached_prompt_tokens = seq.cached_prompt.unwrap_or(0);
             // Share the full prompt blocks (and the sliding ones the leader still holds); copy
@@ -1692,8 +1856,14 @@ impl BatchEngine {
     fn run_scheduled(&mut self, events: &mut Vec<Event>) -> Result<()> {
         let bs = self.core.kv.block_size;
         self.core.plan.clear();
+        let multimodal = self.core.model.multimodal_rope();
         for s in self.scheduled.iter_mut() {
             let seq = &self.running[s.slot];
+            let t0 = self.core.plan.ids.len();
+            if multimodal {
+                // Every token's rotary positions, and the image rows of the segment's image tokens.
+                seq.plan_multimodal(&mut self.core.plan, t0, seq.computed, s.len);
+            }
             if s.proposed > 0 {
                 // The draft: the last sampled token, then the proposals (not in `tokens`).
                 debug_assert_eq!(seq.draft.first(), seq.tokens.get(seq.computed));
@@ -1917,8 +2087,10 @@ fn report_prompt_logprobs<'a>(
     if from >= to {
         return;
     }
+    // An image's tokens are scored as the placeholder token the request's prompt holds.
+    let prompt_id = |id: u32| if id >= IMAGE_IDS { seq.images.first().map_or(id, |i| i.placeholder) } else { id };
     let logprobs = (from..to)
-        .map(|p| crate::sequence::token_logprob(logits(first_row + p - seq.computed), seq.tokens[p + 1], k))
+        .map(|p| crate::sequence::token_logprob(logits(first_row + p - seq.computed), prompt_id(seq.tokens[p + 1]), k))
         .collect();
     seq.next_scored = to;
     events.push(Event {
@@ -1996,7 +2168,9 @@ impl Serving for BatchEngine {
         if duplicate {
             return Err(KylinError::input_invalid(format!("request id {} is already in the engine", request.id)));
         }
+        let images = self.encode_images(&request)?;
         let mut seq = self.new_seq(&request, 0);
+        seq.attach_images(images);
         if request.n > 1 {
             seq.fork = Some(Box::new(request));
         }

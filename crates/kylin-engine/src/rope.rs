@@ -72,6 +72,9 @@ pub struct Rope {
     /// `(capacity, half)` row-major, like `cos`.
     sin: Vec<f32>,
     dynamic: Option<DynamicState>,
+    /// Multimodal RoPE: the axis (0 time, 1 height, 2 width) whose position each frequency
+    /// takes, `(half)`; `None` for the ordinary RoPE.
+    axes: Option<Vec<u8>>,
 }
 
 impl Rope {
@@ -135,6 +138,7 @@ impl Rope {
             cos: vec![0.0; table_len],
             sin: vec![0.0; table_len],
             dynamic,
+            axes: config.multimodal.map(|m| m.axes(half)),
         };
         rope.fill_rows(0, capacity);
         Ok(rope)
@@ -187,6 +191,32 @@ impl Rope {
     #[inline]
     pub fn cos(&self, pos: usize) -> &[f32] {
         &self.cos[pos * self.half..(pos + 1) * self.half]
+    }
+
+    /// Whether the table is a multimodal RoPE (positions per axis, [`Rope::cos_sin_at`]).
+    pub fn is_multimodal(&self) -> bool {
+        self.axes.is_some()
+    }
+
+    /// cos and sin, `(head_dim / 2)` each, of a multimodal position (time, row, column): each
+    /// frequency at the position of its axis, read from the tables (transformers'
+    /// `recomposition_frequencies`). For the ordinary RoPE, the time position's rows.
+    /// The caller guarantees every position is below the capacity.
+    pub fn cos_sin_at(&self, pos: [u32; 3], cos: &mut [f32], sin: &mut [f32]) {
+        let half = self.half;
+        match &self.axes {
+            Some(axes) => {
+                for (i, &axis) in axes.iter().enumerate() {
+                    let row = pos[axis as usize] as usize * half + i;
+                    cos[i] = self.cos[row];
+                    sin[i] = self.sin[row];
+                }
+            }
+            None => {
+                cos[..half].copy_from_slice(self.cos(pos[0] as usize));
+                sin[..half].copy_from_slice(self.sin(pos[0] as usize));
+            }
+        }
     }
 
     /// sin of position `pos`, `(head_dim / 2)`.
@@ -391,7 +421,7 @@ mod tests {
     use super::*;
 
     fn config(scaling: RopeScaling, theta: f64) -> RopeConfig {
-        RopeConfig { theta, partial_rotary_factor: 1.0, scaling }
+        RopeConfig { theta, partial_rotary_factor: 1.0, scaling, multimodal: None }
     }
 
     #[test]

@@ -270,6 +270,11 @@ impl Serving for SerialEngine {
                 "pooled requests (decoder embeddings and reranking) run on the native engine, not one sequence at a time",
             ));
         }
+        if !request.images.is_empty() {
+            return Err(KylinError::operator_unsupported(
+                "images run on the native engine (Hugging Face directories with a vision tower Kylin runs), not on this backend",
+            ));
+        }
         if self.queue.iter().any(|r| r.id == request.id)
             || self.running.as_ref().is_some_and(|r| r.request.id == request.id)
         {

@@ -87,7 +87,19 @@ pub struct Request {
     /// [`EventKind::Pooled`] event before it finishes) and generates nothing (`max_new_tokens`
     /// 0, `n` 1): what decoder embedders and rerankers answer with.
     pub pooling: Option<Pooled>,
+    /// The prompt's images, in prompt order: the prompt holds a run of the model's image
+    /// placeholder token for each, one per token the image becomes.
+    pub images: Vec<ImageInput>,
     pub cancel: CancelHandle,
+}
+
+/// An image of a prompt as the image processor leaves it: its patches, one row of
+/// `channels · temporal_patch_size · patch_size²` values each in the processor's order, and
+/// their grid.
+#[derive(Debug, Clone)]
+pub struct ImageInput {
+    pub pixels: std::sync::Arc<[f32]>,
+    pub grid: crate::vision::PatchGrid,
 }
 
 /// What a prompt-only request returns at its last prompt position.
@@ -125,6 +137,7 @@ impl Request {
             logit_bias: Vec::new(),
             grammar: None,
             pooling: None,
+            images: Vec::new(),
             cancel: CancelHandle::new(),
         }
     }

@@ -6,10 +6,15 @@ mod support;
 
 use std::path::{Path, PathBuf};
 
+use std::sync::Arc;
+
+use kylin_engine::batch::{BatchEngine, EngineOptions};
+use kylin_engine::serving::{ImageInput, Request};
 use kylin_engine::vision::{PatchGrid, VisionTower};
+use kylin_engine::{Event, EventKind, PrecisionChoice, Serving};
 use kylin_kernels::ThreadPool;
 use serde_json::Value;
-use support::floats;
+use support::{floats, ids};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -74,5 +79,191 @@ fn a_grid_that_does_not_match_its_pixels_is_refused() {
     ] {
         let err = tower.encode(&pool, &vec![0.0; values], grid).unwrap_err();
         assert_eq!(err.code.as_str(), "INPUT_INVALID", "{grid:?}: {err}");
+    }
+}
+
+fn engine(dir: &Path, opts: &EngineOptions) -> BatchEngine {
+    let model = kylin_loader::load(dir, &Default::default()).expect("the fixture loads");
+    BatchEngine::new(model, opts).expect("the engine builds")
+}
+
+fn options() -> EngineOptions {
+    EngineOptions { threads: 2, ctx_size: Some(256), precision: PrecisionChoice::F32, ..EngineOptions::default() }
+}
+
+/// A case's prompt and images as a request: greedy, 12 tokens, with the top-20 log-probabilities
+/// of every prompt position and generated token.
+fn request(id: u64, case: &Value) -> Request {
+    let mut r = Request::new(id, ids(&case["input_ids"]), 12);
+    r.ignore_eos = true;
+    r.detokenize = false;
+    r.logprobs = Some(20);
+    r.prompt_logprobs = Some(20);
+    r.images = case["images"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|image| ImageInput { pixels: Arc::from(floats(&image["pixel_values"])), grid: grid(image) })
+        .collect();
+    r
+}
+
+/// What a request produced: per prompt position `p` (from 1), the top-20 of the logits of
+/// position `p - 1`; the generated ids and each one's top-20; the prompt tokens the prefix cache
+/// supplied.
+#[derive(Debug, Default, PartialEq)]
+struct Output {
+    prompt_top: Vec<Vec<(u32, f32)>>,
+    ids: Vec<u32>,
+    top: Vec<Vec<(u32, f32)>>,
+    cached: usize,
+}
+
+fn run(e: &mut BatchEngine, requests: Vec<Request>) -> Vec<Output> {
+    let n = requests.len();
+    let first = requests[0].id;
+    for r in requests {
+        e.add_request(r).expect("the request is accepted");
+    }
+    let mut out: Vec<Output> = (0..n).map(|_| Output::default()).collect();
+    support::step_until_idle(e, |events: &[Event]| {
+        for ev in events {
+            let o = &mut out[(ev.request - first) as usize];
+            match &ev.kind {
+                EventKind::PromptLogprobs { start, logprobs } => {
+                    assert_eq!(*start, o.prompt_top.len() + 1, "prompt positions in order");
+                    o.prompt_top.extend(logprobs.iter().map(|l| l.top.clone()));
+                }
+                EventKind::Token { id, logprob, .. } => {
+                    o.ids.push(*id);
+                    o.top.push(logprob.as_ref().expect("log-probabilities were asked for").top.clone());
+                }
+                EventKind::Finished { usage, .. } => o.cached = usage.cached_prompt_tokens,
+                EventKind::Pooled { .. } => unreachable!(),
+            }
+        }
+    });
+    out
+}
+
+/// `log_softmax(logits)`, in f64.
+fn log_softmax(logits: &[f32]) -> Vec<f64> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = max + logits.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
+    logits.iter().map(|&v| v as f64 - lse).collect()
+}
+
+#[test]
+fn prompts_with_images_give_transformers_logits_and_greedy_tokens() {
+    for (dir, reference) in fixtures() {
+        for (c, case) in reference["cases"].as_array().unwrap().iter().enumerate() {
+            let mut e = engine(&dir, &options());
+            let out = run(&mut e, vec![request(1, case)]).remove(0);
+            let argmax = ids(&case["argmax_per_position"]);
+            let logits: Vec<Vec<f32>> = case["logits"].as_array().unwrap().iter().map(floats).collect();
+            let len = argmax.len();
+            assert_eq!(out.prompt_top.len(), len - 1);
+            // Position p's top-20 (reported with token p + 1; the last with the first new token):
+            // the same argmax, and each log-probability within 1e-3 of transformers'.
+            let mut worst = 0.0f64;
+            for p in 0..len {
+                let top = if p + 1 < len { &out.prompt_top[p] } else { &out.top[0] };
+                assert_eq!(top[0].0, argmax[p], "{}: case {c}: argmax at position {p}", dir.display());
+                let want = log_softmax(&logits[p]);
+                for &(id, lp) in top {
+                    worst = worst.max((want[id as usize] - lp as f64).abs());
+                }
+            }
+            eprintln!("{}: case {c}: worst |log-probability diff| {worst:e}", dir.display());
+            assert!(worst < 1e-3, "{}: case {c}: {worst}", dir.display());
+            assert_eq!(out.ids, ids(&case["greedy_new_ids"]), "{}: case {c}: greedy tokens", dir.display());
+        }
+    }
+}
+
+#[test]
+fn chunks_that_split_an_image_give_the_same_bits() {
+    let (dir, reference) = &fixtures()[1];
+    let case = &reference["cases"][1];
+    let whole = run(&mut engine(dir, &options()), vec![request(1, case)]);
+    // Chunks of 5 tokens cut the 8 x 4 image (8 tokens) and the 2 x 10 one (5 tokens).
+    let opts = EngineOptions { max_batch_tokens: 5, ..options() };
+    let chunked = run(&mut engine(dir, &opts), vec![request(1, case)]);
+    assert_eq!(whole, chunked);
+}
+
+#[test]
+fn the_prefix_cache_reuses_an_image_and_never_confuses_two() {
+    let (dir, reference) = &fixtures()[1];
+    let case = &reference["cases"][1];
+    let opts = EngineOptions { block_size: Some(4), ..options() };
+    let mut e = engine(dir, &opts);
+    // Prompt log-probabilities compute every position: these requests ask for none.
+    let request = |id: u64, case: &Value| Request { prompt_logprobs: None, ..request(id, case) };
+    let first = run(&mut e, vec![request(1, case)]).remove(0);
+    assert_eq!(first.ids, ids(&case["greedy_new_ids"]));
+    // The same prompt and images again: served from the cache, with the same answer.
+    let mut again = run(&mut e, vec![request(2, case)]).remove(0);
+    assert!(again.cached >= 16, "cached {}", again.cached);
+    again.cached = first.cached;
+    assert_eq!(again, first);
+    // The same ids with another first image: nothing after the image's first token is reused,
+    // and the answer changes.
+    let mut other = request(3, case);
+    let mut pixels = other.images[0].pixels.to_vec();
+    pixels.iter_mut().for_each(|v| *v = -*v);
+    other.images[0].pixels = Arc::from(pixels);
+    let changed = run(&mut e, vec![other]).remove(0);
+    // The first image starts at token 1 (after the vision start token): no whole block of 4 is
+    // shared.
+    assert_eq!(changed.cached, 0);
+    assert_ne!(changed.top, first.top);
+}
+
+#[test]
+fn images_that_do_not_fit_the_prompt_are_refused_with_the_reason() {
+    let (dir, reference) = &fixtures()[0];
+    let case = &reference["cases"][0];
+    let mut e = engine(dir, &options());
+    let refused = |e: &mut BatchEngine, r: Request, needle: &str| {
+        let err = e.add_request(r).unwrap_err();
+        assert_eq!(err.code.as_str(), "INPUT_INVALID", "{err}");
+        assert!(err.to_string().contains(needle), "{err}");
+    };
+    // A prompt with image tokens and no image is text: the placeholder is an ordinary id.
+    e.add_request(Request { images: Vec::new(), ..request(1, case) }).unwrap();
+    support::step_until_idle(&mut e, |_| {});
+    // Two images for one run of image tokens.
+    let mut two = request(2, case);
+    two.images.push(two.images[0].clone());
+    refused(&mut e, two, "1 run(s) of the image token 1000 for 2 image(s)");
+    // A grid that becomes 8 tokens for a run of 6.
+    let mut wrong = request(3, case);
+    wrong.images[0] = ImageInput { pixels: Arc::from(vec![0.0; 32 * 96]), grid: PatchGrid { t: 1, h: 8, w: 4 } };
+    refused(&mut e, wrong, "becomes 8 tokens, but its run of image tokens has 6");
+    // A model without a vision tower takes no images.
+    let text_model = repo().join("testdata/families/fixtures/tiny-qwen3.5");
+    let mut text = engine(&text_model, &options());
+    refused(&mut text, request(4, case), "no vision tower");
+}
+
+#[test]
+fn choices_over_a_prompt_with_images_share_it_and_give_the_same_tokens() {
+    let (dir, reference) = &fixtures()[1];
+    for case in reference["cases"].as_array().unwrap() {
+        let plain = |id| Request { prompt_logprobs: None, ..request(id, case) };
+        let want = ids(&case["greedy_new_ids"]);
+        // Two choices share the prompt's blocks and images.
+        let mut e = engine(dir, &options());
+        e.add_request(Request { n: 2, ..plain(1) }).unwrap();
+        let mut choices = [Vec::new(), Vec::new()];
+        support::step_until_idle(&mut e, |events| {
+            for ev in events {
+                if let EventKind::Token { id, .. } = ev.kind {
+                    choices[ev.index].push(id);
+                }
+            }
+        });
+        assert_eq!(choices, [want.clone(), want]);
     }
 }

@@ -118,6 +118,43 @@ pub struct RopeConfig {
     /// even count; Phi-4-mini rotates 0.75).
     pub partial_rotary_factor: f64,
     pub scaling: RopeScaling,
+    /// Multimodal RoPE (Qwen-VL): how the rotary frequencies split between an image token's
+    /// time, row and column positions. Text tokens take their one position on every section.
+    pub multimodal: Option<MultimodalRope>,
+}
+
+/// The multimodal RoPE's split of the frequencies (`mrope_section`: time, height, width).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct MultimodalRope {
+    pub sections: [usize; 3],
+    /// Qwen3-VL and Qwen3.5 interleave the sections (frequency `i` is height when `i % 3 == 1`
+    /// and `i < 3 · sections[1]`, width when `i % 3 == 2` and `i < 3 · sections[2]`, else time);
+    /// Qwen2-VL lays them out one after another.
+    pub interleaved: bool,
+}
+
+impl MultimodalRope {
+    /// The axis (0 time, 1 height, 2 width) of each of `half` frequencies.
+    pub fn axes(&self, half: usize) -> Vec<u8> {
+        let [t, h, w] = self.sections;
+        (0..half)
+            .map(|i| {
+                if self.interleaved {
+                    match i % 3 {
+                        1 if i < 3 * h => 1,
+                        2 if i < 3 * w => 2,
+                        _ => 0,
+                    }
+                } else if i < t {
+                    0
+                } else if i < t + h {
+                    1
+                } else {
+                    2
+                }
+            })
+            .collect()
+    }
 }
 
 /// A model's configuration with every value decided: nothing here is optional because of the
@@ -938,6 +975,6 @@ impl HfConfig {
                 )));
             }
         };
-        Ok(RopeConfig { theta, partial_rotary_factor, scaling })
+        Ok(RopeConfig { theta, partial_rotary_factor, scaling, multimodal: None })
     }
 }

@@ -551,6 +551,7 @@ impl EngineLoop {
             logit_bias: s.logit_bias,
             grammar: s.grammar,
             pooling: None,
+            images: Vec::new(),
             cancel: s.cancel.clone(),
         };
         self.engine.add_request(request)?;

@@ -228,11 +228,22 @@ impl Attention {
         let tmp = &mut s.head_tmp;
         let table = layer.rope.map(|i| rope.table(i));
         let rotary = table.map_or(0, |t| t.rotary_dim());
+        // Multimodal RoPE: each token's frequencies at its (time, row, column) positions.
+        let (mm_cos, mm_sin) = s.rope_tmp[..rotary].split_at_mut(rotary / 2);
+        let multimodal = table.filter(|t| t.is_multimodal() && !plan.positions.is_empty());
         let writes_kv = layer.k_proj.is_some();
         for seg in &plan.segments {
             let blocks = &tables[table_range(seg)];
             for t in seg.t0..seg.t0 + seg.n {
                 let pos = seg.start + (t - seg.t0);
+                let (cos, sin): (&[f32], &[f32]) = match (table, multimodal) {
+                    (_, Some(mm)) => {
+                        mm.cos_sin_at(plan.positions[t], mm_cos, mm_sin);
+                        (mm_cos, mm_sin)
+                    }
+                    (Some(table), None) => (table.cos(pos), table.sin(pos)),
+                    (None, None) => (&[], &[]),
+                };
                 let rows = [
                     Some((&mut s.q[t * q_dim..(t + 1) * q_dim], q_dim, &layer.q_norm)),
                     writes_kv.then(|| (&mut s.k[t * kv_dim..(t + 1) * kv_dim], kv_dim, &layer.k_norm)),
@@ -249,8 +260,8 @@ impl Attention {
                             tmp[..hd].copy_from_slice(head);
                             w.apply(&tmp[..hd], c.eps, head);
                         }
-                        if let Some(table) = table {
-                            kernels::rope_rotate_half(&mut head[..rotary], table.cos(pos), table.sin(pos));
+                        if table.is_some() {
+                            kernels::rope_rotate_half(&mut head[..rotary], cos, sin);
                         }
                     }
                 }

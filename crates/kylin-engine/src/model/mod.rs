@@ -442,6 +442,17 @@ pub struct Segment {
     pub state: u32,
 }
 
+/// A token whose input is a row of an image's encoding instead of a row of the embedding
+/// table: the image's placeholder tokens.
+#[derive(Debug, Clone)]
+pub struct EmbeddingRow {
+    /// Index of the token in [`BatchPlan::ids`].
+    pub t: usize,
+    /// The image's rows, `(tokens, hidden)`, and which one.
+    pub rows: std::sync::Arc<[f32]>,
+    pub row: usize,
+}
+
 /// What one forward pass computes: the tokens of every segment, back to back.
 /// Built anew each step into the same buffers (their capacity is planned; nothing reallocates).
 #[derive(Debug, Default)]
@@ -452,6 +463,12 @@ pub struct BatchPlan {
     pub sliding_block_ids: Vec<u32>,
     /// Segments whose logits are wanted.
     pub logit_rows: usize,
+    /// Multimodal RoPE positions (time, row, column) of every token, in [`BatchPlan::ids`]
+    /// order; empty when every token's rotary position is its position in its sequence.
+    pub positions: Vec<[u32; 3]>,
+    /// The tokens whose input is an image's row (their ids in [`BatchPlan::ids`] are not
+    /// looked up).
+    pub embedding_rows: Vec<EmbeddingRow>,
 }
 
 impl BatchPlan {
@@ -464,6 +481,8 @@ impl BatchPlan {
             block_ids: Vec::with_capacity(max_blocks),
             sliding_block_ids: Vec::with_capacity(max_blocks),
             logit_rows: 0,
+            positions: Vec::with_capacity(max_tokens),
+            embedding_rows: Vec::with_capacity(max_tokens),
         }
     }
 
@@ -473,6 +492,8 @@ impl BatchPlan {
         self.block_ids.clear();
         self.sliding_block_ids.clear();
         self.logit_rows = 0;
+        self.positions.clear();
+        self.embedding_rows.clear();
     }
 
     /// Adds a segment of `ids` at position `start` of a sequence with block table `blocks`
@@ -1303,6 +1324,7 @@ impl Model {
             split_outputs: sized(split_rows, d.head_dim, "split attention")?,
             split_stats: vec![PartialStats::EMPTY; split_rows],
             head_tmp: sized(1, d.q_dim().max(d.head_dim), "head")?,
+            rope_tmp: sized(1, self.attentions().map(|a| a.head_dim).fold(d.head_dim, usize::max), "rotary")?,
             logit_hidden: sized(max_logit_rows, d.hidden, "hidden")?,
             logits: sized(max_logit_rows, d.vocab, "logits")?,
             ple: sized(max_tokens, ple_all, "per-layer input")?,
@@ -1354,6 +1376,12 @@ impl Model {
     /// in layer order; empty for a model without them.
     pub fn recurrent_layers(&self) -> Vec<RecurrentShape> {
         self.layers.iter().filter_map(Layer::recurrent_shape).collect()
+    }
+
+    /// Whether the model's rotary positions are multimodal (an image token has a time, row and
+    /// column position): the plan then carries every token's positions.
+    pub fn multimodal_rope(&self) -> bool {
+        self.rope_configs.iter().any(|(c, _)| c.multimodal.is_some())
     }
 
     /// RoPE tables for positions `0..context`, one per rotary table the layers use.
@@ -1423,13 +1451,22 @@ impl Model {
         assert!(n <= s.max_tokens && plan.segments.len() <= s.max_segments, "batch larger than planned");
         assert!(plan.logit_rows <= s.max_logit_rows, "more logits rows than planned");
 
-        // 1. Embedding lookup: ids (n) -> x (n, hidden), times the embedding scale if any.
+        // 1. Embedding lookup: ids (n) -> x (n, hidden), times the embedding scale if any; an
+        //    image's placeholder tokens take the image's rows instead (not scaled).
         let embed = self.embed.matrix();
         for (&id, row) in plan.ids.iter().zip(s.x.chunks_exact_mut(h)) {
+            if id as usize >= d.vocab {
+                // Planned with an image row below (the engine gives image tokens ids past the
+                // vocabulary, so the prefix cache keys them by the image's content).
+                continue;
+            }
             kernels::widen_row(embed, id as usize, row);
             if let Some(scale) = self.embedding_scale {
                 kernels::scale(row, scale);
             }
+        }
+        for e in &plan.embedding_rows {
+            s.x[e.t * h..(e.t + 1) * h].copy_from_slice(&e.rows[e.row * h..(e.row + 1) * h]);
         }
 
         // Gemma 4's per-layer inputs: x (n, hidden) -> ple (n, layers · width).

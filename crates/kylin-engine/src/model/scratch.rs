@@ -40,6 +40,8 @@ pub struct Scratch {
     /// One head (or, for a norm over the whole projection, one token's queries) for the
     /// in-place q/k norm, `(max(head_dim, n_heads * head_dim))`.
     pub(super) head_tmp: Vec<f32>,
+    /// One token's multimodal rotary cos then sin, `(head_dim)`.
+    pub(super) rope_tmp: Vec<f32>,
     /// Final-normed rows whose logits are wanted, `(max_logit_rows, hidden)`.
     pub(super) logit_hidden: Vec<f32>,
     /// Their logits, `(max_logit_rows, vocab)`.
@@ -110,6 +112,7 @@ impl Scratch {
             + self.gate.len()
             + self.up.len()
             + self.head_tmp.len()
+            + self.rope_tmp.len()
             + self.logit_hidden.len()
             + self.logits.len()
             + self.ple.len()

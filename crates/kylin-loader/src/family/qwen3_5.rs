@@ -74,24 +74,36 @@ pub(crate) fn resolve_named(hf: &HfConfig, c: &mut ModelConfig, family: &str) ->
         c.defaulted.push("partial_rotary_factor".into());
         c.rope.partial_rotary_factor = 0.25;
     }
-    mrope_sections(hf)?;
+    mrope_sections(hf, c)?;
     layer_types(hf, c, family)?;
     linear_sizes(hf, c)
 }
 
 /// `mrope_section` (the multimodal RoPE's split of the rotary frequencies between time,
-/// height and width): checked for its type. Text tokens take their position on every
-/// section, which is the ordinary RoPE, so the sections do not change what the text model
-/// computes.
-fn mrope_sections(hf: &HfConfig) -> Result<()> {
-    let Some(params) = &hf.rope_parameters else { return Ok(()) };
-    match params.get("mrope_section") {
-        None | Some(serde_json::Value::Null) => Ok(()),
-        Some(serde_json::Value::Array(items)) if items.iter().all(|v| v.as_u64().is_some()) => Ok(()),
-        Some(other) => {
-            Err(crate::config::bad("rope_parameters.mrope_section", "a list of non-negative integers", other))
+/// height and width; transformers' default `[11, 11, 10]`), interleaved as Qwen3.5's rotary
+/// module always lays it out. Set for the vision-language classes, whose image tokens take a
+/// position per axis; text tokens take their position on every section, which is the ordinary
+/// RoPE, so the text classes leave it unset.
+fn mrope_sections(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
+    let sections = match hf.rope_parameters.as_ref().and_then(|p| p.get("mrope_section")) {
+        None | Some(serde_json::Value::Null) => [11, 11, 10],
+        Some(serde_json::Value::Array(items))
+            if items.len() == 3 && items.iter().all(|v| v.as_u64().is_some_and(|n| n <= 1 << 16)) =>
+        {
+            [0, 1, 2].map(|i| items[i].as_u64().map_or(0, |n| n as usize))
         }
+        Some(other) => {
+            return Err(crate::config::bad(
+                "rope_parameters.mrope_section",
+                "a list of 3 non-negative integers",
+                other,
+            ));
+        }
+    };
+    if c.multimodal.is_some() {
+        c.rope.multimodal = Some(crate::config::MultimodalRope { sections, interleaved: true });
     }
+    Ok(())
 }
 
 /// Which layers are linear attention: `layer_types` (`linear_attention` / `full_attention`),

@@ -340,7 +340,7 @@ impl BinHeader {
             vocab_size: self.vocab_size,
             max_position_embeddings: self.seq_len,
             rms_norm_eps,
-            rope: RopeConfig { theta, partial_rotary_factor: 1.0, scaling: RopeScaling::Default },
+            rope: RopeConfig { theta, partial_rotary_factor: 1.0, scaling: RopeScaling::Default, multimodal: None },
             tie_word_embeddings: self.shared_classifier,
             qkv_bias: false,
             o_bias: false,
