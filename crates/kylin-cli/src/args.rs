@@ -535,9 +535,15 @@ pub struct ServeArgs {
     /// Requests admitted beyond the engine's --max-seqs; more get 429 with Retry-After.
     #[arg(long, value_name = "N", default_value_t = 64)]
     pub max_queue: usize,
-    /// Largest request body in bytes (larger ones get 413).
-    #[arg(long, value_name = "BYTES", default_value_t = 4 << 20)]
+    /// Largest request body in bytes (larger ones get 413); images sent as base64 `data:` URLs
+    /// count in it.
+    #[arg(long, value_name = "BYTES", default_value_t = 32 << 20)]
     pub max_body_bytes: usize,
+    /// Let requests name images by local path (`file://` URLs or absolute paths in
+    /// `image_url`) inside this directory; without it, only `data:` URLs are accepted. Nothing
+    /// is ever fetched from the network.
+    #[arg(long, value_name = "DIR")]
+    pub allowed_local_media_path: Option<PathBuf>,
     /// Seconds a client has to send its request body (then 408).
     #[arg(long, value_name = "SECONDS", default_value_t = 30)]
     pub body_timeout: u64,

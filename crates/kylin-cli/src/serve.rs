@@ -72,6 +72,13 @@ fn server_config(args: &ServeArgs) -> Result<ServerConfig> {
     if args.max_body_bytes < 1024 {
         return Err(KylinError::input_invalid("--max-body-bytes must be at least 1024").into());
     }
+    let allowed_local_media_path = match &args.allowed_local_media_path {
+        None => None,
+        // Resolved once, so that a request's path is compared with the real directory.
+        Some(dir) => Some(std::fs::canonicalize(dir).map_err(|e| {
+            KylinError::io(dir, "cannot open the --allowed-local-media-path directory", &e)
+        })?),
+    };
     Ok(ServerConfig {
         served_model_name: name,
         api_key,
@@ -81,6 +88,7 @@ fn server_config(args: &ServeArgs) -> Result<ServerConfig> {
         header_read_timeout: Duration::from_secs(args.header_timeout.max(1)),
         grace_period: Duration::from_secs(args.grace_period),
         kv_events: None,
+        allowed_local_media_path,
     })
 }
 

@@ -28,6 +28,9 @@ pub enum ErrorCode {
     ContextOverflow,
     /// A flag, a messages file or a request is malformed.
     InputInvalid,
+    /// An image of a request cannot be used: its format, size or content (the message starts
+    /// with the image decoder's own code, e.g. `IMAGE_TOO_LARGE`).
+    ImageInvalid,
     /// An external backend (llama.cpp) refused or failed.
     BackendFailed,
     /// The operating system refused an I/O operation on a file that exists.
@@ -52,6 +55,7 @@ impl ErrorCode {
             ErrorCode::ModelVersionIncompatible => "MODEL_VERSION_INCOMPATIBLE",
             ErrorCode::ContextOverflow => "CONTEXT_OVERFLOW",
             ErrorCode::InputInvalid => "INPUT_INVALID",
+            ErrorCode::ImageInvalid => "IMAGE_INVALID",
             ErrorCode::BackendFailed => "BACKEND_FAILED",
             ErrorCode::Io => "IO_ERROR",
         }
@@ -152,6 +156,7 @@ constructors! {
     model_version_incompatible => ModelVersionIncompatible,
     context_overflow => ContextOverflow,
     input_invalid => InputInvalid,
+    image_invalid => ImageInvalid,
     backend_failed => BackendFailed,
 }
 

@@ -269,6 +269,18 @@ pub struct ChatRequest {
     pub logprobs: Option<usize>,
     pub chat_template_kwargs: Map<String, Value>,
     pub add_generation_prompt: bool,
+    /// The messages' images, in order (each an `{"type": "image"}` part of its message's
+    /// content, where the chat template places it).
+    pub images: Vec<ImageRef>,
+}
+
+/// An image a request sends: the bytes of a `data:` URL, or a local file (read only inside
+/// the directory `kylin serve --allowed-local-media-path` names). Nothing is fetched from the
+/// network.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ImageRef {
+    Bytes(Vec<u8>),
+    Path(std::path::PathBuf),
 }
 
 impl ChatRequest {
@@ -287,7 +299,9 @@ impl ChatRequest {
         if raw.is_empty() {
             return Err(ApiError::invalid("messages", "`messages` must not be empty"));
         }
-        let messages = raw.into_iter().enumerate().map(|(i, m)| message(i, m)).collect::<Result<Vec<_>, _>>()?;
+        let mut images = Vec::new();
+        let messages =
+            raw.into_iter().enumerate().map(|(i, m)| message(i, m, &mut images)).collect::<Result<Vec<_>, _>>()?;
         let logprobs = f.take::<bool>("logprobs", "a boolean")?.unwrap_or(false);
         let top = f.take::<usize>("top_logprobs", "an integer between 0 and 20")?;
         if let Some(k) = top {
@@ -333,37 +347,89 @@ impl ChatRequest {
             logprobs: logprobs.then_some(top.unwrap_or(0)),
             chat_template_kwargs,
             add_generation_prompt,
+            images,
         })
     }
 }
 
-/// The text of a message's `content`: a string, a list of text parts, or null (empty).
-fn content_text(value: Option<Value>, at: &str) -> Result<String, ApiError> {
+/// A message's `content` as chat templates read it: a string (a string, a list of text parts
+/// joined, or null: empty), or, when it holds images, a list of `{"type": "text", "text"}` and
+/// `{"type": "image"}` parts in order, each image appended to `images`.
+fn content(value: Option<Value>, at: &str, images: &mut Vec<ImageRef>) -> Result<Value, ApiError> {
     match value {
-        None | Some(Value::Null) => Ok(String::new()),
-        Some(Value::String(s)) => Ok(s),
+        None | Some(Value::Null) => Ok(Value::String(String::new())),
+        Some(Value::String(s)) => Ok(Value::String(s)),
         Some(Value::Array(parts)) => {
             let mut text = String::new();
+            let mut list = Vec::new();
             for (j, part) in parts.iter().enumerate() {
                 let kind = part.get("type").and_then(Value::as_str);
                 match (kind, part.get("text").and_then(Value::as_str)) {
-                    (Some("text" | "input_text" | "output_text"), Some(t)) => text.push_str(t),
+                    (Some("text" | "input_text" | "output_text"), Some(t)) => {
+                        text.push_str(t);
+                        list.push(json!({"type": "text", "text": t}));
+                    }
                     (Some("text" | "input_text" | "output_text"), None) => {
                         return Err(ApiError::invalid(format!("{at}[{j}].text"), "a text part needs `text`"));
+                    }
+                    (Some("image_url"), _) => {
+                        // `{"image_url": {"url": ...}}`, or the bare string some clients send.
+                        let url = match part.get("image_url") {
+                            Some(Value::Object(o)) => o.get("url").and_then(Value::as_str),
+                            Some(Value::String(s)) => Some(s.as_str()),
+                            _ => None,
+                        }
+                        .ok_or_else(|| {
+                            ApiError::invalid(format!("{at}[{j}].image_url"), "an image part needs `image_url.url`")
+                        })?;
+                        images.push(image_ref(url, &format!("{at}[{j}].image_url.url"))?);
+                        list.push(json!({"type": "image"}));
                     }
                     _ => {
                         return Err(ApiError::invalid(
                             format!("{at}[{j}].type"),
-                            "only text content parts are supported",
+                            "only text and image_url content parts are supported",
                         )
                         .code("unsupported_parameter"));
                     }
                 }
             }
-            Ok(text)
+            let has_image = list.iter().any(|p| p["type"] == "image");
+            Ok(if has_image { Value::Array(list) } else { Value::String(text) })
         }
-        Some(_) => Err(ApiError::invalid(at, "`content` must be a string or a list of text parts")),
+        Some(_) => Err(ApiError::invalid(at, "`content` must be a string or a list of content parts")),
     }
+}
+
+/// An `image_url`'s image: a base64 `data:` URL, or a local file (`file://` URL or absolute
+/// path). Network URLs are refused: Kylin fetches nothing.
+fn image_ref(url: &str, at: &str) -> Result<ImageRef, ApiError> {
+    use base64::Engine as _;
+    if let Some(rest) = url.strip_prefix("data:") {
+        let (header, data) = rest
+            .split_once(',')
+            .ok_or_else(|| ApiError::invalid(at, "a `data:` URL needs a comma before its data"))?;
+        if !header.split(';').any(|p| p == "base64") {
+            return Err(ApiError::invalid(at, "a `data:` image URL must be base64 (`data:image/png;base64,...`)"));
+        }
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(data.trim())
+            .map_err(|e| ApiError::invalid(at, format!("the `data:` URL's base64 is invalid: {e}")).code("image_invalid"))?;
+        return Ok(ImageRef::Bytes(bytes));
+    }
+    if url.starts_with("http://") || url.starts_with("https://") {
+        return Err(ApiError::invalid(
+            at,
+            "Kylin fetches nothing from the network: send the image as a `data:` URL (base64), or as a local file \
+             inside the directory the server's --allowed-local-media-path names",
+        )
+        .code("unsupported_parameter"));
+    }
+    let path = url.strip_prefix("file://").unwrap_or(url);
+    if !path.starts_with('/') {
+        return Err(ApiError::invalid(at, "an image URL must be a `data:` URL, a `file://` URL or an absolute path"));
+    }
+    Ok(ImageRef::Path(std::path::PathBuf::from(path)))
 }
 
 /// A tool call's arguments as the chat template wants them: an object (parsed from OpenAI's
@@ -379,9 +445,10 @@ pub fn arguments_object(arguments: &Value, at: &str) -> Result<Value, ApiError> 
     }
 }
 
-/// One message, checked and normalized to what chat templates read: `role`, `content` (text),
-/// and for tool calling `tool_calls` (arguments as objects) or `tool_call_id`.
-pub fn message(i: usize, value: Value) -> Result<Value, ApiError> {
+/// One message, checked and normalized to what chat templates read: `role`, `content` (text,
+/// or parts when it holds images, which go to `images`), and for tool calling `tool_calls`
+/// (arguments as objects) or `tool_call_id`.
+pub fn message(i: usize, value: Value, images: &mut Vec<ImageRef>) -> Result<Value, ApiError> {
     let at = |field: &str| format!("messages[{i}].{field}");
     let Value::Object(mut m) = value else {
         return Err(ApiError::invalid(format!("messages[{i}]"), "each message must be an object"));
@@ -403,10 +470,10 @@ pub fn message(i: usize, value: Value) -> Result<Value, ApiError> {
         }
         _ => return Err(ApiError::invalid(at("role"), format!("unknown role `{role}`"))),
     };
-    let content = content_text(m.remove("content"), &at("content"))?;
+    let content = content(m.remove("content"), &at("content"), images)?;
     let mut out = Map::new();
     out.insert("role".into(), Value::String(role.clone()));
-    out.insert("content".into(), Value::String(content));
+    out.insert("content".into(), content);
     let tool_calls = m.remove("tool_calls");
     let tool_call_id = m.remove("tool_call_id");
     let name = m.remove("name");
@@ -739,8 +806,16 @@ impl TokenizeRequest {
                 Ok(TokenizeRequest::Text { model, text, add_special_tokens: add_special_tokens.unwrap_or(true) })
             }
             (None, Some(raw)) => {
-                let messages =
-                    raw.into_iter().enumerate().map(|(i, m)| message(i, m)).collect::<Result<Vec<_>, _>>()?;
+                let mut images = Vec::new();
+                let messages = raw
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, m)| message(i, m, &mut images))
+                    .collect::<Result<Vec<_>, _>>()?;
+                if !images.is_empty() {
+                    return Err(ApiError::invalid("messages", "/tokenize takes no images")
+                        .code("unsupported_parameter"));
+                }
                 Ok(TokenizeRequest::Chat { model, messages, kwargs, add_generation_prompt })
             }
             _ => Err(ApiError::invalid("prompt", "give exactly one of `prompt` and `messages`")),
@@ -776,8 +851,10 @@ mod tests {
         let e =
             ChatRequest::parse(br#"{"messages":[{"role":"user","content":"hi"}],"temperature":"hot"}"#).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("temperature"));
-        let e = ChatRequest::parse(br#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#).unwrap_err();
+        let e = ChatRequest::parse(br#"{"messages":[{"role":"user","content":[{"type":"input_audio"}]}]}"#).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("messages[0].content[0].type"));
+        let e = ChatRequest::parse(br#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].content[0].image_url"));
     }
 
     #[test]

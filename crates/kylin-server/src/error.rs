@@ -142,7 +142,9 @@ impl ApiError {
     /// Maps an engine error; `param` is the field the request's input came from.
     pub fn from_engine(err: &KylinError, param: &str) -> Self {
         match err.code {
-            ErrorCode::InputInvalid => ApiError::invalid(param, err.message.clone()).code(err.code.as_str()),
+            ErrorCode::InputInvalid | ErrorCode::ImageInvalid => {
+                ApiError::invalid(param, err.message.clone()).code(err.code.as_str())
+            }
             ErrorCode::ContextOverflow => ApiError::context_overflow(param, err.message.clone()),
             _ => ApiError::internal(err.to_string()).code(err.code.as_str()),
         }

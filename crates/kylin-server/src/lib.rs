@@ -63,6 +63,9 @@ pub struct ServerConfig {
     pub grace_period: Duration,
     /// Where the engine publishes its prefix cache's changes (vLLM's KV-cache events).
     pub kv_events: Option<kv_events::KvEventSender>,
+    /// The directory (canonical) requests may name images in by local path; `None`: only
+    /// `data:` URLs.
+    pub allowed_local_media_path: Option<std::path::PathBuf>,
 }
 
 impl ServerConfig {
@@ -71,11 +74,12 @@ impl ServerConfig {
             served_model_name: served_model_name.into(),
             api_key: None,
             max_queue: 64,
-            max_body_bytes: 4 << 20,
+            max_body_bytes: 32 << 20,
             body_timeout: Duration::from_secs(30),
             header_read_timeout: Duration::from_secs(30),
             grace_period: Duration::from_secs(30),
             kv_events: None,
+            allowed_local_media_path: None,
         }
     }
 }
