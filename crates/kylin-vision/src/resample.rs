@@ -1,13 +1,14 @@
 //! Pillow's resampling of 8-bit RGB images, bit for bit.
 //!
-//! This is a port of `ImagingResample` (Pillow's `src/libImaging/Resample.c`), which
-//! transformers' PIL backend calls through `Image.resize`: the resize is separable, a horizontal
-//! pass and a vertical pass in the order Pillow 13 picks (the vertical first when the height
-//! shrinks much more than the width), each skipped when its side keeps its size. For every output pixel
-//! the filter, widened by the scale when shrinking, is evaluated in `f64` at the input pixels
-//! within its support, normalised to sum to one, and turned into fixed point with 22 fractional
-//! bits; each pass accumulates in `i32` from one half, and rounds and clips to `u8` before the
-//! next pass reads it. Every conversion below is the C code's (`(int)` truncates toward zero).
+//! This is a port of `ImagingResample` (Pillow 13's `src/libImaging/Resample.c`), which
+//! transformers' PIL backend calls through `Image.resize`. The resize is separable: a
+//! horizontal pass and a vertical pass, in the order Pillow 13 picks (the vertical first when
+//! the height shrinks much more than the width), each skipped when its side keeps its size.
+//! For every output pixel the filter, widened by the scale when shrinking, is evaluated in
+//! `f64` at the input pixels within its support, normalised to sum to one, and turned into
+//! fixed point with 22 fractional bits; each pass accumulates in `i32` from one half, and
+//! rounds and clips to `u8` before the next pass reads it. Every conversion below is the C
+//! code's (`(int)` truncates toward zero).
 
 use image::RgbImage;
 
