@@ -3,8 +3,48 @@
 
 mod support;
 
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+
 use kylin_vision::{ImageFormatKind, ImageLimits, decode_image, sniff_format};
 use support::read;
+
+/// The system allocator, noting the largest single allocation made by a thread that asks.
+struct LargestAllocation;
+
+thread_local! {
+    static WATCHING: Cell<bool> = const { Cell::new(false) };
+    static LARGEST: Cell<usize> = const { Cell::new(0) };
+}
+
+// SAFETY: every call is forwarded unchanged to the system allocator; the bookkeeping touches
+// only const-initialised thread-locals, which neither allocate nor register destructors.
+unsafe impl GlobalAlloc for LargestAllocation {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if WATCHING.with(Cell::get) {
+            LARGEST.with(|largest| largest.set(largest.get().max(layout.size())));
+        }
+        // SAFETY: the caller's contract is the system allocator's.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from `System.alloc` with this layout.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: LargestAllocation = LargestAllocation;
+
+/// The largest single allocation `work` makes on this thread.
+fn largest_allocation<T>(work: impl FnOnce() -> T) -> (T, usize) {
+    LARGEST.with(|largest| largest.set(0));
+    WATCHING.with(|watching| watching.set(true));
+    let out = work();
+    WATCHING.with(|watching| watching.set(false));
+    (out, LARGEST.with(Cell::get))
+}
 
 fn refusal(bytes: &[u8], limits: &ImageLimits) -> kylin_vision::VisionError {
     decode_image(bytes, limits).map(|image| image.dimensions()).expect_err("the input must be refused")
@@ -46,13 +86,14 @@ fn truncated_files_are_decode_errors() {
     assert_eq!(error.code(), "IMAGE_DECODE", "{error}");
 }
 
-/// A PNG of 83 bytes whose header claims 100000 x 100000 pixels: refused from the header.
-/// Were it decoded, the buffer alone would be 30 GB, so passing at all shows nothing was.
+/// A PNG of 83 bytes whose header claims 100000 x 100000 pixels (30 GB of RGB): refused from
+/// the header, with no allocation larger than a megabyte.
 #[test]
 fn decompression_bomb_is_refused_from_the_header() {
     let bomb = read("refused/bomb_100000x100000.png");
     assert!(bomb.len() < 100);
-    let error = refusal(&bomb, &ImageLimits::default());
+    let (error, largest) = largest_allocation(|| refusal(&bomb, &ImageLimits::default()));
+    assert!(largest < 1 << 20, "refusing the bomb allocated {largest} bytes at once");
     assert_eq!(error.code(), "IMAGE_TOO_LARGE", "{error}");
     let message = error.to_string();
     assert!(message.contains("100000x100000") && message.contains("50000000"), "{message}");
@@ -66,7 +107,8 @@ fn jpeg_claiming_a_huge_frame_is_refused_from_the_header() {
     let sof = jpeg.windows(2).position(|w| w == [0xFF, 0xC0]).expect("a baseline JPEG has SOF0");
     // SOF0: marker, length (2), precision (1), height (2), width (2).
     jpeg[sof + 5..sof + 9].copy_from_slice(&[0xFD, 0xE8, 0xFD, 0xE8]);
-    let error = refusal(&jpeg, &ImageLimits::default());
+    let (error, largest) = largest_allocation(|| refusal(&jpeg, &ImageLimits::default()));
+    assert!(largest < 1 << 20, "refusing the JPEG allocated {largest} bytes at once");
     assert_eq!(error.code(), "IMAGE_TOO_LARGE", "{error}");
     assert!(error.to_string().contains("65000x65000"), "{error}");
 }
@@ -83,7 +125,10 @@ fn limits_are_enforced() {
     let limits = ImageLimits { max_pixels: 7700, ..ImageLimits::default() };
     assert_eq!(refusal(&png, &limits).code(), "IMAGE_TOO_LARGE");
     let limits = ImageLimits { max_pixels: 7701, ..ImageLimits::default() };
-    assert_eq!(decode_image(&png, &limits).map(|image| image.dimensions()), Ok((151, 51)));
+    let (decoded, largest) = largest_allocation(|| decode_image(&png, &limits).map(|image| image.dimensions()));
+    assert_eq!(decoded, Ok((151, 51)));
+    // The watch sees real allocations: decoding the 151 x 51 image allocates its pixels.
+    assert!(largest >= 151 * 51 * 3, "{largest}");
     let limits = ImageLimits { max_side: 150, ..ImageLimits::default() };
     assert_eq!(refusal(&png, &limits).code(), "IMAGE_TOO_LARGE");
 }
