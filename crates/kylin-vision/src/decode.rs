@@ -160,8 +160,10 @@ fn jpeg_has_end_of_image(bytes: &[u8]) -> bool {
     const START_OF_SCAN: u8 = 0xDA;
     let mut at = 2;
     while at + 4 <= bytes.len() {
+        // Stray bytes between segments, which libjpeg skips with a warning.
         if bytes[at] != 0xFF {
-            return false;
+            at += 1;
+            continue;
         }
         match bytes[at + 1] {
             // Fill bytes before a marker.
