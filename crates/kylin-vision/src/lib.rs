@@ -1,0 +1,28 @@
+//! Image input for vision-language models, from the bytes of an image file to what a vision
+//! encoder reads.
+//!
+//! - [`decode_image`] turns PNG, JPEG or WebP bytes (recognised by their magic bytes) into an
+//!   RGB image under [`ImageLimits`]: the header's dimensions are checked before anything is
+//!   decoded, so a small file that claims a huge image is refused without allocating it, and
+//!   transparency is composited onto white exactly as transformers' `convert_to_rgb` (Pillow's
+//!   `alpha_composite`) does.
+//! - [`resize`] is Pillow's `Image.resize` for RGB images (`ImagingResample`: separable,
+//!   fixed-point coefficients, a horizontal then a vertical pass), bit for bit.
+//! - [`QwenImageProcessor`] is transformers' Qwen2-VL image processor (the PIL backend, which
+//!   Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 use) read from a `preprocessor_config.json`:
+//!   `smart_resize`, rescale, normalize and the patch flattening, giving `pixel_values` and
+//!   `image_grid_thw` equal to transformers' within float rounding.
+//!
+//! The crate knows nothing of HTTP or of the engine. Every failure is a [`VisionError`] with a
+//! stable code; nothing here panics on outside data or allocates a size it has not checked.
+
+mod decode;
+mod error;
+mod qwen;
+mod resample;
+
+pub use decode::{ImageFormatKind, ImageLimits, decode_image, sniff_format};
+pub use error::{VisionError, VisionErrorCode};
+pub use image::RgbImage;
+pub use qwen::{ProcessedImage, QwenImageProcessor, smart_resize};
+pub use resample::{ResampleFilter, resize};
