@@ -58,7 +58,7 @@ use crate::serving::{
 use crate::speculative::{MAX_SPECULATIVE_TOKENS, SpeculationControl, propose_ngram};
 use crate::state_pool::{NO_SLOT, StatePool};
 use crate::text::TextCodec;
-use crate::vision::VisionTower;
+use crate::vision::{ImagePreparer, VisionTower};
 
 /// The context size used when none is given, capped by the model's `max_position_embeddings`.
 pub const DEFAULT_CONTEXT: usize = 4096;
@@ -1135,6 +1135,8 @@ pub struct BatchEngine {
     /// The vision tower that encodes a prompt's images, for a vision-language directory whose
     /// tower Kylin runs.
     vision: Option<VisionTower>,
+    /// What turns its image files into image inputs.
+    image_preparer: Option<Arc<ImagePreparer>>,
 }
 
 /// Request ids from here up are the engine's own (the pooled requests behind
@@ -1160,6 +1162,10 @@ impl BatchEngine {
         let mut engine = BatchEngine::build(parts, opts, format.dir())?;
         engine.task = task;
         engine.vision = vision.as_ref().map(VisionTower::new).transpose()?;
+        engine.image_preparer = match &vision {
+            Some(v) => ImagePreparer::new(v)?.map(Arc::new),
+            None => None,
+        };
         Ok(engine)
     }
 
@@ -1203,6 +1209,7 @@ impl BatchEngine {
             draft_jobs: Vec::with_capacity(if draft.is_some() { max_seqs } else { 0 }),
             draft,
             vision: None,
+            image_preparer: None,
         })
     }
 
@@ -2138,6 +2145,10 @@ fn take_forced(
 impl Serving for BatchEngine {
     fn info(&self) -> EngineInfo {
         self.core.info("kylin")
+    }
+
+    fn image_preparer(&self) -> Option<Arc<ImagePreparer>> {
+        self.image_preparer.clone()
     }
 
     fn record_kv_events(&mut self) -> bool {

@@ -328,6 +328,11 @@ pub struct EmbeddingInfo {
 pub trait Serving {
     fn info(&self) -> EngineInfo;
 
+    /// What turns image files into this engine's image inputs, when it takes images.
+    fn image_preparer(&self) -> Option<std::sync::Arc<crate::vision::ImagePreparer>> {
+        None
+    }
+
     /// The model's published sampling defaults (`generation_config.json`).
     fn generation_defaults(&self) -> kylin_loader::GenerationDefaults;
 

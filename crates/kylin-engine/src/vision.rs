@@ -15,11 +15,15 @@
 //!   raster order over the blocks, which is the order of the image's placeholder tokens.
 //! - Inputs are checked before anything runs (`INPUT_INVALID` naming the numbers).
 
+use std::sync::Arc;
+
 use kylin_kernels::{self as kernels, ThreadPool, WeightMatrix};
 use kylin_loader::vision::{LoadedVision, VisionActivation, VisionConfig};
 use kylin_loader::{KylinError, Result};
+use kylin_vision::{ImageLimits, QwenImageProcessor, VisionError, decode_image};
 
 use crate::encoder::{Dense, LayerNorm, dtype_of, gelu};
+use crate::serving::ImageInput;
 
 /// transformers' `nn.LayerNorm(..., eps=1e-6)` in every norm of the tower.
 const NORM_EPS: f32 = 1e-6;
@@ -289,5 +293,88 @@ impl VisionTower {
             }
             kernels::add_assign(out, &sum);
         }
+    }
+}
+
+/// From an image file's bytes to a request's [`ImageInput`], as the checkpoint's
+/// `preprocessor_config.json` says (transformers' Qwen2-VL image processor), and the prompt's
+/// image placeholders expanded to the tokens each image becomes. Cheap to share: the server's
+/// handlers prepare images on their own threads, not the engine's.
+#[derive(Debug, Clone)]
+pub struct ImagePreparer {
+    processor: QwenImageProcessor,
+    limits: ImageLimits,
+    image_token_id: u32,
+}
+
+/// A refused image as Kylin's error: `IMAGE_INVALID`, the decoder's own code first.
+fn image_error(e: VisionError) -> KylinError {
+    KylinError::image_invalid(format!("{}: {}", e.code(), e.message))
+}
+
+impl ImagePreparer {
+    /// The preparer of a tower's images: `None` without a `preprocessor_config.json` (then
+    /// only images given as patches run), `CONFIG_INVALID` when it is malformed or disagrees
+    /// with the tower (patch, frame or merge size).
+    pub fn new(loaded: &LoadedVision) -> Result<Option<Self>> {
+        let Some(text) = loaded.preprocessor.as_deref() else { return Ok(None) };
+        let processor = QwenImageProcessor::from_json(text)
+            .map_err(|e| KylinError::config_invalid(format!("preprocessor_config.json: {}", e.message)))?;
+        let c = &loaded.config;
+        let pairs = [
+            ("patch_size", processor.patch_size, c.patch_size),
+            ("temporal_patch_size", processor.temporal_patch_size, c.temporal_patch_size),
+            ("merge_size", processor.merge_size, c.spatial_merge_size),
+        ];
+        if let Some((name, got, want)) = pairs.into_iter().find(|(_, got, want)| got != want) {
+            return Err(KylinError::config_invalid(format!(
+                "preprocessor_config.json {name} is {got}, but the vision tower (config.json vision_config) takes {want}"
+            )));
+        }
+        Ok(Some(ImagePreparer { processor, limits: ImageLimits::default(), image_token_id: c.image_token_id }))
+    }
+
+    /// The largest encoded image it accepts, in bytes.
+    pub fn max_bytes(&self) -> usize {
+        self.limits.max_bytes
+    }
+
+    /// Decodes a PNG, JPEG or WebP file and makes its patches (`IMAGE_INVALID` naming what is
+    /// wrong with it).
+    pub fn prepare(&self, bytes: &[u8]) -> Result<ImageInput> {
+        let image = decode_image(bytes, &self.limits).map_err(image_error)?;
+        let processed = self.processor.process(&image).map_err(image_error)?;
+        let [t, h, w] = processed.grid_thw;
+        Ok(ImageInput { pixels: Arc::from(processed.pixel_values), grid: PatchGrid { t, h, w } })
+    }
+
+    /// The tokens an image takes in the prompt.
+    pub fn tokens(&self, image: &ImageInput) -> usize {
+        let m = self.processor.merge_size;
+        image.grid.patches() / (m * m)
+    }
+
+    /// The prompt with each image placeholder (one per image, as chat templates place them)
+    /// repeated once per token of its image, as transformers' processor expands it.
+    pub fn expand(&self, prompt: &[u32], images: &[ImageInput]) -> Result<Vec<u32>> {
+        let placeholders = prompt.iter().filter(|&&id| id == self.image_token_id).count();
+        if placeholders != images.len() {
+            return Err(KylinError::input_invalid(format!(
+                "the prompt has {placeholders} image placeholder token(s) ({}) for {} image(s); \
+                 the chat template places one per image part",
+                self.image_token_id,
+                images.len()
+            )));
+        }
+        let extra: usize = images.iter().map(|i| self.tokens(i).saturating_sub(1)).sum();
+        let mut out = Vec::with_capacity(prompt.len() + extra);
+        let mut next = images.iter();
+        for &id in prompt {
+            match (id == self.image_token_id).then(|| next.next()).flatten() {
+                Some(image) => out.extend(std::iter::repeat_n(id, self.tokens(image))),
+                None => out.push(id),
+            }
+        }
+        Ok(out)
     }
 }

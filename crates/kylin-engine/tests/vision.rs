@@ -267,3 +267,63 @@ fn choices_over_a_prompt_with_images_share_it_and_give_the_same_tokens() {
         assert_eq!(choices, [want.clone(), want]);
     }
 }
+
+/// The chat fixture (`tests/fixtures/make_vision_chat_fixture.py`): the tiny model with a
+/// tokenizer, a chat template and a preprocessor configuration, and what transformers answers
+/// to a chat with a real image.
+fn chat_fixture() -> (PathBuf, Value) {
+    let path = repo().join("tests/fixtures/vision_model/chat.json");
+    let reference = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    (repo().join("tests/fixtures/tiny-qwen3.5-vl-mrope"), reference)
+}
+
+#[test]
+fn a_chat_with_an_image_file_gives_transformers_prompt_and_tokens() {
+    let (dir, reference) = chat_fixture();
+    let mut e = engine(&dir, &options());
+    let preparer = e.image_preparer().expect("the directory has a preprocessor_config.json");
+    let png = std::fs::read(repo().join("tests/fixtures/vision_model/chat.png")).unwrap();
+    let image = preparer.prepare(&png).expect("the PNG is prepared");
+    // The patches transformers' image processor makes of the same file.
+    let want = floats(&reference["pixel_values"]);
+    let g = &reference["image_grid_thw"];
+    assert_eq!([image.grid.t, image.grid.h, image.grid.w], [0, 1, 2].map(|i| g[i].as_u64().unwrap() as usize));
+    let diff = image.pixels.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert_eq!(image.pixels.len(), want.len());
+    assert!(diff < 1e-6, "pixel values differ by {diff}");
+    // The chat template places one placeholder, expanded to the image's tokens.
+    let question = reference["question"].as_str().unwrap();
+    let messages = [serde_json::json!({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]})];
+    let text = e.render_chat(&messages, true, &Default::default()).unwrap();
+    assert_eq!(text, reference["rendered"].as_str().unwrap());
+    let prompt = preparer.expand(&e.tokenize(&text, false).unwrap(), std::slice::from_ref(&image)).unwrap();
+    assert_eq!(prompt, ids(&reference["prompt_ids"]));
+    let mut r = Request::new(1, prompt, 10);
+    r.ignore_eos = true;
+    r.logprobs = Some(1);
+    r.images = vec![image.clone()];
+    let out = run(&mut e, vec![r]).remove(0);
+    assert_eq!(out.ids, ids(&reference["greedy_new_ids"]));
+    // A placeholder without its image, or an image without its placeholder, is refused.
+    let one = e.tokenize(&text, false).unwrap();
+    let err = preparer.expand(&one, &[image.clone(), image]).unwrap_err();
+    assert!(err.to_string().contains("1 image placeholder token(s) (1000) for 2 image(s)"), "{err}");
+}
+
+#[test]
+fn image_files_that_cannot_be_used_are_refused_with_their_code() {
+    let (dir, _) = chat_fixture();
+    let e = engine(&dir, &options());
+    let preparer = e.image_preparer().unwrap();
+    let gif = b"GIF89a\x01\x00\x01\x00\x00\x00\x00;".to_vec();
+    let mut truncated = std::fs::read(repo().join("tests/fixtures/vision_model/chat.png")).unwrap();
+    truncated.truncate(truncated.len() / 2);
+    for (bytes, code) in [(gif, "IMAGE_FORMAT"), (truncated, "IMAGE_DECODE"), (b"hello".to_vec(), "IMAGE_FORMAT")] {
+        let err = preparer.prepare(&bytes).unwrap_err();
+        assert_eq!(err.code.as_str(), "IMAGE_INVALID", "{err}");
+        assert!(err.message.starts_with(code), "{err}");
+    }
+    // The shared fixture has no preprocessor configuration: it takes images as patches only.
+    let (shared, _) = &fixtures()[0];
+    assert!(engine(shared, &options()).image_preparer().is_none());
+}

@@ -89,6 +89,9 @@ pub struct LoadedVision {
     pub tensors: BTreeMap<String, WeightTensor>,
     /// Checkpoint names of the bound tensors (so the loader does not list them as unused).
     pub names: Vec<String>,
+    /// The text of the directory's `preprocessor_config.json` (how an image becomes patches),
+    /// if it has one.
+    pub preprocessor: Option<String>,
 }
 
 impl LoadedVision {
@@ -263,5 +266,11 @@ pub(crate) fn bind_vision(config: VisionConfig, index: &TensorIndex, dir: &Path)
         tensors.insert(role, bind_one(index, &name, &shape, dir)?);
         names.push(name);
     }
-    Ok(LoadedVision { config, tensors, names })
+    let path = dir.join("preprocessor_config.json");
+    let preprocessor = match std::fs::read_to_string(&path) {
+        Ok(text) => Some(text),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(KylinError::io(&path, "cannot read", &e)),
+    };
+    Ok(LoadedVision { config, tensors, names, preprocessor })
 }
