@@ -75,9 +75,10 @@ fn server_config(args: &ServeArgs) -> Result<ServerConfig> {
     let allowed_local_media_path = match &args.allowed_local_media_path {
         None => None,
         // Resolved once, so that a request's path is compared with the real directory.
-        Some(dir) => Some(std::fs::canonicalize(dir).map_err(|e| {
-            KylinError::io(dir, "cannot open the --allowed-local-media-path directory", &e)
-        })?),
+        Some(dir) => Some(
+            std::fs::canonicalize(dir)
+                .map_err(|e| KylinError::io(dir, "cannot open the --allowed-local-media-path directory", &e))?,
+        ),
     };
     Ok(ServerConfig {
         served_model_name: name,

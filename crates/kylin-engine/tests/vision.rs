@@ -293,7 +293,8 @@ fn a_chat_with_an_image_file_gives_transformers_prompt_and_tokens() {
     assert!(diff < 1e-6, "pixel values differ by {diff}");
     // The chat template places one placeholder, expanded to the image's tokens.
     let question = reference["question"].as_str().unwrap();
-    let messages = [serde_json::json!({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]})];
+    let messages =
+        [serde_json::json!({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]})];
     let text = e.render_chat(&messages, true, &Default::default()).unwrap();
     assert_eq!(text, reference["rendered"].as_str().unwrap());
     let prompt = preparer.expand(&e.tokenize(&text, false).unwrap(), std::slice::from_ref(&image)).unwrap();

@@ -271,7 +271,14 @@ pub struct ChatRequest {
     pub add_generation_prompt: bool,
     /// The messages' images, in order (each an `{"type": "image"}` part of its message's
     /// content, where the chat template places it).
-    pub images: Vec<ImageRef>,
+    pub images: Vec<ImagePart>,
+}
+
+/// An image of a request and the field it came from (`messages[0].content[1].image_url.url`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImagePart {
+    pub at: String,
+    pub source: ImageRef,
 }
 
 /// An image a request sends: the bytes of a `data:` URL, or a local file (read only inside
@@ -355,7 +362,7 @@ impl ChatRequest {
 /// A message's `content` as chat templates read it: a string (a string, a list of text parts
 /// joined, or null: empty), or, when it holds images, a list of `{"type": "text", "text"}` and
 /// `{"type": "image"}` parts in order, each image appended to `images`.
-fn content(value: Option<Value>, at: &str, images: &mut Vec<ImageRef>) -> Result<Value, ApiError> {
+fn content(value: Option<Value>, at: &str, images: &mut Vec<ImagePart>) -> Result<Value, ApiError> {
     match value {
         None | Some(Value::Null) => Ok(Value::String(String::new())),
         Some(Value::String(s)) => Ok(Value::String(s)),
@@ -382,7 +389,8 @@ fn content(value: Option<Value>, at: &str, images: &mut Vec<ImageRef>) -> Result
                         .ok_or_else(|| {
                             ApiError::invalid(format!("{at}[{j}].image_url"), "an image part needs `image_url.url`")
                         })?;
-                        images.push(image_ref(url, &format!("{at}[{j}].image_url.url"))?);
+                        let url_at = format!("{at}[{j}].image_url.url");
+                        images.push(ImagePart { source: image_ref(url, &url_at)?, at: url_at });
                         list.push(json!({"type": "image"}));
                     }
                     _ => {
@@ -406,15 +414,14 @@ fn content(value: Option<Value>, at: &str, images: &mut Vec<ImageRef>) -> Result
 fn image_ref(url: &str, at: &str) -> Result<ImageRef, ApiError> {
     use base64::Engine as _;
     if let Some(rest) = url.strip_prefix("data:") {
-        let (header, data) = rest
-            .split_once(',')
-            .ok_or_else(|| ApiError::invalid(at, "a `data:` URL needs a comma before its data"))?;
+        let (header, data) =
+            rest.split_once(',').ok_or_else(|| ApiError::invalid(at, "a `data:` URL needs a comma before its data"))?;
         if !header.split(';').any(|p| p == "base64") {
             return Err(ApiError::invalid(at, "a `data:` image URL must be base64 (`data:image/png;base64,...`)"));
         }
-        let bytes = base64::engine::general_purpose::STANDARD
-            .decode(data.trim())
-            .map_err(|e| ApiError::invalid(at, format!("the `data:` URL's base64 is invalid: {e}")).code("image_invalid"))?;
+        let bytes = base64::engine::general_purpose::STANDARD.decode(data.trim()).map_err(|e| {
+            ApiError::invalid(at, format!("the `data:` URL's base64 is invalid: {e}")).code("image_invalid")
+        })?;
         return Ok(ImageRef::Bytes(bytes));
     }
     if url.starts_with("http://") || url.starts_with("https://") {
@@ -448,7 +455,7 @@ pub fn arguments_object(arguments: &Value, at: &str) -> Result<Value, ApiError> 
 /// One message, checked and normalized to what chat templates read: `role`, `content` (text,
 /// or parts when it holds images, which go to `images`), and for tool calling `tool_calls`
 /// (arguments as objects) or `tool_call_id`.
-pub fn message(i: usize, value: Value, images: &mut Vec<ImageRef>) -> Result<Value, ApiError> {
+pub fn message(i: usize, value: Value, images: &mut Vec<ImagePart>) -> Result<Value, ApiError> {
     let at = |field: &str| format!("messages[{i}].{field}");
     let Value::Object(mut m) = value else {
         return Err(ApiError::invalid(format!("messages[{i}]"), "each message must be an object"));
@@ -813,8 +820,9 @@ impl TokenizeRequest {
                     .map(|(i, m)| message(i, m, &mut images))
                     .collect::<Result<Vec<_>, _>>()?;
                 if !images.is_empty() {
-                    return Err(ApiError::invalid("messages", "/tokenize takes no images")
-                        .code("unsupported_parameter"));
+                    return Err(
+                        ApiError::invalid("messages", "/tokenize takes no images").code("unsupported_parameter")
+                    );
                 }
                 Ok(TokenizeRequest::Chat { model, messages, kwargs, add_generation_prompt })
             }
@@ -851,7 +859,8 @@ mod tests {
         let e =
             ChatRequest::parse(br#"{"messages":[{"role":"user","content":"hi"}],"temperature":"hot"}"#).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("temperature"));
-        let e = ChatRequest::parse(br#"{"messages":[{"role":"user","content":[{"type":"input_audio"}]}]}"#).unwrap_err();
+        let e =
+            ChatRequest::parse(br#"{"messages":[{"role":"user","content":[{"type":"input_audio"}]}]}"#).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("messages[0].content[0].type"));
         let e = ChatRequest::parse(br#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("messages[0].content[0].image_url"));

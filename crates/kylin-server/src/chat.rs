@@ -43,6 +43,8 @@ pub struct ChatPlan {
 /// What the engine runs for a chat request, and how to read its output.
 pub struct Prepared {
     pub prompt: Prompt,
+    /// The prompt's images, prepared, in the order of their placeholders.
+    pub images: Vec<kylin_engine::serving::ImageInput>,
     pub grammar: Option<Grammar>,
     pub skip_special_tokens: bool,
     /// Parse the output for tool calls in this syntax (`None`: no tools offered).
@@ -171,6 +173,7 @@ pub async fn prepare(state: &AppState, published: &Published, plan: ChatPlan) ->
         grammar = Some(compile(state, spec, &param).await?);
     }
     Ok(Prepared {
+        images: Vec::new(),
         prompt: Prompt::Chat { messages, kwargs, add_generation_prompt },
         grammar,
         skip_special_tokens,
@@ -300,6 +303,7 @@ pub(crate) async fn start(
         grammar: prepared.grammar,
         skip_special_tokens: prepared.skip_special_tokens,
         cancel: cancel.clone(),
+        images: prepared.images,
         index_offset: 0,
         events: tx,
         arrived,

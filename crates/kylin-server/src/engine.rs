@@ -90,6 +90,9 @@ pub struct Submission {
     /// Drop special tokens from the text (false keeps them for a tool-call parser).
     pub skip_special_tokens: bool,
     pub cancel: CancelHandle,
+    /// The prompt's images, prepared ([`crate::images`]); the prompt holds one placeholder
+    /// token per image, expanded here to the image's tokens.
+    pub images: Vec<kylin_engine::serving::ImageInput>,
     /// Added to the engine's choice index in the events (several prompts in one completion).
     pub index_offset: usize,
     pub events: tmpsc::UnboundedSender<Out>,
@@ -201,6 +204,8 @@ pub struct Published {
     pub embedding: Option<EmbeddingInfo>,
     /// Whether the model reranks (`/v1/rerank`).
     pub rerank: bool,
+    /// What turns image files into the model's image inputs, when it takes images.
+    pub images: Option<Arc<kylin_engine::vision::ImagePreparer>>,
 }
 
 /// The handlers' side of the engine thread. Cheap to clone; `Send` and `Sync`.
@@ -397,6 +402,7 @@ fn engine_thread(
         tool_syntax: engine.tool_syntax(),
         embedding: engine.embedding_info(),
         rerank: engine.can_rerank(),
+        images: engine.image_preparer(),
     };
     let kv_events = match kv_events {
         Some(sender) if engine.record_kv_events() => {
@@ -508,7 +514,12 @@ impl EngineLoop {
             (Prompt::Text(t), true) => Some(t.clone()),
             _ => None,
         };
-        let prompt_ids = self.prompt_ids(s.prompt, true)?;
+        let mut prompt_ids = self.prompt_ids(s.prompt, true)?;
+        if !s.images.is_empty() {
+            let preparer =
+                self.engine.image_preparer().ok_or_else(|| KylinError::input_invalid("this model takes no images"))?;
+            prompt_ids = preparer.expand(&prompt_ids, &s.images)?;
+        }
         let echo = match s.echo {
             false => None,
             true => {
@@ -551,7 +562,7 @@ impl EngineLoop {
             logit_bias: s.logit_bias,
             grammar: s.grammar,
             pooling: None,
-            images: Vec::new(),
+            images: s.images,
             cancel: s.cancel.clone(),
         };
         self.engine.add_request(request)?;

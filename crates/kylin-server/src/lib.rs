@@ -19,6 +19,7 @@ pub mod api;
 pub mod chat;
 pub mod engine;
 pub mod error;
+pub mod images;
 pub mod kv_events;
 pub mod metrics;
 pub mod multi;

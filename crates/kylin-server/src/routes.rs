@@ -152,7 +152,8 @@ pub async fn chat(State(state): State<AppState>, request: Request) -> Result<Res
         add_generation_prompt: req.add_generation_prompt,
         tools_param: "tools",
     };
-    let prepared = chat::prepare(&state, &published, plan).await?;
+    let mut prepared = chat::prepare(&state, &published, plan).await?;
+    prepared.images = crate::images::prepare(&state, &published, req.images).await?;
     let job = Job {
         kind: Kind::Chat,
         common,
@@ -164,6 +165,7 @@ pub async fn chat(State(state): State<AppState>, request: Request) -> Result<Res
         grammar: prepared.grammar,
         skip_special_tokens: prepared.skip_special_tokens,
         syntax: prepared.syntax,
+        images: prepared.images,
     };
     run(state, job, admission, arrived, "messages").await
 }
@@ -223,6 +225,7 @@ pub async fn completions(State(state): State<AppState>, request: Request) -> Res
         grammar,
         skip_special_tokens,
         syntax: None,
+        images: Vec::new(),
     };
     run(state, job, admission, arrived, "prompt").await
 }
@@ -264,6 +267,8 @@ struct Job {
     skip_special_tokens: bool,
     /// Parse the choices' text for tool calls in this syntax.
     syntax: Option<ToolSyntax>,
+    /// The chat's images, prepared.
+    images: Vec<kylin_engine::serving::ImageInput>,
 }
 
 /// The engine requests of one HTTP request; dropping it before the end cancels them.
@@ -294,6 +299,8 @@ async fn run(
     let mut running = Running { cancels: Vec::new(), done: false, _admission: admission };
     let mut prompt_tokens = 0;
     let mut echoes = Vec::new();
+    // A chat's images (it has one prompt).
+    let mut images = job.images;
     for (i, prompt) in job.prompts.into_iter().enumerate() {
         let cancel = CancelHandle::new();
         running.cancels.push(cancel.clone());
@@ -311,6 +318,7 @@ async fn run(
             grammar: job.grammar.clone(),
             skip_special_tokens: job.skip_special_tokens && job.common.skip_special_tokens,
             cancel,
+            images: std::mem::take(&mut images),
             index_offset: i * n,
             events: tx.clone(),
             arrived,

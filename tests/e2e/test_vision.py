@@ -1,0 +1,104 @@
+"""End to end: images in chat through the official `openai` client, on loopback.
+
+The tiny Qwen3.5 vision-language model of tests/fixtures/tiny-qwen3.5-vl-mrope (with a
+tokenizer, a chat template and a preprocessor configuration: tests/fixtures/
+make_vision_chat_fixture.py) is asked about a real photograph (tests/fixtures/vision_model/
+chat.png), sent as a base64 `data:` URL and as a local file; the answer must be the tokens
+transformers generated for the same chat and image (tests/fixtures/vision_model/chat.json).
+Bad images get the API's 400 naming the field.
+"""
+
+import base64
+import json
+
+import httpx
+import openai
+import pytest
+
+from test_models_dir import start
+from test_retrieval import MODELS, ROOT
+
+MODEL = ROOT / "tests/fixtures/tiny-qwen3.5-vl-mrope"
+IMAGES = ROOT / "tests/fixtures/vision_model"
+REFERENCE = json.loads((IMAGES / "chat.json").read_text())
+PNG = (IMAGES / "chat.png").read_bytes()
+
+
+def data_url(data, mime="image/png"):
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def image_chat(url):
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": REFERENCE["question"]}]}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, base = start([str(MODEL), "--host", "127.0.0.1", "--threads", "2", "--precision", "f32",
+                        "--served-model-name", "vl", "--allowed-local-media-path", str(IMAGES)], "vision")
+    try:
+        yield base
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
+
+
+def client_for(base):
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_an_image_as_a_data_url_gets_transformers_answer(server):
+    reply = client_for(server).chat.completions.create(
+        model="vl", messages=image_chat(data_url(PNG)), max_tokens=10, temperature=0)
+    assert reply.choices[0].message.content == REFERENCE["greedy_text"]
+    # The prompt as transformers' processor expanded it: one token per merged patch.
+    assert reply.usage.prompt_tokens == len(REFERENCE["prompt_ids"])
+    assert reply.usage.completion_tokens == 10
+
+
+def test_a_local_file_and_a_stream_give_the_same_answer(server):
+    client = client_for(server)
+    stream = client.chat.completions.create(
+        model="vl", messages=image_chat("file://" + str(IMAGES / "chat.png")), max_tokens=10, temperature=0,
+        stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == REFERENCE["greedy_text"]
+    # The same image again: the prefix cache serves its tokens.
+    again = client.chat.completions.create(model="vl", messages=image_chat(data_url(PNG)), max_tokens=10,
+                                           temperature=0)
+    assert again.choices[0].message.content == REFERENCE["greedy_text"]
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_bad_images_get_a_400_naming_the_field(server):
+    client = client_for(server)
+    at = "messages[0].content[0].image_url.url"
+    cases = [
+        (data_url(b"GIF89a\x01\x00\x01\x00\x00\x00\x00;", "image/gif"), "IMAGE_INVALID", "IMAGE_FORMAT"),
+        (data_url(PNG[: len(PNG) // 2]), "IMAGE_INVALID", "IMAGE_DECODE"),
+        ("data:image/png;base64,***", "image_invalid", "base64"),
+        ("https://example.com/cat.png", "unsupported_parameter", "fetches nothing"),
+        ("file:///etc/hostname", "image_invalid", "outside the directory"),
+        ("file://" + str(IMAGES / "missing.png"), "image_invalid", "cannot open"),
+    ]
+    for url, code, needle in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="vl", messages=image_chat(url), max_tokens=4)
+        error = e.value.body
+        assert error["param"] == at and error["code"] == code and needle in error["message"], (url, error)
+
+
+def test_a_model_without_a_vision_tower_refuses_images(tmp_path):
+    smol = MODELS / "smollm2-135m-instruct"
+    proc, base = start([str(smol), "--host", "127.0.0.1", "--threads", "1", "--kv-memory", "16MiB",
+                        "--ctx-size", "256"], "vision-text")
+    try:
+        r = httpx.post(base + "/v1/chat/completions", json={"messages": image_chat(data_url(PNG)), "max_tokens": 4},
+                       timeout=30)
+        assert r.status_code == 400
+        assert r.json()["error"]["code"] == "unsupported_parameter"
+        assert "takes no images" in r.json()["error"]["message"]
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
