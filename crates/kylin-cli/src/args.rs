@@ -321,6 +321,11 @@ pub struct RunArgs {
     /// The prompt as comma-separated token ids.
     #[arg(long, value_name = "ID,ID,...")]
     pub ids: Option<String>,
+    /// An image (PNG, JPEG or WebP) to ask about (repeatable): the prompt of -p becomes a user
+    /// message of the images then the text, through the chat template. For vision-language
+    /// directories whose vision tower Kylin runs (Qwen3.5).
+    #[arg(long, value_name = "FILE", requires = "prompt")]
+    pub image: Vec<PathBuf>,
     /// Maximum number of generated tokens (default: generation_config's max_new_tokens, else 256).
     #[arg(long)]
     pub max_tokens: Option<usize>,

@@ -17,6 +17,7 @@ mod open;
 mod perplexity;
 mod quantize;
 mod run;
+mod run_images;
 mod serve;
 mod serve_many;
 mod sigbus;

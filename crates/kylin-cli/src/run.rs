@@ -17,6 +17,9 @@ use crate::open::open;
 pub const DEFAULT_MAX_TOKENS: usize = 256;
 
 pub fn run(args: RunArgs) -> Result<()> {
+    if !args.image.is_empty() {
+        return crate::run_images::run(&args);
+    }
     let needs_text = args.ids.is_none();
     let mut opened = open(&args.model, needs_text)?;
     let backend = opened.backend.as_mut();

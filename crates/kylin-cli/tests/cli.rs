@@ -690,3 +690,31 @@ fn bench_concurrency_with_a_draft_model_accepts_a_self_draft_and_refuses_another
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("VOCAB_MISMATCH") && text.contains("tiny-qwen2-f16"), "{text}");
 }
+
+#[test]
+fn run_with_an_image_answers_as_transformers_and_refuses_what_is_no_image() {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let dir = repo.join("tests/fixtures/tiny-qwen3.5-vl-mrope");
+    let png = repo.join("tests/fixtures/vision_model/chat.png");
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(repo.join("tests/fixtures/vision_model/chat.json")).unwrap())
+            .unwrap();
+    let question = reference["question"].as_str().unwrap();
+    let common = ["run", s(&dir), "--precision", "f32", "--image", s(&png), "-p", question];
+    let r = ok_json(&[&common[..], &["--max-tokens", "10", "--ignore-eos", "--json"]].concat());
+    assert_eq!(r["prompt_ids"], reference["prompt_ids"]);
+    assert_eq!(r["generated_ids"], reference["greedy_new_ids"]);
+    assert_eq!(r["text"], reference["greedy_text"]);
+    assert_eq!(r["image_tokens"], 24);
+    // A file that is no image: the code, the decoder's reason and the path.
+    let config = dir.join("config.json");
+    let out = kylin(&["run", s(&dir), "--image", s(&config), "-p", "x"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("IMAGE_INVALID") && err.contains("IMAGE_FORMAT") && err.contains("config.json"), "{err}");
+    // A model without a vision tower.
+    let text_model = repo.join("testdata/fixtures/tiny-qwen3");
+    let out = kylin(&["run", s(&text_model), "--image", s(&png), "-p", "x"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("takes no images"), "{err}");
+}
