@@ -11,6 +11,7 @@ Bad images get the API's 400 naming the field.
 import base64
 import json
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -69,6 +70,33 @@ def test_a_local_file_and_a_stream_give_the_same_answer(server):
                                            temperature=0)
     assert again.choices[0].message.content == REFERENCE["greedy_text"]
     assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_the_responses_and_anthropic_apis_take_images_too(server):
+    # OpenAI's Responses API: an `input_image` part with a data: URL.
+    response = client_for(server).responses.create(
+        model="vl", max_output_tokens=10, temperature=0,
+        input=[{"role": "user", "content": [{"type": "input_image", "image_url": data_url(PNG)},
+                                             {"type": "input_text", "text": REFERENCE["question"]}]}])
+    assert response.output_text == REFERENCE["greedy_text"]
+    assert response.usage.input_tokens == len(REFERENCE["prompt_ids"])
+    # Anthropic's Messages API: an `image` block with a base64 source.
+    client = anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0)
+    blocks = [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                           "data": base64.b64encode(PNG).decode()}},
+              {"type": "text", "text": REFERENCE["question"]}]
+    message = client.messages.create(model="vl", max_tokens=10, extra_body={"temperature": 0},
+                                     messages=[{"role": "user", "content": blocks}])
+    assert message.content[0].text == REFERENCE["greedy_text"]
+    # Anthropic counts the tokens read from the prefix cache apart (the image was seen before).
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == len(REFERENCE["prompt_ids"])
+    count = client.messages.count_tokens(model="vl", messages=[{"role": "user", "content": blocks}])
+    assert count.input_tokens == len(REFERENCE["prompt_ids"])
+    # A URL source is refused in Anthropic's error shape.
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model="vl", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}])
+    assert e.value.body["type"] == "error" and "fetches nothing" in e.value.body["error"]["message"]
 
 
 def test_bad_images_get_a_400_naming_the_field(server):

@@ -100,8 +100,31 @@ fn blocks_text(value: &Value, at: &str) -> Result<String, ApiError> {
     }
 }
 
+/// An `image` block's image: `source` of type `base64` (its `data`); a `url` source is refused,
+/// as Kylin fetches nothing from the network.
+fn image_block(block: &Value, at: &str) -> Result<crate::api::ImagePart, ApiError> {
+    let source = block.get("source").unwrap_or(&Value::Null);
+    match (source.get("type").and_then(Value::as_str), source.get("data").and_then(Value::as_str)) {
+        (Some("base64"), Some(data)) => {
+            let media = source.get("media_type").and_then(Value::as_str).unwrap_or("image/png");
+            let url = format!("data:{media};base64,{data}");
+            Ok(crate::api::ImagePart { source: crate::api::image_ref(&url, at)?, at: at.to_string() })
+        }
+        (Some("base64"), None) => Err(ApiError::invalid(at, "a base64 image source needs its `data`")),
+        (Some("url"), _) => {
+            Err(ApiError::invalid(at, "Kylin fetches nothing from the network: send the image as a base64 source")
+                .code("unsupported_parameter"))
+        }
+        _ => Err(ApiError::invalid(at, "an image block needs a `source` of type `base64`")),
+    }
+}
+
 /// Anthropic messages as chat messages.
-fn chat_messages(system: Option<Value>, raw: Vec<Value>) -> Result<Vec<Value>, ApiError> {
+fn chat_messages(
+    system: Option<Value>,
+    raw: Vec<Value>,
+    images: &mut Vec<crate::api::ImagePart>,
+) -> Result<Vec<Value>, ApiError> {
     let mut messages = Vec::with_capacity(raw.len() + 1);
     if let Some(system) = system {
         let text = blocks_text(&system, "system")?;
@@ -121,11 +144,21 @@ fn chat_messages(system: Option<Value>, raw: Vec<Value>) -> Result<Vec<Value>, A
             _ => return Err(ApiError::invalid(at("content"), "content must be a string or a list of blocks")),
         };
         let mut text = String::new();
+        // With images, the content is parts in order, as chat templates read them.
+        let mut parts = Vec::new();
         let mut calls = Vec::new();
         for (j, b) in blocks.iter().enumerate() {
             let at = |f: &str| format!("messages.{i}.content.{j}.{f}");
             match b.get("type").and_then(Value::as_str) {
-                Some("text") => text.push_str(b.get("text").and_then(Value::as_str).unwrap_or("")),
+                Some("text") => {
+                    let t = b.get("text").and_then(Value::as_str).unwrap_or("");
+                    text.push_str(t);
+                    parts.push(json!({"type": "text", "text": t}));
+                }
+                Some("image") if role == "user" => {
+                    images.push(image_block(b, &at("source"))?);
+                    parts.push(json!({"type": "image"}));
+                }
                 Some("tool_use") if role == "assistant" => {
                     let id = b.get("id").and_then(Value::as_str).unwrap_or("");
                     let name = b.get("name").and_then(Value::as_str).filter(|n| !n.is_empty());
@@ -168,7 +201,8 @@ fn chat_messages(system: Option<Value>, raw: Vec<Value>) -> Result<Vec<Value>, A
         if !text.is_empty()
             || (calls.is_empty() && !blocks.iter().any(|b| b.get("type") == Some(&json!("tool_result"))))
         {
-            let mut msg = json!({"role": role, "content": text});
+            let content = if parts.iter().any(|p| p["type"] == "image") { Value::Array(parts) } else { json!(text) };
+            let mut msg = json!({"role": role, "content": content});
             if !calls.is_empty() {
                 msg["tool_calls"] = Value::Array(calls);
             }
@@ -222,6 +256,8 @@ fn anthropic_choice(raw: Option<Value>, tools: &[ToolSpec]) -> Result<(ToolChoic
 struct MessagesRequest {
     common: Common,
     plan: ChatPlan,
+    /// The messages' `image` blocks, in order.
+    images: Vec<crate::api::ImagePart>,
 }
 
 impl MessagesRequest {
@@ -260,7 +296,8 @@ impl MessagesRequest {
             "extended thinking is not implemented",
         )?;
         f.finish()?;
-        let messages = chat_messages(system, raw)?;
+        let mut images = Vec::new();
+        let messages = chat_messages(system, raw, &mut images)?;
         let common = Common { model, max_tokens, temperature, top_p, top_k, stop, n: 1, stream, ..Common::default() };
         let plan = ChatPlan {
             messages,
@@ -272,7 +309,7 @@ impl MessagesRequest {
             add_generation_prompt: true,
             tools_param: "tools",
         };
-        Ok(MessagesRequest { common, plan })
+        Ok(MessagesRequest { common, plan, images })
     }
 }
 
@@ -333,7 +370,8 @@ pub async fn messages(State(state): State<AppState>, request: Request) -> Result
     let sampling = req.common.sampling(&published.defaults, state.random_seed())?;
     let admission = state.admit()?;
     let stops = req.common.stop.clone();
-    let prepared = chat::prepare(&state, &published, req.plan).await?;
+    let mut prepared = chat::prepare(&state, &published, req.plan).await?;
+    prepared.images = crate::images::prepare(&state, &published, req.images).await?;
     let limits = Limits { sampling, max_tokens: req.common.max_tokens, stop: req.common.stop };
     let generation = chat::start(&state, prepared, limits, admission, arrived, "messages").await?;
     let id = format!("msg_{}", state.next_response_id());
@@ -378,9 +416,15 @@ pub async fn count_tokens(State(state): State<AppState>, request: Request) -> Re
     let req = MessagesRequest::parse(&body, true)?;
     check_model(&state, req.common.model.as_deref())?;
     let prepared = chat::prepare(&state, &published, ChatPlan { tool_choice: ToolChoice::Auto, ..req.plan }).await?;
+    // Each image's placeholder becomes the image's tokens.
+    let images = crate::images::prepare(&state, &published, req.images).await?;
+    let image_tokens: usize = match &published.images {
+        Some(p) => images.iter().map(|i| p.tokens(i).saturating_sub(1)).sum(),
+        None => 0,
+    };
     let job = TextJob::Tokenize { prompt: prepared.prompt, add_special: false };
     match state.engine().text(job).await.map_err(|e| ApiError::from_engine(&e, "messages"))? {
-        TextReply::Ids(ids) => Ok(axum::Json(json!({"input_tokens": ids.len()})).into_response()),
+        TextReply::Ids(ids) => Ok(axum::Json(json!({"input_tokens": ids.len() + image_tokens})).into_response()),
         _ => Err(ApiError::internal("the engine answered a tokenize job with something else").into()),
     }
 }

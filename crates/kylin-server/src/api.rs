@@ -362,7 +362,7 @@ impl ChatRequest {
 /// A message's `content` as chat templates read it: a string (a string, a list of text parts
 /// joined, or null: empty), or, when it holds images, a list of `{"type": "text", "text"}` and
 /// `{"type": "image"}` parts in order, each image appended to `images`.
-fn content(value: Option<Value>, at: &str, images: &mut Vec<ImagePart>) -> Result<Value, ApiError> {
+pub(crate) fn content(value: Option<Value>, at: &str, images: &mut Vec<ImagePart>) -> Result<Value, ApiError> {
     match value {
         None | Some(Value::Null) => Ok(Value::String(String::new())),
         Some(Value::String(s)) => Ok(Value::String(s)),
@@ -379,8 +379,9 @@ fn content(value: Option<Value>, at: &str, images: &mut Vec<ImagePart>) -> Resul
                     (Some("text" | "input_text" | "output_text"), None) => {
                         return Err(ApiError::invalid(format!("{at}[{j}].text"), "a text part needs `text`"));
                     }
-                    (Some("image_url"), _) => {
-                        // `{"image_url": {"url": ...}}`, or the bare string some clients send.
+                    (Some("image_url" | "input_image"), _) => {
+                        // Chat's `{"image_url": {"url": ...}}`, or the bare string of the
+                        // Responses API's `input_image` (and of some chat clients).
                         let url = match part.get("image_url") {
                             Some(Value::Object(o)) => o.get("url").and_then(Value::as_str),
                             Some(Value::String(s)) => Some(s.as_str()),
@@ -411,7 +412,7 @@ fn content(value: Option<Value>, at: &str, images: &mut Vec<ImagePart>) -> Resul
 
 /// An `image_url`'s image: a base64 `data:` URL, or a local file (`file://` URL or absolute
 /// path). Network URLs are refused: Kylin fetches nothing.
-fn image_ref(url: &str, at: &str) -> Result<ImageRef, ApiError> {
+pub(crate) fn image_ref(url: &str, at: &str) -> Result<ImageRef, ApiError> {
     use base64::Engine as _;
     if let Some(rest) = url.strip_prefix("data:") {
         let (header, data) =

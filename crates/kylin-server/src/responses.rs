@@ -33,6 +33,8 @@ struct ResponsesRequest {
     format: Option<kylin_engine::grammar::GrammarSpec>,
     /// Echoed back in the response object.
     echo: Map<String, Value>,
+    /// The input's images (`input_image` parts), in order.
+    images: Vec<crate::api::ImagePart>,
 }
 
 fn text_of(content: &Value, at: &str) -> Result<String, ApiError> {
@@ -57,7 +59,7 @@ fn text_of(content: &Value, at: &str) -> Result<String, ApiError> {
 }
 
 /// `input` (a string or a list of items) as chat messages.
-fn input_messages(input: Value) -> Result<Vec<Value>, ApiError> {
+fn input_messages(input: Value, images: &mut Vec<crate::api::ImagePart>) -> Result<Vec<Value>, ApiError> {
     let items = match input {
         Value::String(s) => return Ok(vec![json!({"role": "user", "content": s})]),
         Value::Array(items) => items,
@@ -75,7 +77,7 @@ fn input_messages(input: Value) -> Result<Vec<Value>, ApiError> {
                     "developer" => "system",
                     other => return Err(ApiError::invalid(at("role"), format!("unknown role `{other}`"))),
                 };
-                let content = text_of(item.get("content").unwrap_or(&Value::Null), &at("content"))?;
+                let content = crate::api::content(item.get("content").cloned(), &at("content"), images)?;
                 messages.push(json!({"role": role, "content": content}));
             }
             "function_call" => {
@@ -157,7 +159,8 @@ impl ResponsesRequest {
         f.refuse_unless("background", |v| v == false, "background responses are not implemented")?;
         f.refuse_unless("prompt", |_| false, "stored prompt templates are not implemented")?;
         f.finish()?;
-        let mut messages = input_messages(input)?;
+        let mut images = Vec::new();
+        let mut messages = input_messages(input, &mut images)?;
         if let Some(instructions) = &instructions {
             messages.insert(0, json!({"role": "system", "content": instructions}));
         }
@@ -171,7 +174,7 @@ impl ResponsesRequest {
         echo.insert("max_output_tokens".into(), json!(max_output_tokens));
         let common =
             Common { model, max_tokens: max_output_tokens, temperature, top_p, n: 1, stream, ..Common::default() };
-        Ok(ResponsesRequest { common, messages, plan_tools, tool_choice, parallel_tool_calls, format, echo })
+        Ok(ResponsesRequest { common, messages, plan_tools, tool_choice, parallel_tool_calls, format, echo, images })
     }
 }
 
@@ -269,7 +272,8 @@ pub async fn responses(State(state): State<AppState>, request: Request) -> Resul
         add_generation_prompt: true,
         tools_param: "tools",
     };
-    let prepared = chat::prepare(&state, &published, plan).await?;
+    let mut prepared = chat::prepare(&state, &published, plan).await?;
+    prepared.images = crate::images::prepare(&state, &published, req.images).await?;
     let limits = Limits { sampling, max_tokens: req.common.max_tokens, stop: Vec::new() };
     let generation = chat::start(&state, prepared, limits, admission, arrived, "input").await?;
     let id = format!("resp_{}", state.next_response_id());
