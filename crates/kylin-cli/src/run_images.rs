@@ -89,14 +89,18 @@ pub fn run(args: &RunArgs) -> Result<()> {
             "generated_ids": ids,
             "text": answer,
             "finish_reason": finish,
-            "timings": {"load_ms": (loaded - started).as_secs_f64() * 1e3, "ttft_ms": ttft * 1e3, "decode_tok_s": decode},
+            "timings": {
+                "load_ms": (loaded - started).as_secs_f64() * 1e3,
+                "ttft_ms": ttft * 1e3,
+                "decode_tok_s": decode,
+            },
         });
         println!("{value}");
     } else {
         let _ = writeln!(out);
         eprintln!(
             "[{} prompt tokens ({image_tokens} for {} image(s)), {} generated, finish: {finish}] time to first token \
-             {:.0} ms (the images encoded in it), decode {decode:.1} tok/s",
+             {:.0} ms (the images' encoding included), decode {decode:.1} tok/s",
             prompt_ids.len(),
             args.image.len(),
             ids.len(),

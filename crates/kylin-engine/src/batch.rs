@@ -51,6 +51,7 @@ use crate::native::ModelParts;
 use crate::rope::Ropes;
 use crate::sequence::Decoding;
 use crate::serial::validate_request;
+use crate::serving::ImageInput;
 use crate::serving::{
     EmbeddingInfo, EngineInfo, EngineStats, Event, EventKind, Pooled, Request, Serving, StatePoolInfo, StopReason,
     Usage,
@@ -58,7 +59,7 @@ use crate::serving::{
 use crate::speculative::{MAX_SPECULATIVE_TOKENS, SpeculationControl, propose_ngram};
 use crate::state_pool::{NO_SLOT, StatePool};
 use crate::text::TextCodec;
-use crate::vision::{ImagePreparer, VisionTower};
+use crate::vision::{Encoding, ImagePreparer, VisionTower};
 
 /// The context size used when none is given, capped by the model's `max_position_embeddings`.
 pub const DEFAULT_CONTEXT: usize = 4096;
@@ -1137,6 +1138,36 @@ pub struct BatchEngine {
     vision: Option<VisionTower>,
     /// What turns its image files into image inputs.
     image_preparer: Option<Arc<ImagePreparer>>,
+    /// Requests whose images are being encoded, a step's share at a time, in arrival order;
+    /// each waits to run once its images are done.
+    encoding: VecDeque<PendingImages>,
+    /// The latest images' encodings by content hash (most recent last), so an image sent again
+    /// (the next turn of a chat) is not encoded again.
+    image_cache: VecDeque<(u64, Arc<[f32]>)>,
+}
+
+/// Encodings of images the engine keeps for images sent again.
+const IMAGE_CACHE: usize = 32;
+
+/// A request's first sequence while its images are encoded.
+struct PendingImages {
+    seq: Seq,
+    images: Vec<ImageInput>,
+    /// Where each image's placeholder run is in the prompt, and its length.
+    runs: Vec<(usize, usize)>,
+    done: Vec<SeqImage>,
+    /// The image being encoded and its content hash.
+    current: Option<(Encoding, u64)>,
+}
+
+/// A hash of an image's grid and pixels.
+fn image_content(image: &ImageInput) -> u64 {
+    let mut hasher = std::hash::DefaultHasher::new();
+    std::hash::Hash::hash(&image.grid, &mut hasher);
+    for v in image.pixels.iter() {
+        std::hash::Hash::hash(&v.to_bits(), &mut hasher);
+    }
+    std::hash::Hasher::finish(&hasher)
 }
 
 /// Request ids from here up are the engine's own (the pooled requests behind
@@ -1210,6 +1241,8 @@ impl BatchEngine {
             draft,
             vision: None,
             image_preparer: None,
+            encoding: VecDeque::new(),
+            image_cache: VecDeque::with_capacity(IMAGE_CACHE),
         })
     }
 
@@ -1251,12 +1284,11 @@ impl BatchEngine {
         }
     }
 
-    /// Checks a request's images against its prompt and encodes them with the vision tower:
-    /// one run of the image placeholder token per image, as long as the tokens the image
-    /// becomes. The tower runs here, on the engine's threads, between two steps.
-    fn encode_images(&self, request: &Request) -> Result<Arc<[SeqImage]>> {
+    /// Checks a request's images against its prompt: one run of the image placeholder token
+    /// per image, as long as the tokens the image becomes; returns the runs.
+    fn check_images(&self, request: &Request) -> Result<Vec<(usize, usize)>> {
         if request.images.is_empty() {
-            return Ok(Arc::from(Vec::new()));
+            return Ok(Vec::new());
         }
         let Some(tower) = &self.vision else {
             return Err(KylinError::input_invalid(
@@ -1285,9 +1317,7 @@ impl BatchEngine {
                 request.images.len()
             )));
         }
-        let merge = tower.config().spatial_merge_size;
-        let mut images = Vec::with_capacity(runs.len());
-        for (n, ((start, len), image)) in runs.into_iter().zip(&request.images).enumerate() {
+        for (n, (&(_, len), image)) in runs.iter().zip(&request.images).enumerate() {
             tower.check(&image.pixels, image.grid)?;
             let tokens = tower.tokens(image.grid);
             if len != tokens {
@@ -1302,23 +1332,94 @@ impl BatchEngine {
                     image.grid.t
                 )));
             }
-            let embedding = tower.encode(&self.core.pool, &image.pixels, image.grid)?;
-            let mut hasher = std::hash::DefaultHasher::new();
-            std::hash::Hash::hash(&image.grid, &mut hasher);
-            for v in image.pixels.iter() {
-                std::hash::Hash::hash(&v.to_bits(), &mut hasher);
-            }
-            images.push(SeqImage {
-                start,
-                tokens,
-                rows: image.grid.h / merge,
-                columns: image.grid.w / merge,
-                embedding: Arc::from(embedding),
-                content: std::hash::Hasher::finish(&hasher),
-                placeholder,
-            });
         }
-        Ok(Arc::from(images))
+        Ok(runs)
+    }
+
+    /// The vision tower's share of a step, in patches times blocks: as many multiply-adds as a
+    /// full step's prompt tokens take in the decoder, so encoding an image delays the other
+    /// sequences' tokens by about one prefill step's worth at a time.
+    fn encode_budget(&self, tower: &VisionTower) -> usize {
+        let per_token = self.core.model.parameter_count() as usize;
+        (self.core.max_batch_tokens.saturating_mul(per_token) / tower.block_weights().max(1)).max(1)
+    }
+
+    /// Encodes the waiting requests' images for one step's share ([`BatchEngine::encode_budget`]),
+    /// oldest request first; a request whose images are all done goes to the waiting queue.
+    fn encode_step(&mut self) {
+        let Some(tower) = &self.vision else { return };
+        let mut left = self.encode_budget(tower);
+        let merge = tower.config().spatial_merge_size;
+        let placeholder = tower.config().image_token_id;
+        while left > 0 {
+            let Some(front) = self.encoding.front_mut() else { break };
+            if front.seq.cancel.is_cancelled() {
+                // Ended by the scheduler with the other cancelled waiting sequences.
+                if let Some(p) = self.encoding.pop_front() {
+                    self.waiting.push_back(p.seq);
+                }
+                continue;
+            }
+            let k = front.done.len();
+            if front.current.is_none() {
+                if k == front.images.len() {
+                    if let Some(mut p) = self.encoding.pop_front() {
+                        p.seq.attach_images(Arc::from(p.done));
+                        self.waiting.push_back(p.seq);
+                    }
+                    continue;
+                }
+                let image = &front.images[k];
+                let content = image_content(image);
+                let seq_image = |embedding: Arc<[f32]>| SeqImage {
+                    start: front.runs[k].0,
+                    tokens: front.runs[k].1,
+                    rows: image.grid.h / merge,
+                    columns: image.grid.w / merge,
+                    embedding,
+                    content,
+                    placeholder,
+                };
+                if let Some(at) = self.image_cache.iter().position(|(h, _)| *h == content) {
+                    if let Some(entry) = self.image_cache.remove(at) {
+                        front.done.push(seq_image(entry.1.clone()));
+                        self.image_cache.push_back(entry);
+                    }
+                    continue;
+                }
+                match tower.begin(&self.core.pool, &image.pixels, image.grid) {
+                    Ok(encoding) => front.current = Some((encoding, content)),
+                    // Checked when the request came; should it fail, the request ends.
+                    Err(_) => {
+                        front.seq.cancel.cancel();
+                        continue;
+                    }
+                }
+            }
+            let Some((encoding, content)) = &mut front.current else { continue };
+            let patches = encoding.grid().patches().max(1);
+            let blocks = (left / patches).max(1);
+            left = left.saturating_sub(blocks.saturating_mul(patches));
+            if let Some(out) = tower.advance(&self.core.pool, encoding, blocks) {
+                let content = *content;
+                let image = &front.images[k];
+                let embedding: Arc<[f32]> = Arc::from(out);
+                front.done.push(SeqImage {
+                    start: front.runs[k].0,
+                    tokens: front.runs[k].1,
+                    rows: image.grid.h / merge,
+                    columns: image.grid.w / merge,
+                    embedding: embedding.clone(),
+                    content,
+                    placeholder,
+                });
+                front.current = None;
+                if self.image_cache.len() == IMAGE_CACHE {
+                    self.image_cache.pop_front();
+                }
+                self.image_cache.push_back((content, embedding));
+            }
+        }
     }
 
     /// A running sequence leaves the running set (it ends or is preempted): its state is kept
@@ -1992,6 +2093,7 @@ impl BatchEngine {
 impl BatchEngine {
     /// One scheduler step (the module documentation's four parts).
     fn advance(&mut self, events: &mut Vec<Event>) -> Result<()> {
+        self.encode_step();
         self.schedule(events);
         // Running sequences that all wait for blocks (partly computed prompts filled the pool):
         // preempt from the back until one of them can go on. The pool holds at least one
@@ -2179,13 +2281,18 @@ impl Serving for BatchEngine {
         if duplicate {
             return Err(KylinError::input_invalid(format!("request id {} is already in the engine", request.id)));
         }
-        let images = self.encode_images(&request)?;
+        let runs = self.check_images(&request)?;
+        let images = request.images.clone();
         let mut seq = self.new_seq(&request, 0);
-        seq.attach_images(images);
         if request.n > 1 {
             seq.fork = Some(Box::new(request));
         }
-        self.waiting.push_back(seq);
+        if runs.is_empty() {
+            self.waiting.push_back(seq);
+        } else {
+            // Its images are encoded over the next steps, then it waits to run.
+            self.encoding.push_back(PendingImages { seq, images, runs, done: Vec::new(), current: None });
+        }
         Ok(())
     }
 
@@ -2195,7 +2302,7 @@ impl Serving for BatchEngine {
     }
 
     fn has_work(&self) -> bool {
-        !self.running.is_empty() || !self.waiting.is_empty() || !self.held.is_empty()
+        !self.running.is_empty() || !self.waiting.is_empty() || !self.held.is_empty() || !self.encoding.is_empty()
     }
 
     fn embedding_info(&self) -> Option<EmbeddingInfo> {

@@ -28,6 +28,18 @@ use crate::serving::ImageInput;
 /// transformers' `nn.LayerNorm(..., eps=1e-6)` in every norm of the tower.
 const NORM_EPS: f32 = 1e-6;
 
+/// Attention rows computed at once (bounds the scores buffer: `QUERY_ROWS · frame` floats).
+const QUERY_ROWS: usize = 256;
+
+/// An f32 buffer as a matrix of `rows` rows of `cols` for the kernels' products.
+fn f32_matrix(data: &[f32], rows: usize, cols: usize) -> WeightMatrix<'_> {
+    let bytes = &data[..rows * cols];
+    // SAFETY: f32 has no invalid bit patterns and u8 no alignment; the view covers exactly the
+    // floats' bytes and lives as long as `data`.
+    let bytes = unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<u8>(), std::mem::size_of_val(bytes)) };
+    WeightMatrix { dtype: kernels::WeightDType::F32, rows, cols, data: bytes }
+}
+
 /// An image's patch grid: frames, rows and columns of patches (`image_grid_thw`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
 pub struct PatchGrid {
@@ -51,6 +63,36 @@ struct Block {
     norm2: LayerNorm,
     fc1: Dense,
     fc2: Dense,
+}
+
+/// An image part way through the tower ([`VisionTower::begin`], [`VisionTower::advance`]): the
+/// residual stream, the rotary angles, the next block, and the blocks' work buffers.
+#[derive(Debug)]
+pub struct Encoding {
+    grid: PatchGrid,
+    /// The residual stream, `(patches, hidden)`.
+    x: Vec<f32>,
+    /// Rotary cos and sin per patch, `(patches, head_dim / 2)`.
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    next: usize,
+    xn: Vec<f32>,
+    qkv: Vec<f32>,
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+    mid: Vec<f32>,
+    keys: Vec<f32>,
+    queries: Vec<f32>,
+    values_t: Vec<f32>,
+    probs: Vec<f32>,
+    head_out: Vec<f32>,
+    ones: Vec<f32>,
+}
+
+impl Encoding {
+    pub fn grid(&self) -> PatchGrid {
+        self.grid
+    }
 }
 
 /// Qwen3.5's vision tower, bound to the checkpoint's tensors.
@@ -144,9 +186,32 @@ impl VisionTower {
     /// Runs the tower on one image: `pixels (patches, patch_values)` in the processor's order ->
     /// `(tokens, out_hidden)`, one row per placeholder token, in prompt order.
     pub fn encode(&self, pool: &ThreadPool, pixels: &[f32], grid: PatchGrid) -> Result<Vec<f32>> {
+        let mut encoding = self.begin(pool, pixels, grid)?;
+        loop {
+            if let Some(out) = self.advance(pool, &mut encoding, usize::MAX) {
+                return Ok(out);
+            }
+        }
+    }
+
+    /// The transformer blocks of the tower.
+    pub fn depth(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Multiply-adds of one block for one patch (its four matrices), to weigh a block's work
+    /// against a decoder token's.
+    pub fn block_weights(&self) -> usize {
+        let c = &self.config;
+        4 * c.hidden * c.hidden + 2 * c.hidden * c.intermediate
+    }
+
+    /// Starts encoding an image (checked first): the patch embedding, the resampled position
+    /// table and the rotary angles. [`VisionTower::advance`] runs the blocks and the merger.
+    pub fn begin(&self, pool: &ThreadPool, pixels: &[f32], grid: PatchGrid) -> Result<Encoding> {
         self.check(pixels, grid)?;
         let c = &self.config;
-        let (n, h, hd, heads) = (grid.patches(), c.hidden, c.head_dim(), c.heads);
+        let (n, h, hd) = (grid.patches(), c.hidden, c.head_dim());
         let frame = grid.h * grid.w;
 
         // Each patch's (row, column) in its frame, from the processor's block order.
@@ -172,79 +237,116 @@ impl VisionTower {
                 sin[p * half + i] = angle.sin();
             }
         }
-
-        // 3. The blocks.
-        let mut xn = vec![0.0f32; n * h];
-        let mut qkv = vec![0.0f32; n * 3 * h];
-        let mut attn = vec![0.0f32; n * h];
-        let mut proj = vec![0.0f32; n * h];
         let inter = self.blocks.first().map_or(0, |b| b.fc1.rows());
-        let mut mid = vec![0.0f32; n * inter];
-        let mut keys = vec![0.0f32; frame * hd];
-        let mut values = vec![0.0f32; frame * hd];
-        let mut scores = vec![0.0f32; frame];
-        let scale = (hd as f32).powf(-0.5);
-        for block in &self.blocks {
-            // x (n, h) -> LN -> qkv (n, 3h): q, k, v side by side, each (heads, head_dim).
-            xn.copy_from_slice(&x);
-            block.norm1.rows(&mut xn);
-            block.qkv.forward(pool, &xn, n, &mut qkv);
-            for (p, row) in qkv.chunks_exact_mut(3 * h).enumerate() {
-                let (c_p, s_p) = (&cos[p * half..(p + 1) * half], &sin[p * half..(p + 1) * half]);
-                for head in row[..2 * h].chunks_exact_mut(hd) {
-                    kernels::rope_rotate_half(head, c_p, s_p);
-                }
-            }
-            // Bidirectional attention within each frame, per head.
-            for f0 in (0..n).step_by(frame) {
-                for head in 0..heads {
-                    for j in 0..frame {
-                        let at = (f0 + j) * 3 * h + head * hd;
-                        keys[j * hd..(j + 1) * hd].copy_from_slice(&qkv[at + h..at + h + hd]);
-                        values[j * hd..(j + 1) * hd].copy_from_slice(&qkv[at + 2 * h..at + 2 * h + hd]);
-                    }
-                    for j in 0..frame {
-                        let q = (f0 + j) * 3 * h + head * hd;
-                        let out = (f0 + j) * h + head * hd;
-                        kernels::attention_head(
-                            &qkv[q..q + hd],
-                            &keys,
-                            &values,
-                            frame,
-                            hd,
-                            scale,
-                            &mut scores,
-                            &mut attn[out..out + hd],
-                        );
-                    }
-                }
-            }
-            // attn (n, h) -> proj (n, h); x += proj.
-            block.proj.forward(pool, &attn, n, &mut proj);
-            kernels::add_assign(&mut x, &proj);
-            // x -> LN -> fc1 (n, inter) -> act -> fc2 (n, h); x += that.
-            xn.copy_from_slice(&x);
-            block.norm2.rows(&mut xn);
-            block.fc1.forward(pool, &xn, n, &mut mid);
-            match c.activation {
-                VisionActivation::GeluTanh => mid.iter_mut().for_each(|v| *v = kernels::reference::gelu_tanh(*v)),
-                VisionActivation::Gelu => gelu(&mut mid),
-            }
-            block.fc2.forward(pool, &mid, n, &mut proj);
-            kernels::add_assign(&mut x, &proj);
-        }
+        let rows = QUERY_ROWS.min(frame);
+        Ok(Encoding {
+            grid,
+            x,
+            cos,
+            sin,
+            next: 0,
+            xn: vec![0.0; n * h],
+            qkv: vec![0.0; n * 3 * h],
+            attn: vec![0.0; n * h],
+            proj: vec![0.0; n * h],
+            mid: vec![0.0; n * inter],
+            keys: vec![0.0; frame * hd],
+            queries: vec![0.0; frame * hd],
+            values_t: vec![0.0; hd * frame],
+            probs: vec![0.0; rows * frame],
+            head_out: vec![0.0; rows * hd],
+            ones: vec![1.0; inter],
+        })
+    }
 
+    /// Runs up to `blocks` more blocks of an encoding (at least one); once every block ran, the
+    /// merger too, and gives the tower's output `(tokens, out_hidden)`.
+    pub fn advance(&self, pool: &ThreadPool, e: &mut Encoding, blocks: usize) -> Option<Vec<f32>> {
+        let end = e.next.saturating_add(blocks.max(1)).min(self.blocks.len());
+        for b in e.next..end {
+            self.run_block(pool, &self.blocks[b], e);
+        }
+        e.next = end;
+        if e.next < self.blocks.len() {
+            return None;
+        }
         // 4. The merger: LN per patch, then each block of merge² patches as one row
         //    (tokens, merged_width) -> fc1 (tokens, merged_width) -> gelu -> fc2 (tokens, out).
-        self.merger_norm.rows(&mut x);
-        let tokens = self.tokens(grid);
-        let width = c.merged_width();
-        let mut merged = vec![0.0f32; tokens * width];
-        self.merger_fc1.forward(pool, &x, tokens, &mut merged);
+        let c = &self.config;
+        self.merger_norm.rows(&mut e.x);
+        let tokens = self.tokens(e.grid);
+        let mut merged = vec![0.0f32; tokens * c.merged_width()];
+        self.merger_fc1.forward(pool, &e.x, tokens, &mut merged);
         gelu(&mut merged);
         let mut out = vec![0.0f32; tokens * c.out_hidden];
         self.merger_fc2.forward(pool, &merged, tokens, &mut out);
-        Ok(out)
+        Some(out)
+    }
+
+    /// 3. One block: `x += attn(LN(x))`, `x += mlp(LN(x))`.
+    fn run_block(&self, pool: &ThreadPool, block: &Block, e: &mut Encoding) {
+        let c = &self.config;
+        let (n, h, hd, heads) = (e.grid.patches(), c.hidden, c.head_dim(), c.heads);
+        let (frame, half, inter) = (e.grid.h * e.grid.w, hd / 2, e.ones.len());
+        let scale = (hd as f32).powf(-0.5);
+        // x (n, h) -> LN -> qkv (n, 3h): q, k, v side by side, each (heads, head_dim).
+        e.xn.copy_from_slice(&e.x);
+        block.norm1.rows(&mut e.xn);
+        block.qkv.forward(pool, &e.xn, n, &mut e.qkv);
+        for (p, row) in e.qkv.chunks_exact_mut(3 * h).enumerate() {
+            let (c_p, s_p) = (&e.cos[p * half..(p + 1) * half], &e.sin[p * half..(p + 1) * half]);
+            for head in row[..2 * h].chunks_exact_mut(hd) {
+                kernels::rope_rotate_half(head, c_p, s_p);
+            }
+        }
+        // Bidirectional attention within each frame, per head, as matrix products:
+        // scores (rows, frame) = Q (rows, hd) · Kᵀ, times the scale, softmax per row, then
+        // out (rows, hd) = P (rows, frame) · V, queries taken QUERY_ROWS at a time so the
+        // scores stay small whatever the image.
+        for f0 in (0..n).step_by(frame) {
+            for head in 0..heads {
+                for j in 0..frame {
+                    let at = (f0 + j) * 3 * h + head * hd;
+                    e.keys[j * hd..(j + 1) * hd].copy_from_slice(&e.qkv[at + h..at + h + hd]);
+                    e.queries[j * hd..(j + 1) * hd].copy_from_slice(&e.qkv[at..at + hd]);
+                    for d in 0..hd {
+                        e.values_t[d * frame + j] = e.qkv[at + 2 * h + d];
+                    }
+                }
+                let k = f32_matrix(&e.keys, frame, hd);
+                let v_t = f32_matrix(&e.values_t, hd, frame);
+                for r0 in (0..frame).step_by(QUERY_ROWS) {
+                    let rows = QUERY_ROWS.min(frame - r0);
+                    let p = &mut e.probs[..rows * frame];
+                    kernels::matmul(pool, k, &e.queries[r0 * hd..(r0 + rows) * hd], rows, p);
+                    for row in p.chunks_exact_mut(frame) {
+                        kernels::scale(row, scale);
+                        kernels::softmax(row);
+                    }
+                    kernels::matmul(pool, v_t, p, rows, &mut e.head_out[..rows * hd]);
+                    for (i, o) in e.head_out[..rows * hd].chunks_exact(hd).enumerate() {
+                        let at = (f0 + r0 + i) * h + head * hd;
+                        e.attn[at..at + hd].copy_from_slice(o);
+                    }
+                }
+            }
+        }
+        // attn (n, h) -> proj (n, h); x += proj.
+        block.proj.forward(pool, &e.attn, n, &mut e.proj);
+        kernels::add_assign(&mut e.x, &e.proj);
+        // x -> LN -> fc1 (n, inter) -> act -> fc2 (n, h); x += that.
+        e.xn.copy_from_slice(&e.x);
+        block.norm2.rows(&mut e.xn);
+        block.fc1.forward(pool, &e.xn, n, &mut e.mid);
+        match c.activation {
+            // The kernels' GeGLU with an "up" of ones: gelu_tanh(x) · 1.
+            VisionActivation::GeluTanh => {
+                e.mid.chunks_exact_mut(inter).for_each(|row| kernels::gelu_tanh_mul(row, &e.ones))
+            }
+            VisionActivation::Gelu => gelu(&mut e.mid),
+        }
+        block.fc2.forward(pool, &e.mid, n, &mut e.proj);
+        kernels::add_assign(&mut e.x, &e.proj);
     }
 
     /// A patch's (row, column) in its frame from its index `p` in the processor's order:

@@ -328,3 +328,26 @@ fn image_files_that_cannot_be_used_are_refused_with_their_code() {
     let (shared, _) = &fixtures()[0];
     assert!(engine(shared, &options()).image_preparer().is_none());
 }
+
+#[test]
+fn a_request_cancelled_while_its_images_are_encoded_ends_and_frees_everything() {
+    let (dir, reference) = &fixtures()[1];
+    let case = &reference["cases"][1];
+    let mut e = engine(dir, &options());
+    let r = Request { prompt_logprobs: None, ..request(1, case) };
+    let cancel = r.cancel.clone();
+    e.add_request(r).unwrap();
+    cancel.cancel();
+    let mut reasons = Vec::new();
+    support::step_until_idle(&mut e, |events| {
+        for ev in events {
+            if let EventKind::Finished { reason, .. } = ev.kind {
+                reasons.push(reason);
+            }
+        }
+    });
+    assert_eq!(reasons, [kylin_engine::StopReason::Cancelled]);
+    // The engine goes on: the same request again is answered in full.
+    let out = run(&mut e, vec![Request { prompt_logprobs: None, ..request(2, case) }]).remove(0);
+    assert_eq!(out.ids, ids(&case["greedy_new_ids"]));
+}

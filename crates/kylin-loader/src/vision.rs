@@ -22,8 +22,9 @@ use crate::safetensors_file::TensorIndex;
 use crate::tensor::WeightTensor;
 use crate::tokenizer;
 
-/// The `vision_config.model_type`s whose towers Kylin runs.
-pub const VISION_TOWERS: &[&str] = &["qwen3_5_vision", "qwen3_5_moe_vision"];
+/// The `vision_config.model_type`s whose towers Kylin runs: transformers writes
+/// `qwen3_5_vision`, the published Qwen3.5 checkpoints `qwen3_5` (and the MoE sizes likewise).
+pub const VISION_TOWERS: &[&str] = &["qwen3_5_vision", "qwen3_5_moe_vision", "qwen3_5", "qwen3_5_moe"];
 
 /// The activation of the tower's MLPs (`vision_config.hidden_act`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -148,6 +149,11 @@ pub fn read_vision_config(dir: &Path) -> Result<Option<VisionConfig>> {
     };
     let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or_default().to_string();
     if !VISION_TOWERS.contains(&model_type.as_str()) {
+        return Ok(None);
+    }
+    // Qwen3-VL's deepstack (features of inner blocks added to early decoder layers) is not
+    // Qwen3.5's: a tower that asks for it is not run.
+    if v.get("deepstack_visual_indexes").and_then(Value::as_array).is_some_and(|a| !a.is_empty()) {
         return Ok(None);
     }
     let activation = match v.get("hidden_act").and_then(Value::as_str) {
