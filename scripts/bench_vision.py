@@ -59,9 +59,42 @@ def ask(base, messages, max_tokens, times=None):
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 usage = chunk["usage"]
-            if chunk["choices"] and chunk["choices"][0]["delta"].get("content") is not None:
+            # The first chunk (the role, empty content) comes when the request is accepted.
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                 times.append(time.monotonic())
     return times, usage
+
+
+class Server:
+    """`kylin serve MODEL` on a free port, until closed (a fresh one per measurement: the engine
+    keeps the encodings of the latest images, so a second look at an image would not encode it)."""
+
+    def __init__(self, model, threads, extra):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = open(Path(tempfile.gettempdir()) / f"kylin-bench-vision-{self.port}.log", "w")
+        binary = os.environ.get("KYLIN_BIN", str(ROOT / "target/release/kylin"))
+        self.proc = subprocess.Popen([binary, "serve", model, "--port", str(self.port), "--threads", str(threads),
+                                      "--ctx-size", "8192", *extra], stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                sys.exit(f"kylin serve exited; see {self.log.name}")
+            time.sleep(0.5)
+        # Warm up: the language model's weights are read once before anything is timed.
+        ask(self.base, TEXT, 8)
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+
+
+TEXT = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
 
 
 def main():
@@ -69,50 +102,38 @@ def main():
     p.add_argument("model")
     p.add_argument("images", nargs="+")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-batch-tokens", type=int, default=None)
     a = p.parse_args()
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    log = open(Path(tempfile.gettempdir()) / f"kylin-bench-vision-{port}.log", "w")
-    binary = os.environ.get("KYLIN_BIN", str(ROOT / "target/release/kylin"))
-    proc = subprocess.Popen([binary, "serve", a.model, "--port", str(port), "--threads", str(a.threads),
-                             "--ctx-size", "8192"], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                sys.exit(f"kylin serve exited; see {log.name}")
-            time.sleep(0.5)
-        text = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
-        ask(base, text, 8)  # Warm up.
-        print("| image | image tokens | time to first token, alone | stream gap: median before | longest while the image is taken in |")
-        print("|---|---:|---:|---:|---:|")
-        for path in a.images:
+    extra = [] if a.max_batch_tokens is None else ["--max-batch-tokens", str(a.max_batch_tokens)]
+    print("| image | prompt tokens | time to first token, alone | stream gap: median before | longest while the image is taken in |")
+    print("|---|---:|---:|---:|---:|")
+    for path in a.images:
+        server = Server(a.model, a.threads, extra)
+        try:
             sent = time.monotonic()
-            times, usage = ask(base, image_message(path), 1)
+            times, usage = ask(server.base, image_message(path), 1)
             ttft = times[0] - sent
+        finally:
+            server.close()
+        server = Server(a.model, a.threads, extra)
+        try:
             # The stream, and the image request after its 20th token.
             times = []
-            stream = threading.Thread(target=ask, args=(base, text, 200, times))
+            stream = threading.Thread(target=ask, args=(server.base, TEXT, 200, times))
             stream.start()
             while len(times) < 20 and stream.is_alive():
                 time.sleep(0.005)
             image_sent = time.monotonic()
-            ask(base, image_message(path), 1)
+            ask(server.base, image_message(path), 1)
             stream.join()
-            gaps = [b - t for t, b in zip(times, times[1:])]
-            before = [g for t, g in zip(times, gaps) if t < image_sent]
-            during = [g for t, g in zip(times, gaps) if t + g >= image_sent]
-            tokens = usage["prompt_tokens"] if usage else "?"
-            print(f"| {Path(path).name} | {tokens} | {ttft * 1e3:.0f} ms | {statistics.median(before) * 1e3:.0f} ms | "
-                  f"{max(during) * 1e3:.0f} ms |", flush=True)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        finally:
+            server.close()
+        gaps = [b - t for t, b in zip(times, times[1:])]
+        before = [g for t, g in zip(times, gaps) if t < image_sent]
+        during = [g for t, g in zip(times, gaps) if t + g >= image_sent]
+        tokens = usage["prompt_tokens"] if usage else "?"
+        print(f"| {Path(path).name} | {tokens} | {ttft * 1e3:.0f} ms | {statistics.median(before) * 1e3:.0f} ms | "
+              f"{max(during) * 1e3:.0f} ms |", flush=True)
 
 
 if __name__ == "__main__":

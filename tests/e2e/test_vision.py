@@ -70,6 +70,10 @@ def test_a_local_file_and_a_stream_give_the_same_answer(server):
                                            temperature=0)
     assert again.choices[0].message.content == REFERENCE["greedy_text"]
     assert again.usage.prompt_tokens_details.cached_tokens > 0
+    # Encoded once (by the first test), found among the latest encodings since.
+    metrics = httpx.get(server + "/metrics", timeout=10).text
+    assert "kylin:images_encoded_total 1" in metrics.replace('{model_name="vl"}', ""), metrics
+    assert "kylin:image_cache_hits_total 0" not in metrics.replace('{model_name="vl"}', "")
 
 
 def test_the_responses_and_anthropic_apis_take_images_too(server):

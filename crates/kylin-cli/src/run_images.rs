@@ -79,6 +79,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         }
     }
     let total = loaded.elapsed().as_secs_f64();
+    let encode_ms = engine.stats().image_encode_seconds * 1e3;
     let ttft = first_token.map_or(total, |d| d.as_secs_f64());
     let decode = if ids.len() > 1 { (ids.len() - 1) as f64 / (total - ttft).max(1e-9) } else { 0.0 };
     let finish = reason.map_or("unknown", |r| r.openai());
@@ -91,6 +92,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             "finish_reason": finish,
             "timings": {
                 "load_ms": (loaded - started).as_secs_f64() * 1e3,
+                "encode_ms": encode_ms,
                 "ttft_ms": ttft * 1e3,
                 "decode_tok_s": decode,
             },
@@ -99,8 +101,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
     } else {
         let _ = writeln!(out);
         eprintln!(
-            "[{} prompt tokens ({image_tokens} for {} image(s)), {} generated, finish: {finish}] time to first token \
-             {:.0} ms (the images' encoding included), decode {decode:.1} tok/s",
+            "[{} prompt tokens ({image_tokens} for {} image(s)), {} generated, finish: {finish}] images encoded in \
+             {encode_ms:.0} ms, time to first token {:.0} ms (the encoding included), decode {decode:.1} tok/s",
             prompt_ids.len(),
             args.image.len(),
             ids.len(),

@@ -1336,19 +1336,14 @@ impl BatchEngine {
         Ok(runs)
     }
 
-    /// The vision tower's share of a step, in patches times blocks: as many multiply-adds as a
-    /// full step's prompt tokens take in the decoder, so encoding an image delays the other
-    /// sequences' tokens by about one prefill step's worth at a time.
-    fn encode_budget(&self, tower: &VisionTower) -> usize {
-        let per_token = self.core.model.parameter_count() as usize;
-        (self.core.max_batch_tokens.saturating_mul(per_token) / tower.block_weights().max(1)).max(1)
-    }
-
-    /// Encodes the waiting requests' images for one step's share ([`BatchEngine::encode_budget`]),
-    /// oldest request first; a request whose images are all done goes to the waiting queue.
+    /// Encodes the waiting requests' images, oldest request first; a request whose images are
+    /// all done goes to the waiting queue. While other sequences run, a step runs one block of
+    /// the tower (its finest slice), so their tokens are delayed by one block at a time; with
+    /// nothing else running, the images are encoded at once.
     fn encode_step(&mut self) {
         let Some(tower) = &self.vision else { return };
-        let mut left = self.encode_budget(tower);
+        let alone = self.running.is_empty();
+        let mut left = if alone { usize::MAX } else { 1 };
         let merge = tower.config().spatial_merge_size;
         let placeholder = tower.config().image_token_id;
         while left > 0 {
@@ -1384,10 +1379,14 @@ impl BatchEngine {
                     if let Some(entry) = self.image_cache.remove(at) {
                         front.done.push(seq_image(entry.1.clone()));
                         self.image_cache.push_back(entry);
+                        self.stats.image_cache_hits += 1;
                     }
                     continue;
                 }
-                match tower.begin(&self.core.pool, &image.pixels, image.grid) {
+                let started = std::time::Instant::now();
+                let begun = tower.begin(&self.core.pool, &image.pixels, image.grid);
+                self.stats.image_encode_seconds += started.elapsed().as_secs_f64();
+                match begun {
                     Ok(encoding) => front.current = Some((encoding, content)),
                     // Checked when the request came; should it fail, the request ends.
                     Err(_) => {
@@ -1397,10 +1396,13 @@ impl BatchEngine {
                 }
             }
             let Some((encoding, content)) = &mut front.current else { continue };
-            let patches = encoding.grid().patches().max(1);
-            let blocks = (left / patches).max(1);
-            left = left.saturating_sub(blocks.saturating_mul(patches));
-            if let Some(out) = tower.advance(&self.core.pool, encoding, blocks) {
+            let blocks = left;
+            left = if alone { left } else { 0 };
+            let started = std::time::Instant::now();
+            let done = tower.advance(&self.core.pool, encoding, blocks);
+            self.stats.image_encode_seconds += started.elapsed().as_secs_f64();
+            if let Some(out) = done {
+                self.stats.images_encoded += 1;
                 let content = *content;
                 let image = &front.images[k];
                 let embedding: Arc<[f32]> = Arc::from(out);

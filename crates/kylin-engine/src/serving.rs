@@ -248,6 +248,11 @@ pub struct EngineStats {
     /// Tokens the draft model computed: catching up on the sequences' tokens and feeding its
     /// own proposals back (the cost of its proposals).
     pub draft_model_computed_tokens: u64,
+    /// Images the vision tower encoded, the time it took (all of it, over however many
+    /// steps), and images whose encoding was found among the latest ones instead.
+    pub images_encoded: u64,
+    pub image_encode_seconds: f64,
+    pub image_cache_hits: u64,
 }
 
 impl EngineStats {

@@ -199,13 +199,6 @@ impl VisionTower {
         self.blocks.len()
     }
 
-    /// Multiply-adds of one block for one patch (its four matrices), to weigh a block's work
-    /// against a decoder token's.
-    pub fn block_weights(&self) -> usize {
-        let c = &self.config;
-        4 * c.hidden * c.hidden + 2 * c.hidden * c.intermediate
-    }
-
     /// Starts encoding an image (checked first): the patch embedding, the resampled position
     /// table and the rotary angles. [`VisionTower::advance`] runs the blocks and the merger.
     pub fn begin(&self, pool: &ThreadPool, pixels: &[f32], grid: PatchGrid) -> Result<Encoding> {

@@ -206,6 +206,24 @@ impl Metrics {
             stats.draft_model_computed_tokens.to_string(),
         );
         metric(
+            "kylin:images_encoded_total",
+            "counter",
+            "Images the vision tower encoded.",
+            stats.images_encoded.to_string(),
+        );
+        metric(
+            "kylin:image_encode_seconds_total",
+            "counter",
+            "Time the vision tower took for them.",
+            format!("{:.6}", stats.image_encode_seconds),
+        );
+        metric(
+            "kylin:image_cache_hits_total",
+            "counter",
+            "Images whose encoding was among the latest ones kept, so not encoded again.",
+            stats.image_cache_hits.to_string(),
+        );
+        metric(
             "kylin:request_rejected_queue_full_total",
             "counter",
             "Requests refused with 429 because the queue was full.",
