@@ -1160,6 +1160,15 @@ struct PendingImages {
     current: Option<(Encoding, u64)>,
 }
 
+impl PendingImages {
+    /// Image `k` with its encoding, as the sequence holds it.
+    fn image_done(&self, k: usize, embedding: Arc<[f32]>, content: u64, merge: usize, placeholder: u32) -> SeqImage {
+        let (start, tokens) = self.runs[k];
+        let grid = self.images[k].grid;
+        SeqImage { start, tokens, rows: grid.h / merge, columns: grid.w / merge, embedding, content, placeholder }
+    }
+}
+
 /// A hash of an image's grid and pixels.
 fn image_content(image: &ImageInput) -> u64 {
     let mut hasher = std::hash::DefaultHasher::new();
@@ -1366,18 +1375,9 @@ impl BatchEngine {
                 }
                 let image = &front.images[k];
                 let content = image_content(image);
-                let seq_image = |embedding: Arc<[f32]>| SeqImage {
-                    start: front.runs[k].0,
-                    tokens: front.runs[k].1,
-                    rows: image.grid.h / merge,
-                    columns: image.grid.w / merge,
-                    embedding,
-                    content,
-                    placeholder,
-                };
                 if let Some(at) = self.image_cache.iter().position(|(h, _)| *h == content) {
                     if let Some(entry) = self.image_cache.remove(at) {
-                        front.done.push(seq_image(entry.1.clone()));
+                        front.done.push(front.image_done(k, entry.1.clone(), content, merge, placeholder));
                         self.image_cache.push_back(entry);
                         self.stats.image_cache_hits += 1;
                     }
@@ -1404,17 +1404,8 @@ impl BatchEngine {
             if let Some(out) = done {
                 self.stats.images_encoded += 1;
                 let content = *content;
-                let image = &front.images[k];
                 let embedding: Arc<[f32]> = Arc::from(out);
-                front.done.push(SeqImage {
-                    start: front.runs[k].0,
-                    tokens: front.runs[k].1,
-                    rows: image.grid.h / merge,
-                    columns: image.grid.w / merge,
-                    embedding: embedding.clone(),
-                    content,
-                    placeholder,
-                });
+                front.done.push(front.image_done(k, embedding.clone(), content, merge, placeholder));
                 front.current = None;
                 if self.image_cache.len() == IMAGE_CACHE {
                     self.image_cache.pop_front();
