@@ -121,6 +121,43 @@ def _logprob_entry(lp: dict) -> dict:
     return entry
 
 
+def _images_of(conversation):
+    """A conversation's OpenAI `image_url` parts as the chat template reads them (`{"type":
+    "image"}`), and the image files' bytes in order: a base64 `data:` URL, a `file://` URL or
+    a local path (nothing is fetched from the network)."""
+    import base64
+    out, images = [], []
+    for message in conversation:
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str):
+                    raise KylinError("an image_url part needs `image_url.url`", "INPUT_INVALID")
+                if url.startswith("data:"):
+                    header, _, data = url.partition(",")
+                    if ";base64" not in header:
+                        raise KylinError("a data: image URL must be base64", "INPUT_INVALID")
+                    images.append(base64.b64decode(data))
+                elif url.startswith(("http://", "https://")):
+                    raise KylinError("Kylin fetches nothing from the network: give a data: URL or a local path",
+                                     "INPUT_INVALID")
+                else:
+                    path = url[len("file://"):] if url.startswith("file://") else url
+                    with open(path, "rb") as f:
+                        images.append(f.read())
+                parts.append({"type": "image"})
+            else:
+                parts.append(part)
+        out.append({**message, "content": parts})
+    return out, images
+
+
 class LLM:
     """A model on Kylin's engine, as vLLM's `LLM` reads.
 
@@ -146,7 +183,7 @@ class LLM:
 
     # -- generation ---------------------------------------------------------------------------
 
-    def _submit(self, prompt, params: SamplingParams, add_special_tokens=True) -> int:
+    def _submit(self, prompt, params: SamplingParams, add_special_tokens=True, images=()) -> int:
         request = params._request()
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -158,7 +195,7 @@ class LLM:
         else:
             request["prompt_token_ids"] = list(prompt)
         request["add_special_tokens"] = add_special_tokens
-        return self._engine.submit(json.dumps(request))
+        return self._engine.submit(json.dumps(request), list(images))
 
     def _collect(self, rid: int, prompt_text, n: int) -> RequestOutput:
         texts = [""] * n
@@ -222,8 +259,10 @@ class LLM:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         params = sampling_params if sampling_params is not None else SamplingParams()
         kwargs = json.dumps(chat_template_kwargs or {})
-        rendered = [self._engine.render_chat(json.dumps(c), add_generation_prompt, kwargs) for c in conversations]
-        ids = [self._submit(text, params, add_special_tokens=False) for text in rendered]
+        with_images = [_images_of(c) for c in conversations]
+        rendered = [self._engine.render_chat(json.dumps(c), add_generation_prompt, kwargs) for c, _ in with_images]
+        ids = [self._submit(text, params, add_special_tokens=False, images=images)
+               for text, (_, images) in zip(rendered, with_images)]
         return [self._collect(rid, text, params.n) for rid, text in zip(ids, rendered)]
 
     def stream(self, prompt, sampling_params: Optional[SamplingParams] = None) -> Iterator[StreamOutput]:

@@ -70,7 +70,7 @@ impl Inner {
     }
 
     /// Builds and queues a request from its JSON description.
-    fn submit(&mut self, spec: &Map<String, Value>) -> PyResult<u64> {
+    fn submit(&mut self, spec: &Map<String, Value>, images: &[Vec<u8>]) -> PyResult<u64> {
         let get_f32 = |k: &str| spec.get(k).and_then(Value::as_f64).map(|v| v as f32);
         let get_usize = |k: &str| -> PyResult<Option<usize>> {
             match spec.get(k) {
@@ -93,6 +93,18 @@ impl Inner {
             }
             _ => return Err(invalid("a request needs `prompt` (text) or `prompt_token_ids`")),
         };
+        // Images: decoded and made into patches, each placeholder of the prompt expanded.
+        let mut prepared = Vec::with_capacity(images.len());
+        let mut prompt_ids = prompt_ids;
+        if !images.is_empty() {
+            let preparer = self.engine.image_preparer().ok_or_else(|| {
+                invalid("this model takes no images: it has no vision tower Kylin runs, or no preprocessor_config.json")
+            })?;
+            for bytes in images {
+                prepared.push(preparer.prepare(bytes).map_err(py_err)?);
+            }
+            prompt_ids = preparer.expand(&prompt_ids, &prepared).map_err(py_err)?;
+        }
         let defaults = self.engine.generation_defaults();
         let mut sampling = SamplingParams::from_defaults(&defaults);
         if let Some(t) = get_f32("temperature") {
@@ -133,6 +145,7 @@ impl Inner {
         request.prompt_logprobs = get_usize("prompt_logprobs")?;
         request.ignore_eos = spec.get("ignore_eos").and_then(Value::as_bool).unwrap_or(false);
         request.skip_special_tokens = spec.get("skip_special_tokens").and_then(Value::as_bool).unwrap_or(true);
+        request.images = prepared;
         request.detokenize = self.engine.info().has_tokenizer;
         request.stop = match spec.get("stop") {
             None | Some(Value::Null) => Vec::new(),
@@ -221,9 +234,7 @@ impl Engine {
         };
         let speculative_tokens = match opts.get("speculative_tokens") {
             None | Some(Value::Null) => usize::from(draft_model.is_some()) * 4,
-            Some(v) => {
-                v.as_u64().ok_or_else(|| invalid("speculative_tokens must be a non-negative integer"))? as usize
-            }
+            Some(v) => v.as_u64().ok_or_else(|| invalid("speculative_tokens must be a non-negative integer"))? as usize,
         };
         let path = Path::new(path).to_path_buf();
         let engine: Box<dyn Serving + Send> = py
@@ -274,10 +285,12 @@ impl Engine {
     }
 
     /// Queues a request (JSON: `prompt` or `prompt_token_ids`, sampling fields, `max_tokens`,
-    /// `n`, `stop`, `logprobs`, `prompt_logprobs`, ...); returns its id.
-    fn submit(&self, py: Python<'_>, request: &str) -> PyResult<u64> {
+    /// `n`, `stop`, `logprobs`, `prompt_logprobs`, ...) with the image files its prompt's
+    /// placeholders stand for, in order; returns its id.
+    #[pyo3(signature = (request, images = Vec::new()))]
+    fn submit(&self, py: Python<'_>, request: &str, images: Vec<Vec<u8>>) -> PyResult<u64> {
         let spec = parse_object(request, "a request")?;
-        py.detach(|| self.lock().submit(&spec))
+        py.detach(|| self.lock().submit(&spec, &images))
     }
 
     /// Runs the engine until request `id` has new events (or ends), and returns them as JSON
@@ -364,7 +377,13 @@ impl Engine {
 
     /// Relevance scores of documents for a query (a reranker), as a JSON list.
     #[pyo3(signature = (query, documents, instruction=None))]
-    fn rerank(&self, py: Python<'_>, query: &str, documents: Vec<String>, instruction: Option<String>) -> PyResult<Vec<f32>> {
+    fn rerank(
+        &self,
+        py: Python<'_>,
+        query: &str,
+        documents: Vec<String>,
+        instruction: Option<String>,
+    ) -> PyResult<Vec<f32>> {
         py.detach(|| {
             self.lock().engine.rerank(query, &documents, instruction.as_deref()).map(|(s, _)| s).map_err(py_err)
         })

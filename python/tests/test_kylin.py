@@ -197,3 +197,24 @@ def test_decoder_embedder_and_reranker():
     as_embedder = kylin.LLM(str(RETRIEVAL / "fixtures/tiny-qwen3-reranker"), threads=1, task="embed")
     v = as_embedder.embed("The cat sits on the mat.")[0].outputs.embedding
     assert len(v) == 32 and abs(sum(x * x for x in v) - 1) < 1e-5
+
+
+def test_chat_with_an_image_gives_transformers_tokens():
+    vision = ROOT / "tests" / "fixtures" / "vision_model"
+    reference = json.loads((vision / "chat.json").read_text())
+    llm = kylin.LLM(str(ROOT / "tests" / "fixtures" / "tiny-qwen3.5-vl-mrope"), threads=2, ctx_size=256)
+    params = kylin.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    png = (vision / "chat.png").read_bytes()
+    import base64
+    for url in ["data:image/png;base64," + base64.b64encode(png).decode(), "file://" + str(vision / "chat.png")]:
+        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                 {"type": "text", "text": reference["question"]}]}]
+        out = llm.chat(messages, params)[0]
+        assert out.prompt_token_ids == reference["prompt_ids"]
+        assert out.outputs[0].token_ids == reference["greedy_new_ids"]
+        assert out.outputs[0].text == reference["greedy_text"]
+    # Not an image: Kylin's error with its code.
+    bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}]
+    with pytest.raises(kylin.KylinError) as e:
+        llm.chat(bad, params)
+    assert e.value.code == "IMAGE_INVALID" and "IMAGE_FORMAT" in str(e.value)
