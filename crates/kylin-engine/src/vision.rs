@@ -89,12 +89,6 @@ pub struct Encoding {
     ones: Vec<f32>,
 }
 
-impl Encoding {
-    pub fn grid(&self) -> PatchGrid {
-        self.grid
-    }
-}
-
 /// Qwen3.5's vision tower, bound to the checkpoint's tensors.
 #[derive(Debug, Clone)]
 pub struct VisionTower {
@@ -192,11 +186,6 @@ impl VisionTower {
                 return Ok(out);
             }
         }
-    }
-
-    /// The transformer blocks of the tower.
-    pub fn depth(&self) -> usize {
-        self.blocks.len()
     }
 
     /// Starts encoding an image (checked first): the patch embedding, the resampled position
