@@ -1052,11 +1052,23 @@ impl Seq {
         [p, p, p]
     }
 
-    /// Plans the multimodal inputs of the segment just pushed: tokens `from..from + n` of the
-    /// sequence (or its proposals after `from`), the first at `t0` in the plan.
-    fn plan_multimodal(&self, plan: &mut BatchPlan, t0: usize, from: usize, n: usize) {
-        for i in 0..n {
-            plan.positions.push(self.rope_position(from + i));
+    /// Plans the multimodal inputs of the segment about to be pushed: tokens `from..from + n`
+    /// of the sequence (or its proposals after `from`), the first at `t0` in the plan: their
+    /// rotary positions with `rope`, how far each attends with `bidirectional`, and the image
+    /// rows of its image tokens.
+    fn plan_multimodal(&self, plan: &mut BatchPlan, t0: usize, from: usize, n: usize, rope: bool, bidirectional: bool) {
+        if rope {
+            for i in 0..n {
+                plan.positions.push(self.rope_position(from + i));
+            }
+        }
+        if bidirectional {
+            // An image's tokens see every token of their image (Gemma 3); the rest, up to
+            // themselves.
+            for index in from..from + n {
+                let image = self.images.iter().find(|i| (i.start..i.start + i.tokens).contains(&index));
+                plan.attend_until.push(image.map_or(index + 1, |i| i.start + i.tokens) as u32);
+            }
         }
         for image in self.images.iter() {
             let (lo, hi) = (image.start.max(from), (image.start + image.tokens).min(from + n));
@@ -1341,6 +1353,24 @@ impl BatchEngine {
                     image.grid.t
                 )));
             }
+            if tower.config().image_tokens_bidirectional() && tokens > self.core.max_batch_tokens {
+                return Err(KylinError::input_invalid(format!(
+                    "image {n} becomes {tokens} tokens, which attend to each other and so run in one step, \
+                     but a step holds {} tokens; raise --max-batch-tokens to at least {tokens}",
+                    self.core.max_batch_tokens
+                )));
+            }
+            if tower.config().image_tokens_bidirectional()
+                && request.prompt_logprobs.is_some()
+                && tokens > self.core.prompt_rows
+            {
+                return Err(KylinError::input_invalid(format!(
+                    "prompt log-probabilities over image {n} ({tokens} tokens, which run in one step) need {tokens} \
+                     logits rows in one step; this model computes at most {} (its vocabulary is large); \
+                     ask without prompt_logprobs",
+                    self.core.prompt_rows
+                )));
+            }
         }
         Ok(runs)
     }
@@ -1452,12 +1482,23 @@ impl BatchEngine {
         }
     }
 
-    /// Tokens a sequence can compute this step given `budget` and the free blocks.
+    /// Tokens a sequence can compute this step given `budget` and the free blocks. When an
+    /// image's tokens attend to each other both ways (Gemma 3), a chunk never ends inside an
+    /// image: it stops before the image (or takes nothing this step), so the image's tokens are
+    /// computed together.
     fn fit(&self, seq: &Seq, budget: usize) -> usize {
         let bs = self.core.kv.block_size;
         let want = (seq.tokens.len() - seq.computed).min(budget);
         let coverable = (seq.kv.blocks.len() + self.core.kv.alloc.free()) * bs;
-        want.min(coverable.saturating_sub(seq.computed))
+        let len = want.min(coverable.saturating_sub(seq.computed));
+        if !self.vision.as_ref().is_some_and(|t| t.config().image_tokens_bidirectional()) {
+            return len;
+        }
+        let end = seq.computed + len;
+        match seq.images.iter().find(|i| i.start < end && end < i.start + i.tokens) {
+            Some(image) => image.start.saturating_sub(seq.computed),
+            None => len,
+        }
     }
 
     /// Steps 1-3 of the module documentation: fills `scheduled`.
@@ -1537,7 +1578,7 @@ impl BatchEngine {
                 continue;
             }
             let all_rows = seq.scores_prompt();
-            let len = if all_rows { self.fit(seq, budget).min(rows) } else { self.fit(seq, budget) };
+            let len = if all_rows { self.fit(seq, budget.min(rows)) } else { self.fit(seq, budget) };
             if len == 0 {
                 continue;
             }
@@ -1587,7 +1628,7 @@ impl BatchEngine {
                 }
             }
             let all_rows = seq.scores_prompt();
-            let len = if all_rows { self.fit(&seq, budget).min(rows) } else { self.fit(&seq, budget) };
+            let len = if all_rows { self.fit(&seq, budget.min(rows)) } else { self.fit(&seq, budget) };
             let end = seq.computed + len;
             if len == 0 || !seq.kv.grow(&mut self.core.allocs(), end, bs) {
                 // Not even one token fits: give the matched blocks back and wait.
@@ -1957,13 +1998,17 @@ impl BatchEngine {
     fn run_scheduled(&mut self, events: &mut Vec<Event>) -> Result<()> {
         let bs = self.core.kv.block_size;
         self.core.plan.clear();
-        let multimodal = self.core.model.multimodal_rope();
+        let rope = self.core.model.multimodal_rope();
+        // With Gemma 3's images, every token of the step says how far it attends.
+        let bidirectional = self.vision.as_ref().is_some_and(|t| t.config().image_tokens_bidirectional())
+            && self.scheduled.iter().any(|s| !self.running[s.slot].images.is_empty());
         for s in self.scheduled.iter_mut() {
             let seq = &self.running[s.slot];
             let t0 = self.core.plan.ids.len();
-            if multimodal {
-                // Every token's rotary positions, and the image rows of the segment's image tokens.
-                seq.plan_multimodal(&mut self.core.plan, t0, seq.computed, s.len);
+            if rope || bidirectional || !seq.images.is_empty() {
+                // Every token's rotary positions, how far it attends, and the image rows of the
+                // segment's image tokens.
+                seq.plan_multimodal(&mut self.core.plan, t0, seq.computed, s.len, rope, bidirectional);
             }
             if s.proposed > 0 {
                 // The draft: the last sampled token, then the proposals (not in `tokens`).

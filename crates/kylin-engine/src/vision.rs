@@ -1,8 +1,17 @@
-//! The vision tower of Qwen3.5 vision-language models: from an image's patches
-//! (`pixel_values`, as the image processor lays them out) to the rows that replace the image's
-//! placeholder tokens in the language model's input.
+//! The vision towers of vision-language models: from an image's patches (`pixel_values`, as
+//! the image processor lays them out) to the rows that replace the image's placeholder tokens
+//! in the language model's input. Two towers: Qwen3.5's and Gemma 3's (SigLIP and its
+//! projector); they share the pre-norm block and differ in their positions and their head.
 //!
-//! Guarantees:
+//! Gemma 3 (`Gemma3Model.get_image_features`, eager attention): the patch embedding plus one
+//! learned position per patch, pre-norm blocks with separate q/k/v projections and
+//! bidirectional attention over the whole image (no rotary positions), the final LayerNorm,
+//! then the projector: the patch grid average-pooled `k × k`, a `(1 + w)` RMSNorm, and the
+//! matrix into the language model's width. Patch rows arrive in raster order (the convolution's
+//! output order), each row `(channel, row in patch, column in patch)` as the convolution's
+//! kernel is laid out ([`siglip_patches`] makes them from a channel-first image).
+//!
+//! Qwen3.5 guarantees:
 //! - Weights are read in place from the loader's views, in their stored dtype.
 //! - Compute is float32 in transformers' order of operations for `Qwen3_5VisionModel` (eager
 //!   attention): patch embedding, the learned position table resampled bilinearly (corners
@@ -18,7 +27,7 @@
 use std::sync::Arc;
 
 use kylin_kernels::{self as kernels, ThreadPool, WeightMatrix};
-use kylin_loader::vision::{LoadedVision, VisionActivation, VisionConfig};
+use kylin_loader::vision::{LoadedVision, VisionActivation, VisionConfig, VisionKind};
 use kylin_loader::{KylinError, Result};
 use kylin_vision::{ImageLimits, QwenImageProcessor, VisionError, decode_image};
 
@@ -55,10 +64,41 @@ impl PatchGrid {
     }
 }
 
+/// A block's query, key and value projections: one fused matrix (Qwen, `(3 · hidden, hidden)`)
+/// or three (SigLIP, each `(hidden, hidden)`).
+#[derive(Debug, Clone)]
+enum Qkv {
+    Fused(Dense),
+    Separate { q: Dense, k: Dense, v: Dense },
+}
+
+/// Where the tower's positions come from.
+#[derive(Debug, Clone)]
+enum Stem {
+    /// Qwen3.5: the learned square table resampled to the image's grid, and 2-D rotary angles
+    /// from `1 / theta^(2i / (head_dim / 2))` for `i < head_dim / 4` (the frequencies each
+    /// axis uses).
+    Qwen { inv_freq: Vec<f32> },
+    /// SigLIP: one learned position per patch of the fixed grid, added to the patch embedding.
+    Siglip,
+}
+
+/// What turns the last block's output into the language model's rows.
+#[derive(Debug, Clone)]
+enum Head {
+    /// Qwen3.5's merger: LN, then each block of merge² patches `fc2(gelu(fc1(·)))`.
+    Merger { norm: LayerNorm, fc1: Dense, fc2: Dense },
+    /// Gemma 3: SigLIP's `post_layernorm`, then the projector: `pool × pool` average pooling,
+    /// the `(1 + w)` RMSNorm (`soft_norm` holds `1 + w`) and the projection, held transposed
+    /// in f32 as `(out_hidden, hidden)` for the kernels' products (the checkpoint stores it
+    /// `(hidden, out_hidden)`).
+    Gemma3 { post_norm: LayerNorm, soft_norm: Vec<f32>, eps: f32, projection: Vec<f32> },
+}
+
 #[derive(Debug, Clone)]
 struct Block {
     norm1: LayerNorm,
-    qkv: Dense,
+    qkv: Qkv,
     proj: Dense,
     norm2: LayerNorm,
     fc1: Dense,
@@ -89,23 +129,27 @@ pub struct Encoding {
     ones: Vec<f32>,
 }
 
-/// Qwen3.5's vision tower, bound to the checkpoint's tensors.
+/// A vision tower (Qwen3.5's or Gemma 3's), bound to the checkpoint's tensors.
 #[derive(Debug, Clone)]
 pub struct VisionTower {
     config: VisionConfig,
     patch_embed: Dense,
-    /// The learned position table, `(side², hidden)`, in its stored dtype.
+    /// The learned position table, `(positions, hidden)`, in its stored dtype.
     pos_embed: kylin_loader::WeightTensor,
+    stem: Stem,
     blocks: Vec<Block>,
-    merger_norm: LayerNorm,
-    merger_fc1: Dense,
-    merger_fc2: Dense,
-    /// `1 / theta^(2i / (head_dim / 2))` for `i < head_dim / 4`: the frequencies each axis uses.
-    inv_freq: Vec<f32>,
+    head: Head,
 }
 
 impl VisionTower {
     pub fn new(loaded: &LoadedVision) -> Result<Self> {
+        match loaded.config.kind {
+            VisionKind::Qwen35 => Self::qwen(loaded),
+            VisionKind::Gemma3 { .. } => Self::gemma3(loaded),
+        }
+    }
+
+    fn qwen(loaded: &LoadedVision) -> Result<Self> {
         let c = loaded.config.clone();
         let dense = |role: &str| -> Result<Dense> {
             Dense::new(loaded.tensor(&format!("{role}.weight"))?, loaded.tensor(&format!("{role}.bias"))?)
@@ -117,7 +161,7 @@ impl VisionTower {
             .map(|l| {
                 Ok(Block {
                     norm1: norm(&format!("blocks.{l}.norm1"))?,
-                    qkv: dense(&format!("blocks.{l}.attn.qkv"))?,
+                    qkv: Qkv::Fused(dense(&format!("blocks.{l}.attn.qkv"))?),
                     proj: dense(&format!("blocks.{l}.attn.proj"))?,
                     norm2: norm(&format!("blocks.{l}.norm2"))?,
                     fc1: dense(&format!("blocks.{l}.mlp.linear_fc1"))?,
@@ -133,11 +177,70 @@ impl VisionTower {
         Ok(VisionTower {
             patch_embed: dense("patch_embed.proj")?,
             pos_embed,
+            stem: Stem::Qwen { inv_freq },
             blocks,
-            merger_norm: norm("merger.norm")?,
-            merger_fc1: dense("merger.linear_fc1")?,
-            merger_fc2: dense("merger.linear_fc2")?,
-            inv_freq,
+            head: Head::Merger {
+                norm: norm("merger.norm")?,
+                fc1: dense("merger.linear_fc1")?,
+                fc2: dense("merger.linear_fc2")?,
+            },
+            config: c,
+        })
+    }
+
+    fn gemma3(loaded: &LoadedVision) -> Result<Self> {
+        let c = loaded.config.clone();
+        let eps = c.layer_norm_eps as f32;
+        let dense = |role: &str| -> Result<Dense> {
+            Dense::new(loaded.tensor(&format!("{role}.weight"))?, loaded.tensor(&format!("{role}.bias"))?)
+        };
+        let norm = |role: &str| -> Result<LayerNorm> {
+            LayerNorm::new(loaded.tensor(&format!("{role}.weight"))?, loaded.tensor(&format!("{role}.bias"))?, eps)
+        };
+        let blocks = (0..c.depth)
+            .map(|l| {
+                let at = format!("vision_tower.encoder.layers.{l}");
+                Ok(Block {
+                    norm1: norm(&format!("{at}.layer_norm1"))?,
+                    qkv: Qkv::Separate {
+                        q: dense(&format!("{at}.self_attn.q_proj"))?,
+                        k: dense(&format!("{at}.self_attn.k_proj"))?,
+                        v: dense(&format!("{at}.self_attn.v_proj"))?,
+                    },
+                    proj: dense(&format!("{at}.self_attn.out_proj"))?,
+                    norm2: norm(&format!("{at}.layer_norm2"))?,
+                    fc1: dense(&format!("{at}.mlp.fc1"))?,
+                    fc2: dense(&format!("{at}.mlp.fc2"))?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let pos_embed = loaded.tensor("vision_tower.embeddings.position_embedding.weight")?.clone();
+        dtype_of(&pos_embed)?;
+        let widen = |role: &str, rows: usize, cols: usize| -> Result<Vec<f32>> {
+            let t = loaded.tensor(role)?;
+            let m = WeightMatrix { dtype: dtype_of(t)?, rows, cols, data: t.bytes() };
+            let mut out = vec![0.0f32; rows * cols];
+            for (r, row) in out.chunks_exact_mut(cols).enumerate() {
+                kernels::widen_row(m, r, row);
+            }
+            Ok(out)
+        };
+        let (h, out) = (c.hidden, c.out_hidden);
+        let soft_norm = widen("multi_modal_projector.mm_soft_emb_norm.weight", 1, h)?.iter().map(|w| 1.0 + w).collect();
+        // (hidden, out_hidden) as stored -> (out_hidden, hidden): one copy at load, a few MB.
+        let stored = widen("multi_modal_projector.mm_input_projection_weight", h, out)?;
+        let mut projection = vec![0.0f32; out * h];
+        for (i, row) in stored.chunks_exact(out).enumerate() {
+            for (o, &v) in row.iter().enumerate() {
+                projection[o * h + i] = v;
+            }
+        }
+        Ok(VisionTower {
+            patch_embed: dense("vision_tower.embeddings.patch_embedding")?,
+            pos_embed,
+            stem: Stem::Siglip,
+            blocks,
+            head: Head::Gemma3 { post_norm: norm("vision_tower.post_layernorm")?, soft_norm, eps, projection },
             config: c,
         })
     }
@@ -146,7 +249,8 @@ impl VisionTower {
         &self.config
     }
 
-    /// The language-model tokens an image of this patch grid becomes.
+    /// The language-model tokens an image of this patch grid becomes (merged `merge × merge`
+    /// in Qwen's tower, pooled `pool × pool` in Gemma 3's).
     pub fn tokens(&self, grid: PatchGrid) -> usize {
         grid.patches() / (self.config.spatial_merge_size * self.config.spatial_merge_size)
     }
@@ -155,6 +259,16 @@ impl VisionTower {
     pub fn check(&self, pixels: &[f32], grid: PatchGrid) -> Result<()> {
         let c = &self.config;
         let m = c.spatial_merge_size;
+        if let VisionKind::Gemma3 { image_size, .. } = c.kind {
+            let side = image_size / c.patch_size;
+            if grid != (PatchGrid { t: 1, h: side, w: side }) {
+                return Err(KylinError::input_invalid(format!(
+                    "Gemma 3's vision tower reads one {image_size} x {image_size} image: a grid of 1 x {side} x {side} \
+                     patches; got {} x {} x {}",
+                    grid.t, grid.h, grid.w
+                )));
+            }
+        }
         if grid.t == 0 || grid.h == 0 || grid.w == 0 || grid.h % m != 0 || grid.w % m != 0 {
             return Err(KylinError::input_invalid(format!(
                 "an image's patch grid must be non-empty with rows and columns multiples of the merge size {m}; \
@@ -196,27 +310,39 @@ impl VisionTower {
         let (n, h, hd) = (grid.patches(), c.hidden, c.head_dim());
         let frame = grid.h * grid.w;
 
-        // Each patch's (row, column) in its frame, from the processor's block order.
-        let places: Vec<(usize, usize)> = (0..n).map(|p| self.place(p % frame, grid.w)).collect();
-
-        // 1. Patch embedding: pixels (n, patch_values) -> x (n, hidden); plus the position table
-        //    resampled to the grid.
+        // 1. Patch embedding: pixels (n, patch_values) -> x (n, hidden).
         let mut x = vec![0.0f32; n * h];
         self.patch_embed.forward(pool, pixels, n, &mut x);
-        self.add_positions(&places, grid, &mut x);
-
-        // 2. 2-D rotary angles per patch, (n, head_dim / 2): the row on the first quarter of the
-        //    frequencies, the column on the second.
         let half = hd / 2;
-        let quarter = self.inv_freq.len();
-        let mut cos = vec![0.0f32; n * half];
-        let mut sin = vec![0.0f32; n * half];
-        for (p, &(row, col)) in places.iter().enumerate() {
-            for i in 0..half {
-                let (axis, f) = if i < quarter { (row, i) } else { (col, i - quarter) };
-                let angle = axis as f32 * self.inv_freq[f];
-                cos[p * half + i] = angle.cos();
-                sin[p * half + i] = angle.sin();
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        match &self.stem {
+            Stem::Siglip => {
+                // Patch p takes row p of the position table.
+                let table = self.position_table();
+                let mut row = vec![0.0f32; h];
+                for (p, out) in x.chunks_exact_mut(h).enumerate() {
+                    kernels::widen_row(table, p, &mut row);
+                    kernels::add_assign(out, &row);
+                }
+            }
+            Stem::Qwen { inv_freq } => {
+                // Each patch's (row, column) in its frame, from the processor's block order; the
+                // position table resampled to the grid.
+                let places: Vec<(usize, usize)> = (0..n).map(|p| self.place(p % frame, grid.w)).collect();
+                self.add_positions(&places, grid, &mut x);
+                // 2. 2-D rotary angles per patch, (n, head_dim / 2): the row on the first quarter
+                //    of the frequencies, the column on the second.
+                let quarter = inv_freq.len();
+                cos = vec![0.0f32; n * half];
+                sin = vec![0.0f32; n * half];
+                for (p, &(row, col)) in places.iter().enumerate() {
+                    for i in 0..half {
+                        let (axis, f) = if i < quarter { (row, i) } else { (col, i - quarter) };
+                        let angle = axis as f32 * inv_freq[f];
+                        cos[p * half + i] = angle.cos();
+                        sin[p * half + i] = angle.sin();
+                    }
+                }
             }
         }
         let inter = self.blocks.first().map_or(0, |b| b.fc1.rows());
@@ -252,17 +378,57 @@ impl VisionTower {
         if e.next < self.blocks.len() {
             return None;
         }
-        // 4. The merger: LN per patch, then each block of merge² patches as one row
-        //    (tokens, merged_width) -> fc1 (tokens, merged_width) -> gelu -> fc2 (tokens, out).
         let c = &self.config;
-        self.merger_norm.rows(&mut e.x);
         let tokens = self.tokens(e.grid);
-        let mut merged = vec![0.0f32; tokens * c.merged_width()];
-        self.merger_fc1.forward(pool, &e.x, tokens, &mut merged);
-        gelu(&mut merged);
         let mut out = vec![0.0f32; tokens * c.out_hidden];
-        self.merger_fc2.forward(pool, &merged, tokens, &mut out);
+        match &self.head {
+            Head::Merger { norm, fc1, fc2 } => {
+                // 4. The merger: LN per patch, then each block of merge² patches as one row
+                //    (tokens, merged_width) -> fc1 (tokens, merged_width) -> gelu -> fc2
+                //    (tokens, out).
+                norm.rows(&mut e.x);
+                let mut merged = vec![0.0f32; tokens * c.merged_width()];
+                fc1.forward(pool, &e.x, tokens, &mut merged);
+                gelu(&mut merged);
+                fc2.forward(pool, &merged, tokens, &mut out);
+            }
+            Head::Gemma3 { post_norm, soft_norm, eps, projection } => {
+                // 4. LN per patch; the (side, side) grid averaged over pool × pool windows into
+                //    (tokens, hidden), raster order; RMSNorm · (1 + w); then
+                //    (tokens, hidden) · projectionᵀ (out_hidden, hidden) -> (tokens, out_hidden).
+                post_norm.rows(&mut e.x);
+                let (h, k, side) = (c.hidden, c.spatial_merge_size, e.grid.w);
+                let per_side = side / k;
+                let mut pooled = vec![0.0f32; tokens * h];
+                for (t, row) in pooled.chunks_exact_mut(h).enumerate() {
+                    let (ty, tx) = (t / per_side, t % per_side);
+                    for dy in 0..k {
+                        for dx in 0..k {
+                            let p = (ty * k + dy) * side + tx * k + dx;
+                            kernels::add_assign(row, &e.x[p * h..(p + 1) * h]);
+                        }
+                    }
+                    kernels::scale(row, 1.0 / (k * k) as f32);
+                    let mean_square = row.iter().map(|v| v * v).sum::<f32>() / h as f32;
+                    let inv = 1.0 / (mean_square + eps).sqrt();
+                    for (v, w) in row.iter_mut().zip(soft_norm) {
+                        *v = *v * inv * w;
+                    }
+                }
+                kernels::matmul(pool, f32_matrix(projection, c.out_hidden, h), &pooled, tokens, &mut out);
+            }
+        }
         Some(out)
+    }
+
+    /// The learned position table as a matrix `(positions, hidden)`.
+    fn position_table(&self) -> WeightMatrix<'_> {
+        WeightMatrix {
+            dtype: dtype_of(&self.pos_embed).unwrap_or(kernels::WeightDType::F32),
+            rows: self.config.num_position_embeddings,
+            cols: self.config.hidden,
+            data: self.pos_embed.bytes(),
+        }
     }
 
     /// 3. One block: `x += attn(LN(x))`, `x += mlp(LN(x))`.
@@ -271,14 +437,33 @@ impl VisionTower {
         let (n, h, hd, heads) = (e.grid.patches(), c.hidden, c.head_dim(), c.heads);
         let (frame, half, inter) = (e.grid.h * e.grid.w, hd / 2, e.ones.len());
         let scale = (hd as f32).powf(-0.5);
-        // x (n, h) -> LN -> qkv (n, 3h): q, k, v side by side, each (heads, head_dim).
         e.xn.copy_from_slice(&e.x);
         block.norm1.rows(&mut e.xn);
-        block.qkv.forward(pool, &e.xn, n, &mut e.qkv);
-        for (p, row) in e.qkv.chunks_exact_mut(3 * h).enumerate() {
-            let (c_p, s_p) = (&e.cos[p * half..(p + 1) * half], &e.sin[p * half..(p + 1) * half]);
-            for head in row[..2 * h].chunks_exact_mut(hd) {
-                kernels::rope_rotate_half(head, c_p, s_p);
+        // Where token j's query, key and value start in `qkv` (each (heads, head_dim)).
+        let (at_q, at_k, at_v): (usize, usize, usize);
+        let stride;
+        match &block.qkv {
+            Qkv::Fused(qkv) => {
+                // x (n, h) -> LN -> qkv (n, 3h): q, k, v side by side; rotary on q and k.
+                qkv.forward(pool, &e.xn, n, &mut e.qkv);
+                if !e.cos.is_empty() {
+                    for (p, row) in e.qkv.chunks_exact_mut(3 * h).enumerate() {
+                        let (c_p, s_p) = (&e.cos[p * half..(p + 1) * half], &e.sin[p * half..(p + 1) * half]);
+                        for head in row[..2 * h].chunks_exact_mut(hd) {
+                            kernels::rope_rotate_half(head, c_p, s_p);
+                        }
+                    }
+                }
+                (at_q, at_k, at_v, stride) = (0, h, 2 * h, 3 * h);
+            }
+            Qkv::Separate { q, k, v } => {
+                // x (n, h) -> LN -> q, k, v, each (n, h), one after the other in qkv (3, n, h).
+                let (qs, rest) = e.qkv.split_at_mut(n * h);
+                let (ks, vs) = rest.split_at_mut(n * h);
+                q.forward(pool, &e.xn, n, qs);
+                k.forward(pool, &e.xn, n, ks);
+                v.forward(pool, &e.xn, n, vs);
+                (at_q, at_k, at_v, stride) = (0, n * h, 2 * n * h, h);
             }
         }
         // Bidirectional attention within each frame, per head, as matrix products:
@@ -288,11 +473,11 @@ impl VisionTower {
         for f0 in (0..n).step_by(frame) {
             for head in 0..heads {
                 for j in 0..frame {
-                    let at = (f0 + j) * 3 * h + head * hd;
-                    e.keys[j * hd..(j + 1) * hd].copy_from_slice(&e.qkv[at + h..at + h + hd]);
-                    e.queries[j * hd..(j + 1) * hd].copy_from_slice(&e.qkv[at..at + hd]);
+                    let at = (f0 + j) * stride + head * hd;
+                    e.keys[j * hd..(j + 1) * hd].copy_from_slice(&e.qkv[at_k + at..at_k + at + hd]);
+                    e.queries[j * hd..(j + 1) * hd].copy_from_slice(&e.qkv[at_q + at..at_q + at + hd]);
                     for d in 0..hd {
-                        e.values_t[d * frame + j] = e.qkv[at + 2 * h + d];
+                        e.values_t[d * frame + j] = e.qkv[at_v + at + d];
                     }
                 }
                 let k = f32_matrix(&e.keys, frame, hd);
@@ -347,12 +532,7 @@ impl VisionTower {
     fn add_positions(&self, places: &[(usize, usize)], grid: PatchGrid, x: &mut [f32]) {
         let h = self.config.hidden;
         let side = self.config.position_side();
-        let table = WeightMatrix {
-            dtype: dtype_of(&self.pos_embed).unwrap_or(kernels::WeightDType::F32),
-            rows: side * side,
-            cols: h,
-            data: self.pos_embed.bytes(),
-        };
+        let table = self.position_table();
         let taps = |index: usize, size: usize| -> [(usize, f32); 2] {
             let src = index as f32 * (side - 1) as f32 / (size.max(2) - 1) as f32;
             let floor = src.floor();
@@ -378,6 +558,28 @@ impl VisionTower {
             kernels::add_assign(out, &sum);
         }
     }
+}
+
+/// A channel-first image `(3, size, size)` as SigLIP's convolution reads it: one row per patch in
+/// raster order, `(patches, 3 · patch²)`, each row `(channel, row in patch, column in patch)`.
+/// `None` when the values do not make such an image.
+pub fn siglip_patches(pixels: &[f32], size: usize, patch: usize) -> Option<Vec<f32>> {
+    if patch == 0 || size % patch != 0 || Some(pixels.len()) != size.checked_mul(size)?.checked_mul(3) {
+        return None;
+    }
+    let side = size / patch;
+    let mut out = Vec::with_capacity(pixels.len());
+    for py in 0..side {
+        for px in 0..side {
+            for c in 0..3 {
+                for dy in 0..patch {
+                    let at = (c * size + py * patch + dy) * size + px * patch;
+                    out.extend_from_slice(&pixels[at..at + patch]);
+                }
+            }
+        }
+    }
+    Some(out)
 }
 
 /// From an image file's bytes to a request's [`ImageInput`], as the checkpoint's

@@ -474,18 +474,17 @@ impl InspectReport {
                 let _ = writeln!(s, "  unused: {}", b.unused_tensors.join(", "));
             }
             if let Some(v) = &b.vision {
+                let (k, p) = (v.spatial_merge_size, v.patch_size);
+                let shape = match v.kind {
+                    crate::vision::VisionKind::Qwen35 => format!("patches {p}x{p}, {k}x{k} merged into one token"),
+                    crate::vision::VisionKind::Gemma3 { image_size, tokens_per_image } => format!(
+                        "{image_size}x{image_size} images in patches {p}x{p}, {k}x{k} pooled: {tokens_per_image} tokens"
+                    ),
+                };
                 let _ = writeln!(
                     s,
-                    "  vision tower: {} ({} blocks, width {}, {} heads, patches {}x{}, {}x{} merged into one token of width {}): images run",
-                    v.model_type,
-                    v.depth,
-                    v.hidden,
-                    v.heads,
-                    v.patch_size,
-                    v.patch_size,
-                    v.spatial_merge_size,
-                    v.spatial_merge_size,
-                    v.out_hidden
+                    "  vision tower: {} ({} blocks, width {}, {} heads, {shape} of width {}): images run",
+                    v.model_type, v.depth, v.hidden, v.heads, v.out_hidden
                 );
             }
             for part in &b.not_run {

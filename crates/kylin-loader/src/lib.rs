@@ -330,11 +330,22 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         if let Some(vision_config) = vision::read_vision_config(dir)? {
             let tower = vision::bind_vision(vision_config, &index, dir)?;
             vision.retain(|n| !tower.names.contains(n));
+            // SigLIP's attention-pooling head: Gemma 3 reads the tower's last hidden state.
+            let (head, rest): (Vec<String>, Vec<String>) = vision.drain(..).partition(|n| {
+                tower.config.image_tokens_bidirectional() && n.contains("vision_tower.") && n.contains(".head.")
+            });
+            vision = rest;
+            if !head.is_empty() {
+                not_run.push(NotRun {
+                    part: "SigLIP attention-pooling head (Gemma 3 reads the last hidden state)".into(),
+                    tensors: head,
+                });
+            }
             vision_tower = Some(tower);
         } else if !vision.is_empty() {
             warnings.push(format!(
                 "{class}: the language model runs; the vision tower and projector ({} tensors) are not used \
-                 (Kylin runs the Qwen3.5 vision towers)",
+                 (Kylin runs the Qwen3.5 and Gemma 3 vision towers)",
                 vision.len()
             ));
             not_run.push(NotRun { part: "vision tower and projector".into(), tensors: std::mem::take(&mut vision) });

@@ -9,6 +9,15 @@
 //! embeddings resampled to each image's grid, pre-norm transformer blocks with 2-D rotary
 //! positions and bidirectional attention, and a merger that concatenates each
 //! `spatial_merge_size²` block of patches into one token of the language model's width.
+//!
+//! And Gemma 3's (`Gemma3ForConditionalGeneration`, `vision_config.model_type`
+//! `siglip_vision_model`): a SigLIP encoder over a fixed square image (a 2-D convolution whose
+//! kernel equals its stride, a learned position per patch, pre-norm blocks with separate q/k/v
+//! projections and bidirectional attention, a final LayerNorm), then the multimodal projector:
+//! the patches average-pooled `k × k` into `mm_tokens_per_image` tokens, a `(1 + w)` RMSNorm and
+//! a matrix `(vision hidden, text hidden)` into the language model's width. SigLIP's
+//! attention-pooling head is not read by Gemma 3 (reported "not run").
+//!
 //! Another tower is reported (its tensors stay "not run") and images are refused for it.
 
 use std::collections::BTreeMap;
@@ -26,6 +35,25 @@ use crate::tokenizer;
 /// `qwen3_5_vision`, the published Qwen3.5 checkpoints `qwen3_5` (and the MoE sizes likewise).
 pub const VISION_TOWERS: &[&str] = &["qwen3_5_vision", "qwen3_5_moe_vision", "qwen3_5", "qwen3_5_moe"];
 
+/// Gemma 3's tower: SigLIP's vision model, which Gemma 3 checkpoints name in `vision_config`.
+pub const SIGLIP_TOWER: &str = "siglip_vision_model";
+
+/// Which tower a [`VisionConfig`] describes, and what only that tower has.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VisionKind {
+    /// Qwen3.5's: dynamic resolution, 2-D rotary positions, a merger of `merge²` patches.
+    Qwen35,
+    /// Gemma 3's SigLIP encoder and multimodal projector: a fixed `image_size` square, pooled
+    /// into `tokens_per_image` tokens; image tokens attend to each other in both directions.
+    Gemma3 {
+        /// Side of the square image the encoder reads, in pixels (`vision_config.image_size`).
+        image_size: usize,
+        /// Tokens an image becomes (`mm_tokens_per_image`), a square.
+        tokens_per_image: usize,
+    },
+}
+
 /// The activation of the tower's MLPs (`vision_config.hidden_act`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -41,6 +69,7 @@ pub enum VisionActivation {
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct VisionConfig {
     pub model_type: String,
+    pub kind: VisionKind,
     pub depth: usize,
     pub hidden: usize,
     pub intermediate: usize,
@@ -54,6 +83,9 @@ pub struct VisionConfig {
     /// The width of a merged token: the language model's hidden size.
     pub out_hidden: usize,
     pub activation: VisionActivation,
+    /// The LayerNorms' epsilon (`layer_norm_eps`; Qwen's tower fixes it at 1e-6).
+    pub layer_norm_eps: f64,
+    /// Qwen's 2-D rotary base (unused by SigLIP, which has learned positions only).
     pub rope_theta: f64,
     /// The placeholder token that one merged image token replaces in the prompt.
     pub image_token_id: u32,
@@ -79,6 +111,12 @@ impl VisionConfig {
     /// Width of a merged block of patches: `hidden · spatial_merge_size²`.
     pub fn merged_width(&self) -> usize {
         self.hidden * self.spatial_merge_size * self.spatial_merge_size
+    }
+
+    /// Whether an image's tokens attend to each other in both directions in the language model
+    /// (Gemma 3: transformers' `token_type_ids` mask), so one step must hold all of them.
+    pub fn image_tokens_bidirectional(&self) -> bool {
+        matches!(self.kind, VisionKind::Gemma3 { .. })
     }
 }
 
@@ -148,6 +186,9 @@ pub fn read_vision_config(dir: &Path) -> Result<Option<VisionConfig>> {
             .at(&path));
     };
     let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or_default().to_string();
+    if model_type == SIGLIP_TOWER && top.get("model_type").and_then(Value::as_str) == Some("gemma3") {
+        return read_gemma3(&top, v, &path).map(Some);
+    }
     if !VISION_TOWERS.contains(&model_type.as_str()) {
         return Ok(None);
     }
@@ -156,16 +197,7 @@ pub fn read_vision_config(dir: &Path) -> Result<Option<VisionConfig>> {
     if v.get("deepstack_visual_indexes").and_then(Value::as_array).is_some_and(|a| !a.is_empty()) {
         return Ok(None);
     }
-    let activation = match v.get("hidden_act").and_then(Value::as_str) {
-        None | Some("gelu_pytorch_tanh") => VisionActivation::GeluTanh,
-        Some("gelu") => VisionActivation::Gelu,
-        Some(other) => {
-            return Err(KylinError::config_invalid(format!(
-                "config.json vision_config `hidden_act` must be gelu_pytorch_tanh or gelu; got {other}"
-            ))
-            .at(&path));
-        }
-    };
+    let activation = activation(v, &path)?;
     let rope_theta = match v.get("rope_parameters").and_then(|p| p.get("rope_theta")) {
         None => 10_000.0,
         Some(t) => t.as_f64().filter(|t| t.is_finite() && *t > 1.0).ok_or_else(|| {
@@ -185,6 +217,7 @@ pub fn read_vision_config(dir: &Path) -> Result<Option<VisionConfig>> {
     }
     let config = VisionConfig {
         model_type,
+        kind: VisionKind::Qwen35,
         depth: usize_field(v, "depth", Some(27), &path)?,
         hidden: usize_field(v, "hidden_size", Some(1152), &path)?,
         intermediate: usize_field(v, "intermediate_size", Some(4304), &path)?,
@@ -196,6 +229,7 @@ pub fn read_vision_config(dir: &Path) -> Result<Option<VisionConfig>> {
         num_position_embeddings: usize_field(v, "num_position_embeddings", Some(2304), &path)?,
         out_hidden: usize_field(v, "out_hidden_size", Some(3584), &path)?,
         activation,
+        layer_norm_eps: 1e-6,
         rope_theta,
         image_token_id: token_field(&top, "image_token_id", &path)?,
         vision_start_token_id: token_field(&top, "vision_start_token_id", &path)?,
@@ -216,6 +250,139 @@ pub fn read_vision_config(dir: &Path) -> Result<Option<VisionConfig>> {
         .at(&path));
     }
     Ok(Some(config))
+}
+
+fn activation(v: &Map<String, Value>, path: &Path) -> Result<VisionActivation> {
+    match v.get("hidden_act").and_then(Value::as_str) {
+        None | Some("gelu_pytorch_tanh") => Ok(VisionActivation::GeluTanh),
+        Some("gelu") => Ok(VisionActivation::Gelu),
+        Some(other) => Err(KylinError::config_invalid(format!(
+            "config.json vision_config `hidden_act` must be gelu_pytorch_tanh or gelu; got {other}"
+        ))
+        .at(path)),
+    }
+}
+
+/// A token id named by either of Gemma 3's spellings (`image_token_index` in its configs,
+/// `image_token_id` the alias transformers maps to it), or the default.
+fn gemma_token(top: &Map<String, Value>, keys: [&str; 2], default: u32, path: &Path) -> Result<u32> {
+    match keys.iter().find(|k| top.get(**k).is_some_and(|v| !v.is_null())) {
+        Some(key) => token_field(top, key, path),
+        None => Ok(default),
+    }
+}
+
+/// Gemma 3's SigLIP tower and projector. Missing fields take Gemma 3's published values (the
+/// SigLIP-So400m tower of gemma-3-4b: 27 blocks of width 1152, 16 heads, 896-pixel images in
+/// patches of 14, 256 tokens per image), as transformers' `Gemma3Config` documents them.
+fn read_gemma3(top: &Map<String, Value>, v: &Map<String, Value>, path: &Path) -> Result<VisionConfig> {
+    let text_hidden = match top.get("text_config") {
+        Some(Value::Object(t)) => usize_field(t, "hidden_size", Some(2304), path)?,
+        _ => 2304,
+    };
+    let layer_norm_eps = match v.get("layer_norm_eps") {
+        None | Some(Value::Null) => 1e-6,
+        Some(e) => e.as_f64().filter(|e| e.is_finite() && *e > 0.0 && *e < 1.0).ok_or_else(|| {
+            KylinError::config_invalid(format!(
+                "config.json vision_config `layer_norm_eps` must be a number in (0, 1); got {e}"
+            ))
+            .at(path)
+        })?,
+    };
+    let image_size = usize_field(v, "image_size", Some(896), path)?;
+    let patch_size = usize_field(v, "patch_size", Some(14), path)?;
+    let tokens_per_image = usize_field(top, "mm_tokens_per_image", Some(256), path)?;
+    let side = image_size / patch_size;
+    let tokens_side = tokens_per_image.isqrt();
+    let pool = side.checked_div(tokens_side).unwrap_or(0);
+    let config = VisionConfig {
+        model_type: SIGLIP_TOWER.to_string(),
+        kind: VisionKind::Gemma3 { image_size, tokens_per_image },
+        depth: usize_field(v, "num_hidden_layers", Some(27), path)?,
+        hidden: usize_field(v, "hidden_size", Some(1152), path)?,
+        intermediate: usize_field(v, "intermediate_size", Some(4304), path)?,
+        heads: usize_field(v, "num_attention_heads", Some(16), path)?,
+        in_channels: usize_field(v, "num_channels", Some(3), path)?,
+        patch_size,
+        temporal_patch_size: 1,
+        // The projector's pooling: `pool × pool` patches average into one token.
+        spatial_merge_size: pool.max(1),
+        num_position_embeddings: side * side,
+        out_hidden: text_hidden,
+        activation: activation(v, path)?,
+        layer_norm_eps,
+        rope_theta: 0.0,
+        image_token_id: gemma_token(top, ["image_token_index", "image_token_id"], 262_144, path)?,
+        vision_start_token_id: gemma_token(top, ["boi_token_index", "boi_token_id"], 255_999, path)?,
+        vision_end_token_id: gemma_token(top, ["eoi_token_index", "eoi_token_id"], 256_000, path)?,
+    };
+    let checks = [
+        (config.hidden % config.heads == 0, "hidden_size must be a multiple of num_attention_heads"),
+        (image_size % patch_size == 0, "image_size must be a multiple of patch_size"),
+        (side <= 1024, "image_size / patch_size must be at most 1024"),
+        (tokens_side * tokens_side == tokens_per_image, "mm_tokens_per_image must be a square"),
+        (pool > 0 && pool * tokens_side == side, "mm_tokens_per_image's side must divide the patches per side"),
+        (config.in_channels == 3, "num_channels must be 3 (RGB)"),
+    ];
+    if let Some((_, what)) = checks.iter().find(|(ok, _)| !ok) {
+        return Err(KylinError::config_invalid(format!(
+            "config.json: {what} (vision_config hidden_size {}, num_attention_heads {}, image_size {image_size}, \
+             patch_size {patch_size}, num_channels {}; mm_tokens_per_image {tokens_per_image})",
+            config.hidden, config.heads, config.in_channels
+        ))
+        .at(path));
+    }
+    Ok(config)
+}
+
+/// Gemma 3's table: role (the transformers 5 name without the leading `model.`), shape.
+fn gemma3_table(c: &VisionConfig) -> Vec<(String, Vec<usize>)> {
+    let (h, i, p) = (c.hidden, c.intermediate, c.patch_size);
+    let mut t = vec![
+        ("vision_tower.embeddings.patch_embedding.weight".to_string(), vec![h, c.in_channels, p, p]),
+        ("vision_tower.embeddings.patch_embedding.bias".into(), vec![h]),
+        ("vision_tower.embeddings.position_embedding.weight".into(), vec![c.num_position_embeddings, h]),
+        ("vision_tower.post_layernorm.weight".into(), vec![h]),
+        ("vision_tower.post_layernorm.bias".into(), vec![h]),
+        ("multi_modal_projector.mm_soft_emb_norm.weight".into(), vec![h]),
+        ("multi_modal_projector.mm_input_projection_weight".into(), vec![h, c.out_hidden]),
+    ];
+    for l in 0..c.depth {
+        for (role, shape) in [
+            ("layer_norm1.weight", vec![h]),
+            ("layer_norm1.bias", vec![h]),
+            ("layer_norm2.weight", vec![h]),
+            ("layer_norm2.bias", vec![h]),
+            ("self_attn.q_proj.weight", vec![h, h]),
+            ("self_attn.q_proj.bias", vec![h]),
+            ("self_attn.k_proj.weight", vec![h, h]),
+            ("self_attn.k_proj.bias", vec![h]),
+            ("self_attn.v_proj.weight", vec![h, h]),
+            ("self_attn.v_proj.bias", vec![h]),
+            ("self_attn.out_proj.weight", vec![h, h]),
+            ("self_attn.out_proj.bias", vec![h]),
+            ("mlp.fc1.weight", vec![i, h]),
+            ("mlp.fc1.bias", vec![i]),
+            ("mlp.fc2.weight", vec![h, i]),
+            ("mlp.fc2.bias", vec![h]),
+        ] {
+            t.push((format!("vision_tower.encoder.layers.{l}.{role}"), shape));
+        }
+    }
+    t
+}
+
+/// Where a Gemma 3 role is stored: transformers 5 writes `model.vision_tower.…`, earlier
+/// versions `vision_tower.…`, and the published checkpoints `vision_tower.vision_model.…`
+/// (the projector likewise with or without `model.`).
+fn gemma3_name(index: &TensorIndex, role: &str) -> String {
+    let inner = role.strip_prefix("vision_tower.").map(|rest| format!("vision_tower.vision_model.{rest}"));
+    let mut candidates = vec![format!("model.{role}"), role.to_string()];
+    if let Some(inner) = inner {
+        candidates.push(format!("model.{inner}"));
+        candidates.push(inner);
+    }
+    candidates.iter().find(|n| index.raw(n).is_some()).cloned().unwrap_or_else(|| format!("model.{role}"))
 }
 
 /// The tower's tensor table: role (the name after the prefix), shape.
@@ -267,8 +434,10 @@ pub(crate) fn bind_vision(config: VisionConfig, index: &TensorIndex, dir: &Path)
     let prefix = prefix(index);
     let mut tensors = BTreeMap::new();
     let mut names = Vec::new();
-    for (role, shape) in table(&config) {
-        let name = format!("{prefix}{role}");
+    let gemma = matches!(config.kind, VisionKind::Gemma3 { .. });
+    let roles = if gemma { gemma3_table(&config) } else { table(&config) };
+    for (role, shape) in roles {
+        let name = if gemma { gemma3_name(index, &role) } else { format!("{prefix}{role}") };
         tensors.insert(role, bind_one(index, &name, &shape, dir)?);
         names.push(name);
     }

@@ -283,7 +283,8 @@ impl Attention {
         // 3. Causal attention, blocked: one pool task per (segment, KV head, chunk of up to
         //    MAX_ROWS of its (token, query head) rows, token-major), so each tile of the head's
         //    cached keys and values is read once for the whole chunk; query t of a segment attends
-        //    to positions 0..=start + t of its own sequence. The kernel gives every row the same
+        //    to positions 0..=start + t of its own sequence (or up to the end of its image, for
+        //    Gemma 3's image tokens: `plan.attend_until`). The kernel gives every row the same
         //    bits whatever chunk it is in (batch invariance).
         //    Split-K: when that makes fewer than two tasks per thread (one or a few sequences
         //    decoding on a model with few KV heads), each decode segment reaching past one
@@ -377,7 +378,9 @@ impl Attention {
                     // this call is a different row.
                     let out = unsafe { attn.slice(at, hd) };
                     let pos = seg.start + t;
-                    *row = QueryRow { q: &q[at..at + hd], from: first_position(pos), len: pos + 1, out };
+                    // Causal, unless the plan lets the token see further (an image's tokens).
+                    let len = plan.attend_until.get(token).map_or(pos + 1, |&end| end as usize);
+                    *row = QueryRow { q: &q[at..at + hd], from: first_position(pos), len, out };
                 }
                 match &layer.sinks {
                     Some(_) => kernels::paged::attention_rows_sinks(

@@ -469,6 +469,10 @@ pub struct BatchPlan {
     /// The tokens whose input is an image's row (their ids in [`BatchPlan::ids`] are not
     /// looked up).
     pub embedding_rows: Vec<EmbeddingRow>,
+    /// One past the last position each token attends to, in [`BatchPlan::ids`] order; empty
+    /// when every token attends up to itself (causal). Gemma 3's image tokens see their whole
+    /// image, which is then computed in the same step.
+    pub attend_until: Vec<u32>,
 }
 
 impl BatchPlan {
@@ -483,6 +487,7 @@ impl BatchPlan {
             logit_rows: 0,
             positions: Vec::with_capacity(max_tokens),
             embedding_rows: Vec::with_capacity(max_tokens),
+            attend_until: Vec::with_capacity(max_tokens),
         }
     }
 
@@ -494,6 +499,7 @@ impl BatchPlan {
         self.logit_rows = 0;
         self.positions.clear();
         self.embedding_rows.clear();
+        self.attend_until.clear();
     }
 
     /// Adds a segment of `ids` at position `start` of a sequence with block table `blocks`

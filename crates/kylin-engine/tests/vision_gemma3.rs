@@ -1,0 +1,208 @@
+//! Gemma 3's vision tower (SigLIP and the multimodal projector) and images in its prompts,
+//! against what transformers computes on tiny checkpoints
+//! (`tests/fixtures/make_gemma3_vision_reference.py`: seeded channel-first `pixel_values`,
+//! float32 compute, eager attention, `token_type_ids` so that an image's tokens see each other).
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use kylin_engine::batch::{BatchEngine, EngineOptions};
+use kylin_engine::serving::{ImageInput, Request};
+use kylin_engine::vision::{PatchGrid, VisionTower, siglip_patches};
+use kylin_engine::{Event, EventKind, PrecisionChoice, Serving};
+use kylin_kernels::ThreadPool;
+use serde_json::Value;
+use support::{floats, ids};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The shared fixture (2 x 2 patches, no pooling, SigLIP's pooling head present) and ours
+/// (6 x 6 patches pooled 2 x 2, a sliding window shorter than an image).
+fn fixtures() -> [(PathBuf, Value); 2] {
+    [
+        ("tests/fixtures/families/fixtures/tiny-gemma3-vl", "tiny-gemma3-vl"),
+        ("tests/fixtures/tiny-gemma3-vl-pooled", "tiny-gemma3-vl-pooled"),
+    ]
+    .map(|(dir, name)| {
+        let path = repo().join(format!("tests/fixtures/vision_model/{name}.json"));
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        (repo().join(dir), serde_json::from_str(&text).expect("the reference is JSON"))
+    })
+}
+
+/// A reference image as the engine takes it: patch rows and the patch grid.
+fn image_input(image: &Value, patch: usize) -> ImageInput {
+    let size = image["size"].as_u64().unwrap() as usize;
+    let pixels = siglip_patches(&floats(&image["pixel_values"]), size, patch).expect("a square channel-first image");
+    ImageInput { pixels: Arc::from(pixels), grid: PatchGrid { t: 1, h: size / patch, w: size / patch } }
+}
+
+#[test]
+fn the_tower_and_projector_give_transformers_rows() {
+    let pool = ThreadPool::new(2);
+    for (dir, reference) in fixtures() {
+        let loaded = kylin_loader::load(&dir, &Default::default()).expect("the fixture loads");
+        let vision = loaded.vision.as_ref().expect("Gemma 3's vision tower is bound");
+        assert!(loaded.unused_tensors.is_empty(), "{}: unused {:?}", dir.display(), loaded.unused_tensors);
+        // SigLIP's pooling head, where the checkpoint has one, is listed as not run.
+        let head = loaded.not_run.iter().find(|p| p.part.contains("pooling head"));
+        assert_eq!(head.is_some(), dir.ends_with("tiny-gemma3-vl"), "{}: {:?}", dir.display(), loaded.not_run);
+        let tower = VisionTower::new(vision).expect("the tower binds");
+        let mut checked = 0;
+        for case in reference["cases"].as_array().unwrap() {
+            for image in case["images"].as_array().unwrap() {
+                let input = image_input(image, vision.config.patch_size);
+                let got = tower.encode(&pool, &input.pixels, input.grid).expect("the image encodes");
+                let want = floats(&image["projected"]);
+                assert_eq!(got.len(), want.len(), "{}", dir.display());
+                let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+                eprintln!("{}: max |diff| {diff:e}", dir.display());
+                assert!(diff < 2e-5, "{}: max |diff| {diff}", dir.display());
+                checked += 1;
+            }
+        }
+        assert_eq!(checked, 3);
+    }
+}
+
+#[test]
+fn an_image_that_is_not_the_towers_square_is_refused() {
+    let (dir, _) = &fixtures()[1];
+    let loaded = kylin_loader::load(dir, &Default::default()).unwrap();
+    let tower = VisionTower::new(loaded.vision.as_ref().unwrap()).unwrap();
+    let per_patch = tower.config().patch_values();
+    for grid in [PatchGrid { t: 1, h: 6, w: 4 }, PatchGrid { t: 2, h: 6, w: 6 }, PatchGrid { t: 1, h: 8, w: 8 }] {
+        let err = tower.encode(&ThreadPool::new(1), &vec![0.0; grid.patches() * per_patch], grid).unwrap_err();
+        assert_eq!(err.code.as_str(), "INPUT_INVALID", "{grid:?}: {err}");
+        assert!(err.to_string().contains("84 x 84"), "{err}");
+    }
+}
+
+fn engine(dir: &Path, opts: &EngineOptions) -> BatchEngine {
+    let model = kylin_loader::load(dir, &Default::default()).expect("the fixture loads");
+    BatchEngine::new(model, opts).expect("the engine builds")
+}
+
+fn options() -> EngineOptions {
+    EngineOptions { threads: 2, ctx_size: Some(256), precision: PrecisionChoice::F32, ..EngineOptions::default() }
+}
+
+fn request(id: u64, case: &Value, patch: usize) -> Request {
+    let mut r = Request::new(id, ids(&case["input_ids"]), 12);
+    r.ignore_eos = true;
+    r.detokenize = false;
+    r.logprobs = Some(20);
+    r.prompt_logprobs = Some(20);
+    r.images = case["images"].as_array().unwrap().iter().map(|i| image_input(i, patch)).collect();
+    r
+}
+
+#[derive(Debug, Default, PartialEq)]
+struct Output {
+    prompt_top: Vec<Vec<(u32, f32)>>,
+    ids: Vec<u32>,
+    top: Vec<Vec<(u32, f32)>>,
+    cached: usize,
+}
+
+fn run(e: &mut BatchEngine, requests: Vec<Request>) -> Vec<Output> {
+    let n = requests.len();
+    let first = requests[0].id;
+    for r in requests {
+        e.add_request(r).expect("the request is accepted");
+    }
+    let mut out: Vec<Output> = (0..n).map(|_| Output::default()).collect();
+    support::step_until_idle(e, |events: &[Event]| {
+        for ev in events {
+            let o = &mut out[(ev.request - first) as usize];
+            match &ev.kind {
+                EventKind::PromptLogprobs { logprobs, .. } => {
+                    o.prompt_top.extend(logprobs.iter().map(|l| l.top.clone()))
+                }
+                EventKind::Token { id, logprob, .. } => {
+                    o.ids.push(*id);
+                    o.top.push(logprob.as_ref().expect("log-probabilities were asked for").top.clone());
+                }
+                EventKind::Finished { usage, .. } => o.cached = usage.cached_prompt_tokens,
+                EventKind::Pooled { .. } => unreachable!(),
+            }
+        }
+    });
+    out
+}
+
+fn log_softmax(logits: &[f32]) -> Vec<f64> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = max + logits.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
+    logits.iter().map(|&v| v as f64 - lse).collect()
+}
+
+/// Checks a run against a case: the argmax at every position, log-probabilities within 1e-3,
+/// and the greedy tokens.
+fn check(out: &Output, case: &Value, what: &str) {
+    let argmax = ids(&case["argmax_per_position"]);
+    let logits: Vec<Vec<f32>> = case["logits"].as_array().unwrap().iter().map(floats).collect();
+    let len = argmax.len();
+    assert_eq!(out.prompt_top.len(), len - 1, "{what}");
+    let mut worst = 0.0f64;
+    for p in 0..len {
+        let top = if p + 1 < len { &out.prompt_top[p] } else { &out.top[0] };
+        assert_eq!(top[0].0, argmax[p], "{what}: argmax at position {p}");
+        let want = log_softmax(&logits[p]);
+        for &(id, lp) in top {
+            worst = worst.max((want[id as usize] - lp as f64).abs());
+        }
+    }
+    eprintln!("{what}: worst |log-probability diff| {worst:e}");
+    assert!(worst < 1e-3, "{what}: {worst}");
+    assert_eq!(out.ids, ids(&case["greedy_new_ids"]), "{what}: greedy tokens");
+}
+
+#[test]
+fn prompts_with_images_give_transformers_logits_and_greedy_tokens() {
+    for (dir, reference) in fixtures() {
+        let patch = kylin_loader::load(&dir, &Default::default()).unwrap().vision.unwrap().config.patch_size;
+        for (c, case) in reference["cases"].as_array().unwrap().iter().enumerate() {
+            let out = run(&mut engine(&dir, &options()), vec![request(1, case, patch)]).remove(0);
+            check(&out, case, &format!("{}: case {c}", dir.display()));
+        }
+    }
+}
+
+#[test]
+fn a_step_never_ends_inside_an_image_so_small_chunks_give_the_same_answer() {
+    let (dir, reference) = &fixtures()[1];
+    for (c, case) in reference["cases"].as_array().unwrap().iter().enumerate() {
+        // Chunks of at most 10 tokens: each image (9 tokens) is computed in one step, the text
+        // around it in the steps before and after.
+        let opts = EngineOptions { max_batch_tokens: 10, ..options() };
+        let out = run(&mut engine(dir, &opts), vec![request(1, case, 14)]).remove(0);
+        check(&out, case, &format!("chunks of 10: case {c}"));
+    }
+    // A step shorter than an image cannot hold it: refused with what to change.
+    let opts = EngineOptions { max_batch_tokens: 8, ..options() };
+    let err = engine(dir, &opts).add_request(request(1, &reference["cases"][0], 14)).unwrap_err();
+    assert_eq!(err.code.as_str(), "INPUT_INVALID");
+    assert!(err.to_string().contains("raise --max-batch-tokens to at least 9"), "{err}");
+}
+
+#[test]
+fn the_prefix_cache_reuses_an_image_and_its_answer_is_unchanged() {
+    let (dir, reference) = &fixtures()[1];
+    let case = &reference["cases"][0];
+    let opts = EngineOptions { block_size: Some(4), ..options() };
+    let mut e = engine(dir, &opts);
+    let plain = |id| Request { prompt_logprobs: None, ..request(id, case, 14) };
+    let first = run(&mut e, vec![plain(1)]).remove(0);
+    assert_eq!(first.ids, ids(&case["greedy_new_ids"]));
+    // Again: the blocks through the image come from the cache (a hit may end inside the
+    // image: its cached tokens saw the whole image when they were computed).
+    let mut again = run(&mut e, vec![plain(2)]).remove(0);
+    assert!(again.cached >= 12, "cached {}", again.cached);
+    again.cached = first.cached;
+    assert_eq!(again, first);
+}
