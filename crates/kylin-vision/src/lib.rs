@@ -12,17 +12,29 @@
 //!   Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 use) read from a `preprocessor_config.json`:
 //!   `smart_resize`, rescale, normalize and the patch flattening, giving `pixel_values` and
 //!   `image_grid_thw` equal to transformers' within float rounding.
+//! - [`Gemma3ImageProcessor`] is transformers' Gemma 3 image processor (the PIL backend,
+//!   `Gemma3ImageProcessorPil`) read from a `preprocessor_config.json`: pan and scan (the
+//!   crops of an elongated image, [`Gemma3ImageProcessor::pan_and_scan_crops`]), Pillow's
+//!   resize of the image and every crop to `size`, rescale and normalize, giving channel-first
+//!   (3, height, width) `pixel_values` per SigLIP input ([`GemmaPixels`]) equal to
+//!   transformers'; [`gemma3_image_prompt`] is the prompt text `Gemma3Processor` writes for an
+//!   image and its crops.
 //!
 //! The crate knows nothing of HTTP or of the engine. Every failure is a [`VisionError`] with a
 //! stable code; nothing here panics on outside data or allocates a size it has not checked.
 
 mod decode;
 mod error;
+mod gemma;
 mod qwen;
 mod resample;
 
 pub use decode::{ImageFormatKind, ImageLimits, decode_image, sniff_format};
 pub use error::{VisionError, VisionErrorCode};
+pub use gemma::{
+    CropBox, GEMMA3_BOI_TOKEN, Gemma3ImageProcessor, Gemma3Processed, GemmaPixels, gemma3_full_image_sequence,
+    gemma3_image_prompt,
+};
 pub use image::RgbImage;
 pub use qwen::{ProcessedImage, QwenImageProcessor, smart_resize};
 pub use resample::{ResampleFilter, resize};

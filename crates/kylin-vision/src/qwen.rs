@@ -104,11 +104,11 @@ impl Default for QwenImageProcessor {
     }
 }
 
-fn present<'a>(config: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
+pub(crate) fn present<'a>(config: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
     config.get(key).filter(|v| !v.is_null())
 }
 
-fn read_bool(config: &Map<String, Value>, key: &str, default: bool) -> Result<bool, VisionError> {
+pub(crate) fn read_bool(config: &Map<String, Value>, key: &str, default: bool) -> Result<bool, VisionError> {
     match present(config, key) {
         None => Ok(default),
         Some(Value::Bool(b)) => Ok(*b),
@@ -116,7 +116,7 @@ fn read_bool(config: &Map<String, Value>, key: &str, default: bool) -> Result<bo
     }
 }
 
-fn read_count(value: &Value, key: &str, min: u64, max: u64) -> Result<u64, VisionError> {
+pub(crate) fn read_count(value: &Value, key: &str, min: u64, max: u64) -> Result<u64, VisionError> {
     match value.as_u64() {
         Some(n) if (min..=max).contains(&n) => Ok(n),
         _ => Err(VisionError::config(format!("`{key}` must be an integer from {min} to {max}, got {value}"))),
@@ -128,7 +128,11 @@ fn read_size(config: &Map<String, Value>, key: &str, default: u64, min: u64, max
 }
 
 /// A mean or std: one number for every channel, or a list of three.
-fn read_channels(config: &Map<String, Value>, key: &str, default: [f64; 3]) -> Result<[f64; 3], VisionError> {
+pub(crate) fn read_channels(
+    config: &Map<String, Value>,
+    key: &str,
+    default: [f64; 3],
+) -> Result<[f64; 3], VisionError> {
     let finite = |v: &Value| v.as_f64().filter(|x| x.is_finite());
     let values = match present(config, key) {
         None => return Ok(default),
