@@ -89,7 +89,13 @@ impl Inner {
                 .ok_or_else(|| invalid("`prompt_token_ids` must be token ids"))?,
             (_, Some(Value::String(text))) => {
                 let add_special = spec.get("add_special_tokens").and_then(Value::as_bool).unwrap_or(true);
-                self.engine.tokenize(text, add_special).map_err(py_err)?
+                // With images, the image markers the model's processor puts in text (Gemma 3's)
+                // go in before tokenizing.
+                let text = match (images.is_empty(), self.engine.image_preparer()) {
+                    (false, Some(preparer)) => preparer.expand_text(text),
+                    _ => text.clone(),
+                };
+                self.engine.tokenize(&text, add_special).map_err(py_err)?
             }
             _ => return Err(invalid("a request needs `prompt` (text) or `prompt_token_ids`")),
         };

@@ -18,7 +18,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let mut engine = crate::open::open_engine_sized(&args.model, 1, false)?;
     let preparer = engine.image_preparer().ok_or_else(|| {
         KylinError::input_invalid(format!(
-            "{} takes no images: it has no vision tower Kylin runs (Qwen3.5 vision-language directories do), \
+            "{} takes no images: it has no vision tower Kylin runs (Qwen3.5 and Gemma 3 vision-language directories do), \
              or no preprocessor_config.json",
             args.model.model.display()
         ))
@@ -40,7 +40,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     content.push(json!({"type": "text", "text": prompt}));
     let messages = [json!({"role": "user", "content": content})];
     let text = engine.render_chat(&messages, true, &template_kwargs(&args.template)?)?;
-    let prompt_ids = preparer.expand(&engine.tokenize(&text, false)?, &images)?;
+    let prompt_ids = preparer.expand(&engine.tokenize(&preparer.expand_text(&text), false)?, &images)?;
     let image_tokens: usize = images.iter().map(|i| preparer.tokens(i)).sum();
 
     // 3. Generate, streaming unless the caller wants one JSON object.

@@ -1214,8 +1214,9 @@ impl BatchEngine {
         let mut engine = BatchEngine::build(parts, opts, format.dir())?;
         engine.task = task;
         engine.vision = vision.as_ref().map(VisionTower::new).transpose()?;
+        let token_text = |id: u32| tokenizer.as_ref().and_then(|t| t.tokenizer.id_to_token(id));
         engine.image_preparer = match &vision {
-            Some(v) => ImagePreparer::new(v)?.map(Arc::new),
+            Some(v) => ImagePreparer::new(v, &token_text)?.map(Arc::new),
             None => None,
         };
         Ok(engine)
@@ -1313,7 +1314,7 @@ impl BatchEngine {
         }
         let Some(tower) = &self.vision else {
             return Err(KylinError::input_invalid(
-                "this model takes no images: it has no vision tower Kylin runs (images run on Qwen3.5 vision-language directories)",
+                "this model takes no images: it has no vision tower Kylin runs (images run on Qwen3.5 and Gemma 3 vision-language directories)",
             ));
         };
         let placeholder = tower.config().image_token_id;

@@ -29,7 +29,9 @@ use std::sync::Arc;
 use kylin_kernels::{self as kernels, ThreadPool, WeightMatrix};
 use kylin_loader::vision::{LoadedVision, VisionActivation, VisionConfig, VisionKind};
 use kylin_loader::{KylinError, Result};
-use kylin_vision::{ImageLimits, QwenImageProcessor, VisionError, decode_image};
+use kylin_vision::{
+    Gemma3ImageProcessor, ImageLimits, QwenImageProcessor, VisionError, decode_image, gemma3_full_image_sequence,
+};
 
 use crate::encoder::{Dense, LayerNorm, dtype_of, gelu};
 use crate::serving::ImageInput;
@@ -583,14 +585,34 @@ pub fn siglip_patches(pixels: &[f32], size: usize, patch: usize) -> Option<Vec<f
 }
 
 /// From an image file's bytes to a request's [`ImageInput`], as the checkpoint's
-/// `preprocessor_config.json` says (transformers' Qwen2-VL image processor), and the prompt's
-/// image placeholders expanded to the tokens each image becomes. Cheap to share: the server's
-/// handlers prepare images on their own threads, not the engine's.
+/// `preprocessor_config.json` says, and the prompt's image placeholders expanded to the tokens
+/// each image becomes. Cheap to share: the server's handlers prepare images on their own
+/// threads, not the engine's.
 #[derive(Debug, Clone)]
 pub struct ImagePreparer {
-    processor: QwenImageProcessor,
+    processor: Processor,
     limits: ImageLimits,
     image_token_id: u32,
+}
+
+#[derive(Debug, Clone)]
+enum Processor {
+    /// transformers' Qwen2-VL image processor: dynamic resolution; an image's placeholder
+    /// token is repeated once per merged token.
+    Qwen(QwenImageProcessor),
+    /// transformers' Gemma 3 image processor: one square of the tower's size, pan-and-scan
+    /// off as `Gemma3Processor` calls it; each `<start_of_image>` of the prompt becomes
+    /// `"\n\n<start_of_image>" + <image_soft_token> × tokens + "<end_of_image>\n\n"`.
+    Gemma3 {
+        processor: Gemma3ImageProcessor,
+        patch: usize,
+        tokens: usize,
+        boi: u32,
+        eoi: u32,
+        /// The begin-of-image token's text and what the processor puts in its place, when the
+        /// model has a tokenizer that names the three tokens.
+        text: Option<(String, String)>,
+    },
 }
 
 /// A refused image as Kylin's error: `IMAGE_INVALID`, the decoder's own code first.
@@ -601,22 +623,59 @@ fn image_error(e: VisionError) -> KylinError {
 impl ImagePreparer {
     /// The preparer of a tower's images: `None` without a `preprocessor_config.json` (then
     /// only images given as patches run), `CONFIG_INVALID` when it is malformed or disagrees
-    /// with the tower (patch, frame or merge size).
-    pub fn new(loaded: &LoadedVision) -> Result<Option<Self>> {
+    /// with the tower (patch, frame or merge size; Gemma 3's image size). `token_text` gives a
+    /// token's text (for Gemma 3's expansion of its image marker in the prompt's text).
+    pub fn new(loaded: &LoadedVision, token_text: &dyn Fn(u32) -> Option<String>) -> Result<Option<Self>> {
         let Some(text) = loaded.preprocessor.as_deref() else { return Ok(None) };
-        let processor = QwenImageProcessor::from_json(text)
-            .map_err(|e| KylinError::config_invalid(format!("preprocessor_config.json: {}", e.message)))?;
         let c = &loaded.config;
-        let pairs = [
-            ("patch_size", processor.patch_size, c.patch_size),
-            ("temporal_patch_size", processor.temporal_patch_size, c.temporal_patch_size),
-            ("merge_size", processor.merge_size, c.spatial_merge_size),
-        ];
-        if let Some((name, got, want)) = pairs.into_iter().find(|(_, got, want)| got != want) {
-            return Err(KylinError::config_invalid(format!(
-                "preprocessor_config.json {name} is {got}, but the vision tower (config.json vision_config) takes {want}"
-            )));
-        }
+        let invalid = |e: VisionError| KylinError::config_invalid(format!("preprocessor_config.json: {}", e.message));
+        let processor = match c.kind {
+            VisionKind::Qwen35 => {
+                let processor = QwenImageProcessor::from_json(text).map_err(invalid)?;
+                let pairs = [
+                    ("patch_size", processor.patch_size, c.patch_size),
+                    ("temporal_patch_size", processor.temporal_patch_size, c.temporal_patch_size),
+                    ("merge_size", processor.merge_size, c.spatial_merge_size),
+                ];
+                if let Some((name, got, want)) = pairs.into_iter().find(|(_, got, want)| got != want) {
+                    return Err(KylinError::config_invalid(format!(
+                        "preprocessor_config.json {name} is {got}, but the vision tower (config.json vision_config) takes {want}"
+                    )));
+                }
+                Processor::Qwen(processor)
+            }
+            VisionKind::Gemma3 { image_size, tokens_per_image } => {
+                let mut processor = Gemma3ImageProcessor::from_json(text).map_err(invalid)?;
+                if (processor.height, processor.width) != (image_size, image_size) || !processor.do_resize {
+                    return Err(KylinError::config_invalid(format!(
+                        "preprocessor_config.json resizes images to {} x {}{}, but the vision tower \
+                         (config.json vision_config.image_size) reads {image_size} x {image_size}",
+                        processor.height,
+                        processor.width,
+                        if processor.do_resize { "" } else { " (do_resize is false)" }
+                    )));
+                }
+                // Gemma3Processor calls its image processor with pan-and-scan off, whatever the
+                // file says; Kylin answers as transformers does.
+                processor.do_pan_and_scan = false;
+                let names = [c.vision_start_token_id, c.image_token_id, c.vision_end_token_id].map(token_text);
+                let text = match names {
+                    [Some(boi), Some(image), Some(eoi)] => {
+                        let full = gemma3_full_image_sequence(&boi, &image, &eoi, tokens_per_image);
+                        Some((boi, full))
+                    }
+                    _ => None,
+                };
+                Processor::Gemma3 {
+                    processor,
+                    patch: c.patch_size,
+                    tokens: tokens_per_image,
+                    boi: c.vision_start_token_id,
+                    eoi: c.vision_end_token_id,
+                    text,
+                }
+            }
+        };
         Ok(Some(ImagePreparer { processor, limits: ImageLimits::default(), image_token_id: c.image_token_id }))
     }
 
@@ -629,36 +688,99 @@ impl ImagePreparer {
     /// wrong with it).
     pub fn prepare(&self, bytes: &[u8]) -> Result<ImageInput> {
         let image = decode_image(bytes, &self.limits).map_err(image_error)?;
-        let processed = self.processor.process(&image).map_err(image_error)?;
-        let [t, h, w] = processed.grid_thw;
-        Ok(ImageInput { pixels: Arc::from(processed.pixel_values), grid: PatchGrid { t, h, w } })
+        match &self.processor {
+            Processor::Qwen(processor) => {
+                let processed = processor.process(&image).map_err(image_error)?;
+                let [t, h, w] = processed.grid_thw;
+                Ok(ImageInput { pixels: Arc::from(processed.pixel_values), grid: PatchGrid { t, h, w } })
+            }
+            Processor::Gemma3 { processor, patch, .. } => {
+                let processed = processor.process(&image).map_err(image_error)?;
+                let whole = processed.images.into_iter().next().ok_or_else(|| {
+                    KylinError::image_invalid("IMAGE_SHAPE: the image processor made nothing of the image")
+                })?;
+                let size = whole.height;
+                let pixels = siglip_patches(&whole.pixel_values, size, *patch).ok_or_else(|| {
+                    KylinError::image_invalid(format!(
+                        "IMAGE_SHAPE: the processed image is {} x {}, not a square of whole patches",
+                        whole.height, whole.width
+                    ))
+                })?;
+                let side = size / patch;
+                Ok(ImageInput { pixels: Arc::from(pixels), grid: PatchGrid { t: 1, h: side, w: side } })
+            }
+        }
     }
 
     /// The tokens an image takes in the prompt.
     pub fn tokens(&self, image: &ImageInput) -> usize {
-        let m = self.processor.merge_size;
-        image.grid.patches() / (m * m)
+        match &self.processor {
+            Processor::Qwen(p) => image.grid.patches() / (p.merge_size * p.merge_size),
+            Processor::Gemma3 { tokens, .. } => *tokens,
+        }
     }
 
-    /// The prompt with each image placeholder (one per image, as chat templates place them)
-    /// repeated once per token of its image, as transformers' processor expands it.
+    /// A rendered prompt with each image marker put as the model's processor puts it, before
+    /// tokenizing: Gemma 3's `<start_of_image>` becomes the image's whole sequence with its
+    /// newlines (which merge with the text's newlines as transformers tokenizes them); Qwen's
+    /// text is unchanged (its placeholder is expanded as tokens by [`ImagePreparer::expand`]).
+    pub fn expand_text(&self, text: &str) -> String {
+        match &self.processor {
+            Processor::Gemma3 { text: Some((boi, full)), .. } => text.replace(boi.as_str(), full),
+            _ => text.to_string(),
+        }
+    }
+
+    /// The prompt with each image's placeholder expanded to the tokens the image becomes, as
+    /// transformers' processor expands it: Qwen's placeholder (one per image, as chat templates
+    /// place them) repeated once per token; for Gemma 3, a prompt already expanded by
+    /// [`ImagePreparer::expand_text`] is checked and kept, and one given as ids gets each
+    /// `<start_of_image>` followed by the image tokens and `<end_of_image>` (without the
+    /// newlines the text expansion adds).
     pub fn expand(&self, prompt: &[u32], images: &[ImageInput]) -> Result<Vec<u32>> {
-        let placeholders = prompt.iter().filter(|&&id| id == self.image_token_id).count();
+        let (marker, after) = match &self.processor {
+            Processor::Qwen(_) => (self.image_token_id, None),
+            Processor::Gemma3 { boi, eoi, tokens, .. } => {
+                let runs = prompt
+                    .iter()
+                    .enumerate()
+                    .filter(|&(i, &id)| id == self.image_token_id && (i == 0 || prompt[i - 1] != id))
+                    .count();
+                if runs > 0 {
+                    // Already expanded: the engine checks each run against its image.
+                    return if runs == images.len() {
+                        Ok(prompt.to_vec())
+                    } else {
+                        Err(KylinError::input_invalid(format!(
+                            "the prompt has {runs} run(s) of image tokens ({}) for {} image(s)",
+                            self.image_token_id,
+                            images.len()
+                        )))
+                    };
+                }
+                (*boi, Some((*tokens, *eoi)))
+            }
+        };
+        let placeholders = prompt.iter().filter(|&&id| id == marker).count();
         if placeholders != images.len() {
             return Err(KylinError::input_invalid(format!(
-                "the prompt has {placeholders} image placeholder token(s) ({}) for {} image(s); \
+                "the prompt has {placeholders} image placeholder token(s) ({marker}) for {} image(s); \
                  the chat template places one per image part",
-                self.image_token_id,
                 images.len()
             )));
         }
-        let extra: usize = images.iter().map(|i| self.tokens(i).saturating_sub(1)).sum();
+        let extra: usize = images.iter().map(|i| self.tokens(i) + 1).sum();
         let mut out = Vec::with_capacity(prompt.len() + extra);
         let mut next = images.iter();
         for &id in prompt {
-            match (id == self.image_token_id).then(|| next.next()).flatten() {
-                Some(image) => out.extend(std::iter::repeat_n(id, self.tokens(image))),
-                None => out.push(id),
+            match ((id == marker).then(|| next.next()).flatten(), after) {
+                (Some(image), None) => out.extend(std::iter::repeat_n(id, self.tokens(image))),
+                (Some(_), Some((tokens, eoi))) => {
+                    out.push(id);
+                    out.extend(std::iter::repeat_n(self.image_token_id, tokens));
+                    out.push(eoi);
+                }
+                (None, _) => out.push(id),
             }
         }
         Ok(out)

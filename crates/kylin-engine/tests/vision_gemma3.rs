@@ -206,3 +206,51 @@ fn the_prefix_cache_reuses_an_image_and_its_answer_is_unchanged() {
     again.cached = first.cached;
     assert_eq!(again, first);
 }
+
+/// The pooled fixture with a tokenizer, a chat template and Gemma 3's image processor
+/// configuration, and what transformers answers to a chat with a real image
+/// (`tests/fixtures/make_gemma3_vision_reference.py`).
+fn chat_fixture() -> (PathBuf, Value) {
+    let path = repo().join("tests/fixtures/vision_model/chat_gemma3.json");
+    let reference = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    (repo().join("tests/fixtures/tiny-gemma3-vl-pooled"), reference)
+}
+
+#[test]
+fn a_chat_with_an_image_file_gives_transformers_prompt_and_tokens() {
+    let (dir, reference) = chat_fixture();
+    let mut e = engine(&dir, &options());
+    let preparer = e.image_preparer().expect("the directory has a preprocessor_config.json");
+    let png = std::fs::read(repo().join("tests/fixtures/vision_model/chat.png")).unwrap();
+    let image = preparer.prepare(&png).expect("the PNG is prepared");
+    // The 61 x 45 photograph resized to 84 x 84 as transformers' image processor does it.
+    let want = siglip_patches(&floats(&reference["pixel_values"]), 84, 14).unwrap();
+    assert_eq!(image.grid, PatchGrid { t: 1, h: 6, w: 6 });
+    assert_eq!(image.pixels.len(), want.len());
+    let diff = image.pixels.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(diff < 1e-6, "pixel values differ by {diff}");
+    // The template's <start_of_image> becomes the image's sequence in the text, whose newlines
+    // merge with the template's ("user\n" + "\n\n" is one token of three newlines).
+    let question = reference["question"].as_str().unwrap();
+    let messages =
+        [serde_json::json!({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]})];
+    let text = e.render_chat(&messages, true, &Default::default()).unwrap();
+    assert_eq!(text, reference["rendered"].as_str().unwrap());
+    let tokens = e.tokenize(&preparer.expand_text(&text), false).unwrap();
+    let prompt = preparer.expand(&tokens, std::slice::from_ref(&image)).unwrap();
+    assert_eq!(prompt, ids(&reference["prompt_ids"]));
+    let mut r = Request::new(1, prompt.clone(), 10);
+    r.ignore_eos = true;
+    r.logprobs = Some(1);
+    r.images = vec![image.clone()];
+    let out = run(&mut e, vec![r]).remove(0);
+    assert_eq!(out.ids, ids(&reference["greedy_new_ids"]));
+    // A prompt given as ids with a bare <start_of_image> gets the image's tokens after it.
+    let expanded = preparer.expand(&[2, 7, 1000, 9], std::slice::from_ref(&image)).unwrap();
+    assert_eq!(expanded, [&[2, 7, 1000][..], &[1002; 9], &[1001, 9]].concat());
+    // As many images as markers, or refused.
+    let err = preparer.expand(&[2, 1000, 9], &[image.clone(), image.clone()]).unwrap_err();
+    assert!(err.to_string().contains("1 image placeholder token(s) (1000) for 2 image(s)"), "{err}");
+    let err = preparer.expand(&prompt, &[image.clone(), image]).unwrap_err();
+    assert!(err.to_string().contains("1 run(s) of image tokens (1002) for 2 image(s)"), "{err}");
+}

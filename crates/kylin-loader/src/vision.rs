@@ -237,8 +237,8 @@ pub fn read_vision_config(dir: &Path) -> Result<Option<VisionConfig>> {
     };
     let side = config.position_side();
     let checks = [
-        (config.hidden % config.heads == 0, "hidden_size must be a multiple of num_heads"),
-        (config.head_dim() % 4 == 0, "hidden_size / num_heads must be a multiple of 4 (2-D rotary positions)"),
+        (config.hidden.is_multiple_of(config.heads), "hidden_size must be a multiple of num_heads"),
+        (config.head_dim().is_multiple_of(4), "hidden_size / num_heads must be a multiple of 4 (2-D rotary positions)"),
         (side * side == config.num_position_embeddings, "num_position_embeddings must be a square"),
         (config.in_channels == 3, "in_channels must be 3 (RGB)"),
     ];
@@ -317,8 +317,8 @@ fn read_gemma3(top: &Map<String, Value>, v: &Map<String, Value>, path: &Path) ->
         vision_end_token_id: gemma_token(top, ["eoi_token_index", "eoi_token_id"], 256_000, path)?,
     };
     let checks = [
-        (config.hidden % config.heads == 0, "hidden_size must be a multiple of num_attention_heads"),
-        (image_size % patch_size == 0, "image_size must be a multiple of patch_size"),
+        (config.hidden.is_multiple_of(config.heads), "hidden_size must be a multiple of num_attention_heads"),
+        (image_size.is_multiple_of(patch_size), "image_size must be a multiple of patch_size"),
         (side <= 1024, "image_size / patch_size must be at most 1024"),
         (tokens_side * tokens_side == tokens_per_image, "mm_tokens_per_image must be a square"),
         (pool > 0 && pool * tokens_side == side, "mm_tokens_per_image's side must divide the patches per side"),

@@ -27,6 +27,7 @@ use kylin_engine::grammar::{Grammar, GrammarCompiler};
 use kylin_engine::sampler::SamplingParams;
 use kylin_engine::serving::TokenLogprob;
 use kylin_engine::tools::ToolSyntax;
+use kylin_engine::vision::ImagePreparer;
 use kylin_engine::{
     CancelHandle, EmbeddingInfo, EngineInfo, EngineStats, Event, EventKind, Request, Serving, StopReason, Usage,
 };
@@ -487,6 +488,17 @@ impl EngineLoop {
     }
 
     fn prompt_ids(&self, prompt: Prompt, add_special: bool) -> Result<Vec<u32>, KylinError> {
+        self.prompt_ids_with(prompt, add_special, None)
+    }
+
+    /// The prompt's ids; a chat's rendered text gets the image markers `images` puts in text
+    /// (Gemma 3's) before it is tokenized.
+    fn prompt_ids_with(
+        &self,
+        prompt: Prompt,
+        add_special: bool,
+        images: Option<&ImagePreparer>,
+    ) -> Result<Vec<u32>, KylinError> {
         match prompt {
             Prompt::Ids(ids) => Ok(ids),
             Prompt::Text(text) => {
@@ -496,7 +508,10 @@ impl EngineLoop {
             Prompt::Chat { messages, kwargs, add_generation_prompt } => {
                 self.require_tokenizer()?;
                 let text = self.engine.render_chat(&messages, add_generation_prompt, &kwargs)?;
-                self.engine.tokenize(&text, false)
+                match images {
+                    Some(preparer) => self.engine.tokenize(&preparer.expand_text(&text), false),
+                    None => self.engine.tokenize(&text, false),
+                }
             }
         }
     }
@@ -514,10 +529,14 @@ impl EngineLoop {
             (Prompt::Text(t), true) => Some(t.clone()),
             _ => None,
         };
-        let mut prompt_ids = self.prompt_ids(s.prompt, true)?;
-        if !s.images.is_empty() {
-            let preparer =
-                self.engine.image_preparer().ok_or_else(|| KylinError::input_invalid("this model takes no images"))?;
+        let preparer = match s.images.is_empty() {
+            true => None,
+            false => Some(
+                self.engine.image_preparer().ok_or_else(|| KylinError::input_invalid("this model takes no images"))?,
+            ),
+        };
+        let mut prompt_ids = self.prompt_ids_with(s.prompt, true, preparer.as_deref())?;
+        if let Some(preparer) = &preparer {
             prompt_ids = preparer.expand(&prompt_ids, &s.images)?;
         }
         let echo = match s.echo {

@@ -208,12 +208,12 @@ fn layer_sizes(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
     Ok(())
 }
 
+/// One layer's overrides: its index, `head_dim` and `num_key_value_heads` if given.
+type LayerOverride = (usize, Option<usize>, Option<usize>);
+
 /// `per_layer_config`: `{"5": {"head_dim": 512, "num_key_value_heads": 2}, ...}`; any other
 /// override is `OPERATOR_UNSUPPORTED` naming it.
-fn per_layer_overrides(
-    per_layer: &Map<String, Value>,
-    num_layers: usize,
-) -> Result<Vec<(usize, Option<usize>, Option<usize>)>> {
+fn per_layer_overrides(per_layer: &Map<String, Value>, num_layers: usize) -> Result<Vec<LayerOverride>> {
     let mut out = Vec::new();
     for (key, value) in per_layer {
         let field = |k: &str| format!("per_layer_config.{key}.{k}");
