@@ -134,3 +134,33 @@ def test_a_model_without_a_vision_tower_refuses_images(tmp_path):
     finally:
         proc.terminate()
         assert proc.wait(timeout=60) == 0
+
+
+GEMMA = ROOT / "tests/fixtures/tiny-gemma3-vl-pooled"
+GEMMA_REFERENCE = json.loads((IMAGES / "chat_gemma3.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def gemma_server():
+    proc, base = start([str(GEMMA), "--host", "127.0.0.1", "--threads", "2", "--precision", "f32",
+                        "--served-model-name", "gemma"], "vision-gemma3")
+    try:
+        yield base
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
+
+
+def test_gemma3_answers_an_image_as_transformers_does(gemma_server):
+    """Gemma 3 (tests/fixtures/make_gemma3_vision_reference.py): the SigLIP tower, the image's
+    sequence put in the prompt's text with its newlines, its tokens attending to each other."""
+    client = client_for(gemma_server)
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(PNG)}},
+                                             {"type": "text", "text": GEMMA_REFERENCE["question"]}]}]
+    reply = client.chat.completions.create(model="gemma", messages=messages, max_tokens=10, temperature=0)
+    assert reply.choices[0].message.content == GEMMA_REFERENCE["greedy_text"]
+    assert reply.usage.prompt_tokens == len(GEMMA_REFERENCE["prompt_ids"])
+    # Streamed, the same text.
+    stream = client.chat.completions.create(model="gemma", messages=messages, max_tokens=10, temperature=0,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == GEMMA_REFERENCE["greedy_text"]
