@@ -1377,13 +1377,15 @@ impl BatchEngine {
     }
 
     /// Encodes the waiting requests' images, oldest request first; a request whose images are
-    /// all done goes to the waiting queue. While other sequences run, a step runs one block of
-    /// the tower (its finest slice), so their tokens are delayed by one block at a time; with
-    /// nothing else running, the images are encoded at once.
+    /// all done goes to the waiting queue. While other sequences run, a step runs about
+    /// [`crate::vision::STEP_MACS`] multiply-adds of the tower (units of a block: projections
+    /// or MLP of a few hundred patches, or one head's attention), so their tokens are delayed
+    /// by that much at a time; with nothing else running, the images are encoded at once.
     fn encode_step(&mut self) {
         let Some(tower) = &self.vision else { return };
+        // Alone, the images are encoded at once; beside running sequences, a step's share.
         let alone = self.running.is_empty();
-        let mut left = if alone { usize::MAX } else { 1 };
+        let mut left = if alone { u64::MAX } else { crate::vision::STEP_MACS };
         let merge = tower.config().spatial_merge_size;
         let placeholder = tower.config().image_token_id;
         while left > 0 {
@@ -1427,10 +1429,8 @@ impl BatchEngine {
                 }
             }
             let Some((encoding, content)) = &mut front.current else { continue };
-            let blocks = left;
-            left = if alone { left } else { 0 };
             let started = std::time::Instant::now();
-            let done = tower.advance(&self.core.pool, encoding, blocks);
+            let done = tower.advance(&self.core.pool, encoding, &mut left);
             self.stats.image_encode_seconds += started.elapsed().as_secs_f64();
             if let Some(out) = done {
                 self.stats.images_encoded += 1;

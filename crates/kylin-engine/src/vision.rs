@@ -42,6 +42,25 @@ const NORM_EPS: f32 = 1e-6;
 /// Attention rows computed at once (bounds the scores buffer: `QUERY_ROWS · frame` floats).
 const QUERY_ROWS: usize = 256;
 
+/// Patch rows of one unit of the projections or the MLP ([`VisionTower::advance`]).
+const UNIT_ROWS: usize = 256;
+
+/// Multiply-adds of tower work a step runs while other sequences run: at the ~50 GFLOP/s two
+/// AVX2 cores reach in these products, about 0.15 s (see BENCHMARKS.md, "the decode gap").
+pub const STEP_MACS: u64 = 4_000_000_000;
+
+/// Where an encoding is inside its current block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// LN and the q/k/v projections of patch rows `row..`.
+    Project { row: usize },
+    /// Attention of one head in the frame starting at patch `f0`, query rows `row..` (its keys
+    /// and values gathered when `row` is 0).
+    Attend { f0: usize, head: usize, row: usize },
+    /// The output projection, LN and MLP of patch rows `row..`.
+    Feed { row: usize },
+}
+
 /// An f32 buffer as a matrix of `rows` rows of `cols` for the kernels' products.
 fn f32_matrix(data: &[f32], rows: usize, cols: usize) -> WeightMatrix<'_> {
     let bytes = &data[..rows * cols];
@@ -112,6 +131,8 @@ struct Block {
 #[derive(Debug)]
 pub struct Encoding {
     grid: PatchGrid,
+    /// The block being run ([`Encoding::next`]) and where in it.
+    stage: Stage,
     /// The residual stream, `(patches, hidden)`.
     x: Vec<f32>,
     /// Rotary cos and sin per patch, `(patches, head_dim / 2)`.
@@ -297,8 +318,9 @@ impl VisionTower {
     /// `(tokens, out_hidden)`, one row per placeholder token, in prompt order.
     pub fn encode(&self, pool: &ThreadPool, pixels: &[f32], grid: PatchGrid) -> Result<Vec<f32>> {
         let mut encoding = self.begin(pool, pixels, grid)?;
+        let mut unlimited = u64::MAX;
         loop {
-            if let Some(out) = self.advance(pool, &mut encoding, usize::MAX) {
+            if let Some(out) = self.advance(pool, &mut encoding, &mut unlimited) {
                 return Ok(out);
             }
         }
@@ -351,6 +373,7 @@ impl VisionTower {
         let rows = QUERY_ROWS.min(frame);
         Ok(Encoding {
             grid,
+            stage: Stage::Project { row: 0 },
             x,
             cos,
             sin,
@@ -369,14 +392,19 @@ impl VisionTower {
         })
     }
 
-    /// Runs up to `blocks` more blocks of an encoding (at least one); once every block ran, the
-    /// merger too, and gives the tower's output `(tokens, out_hidden)`.
-    pub fn advance(&self, pool: &ThreadPool, e: &mut Encoding, blocks: usize) -> Option<Vec<f32>> {
-        let end = e.next.saturating_add(blocks.max(1)).min(self.blocks.len());
-        for b in e.next..end {
-            self.run_block(pool, &self.blocks[b], e);
+    /// Runs units of an encoding's blocks (at least one) until `budget` multiply-adds are
+    /// spent (it is decreased by what they took); once every block ran, the head too, and
+    /// gives the tower's output `(tokens, out_hidden)`.
+    pub fn advance(&self, pool: &ThreadPool, e: &mut Encoding, budget: &mut u64) -> Option<Vec<f32>> {
+        loop {
+            if e.next == self.blocks.len() {
+                break;
+            }
+            *budget = budget.saturating_sub(self.run_unit(pool, e));
+            if *budget == 0 {
+                break;
+            }
         }
-        e.next = end;
         if e.next < self.blocks.len() {
             return None;
         }
@@ -433,89 +461,128 @@ impl VisionTower {
         }
     }
 
-    /// 3. One block: `x += attn(LN(x))`, `x += mlp(LN(x))`.
-    fn run_block(&self, pool: &ThreadPool, block: &Block, e: &mut Encoding) {
+    /// Where token `j`'s query, key and value start in `qkv` (add `j * stride + head * hd`):
+    /// side by side per token (Qwen's fused projection, `(n, 3h)`) or one after the other
+    /// (SigLIP's three, `(3, n, h)`).
+    fn qkv_layout(&self, n: usize) -> ([usize; 3], usize) {
+        let h = self.config.hidden;
+        match self.blocks.first().map(|b| &b.qkv) {
+            Some(Qkv::Separate { .. }) => ([0, n * h, 2 * n * h], h),
+            _ => ([0, h, 2 * h], 3 * h),
+        }
+    }
+
+    /// 3. One unit of the current block's work, then the next stage; returns the
+    /// multiply-adds it took. A block (`x += attn(LN(x))`, `x += mlp(LN(x))`) is cut into units
+    /// that each read every weight of their part once: the projections of [`UNIT_ROWS`] patch
+    /// rows, the attention of one head over [`QUERY_ROWS`] queries, the output projection and
+    /// MLP of [`UNIT_ROWS`] rows. Every row's arithmetic is the same whatever the cut.
+    fn run_unit(&self, pool: &ThreadPool, e: &mut Encoding) -> u64 {
         let c = &self.config;
+        let block = &self.blocks[e.next];
         let (n, h, hd, heads) = (e.grid.patches(), c.hidden, c.head_dim(), c.heads);
         let (frame, half, inter) = (e.grid.h * e.grid.w, hd / 2, e.ones.len());
-        let scale = (hd as f32).powf(-0.5);
-        e.xn.copy_from_slice(&e.x);
-        block.norm1.rows(&mut e.xn);
-        // Where token j's query, key and value start in `qkv` (each (heads, head_dim)).
-        let (at_q, at_k, at_v): (usize, usize, usize);
-        let stride;
-        match &block.qkv {
-            Qkv::Fused(qkv) => {
-                // x (n, h) -> LN -> qkv (n, 3h): q, k, v side by side; rotary on q and k.
-                qkv.forward(pool, &e.xn, n, &mut e.qkv);
-                if !e.cos.is_empty() {
-                    for (p, row) in e.qkv.chunks_exact_mut(3 * h).enumerate() {
-                        let (c_p, s_p) = (&e.cos[p * half..(p + 1) * half], &e.sin[p * half..(p + 1) * half]);
-                        for head in row[..2 * h].chunks_exact_mut(hd) {
-                            kernels::rope_rotate_half(head, c_p, s_p);
+        let ([at_q, at_k, at_v], stride) = self.qkv_layout(n);
+        match e.stage {
+            Stage::Project { row } => {
+                // x rows (m, h) -> LN -> q, k, v rows; rotary on q and k (Qwen).
+                let (r0, r1) = (row, (row + UNIT_ROWS).min(n));
+                let m = r1 - r0;
+                e.xn[r0 * h..r1 * h].copy_from_slice(&e.x[r0 * h..r1 * h]);
+                block.norm1.rows(&mut e.xn[r0 * h..r1 * h]);
+                let xn = &e.xn[r0 * h..r1 * h];
+                match &block.qkv {
+                    Qkv::Fused(qkv) => {
+                        // (m, h) -> (m, 3h).
+                        qkv.forward(pool, xn, m, &mut e.qkv[r0 * 3 * h..r1 * 3 * h]);
+                        if !e.cos.is_empty() {
+                            for p in r0..r1 {
+                                let (c_p, s_p) = (&e.cos[p * half..(p + 1) * half], &e.sin[p * half..(p + 1) * half]);
+                                for head in e.qkv[p * 3 * h..p * 3 * h + 2 * h].chunks_exact_mut(hd) {
+                                    kernels::rope_rotate_half(head, c_p, s_p);
+                                }
+                            }
+                        }
+                    }
+                    Qkv::Separate { q, k, v } => {
+                        // (m, h) -> three (m, h), into their parts of qkv (3, n, h).
+                        for (dense, at) in [(q, at_q), (k, at_k), (v, at_v)] {
+                            dense.forward(pool, xn, m, &mut e.qkv[at + r0 * h..at + r1 * h]);
                         }
                     }
                 }
-                (at_q, at_k, at_v, stride) = (0, h, 2 * h, 3 * h);
+                e.stage = if r1 == n { Stage::Attend { f0: 0, head: 0, row: 0 } } else { Stage::Project { row: r1 } };
+                (m * h * 3 * h) as u64
             }
-            Qkv::Separate { q, k, v } => {
-                // x (n, h) -> LN -> q, k, v, each (n, h), one after the other in qkv (3, n, h).
-                let (qs, rest) = e.qkv.split_at_mut(n * h);
-                let (ks, vs) = rest.split_at_mut(n * h);
-                q.forward(pool, &e.xn, n, qs);
-                k.forward(pool, &e.xn, n, ks);
-                v.forward(pool, &e.xn, n, vs);
-                (at_q, at_k, at_v, stride) = (0, n * h, 2 * n * h, h);
-            }
-        }
-        // Bidirectional attention within each frame, per head, as matrix products:
-        // scores (rows, frame) = Q (rows, hd) · Kᵀ, times the scale, softmax per row, then
-        // out (rows, hd) = P (rows, frame) · V, queries taken QUERY_ROWS at a time so the
-        // scores stay small whatever the image.
-        for f0 in (0..n).step_by(frame) {
-            for head in 0..heads {
-                for j in 0..frame {
-                    let at = (f0 + j) * stride + head * hd;
-                    e.keys[j * hd..(j + 1) * hd].copy_from_slice(&e.qkv[at_k + at..at_k + at + hd]);
-                    e.queries[j * hd..(j + 1) * hd].copy_from_slice(&e.qkv[at_q + at..at_q + at + hd]);
-                    for d in 0..hd {
-                        e.values_t[d * frame + j] = e.qkv[at_v + at + d];
+            Stage::Attend { f0, head, row } => {
+                // Bidirectional attention within each frame, per head, as matrix products:
+                // scores (rows, frame) = Q (rows, hd) · Kᵀ, times the scale, softmax per row,
+                // then out (rows, hd) = P (rows, frame) · V, queries taken QUERY_ROWS at a time
+                // so the scores stay small whatever the image.
+                if row == 0 {
+                    for j in 0..frame {
+                        let at = (f0 + j) * stride + head * hd;
+                        e.keys[j * hd..(j + 1) * hd].copy_from_slice(&e.qkv[at_k + at..at_k + at + hd]);
+                        e.queries[j * hd..(j + 1) * hd].copy_from_slice(&e.qkv[at_q + at..at_q + at + hd]);
+                        for d in 0..hd {
+                            e.values_t[d * frame + j] = e.qkv[at_v + at + d];
+                        }
                     }
                 }
                 let k = f32_matrix(&e.keys, frame, hd);
                 let v_t = f32_matrix(&e.values_t, hd, frame);
-                for r0 in (0..frame).step_by(QUERY_ROWS) {
-                    let rows = QUERY_ROWS.min(frame - r0);
-                    let p = &mut e.probs[..rows * frame];
-                    kernels::matmul(pool, k, &e.queries[r0 * hd..(r0 + rows) * hd], rows, p);
-                    for row in p.chunks_exact_mut(frame) {
-                        kernels::scale(row, scale);
-                        kernels::softmax(row);
-                    }
-                    kernels::matmul(pool, v_t, p, rows, &mut e.head_out[..rows * hd]);
-                    for (i, o) in e.head_out[..rows * hd].chunks_exact(hd).enumerate() {
-                        let at = (f0 + r0 + i) * h + head * hd;
-                        e.attn[at..at + hd].copy_from_slice(o);
-                    }
+                let rows = QUERY_ROWS.min(frame - row);
+                let p = &mut e.probs[..rows * frame];
+                kernels::matmul(pool, k, &e.queries[row * hd..(row + rows) * hd], rows, p);
+                let scale = (hd as f32).powf(-0.5);
+                for r in p.chunks_exact_mut(frame) {
+                    kernels::scale(r, scale);
+                    kernels::softmax(r);
                 }
+                kernels::matmul(pool, v_t, p, rows, &mut e.head_out[..rows * hd]);
+                for (i, o) in e.head_out[..rows * hd].chunks_exact(hd).enumerate() {
+                    let at = (f0 + row + i) * h + head * hd;
+                    e.attn[at..at + hd].copy_from_slice(o);
+                }
+                e.stage = match (row + rows < frame, head + 1 < heads, f0 + frame < n) {
+                    (true, _, _) => Stage::Attend { f0, head, row: row + rows },
+                    (false, true, _) => Stage::Attend { f0, head: head + 1, row: 0 },
+                    (false, false, true) => Stage::Attend { f0: f0 + frame, head: 0, row: 0 },
+                    (false, false, false) => Stage::Feed { row: 0 },
+                };
+                (2 * rows * frame * hd) as u64
+            }
+            Stage::Feed { row } => {
+                let (r0, r1) = (row, (row + UNIT_ROWS).min(n));
+                let m = r1 - r0;
+                let (x, proj) = (&mut e.x[r0 * h..r1 * h], &mut e.proj[r0 * h..r1 * h]);
+                // attn rows (m, h) -> proj (m, h); x += proj.
+                block.proj.forward(pool, &e.attn[r0 * h..r1 * h], m, proj);
+                kernels::add_assign(x, proj);
+                // x -> LN -> fc1 (m, inter) -> act -> fc2 (m, h); x += that.
+                let xn = &mut e.xn[r0 * h..r1 * h];
+                xn.copy_from_slice(x);
+                block.norm2.rows(xn);
+                let mid = &mut e.mid[r0 * inter..r1 * inter];
+                block.fc1.forward(pool, xn, m, mid);
+                match c.activation {
+                    // The kernels' GeGLU with an "up" of ones: gelu_tanh(x) · 1.
+                    VisionActivation::GeluTanh => {
+                        mid.chunks_exact_mut(inter).for_each(|r| kernels::gelu_tanh_mul(r, &e.ones))
+                    }
+                    VisionActivation::Gelu => gelu(mid),
+                }
+                block.fc2.forward(pool, mid, m, proj);
+                kernels::add_assign(x, proj);
+                if r1 == n {
+                    e.next += 1;
+                    e.stage = Stage::Project { row: 0 };
+                } else {
+                    e.stage = Stage::Feed { row: r1 };
+                }
+                (m * (h * h + 2 * h * inter)) as u64
             }
         }
-        // attn (n, h) -> proj (n, h); x += proj.
-        block.proj.forward(pool, &e.attn, n, &mut e.proj);
-        kernels::add_assign(&mut e.x, &e.proj);
-        // x -> LN -> fc1 (n, inter) -> act -> fc2 (n, h); x += that.
-        e.xn.copy_from_slice(&e.x);
-        block.norm2.rows(&mut e.xn);
-        block.fc1.forward(pool, &e.xn, n, &mut e.mid);
-        match c.activation {
-            // The kernels' GeGLU with an "up" of ones: gelu_tanh(x) · 1.
-            VisionActivation::GeluTanh => {
-                e.mid.chunks_exact_mut(inter).for_each(|row| kernels::gelu_tanh_mul(row, &e.ones))
-            }
-            VisionActivation::Gelu => gelu(&mut e.mid),
-        }
-        block.fc2.forward(pool, &e.mid, n, &mut e.proj);
-        kernels::add_assign(&mut e.x, &e.proj);
     }
 
     /// A patch's (row, column) in its frame from its index `p` in the processor's order:

@@ -64,6 +64,37 @@ fn the_vision_tower_gives_transformers_merged_rows() {
 }
 
 #[test]
+fn an_image_larger_than_a_unit_of_work_is_encoded_right_however_it_is_cut() {
+    let pool = ThreadPool::new(2);
+    for (dir, reference) in fixtures() {
+        let loaded = kylin_loader::load(&dir, &Default::default()).unwrap();
+        let tower = VisionTower::new(loaded.vision.as_ref().unwrap()).unwrap();
+        // 288 patches: the projections and the MLP run in units of 256 rows, attention in
+        // units of 256 queries.
+        let image = &reference["large_image"];
+        let (grid, pixels) = (grid(image), floats(&image["pixel_values"]));
+        let whole = tower.encode(&pool, &pixels, grid).unwrap();
+        let want = floats(&image["merged"]);
+        let diff = whole.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert_eq!(whole.len(), want.len());
+        assert!(diff < 2e-5, "{}: max |diff| {diff}", dir.display());
+        // One unit per call, as a step beside running sequences takes them: the same bits.
+        let mut encoding = tower.begin(&pool, &pixels, grid).unwrap();
+        let mut calls = 0;
+        let sliced = loop {
+            calls += 1;
+            if let Some(out) = tower.advance(&pool, &mut encoding, &mut 1) {
+                break out;
+            }
+        };
+        assert_eq!(sliced, whole);
+        // Per block: two projection units, two query units per head, two MLP units.
+        let c = tower.config();
+        assert_eq!(calls, c.depth * (2 + 2 * c.heads + 2), "{}", dir.display());
+    }
+}
+
+#[test]
 fn a_grid_that_does_not_match_its_pixels_is_refused() {
     let (dir, _) = &fixtures()[0];
     let loaded = kylin_loader::load(dir, &Default::default()).unwrap();
