@@ -11,8 +11,8 @@ what an image costs whatever the language model, and a small language model keep
 small (1.4 GB). Seeded random BF16 weights in the published layout (`vision_tower.vision_model.*`,
 `multi_modal_projector.*`, `language_model.model.*`); speed does not depend on their values.
 The tokenizer, chat template and image processor configuration are the tiny Gemma 3 fixture's
-(tests/fixtures/tiny-gemma3-vl-pooled: image tokens at ids 1000..1002) with the processor at
-896 x 896, as gemma-3-4b-it's. Needs numpy (the fetch script's venv has it).
+(tests/fixtures/tiny-gemma3-vl-pooled: image tokens at ids 1000..1002; its tokenizer padded with
+fillers to the vocabulary's size) with the processor at 896 x 896, as gemma-3-4b-it's. Needs numpy (the fetch script's venv has it).
 """
 import json
 import os
@@ -99,8 +99,13 @@ with open(os.path.join(out, "model.safetensors"), "wb") as f:
 json.dump(config, open(os.path.join(out, "config.json"), "w"), indent=1)
 json.dump({"bos_token_id": 2, "eos_token_id": [1, 1004], "pad_token_id": 0},
           open(os.path.join(out, "generation_config.json"), "w"), indent=1)
-for name in ("tokenizer.json", "tokenizer_config.json"):
-    shutil.copy(os.path.join(fixture, name), os.path.join(out, name))
+shutil.copy(os.path.join(fixture, "tokenizer_config.json"), os.path.join(out, "tokenizer_config.json"))
+# The fixture's tokenizer covers ids 0..1004; fillers up to the vocabulary's 262144 (each decodes
+# as its name) so that whatever the random model generates is text a stream carries.
+tokenizer = json.load(open(os.path.join(fixture, "tokenizer.json")))
+vocab = tokenizer["model"]["vocab"]
+vocab.update({f"<filler_{i}>": i for i in range(1005, T["vocab_size"])})
+json.dump(tokenizer, open(os.path.join(out, "tokenizer.json"), "w"), ensure_ascii=False)
 pre = json.load(open(os.path.join(fixture, "preprocessor_config.json")))
 pre["size"] = {"height": 896, "width": 896}
 json.dump(pre, open(os.path.join(out, "preprocessor_config.json"), "w"), indent=1)
