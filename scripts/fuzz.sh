@@ -41,6 +41,8 @@ TARGETS=(
     "llama2c_bin:"
     "llama2c_tokenizer:"
     "server_request:json.dict"
+    "image_file:"
+    "preprocessor_config:json.dict"
 )
 
 SANITIZER="${KYLIN_FUZZ_SANITIZER:-}"

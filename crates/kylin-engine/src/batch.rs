@@ -59,7 +59,7 @@ use crate::serving::{
 use crate::speculative::{MAX_SPECULATIVE_TOKENS, SpeculationControl, propose_ngram};
 use crate::state_pool::{NO_SLOT, StatePool};
 use crate::text::TextCodec;
-use crate::vision::{Encoding, ImagePreparer, VisionTower};
+use crate::vision::{self, Encoding, ImagePreparer, VisionTower};
 
 /// The context size used when none is given, capped by the model's `max_position_embeddings`.
 pub const DEFAULT_CONTEXT: usize = 4096;
@@ -1377,15 +1377,18 @@ impl BatchEngine {
     }
 
     /// Encodes the waiting requests' images, oldest request first; a request whose images are
-    /// all done goes to the waiting queue. While other sequences run, a step runs about
-    /// [`crate::vision::STEP_MACS`] multiply-adds of the tower (units of a block: projections
-    /// or MLP of a few hundred patches, or one head's attention), so their tokens are delayed
-    /// by that much at a time; with nothing else running, the images are encoded at once.
+    /// all done goes to the waiting queue. Beside running sequences a step runs about
+    /// [`vision::STEP_MACS`] multiply-adds of the tower (units of a block: the projections or
+    /// MLP of [`vision::UNIT_ROWS`] patches, or one head's attention), so their tokens are
+    /// delayed by that much at a time. With nothing else running, a step runs
+    /// [`vision::ALONE_STEP_MACS`] in units of the whole image (faster), so a request that
+    /// arrives meanwhile starts within about a second, not after the whole tower.
     fn encode_step(&mut self) {
         let Some(tower) = &self.vision else { return };
-        // Alone, the images are encoded at once; beside running sequences, a step's share.
-        let alone = self.running.is_empty();
-        let mut left = if alone { u64::MAX } else { crate::vision::STEP_MACS };
+        let (mut left, unit_rows) = match self.running.is_empty() {
+            true => (vision::ALONE_STEP_MACS, usize::MAX),
+            false => (vision::STEP_MACS, vision::UNIT_ROWS),
+        };
         let merge = tower.config().spatial_merge_size;
         let placeholder = tower.config().image_token_id;
         while left > 0 {
@@ -1430,7 +1433,7 @@ impl BatchEngine {
             }
             let Some((encoding, content)) = &mut front.current else { continue };
             let started = std::time::Instant::now();
-            let done = tower.advance(&self.core.pool, encoding, &mut left);
+            let done = tower.advance(&self.core.pool, encoding, &mut left, unit_rows);
             self.stats.image_encode_seconds += started.elapsed().as_secs_f64();
             if let Some(out) = done {
                 self.stats.images_encoded += 1;

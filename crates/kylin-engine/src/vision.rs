@@ -42,12 +42,17 @@ const NORM_EPS: f32 = 1e-6;
 /// Attention rows computed at once (bounds the scores buffer: `QUERY_ROWS · frame` floats).
 const QUERY_ROWS: usize = 256;
 
-/// Patch rows of one unit of the projections or the MLP ([`VisionTower::advance`]).
-const UNIT_ROWS: usize = 256;
+/// Patch rows of one unit of the projections or the MLP while other sequences run
+/// ([`VisionTower::advance`]).
+pub const UNIT_ROWS: usize = 256;
 
-/// Multiply-adds of tower work a step runs while other sequences run: at the ~50 GFLOP/s two
-/// AVX2 cores reach in these products, about 0.15 s (see BENCHMARKS.md, "the decode gap").
+/// Multiply-adds of tower work a step runs while other sequences run: at the ~40-60 GFLOP/s
+/// two AVX2 cores reach in these products, about 0.2 s (BENCHMARKS.md, "the decode gap").
 pub const STEP_MACS: u64 = 4_000_000_000;
+
+/// Multiply-adds of tower work a step runs when no other sequence runs, in units of the whole
+/// image's rows: about a second, so a request that arrives meanwhile waits that long at most.
+pub const ALONE_STEP_MACS: u64 = 8 * STEP_MACS;
 
 /// Where an encoding is inside its current block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -320,7 +325,7 @@ impl VisionTower {
         let mut encoding = self.begin(pool, pixels, grid)?;
         let mut unlimited = u64::MAX;
         loop {
-            if let Some(out) = self.advance(pool, &mut encoding, &mut unlimited) {
+            if let Some(out) = self.advance(pool, &mut encoding, &mut unlimited, usize::MAX) {
                 return Ok(out);
             }
         }
@@ -394,13 +399,15 @@ impl VisionTower {
 
     /// Runs units of an encoding's blocks (at least one) until `budget` multiply-adds are
     /// spent (it is decreased by what they took); once every block ran, the head too, and
-    /// gives the tower's output `(tokens, out_hidden)`.
-    pub fn advance(&self, pool: &ThreadPool, e: &mut Encoding, budget: &mut u64) -> Option<Vec<f32>> {
+    /// gives the tower's output `(tokens, out_hidden)`. The projections and the MLP take
+    /// `unit_rows` patch rows per unit ([`UNIT_ROWS`] beside running sequences; more rows read
+    /// each weight once for more of them, which is faster when nothing waits).
+    pub fn advance(&self, pool: &ThreadPool, e: &mut Encoding, budget: &mut u64, unit_rows: usize) -> Option<Vec<f32>> {
         loop {
             if e.next == self.blocks.len() {
                 break;
             }
-            *budget = budget.saturating_sub(self.run_unit(pool, e));
+            *budget = budget.saturating_sub(self.run_unit(pool, e, unit_rows.max(1)));
             if *budget == 0 {
                 break;
             }
@@ -477,7 +484,7 @@ impl VisionTower {
     /// that each read every weight of their part once: the projections of [`UNIT_ROWS`] patch
     /// rows, the attention of one head over [`QUERY_ROWS`] queries, the output projection and
     /// MLP of [`UNIT_ROWS`] rows. Every row's arithmetic is the same whatever the cut.
-    fn run_unit(&self, pool: &ThreadPool, e: &mut Encoding) -> u64 {
+    fn run_unit(&self, pool: &ThreadPool, e: &mut Encoding, unit_rows: usize) -> u64 {
         let c = &self.config;
         let block = &self.blocks[e.next];
         let (n, h, hd, heads) = (e.grid.patches(), c.hidden, c.head_dim(), c.heads);
@@ -486,7 +493,7 @@ impl VisionTower {
         match e.stage {
             Stage::Project { row } => {
                 // x rows (m, h) -> LN -> q, k, v rows; rotary on q and k (Qwen).
-                let (r0, r1) = (row, (row + UNIT_ROWS).min(n));
+                let (r0, r1) = (row, row.saturating_add(unit_rows).min(n));
                 let m = r1 - r0;
                 e.xn[r0 * h..r1 * h].copy_from_slice(&e.x[r0 * h..r1 * h]);
                 block.norm1.rows(&mut e.xn[r0 * h..r1 * h]);
@@ -553,7 +560,7 @@ impl VisionTower {
                 (2 * rows * frame * hd) as u64
             }
             Stage::Feed { row } => {
-                let (r0, r1) = (row, (row + UNIT_ROWS).min(n));
+                let (r0, r1) = (row, row.saturating_add(unit_rows).min(n));
                 let m = r1 - r0;
                 let (x, proj) = (&mut e.x[r0 * h..r1 * h], &mut e.proj[r0 * h..r1 * h]);
                 // attn rows (m, h) -> proj (m, h); x += proj.

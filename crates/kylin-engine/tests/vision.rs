@@ -78,12 +78,13 @@ fn an_image_larger_than_a_unit_of_work_is_encoded_right_however_it_is_cut() {
         let diff = whole.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
         assert_eq!(whole.len(), want.len());
         assert!(diff < 2e-5, "{}: max |diff| {diff}", dir.display());
-        // One unit per call, as a step beside running sequences takes them: the same bits.
+        // One unit per call, as a step beside running sequences takes them (256 rows, where
+        // `encode` takes all 288 at once): the same bits.
         let mut encoding = tower.begin(&pool, &pixels, grid).unwrap();
         let mut calls = 0;
         let sliced = loop {
             calls += 1;
-            if let Some(out) = tower.advance(&pool, &mut encoding, &mut 1) {
+            if let Some(out) = tower.advance(&pool, &mut encoding, &mut 1, kylin_engine::vision::UNIT_ROWS) {
                 break out;
             }
         };
