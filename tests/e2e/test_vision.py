@@ -164,3 +164,17 @@ def test_gemma3_answers_an_image_as_transformers_does(gemma_server):
     stream = client.chat.completions.create(model="gemma", messages=messages, max_tokens=10, temperature=0,
                                             stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == GEMMA_REFERENCE["greedy_text"]
+
+
+def test_gemma3_through_the_anthropic_api_and_its_token_count(gemma_server):
+    client = anthropic.Anthropic(base_url=gemma_server, api_key="unused", max_retries=0, timeout=120)
+    blocks = [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                           "data": base64.b64encode(PNG).decode()}},
+              {"type": "text", "text": GEMMA_REFERENCE["question"]}]
+    message = client.messages.create(model="gemma", max_tokens=10, messages=[{"role": "user", "content": blocks}],
+                                     extra_body={"temperature": 0})
+    assert message.content[0].text == GEMMA_REFERENCE["greedy_text"]
+    # The count is the prompt transformers' processor makes: the image's sequence with its
+    # newlines merged into the template's.
+    count = client.messages.count_tokens(model="gemma", messages=[{"role": "user", "content": blocks}])
+    assert count.input_tokens == len(GEMMA_REFERENCE["prompt_ids"])

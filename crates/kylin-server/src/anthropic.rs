@@ -416,15 +416,11 @@ pub async fn count_tokens(State(state): State<AppState>, request: Request) -> Re
     let req = MessagesRequest::parse(&body, true)?;
     check_model(&state, req.common.model.as_deref())?;
     let prepared = chat::prepare(&state, &published, ChatPlan { tool_choice: ToolChoice::Auto, ..req.plan }).await?;
-    // Each image's placeholder becomes the image's tokens.
+    // The images' tokens are counted as the model's processor puts them into the prompt.
     let images = crate::images::prepare(&state, &published, req.images).await?;
-    let image_tokens: usize = match &published.images {
-        Some(p) => images.iter().map(|i| p.tokens(i).saturating_sub(1)).sum(),
-        None => 0,
-    };
-    let job = TextJob::Tokenize { prompt: prepared.prompt, add_special: false };
+    let job = TextJob::Tokenize { prompt: prepared.prompt, add_special: false, images };
     match state.engine().text(job).await.map_err(|e| ApiError::from_engine(&e, "messages"))? {
-        TextReply::Ids(ids) => Ok(axum::Json(json!({"input_tokens": ids.len() + image_tokens})).into_response()),
+        TextReply::Ids(ids) => Ok(axum::Json(json!({"input_tokens": ids.len()})).into_response()),
         _ => Err(ApiError::internal("the engine answered a tokenize job with something else").into()),
     }
 }

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use kylin_engine::grammar::{Grammar, GrammarCompiler};
 use kylin_engine::sampler::SamplingParams;
-use kylin_engine::serving::TokenLogprob;
+use kylin_engine::serving::{ImageInput, TokenLogprob};
 use kylin_engine::tools::ToolSyntax;
 use kylin_engine::vision::ImagePreparer;
 use kylin_engine::{
@@ -144,10 +144,12 @@ pub struct Echo {
 /// Text services the handlers ask of the engine.
 #[derive(Debug)]
 pub enum TextJob {
-    /// Renders (for chat) and tokenizes a prompt; `add_special` applies to text prompts.
+    /// Renders (for chat) and tokenizes a prompt; `add_special` applies to text prompts. With
+    /// images, their tokens are in the ids as a generation would have them.
     Tokenize {
         prompt: Prompt,
         add_special: bool,
+        images: Vec<ImageInput>,
     },
     Detokenize {
         ids: Vec<u32>,
@@ -611,7 +613,17 @@ impl EngineLoop {
 
     fn text(&self, job: TextJob) -> Result<TextReply, KylinError> {
         match job {
-            TextJob::Tokenize { prompt, add_special } => self.prompt_ids(prompt, add_special).map(TextReply::Ids),
+            TextJob::Tokenize { prompt, add_special, images } if images.is_empty() => {
+                self.prompt_ids(prompt, add_special).map(TextReply::Ids)
+            }
+            TextJob::Tokenize { prompt, add_special, images } => {
+                let preparer = self
+                    .engine
+                    .image_preparer()
+                    .ok_or_else(|| KylinError::input_invalid("this model takes no images"))?;
+                let ids = self.prompt_ids_with(prompt, add_special, Some(&preparer))?;
+                preparer.expand(&ids, &images).map(TextReply::Ids)
+            }
             TextJob::Detokenize { ids } => {
                 self.require_tokenizer()?;
                 let vocab = self.handle.published.get().map_or(0, |p| p.info.vocab_size);

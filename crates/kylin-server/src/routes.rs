@@ -835,12 +835,18 @@ pub async fn tokenize(State(state): State<AppState>, request: Request) -> Result
     let (parts, body) = request.into_parts();
     let body = read_body(&state, &parts.headers, body).await?;
     let (model, job, param) = match TokenizeRequest::parse(&body)? {
-        TokenizeRequest::Text { model, text, add_special_tokens } => {
-            (model, TextJob::Tokenize { prompt: Prompt::Text(text), add_special: add_special_tokens }, "prompt")
-        }
+        TokenizeRequest::Text { model, text, add_special_tokens } => (
+            model,
+            TextJob::Tokenize { prompt: Prompt::Text(text), add_special: add_special_tokens, images: Vec::new() },
+            "prompt",
+        ),
         TokenizeRequest::Chat { model, messages, kwargs, add_generation_prompt } => (
             model,
-            TextJob::Tokenize { prompt: Prompt::Chat { messages, kwargs, add_generation_prompt }, add_special: false },
+            TextJob::Tokenize {
+                prompt: Prompt::Chat { messages, kwargs, add_generation_prompt },
+                add_special: false,
+                images: Vec::new(),
+            },
             "messages",
         ),
     };
