@@ -31,7 +31,7 @@
 use serde_json::{Map, Value};
 
 use crate::error::VisionError;
-use crate::qwen::{present, read_bool, read_channels, read_count};
+use crate::qwen::{PixelSettings, present, read_bool, read_count, read_pixel_settings};
 use crate::resample::{ResampleFilter, resize};
 use image::RgbImage;
 
@@ -240,26 +240,15 @@ impl Gemma3ImageProcessor {
     fn from_map(config: &Map<String, Value>) -> Result<Gemma3ImageProcessor, VisionError> {
         let defaults = Gemma3ImageProcessor::default();
         let (height, width) = read_target_size(config)?;
-        let image_mean = read_channels(config, "image_mean", defaults.image_mean)?;
-        let image_std = read_channels(config, "image_std", defaults.image_std)?;
-        if image_std.iter().any(|&s| s as f32 == 0.0) {
-            return Err(VisionError::config(format!("`image_std` must not be zero, got {image_std:?}")));
-        }
-        let rescale_factor = match present(config, "rescale_factor") {
-            None => defaults.rescale_factor,
-            Some(v) => v
-                .as_f64()
-                .filter(|x| x.is_finite() && *x > 0.0)
-                .ok_or_else(|| VisionError::config(format!("`rescale_factor` must be a positive number, got {v}")))?,
-        };
-        let resample = match present(config, "resample") {
-            None => defaults.resample,
-            Some(v) => v.as_i64().and_then(ResampleFilter::from_pillow).ok_or_else(|| {
-                VisionError::config(format!(
-                    "`resample` must be 2 (bilinear) or 3 (bicubic), the filters Kylin implements, got {v}"
-                ))
-            })?,
-        };
+        let PixelSettings { image_mean, image_std, rescale_factor, resample } = read_pixel_settings(
+            config,
+            PixelSettings {
+                image_mean: defaults.image_mean,
+                image_std: defaults.image_std,
+                rescale_factor: defaults.rescale_factor,
+                resample: defaults.resample,
+            },
+        )?;
         let count = |key: &str, default: usize, min: u64, max: u64| -> Result<usize, VisionError> {
             present(config, key).map_or(Ok(default), |v| read_count(v, key, min, max).map(|n| n as usize))
         };

@@ -164,6 +164,43 @@ pub(crate) fn read_channels(
     Ok(values)
 }
 
+/// The settings every image processor reads alike, each at its class default when absent.
+pub(crate) struct PixelSettings {
+    pub image_mean: [f64; 3],
+    pub image_std: [f64; 3],
+    pub rescale_factor: f64,
+    pub resample: ResampleFilter,
+}
+
+/// Reads `image_mean`, `image_std` (no channel zero), `rescale_factor` (positive) and
+/// `resample` (a filter Kylin implements), each at `defaults`' value when absent.
+pub(crate) fn read_pixel_settings(
+    config: &Map<String, Value>,
+    defaults: PixelSettings,
+) -> Result<PixelSettings, VisionError> {
+    let image_mean = read_channels(config, "image_mean", defaults.image_mean)?;
+    let image_std = read_channels(config, "image_std", defaults.image_std)?;
+    if image_std.iter().any(|&s| s as f32 == 0.0) {
+        return Err(VisionError::config(format!("`image_std` must not be zero, got {image_std:?}")));
+    }
+    let rescale_factor = match present(config, "rescale_factor") {
+        None => defaults.rescale_factor,
+        Some(v) => v
+            .as_f64()
+            .filter(|x| x.is_finite() && *x > 0.0)
+            .ok_or_else(|| VisionError::config(format!("`rescale_factor` must be a positive number, got {v}")))?,
+    };
+    let resample = match present(config, "resample") {
+        None => defaults.resample,
+        Some(v) => v.as_i64().and_then(ResampleFilter::from_pillow).ok_or_else(|| {
+            VisionError::config(format!(
+                "`resample` must be 2 (bilinear) or 3 (bicubic), the filters Kylin implements, got {v}"
+            ))
+        })?,
+    };
+    Ok(PixelSettings { image_mean, image_std, rescale_factor, resample })
+}
+
 impl QwenImageProcessor {
     /// Reads a `preprocessor_config.json` as transformers' `Qwen2VLImageProcessorPil` does:
     /// `size: {shortest_edge, longest_edge}` (without it, the class default), overridden by
@@ -223,26 +260,15 @@ impl QwenImageProcessor {
             )));
         }
 
-        let image_mean = read_channels(config, "image_mean", defaults.image_mean)?;
-        let image_std = read_channels(config, "image_std", defaults.image_std)?;
-        if image_std.iter().any(|&s| s as f32 == 0.0) {
-            return Err(VisionError::config(format!("`image_std` must not be zero, got {image_std:?}")));
-        }
-        let rescale_factor = match present(config, "rescale_factor") {
-            None => defaults.rescale_factor,
-            Some(v) => v
-                .as_f64()
-                .filter(|x| x.is_finite() && *x > 0.0)
-                .ok_or_else(|| VisionError::config(format!("`rescale_factor` must be a positive number, got {v}")))?,
-        };
-        let resample = match present(config, "resample") {
-            None => defaults.resample,
-            Some(v) => v.as_i64().and_then(ResampleFilter::from_pillow).ok_or_else(|| {
-                VisionError::config(format!(
-                    "`resample` must be 2 (bilinear) or 3 (bicubic), the filters Kylin implements, got {v}"
-                ))
-            })?,
-        };
+        let PixelSettings { image_mean, image_std, rescale_factor, resample } = read_pixel_settings(
+            config,
+            PixelSettings {
+                image_mean: defaults.image_mean,
+                image_std: defaults.image_std,
+                rescale_factor: defaults.rescale_factor,
+                resample: defaults.resample,
+            },
+        )?;
         Ok(QwenImageProcessor {
             patch_size: patch_size as usize,
             temporal_patch_size: temporal_patch_size as usize,
