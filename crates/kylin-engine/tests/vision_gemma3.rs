@@ -11,10 +11,10 @@ use std::sync::Arc;
 use kylin_engine::batch::{BatchEngine, EngineOptions};
 use kylin_engine::serving::{ImageInput, Request};
 use kylin_engine::vision::{PatchGrid, VisionTower, siglip_patches};
-use kylin_engine::{Event, EventKind, PrecisionChoice, Serving};
+use kylin_engine::{PrecisionChoice, Serving};
 use kylin_kernels::ThreadPool;
 use serde_json::Value;
-use support::{floats, ids};
+use support::{Output, floats, ids, log_softmax};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -101,44 +101,8 @@ fn request(id: u64, case: &Value, patch: usize) -> Request {
     r
 }
 
-#[derive(Debug, Default, PartialEq)]
-struct Output {
-    prompt_top: Vec<Vec<(u32, f32)>>,
-    ids: Vec<u32>,
-    top: Vec<Vec<(u32, f32)>>,
-    cached: usize,
-}
-
 fn run(e: &mut BatchEngine, requests: Vec<Request>) -> Vec<Output> {
-    let n = requests.len();
-    let first = requests[0].id;
-    for r in requests {
-        e.add_request(r).expect("the request is accepted");
-    }
-    let mut out: Vec<Output> = (0..n).map(|_| Output::default()).collect();
-    support::step_until_idle(e, |events: &[Event]| {
-        for ev in events {
-            let o = &mut out[(ev.request - first) as usize];
-            match &ev.kind {
-                EventKind::PromptLogprobs { logprobs, .. } => {
-                    o.prompt_top.extend(logprobs.iter().map(|l| l.top.clone()))
-                }
-                EventKind::Token { id, logprob, .. } => {
-                    o.ids.push(*id);
-                    o.top.push(logprob.as_ref().expect("log-probabilities were asked for").top.clone());
-                }
-                EventKind::Finished { usage, .. } => o.cached = usage.cached_prompt_tokens,
-                EventKind::Pooled { .. } => unreachable!(),
-            }
-        }
-    });
-    out
-}
-
-fn log_softmax(logits: &[f32]) -> Vec<f64> {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = max + logits.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
-    logits.iter().map(|&v| v as f64 - lse).collect()
+    support::run_requests(e, requests)
 }
 
 /// Checks a run against a case: the argmax at every position, log-probabilities within 1e-3,

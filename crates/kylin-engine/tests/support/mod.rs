@@ -88,3 +88,51 @@ pub fn f32_block_bytes(path: &std::path::Path) -> u64 {
     let shape = kylin_engine::kv_pool::KvShape { n_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
     kylin_engine::kv_pool::KvPool::block_bytes(kylin_kernels::WeightDType::F32, &vec![shape; c.num_layers], 16).unwrap()
 }
+
+/// What a request produced, as the vision tests read it: per prompt position `p` (from 1),
+/// the top-20 of the logits of position `p - 1`; the generated ids and each one's top-20; the
+/// prompt tokens the prefix cache supplied.
+#[derive(Debug, Default, PartialEq)]
+pub struct Output {
+    pub prompt_top: Vec<Vec<(u32, f32)>>,
+    pub ids: Vec<u32>,
+    pub top: Vec<Vec<(u32, f32)>>,
+    pub cached: usize,
+}
+
+/// Adds `requests` (ids counting up from the first's) and steps until idle, collecting each
+/// one's [`Output`].
+pub fn run_requests(e: &mut dyn kylin_engine::Serving, requests: Vec<Request>) -> Vec<Output> {
+    use kylin_engine::EventKind;
+    let n = requests.len();
+    let first = requests[0].id;
+    for r in requests {
+        e.add_request(r).expect("the request is accepted");
+    }
+    let mut out: Vec<Output> = (0..n).map(|_| Output::default()).collect();
+    step_until_idle(e, |events: &[kylin_engine::Event]| {
+        for ev in events {
+            let o = &mut out[(ev.request - first) as usize];
+            match &ev.kind {
+                EventKind::PromptLogprobs { start, logprobs } => {
+                    assert_eq!(*start, o.prompt_top.len() + 1, "prompt positions in order");
+                    o.prompt_top.extend(logprobs.iter().map(|l| l.top.clone()));
+                }
+                EventKind::Token { id, logprob, .. } => {
+                    o.ids.push(*id);
+                    o.top.push(logprob.as_ref().expect("log-probabilities were asked for").top.clone());
+                }
+                EventKind::Finished { usage, .. } => o.cached = usage.cached_prompt_tokens,
+                EventKind::Pooled { .. } => unreachable!(),
+            }
+        }
+    });
+    out
+}
+
+/// `log_softmax(logits)`, in f64.
+pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = max + logits.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
+    logits.iter().map(|&v| v as f64 - lse).collect()
+}
