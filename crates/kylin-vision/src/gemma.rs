@@ -31,7 +31,7 @@
 use serde_json::{Map, Value};
 
 use crate::error::VisionError;
-use crate::qwen::{PixelSettings, present, read_bool, read_count, read_pixel_settings};
+use crate::qwen::{PixelSettings, config_object, present, read_bool, read_count, read_pixel_settings};
 use crate::resample::{ResampleFilter, resize};
 use image::RgbImage;
 
@@ -229,12 +229,7 @@ impl Gemma3ImageProcessor {
     /// Reads a `preprocessor_config.json` as transformers' `Gemma3ImageProcessorPil` does; keys
     /// it does not read are ignored, and `null` is a missing value.
     pub fn from_json(text: &str) -> Result<Gemma3ImageProcessor, VisionError> {
-        let value: Value = serde_json::from_str(text)
-            .map_err(|e| VisionError::config(format!("preprocessor_config.json is not valid JSON: {e}")))?;
-        let Value::Object(config) = value else {
-            return Err(VisionError::config(format!("preprocessor_config.json must be a JSON object, got {value}")));
-        };
-        Self::from_map(&config)
+        Self::from_map(&config_object(text)?)
     }
 
     fn from_map(config: &Map<String, Value>) -> Result<Gemma3ImageProcessor, VisionError> {

@@ -164,6 +164,16 @@ pub(crate) fn read_channels(
     Ok(values)
 }
 
+/// The JSON object of a `preprocessor_config.json` (`PREPROCESSOR_CONFIG` when it is not one).
+pub(crate) fn config_object(text: &str) -> Result<Map<String, Value>, VisionError> {
+    let value: Value = serde_json::from_str(text)
+        .map_err(|e| VisionError::config(format!("preprocessor_config.json is not valid JSON: {e}")))?;
+    match value {
+        Value::Object(config) => Ok(config),
+        other => Err(VisionError::config(format!("preprocessor_config.json must be a JSON object, got {other}"))),
+    }
+}
+
 /// The settings every image processor reads alike, each at its class default when absent.
 pub(crate) struct PixelSettings {
     pub image_mean: [f64; 3],
@@ -207,12 +217,7 @@ impl QwenImageProcessor {
     /// `min_pixels` / `max_pixels` where given; keys it does not read are ignored, and `null`
     /// is a missing value.
     pub fn from_json(text: &str) -> Result<QwenImageProcessor, VisionError> {
-        let value: Value = serde_json::from_str(text)
-            .map_err(|e| VisionError::config(format!("preprocessor_config.json is not valid JSON: {e}")))?;
-        let Value::Object(config) = value else {
-            return Err(VisionError::config(format!("preprocessor_config.json must be a JSON object, got {value}")));
-        };
-        Self::from_map(&config)
+        Self::from_map(&config_object(text)?)
     }
 
     fn from_map(config: &Map<String, Value>) -> Result<QwenImageProcessor, VisionError> {
