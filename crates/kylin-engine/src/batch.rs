@@ -40,6 +40,7 @@ use std::sync::Arc;
 
 use kylin_kernels::{ThreadPool, WeightDType};
 use kylin_loader::task::ModelTask;
+use kylin_loader::vision::ImageAttention;
 use kylin_loader::{GenerationDefaults, KylinError, LoadedModel, Result};
 
 use crate::backend::ChatMessage;
@@ -1063,8 +1064,8 @@ impl Seq {
             }
         }
         if bidirectional {
-            // An image's tokens see every token of their image (Gemma 3); the rest, up to
-            // themselves.
+            // An image's tokens see every token of their image (Gemma 3, and Gemma 4 on its
+            // sliding layers); the rest, up to themselves.
             for index in from..from + n {
                 let image = self.images.iter().find(|i| (i.start..i.start + i.tokens).contains(&index));
                 plan.attend_until.push(image.map_or(index + 1, |i| i.start + i.tokens) as u32);
@@ -1314,7 +1315,7 @@ impl BatchEngine {
         }
         let Some(tower) = &self.vision else {
             return Err(KylinError::input_invalid(
-                "this model takes no images: it has no vision tower Kylin runs (images run on Qwen3.5 and Gemma 3 vision-language directories)",
+                "this model takes no images: it has no vision tower Kylin runs (images run on Qwen3.5, Gemma 3 and Gemma 4 vision-language directories)",
             ));
         };
         let placeholder = tower.config().image_token_id;
@@ -1487,7 +1488,7 @@ impl BatchEngine {
     }
 
     /// Tokens a sequence can compute this step given `budget` and the free blocks. When an
-    /// image's tokens attend to each other both ways (Gemma 3), a chunk never ends inside an
+    /// image's tokens attend to each other both ways (Gemma 3 and 4), a chunk never ends inside an
     /// image: it stops before the image (or takes nothing this step), so the image's tokens are
     /// computed together.
     fn fit(&self, seq: &Seq, budget: usize) -> usize {
@@ -2003,9 +2004,14 @@ impl BatchEngine {
         let bs = self.core.kv.block_size;
         self.core.plan.clear();
         let rope = self.core.model.multimodal_rope();
-        // With Gemma 3's images, every token of the step says how far it attends.
+        // With Gemma 3's and 4's images, every token of the step says how far it attends.
         let bidirectional = self.vision.as_ref().is_some_and(|t| t.config().image_tokens_bidirectional())
             && self.scheduled.iter().any(|s| !self.running[s.slot].images.is_empty());
+        self.core.plan.attend_until_sliding_only = bidirectional
+            && self
+                .vision
+                .as_ref()
+                .is_some_and(|t| t.config().image_attention() == ImageAttention::BidirectionalOnSliding);
         for s in self.scheduled.iter_mut() {
             let seq = &self.running[s.slot];
             let t0 = self.core.plan.ids.len();

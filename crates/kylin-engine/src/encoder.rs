@@ -54,8 +54,8 @@ pub(crate) fn dtype_of(t: &WeightTensor) -> Result<WeightDType> {
 pub(crate) struct Dense {
     weight: WeightTensor,
     dtype: WeightDType,
-    bias: WeightTensor,
-    bias_dtype: WeightDType,
+    /// The bias and its dtype, if the layer has one.
+    bias: Option<(WeightTensor, WeightDType)>,
     rows: usize,
     cols: usize,
 }
@@ -68,14 +68,19 @@ impl Dense {
     /// Over a weight of shape `[rows, ...]` (the trailing dimensions are the columns, as a
     /// convolution whose kernel equals its stride is a matrix over each patch) and its bias.
     pub(crate) fn new(weight: &WeightTensor, bias: &WeightTensor) -> Result<Self> {
-        let rows = weight.shape.first().copied().unwrap_or(0);
+        let mut dense = Dense::without_bias(weight)?;
+        dense.bias = Some((bias.clone(), dtype_of(bias)?));
+        Ok(dense)
+    }
+
+    /// Over a weight of shape `[rows, ...]` alone: `y = x · Wᵀ`.
+    pub(crate) fn without_bias(weight: &WeightTensor) -> Result<Self> {
         Ok(Dense {
             dtype: dtype_of(weight)?,
-            bias_dtype: dtype_of(bias)?,
-            rows,
+            bias: None,
+            rows: weight.shape.first().copied().unwrap_or(0),
             cols: weight.shape.get(1..).unwrap_or(&[]).iter().product(),
             weight: weight.clone(),
-            bias: bias.clone(),
         })
     }
 
@@ -88,13 +93,14 @@ impl Dense {
     }
 
     fn add_bias(&self, y: &mut [f32]) {
-        let b = WeightVector { dtype: self.bias_dtype, data: self.bias.bytes() };
+        let Some((bias, dtype)) = &self.bias else { return };
+        let b = WeightVector { dtype: *dtype, data: bias.bytes() };
         for row in y.chunks_exact_mut(self.rows) {
             kernels::add_bias(row, b);
         }
     }
 
-    /// `y (n, rows) = x (n, cols) · Wᵀ (cols, rows) + b`.
+    /// `y (n, rows) = x (n, cols) · Wᵀ (cols, rows) (+ b)`.
     pub(crate) fn forward(&self, pool: &ThreadPool, x: &[f32], n: usize, y: &mut [f32]) {
         kernels::matmul(pool, self.matrix(), x, n, y);
         self.add_bias(y);

@@ -1,7 +1,19 @@
 //! The vision towers of vision-language models: from an image's patches (`pixel_values`, as
 //! the image processor lays them out) to the rows that replace the image's placeholder tokens
-//! in the language model's input. Two towers: Qwen3.5's and Gemma 3's (SigLIP and its
-//! projector); they share the pre-norm block and differ in their positions and their head.
+//! in the language model's input. Three towers: Qwen3.5's and Gemma 3's (SigLIP and its
+//! projector) share the pre-norm block and differ in their positions and their head; Gemma 4's
+//! has its own block (RMSNorms around both halves) and head.
+//!
+//! Gemma 4 (`Gemma4Model.get_image_features`, eager attention): pixels scaled to [-1, 1], the
+//! patch embedding (a linear over each patch's `(row in patch, column in patch, channel)`
+//! values, as the image processor lays them out) plus a learned embedding of the patch's column
+//! and one of its row; blocks `x += post_norm(attn(norm(x)))`, `x += post_norm(mlp(norm(x)))`
+//! with RMSNorms on every query and key head (and a weightless one on every value head), 2-D
+//! rotary positions (a head's first half turned by the column, its second half by the row,
+//! each as rotate-half rotary over its half), grouped-query attention with a scale of 1 over the
+//! whole image, and a GeGLU MLP; every linear may clamp its input and output. Then the patch
+//! grid average-pooled `k × k` (raster order over the pooled grid), times `√hidden`, optionally
+//! standardized, a weightless RMSNorm and the projection into the language model's width.
 //!
 //! Gemma 3 (`Gemma3Model.get_image_features`, eager attention): the patch embedding plus one
 //! learned position per patch, pre-norm blocks with separate q/k/v projections and
@@ -90,6 +102,43 @@ impl PatchGrid {
     }
 }
 
+/// A linear without bias whose input and output may be clamped (Gemma 4's `ClippableLinear`).
+#[derive(Debug, Clone)]
+struct ClippedLinear {
+    dense: Dense,
+    /// `[input_min, input_max, output_min, output_max]`, when the checkpoint clamps.
+    clip: Option<[f32; 4]>,
+}
+
+impl ClippedLinear {
+    /// `y (n, rows) = clamp_out(clamp_in(x (n, cols)) · Wᵀ)`; `scratch` holds the clamped
+    /// input. Clamping is PyTorch's `clamp`: `min(max(v, lo), hi)`.
+    fn forward(&self, pool: &ThreadPool, x: &[f32], n: usize, y: &mut [f32], scratch: &mut [f32]) {
+        let Some([lo, hi, out_lo, out_hi]) = self.clip else {
+            self.dense.forward(pool, x, n, y);
+            return;
+        };
+        let clamped = &mut scratch[..x.len()];
+        for (c, &v) in clamped.iter_mut().zip(x) {
+            *c = v.max(lo).min(hi);
+        }
+        self.dense.forward(pool, clamped, n, y);
+        for v in y.iter_mut() {
+            *v = v.max(out_lo).min(out_hi);
+        }
+    }
+}
+
+/// Gemma 4's RMSNorm of one row in place: `x · (mean(x²) + eps)^-½`, times `weight` if given.
+fn rms_norm(row: &mut [f32], weight: Option<&[f32]>, eps: f32) {
+    let mean_square = (row.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / row.len() as f64) as f32;
+    let inv = (mean_square + eps).powf(-0.5);
+    match weight {
+        Some(w) => row.iter_mut().zip(w).for_each(|(v, &w)| *v = *v * inv * w),
+        None => row.iter_mut().for_each(|v| *v *= inv),
+    }
+}
+
 /// A block's query, key and value projections: one fused matrix (Qwen, `(3 · hidden, hidden)`)
 /// or three (SigLIP, each `(hidden, hidden)`).
 #[derive(Debug, Clone)]
@@ -107,6 +156,10 @@ enum Stem {
     Qwen { inv_freq: Vec<f32> },
     /// SigLIP: one learned position per patch of the fixed grid, added to the patch embedding.
     Siglip,
+    /// Gemma 4: a learned embedding per column and per row (the table `(2, size, hidden)`), and
+    /// 2-D rotary angles from `1 / theta^(2i / (head_dim / 2))` for `i < head_dim / 4`, the
+    /// column's on a head's first half and the row's on its second.
+    Gemma4 { inv_freq: Vec<f32> },
 }
 
 /// What turns the last block's output into the language model's rows.
@@ -119,8 +172,12 @@ enum Head {
     /// in f32 as `(out_hidden, hidden)` for the kernels' products (the checkpoint stores it
     /// `(hidden, out_hidden)`).
     Gemma3 { post_norm: LayerNorm, soft_norm: Vec<f32>, eps: f32, projection: Vec<f32> },
+    /// Gemma 4: `k × k` average pooling, `· √hidden`, `(x - bias) · scale` when the checkpoint
+    /// standardizes, a weightless RMSNorm, and `embed_vision`'s projection `(out_hidden, hidden)`.
+    Gemma4 { standardize: Option<(Vec<f32>, Vec<f32>)>, eps: f32, projection: Dense },
 }
 
+/// Qwen's and SigLIP's block: `x += proj(attn(LN(x)))`, `x += fc2(act(fc1(LN(x))))`.
 #[derive(Debug, Clone)]
 struct Block {
     norm1: LayerNorm,
@@ -129,6 +186,51 @@ struct Block {
     norm2: LayerNorm,
     fc1: Dense,
     fc2: Dense,
+}
+
+/// Gemma 4's block: `x += post_attention_norm(o(attn(input_norm(x))))`,
+/// `x += post_feedforward_norm(down(gelu_tanh(gate(y)) · up(y)))` with
+/// `y = pre_feedforward_norm(x)`; RMSNorm weights widened to f32.
+#[derive(Debug, Clone)]
+struct SandwichBlock {
+    input_norm: Vec<f32>,
+    post_attention_norm: Vec<f32>,
+    pre_feedforward_norm: Vec<f32>,
+    post_feedforward_norm: Vec<f32>,
+    /// Per head, `(head_dim)`.
+    q_norm: Vec<f32>,
+    k_norm: Vec<f32>,
+    q: ClippedLinear,
+    k: ClippedLinear,
+    v: ClippedLinear,
+    o: ClippedLinear,
+    gate: ClippedLinear,
+    up: ClippedLinear,
+    down: ClippedLinear,
+}
+
+/// The tower's blocks, all of one kind.
+#[derive(Debug, Clone)]
+enum Blocks {
+    PreNorm(Vec<Block>),
+    Sandwich(Vec<SandwichBlock>),
+}
+
+impl Blocks {
+    fn len(&self) -> usize {
+        match self {
+            Blocks::PreNorm(b) => b.len(),
+            Blocks::Sandwich(b) => b.len(),
+        }
+    }
+
+    /// The MLP's inner width.
+    fn intermediate(&self) -> usize {
+        match self {
+            Blocks::PreNorm(b) => b.first().map_or(0, |b| b.fc1.rows()),
+            Blocks::Sandwich(b) => b.first().map_or(0, |b| b.gate.dense.rows()),
+        }
+    }
 }
 
 /// An image part way through the tower ([`VisionTower::begin`], [`VisionTower::advance`]): the
@@ -155,18 +257,25 @@ pub struct Encoding {
     probs: Vec<f32>,
     head_out: Vec<f32>,
     ones: Vec<f32>,
+    /// Gemma 4's "up" half of the MLP, `(patches, intermediate)`, and the clamped inputs of its
+    /// clipped linears (both empty for the other towers).
+    mid_up: Vec<f32>,
+    clip_in: Vec<f32>,
 }
 
-/// A vision tower (Qwen3.5's or Gemma 3's), bound to the checkpoint's tensors.
+/// A vision tower (Qwen3.5's, Gemma 3's or Gemma 4's), bound to the checkpoint's tensors.
 #[derive(Debug, Clone)]
 pub struct VisionTower {
     config: VisionConfig,
     patch_embed: Dense,
-    /// The learned position table, `(positions, hidden)`, in its stored dtype.
+    /// The learned position table, `(positions, hidden)` (Gemma 4: `(2 · size, hidden)`), in its
+    /// stored dtype.
     pos_embed: kylin_loader::WeightTensor,
     stem: Stem,
-    blocks: Vec<Block>,
+    blocks: Blocks,
     head: Head,
+    /// What the attention scores are multiplied by: `head_dim^-½`, or 1 for Gemma 4.
+    attention_scale: f32,
 }
 
 impl VisionTower {
@@ -174,7 +283,76 @@ impl VisionTower {
         match loaded.config.kind {
             VisionKind::Qwen35 => Self::qwen(loaded),
             VisionKind::Gemma3 { .. } => Self::gemma3(loaded),
+            VisionKind::Gemma4 { .. } => Self::gemma4(loaded),
         }
+    }
+
+    fn gemma4(loaded: &LoadedVision) -> Result<Self> {
+        let c = loaded.config.clone();
+        let VisionKind::Gemma4 { standardize, clipped_linears, .. } = c.kind else {
+            return Err(KylinError::config_invalid("a Gemma 4 tower was asked of another config (a Kylin bug)"));
+        };
+        let vector = |role: &str| -> Result<Vec<f32>> {
+            let t = loaded.tensor(role)?;
+            let v = kernels::WeightVector { dtype: dtype_of(t)?, data: t.bytes() };
+            Ok((0..v.len()).map(|i| v.get(i)).collect())
+        };
+        let linear = |role: &str| -> Result<ClippedLinear> {
+            let dense = Dense::without_bias(loaded.tensor(&format!("{role}.linear.weight"))?)?;
+            let clip = if clipped_linears {
+                let mut bounds = [0.0f32; 4];
+                for (b, name) in bounds.iter_mut().zip(kylin_loader::vision::GEMMA4_CLIP_BOUNDS) {
+                    *b = vector(&format!("{role}.{name}"))?.first().copied().unwrap_or(f32::NAN);
+                }
+                Some(bounds)
+            } else {
+                None
+            };
+            Ok(ClippedLinear { dense, clip })
+        };
+        let blocks = (0..c.depth)
+            .map(|l| {
+                let at = format!("vision_tower.encoder.layers.{l}");
+                Ok(SandwichBlock {
+                    input_norm: vector(&format!("{at}.input_layernorm.weight"))?,
+                    post_attention_norm: vector(&format!("{at}.post_attention_layernorm.weight"))?,
+                    pre_feedforward_norm: vector(&format!("{at}.pre_feedforward_layernorm.weight"))?,
+                    post_feedforward_norm: vector(&format!("{at}.post_feedforward_layernorm.weight"))?,
+                    q_norm: vector(&format!("{at}.self_attn.q_norm.weight"))?,
+                    k_norm: vector(&format!("{at}.self_attn.k_norm.weight"))?,
+                    q: linear(&format!("{at}.self_attn.q_proj"))?,
+                    k: linear(&format!("{at}.self_attn.k_proj"))?,
+                    v: linear(&format!("{at}.self_attn.v_proj"))?,
+                    o: linear(&format!("{at}.self_attn.o_proj"))?,
+                    gate: linear(&format!("{at}.mlp.gate_proj"))?,
+                    up: linear(&format!("{at}.mlp.up_proj"))?,
+                    down: linear(&format!("{at}.mlp.down_proj"))?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let pos_embed = loaded.tensor("vision_tower.patch_embedder.position_embedding_table")?.clone();
+        dtype_of(&pos_embed)?;
+        let standardize = if standardize {
+            Some((vector("vision_tower.std_bias")?, vector("vision_tower.std_scale")?))
+        } else {
+            None
+        };
+        let spatial = c.head_dim() / 2;
+        let inv_freq =
+            (0..spatial).step_by(2).map(|i| 1.0 / (c.rope_theta as f32).powf(i as f32 / spatial as f32)).collect();
+        Ok(VisionTower {
+            patch_embed: Dense::without_bias(loaded.tensor("vision_tower.patch_embedder.input_proj.weight")?)?,
+            pos_embed,
+            stem: Stem::Gemma4 { inv_freq },
+            blocks: Blocks::Sandwich(blocks),
+            head: Head::Gemma4 {
+                standardize,
+                eps: c.layer_norm_eps as f32,
+                projection: Dense::without_bias(loaded.tensor("embed_vision.embedding_projection.weight")?)?,
+            },
+            attention_scale: 1.0,
+            config: c,
+        })
     }
 
     fn qwen(loaded: &LoadedVision) -> Result<Self> {
@@ -206,7 +384,8 @@ impl VisionTower {
             patch_embed: dense("patch_embed.proj")?,
             pos_embed,
             stem: Stem::Qwen { inv_freq },
-            blocks,
+            blocks: Blocks::PreNorm(blocks),
+            attention_scale: (c.head_dim() as f32).powf(-0.5),
             head: Head::Merger {
                 norm: norm("merger.norm")?,
                 fc1: dense("merger.linear_fc1")?,
@@ -267,7 +446,8 @@ impl VisionTower {
             patch_embed: dense("vision_tower.embeddings.patch_embedding")?,
             pos_embed,
             stem: Stem::Siglip,
-            blocks,
+            blocks: Blocks::PreNorm(blocks),
+            attention_scale: (c.head_dim() as f32).powf(-0.5),
             head: Head::Gemma3 { post_norm: norm("vision_tower.post_layernorm")?, soft_norm, eps, projection },
             config: c,
         })
@@ -296,6 +476,15 @@ impl VisionTower {
                     grid.t, grid.h, grid.w
                 )));
             }
+        }
+        if let VisionKind::Gemma4 { position_embedding_size: size, .. } = c.kind
+            && (grid.t != 1 || grid.h > size || grid.w > size)
+        {
+            return Err(KylinError::input_invalid(format!(
+                "Gemma 4's vision tower reads one image of at most {size} patches per row and column; got a grid \
+                 of {} x {} x {}",
+                grid.t, grid.h, grid.w
+            )));
         }
         if grid.t == 0 || grid.h == 0 || grid.w == 0 || grid.h % m != 0 || grid.w % m != 0 {
             return Err(KylinError::input_invalid(format!(
@@ -339,12 +528,43 @@ impl VisionTower {
         let (n, h, hd) = (grid.patches(), c.hidden, c.head_dim());
         let frame = grid.h * grid.w;
 
-        // 1. Patch embedding: pixels (n, patch_values) -> x (n, hidden).
+        // 1. Patch embedding: pixels (n, patch_values) -> x (n, hidden) (Gemma 4 first maps the
+        //    pixels from [0, 1] to [-1, 1]: `2 · (v - 0.5)`).
         let mut x = vec![0.0f32; n * h];
-        self.patch_embed.forward(pool, pixels, n, &mut x);
+        match &self.stem {
+            Stem::Gemma4 { .. } => {
+                let scaled: Vec<f32> = pixels.iter().map(|&v| 2.0 * (v - 0.5)).collect();
+                self.patch_embed.forward(pool, &scaled, n, &mut x);
+            }
+            _ => self.patch_embed.forward(pool, pixels, n, &mut x),
+        }
         let half = hd / 2;
         let (mut cos, mut sin) = (Vec::new(), Vec::new());
         match &self.stem {
+            Stem::Gemma4 { inv_freq } => {
+                // Patch p is at column p % w, row p / w (raster order): x += table[0][column] +
+                // table[1][row]; rotary angles (n, head_dim / 2), the column's then the row's.
+                let size = self.config.num_position_embeddings;
+                let table = self.position_table();
+                let (mut column_row, mut row_row) = (vec![0.0f32; h], vec![0.0f32; h]);
+                let quarter = inv_freq.len();
+                cos = vec![0.0f32; n * half];
+                sin = vec![0.0f32; n * half];
+                for (p, out) in x.chunks_exact_mut(h).enumerate() {
+                    let (column, row) = (p % grid.w, p / grid.w);
+                    kernels::widen_row(table, column, &mut column_row);
+                    kernels::widen_row(table, size + row, &mut row_row);
+                    for ((o, &a), &b) in out.iter_mut().zip(&column_row).zip(&row_row) {
+                        *o += a + b;
+                    }
+                    for i in 0..half {
+                        let (axis, f) = if i < quarter { (column, i) } else { (row, i - quarter) };
+                        let angle = axis as f32 * inv_freq[f];
+                        cos[p * half + i] = angle.cos();
+                        sin[p * half + i] = angle.sin();
+                    }
+                }
+            }
             Stem::Siglip => {
                 // Patch p takes row p of the position table.
                 let table = self.position_table();
@@ -374,8 +594,10 @@ impl VisionTower {
                 }
             }
         }
-        let inter = self.blocks.first().map_or(0, |b| b.fc1.rows());
+        let inter = self.blocks.intermediate();
         let rows = QUERY_ROWS.min(frame);
+        let (q_width, kv_width) = self.attention_widths();
+        let sandwich = matches!(self.blocks, Blocks::Sandwich(_));
         Ok(Encoding {
             grid,
             stage: Stage::Project { row: 0 },
@@ -384,8 +606,8 @@ impl VisionTower {
             sin,
             next: 0,
             xn: vec![0.0; n * h],
-            qkv: vec![0.0; n * 3 * h],
-            attn: vec![0.0; n * h],
+            qkv: vec![0.0; n * (q_width + 2 * kv_width)],
+            attn: vec![0.0; n * q_width],
             proj: vec![0.0; n * h],
             mid: vec![0.0; n * inter],
             keys: vec![0.0; frame * hd],
@@ -394,6 +616,8 @@ impl VisionTower {
             probs: vec![0.0; rows * frame],
             head_out: vec![0.0; rows * hd],
             ones: vec![1.0; inter],
+            mid_up: if sandwich { vec![0.0; n * inter] } else { Vec::new() },
+            clip_in: if sandwich { vec![0.0; n * inter.max(h).max(q_width)] } else { Vec::new() },
         })
     }
 
@@ -434,18 +658,9 @@ impl VisionTower {
                 //    (tokens, hidden), raster order; RMSNorm · (1 + w); then
                 //    (tokens, hidden) · projectionᵀ (out_hidden, hidden) -> (tokens, out_hidden).
                 post_norm.rows(&mut e.x);
-                let (h, k, side) = (c.hidden, c.spatial_merge_size, e.grid.w);
-                let per_side = side / k;
-                let mut pooled = vec![0.0f32; tokens * h];
-                for (t, row) in pooled.chunks_exact_mut(h).enumerate() {
-                    let (ty, tx) = (t / per_side, t % per_side);
-                    for dy in 0..k {
-                        for dx in 0..k {
-                            let p = (ty * k + dy) * side + tx * k + dx;
-                            kernels::add_assign(row, &e.x[p * h..(p + 1) * h]);
-                        }
-                    }
-                    kernels::scale(row, 1.0 / (k * k) as f32);
+                let h = c.hidden;
+                let mut pooled = average_pool(&e.x, e.grid, c.spatial_merge_size, h);
+                for row in pooled.chunks_exact_mut(h) {
                     let mean_square = row.iter().map(|v| v * v).sum::<f32>() / h as f32;
                     let inv = 1.0 / (mean_square + eps).sqrt();
                     for (v, w) in row.iter_mut().zip(soft_norm) {
@@ -454,28 +669,60 @@ impl VisionTower {
                 }
                 kernels::matmul(pool, f32_matrix(projection, c.out_hidden, h), &pooled, tokens, &mut out);
             }
+            Head::Gemma4 { standardize, eps, projection } => {
+                // 4. The (h, w) grid averaged over k × k windows into (tokens, hidden), raster
+                //    order over the pooled grid; · √hidden; standardized; the weightless RMSNorm;
+                //    then (tokens, hidden) · projectionᵀ (hidden, out_hidden) -> (tokens, out).
+                let h = c.hidden;
+                let mut pooled = average_pool(&e.x, e.grid, c.spatial_merge_size, h);
+                let root = (h as f64).sqrt() as f32;
+                for row in pooled.chunks_exact_mut(h) {
+                    kernels::scale(row, root);
+                    if let Some((bias, scale)) = standardize {
+                        for ((v, &b), &s) in row.iter_mut().zip(bias).zip(scale) {
+                            *v = (*v - b) * s;
+                        }
+                    }
+                    rms_norm(row, None, *eps);
+                }
+                projection.forward(pool, &pooled, tokens, &mut out);
+            }
         }
         Some(out)
     }
 
     /// The learned position table as a matrix `(positions, hidden)`.
     fn position_table(&self) -> WeightMatrix<'_> {
+        let tables = if matches!(self.stem, Stem::Gemma4 { .. }) { 2 } else { 1 };
         WeightMatrix {
             dtype: dtype_of(&self.pos_embed).unwrap_or(kernels::WeightDType::F32),
-            rows: self.config.num_position_embeddings,
+            rows: tables * self.config.num_position_embeddings,
             cols: self.config.hidden,
             data: self.pos_embed.bytes(),
         }
     }
 
-    /// Where token `j`'s query, key and value start in `qkv` (add `j * stride + head * hd`):
-    /// side by side per token (Qwen's fused projection, `(n, 3h)`) or one after the other
-    /// (SigLIP's three, `(3, n, h)`).
-    fn qkv_layout(&self, n: usize) -> ([usize; 3], usize) {
+    /// The widths of a token's queries (`heads · head_dim`) and of its keys and values
+    /// (`kv_heads · head_dim`; both `hidden` in Qwen's and SigLIP's towers).
+    fn attention_widths(&self) -> (usize, usize) {
+        let c = &self.config;
+        match c.kind {
+            VisionKind::Gemma4 { head_dim, kv_heads, .. } => (c.heads * head_dim, kv_heads * head_dim),
+            _ => (c.hidden, c.hidden),
+        }
+    }
+
+    /// Where token `j`'s query, key and value start in `qkv` (add `j * stride + head * hd`),
+    /// and their strides: side by side per token (Qwen's fused projection, `(n, 3h)`) or one
+    /// after the other (SigLIP's and Gemma 4's three: `(n, q)`, then `(n, kv)` twice).
+    fn qkv_layout(&self, n: usize) -> ([usize; 3], [usize; 3]) {
         let h = self.config.hidden;
-        match self.blocks.first().map(|b| &b.qkv) {
-            Some(Qkv::Separate { .. }) => ([0, n * h, 2 * n * h], h),
-            _ => ([0, h, 2 * h], 3 * h),
+        let (q, kv) = self.attention_widths();
+        match &self.blocks {
+            Blocks::PreNorm(b) if matches!(b.first().map(|b| &b.qkv), Some(Qkv::Fused(_))) => {
+                ([0, h, 2 * h], [3 * h; 3])
+            }
+            _ => ([0, n * q, n * (q + kv)], [q, kv, kv]),
         }
     }
 
@@ -486,53 +733,100 @@ impl VisionTower {
     /// MLP of [`UNIT_ROWS`] rows. Every row's arithmetic is the same whatever the cut.
     fn run_unit(&self, pool: &ThreadPool, e: &mut Encoding, unit_rows: usize) -> u64 {
         let c = &self.config;
-        let block = &self.blocks[e.next];
         let (n, h, hd, heads) = (e.grid.patches(), c.hidden, c.head_dim(), c.heads);
         let (frame, half, inter) = (e.grid.h * e.grid.w, hd / 2, e.ones.len());
-        let ([at_q, at_k, at_v], stride) = self.qkv_layout(n);
+        let (q_width, kv_width) = self.attention_widths();
+        let group = q_width / kv_width;
+        let ([at_q, at_k, at_v], [stride_q, stride_k, stride_v]) = self.qkv_layout(n);
         match e.stage {
             Stage::Project { row } => {
-                // x rows (m, h) -> LN -> q, k, v rows; rotary on q and k (Qwen).
                 let (r0, r1) = (row, row.saturating_add(unit_rows).min(n));
                 let m = r1 - r0;
                 e.xn[r0 * h..r1 * h].copy_from_slice(&e.x[r0 * h..r1 * h]);
-                block.norm1.rows(&mut e.xn[r0 * h..r1 * h]);
-                let xn = &e.xn[r0 * h..r1 * h];
-                match &block.qkv {
-                    Qkv::Fused(qkv) => {
-                        // (m, h) -> (m, 3h).
-                        qkv.forward(pool, xn, m, &mut e.qkv[r0 * 3 * h..r1 * 3 * h]);
-                        if !e.cos.is_empty() {
-                            for p in r0..r1 {
-                                let (c_p, s_p) = (&e.cos[p * half..(p + 1) * half], &e.sin[p * half..(p + 1) * half]);
-                                for head in e.qkv[p * 3 * h..p * 3 * h + 2 * h].chunks_exact_mut(hd) {
-                                    kernels::rope_rotate_half(head, c_p, s_p);
+                match &self.blocks {
+                    Blocks::PreNorm(blocks) => {
+                        // x rows (m, h) -> LN -> q, k, v rows; rotary on q and k (Qwen).
+                        let block = &blocks[e.next];
+                        block.norm1.rows(&mut e.xn[r0 * h..r1 * h]);
+                        let xn = &e.xn[r0 * h..r1 * h];
+                        match &block.qkv {
+                            Qkv::Fused(qkv) => {
+                                // (m, h) -> (m, 3h).
+                                qkv.forward(pool, xn, m, &mut e.qkv[r0 * 3 * h..r1 * 3 * h]);
+                                if !e.cos.is_empty() {
+                                    for p in r0..r1 {
+                                        let (c_p, s_p) =
+                                            (&e.cos[p * half..(p + 1) * half], &e.sin[p * half..(p + 1) * half]);
+                                        for head in e.qkv[p * 3 * h..p * 3 * h + 2 * h].chunks_exact_mut(hd) {
+                                            kernels::rope_rotate_half(head, c_p, s_p);
+                                        }
+                                    }
+                                }
+                            }
+                            Qkv::Separate { q, k, v } => {
+                                // (m, h) -> three (m, h), into their parts of qkv (3, n, h).
+                                for (dense, at) in [(q, at_q), (k, at_k), (v, at_v)] {
+                                    dense.forward(pool, xn, m, &mut e.qkv[at + r0 * h..at + r1 * h]);
                                 }
                             }
                         }
                     }
-                    Qkv::Separate { q, k, v } => {
-                        // (m, h) -> three (m, h), into their parts of qkv (3, n, h).
-                        for (dense, at) in [(q, at_q), (k, at_k), (v, at_v)] {
-                            dense.forward(pool, xn, m, &mut e.qkv[at + r0 * h..at + r1 * h]);
+                    Blocks::Sandwich(blocks) => {
+                        // x rows (m, h) -> RMSNorm -> q (m, q_width), k and v (m, kv_width);
+                        // every head RMS-normed (v without weight), q and k turned by the 2-D
+                        // rotary angles: the first half of a head by the column's, the second
+                        // by the row's.
+                        let block = &blocks[e.next];
+                        for row in e.xn[r0 * h..r1 * h].chunks_exact_mut(h) {
+                            rms_norm(row, Some(&block.input_norm), c.layer_norm_eps as f32);
+                        }
+                        let xn = &e.xn[r0 * h..r1 * h];
+                        for (linear, at, width) in
+                            [(&block.q, at_q, q_width), (&block.k, at_k, kv_width), (&block.v, at_v, kv_width)]
+                        {
+                            linear.forward(pool, xn, m, &mut e.qkv[at + r0 * width..at + r1 * width], &mut e.clip_in);
+                        }
+                        let eps = c.layer_norm_eps as f32;
+                        let quarter = half / 2;
+                        for p in r0..r1 {
+                            let (c_p, s_p) = (&e.cos[p * half..(p + 1) * half], &e.sin[p * half..(p + 1) * half]);
+                            for (at, width, norm) in
+                                [(at_q, q_width, Some(&block.q_norm)), (at_k, kv_width, Some(&block.k_norm))]
+                            {
+                                for head in e.qkv[at + p * width..at + (p + 1) * width].chunks_exact_mut(hd) {
+                                    rms_norm(head, norm.map(Vec::as_slice), eps);
+                                    let (first, second) = head.split_at_mut(half);
+                                    kernels::rope_rotate_half(first, &c_p[..quarter], &s_p[..quarter]);
+                                    kernels::rope_rotate_half(second, &c_p[quarter..], &s_p[quarter..]);
+                                }
+                            }
+                            for head in e.qkv[at_v + p * kv_width..at_v + (p + 1) * kv_width].chunks_exact_mut(hd) {
+                                rms_norm(head, None, eps);
+                            }
                         }
                     }
                 }
                 e.stage = if r1 == n { Stage::Attend { f0: 0, head: 0, row: 0 } } else { Stage::Project { row: r1 } };
-                (m * h * 3 * h) as u64
+                (m * h * (q_width + 2 * kv_width)) as u64
             }
             Stage::Attend { f0, head, row } => {
                 // Bidirectional attention within each frame, per head, as matrix products:
                 // scores (rows, frame) = Q (rows, hd) · Kᵀ, times the scale, softmax per row,
                 // then out (rows, hd) = P (rows, frame) · V, queries taken QUERY_ROWS at a time
-                // so the scores stay small whatever the image.
+                // so the scores stay small whatever the image. Query head `head` reads key and
+                // value head `head / group`.
                 if row == 0 {
+                    let kv_head = head / group;
                     for j in 0..frame {
-                        let at = (f0 + j) * stride + head * hd;
-                        e.keys[j * hd..(j + 1) * hd].copy_from_slice(&e.qkv[at_k + at..at_k + at + hd]);
-                        e.queries[j * hd..(j + 1) * hd].copy_from_slice(&e.qkv[at_q + at..at_q + at + hd]);
+                        let (q, k, v) = (
+                            at_q + (f0 + j) * stride_q + head * hd,
+                            at_k + (f0 + j) * stride_k + kv_head * hd,
+                            at_v + (f0 + j) * stride_v + kv_head * hd,
+                        );
+                        e.keys[j * hd..(j + 1) * hd].copy_from_slice(&e.qkv[k..k + hd]);
+                        e.queries[j * hd..(j + 1) * hd].copy_from_slice(&e.qkv[q..q + hd]);
                         for d in 0..hd {
-                            e.values_t[d * frame + j] = e.qkv[at_v + at + d];
+                            e.values_t[d * frame + j] = e.qkv[v + d];
                         }
                     }
                 }
@@ -541,14 +835,15 @@ impl VisionTower {
                 let rows = QUERY_ROWS.min(frame - row);
                 let p = &mut e.probs[..rows * frame];
                 kernels::matmul(pool, k, &e.queries[row * hd..(row + rows) * hd], rows, p);
-                let scale = (hd as f32).powf(-0.5);
                 for r in p.chunks_exact_mut(frame) {
-                    kernels::scale(r, scale);
+                    if self.attention_scale != 1.0 {
+                        kernels::scale(r, self.attention_scale);
+                    }
                     kernels::softmax(r);
                 }
                 kernels::matmul(pool, v_t, p, rows, &mut e.head_out[..rows * hd]);
                 for (i, o) in e.head_out[..rows * hd].chunks_exact(hd).enumerate() {
-                    let at = (f0 + row + i) * h + head * hd;
+                    let at = (f0 + row + i) * q_width + head * hd;
                     e.attn[at..at + hd].copy_from_slice(o);
                 }
                 e.stage = match (row + rows < frame, head + 1 < heads, f0 + frame < n) {
@@ -563,31 +858,65 @@ impl VisionTower {
                 let (r0, r1) = (row, row.saturating_add(unit_rows).min(n));
                 let m = r1 - r0;
                 let (x, proj) = (&mut e.x[r0 * h..r1 * h], &mut e.proj[r0 * h..r1 * h]);
-                // attn rows (m, h) -> proj (m, h); x += proj.
-                block.proj.forward(pool, &e.attn[r0 * h..r1 * h], m, proj);
-                kernels::add_assign(x, proj);
-                // x -> LN -> fc1 (m, inter) -> act -> fc2 (m, h); x += that.
+                let attn = &e.attn[r0 * q_width..r1 * q_width];
                 let xn = &mut e.xn[r0 * h..r1 * h];
-                xn.copy_from_slice(x);
-                block.norm2.rows(xn);
                 let mid = &mut e.mid[r0 * inter..r1 * inter];
-                block.fc1.forward(pool, xn, m, mid);
-                match c.activation {
-                    // The kernels' GeGLU with an "up" of ones: gelu_tanh(x) · 1.
-                    VisionActivation::GeluTanh => {
-                        mid.chunks_exact_mut(inter).for_each(|r| kernels::gelu_tanh_mul(r, &e.ones))
+                match &self.blocks {
+                    Blocks::PreNorm(blocks) => {
+                        let block = &blocks[e.next];
+                        // attn rows (m, h) -> proj (m, h); x += proj.
+                        block.proj.forward(pool, attn, m, proj);
+                        kernels::add_assign(x, proj);
+                        // x -> LN -> fc1 (m, inter) -> act -> fc2 (m, h); x += that.
+                        xn.copy_from_slice(x);
+                        block.norm2.rows(xn);
+                        block.fc1.forward(pool, xn, m, mid);
+                        match c.activation {
+                            // The kernels' GeGLU with an "up" of ones: gelu_tanh(x) · 1.
+                            VisionActivation::GeluTanh => {
+                                mid.chunks_exact_mut(inter).for_each(|r| kernels::gelu_tanh_mul(r, &e.ones))
+                            }
+                            VisionActivation::Gelu => gelu(mid),
+                        }
+                        block.fc2.forward(pool, mid, m, proj);
+                        kernels::add_assign(x, proj);
                     }
-                    VisionActivation::Gelu => gelu(mid),
+                    Blocks::Sandwich(blocks) => {
+                        let block = &blocks[e.next];
+                        let eps = c.layer_norm_eps as f32;
+                        // attn rows (m, q_width) -> o (m, h) -> RMSNorm; x += that.
+                        block.o.forward(pool, attn, m, proj, &mut e.clip_in);
+                        for r in proj.chunks_exact_mut(h) {
+                            rms_norm(r, Some(&block.post_attention_norm), eps);
+                        }
+                        kernels::add_assign(x, proj);
+                        // x -> RMSNorm -> gate, up (m, inter) -> gelu_tanh(gate) · up -> down
+                        // (m, h) -> RMSNorm; x += that.
+                        xn.copy_from_slice(x);
+                        for r in xn.chunks_exact_mut(h) {
+                            rms_norm(r, Some(&block.pre_feedforward_norm), eps);
+                        }
+                        let up = &mut e.mid_up[r0 * inter..r1 * inter];
+                        block.gate.forward(pool, xn, m, mid, &mut e.clip_in);
+                        block.up.forward(pool, xn, m, up, &mut e.clip_in);
+                        for (g, u) in mid.chunks_exact_mut(inter).zip(up.chunks_exact(inter)) {
+                            kernels::gelu_tanh_mul(g, u);
+                        }
+                        block.down.forward(pool, mid, m, proj, &mut e.clip_in);
+                        for r in proj.chunks_exact_mut(h) {
+                            rms_norm(r, Some(&block.post_feedforward_norm), eps);
+                        }
+                        kernels::add_assign(x, proj);
+                    }
                 }
-                block.fc2.forward(pool, mid, m, proj);
-                kernels::add_assign(x, proj);
                 if r1 == n {
                     e.next += 1;
                     e.stage = Stage::Project { row: 0 };
                 } else {
                     e.stage = Stage::Feed { row: r1 };
                 }
-                (m * (h * h + 2 * h * inter)) as u64
+                let gates = if matches!(self.blocks, Blocks::Sandwich(_)) { 3 } else { 2 };
+                (m * (q_width * h + gates * h * inter)) as u64
             }
         }
     }
@@ -634,6 +963,25 @@ impl VisionTower {
             kernels::add_assign(out, &sum);
         }
     }
+}
+
+/// The patch grid of `x (h · w, hidden)` in raster order averaged over `k × k` windows:
+/// `(h / k · w / k, hidden)`, raster order over the pooled grid.
+fn average_pool(x: &[f32], grid: PatchGrid, k: usize, hidden: usize) -> Vec<f32> {
+    let per_row = grid.w / k;
+    let tokens = (grid.h / k) * per_row;
+    let mut pooled = vec![0.0f32; tokens * hidden];
+    for (t, row) in pooled.chunks_exact_mut(hidden).enumerate() {
+        let (ty, tx) = (t / per_row, t % per_row);
+        for dy in 0..k {
+            for dx in 0..k {
+                let p = (ty * k + dy) * grid.w + tx * k + dx;
+                kernels::add_assign(row, &x[p * hidden..(p + 1) * hidden]);
+            }
+        }
+        kernels::scale(row, 1.0 / (k * k) as f32);
+    }
+    pooled
 }
 
 /// A channel-first image `(3, size, size)` as SigLIP's convolution reads it: one row per patch in
@@ -704,6 +1052,7 @@ impl ImagePreparer {
         let c = &loaded.config;
         let invalid = |e: VisionError| KylinError::config_invalid(format!("preprocessor_config.json: {}", e.message));
         let processor = match c.kind {
+            VisionKind::Gemma4 { .. } => return Ok(None),
             VisionKind::Qwen35 => {
                 let processor = QwenImageProcessor::from_json(text).map_err(invalid)?;
                 let pairs = [

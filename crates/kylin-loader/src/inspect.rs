@@ -480,6 +480,15 @@ impl InspectReport {
                     crate::vision::VisionKind::Gemma3 { image_size, tokens_per_image } => format!(
                         "{image_size}x{image_size} images in patches {p}x{p}, {k}x{k} pooled: {tokens_per_image} tokens"
                     ),
+                    crate::vision::VisionKind::Gemma4 { attention, .. } => format!(
+                        "variable-resolution images in patches {p}x{p}, {k}x{k} pooled into one token, {}",
+                        match attention {
+                            crate::vision::ImageAttention::BidirectionalOnSliding => {
+                                "image tokens bidirectional on sliding layers"
+                            }
+                            _ => "image tokens causal",
+                        }
+                    ),
                 };
                 let _ = writeln!(
                     s,

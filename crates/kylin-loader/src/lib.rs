@@ -331,9 +331,9 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
             let tower = vision::bind_vision(vision_config, &index, dir)?;
             vision.retain(|n| !tower.names.contains(n));
             // SigLIP's attention-pooling head: Gemma 3 reads the tower's last hidden state.
-            let (head, rest): (Vec<String>, Vec<String>) = vision.drain(..).partition(|n| {
-                tower.config.image_tokens_bidirectional() && n.contains("vision_tower.") && n.contains(".head.")
-            });
+            let siglip = matches!(tower.config.kind, vision::VisionKind::Gemma3 { .. });
+            let (head, rest): (Vec<String>, Vec<String>) =
+                vision.drain(..).partition(|n| siglip && n.contains("vision_tower.") && n.contains(".head."));
             vision = rest;
             if !head.is_empty() {
                 not_run.push(NotRun {
@@ -341,11 +341,19 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
                     tensors: head,
                 });
             }
+            // Gemma 4's audio encoder: Kylin takes no audio input.
+            let (audio, rest): (Vec<String>, Vec<String>) =
+                vision.drain(..).partition(|n| n.contains("audio_tower.") || n.contains("embed_audio."));
+            vision = rest;
+            if !audio.is_empty() {
+                not_run
+                    .push(NotRun { part: "audio tower and projector (Kylin takes no audio)".into(), tensors: audio });
+            }
             vision_tower = Some(tower);
         } else if !vision.is_empty() {
             warnings.push(format!(
                 "{class}: the language model runs; the vision tower and projector ({} tensors) are not used \
-                 (Kylin runs the Qwen3.5 and Gemma 3 vision towers)",
+                 (Kylin runs the Qwen3.5, Gemma 3 and Gemma 4 vision towers)",
                 vision.len()
             ));
             not_run.push(NotRun { part: "vision tower and projector".into(), tensors: std::mem::take(&mut vision) });

@@ -18,6 +18,15 @@
 //! a matrix `(vision hidden, text hidden)` into the language model's width. SigLIP's
 //! attention-pooling head is not read by Gemma 3 (reported "not run").
 //!
+//! And Gemma 4's (`Gemma4ForConditionalGeneration`, `vision_config.model_type` `gemma4_vision`):
+//! variable resolution (an image keeps its aspect ratio within a budget of patches), a linear
+//! patch embedding of pixels scaled to [-1, 1] plus one learned embedding per column and one per
+//! row, blocks with RMSNorms before and after both the attention and the MLP, q/k/v norms, 2-D
+//! rotary positions (a head's first half rotated by the patch's column, its second half by its
+//! row), grouped-query attention with a scale of 1, a gated MLP, and linears that may clamp
+//! their inputs and outputs; then `k × k` average pooling by position, a scale of `√hidden`,
+//! an optional standardization, a weightless RMSNorm and the projection (`embed_vision`).
+//!
 //! Another tower is reported (its tensors stay "not run") and images are refused for it.
 
 use std::collections::BTreeMap;
@@ -38,6 +47,22 @@ pub const VISION_TOWERS: &[&str] = &["qwen3_5_vision", "qwen3_5_moe_vision", "qw
 /// Gemma 3's tower: SigLIP's vision model, which Gemma 3 checkpoints name in `vision_config`.
 pub const SIGLIP_TOWER: &str = "siglip_vision_model";
 
+/// Gemma 4's tower, as Gemma 4 checkpoints name it in `vision_config`.
+pub const GEMMA4_TOWER: &str = "gemma4_vision";
+
+/// How an image's tokens attend to each other in the language model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ImageAttention {
+    /// Causally, as text (Qwen3.5; Gemma 4 unless its text config says otherwise).
+    Causal,
+    /// In both directions within their image, on every layer (Gemma 3's `token_type_ids` mask).
+    Bidirectional,
+    /// In both directions within their image on the sliding-window layers only, causally on
+    /// the global ones (Gemma 4 with `use_bidirectional_attention: "vision"`).
+    BidirectionalOnSliding,
+}
+
 /// Which tower a [`VisionConfig`] describes, and what only that tower has.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -51,6 +76,22 @@ pub enum VisionKind {
         image_size: usize,
         /// Tokens an image becomes (`mm_tokens_per_image`), a square.
         tokens_per_image: usize,
+    },
+    /// Gemma 4's encoder and `embed_vision`: variable resolution, `spatial_merge_size²`
+    /// patches pooled into a token.
+    Gemma4 {
+        /// Width of a head (`head_dim`), not necessarily `hidden / heads`.
+        head_dim: usize,
+        /// Heads of the keys and values (grouped-query attention).
+        kv_heads: usize,
+        /// Entries of each axis' position table: the most patches per row or column.
+        position_embedding_size: usize,
+        /// Whether the pooled rows are standardized (`(x - std_bias) · std_scale`).
+        standardize: bool,
+        /// Whether every linear clamps its input and output (`use_clipped_linears`).
+        clipped_linears: bool,
+        /// How the image tokens attend in the language model.
+        attention: ImageAttention,
     },
 }
 
@@ -100,7 +141,10 @@ impl VisionConfig {
     }
 
     pub fn head_dim(&self) -> usize {
-        self.hidden / self.heads
+        match self.kind {
+            VisionKind::Gemma4 { head_dim, .. } => head_dim,
+            _ => self.hidden / self.heads,
+        }
     }
 
     /// Side of the learned square position table.
@@ -113,10 +157,19 @@ impl VisionConfig {
         self.hidden * self.spatial_merge_size * self.spatial_merge_size
     }
 
-    /// Whether an image's tokens attend to each other in both directions in the language model
-    /// (Gemma 3: transformers' `token_type_ids` mask), so one step must hold all of them.
+    /// How an image's tokens attend to each other in the language model.
+    pub fn image_attention(&self) -> ImageAttention {
+        match self.kind {
+            VisionKind::Qwen35 => ImageAttention::Causal,
+            VisionKind::Gemma3 { .. } => ImageAttention::Bidirectional,
+            VisionKind::Gemma4 { attention, .. } => attention,
+        }
+    }
+
+    /// Whether an image's tokens attend to each other in both directions on some layers (Gemma
+    /// 3, and Gemma 4 with bidirectional vision), so one step must hold all of them.
     pub fn image_tokens_bidirectional(&self) -> bool {
-        matches!(self.kind, VisionKind::Gemma3 { .. })
+        self.image_attention() != ImageAttention::Causal
     }
 }
 
@@ -188,6 +241,9 @@ pub fn read_vision_config(dir: &Path) -> Result<Option<VisionConfig>> {
     let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or_default().to_string();
     if model_type == SIGLIP_TOWER && top.get("model_type").and_then(Value::as_str) == Some("gemma3") {
         return read_gemma3(&top, v, &path).map(Some);
+    }
+    if model_type == GEMMA4_TOWER {
+        return read_gemma4(&top, v, &path).map(Some);
     }
     if !VISION_TOWERS.contains(&model_type.as_str()) {
         return Ok(None);
@@ -335,6 +391,176 @@ fn read_gemma3(top: &Map<String, Value>, v: &Map<String, Value>, path: &Path) ->
     Ok(config)
 }
 
+/// Gemma 4's tower and `embed_vision`. Missing fields take transformers' `Gemma4VisionConfig`
+/// defaults (gemma-4-e2b's tower: 16 blocks of width 768, 12 heads of 64, patches of 16 pooled
+/// 3 × 3, columns and rows up to 10240 patches, a rotary base of 100).
+fn read_gemma4(top: &Map<String, Value>, v: &Map<String, Value>, path: &Path) -> Result<VisionConfig> {
+    let (text_hidden, attention) = match top.get("text_config") {
+        Some(Value::Object(t)) => {
+            let attention = match t.get("use_bidirectional_attention") {
+                None | Some(Value::Null) => ImageAttention::Causal,
+                Some(Value::String(s)) if s == "vision" => ImageAttention::BidirectionalOnSliding,
+                Some(other) => {
+                    return Err(KylinError::config_invalid(format!(
+                        "config.json text_config `use_bidirectional_attention` must be null or \"vision\" for a \
+                         vision-language model; got {other}"
+                    ))
+                    .at(path));
+                }
+            };
+            (usize_field(t, "hidden_size", Some(2304), path)?, attention)
+        }
+        _ => (2304, ImageAttention::Causal),
+    };
+    let float = |key: &str, default: f64, min: f64, max: f64| -> Result<f64> {
+        match v.get(key) {
+            None | Some(Value::Null) => Ok(default),
+            Some(e) => e.as_f64().filter(|e| e.is_finite() && *e > min && *e < max).ok_or_else(|| {
+                KylinError::config_invalid(format!(
+                    "config.json vision_config `{key}` must be a number in ({min}, {max}); got {e}"
+                ))
+                .at(path)
+            }),
+        }
+    };
+    let flag = |key: &str| -> Result<bool> {
+        match v.get(key) {
+            None | Some(Value::Null) => Ok(false),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(other) => Err(KylinError::config_invalid(format!(
+                "config.json vision_config `{key}` must be true or false; got {other}"
+            ))
+            .at(path)),
+        }
+    };
+    let rope = v.get("rope_parameters").and_then(Value::as_object);
+    if let Some(kind) = rope.and_then(|p| p.get("rope_type")).and_then(Value::as_str)
+        && kind != "axial"
+    {
+        return Err(KylinError::config_invalid(format!(
+            "config.json vision_config.rope_parameters `rope_type` must be axial (2-D rotary positions); got {kind}"
+        ))
+        .at(path));
+    }
+    let rope_theta = match rope.and_then(|p| p.get("rope_theta")) {
+        None | Some(Value::Null) => 100.0,
+        Some(t) => t.as_f64().filter(|t| t.is_finite() && *t > 1.0).ok_or_else(|| {
+            KylinError::config_invalid(format!(
+                "config.json vision_config.rope_parameters `rope_theta` must be a number above 1; got {t}"
+            ))
+            .at(path)
+        })?,
+    };
+    let activation = match v.get("hidden_activation").or_else(|| v.get("hidden_act")).and_then(Value::as_str) {
+        None | Some("gelu_pytorch_tanh") => VisionActivation::GeluTanh,
+        Some(other) => {
+            return Err(KylinError::config_invalid(format!(
+                "config.json vision_config `hidden_activation` must be gelu_pytorch_tanh; got {other}"
+            ))
+            .at(path));
+        }
+    };
+    let heads = usize_field(v, "num_attention_heads", Some(12), path)?;
+    let kv_heads = usize_field(v, "num_key_value_heads", Some(heads), path)?;
+    let head_dim = usize_field(v, "head_dim", Some(64), path)?;
+    let position_embedding_size = usize_field(v, "position_embedding_size", Some(10_240), path)?;
+    let pooling = usize_field(v, "pooling_kernel_size", Some(3), path)?;
+    let config = VisionConfig {
+        model_type: GEMMA4_TOWER.to_string(),
+        kind: VisionKind::Gemma4 {
+            head_dim,
+            kv_heads,
+            position_embedding_size,
+            standardize: flag("standardize")?,
+            clipped_linears: flag("use_clipped_linears")?,
+            attention,
+        },
+        depth: usize_field(v, "num_hidden_layers", Some(16), path)?,
+        hidden: usize_field(v, "hidden_size", Some(768), path)?,
+        intermediate: usize_field(v, "intermediate_size", Some(3072), path)?,
+        heads,
+        in_channels: 3,
+        patch_size: usize_field(v, "patch_size", Some(16), path)?,
+        temporal_patch_size: 1,
+        spatial_merge_size: pooling,
+        num_position_embeddings: position_embedding_size,
+        out_hidden: text_hidden,
+        activation,
+        layer_norm_eps: float("rms_norm_eps", 1e-6, 0.0, 1.0)?,
+        rope_theta,
+        image_token_id: gemma_token(top, ["image_token_id", "image_token_index"], 258_880, path)?,
+        vision_start_token_id: gemma_token(top, ["boi_token_id", "boi_token_index"], 255_999, path)?,
+        vision_end_token_id: gemma_token(top, ["eoi_token_id", "eoi_token_index"], 258_882, path)?,
+    };
+    let checks = [
+        (heads.is_multiple_of(kv_heads), "num_attention_heads must be a multiple of num_key_value_heads"),
+        (head_dim.is_multiple_of(4), "head_dim must be a multiple of 4 (2-D rotary positions)"),
+        (config.patch_size <= 64, "patch_size must be at most 64"),
+        (pooling <= 16, "pooling_kernel_size must be at most 16"),
+    ];
+    if let Some((_, what)) = checks.iter().find(|(ok, _)| !ok) {
+        return Err(KylinError::config_invalid(format!(
+            "config.json vision_config: {what} (num_attention_heads {heads}, num_key_value_heads {kv_heads}, \
+             head_dim {head_dim}, patch_size {}, pooling_kernel_size {pooling})",
+            config.patch_size
+        ))
+        .at(path));
+    }
+    Ok(config)
+}
+
+/// The linears of a Gemma 4 block, each `ClippableLinear` (the weight under `.linear`).
+const GEMMA4_LINEARS: [&str; 7] = [
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+];
+
+/// The clamp bounds of a clipped linear, scalars.
+pub const GEMMA4_CLIP_BOUNDS: [&str; 4] = ["input_min", "input_max", "output_min", "output_max"];
+
+/// Gemma 4's table: role (the transformers 5 name without the leading `model.`), shape.
+fn gemma4_table(c: &VisionConfig) -> Vec<(String, Vec<usize>)> {
+    let VisionKind::Gemma4 { head_dim, kv_heads, position_embedding_size, standardize, clipped_linears, .. } = c.kind
+    else {
+        return Vec::new();
+    };
+    let (h, i, p) = (c.hidden, c.intermediate, c.patch_size);
+    let (q, kv) = (c.heads * head_dim, kv_heads * head_dim);
+    let mut t = vec![
+        ("vision_tower.patch_embedder.input_proj.weight".to_string(), vec![h, 3 * p * p]),
+        ("vision_tower.patch_embedder.position_embedding_table".into(), vec![2, position_embedding_size, h]),
+        ("embed_vision.embedding_projection.weight".into(), vec![c.out_hidden, h]),
+    ];
+    if standardize {
+        t.push(("vision_tower.std_bias".into(), vec![h]));
+        t.push(("vision_tower.std_scale".into(), vec![h]));
+    }
+    for l in 0..c.depth {
+        let at = format!("vision_tower.encoder.layers.{l}");
+        for norm in
+            ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        {
+            t.push((format!("{at}.{norm}.weight"), vec![h]));
+        }
+        t.push((format!("{at}.self_attn.q_norm.weight"), vec![head_dim]));
+        t.push((format!("{at}.self_attn.k_norm.weight"), vec![head_dim]));
+        for (linear, shape) in GEMMA4_LINEARS.iter().zip([[q, h], [kv, h], [kv, h], [h, q], [i, h], [i, h], [h, i]]) {
+            t.push((format!("{at}.{linear}.linear.weight"), shape.to_vec()));
+            if clipped_linears {
+                for bound in GEMMA4_CLIP_BOUNDS {
+                    t.push((format!("{at}.{linear}.{bound}"), Vec::new()));
+                }
+            }
+        }
+    }
+    t
+}
+
 /// Gemma 3's table: role (the transformers 5 name without the leading `model.`), shape.
 fn gemma3_table(c: &VisionConfig) -> Vec<(String, Vec<usize>)> {
     let (h, i, p) = (c.hidden, c.intermediate, c.patch_size);
@@ -372,9 +598,9 @@ fn gemma3_table(c: &VisionConfig) -> Vec<(String, Vec<usize>)> {
     t
 }
 
-/// Where a Gemma 3 role is stored: transformers 5 writes `model.vision_tower.…`, earlier
-/// versions `vision_tower.…`, and the published checkpoints `vision_tower.vision_model.…`
-/// (the projector likewise with or without `model.`).
+/// Where a Gemma 3 or Gemma 4 role is stored: transformers 5 writes `model.vision_tower.…`,
+/// earlier versions `vision_tower.…`, and the published Gemma 3 checkpoints
+/// `vision_tower.vision_model.…` (the projector likewise with or without `model.`).
 fn gemma3_name(index: &TensorIndex, role: &str) -> String {
     let inner = role.strip_prefix("vision_tower.").map(|rest| format!("vision_tower.vision_model.{rest}"));
     let mut candidates = vec![format!("model.{role}"), role.to_string()];
@@ -434,8 +660,12 @@ pub(crate) fn bind_vision(config: VisionConfig, index: &TensorIndex, dir: &Path)
     let prefix = prefix(index);
     let mut tensors = BTreeMap::new();
     let mut names = Vec::new();
-    let gemma = matches!(config.kind, VisionKind::Gemma3 { .. });
-    let roles = if gemma { gemma3_table(&config) } else { table(&config) };
+    let gemma = !matches!(config.kind, VisionKind::Qwen35);
+    let roles = match config.kind {
+        VisionKind::Qwen35 => table(&config),
+        VisionKind::Gemma3 { .. } => gemma3_table(&config),
+        VisionKind::Gemma4 { .. } => gemma4_table(&config),
+    };
     for (role, shape) in roles {
         let name = if gemma { gemma3_name(index, &role) } else { format!("{prefix}{role}") };
         tensors.insert(role, bind_one(index, &name, &shape, dir)?);

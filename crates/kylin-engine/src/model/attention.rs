@@ -284,7 +284,7 @@ impl Attention {
         //    MAX_ROWS of its (token, query head) rows, token-major), so each tile of the head's
         //    cached keys and values is read once for the whole chunk; query t of a segment attends
         //    to positions 0..=start + t of its own sequence (or up to the end of its image, for
-        //    Gemma 3's image tokens: `plan.attend_until`). The kernel gives every row the same
+        //    Gemma 3's image tokens and Gemma 4's on sliding layers: `plan.attend_until`). The kernel gives every row the same
         //    bits whatever chunk it is in (batch invariance).
         //    Split-K: when that makes fewer than two tasks per thread (one or a few sequences
         //    decoding on a model with few KV heads), each decode segment reaching past one
@@ -378,8 +378,12 @@ impl Attention {
                     // this call is a different row.
                     let out = unsafe { attn.slice(at, hd) };
                     let pos = seg.start + t;
-                    // Causal, unless the plan lets the token see further (an image's tokens).
-                    let len = plan.attend_until.get(token).map_or(pos + 1, |&end| end as usize);
+                    // Causal, unless the plan lets the token see further (an image's tokens;
+                    // Gemma 4's on sliding layers only).
+                    let len = match plan.attend_until.get(token) {
+                        Some(&end) if window.is_some() || !plan.attend_until_sliding_only => end as usize,
+                        _ => pos + 1,
+                    };
                     *row = QueryRow { q: &q[at..at + hd], from: first_position(pos), len, out };
                 }
                 match &layer.sinks {

@@ -473,6 +473,9 @@ pub struct BatchPlan {
     /// when every token attends up to itself (causal). Gemma 3's image tokens see their whole
     /// image, which is then computed in the same step.
     pub attend_until: Vec<u32>,
+    /// Whether [`BatchPlan::attend_until`] holds on the sliding-window layers only (Gemma 4's
+    /// images: causal on the global layers).
+    pub attend_until_sliding_only: bool,
 }
 
 impl BatchPlan {
@@ -488,6 +491,7 @@ impl BatchPlan {
             positions: Vec::with_capacity(max_tokens),
             embedding_rows: Vec::with_capacity(max_tokens),
             attend_until: Vec::with_capacity(max_tokens),
+            attend_until_sliding_only: false,
         }
     }
 
@@ -500,6 +504,7 @@ impl BatchPlan {
         self.positions.clear();
         self.embedding_rows.clear();
         self.attend_until.clear();
+        self.attend_until_sliding_only = false;
     }
 
     /// Adds a segment of `ids` at position `start` of a sequence with block table `blocks`

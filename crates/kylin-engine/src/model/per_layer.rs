@@ -89,6 +89,8 @@ impl PerLayerInputs {
             for (x, y) in row.chunks_exact(w).zip(projected.chunks_exact_mut(w)) {
                 self.norm.apply(x, eps, y);
             }
+            // An image's tokens (ids past the vocabulary) take the pad token's row, as
+            // transformers' `Gemma4Model` does (`pad_token_id`, 0 in every Gemma 4 config).
             let id = if (id as usize) < self.vocab { id as usize } else { 0 };
             kernels::widen_row(embed, id, row);
             kernels::scale(row, self.embed_scale);
