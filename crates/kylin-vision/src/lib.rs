@@ -19,6 +19,12 @@
 //!   (3, height, width) `pixel_values` per SigLIP input ([`GemmaPixels`]) equal to
 //!   transformers'; [`gemma3_image_prompt`] is the prompt text `Gemma3Processor` writes for an
 //!   image and its crops.
+//! - [`Gemma4ImageProcessor`] is transformers' Gemma 4 image processor (the PIL backend,
+//!   `Gemma4ImageProcessorPil`) read from a `preprocessor_config.json`: the aspect-ratio-preserving
+//!   resize to a patch budget ([`Gemma4ImageProcessor::target_size`]), rescale, optional
+//!   normalize and the patches, channel last, giving `pixel_values` equal to transformers' real
+//!   (unpadded) patches and the image's number of soft tokens ([`Gemma4Processed`]);
+//!   [`gemma4_image_sequence`] is the text `Gemma4Processor` writes for an image.
 //!
 //! The crate knows nothing of HTTP or of the engine. Every failure is a [`VisionError`] with a
 //! stable code; nothing here panics on outside data or allocates a size it has not checked.
@@ -26,6 +32,7 @@
 mod decode;
 mod error;
 mod gemma;
+mod gemma4;
 mod qwen;
 mod resample;
 
@@ -35,6 +42,7 @@ pub use gemma::{
     CropBox, GEMMA3_BOI_TOKEN, Gemma3ImageProcessor, Gemma3Processed, GemmaPixels, gemma3_full_image_sequence,
     gemma3_image_prompt,
 };
+pub use gemma4::{GEMMA4_SUPPORTED_SOFT_TOKENS, Gemma4ImageProcessor, Gemma4Processed, gemma4_image_sequence};
 pub use image::RgbImage;
 pub use qwen::{ProcessedImage, QwenImageProcessor, smart_resize};
 pub use resample::{ResampleFilter, resize};
