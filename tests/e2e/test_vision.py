@@ -5,7 +5,8 @@ tokenizer, a chat template and a preprocessor configuration: tests/fixtures/
 make_vision_chat_fixture.py) is asked about a real photograph (tests/fixtures/vision_model/
 chat.png), sent as a base64 `data:` URL and as a local file; the answer must be the tokens
 transformers generated for the same chat and image (tests/fixtures/vision_model/chat.json).
-Bad images get the API's 400 naming the field.
+Bad images get the API's 400 naming the field. Gemma 3's and Gemma 4's tiny vision-language
+fixtures answer the same photograph as transformers does.
 """
 
 import base64
@@ -178,3 +179,40 @@ def test_gemma3_through_the_anthropic_api_and_its_token_count(gemma_server):
     # newlines merged into the template's.
     count = client.messages.count_tokens(model="gemma", messages=[{"role": "user", "content": blocks}])
     assert count.input_tokens == len(GEMMA_REFERENCE["prompt_ids"])
+
+
+GEMMA4 = ROOT / "tests/fixtures/tiny-gemma4-vl-bidir"
+GEMMA4_REFERENCE = json.loads((IMAGES / "chat_gemma4.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def gemma4_server():
+    proc, base = start([str(GEMMA4), "--host", "127.0.0.1", "--threads", "2", "--precision", "f32",
+                        "--served-model-name", "gemma4"], "vision-gemma4")
+    try:
+        yield base
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
+
+
+def test_gemma4_answers_an_image_as_transformers_does(gemma4_server):
+    """Gemma 4 (tests/fixtures/make_gemma4_vision_reference.py): the image resized within its
+    budget of patches, the tower with clipped linears, the image's tokens seeing each other on
+    the sliding layers; as the openai client sends it, streamed, and counted by the Anthropic
+    API."""
+    client = client_for(gemma4_server)
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(PNG)}},
+                                             {"type": "text", "text": GEMMA4_REFERENCE["question"]}]}]
+    reply = client.chat.completions.create(model="gemma4", messages=messages, max_tokens=10, temperature=0)
+    assert reply.choices[0].message.content == GEMMA4_REFERENCE["greedy_text"]
+    assert reply.usage.prompt_tokens == len(GEMMA4_REFERENCE["prompt_ids"])
+    stream = client.chat.completions.create(model="gemma4", messages=messages, max_tokens=10, temperature=0,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == GEMMA4_REFERENCE["greedy_text"]
+    anthropic_client = anthropic.Anthropic(base_url=gemma4_server, api_key="unused", max_retries=0, timeout=120)
+    blocks = [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                           "data": base64.b64encode(PNG).decode()}},
+              {"type": "text", "text": GEMMA4_REFERENCE["question"]}]
+    count = anthropic_client.messages.count_tokens(model="gemma4", messages=[{"role": "user", "content": blocks}])
+    assert count.input_tokens == len(GEMMA4_REFERENCE["prompt_ids"])

@@ -720,18 +720,22 @@ fn run_with_an_image_answers_as_transformers_and_refuses_what_is_no_image() {
 }
 
 #[test]
-fn run_with_an_image_on_gemma3_answers_as_transformers() {
+fn run_with_an_image_on_gemma3_and_gemma4_answers_as_transformers() {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let dir = repo.join("tests/fixtures/tiny-gemma3-vl-pooled");
     let png = repo.join("tests/fixtures/vision_model/chat.png");
-    let reference: Value = serde_json::from_str(
-        &std::fs::read_to_string(repo.join("tests/fixtures/vision_model/chat_gemma3.json")).unwrap(),
-    )
-    .unwrap();
-    let question = reference["question"].as_str().unwrap();
-    let args = ["run", s(&dir), "--precision", "f32", "--image", s(&png), "-p", question];
-    let r = ok_json(&[&args[..], &["--max-tokens", "10", "--ignore-eos", "--json"]].concat());
-    assert_eq!(r["prompt_ids"], reference["prompt_ids"]);
-    assert_eq!(r["generated_ids"], reference["greedy_new_ids"]);
-    assert_eq!(r["image_tokens"], 9);
+    for (fixture, reference, image_tokens) in
+        [("tiny-gemma3-vl-pooled", "chat_gemma3.json", 9), ("tiny-gemma4-vl-bidir", "chat_gemma4.json", 63)]
+    {
+        let dir = repo.join("tests/fixtures").join(fixture);
+        let reference: Value = serde_json::from_str(
+            &std::fs::read_to_string(repo.join("tests/fixtures/vision_model").join(reference)).unwrap(),
+        )
+        .unwrap();
+        let question = reference["question"].as_str().unwrap();
+        let args = ["run", s(&dir), "--precision", "f32", "--image", s(&png), "-p", question];
+        let r = ok_json(&[&args[..], &["--max-tokens", "10", "--ignore-eos", "--json"]].concat());
+        assert_eq!(r["prompt_ids"], reference["prompt_ids"], "{fixture}");
+        assert_eq!(r["generated_ids"], reference["greedy_new_ids"], "{fixture}");
+        assert_eq!(r["image_tokens"], image_tokens, "{fixture}");
+    }
 }

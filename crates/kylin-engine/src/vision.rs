@@ -42,7 +42,8 @@ use kylin_kernels::{self as kernels, ThreadPool, WeightMatrix};
 use kylin_loader::vision::{LoadedVision, VisionActivation, VisionConfig, VisionKind};
 use kylin_loader::{KylinError, Result};
 use kylin_vision::{
-    Gemma3ImageProcessor, ImageLimits, QwenImageProcessor, VisionError, decode_image, gemma3_full_image_sequence,
+    Gemma3ImageProcessor, Gemma4ImageProcessor, ImageLimits, QwenImageProcessor, VisionError, decode_image,
+    gemma3_full_image_sequence,
 };
 
 use crate::encoder::{Dense, LayerNorm, dtype_of, gelu};
@@ -1035,6 +1036,10 @@ enum Processor {
         /// model has a tokenizer that names the three tokens.
         text: Option<(String, String)>,
     },
+    /// transformers' Gemma 4 image processor: the image keeps its aspect ratio within a budget
+    /// of patches; each image token of the prompt (the chat template's placeholder) becomes
+    /// `boi + image token × tokens + eoi`, as `Gemma4Processor` expands it.
+    Gemma4 { processor: Gemma4ImageProcessor, boi: u32, eoi: u32 },
 }
 
 /// A refused image as Kylin's error: `IMAGE_INVALID`, the decoder's own code first.
@@ -1052,7 +1057,19 @@ impl ImagePreparer {
         let c = &loaded.config;
         let invalid = |e: VisionError| KylinError::config_invalid(format!("preprocessor_config.json: {}", e.message));
         let processor = match c.kind {
-            VisionKind::Gemma4 { .. } => return Ok(None),
+            VisionKind::Gemma4 { .. } => {
+                let processor = Gemma4ImageProcessor::from_json(text).map_err(invalid)?;
+                let pairs = [
+                    ("patch_size", processor.patch_size, c.patch_size),
+                    ("pooling_kernel_size", processor.pooling_kernel_size, c.spatial_merge_size),
+                ];
+                if let Some((name, got, want)) = pairs.into_iter().find(|(_, got, want)| got != want) {
+                    return Err(KylinError::config_invalid(format!(
+                        "preprocessor_config.json {name} is {got}, but the vision tower (config.json vision_config) takes {want}"
+                    )));
+                }
+                Processor::Gemma4 { processor, boi: c.vision_start_token_id, eoi: c.vision_end_token_id }
+            }
             VisionKind::Qwen35 => {
                 let processor = QwenImageProcessor::from_json(text).map_err(invalid)?;
                 let pairs = [
@@ -1132,6 +1149,11 @@ impl ImagePreparer {
                 let side = size / patch;
                 Ok(ImageInput { pixels: Arc::from(pixels), grid: PatchGrid { t: 1, h: side, w: side } })
             }
+            Processor::Gemma4 { processor, .. } => {
+                let processed = processor.process(&image).map_err(image_error)?;
+                let grid = PatchGrid { t: 1, h: processed.patches_high, w: processed.patches_wide };
+                Ok(ImageInput { pixels: Arc::from(processed.pixel_values), grid })
+            }
         }
     }
 
@@ -1140,6 +1162,9 @@ impl ImagePreparer {
         match &self.processor {
             Processor::Qwen(p) => image.grid.patches() / (p.merge_size * p.merge_size),
             Processor::Gemma3 { tokens, .. } => *tokens,
+            Processor::Gemma4 { processor, .. } => {
+                image.grid.patches() / (processor.pooling_kernel_size * processor.pooling_kernel_size)
+            }
         }
     }
 
@@ -1159,16 +1184,34 @@ impl ImagePreparer {
     /// place them) repeated once per token; for Gemma 3, a prompt already expanded by
     /// [`ImagePreparer::expand_text`] is checked and kept, and one given as ids gets each
     /// `<start_of_image>` followed by the image tokens and `<end_of_image>` (without the
-    /// newlines the text expansion adds).
+    /// newlines the text expansion adds); for Gemma 4, each image token becomes the begin-of-image
+    /// token, the image's tokens and the end-of-image token, and a prompt already expanded (its
+    /// image tokens after a begin-of-image token) is checked and kept.
     pub fn expand(&self, prompt: &[u32], images: &[ImageInput]) -> Result<Vec<u32>> {
-        let (marker, after) = match &self.processor {
-            Processor::Qwen(_) => (self.image_token_id, None),
-            Processor::Gemma3 { boi, eoi, tokens, .. } => {
-                let runs = prompt
-                    .iter()
-                    .enumerate()
-                    .filter(|&(i, &id)| id == self.image_token_id && (i == 0 || prompt[i - 1] != id))
-                    .count();
+        let runs = || {
+            prompt.iter().enumerate().filter(|&(i, &id)| id == self.image_token_id && (i == 0 || prompt[i - 1] != id))
+        };
+        let (marker, around) = match &self.processor {
+            Processor::Qwen(_) => (self.image_token_id, Around::Nothing),
+            Processor::Gemma4 { boi, eoi, .. } => {
+                let expanded = runs().filter(|&(i, _)| i > 0 && prompt[i - 1] == *boi).count();
+                if expanded > 0 {
+                    return if expanded == images.len() && runs().count() == expanded {
+                        Ok(prompt.to_vec())
+                    } else {
+                        Err(KylinError::input_invalid(format!(
+                            "the prompt has {expanded} expanded image(s) ({boi} then image tokens {}) and {} \
+                             placeholder(s) for {} image(s); give every image as a placeholder or every one expanded",
+                            self.image_token_id,
+                            runs().count() - expanded,
+                            images.len()
+                        )))
+                    };
+                }
+                (self.image_token_id, Around::Wrap { boi: *boi, eoi: *eoi })
+            }
+            Processor::Gemma3 { boi, eoi, .. } => {
+                let runs = runs().count();
                 if runs > 0 {
                     // Already expanded: the engine checks each run against its image.
                     return if runs == images.len() {
@@ -1181,7 +1224,7 @@ impl ImagePreparer {
                         )))
                     };
                 }
-                (*boi, Some((*tokens, *eoi)))
+                (*boi, Around::AfterMarker { eoi: *eoi })
             }
         };
         let placeholders = prompt.iter().filter(|&&id| id == marker).count();
@@ -1192,20 +1235,42 @@ impl ImagePreparer {
                 images.len()
             )));
         }
-        let extra: usize = images.iter().map(|i| self.tokens(i) + 1).sum();
+        let extra: usize = images.iter().map(|i| self.tokens(i) + 2).sum();
         let mut out = Vec::with_capacity(prompt.len() + extra);
         let mut next = images.iter();
         for &id in prompt {
-            match ((id == marker).then(|| next.next()).flatten(), after) {
-                (Some(image), None) => out.extend(std::iter::repeat_n(id, self.tokens(image))),
-                (Some(_), Some((tokens, eoi))) => {
+            let Some(image) = (id == marker).then(|| next.next()).flatten() else {
+                out.push(id);
+                continue;
+            };
+            let tokens = std::iter::repeat_n(self.image_token_id, self.tokens(image));
+            match around {
+                Around::Nothing => out.extend(tokens),
+                Around::AfterMarker { eoi } => {
                     out.push(id);
-                    out.extend(std::iter::repeat_n(self.image_token_id, tokens));
+                    out.extend(tokens);
                     out.push(eoi);
                 }
-                (None, _) => out.push(id),
+                Around::Wrap { boi, eoi } => {
+                    out.push(boi);
+                    out.extend(tokens);
+                    out.push(eoi);
+                }
             }
         }
         Ok(out)
     }
+}
+
+/// What surrounds an image's tokens when [`ImagePreparer::expand`] puts them in place of its
+/// marker.
+#[derive(Debug, Clone, Copy)]
+enum Around {
+    /// Nothing: the marker is repeated (Qwen).
+    Nothing,
+    /// The marker stays before them, the end-of-image token follows (Gemma 3's begin-of-image).
+    AfterMarker { eoi: u32 },
+    /// The marker is replaced by the begin-of-image token, the tokens and the end-of-image token
+    /// (Gemma 4's image token).
+    Wrap { boi: u32, eoi: u32 },
 }

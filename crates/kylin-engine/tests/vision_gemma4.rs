@@ -181,3 +181,70 @@ fn small_steps_and_a_batch_of_both_cases_give_the_same_answers() {
         }
     }
 }
+
+/// The bidirectional fixture with a tokenizer, a chat template and Gemma 4's image processor
+/// configuration, and what transformers answers to a chat with a real image
+/// (`tests/fixtures/make_gemma4_vision_reference.py`).
+fn chat_fixture() -> (PathBuf, Value) {
+    let path = repo().join("tests/fixtures/vision_model/chat_gemma4.json");
+    let reference = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    (repo().join("tests/fixtures/tiny-gemma4-vl-bidir"), reference)
+}
+
+#[test]
+fn a_chat_with_an_image_file_gives_transformers_prompt_and_tokens() {
+    let (dir, reference) = chat_fixture();
+    let mut e = engine(&dir, &options());
+    let preparer = e.image_preparer().expect("the directory has a preprocessor_config.json");
+    let png = std::fs::read(repo().join("tests/fixtures/vision_model/chat.png")).unwrap();
+    let image = preparer.prepare(&png).expect("the PNG is prepared");
+    // The 61 x 45 photograph resized within 70 tokens of 2 x 2 patches of 4 pixels (72 x 56)
+    // as transformers' image processor does it.
+    let want = floats(&reference["pixel_values"]);
+    assert_eq!(image.grid, PatchGrid { t: 1, h: 14, w: 18 });
+    assert_eq!(preparer.tokens(&image), reference["image_tokens"].as_u64().unwrap() as usize);
+    assert_eq!(image.pixels.len(), want.len());
+    let diff = image.pixels.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(diff < 1e-6, "pixel values differ by {diff}");
+    // The template's <|image|> is tokenized as one token, then expanded to <|image>, the
+    // image's tokens and <image|>, which is what transformers gets from expanding the text.
+    let question = reference["question"].as_str().unwrap();
+    let messages =
+        [serde_json::json!({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]})];
+    let text = e.render_chat(&messages, true, &Default::default()).unwrap();
+    assert_eq!(text, reference["rendered"].as_str().unwrap());
+    let tokens = e.tokenize(&preparer.expand_text(&text), false).unwrap();
+    let prompt = preparer.expand(&tokens, std::slice::from_ref(&image)).unwrap();
+    assert_eq!(prompt, ids(&reference["prompt_ids"]));
+    let mut r = Request::new(1, prompt.clone(), 10);
+    r.ignore_eos = true;
+    r.logprobs = Some(1);
+    r.images = vec![image.clone()];
+    let out = run(&mut e, vec![r]).remove(0);
+    assert_eq!(out.ids, ids(&reference["greedy_new_ids"]));
+    // An expanded prompt is kept; a placeholder beside an expanded image, or a count that
+    // differs from the images', is refused.
+    assert_eq!(preparer.expand(&prompt, std::slice::from_ref(&image)).unwrap(), prompt);
+    let mixed = [&prompt[..], &[1000, 5]].concat();
+    let err = preparer.expand(&mixed, &[image.clone(), image.clone()]).unwrap_err();
+    assert!(err.to_string().contains("1 expanded image(s)") && err.to_string().contains("1 placeholder(s)"), "{err}");
+    let err = preparer.expand(&[2, 1000, 9], &[image.clone(), image]).unwrap_err();
+    assert!(err.to_string().contains("1 image placeholder token(s) (1000) for 2 image(s)"), "{err}");
+}
+
+#[test]
+fn the_prefix_cache_reuses_an_image_and_its_answer_is_unchanged() {
+    for (dir, reference) in fixtures() {
+        let case = &reference["cases"][0];
+        let opts = EngineOptions { block_size: Some(4), ..options() };
+        let mut e = engine(&dir, &opts);
+        let plain = |id| Request { prompt_logprobs: None, ..request(id, case) };
+        let first = run(&mut e, vec![plain(1)]).remove(0);
+        assert_eq!(first.ids, ids(&case["greedy_new_ids"]));
+        // Again: the blocks through the image (tokens 5 to 18) come from the cache.
+        let mut again = run(&mut e, vec![plain(2)]).remove(0);
+        assert!(again.cached >= 20, "{}: cached {}", dir.display(), again.cached);
+        again.cached = first.cached;
+        assert_eq!(again, first, "{}", dir.display());
+    }
+}

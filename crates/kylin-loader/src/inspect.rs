@@ -481,12 +481,10 @@ impl InspectReport {
                         "{image_size}x{image_size} images in patches {p}x{p}, {k}x{k} pooled: {tokens_per_image} tokens"
                     ),
                     crate::vision::VisionKind::Gemma4 { attention, .. } => format!(
-                        "variable-resolution images in patches {p}x{p}, {k}x{k} pooled into one token, {}",
+                        "image tokens {}; variable-resolution images in patches {p}x{p}, {k}x{k} pooled into one token",
                         match attention {
-                            crate::vision::ImageAttention::BidirectionalOnSliding => {
-                                "image tokens bidirectional on sliding layers"
-                            }
-                            _ => "image tokens causal",
+                            crate::vision::ImageAttention::BidirectionalOnSliding => "bidirectional on sliding layers",
+                            _ => "causal",
                         }
                     ),
                 };
