@@ -1,9 +1,9 @@
-//! `preprocessor_config.json` (issue 40), read by Qwen2-VL's and Gemma 3's image processors: any
+//! `preprocessor_config.json` (issue 40), read by Qwen2-VL's, Gemma 3's and Gemma 4's image processors: any
 //! text gives a processor or a `VisionError`; a processor read from it then runs on a small
 //! image without panicking or allocating a size the configuration did not bound.
 #![no_main]
 
-use kylin_vision::{Gemma3ImageProcessor, QwenImageProcessor, RgbImage};
+use kylin_vision::{Gemma3ImageProcessor, Gemma4ImageProcessor, QwenImageProcessor, RgbImage};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|bytes: &[u8]| {
@@ -19,5 +19,10 @@ fuzz_target!(|bytes: &[u8]| {
         && gemma.height * gemma.width <= 1 << 16
     {
         let _ = gemma.process(&image);
+    }
+    if let Ok(gemma4) = Gemma4ImageProcessor::from_json(text)
+        && gemma4.max_soft_tokens * (gemma4.pooling_kernel_size * gemma4.patch_size).pow(2) <= 1 << 18
+    {
+        let _ = gemma4.process(&image);
     }
 });

@@ -220,14 +220,17 @@ def test_chat_with_an_image_gives_transformers_tokens():
     assert e.value.code == "IMAGE_INVALID" and "IMAGE_FORMAT" in str(e.value)
 
 
-def test_chat_with_an_image_on_gemma3_gives_transformers_prompt_and_tokens():
+@pytest.mark.parametrize("fixture,reference", [("tiny-gemma3-vl-pooled", "chat_gemma3.json"),
+                                               ("tiny-gemma4-vl-bidir", "chat_gemma4.json")])
+def test_chat_with_an_image_on_gemma_gives_transformers_prompt_and_tokens(fixture, reference):
     vision = ROOT / "tests" / "fixtures" / "vision_model"
-    reference = json.loads((vision / "chat_gemma3.json").read_text())
-    llm = kylin.LLM(str(ROOT / "tests" / "fixtures" / "tiny-gemma3-vl-pooled"), threads=2, ctx_size=256)
+    reference = json.loads((vision / reference).read_text())
+    llm = kylin.LLM(str(ROOT / "tests" / "fixtures" / fixture), threads=2, ctx_size=256)
     params = kylin.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(vision / "chat.png")}},
                                              {"type": "text", "text": reference["question"]}]}]
     out = llm.chat(messages, params)[0]
-    # The image's sequence goes into the rendered text, its newlines merged as transformers does.
+    # Gemma 3's image sequence goes into the rendered text, its newlines merged as transformers
+    # does; Gemma 4's <|image|> becomes <|image>, the image's tokens and <image|>.
     assert out.prompt_token_ids == reference["prompt_ids"]
     assert out.outputs[0].token_ids == reference["greedy_new_ids"]

@@ -216,3 +216,63 @@ def test_gemma4_answers_an_image_as_transformers_does(gemma4_server):
               {"type": "text", "text": GEMMA4_REFERENCE["question"]}]
     count = anthropic_client.messages.count_tokens(model="gemma4", messages=[{"role": "user", "content": blocks}])
     assert count.input_tokens == len(GEMMA4_REFERENCE["prompt_ids"])
+
+
+def test_tokenize_takes_images_as_chat_completions_do(gemma4_server, server):
+    """`/tokenize` with `messages` holding an image gives the prompt the model's processor
+    makes: Gemma 4's placeholder expanded, Qwen's repeated, as in the chat's own prompt."""
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(PNG)}},
+                                             {"type": "text", "text": GEMMA4_REFERENCE["question"]}]}]
+    r = httpx.post(gemma4_server + "/tokenize", json={"messages": messages}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == GEMMA4_REFERENCE["prompt_ids"]
+    assert r.json()["count"] == len(GEMMA4_REFERENCE["prompt_ids"])
+    r = httpx.post(server + "/tokenize", json={"messages": image_chat(data_url(PNG))}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == REFERENCE["prompt_ids"]
+    # A broken image is the same 400 as in a chat.
+    bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(b"not an image")}}]}]
+    r = httpx.post(gemma4_server + "/tokenize", json={"messages": bad}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[0].image_url.url", r.text
+    assert r.json()["error"]["code"] == "IMAGE_INVALID"
+
+
+def test_mm_processor_kwargs_set_the_image_budget_per_request(gemma4_server, server):
+    """`mm_processor_kwargs` (vLLM's name): Gemma 4's `max_soft_tokens` and Qwen's
+    `min_pixels`/`max_pixels` for one request; a setting the model's processor does not read, a
+    value out of range or an unknown key is a 400 naming it."""
+    client = client_for(gemma4_server)
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(PNG)}},
+                                             {"type": "text", "text": GEMMA4_REFERENCE["question"]}]}]
+    at_140 = GEMMA4_REFERENCE["at_140_soft_tokens"]
+    reply = client.chat.completions.create(model="gemma4", messages=messages, max_tokens=10, temperature=0,
+                                           extra_body={"mm_processor_kwargs": {"max_soft_tokens": 140}})
+    assert reply.usage.prompt_tokens == len(at_140["prompt_ids"])
+    assert reply.choices[0].message.content == at_140["greedy_text"]
+    r = httpx.post(gemma4_server + "/tokenize",
+                   json={"messages": messages, "mm_processor_kwargs": {"max_soft_tokens": 140}}, timeout=60)
+    assert r.json()["tokens"] == at_140["prompt_ids"]
+    for kwargs, param, needle in [
+        ({"max_soft_tokens": 100}, "mm_processor_kwargs", "must be one of [70, 140, 280, 560, 1120]; got 100"),
+        ({"max_pixels": 4096}, "mm_processor_kwargs", "max_pixels: Gemma 4's image processor does not read it"),
+        ({"max_soft_tokens": "many"}, "mm_processor_kwargs.max_soft_tokens", "must be a positive integer"),
+        ({"do_pan_and_scan": True}, "mm_processor_kwargs.do_pan_and_scan", "not an image processor setting"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="gemma4", messages=messages, max_tokens=2,
+                                           extra_body={"mm_processor_kwargs": kwargs})
+        assert e.value.body["param"] == param and needle in e.value.body["message"], (kwargs, e.value.body)
+    # Qwen: a smaller pixel budget gives fewer image tokens (the 61 x 45 photograph within 1024
+    # pixels: smart_resize gives 32 x 24, 8 x 6 patches of 4 merged 2 x 2 into 12 tokens).
+    r = httpx.post(server + "/tokenize", json={"messages": image_chat(data_url(PNG)),
+                                               "mm_processor_kwargs": {"min_pixels": 1024, "max_pixels": 1024}},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    image_pad = 1000
+    assert REFERENCE["prompt_ids"].count(image_pad) == 24
+    assert r.json()["tokens"].count(image_pad) == 12
+    assert r.json()["count"] == len(REFERENCE["prompt_ids"]) - 12
+    r = httpx.post(server + "/v1/chat/completions", json={"messages": image_chat(data_url(PNG)), "max_tokens": 2,
+                                                          "mm_processor_kwargs": {"max_soft_tokens": 140}},
+                   timeout=60)
+    assert r.status_code == 400 and "Qwen's image processor does not read it" in r.json()["error"]["message"]

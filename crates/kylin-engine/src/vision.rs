@@ -42,8 +42,8 @@ use kylin_kernels::{self as kernels, ThreadPool, WeightMatrix};
 use kylin_loader::vision::{LoadedVision, VisionActivation, VisionConfig, VisionKind};
 use kylin_loader::{KylinError, Result};
 use kylin_vision::{
-    Gemma3ImageProcessor, Gemma4ImageProcessor, ImageLimits, QwenImageProcessor, VisionError, decode_image,
-    gemma3_full_image_sequence,
+    GEMMA4_SUPPORTED_SOFT_TOKENS, Gemma3ImageProcessor, Gemma4ImageProcessor, ImageLimits, QwenImageProcessor,
+    VisionError, decode_image, gemma3_full_image_sequence,
 };
 
 use crate::encoder::{Dense, LayerNorm, dtype_of, gelu};
@@ -1042,6 +1042,22 @@ enum Processor {
     Gemma4 { processor: Gemma4ImageProcessor, boi: u32, eoi: u32 },
 }
 
+/// A request's settings of the image processor, over what `preprocessor_config.json` says
+/// (vLLM's `mm_processor_kwargs`). Each applies to the models whose processor reads it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ImageOptions {
+    /// Qwen: the fewest and the most pixels an image is resized to (`min_pixels`,
+    /// `max_pixels`).
+    pub min_pixels: Option<u64>,
+    pub max_pixels: Option<u64>,
+    /// Gemma 4: the most tokens an image becomes (`max_soft_tokens`: 70, 140, 280, 560 or 1120).
+    pub max_soft_tokens: Option<usize>,
+}
+
+/// The most pixels a request may ask Qwen's processor to resize an image to (`max_pixels`):
+/// 16 megapixels, 16 times Qwen3.5's published maximum.
+const MAX_REQUEST_PIXELS: u64 = 1 << 24;
+
 /// A refused image as Kylin's error: `IMAGE_INVALID`, the decoder's own code first.
 fn image_error(e: VisionError) -> KylinError {
     KylinError::image_invalid(format!("{}: {}", e.code(), e.message))
@@ -1127,6 +1143,74 @@ impl ImagePreparer {
     /// Decodes a PNG, JPEG or WebP file and makes its patches (`IMAGE_INVALID` naming what is
     /// wrong with it).
     pub fn prepare(&self, bytes: &[u8]) -> Result<ImageInput> {
+        self.prepare_with(bytes, &ImageOptions::default())
+    }
+
+    /// This preparer with a request's options applied: `INPUT_INVALID` naming an option the
+    /// model's processor does not read, or a value out of its range.
+    pub fn with_options(&self, options: &ImageOptions) -> Result<ImagePreparer> {
+        let mut out = self.clone();
+        let unread = |key: &str| {
+            let model = match self.processor {
+                Processor::Qwen(_) => "Qwen's",
+                Processor::Gemma3 { .. } => "Gemma 3's",
+                Processor::Gemma4 { .. } => "Gemma 4's",
+            };
+            KylinError::input_invalid(format!("mm_processor_kwargs.{key}: {model} image processor does not read it"))
+        };
+        match &mut out.processor {
+            Processor::Qwen(p) => {
+                if options.max_soft_tokens.is_some() {
+                    return Err(unread("max_soft_tokens"));
+                }
+                let (min, max) =
+                    (options.min_pixels.unwrap_or(p.min_pixels), options.max_pixels.unwrap_or(p.max_pixels));
+                if min == 0 || min > max || max > MAX_REQUEST_PIXELS {
+                    return Err(KylinError::input_invalid(format!(
+                        "mm_processor_kwargs: the pixel range must satisfy 0 < min_pixels <= max_pixels <= \
+                         {MAX_REQUEST_PIXELS}; got min_pixels {min} and max_pixels {max}"
+                    )));
+                }
+                (p.min_pixels, p.max_pixels) = (min, max);
+            }
+            Processor::Gemma3 { .. } => {
+                if let Some(key) = [
+                    ("min_pixels", options.min_pixels.is_some()),
+                    ("max_pixels", options.max_pixels.is_some()),
+                    ("max_soft_tokens", options.max_soft_tokens.is_some()),
+                ]
+                .into_iter()
+                .find_map(|(key, set)| set.then_some(key))
+                {
+                    return Err(unread(key));
+                }
+            }
+            Processor::Gemma4 { processor, .. } => {
+                if let Some(key) = [("min_pixels", options.min_pixels), ("max_pixels", options.max_pixels)]
+                    .into_iter()
+                    .find_map(|(key, set)| set.map(|_| key))
+                {
+                    return Err(unread(key));
+                }
+                if let Some(tokens) = options.max_soft_tokens {
+                    if !GEMMA4_SUPPORTED_SOFT_TOKENS.contains(&tokens) {
+                        return Err(KylinError::input_invalid(format!(
+                            "mm_processor_kwargs.max_soft_tokens must be one of {GEMMA4_SUPPORTED_SOFT_TOKENS:?}; got \
+                             {tokens}"
+                        )));
+                    }
+                    processor.max_soft_tokens = tokens;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// [`ImagePreparer::prepare`] with a request's options ([`ImagePreparer::with_options`]).
+    pub fn prepare_with(&self, bytes: &[u8], options: &ImageOptions) -> Result<ImageInput> {
+        if *options != ImageOptions::default() {
+            return self.with_options(options)?.prepare_with(bytes, &ImageOptions::default());
+        }
         let image = decode_image(bytes, &self.limits).map_err(image_error)?;
         match &self.processor {
             Processor::Qwen(processor) => {

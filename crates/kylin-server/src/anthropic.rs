@@ -371,7 +371,7 @@ pub async fn messages(State(state): State<AppState>, request: Request) -> Result
     let admission = state.admit()?;
     let stops = req.common.stop.clone();
     let mut prepared = chat::prepare(&state, &published, req.plan).await?;
-    prepared.images = crate::images::prepare(&state, &published, req.images).await?;
+    prepared.images = crate::images::prepare(&state, &published, req.images, &Default::default()).await?;
     let limits = Limits { sampling, max_tokens: req.common.max_tokens, stop: req.common.stop };
     let generation = chat::start(&state, prepared, limits, admission, arrived, "messages").await?;
     let id = format!("msg_{}", state.next_response_id());
@@ -417,7 +417,7 @@ pub async fn count_tokens(State(state): State<AppState>, request: Request) -> Re
     check_model(&state, req.common.model.as_deref())?;
     let prepared = chat::prepare(&state, &published, ChatPlan { tool_choice: ToolChoice::Auto, ..req.plan }).await?;
     // The images' tokens are counted as the model's processor puts them into the prompt.
-    let images = crate::images::prepare(&state, &published, req.images).await?;
+    let images = crate::images::prepare(&state, &published, req.images, &Default::default()).await?;
     let job = TextJob::Tokenize { prompt: prepared.prompt, add_special: false, images };
     match state.engine().text(job).await.map_err(|e| ApiError::from_engine(&e, "messages"))? {
         TextReply::Ids(ids) => Ok(axum::Json(json!({"input_tokens": ids.len()})).into_response()),

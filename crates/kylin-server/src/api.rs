@@ -17,6 +17,7 @@
 use kylin_engine::grammar::GrammarSpec;
 use kylin_engine::sampler::SamplingParams;
 use kylin_engine::tools::{ToolChoice, ToolSpec};
+use kylin_engine::vision::ImageOptions;
 use kylin_loader::GenerationDefaults;
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value, json};
@@ -272,6 +273,39 @@ pub struct ChatRequest {
     /// The messages' images, in order (each an `{"type": "image"}` part of its message's
     /// content, where the chat template places it).
     pub images: Vec<ImagePart>,
+    /// The request's settings of the image processor (`mm_processor_kwargs`).
+    pub image_options: ImageOptions,
+}
+
+/// `mm_processor_kwargs` (vLLM's name): `min_pixels` and `max_pixels` (Qwen's processor),
+/// `max_soft_tokens` (Gemma 4's); each a positive integer. Whether the model's processor reads
+/// them is checked with the model ([`kylin_engine::vision::ImagePreparer::with_options`]).
+pub fn image_options(value: Option<Map<String, Value>>) -> Result<ImageOptions, ApiError> {
+    let mut options = ImageOptions::default();
+    for (key, v) in value.unwrap_or_default() {
+        let at = format!("mm_processor_kwargs.{key}");
+        let number = || {
+            v.as_u64()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| ApiError::invalid(at.clone(), format!("`{at}` must be a positive integer; got {v}")))
+        };
+        match key.as_str() {
+            "min_pixels" => options.min_pixels = Some(number()?),
+            "max_pixels" => options.max_pixels = Some(number()?),
+            "max_soft_tokens" => options.max_soft_tokens = Some(number()? as usize),
+            _ => {
+                return Err(ApiError::invalid(
+                    at,
+                    format!(
+                        "`{key}` is not an image processor setting Kylin reads: min_pixels and max_pixels (Qwen), \
+                         max_soft_tokens (Gemma 4)"
+                    ),
+                )
+                .code("unsupported_parameter"));
+            }
+        }
+    }
+    Ok(options)
 }
 
 /// An image of a request and the field it came from (`messages[0].content[1].image_url.url`).
@@ -324,6 +358,7 @@ impl ChatRequest {
         }
         let chat_template_kwargs = f.take("chat_template_kwargs", "an object")?.unwrap_or_default();
         let add_generation_prompt = f.take("add_generation_prompt", "a boolean")?.unwrap_or(true);
+        let image_options = image_options(f.take("mm_processor_kwargs", "an object")?)?;
         let tools = tools(f.take("tools", "a list of tools")?, "tools")?;
         let tool_choice = tool_choice(f.take("tool_choice", "a string or an object")?, &tools)?;
         let parallel_tool_calls = f.take::<bool>("parallel_tool_calls", "a boolean")?.unwrap_or(true);
@@ -355,6 +390,7 @@ impl ChatRequest {
             chat_template_kwargs,
             add_generation_prompt,
             images,
+            image_options,
         })
     }
 }
@@ -795,8 +831,21 @@ impl CompletionRequest {
 /// `POST /tokenize`: text, token-less chat messages, or a completions-style prompt.
 #[derive(Debug, Clone)]
 pub enum TokenizeRequest {
-    Text { model: Option<String>, text: String, add_special_tokens: bool },
-    Chat { model: Option<String>, messages: Vec<Value>, kwargs: Map<String, Value>, add_generation_prompt: bool },
+    Text {
+        model: Option<String>,
+        text: String,
+        add_special_tokens: bool,
+    },
+    Chat {
+        model: Option<String>,
+        messages: Vec<Value>,
+        kwargs: Map<String, Value>,
+        add_generation_prompt: bool,
+        /// The messages' images, in order: their tokens are counted as the model's processor
+        /// puts them into the prompt.
+        images: Vec<ImagePart>,
+        image_options: ImageOptions,
+    },
 }
 
 impl TokenizeRequest {
@@ -808,6 +857,7 @@ impl TokenizeRequest {
         let add_special_tokens = f.take("add_special_tokens", "a boolean")?;
         let add_generation_prompt = f.take("add_generation_prompt", "a boolean")?.unwrap_or(true);
         let kwargs = f.take("chat_template_kwargs", "an object")?.unwrap_or_default();
+        let image_options = image_options(f.take("mm_processor_kwargs", "an object")?)?;
         f.finish()?;
         match (prompt, messages) {
             (Some(text), None) => {
@@ -820,12 +870,7 @@ impl TokenizeRequest {
                     .enumerate()
                     .map(|(i, m)| message(i, m, &mut images))
                     .collect::<Result<Vec<_>, _>>()?;
-                if !images.is_empty() {
-                    return Err(
-                        ApiError::invalid("messages", "/tokenize takes no images").code("unsupported_parameter")
-                    );
-                }
-                Ok(TokenizeRequest::Chat { model, messages, kwargs, add_generation_prompt })
+                Ok(TokenizeRequest::Chat { model, messages, kwargs, add_generation_prompt, images, image_options })
             }
             _ => Err(ApiError::invalid("prompt", "give exactly one of `prompt` and `messages`")),
         }

@@ -7,21 +7,24 @@
 use std::path::Path;
 
 use kylin_engine::serving::ImageInput;
+use kylin_engine::vision::ImageOptions;
 
 use crate::AppState;
 use crate::api::{ImagePart, ImageRef};
 use crate::engine::Published;
 use crate::error::ApiError;
 
-/// Prepares a request's images in order; a 400 naming the image's field for anything wrong
-/// with one.
+/// Prepares a request's images in order, with its settings of the image processor; a 400
+/// naming the image's field for anything wrong with one (`mm_processor_kwargs.…` for a setting
+/// the model's processor does not read).
 pub(crate) async fn prepare(
     state: &AppState,
     published: &Published,
     parts: Vec<ImagePart>,
+    options: &ImageOptions,
 ) -> Result<Vec<ImageInput>, ApiError> {
     let Some(first) = parts.first() else { return Ok(Vec::new()) };
-    let Some(preparer) = published.images.clone() else {
+    let Some(preparer) = published.images.as_ref() else {
         return Err(ApiError::invalid(
             first.at.clone(),
             "this model takes no images: it has no vision tower Kylin runs, or its directory has no \
@@ -29,6 +32,7 @@ pub(crate) async fn prepare(
         )
         .code("unsupported_parameter"));
     };
+    let preparer = preparer.with_options(options).map_err(|e| ApiError::from_engine(&e, "mm_processor_kwargs"))?;
     let allowed = state.config().allowed_local_media_path.clone();
     let work = move || {
         parts

@@ -273,7 +273,7 @@ pub async fn responses(State(state): State<AppState>, request: Request) -> Resul
         tools_param: "tools",
     };
     let mut prepared = chat::prepare(&state, &published, plan).await?;
-    prepared.images = crate::images::prepare(&state, &published, req.images).await?;
+    prepared.images = crate::images::prepare(&state, &published, req.images, &Default::default()).await?;
     let limits = Limits { sampling, max_tokens: req.common.max_tokens, stop: Vec::new() };
     let generation = chat::start(&state, prepared, limits, admission, arrived, "input").await?;
     let id = format!("resp_{}", state.next_response_id());

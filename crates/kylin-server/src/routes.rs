@@ -153,7 +153,7 @@ pub async fn chat(State(state): State<AppState>, request: Request) -> Result<Res
         tools_param: "tools",
     };
     let mut prepared = chat::prepare(&state, &published, plan).await?;
-    prepared.images = crate::images::prepare(&state, &published, req.images).await?;
+    prepared.images = crate::images::prepare(&state, &published, req.images, &req.image_options).await?;
     let job = Job {
         kind: Kind::Chat,
         common,
@@ -829,7 +829,9 @@ fn flush_text(deltas: &mut Vec<Value>, text: &mut String, reasoning: &mut String
     }
 }
 
-/// `POST /tokenize`: `{"prompt"}` or `{"messages"}` to `{"tokens", "count", "max_model_len"}`.
+/// `POST /tokenize`: `{"prompt"}` or `{"messages"}` (with images, as chat completions take
+/// them) to `{"tokens", "count", "max_model_len"}`; an image's tokens are the placeholder ids
+/// the model's processor puts in its place.
 pub async fn tokenize(State(state): State<AppState>, request: Request) -> Result<Response, ApiError> {
     let published = ready(&state)?.clone();
     let (parts, body) = request.into_parts();
@@ -840,15 +842,20 @@ pub async fn tokenize(State(state): State<AppState>, request: Request) -> Result
             TextJob::Tokenize { prompt: Prompt::Text(text), add_special: add_special_tokens, images: Vec::new() },
             "prompt",
         ),
-        TokenizeRequest::Chat { model, messages, kwargs, add_generation_prompt } => (
-            model,
-            TextJob::Tokenize {
-                prompt: Prompt::Chat { messages, kwargs, add_generation_prompt },
-                add_special: false,
-                images: Vec::new(),
-            },
-            "messages",
-        ),
+        TokenizeRequest::Chat { model, messages, kwargs, add_generation_prompt, images, image_options } => {
+            check_model(&state, model.as_deref())?;
+            // An image counts the tokens the model's processor puts in its place.
+            let images = crate::images::prepare(&state, &published, images, &image_options).await?;
+            (
+                model,
+                TextJob::Tokenize {
+                    prompt: Prompt::Chat { messages, kwargs, add_generation_prompt },
+                    add_special: false,
+                    images,
+                },
+                "messages",
+            )
+        }
     };
     check_model(&state, model.as_deref())?;
     match state.engine().text(job).await.map_err(|e| ApiError::from_engine(&e, param))? {
