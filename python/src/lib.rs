@@ -81,6 +81,20 @@ impl Inner {
                     .ok_or_else(|| invalid(format!("`{k}` must be a non-negative integer; got {v}"))),
             }
         };
+        // Images: decoded and made into patches first (Gemma 3's text around an image depends on
+        // its crops), each placeholder of the prompt expanded after tokenizing.
+        let mut prepared = Vec::with_capacity(images.len());
+        let preparer = match images.is_empty() {
+            true => None,
+            false => Some(self.engine.image_preparer().ok_or_else(|| {
+                invalid("this model takes no images: it has no vision tower Kylin runs, or no preprocessor_config.json")
+            })?),
+        };
+        if let Some(preparer) = &preparer {
+            for bytes in images {
+                prepared.push(preparer.prepare(bytes).map_err(py_err)?);
+            }
+        }
         let prompt_ids: Vec<u32> = match (spec.get("prompt_token_ids"), spec.get("prompt")) {
             (Some(Value::Array(ids)), _) => ids
                 .iter()
@@ -91,24 +105,16 @@ impl Inner {
                 let add_special = spec.get("add_special_tokens").and_then(Value::as_bool).unwrap_or(true);
                 // With images, the image markers the model's processor puts in text (Gemma 3's)
                 // go in before tokenizing.
-                let text = match (images.is_empty(), self.engine.image_preparer()) {
-                    (false, Some(preparer)) => preparer.expand_text(text),
-                    _ => text.clone(),
+                let text = match &preparer {
+                    Some(preparer) => preparer.expand_text(text, &prepared),
+                    None => text.clone(),
                 };
                 self.engine.tokenize(&text, add_special).map_err(py_err)?
             }
             _ => return Err(invalid("a request needs `prompt` (text) or `prompt_token_ids`")),
         };
-        // Images: decoded and made into patches, each placeholder of the prompt expanded.
-        let mut prepared = Vec::with_capacity(images.len());
         let mut prompt_ids = prompt_ids;
-        if !images.is_empty() {
-            let preparer = self.engine.image_preparer().ok_or_else(|| {
-                invalid("this model takes no images: it has no vision tower Kylin runs, or no preprocessor_config.json")
-            })?;
-            for bytes in images {
-                prepared.push(preparer.prepare(bytes).map_err(py_err)?);
-            }
+        if let Some(preparer) = &preparer {
             prompt_ids = preparer.expand(&prompt_ids, &prepared).map_err(py_err)?;
         }
         let defaults = self.engine.generation_defaults();

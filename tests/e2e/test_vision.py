@@ -256,7 +256,8 @@ def test_mm_processor_kwargs_set_the_image_budget_per_request(gemma4_server, ser
         ({"max_soft_tokens": 100}, "mm_processor_kwargs", "must be one of [70, 140, 280, 560, 1120]; got 100"),
         ({"max_pixels": 4096}, "mm_processor_kwargs", "max_pixels: Gemma 4's image processor does not read it"),
         ({"max_soft_tokens": "many"}, "mm_processor_kwargs.max_soft_tokens", "must be a positive integer"),
-        ({"do_pan_and_scan": True}, "mm_processor_kwargs.do_pan_and_scan", "not an image processor setting"),
+        ({"do_pan_and_scan": True}, "mm_processor_kwargs", "do_pan_and_scan: Gemma 4's image processor does not read"),
+        ({"do_convert_rgb": False}, "mm_processor_kwargs.do_convert_rgb", "not an image processor setting"),
     ]:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="gemma4", messages=messages, max_tokens=2,
@@ -276,3 +277,22 @@ def test_mm_processor_kwargs_set_the_image_budget_per_request(gemma4_server, ser
                                                           "mm_processor_kwargs": {"max_soft_tokens": 140}},
                    timeout=60)
     assert r.status_code == 400 and "Qwen's image processor does not read it" in r.json()["error"]["message"]
+
+
+def test_gemma3_pan_and_scan_on_request(gemma_server):
+    """`mm_processor_kwargs: {"do_pan_and_scan": true}`: a 520 x 260 picture becomes the whole
+    image and two crops in the processor's sentence, as transformers makes the prompt."""
+    wide = (IMAGES / "wide.png").read_bytes()
+    reference = GEMMA_REFERENCE["pan_and_scan"]
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(wide)}},
+                                             {"type": "text", "text": GEMMA_REFERENCE["question"]}]}]
+    kwargs = {"mm_processor_kwargs": {"do_pan_and_scan": True}}
+    r = httpx.post(gemma_server + "/tokenize", json={"messages": messages, **kwargs}, timeout=60)
+    assert r.json()["tokens"] == reference["prompt_ids"]
+    reply = client_for(gemma_server).chat.completions.create(model="gemma", messages=messages, max_tokens=10,
+                                                             temperature=0, extra_body=kwargs)
+    assert reply.usage.prompt_tokens == len(reference["prompt_ids"])
+    assert reply.choices[0].message.content == reference["greedy_text"]
+    # Off (the default), the same picture is one image.
+    r = httpx.post(gemma_server + "/tokenize", json={"messages": messages}, timeout=60)
+    assert r.json()["count"] == len(GEMMA_REFERENCE["prompt_ids"])

@@ -40,7 +40,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     content.push(json!({"type": "text", "text": prompt}));
     let messages = [json!({"role": "user", "content": content})];
     let text = engine.render_chat(&messages, true, &template_kwargs(&args.template)?)?;
-    let prompt_ids = preparer.expand(&engine.tokenize(&preparer.expand_text(&text), false)?, &images)?;
+    let prompt_ids = preparer.expand(&engine.tokenize(&preparer.expand_text(&text, &images), false)?, &images)?;
     let image_tokens: usize = images.iter().map(|i| preparer.tokens(i)).sum();
 
     // 3. Generate, streaming unless the caller wants one JSON object.

@@ -100,6 +100,17 @@ pub struct Request {
 pub struct ImageInput {
     pub pixels: std::sync::Arc<[f32]>,
     pub grid: crate::vision::PatchGrid,
+    /// How many of the images after this one in the request are its crops (Gemma 3's
+    /// pan-and-scan: the whole image, then its crops, each an input of its own); 0 for an image
+    /// without crops and for a crop.
+    pub crops: usize,
+}
+
+impl ImageInput {
+    /// An image without crops.
+    pub fn new(pixels: std::sync::Arc<[f32]>, grid: crate::vision::PatchGrid) -> Self {
+        ImageInput { pixels, grid, crops: 0 }
+    }
 }
 
 /// What a prompt-only request returns at its last prompt position.

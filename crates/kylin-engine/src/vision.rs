@@ -43,7 +43,7 @@ use kylin_loader::vision::{LoadedVision, VisionActivation, VisionConfig, VisionK
 use kylin_loader::{KylinError, Result};
 use kylin_vision::{
     GEMMA4_SUPPORTED_SOFT_TOKENS, Gemma3ImageProcessor, Gemma4ImageProcessor, ImageLimits, QwenImageProcessor,
-    VisionError, decode_image, gemma3_full_image_sequence,
+    VisionError, decode_image, gemma3_full_image_sequence, gemma3_image_prompt,
 };
 
 use crate::encoder::{Dense, LayerNorm, dtype_of, gelu};
@@ -1052,6 +1052,9 @@ pub struct ImageOptions {
     pub max_pixels: Option<u64>,
     /// Gemma 4: the most tokens an image becomes (`max_soft_tokens`: 70, 140, 280, 560 or 1120).
     pub max_soft_tokens: Option<usize>,
+    /// Gemma 3: whether an elongated image is also given as crops (`do_pan_and_scan`, off as
+    /// `Gemma3Processor` calls its image processor).
+    pub do_pan_and_scan: Option<bool>,
 }
 
 /// The most pixels a request may ask Qwen's processor to resize an image to (`max_pixels`):
@@ -1160,8 +1163,14 @@ impl ImagePreparer {
         };
         match &mut out.processor {
             Processor::Qwen(p) => {
-                if options.max_soft_tokens.is_some() {
-                    return Err(unread("max_soft_tokens"));
+                if let Some(key) = [
+                    ("max_soft_tokens", options.max_soft_tokens.is_some()),
+                    ("do_pan_and_scan", options.do_pan_and_scan.is_some()),
+                ]
+                .into_iter()
+                .find_map(|(key, set)| set.then_some(key))
+                {
+                    return Err(unread(key));
                 }
                 let (min, max) =
                     (options.min_pixels.unwrap_or(p.min_pixels), options.max_pixels.unwrap_or(p.max_pixels));
@@ -1173,7 +1182,7 @@ impl ImagePreparer {
                 }
                 (p.min_pixels, p.max_pixels) = (min, max);
             }
-            Processor::Gemma3 { .. } => {
+            Processor::Gemma3 { processor, .. } => {
                 if let Some(key) = [
                     ("min_pixels", options.min_pixels.is_some()),
                     ("max_pixels", options.max_pixels.is_some()),
@@ -1184,11 +1193,18 @@ impl ImagePreparer {
                 {
                     return Err(unread(key));
                 }
+                if let Some(on) = options.do_pan_and_scan {
+                    processor.do_pan_and_scan = on;
+                }
             }
             Processor::Gemma4 { processor, .. } => {
-                if let Some(key) = [("min_pixels", options.min_pixels), ("max_pixels", options.max_pixels)]
-                    .into_iter()
-                    .find_map(|(key, set)| set.map(|_| key))
+                if let Some(key) = [
+                    ("min_pixels", options.min_pixels.is_some()),
+                    ("max_pixels", options.max_pixels.is_some()),
+                    ("do_pan_and_scan", options.do_pan_and_scan.is_some()),
+                ]
+                .into_iter()
+                .find_map(|(key, set)| set.then_some(key))
                 {
                     return Err(unread(key));
                 }
@@ -1206,37 +1222,62 @@ impl ImagePreparer {
         Ok(out)
     }
 
-    /// [`ImagePreparer::prepare`] with a request's options ([`ImagePreparer::with_options`]).
+    /// [`ImagePreparer::prepare`] with a request's options ([`ImagePreparer::with_options`]);
+    /// the whole image only, without pan-and-scan crops ([`ImagePreparer::prepare_all`] gives
+    /// them).
     pub fn prepare_with(&self, bytes: &[u8], options: &ImageOptions) -> Result<ImageInput> {
+        let options = ImageOptions { do_pan_and_scan: None, ..*options };
+        let mut all = self.prepare_all(bytes, &options)?;
+        all.truncate(1);
+        all.pop().ok_or_else(|| KylinError::image_invalid("IMAGE_SHAPE: the image processor made nothing of the image"))
+    }
+
+    /// Everything one image file becomes, with a request's options: the whole image, then (Gemma
+    /// 3 with `do_pan_and_scan`) its crops, each an input of its own in the order the processor
+    /// gives them; the first says how many crops follow ([`ImageInput::crops`]).
+    pub fn prepare_all(&self, bytes: &[u8], options: &ImageOptions) -> Result<Vec<ImageInput>> {
         if *options != ImageOptions::default() {
-            return self.with_options(options)?.prepare_with(bytes, &ImageOptions::default());
+            return self.with_options(options)?.prepare_all(bytes, &ImageOptions::default());
         }
         let image = decode_image(bytes, &self.limits).map_err(image_error)?;
         match &self.processor {
             Processor::Qwen(processor) => {
                 let processed = processor.process(&image).map_err(image_error)?;
                 let [t, h, w] = processed.grid_thw;
-                Ok(ImageInput { pixels: Arc::from(processed.pixel_values), grid: PatchGrid { t, h, w } })
+                Ok(vec![ImageInput::new(Arc::from(processed.pixel_values), PatchGrid { t, h, w })])
             }
             Processor::Gemma3 { processor, patch, .. } => {
                 let processed = processor.process(&image).map_err(image_error)?;
-                let whole = processed.images.into_iter().next().ok_or_else(|| {
-                    KylinError::image_invalid("IMAGE_SHAPE: the image processor made nothing of the image")
-                })?;
-                let size = whole.height;
-                let pixels = siglip_patches(&whole.pixel_values, size, *patch).ok_or_else(|| {
-                    KylinError::image_invalid(format!(
-                        "IMAGE_SHAPE: the processed image is {} x {}, not a square of whole patches",
-                        whole.height, whole.width
-                    ))
-                })?;
-                let side = size / patch;
-                Ok(ImageInput { pixels: Arc::from(pixels), grid: PatchGrid { t: 1, h: side, w: side } })
+                let crops = processed.num_crops();
+                let mut inputs = processed
+                    .images
+                    .into_iter()
+                    .map(|input| {
+                        let size = input.height;
+                        let pixels = siglip_patches(&input.pixel_values, size, *patch).ok_or_else(|| {
+                            KylinError::image_invalid(format!(
+                                "IMAGE_SHAPE: the processed image is {} x {}, not a square of whole patches",
+                                input.height, input.width
+                            ))
+                        })?;
+                        let side = size / patch;
+                        Ok(ImageInput::new(Arc::from(pixels), PatchGrid { t: 1, h: side, w: side }))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                match inputs.first_mut() {
+                    Some(whole) => whole.crops = crops,
+                    None => {
+                        return Err(KylinError::image_invalid(
+                            "IMAGE_SHAPE: the image processor made nothing of the image",
+                        ));
+                    }
+                }
+                Ok(inputs)
             }
             Processor::Gemma4 { processor, .. } => {
                 let processed = processor.process(&image).map_err(image_error)?;
                 let grid = PatchGrid { t: 1, h: processed.patches_high, w: processed.patches_wide };
-                Ok(ImageInput { pixels: Arc::from(processed.pixel_values), grid })
+                Ok(vec![ImageInput::new(Arc::from(processed.pixel_values), grid)])
             }
         }
     }
@@ -1254,13 +1295,22 @@ impl ImagePreparer {
 
     /// A rendered prompt with each image marker put as the model's processor puts it, before
     /// tokenizing: Gemma 3's `<start_of_image>` becomes the image's whole sequence with its
-    /// newlines (which merge with the text's newlines as transformers tokenizes them); Qwen's
-    /// text is unchanged (its placeholder is expanded as tokens by [`ImagePreparer::expand`]).
-    pub fn expand_text(&self, text: &str) -> String {
-        match &self.processor {
-            Processor::Gemma3 { text: Some((boi, full)), .. } => text.replace(boi.as_str(), full),
-            _ => text.to_string(),
+    /// newlines (which merge with the text's newlines as transformers tokenizes them), and for
+    /// an image with pan-and-scan crops `Gemma3Processor`'s sentence introducing the original
+    /// and its crops, each its own sequence (`images` in the request's order, crops after their
+    /// image: the k-th marker is the k-th whole image's); Qwen's and Gemma 4's text is unchanged
+    /// (their placeholders are expanded as tokens by [`ImagePreparer::expand`]).
+    pub fn expand_text(&self, text: &str, images: &[ImageInput]) -> String {
+        let Processor::Gemma3 { text: Some((boi, full)), .. } = &self.processor else { return text.to_string() };
+        let mut crops = whole_images(images).map(|i| i.crops);
+        let mut parts = text.split(boi.as_str());
+        let mut out = String::with_capacity(text.len() + full.len() * images.len());
+        out.push_str(parts.next().unwrap_or_default());
+        for part in parts {
+            out.push_str(&gemma3_image_prompt(crops.next().unwrap_or(0), full));
+            out.push_str(part);
         }
+        out
     }
 
     /// The prompt with each image's placeholder expanded to the tokens the image becomes, as
@@ -1311,6 +1361,13 @@ impl ImagePreparer {
                 (*boi, Around::AfterMarker { eoi: *eoi })
             }
         };
+        if images.iter().any(|i| i.crops > 0) {
+            // The sentence introducing the crops is text: only a text prompt gets it.
+            return Err(KylinError::input_invalid(
+                "an image with pan-and-scan crops needs a text or chat prompt (the processor writes a sentence \
+                 around its crops); a prompt of token ids takes images without crops",
+            ));
+        }
         let placeholders = prompt.iter().filter(|&&id| id == marker).count();
         if placeholders != images.len() {
             return Err(KylinError::input_invalid(format!(
@@ -1344,6 +1401,16 @@ impl ImagePreparer {
         }
         Ok(out)
     }
+}
+
+/// The whole images of a request's list, each followed there by its crops.
+fn whole_images(images: &[ImageInput]) -> impl Iterator<Item = &ImageInput> {
+    let mut at = 0;
+    std::iter::from_fn(move || {
+        let image = images.get(at)?;
+        at += 1 + image.crops;
+        Some(image)
+    })
 }
 
 /// What surrounds an image's tokens when [`ImagePreparer::expand`] puts them in place of its

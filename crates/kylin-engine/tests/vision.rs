@@ -135,7 +135,7 @@ fn request(id: u64, case: &Value) -> Request {
         .as_array()
         .unwrap()
         .iter()
-        .map(|image| ImageInput { pixels: Arc::from(floats(&image["pixel_values"])), grid: grid(image) })
+        .map(|image| ImageInput::new(Arc::from(floats(&image["pixel_values"])), grid(image)))
         .collect();
     r
 }
@@ -230,7 +230,7 @@ fn images_that_do_not_fit_the_prompt_are_refused_with_the_reason() {
     refused(&mut e, two, "1 run(s) of the image token 1000 for 2 image(s)");
     // A grid that becomes 8 tokens for a run of 6.
     let mut wrong = request(3, case);
-    wrong.images[0] = ImageInput { pixels: Arc::from(vec![0.0; 32 * 96]), grid: PatchGrid { t: 1, h: 8, w: 4 } };
+    wrong.images[0] = ImageInput::new(Arc::from(vec![0.0; 32 * 96]), PatchGrid { t: 1, h: 8, w: 4 });
     refused(&mut e, wrong, "becomes 8 tokens, but its run of image tokens has 6");
     // A model without a vision tower takes no images.
     let text_model = repo().join("testdata/families/fixtures/tiny-qwen3.5");

@@ -38,7 +38,7 @@ fn fixtures() -> [(PathBuf, Value); 2] {
 fn image_input(image: &Value, patch: usize) -> ImageInput {
     let size = image["size"].as_u64().unwrap() as usize;
     let pixels = siglip_patches(&floats(&image["pixel_values"]), size, patch).expect("a square channel-first image");
-    ImageInput { pixels: Arc::from(pixels), grid: PatchGrid { t: 1, h: size / patch, w: size / patch } }
+    ImageInput::new(Arc::from(pixels), PatchGrid { t: 1, h: size / patch, w: size / patch })
 }
 
 #[test]
@@ -200,7 +200,7 @@ fn a_chat_with_an_image_file_gives_transformers_prompt_and_tokens() {
         [serde_json::json!({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]})];
     let text = e.render_chat(&messages, true, &Default::default()).unwrap();
     assert_eq!(text, reference["rendered"].as_str().unwrap());
-    let tokens = e.tokenize(&preparer.expand_text(&text), false).unwrap();
+    let tokens = e.tokenize(&preparer.expand_text(&text, std::slice::from_ref(&image)), false).unwrap();
     let prompt = preparer.expand(&tokens, std::slice::from_ref(&image)).unwrap();
     assert_eq!(prompt, ids(&reference["prompt_ids"]));
     let mut r = Request::new(1, prompt.clone(), 10);
@@ -217,4 +217,43 @@ fn a_chat_with_an_image_file_gives_transformers_prompt_and_tokens() {
     assert!(err.to_string().contains("1 image placeholder token(s) (1000) for 2 image(s)"), "{err}");
     let err = preparer.expand(&prompt, &[image.clone(), image]).unwrap_err();
     assert!(err.to_string().contains("1 run(s) of image tokens (1002) for 2 image(s)"), "{err}");
+}
+
+#[test]
+fn pan_and_scan_gives_transformers_prompt_and_tokens() {
+    use kylin_engine::vision::ImageOptions;
+    let (dir, reference) = chat_fixture();
+    let reference = &reference["pan_and_scan"];
+    let mut e = engine(&dir, &options());
+    let preparer = e.image_preparer().unwrap();
+    let png = std::fs::read(repo().join("tests/fixtures/vision_model/wide.png")).unwrap();
+    // Off by default, as Gemma3Processor calls its image processor.
+    assert_eq!(preparer.prepare_all(&png, &ImageOptions::default()).unwrap().len(), 1);
+    let on = ImageOptions { do_pan_and_scan: Some(true), ..Default::default() };
+    let images = preparer.prepare_all(&png, &on).unwrap();
+    // The 520 x 260 picture, then its two 260 x 260 crops, each resized to 84 x 84.
+    assert_eq!(images.len(), 3);
+    assert_eq!(images[0].crops, reference["num_crops"].as_u64().unwrap() as usize);
+    assert!(images[1..].iter().all(|c| c.crops == 0 && c.grid == PatchGrid { t: 1, h: 6, w: 6 }));
+    let messages = [serde_json::json!({"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "What is in this picture?"}]})];
+    let text = e.render_chat(&messages, true, &Default::default()).unwrap();
+    let expanded = preparer.expand_text(&text, &images);
+    assert!(expanded.contains("Here is the original image \n\n<start_of_image>"), "{expanded}");
+    let prompt = preparer.expand(&e.tokenize(&expanded, false).unwrap(), &images).unwrap();
+    assert_eq!(prompt, ids(&reference["prompt_ids"]));
+    let mut r = Request::new(1, prompt, 10);
+    r.ignore_eos = true;
+    r.detokenize = false;
+    r.logprobs = Some(1);
+    r.images = images.clone();
+    let out = run(&mut e, vec![r]).remove(0);
+    assert_eq!(out.ids, ids(&reference["greedy_new_ids"]));
+    // As token ids, the sentence around the crops cannot be written: refused.
+    let err = preparer.expand(&[2, 1000, 9], &images).unwrap_err();
+    assert!(err.to_string().contains("needs a text or chat prompt"), "{err}");
+    // Other processors do not read it.
+    let gemma4 = engine(&repo().join("tests/fixtures/tiny-gemma4-vl-bidir"), &options()).image_preparer().unwrap();
+    let err = gemma4.with_options(&on).unwrap_err();
+    assert!(err.to_string().contains("do_pan_and_scan: Gemma 4's image processor does not read it"), "{err}");
 }

@@ -41,7 +41,7 @@ fn fixtures() -> [(PathBuf, Value); 2] {
 fn image_input(image: &Value) -> ImageInput {
     let grid = ids(&image["grid"]);
     let (h, w) = (grid[0] as usize, grid[1] as usize);
-    ImageInput { pixels: Arc::from(floats(&image["pixel_values"])), grid: PatchGrid { t: 1, h, w } }
+    ImageInput::new(Arc::from(floats(&image["pixel_values"])), PatchGrid { t: 1, h, w })
 }
 
 #[test]
@@ -213,7 +213,7 @@ fn a_chat_with_an_image_file_gives_transformers_prompt_and_tokens() {
         [serde_json::json!({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]})];
     let text = e.render_chat(&messages, true, &Default::default()).unwrap();
     assert_eq!(text, reference["rendered"].as_str().unwrap());
-    let tokens = e.tokenize(&preparer.expand_text(&text), false).unwrap();
+    let tokens = e.tokenize(&preparer.expand_text(&text, std::slice::from_ref(&image)), false).unwrap();
     let prompt = preparer.expand(&tokens, std::slice::from_ref(&image)).unwrap();
     assert_eq!(prompt, ids(&reference["prompt_ids"]));
     let mut r = Request::new(1, prompt.clone(), 10);

@@ -278,7 +278,8 @@ pub struct ChatRequest {
 }
 
 /// `mm_processor_kwargs` (vLLM's name): `min_pixels` and `max_pixels` (Qwen's processor),
-/// `max_soft_tokens` (Gemma 4's); each a positive integer. Whether the model's processor reads
+/// `do_pan_and_scan` (Gemma 3's, a boolean), `max_soft_tokens` (Gemma 4's); the numbers
+/// positive integers. Whether the model's processor reads
 /// them is checked with the model ([`kylin_engine::vision::ImagePreparer::with_options`]).
 pub fn image_options(value: Option<Map<String, Value>>) -> Result<ImageOptions, ApiError> {
     let mut options = ImageOptions::default();
@@ -293,12 +294,18 @@ pub fn image_options(value: Option<Map<String, Value>>) -> Result<ImageOptions, 
             "min_pixels" => options.min_pixels = Some(number()?),
             "max_pixels" => options.max_pixels = Some(number()?),
             "max_soft_tokens" => options.max_soft_tokens = Some(number()? as usize),
+            "do_pan_and_scan" => {
+                options.do_pan_and_scan =
+                    Some(v.as_bool().ok_or_else(|| {
+                        ApiError::invalid(at.clone(), format!("`{at}` must be true or false; got {v}"))
+                    })?)
+            }
             _ => {
                 return Err(ApiError::invalid(
                     at,
                     format!(
                         "`{key}` is not an image processor setting Kylin reads: min_pixels and max_pixels (Qwen), \
-                         max_soft_tokens (Gemma 4)"
+                         do_pan_and_scan (Gemma 3), max_soft_tokens (Gemma 4)"
                     ),
                 )
                 .code("unsupported_parameter"));

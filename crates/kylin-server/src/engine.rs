@@ -490,16 +490,19 @@ impl EngineLoop {
     }
 
     fn prompt_ids(&self, prompt: Prompt, add_special: bool) -> Result<Vec<u32>, KylinError> {
-        self.prompt_ids_with(prompt, add_special, None)
+        self.prompt_ids_with(prompt, add_special, None, &[])
     }
 
     /// The prompt's ids; a chat's rendered text gets the image markers `images` puts in text
     /// (Gemma 3's) before it is tokenized.
+    /// A prompt's ids before its image placeholders are expanded; a chat's rendered text takes
+    /// the image markers the model's processor writes in text (Gemma 3's, with its crops) first.
     fn prompt_ids_with(
         &self,
         prompt: Prompt,
         add_special: bool,
-        images: Option<&ImagePreparer>,
+        preparer: Option<&ImagePreparer>,
+        images: &[ImageInput],
     ) -> Result<Vec<u32>, KylinError> {
         match prompt {
             Prompt::Ids(ids) => Ok(ids),
@@ -510,8 +513,8 @@ impl EngineLoop {
             Prompt::Chat { messages, kwargs, add_generation_prompt } => {
                 self.require_tokenizer()?;
                 let text = self.engine.render_chat(&messages, add_generation_prompt, &kwargs)?;
-                match images {
-                    Some(preparer) => self.engine.tokenize(&preparer.expand_text(&text), false),
+                match preparer {
+                    Some(preparer) => self.engine.tokenize(&preparer.expand_text(&text, images), false),
                     None => self.engine.tokenize(&text, false),
                 }
             }
@@ -537,7 +540,7 @@ impl EngineLoop {
                 self.engine.image_preparer().ok_or_else(|| KylinError::input_invalid("this model takes no images"))?,
             ),
         };
-        let mut prompt_ids = self.prompt_ids_with(s.prompt, true, preparer.as_deref())?;
+        let mut prompt_ids = self.prompt_ids_with(s.prompt, true, preparer.as_deref(), &s.images)?;
         if let Some(preparer) = &preparer {
             prompt_ids = preparer.expand(&prompt_ids, &s.images)?;
         }
@@ -621,7 +624,7 @@ impl EngineLoop {
                     .engine
                     .image_preparer()
                     .ok_or_else(|| KylinError::input_invalid("this model takes no images"))?;
-                let ids = self.prompt_ids_with(prompt, add_special, Some(&preparer))?;
+                let ids = self.prompt_ids_with(prompt, add_special, Some(&preparer), &images)?;
                 preparer.expand(&ids, &images).map(TextReply::Ids)
             }
             TextJob::Detokenize { ids } => {

@@ -42,9 +42,10 @@ pub(crate) async fn prepare(
                     ImageRef::Bytes(bytes) => bytes,
                     ImageRef::Path(path) => read_local(&path, allowed.as_deref(), preparer.max_bytes(), &part.at)?,
                 };
-                preparer.prepare(&bytes).map_err(|e| ApiError::from_engine(&e, &part.at))
+                preparer.prepare_all(&bytes, &ImageOptions::default()).map_err(|e| ApiError::from_engine(&e, &part.at))
             })
             .collect::<Result<Vec<_>, ApiError>>()
+            .map(|all| all.into_iter().flatten().collect())
     };
     tokio::task::spawn_blocking(work)
         .await
