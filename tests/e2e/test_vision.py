@@ -296,3 +296,21 @@ def test_gemma3_pan_and_scan_on_request(gemma_server):
     # Off (the default), the same picture is one image.
     r = httpx.post(gemma_server + "/tokenize", json={"messages": messages}, timeout=60)
     assert r.json()["count"] == len(GEMMA_REFERENCE["prompt_ids"])
+
+
+def test_a_servers_mm_processor_kwargs_are_every_requests_defaults():
+    """`kylin serve --mm-processor-kwargs`: the settings every request starts from; a request's
+    own `mm_processor_kwargs` overrides them key by key."""
+    proc, base = start([str(GEMMA4), "--host", "127.0.0.1", "--threads", "1", "--precision", "f32",
+                        "--mm-processor-kwargs", '{"max_soft_tokens": 140}'], "vision-gemma4-140")
+    try:
+        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(PNG)}},
+                                                 {"type": "text", "text": GEMMA4_REFERENCE["question"]}]}]
+        r = httpx.post(base + "/tokenize", json={"messages": messages}, timeout=60)
+        assert r.json()["tokens"] == GEMMA4_REFERENCE["at_140_soft_tokens"]["prompt_ids"]
+        r = httpx.post(base + "/tokenize", json={"messages": messages, "mm_processor_kwargs": {"max_soft_tokens": 70}},
+                       timeout=60)
+        assert r.json()["tokens"] == GEMMA4_REFERENCE["prompt_ids"]
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0

@@ -323,9 +323,14 @@ pub struct RunArgs {
     pub ids: Option<String>,
     /// An image (PNG, JPEG or WebP) to ask about (repeatable): the prompt of -p becomes a user
     /// message of the images then the text, through the chat template. For vision-language
-    /// directories whose vision tower Kylin runs (Qwen3.5).
+    /// directories whose vision tower Kylin runs (Qwen3.5, Gemma 3, Gemma 4).
     #[arg(long, value_name = "FILE", requires = "prompt")]
     pub image: Vec<PathBuf>,
+    /// Image processor settings over preprocessor_config.json, a JSON object as vLLM's
+    /// `mm_processor_kwargs`: `{"max_soft_tokens": 560}` (Gemma 4), `{"do_pan_and_scan": true}`
+    /// (Gemma 3), `{"min_pixels": N, "max_pixels": N}` (Qwen).
+    #[arg(long, value_name = "JSON", requires = "image")]
+    pub mm_processor_kwargs: Option<String>,
     /// Maximum number of generated tokens (default: generation_config's max_new_tokens, else 256).
     #[arg(long)]
     pub max_tokens: Option<usize>,
@@ -549,6 +554,12 @@ pub struct ServeArgs {
     /// is ever fetched from the network.
     #[arg(long, value_name = "DIR")]
     pub allowed_local_media_path: Option<PathBuf>,
+    /// Image processor settings every request starts from, a JSON object as vLLM's
+    /// `--mm-processor-kwargs` (`{"max_soft_tokens": 560}` for Gemma 4, `{"do_pan_and_scan":
+    /// true}` for Gemma 3, `{"min_pixels": N, "max_pixels": N}` for Qwen); a request's
+    /// `mm_processor_kwargs` overrides them key by key.
+    #[arg(long, value_name = "JSON")]
+    pub mm_processor_kwargs: Option<String>,
     /// Seconds a client has to send its request body (then 408).
     #[arg(long, value_name = "SECONDS", default_value_t = 30)]
     pub body_timeout: u64,

@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use kylin_engine::serving::{EventKind, Request};
+use kylin_engine::vision::ImageOptions;
 use kylin_loader::KylinError;
 use serde_json::{Value, json};
 
@@ -18,25 +19,28 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let mut engine = crate::open::open_engine_sized(&args.model, 1, false)?;
     let preparer = engine.image_preparer().ok_or_else(|| {
         KylinError::input_invalid(format!(
-            "{} takes no images: it has no vision tower Kylin runs (Qwen3.5 and Gemma 3 vision-language directories do), \
+            "{} takes no images: it has no vision tower Kylin runs (Qwen3.5, Gemma 3 and Gemma 4 vision-language directories do), \
              or no preprocessor_config.json",
             args.model.model.display()
         ))
     })?;
     let prompt = args.prompt.as_deref().unwrap_or_default();
 
-    // 1. The images, each decoded and made into patches as the directory's processor says.
+    // 1. The images, each decoded and made into patches as the directory's processor says
+    //    (with --mm-processor-kwargs over it; Gemma 3's pan-and-scan crops follow their image).
+    let options = image_options(args.mm_processor_kwargs.as_deref())?;
+    let preparer = preparer.with_options(&options)?;
     let mut images = Vec::with_capacity(args.image.len());
     for path in &args.image {
         let bytes = std::fs::read(path).map_err(|e| KylinError::io(path, "cannot read the image", &e))?;
-        let image = preparer
-            .prepare(&bytes)
+        let prepared = preparer
+            .prepare_all(&bytes, &ImageOptions::default())
             .map_err(|e| KylinError::image_invalid(format!("{}: {}", path.display(), e.message)))?;
-        images.push(image);
+        images.extend(prepared);
     }
 
     // 2. The chat: one user message, the images then the text.
-    let mut content: Vec<Value> = images.iter().map(|_| json!({"type": "image"})).collect();
+    let mut content: Vec<Value> = args.image.iter().map(|_| json!({"type": "image"})).collect();
     content.push(json!({"type": "text", "text": prompt}));
     let messages = [json!({"role": "user", "content": content})];
     let text = engine.render_chat(&messages, true, &template_kwargs(&args.template)?)?;
@@ -110,4 +114,17 @@ pub fn run(args: &RunArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// `--mm-processor-kwargs JSON` ([`ImageOptions::from_json`]); `INPUT_INVALID` naming the key
+/// for a bad one.
+pub(crate) fn image_options(text: Option<&str>) -> Result<ImageOptions, KylinError> {
+    let Some(text) = text else { return Ok(ImageOptions::default()) };
+    let value: Value = serde_json::from_str(text)
+        .map_err(|e| KylinError::input_invalid(format!("--mm-processor-kwargs is not JSON: {e}")))?;
+    let Value::Object(map) = value else {
+        return Err(KylinError::input_invalid(format!("--mm-processor-kwargs must be a JSON object; got {value}")));
+    };
+    ImageOptions::from_json(&map)
+        .map_err(|e| KylinError::input_invalid(format!("--mm-processor-kwargs: {}", e.message)))
 }

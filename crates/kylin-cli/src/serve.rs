@@ -90,6 +90,7 @@ fn server_config(args: &ServeArgs) -> Result<ServerConfig> {
         grace_period: Duration::from_secs(args.grace_period),
         kv_events: None,
         allowed_local_media_path,
+        image_defaults: crate::run_images::image_options(args.mm_processor_kwargs.as_deref())?,
     })
 }
 

@@ -738,4 +738,21 @@ fn run_with_an_image_on_gemma3_and_gemma4_answers_as_transformers() {
         assert_eq!(r["generated_ids"], reference["greedy_new_ids"], "{fixture}");
         assert_eq!(r["image_tokens"], image_tokens, "{fixture}");
     }
+    // Gemma 4 with a budget of 140 tokens per image (--mm-processor-kwargs), as transformers'
+    // processor called with max_soft_tokens=140.
+    let reference: Value = serde_json::from_str(
+        &std::fs::read_to_string(repo.join("tests/fixtures/vision_model/chat_gemma4.json")).unwrap(),
+    )
+    .unwrap();
+    let dir = repo.join("tests/fixtures/tiny-gemma4-vl-bidir");
+    let question = reference["question"].as_str().unwrap();
+    let args = ["run", s(&dir), "--precision", "f32", "--image", s(&png), "-p", question, "--max-tokens", "10"];
+    let kwargs = ["--mm-processor-kwargs", r#"{"max_soft_tokens": 140}"#, "--ignore-eos", "--json"];
+    let r = ok_json(&[&args[..], &kwargs].concat());
+    assert_eq!(r["prompt_ids"], reference["at_140_soft_tokens"]["prompt_ids"]);
+    assert_eq!(r["generated_ids"], reference["at_140_soft_tokens"]["greedy_new_ids"]);
+    let out = kylin(&[&args[..], &["--mm-processor-kwargs", r#"{"max_soft_tokens": 100}"#]].concat());
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("must be one of [70, 140, 280, 560, 1120]; got 100"), "{stderr}");
 }

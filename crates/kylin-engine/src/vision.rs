@@ -1057,6 +1057,65 @@ pub struct ImageOptions {
     pub do_pan_and_scan: Option<bool>,
 }
 
+/// A value of `mm_processor_kwargs` Kylin cannot take: the key (`mm_processor_kwargs.KEY`),
+/// what is wrong, and whether the key is one Kylin does not know at all.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageOptionError {
+    pub at: String,
+    pub message: String,
+    pub unknown_key: bool,
+}
+
+impl ImageOptions {
+    /// Reads `mm_processor_kwargs` (vLLM's name): `min_pixels` and `max_pixels` (Qwen's
+    /// processor), `do_pan_and_scan` (Gemma 3's, a boolean), `max_soft_tokens` (Gemma 4's); the
+    /// numbers positive integers. Whether the model's processor reads them is checked with the
+    /// model ([`ImagePreparer::with_options`]).
+    pub fn from_json(
+        value: &serde_json::Map<String, serde_json::Value>,
+    ) -> std::result::Result<Self, ImageOptionError> {
+        let mut options = ImageOptions::default();
+        for (key, v) in value {
+            let at = format!("mm_processor_kwargs.{key}");
+            let wrong = |what: &str| ImageOptionError {
+                at: at.clone(),
+                message: format!("`{at}` must be {what}; got {v}"),
+                unknown_key: false,
+            };
+            let number = || v.as_u64().filter(|&n| n > 0).ok_or_else(|| wrong("a positive integer"));
+            match key.as_str() {
+                "min_pixels" => options.min_pixels = Some(number()?),
+                "max_pixels" => options.max_pixels = Some(number()?),
+                "max_soft_tokens" => {
+                    options.max_soft_tokens = Some(usize::try_from(number()?).map_err(|_| wrong("a smaller integer"))?)
+                }
+                "do_pan_and_scan" => options.do_pan_and_scan = Some(v.as_bool().ok_or_else(|| wrong("true or false"))?),
+                _ => {
+                    return Err(ImageOptionError {
+                        message: format!(
+                            "`{key}` is not an image processor setting Kylin reads: min_pixels and max_pixels \
+                             (Qwen), do_pan_and_scan (Gemma 3), max_soft_tokens (Gemma 4)"
+                        ),
+                        at,
+                        unknown_key: true,
+                    });
+                }
+            }
+        }
+        Ok(options)
+    }
+
+    /// These options, each unset one taken from `defaults` (a server's `--mm-processor-kwargs`).
+    pub fn or(self, defaults: &ImageOptions) -> ImageOptions {
+        ImageOptions {
+            min_pixels: self.min_pixels.or(defaults.min_pixels),
+            max_pixels: self.max_pixels.or(defaults.max_pixels),
+            max_soft_tokens: self.max_soft_tokens.or(defaults.max_soft_tokens),
+            do_pan_and_scan: self.do_pan_and_scan.or(defaults.do_pan_and_scan),
+        }
+    }
+}
+
 /// The most pixels a request may ask Qwen's processor to resize an image to (`max_pixels`):
 /// 16 megapixels, 16 times Qwen3.5's published maximum.
 const MAX_REQUEST_PIXELS: u64 = 1 << 24;

@@ -277,42 +277,12 @@ pub struct ChatRequest {
     pub image_options: ImageOptions,
 }
 
-/// `mm_processor_kwargs` (vLLM's name): `min_pixels` and `max_pixels` (Qwen's processor),
-/// `do_pan_and_scan` (Gemma 3's, a boolean), `max_soft_tokens` (Gemma 4's); the numbers
-/// positive integers. Whether the model's processor reads
-/// them is checked with the model ([`kylin_engine::vision::ImagePreparer::with_options`]).
+/// `mm_processor_kwargs` ([`ImageOptions::from_json`]), a 400 naming the key for a bad one.
 pub fn image_options(value: Option<Map<String, Value>>) -> Result<ImageOptions, ApiError> {
-    let mut options = ImageOptions::default();
-    for (key, v) in value.unwrap_or_default() {
-        let at = format!("mm_processor_kwargs.{key}");
-        let number = || {
-            v.as_u64()
-                .filter(|&n| n > 0)
-                .ok_or_else(|| ApiError::invalid(at.clone(), format!("`{at}` must be a positive integer; got {v}")))
-        };
-        match key.as_str() {
-            "min_pixels" => options.min_pixels = Some(number()?),
-            "max_pixels" => options.max_pixels = Some(number()?),
-            "max_soft_tokens" => options.max_soft_tokens = Some(number()? as usize),
-            "do_pan_and_scan" => {
-                options.do_pan_and_scan =
-                    Some(v.as_bool().ok_or_else(|| {
-                        ApiError::invalid(at.clone(), format!("`{at}` must be true or false; got {v}"))
-                    })?)
-            }
-            _ => {
-                return Err(ApiError::invalid(
-                    at,
-                    format!(
-                        "`{key}` is not an image processor setting Kylin reads: min_pixels and max_pixels (Qwen), \
-                         do_pan_and_scan (Gemma 3), max_soft_tokens (Gemma 4)"
-                    ),
-                )
-                .code("unsupported_parameter"));
-            }
-        }
-    }
-    Ok(options)
+    ImageOptions::from_json(&value.unwrap_or_default()).map_err(|e| {
+        let error = ApiError::invalid(e.at, e.message);
+        if e.unknown_key { error.code("unsupported_parameter") } else { error }
+    })
 }
 
 /// An image of a request and the field it came from (`messages[0].content[1].image_url.url`).

@@ -32,7 +32,8 @@ pub(crate) async fn prepare(
         )
         .code("unsupported_parameter"));
     };
-    let preparer = preparer.with_options(options).map_err(|e| ApiError::from_engine(&e, "mm_processor_kwargs"))?;
+    let options = options.or(&state.config().image_defaults);
+    let preparer = preparer.with_options(&options).map_err(|e| ApiError::from_engine(&e, "mm_processor_kwargs"))?;
     let allowed = state.config().allowed_local_media_path.clone();
     let work = move || {
         parts

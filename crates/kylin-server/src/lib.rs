@@ -67,6 +67,9 @@ pub struct ServerConfig {
     /// The directory (canonical) requests may name images in by local path; `None`: only
     /// `data:` URLs.
     pub allowed_local_media_path: Option<std::path::PathBuf>,
+    /// The image processor settings a request's `mm_processor_kwargs` starts from (`kylin serve
+    /// --mm-processor-kwargs`), checked against the model when an image arrives.
+    pub image_defaults: kylin_engine::vision::ImageOptions,
 }
 
 impl ServerConfig {
@@ -81,6 +84,7 @@ impl ServerConfig {
             grace_period: Duration::from_secs(30),
             kv_events: None,
             allowed_local_media_path: None,
+            image_defaults: Default::default(),
         }
     }
 }
