@@ -100,6 +100,13 @@ impl Dense {
         }
     }
 
+    /// `y (n, rows) = x (n, cols) · Wᵀ (cols, rows) (+ b)` through the packed prefill product
+    /// (`kernels::gemm_packed`: its own fixed order, not the GEMV's), for the vision towers.
+    pub(crate) fn forward_packed(&self, pool: &ThreadPool, x: &[f32], n: usize, y: &mut [f32]) {
+        kernels::gemm_packed(pool, self.matrix(), x, n, y);
+        self.add_bias(y);
+    }
+
     /// `y (n, rows) = x (n, cols) · Wᵀ (cols, rows) (+ b)`.
     pub(crate) fn forward(&self, pool: &ThreadPool, x: &[f32], n: usize, y: &mut [f32]) {
         kernels::matmul(pool, self.matrix(), x, n, y);

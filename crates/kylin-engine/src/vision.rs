@@ -116,14 +116,14 @@ impl ClippedLinear {
     /// input. Clamping is PyTorch's `clamp`: `min(max(v, lo), hi)`.
     fn forward(&self, pool: &ThreadPool, x: &[f32], n: usize, y: &mut [f32], scratch: &mut [f32]) {
         let Some([lo, hi, out_lo, out_hi]) = self.clip else {
-            self.dense.forward(pool, x, n, y);
+            self.dense.forward_packed(pool, x, n, y);
             return;
         };
         let clamped = &mut scratch[..x.len()];
         for (c, &v) in clamped.iter_mut().zip(x) {
             *c = v.max(lo).min(hi);
         }
-        self.dense.forward(pool, clamped, n, y);
+        self.dense.forward_packed(pool, clamped, n, y);
         for v in y.iter_mut() {
             *v = v.max(out_lo).min(out_hi);
         }
@@ -535,9 +535,9 @@ impl VisionTower {
         match &self.stem {
             Stem::Gemma4 { .. } => {
                 let scaled: Vec<f32> = pixels.iter().map(|&v| 2.0 * (v - 0.5)).collect();
-                self.patch_embed.forward(pool, &scaled, n, &mut x);
+                self.patch_embed.forward_packed(pool, &scaled, n, &mut x);
             }
-            _ => self.patch_embed.forward(pool, pixels, n, &mut x),
+            _ => self.patch_embed.forward_packed(pool, pixels, n, &mut x),
         }
         let half = hd / 2;
         let (mut cos, mut sin) = (Vec::new(), Vec::new());
@@ -650,9 +650,9 @@ impl VisionTower {
                 //    (tokens, out).
                 norm.rows(&mut e.x);
                 let mut merged = vec![0.0f32; tokens * c.merged_width()];
-                fc1.forward(pool, &e.x, tokens, &mut merged);
+                fc1.forward_packed(pool, &e.x, tokens, &mut merged);
                 gelu(&mut merged);
-                fc2.forward(pool, &merged, tokens, &mut out);
+                fc2.forward_packed(pool, &merged, tokens, &mut out);
             }
             Head::Gemma3 { post_norm, soft_norm, eps, projection } => {
                 // 4. LN per patch; the (side, side) grid averaged over pool × pool windows into
@@ -668,7 +668,7 @@ impl VisionTower {
                         *v = *v * inv * w;
                     }
                 }
-                kernels::matmul(pool, f32_matrix(projection, c.out_hidden, h), &pooled, tokens, &mut out);
+                kernels::gemm_packed(pool, f32_matrix(projection, c.out_hidden, h), &pooled, tokens, &mut out);
             }
             Head::Gemma4 { standardize, eps, projection } => {
                 // 4. The (h, w) grid averaged over k × k windows into (tokens, hidden), raster
@@ -686,7 +686,7 @@ impl VisionTower {
                     }
                     rms_norm(row, None, *eps);
                 }
-                projection.forward(pool, &pooled, tokens, &mut out);
+                projection.forward_packed(pool, &pooled, tokens, &mut out);
             }
         }
         Some(out)
@@ -753,7 +753,7 @@ impl VisionTower {
                         match &block.qkv {
                             Qkv::Fused(qkv) => {
                                 // (m, h) -> (m, 3h).
-                                qkv.forward(pool, xn, m, &mut e.qkv[r0 * 3 * h..r1 * 3 * h]);
+                                qkv.forward_packed(pool, xn, m, &mut e.qkv[r0 * 3 * h..r1 * 3 * h]);
                                 if !e.cos.is_empty() {
                                     for p in r0..r1 {
                                         let (c_p, s_p) =
@@ -767,7 +767,7 @@ impl VisionTower {
                             Qkv::Separate { q, k, v } => {
                                 // (m, h) -> three (m, h), into their parts of qkv (3, n, h).
                                 for (dense, at) in [(q, at_q), (k, at_k), (v, at_v)] {
-                                    dense.forward(pool, xn, m, &mut e.qkv[at + r0 * h..at + r1 * h]);
+                                    dense.forward_packed(pool, xn, m, &mut e.qkv[at + r0 * h..at + r1 * h]);
                                 }
                             }
                         }
@@ -835,14 +835,14 @@ impl VisionTower {
                 let v_t = f32_matrix(&e.values_t, hd, frame);
                 let rows = QUERY_ROWS.min(frame - row);
                 let p = &mut e.probs[..rows * frame];
-                kernels::matmul(pool, k, &e.queries[row * hd..(row + rows) * hd], rows, p);
+                kernels::gemm_packed(pool, k, &e.queries[row * hd..(row + rows) * hd], rows, p);
                 for r in p.chunks_exact_mut(frame) {
                     if self.attention_scale != 1.0 {
                         kernels::scale(r, self.attention_scale);
                     }
                     kernels::softmax(r);
                 }
-                kernels::matmul(pool, v_t, p, rows, &mut e.head_out[..rows * hd]);
+                kernels::gemm_packed(pool, v_t, p, rows, &mut e.head_out[..rows * hd]);
                 for (i, o) in e.head_out[..rows * hd].chunks_exact(hd).enumerate() {
                     let at = (f0 + row + i) * q_width + head * hd;
                     e.attn[at..at + hd].copy_from_slice(o);
@@ -866,12 +866,12 @@ impl VisionTower {
                     Blocks::PreNorm(blocks) => {
                         let block = &blocks[e.next];
                         // attn rows (m, h) -> proj (m, h); x += proj.
-                        block.proj.forward(pool, attn, m, proj);
+                        block.proj.forward_packed(pool, attn, m, proj);
                         kernels::add_assign(x, proj);
                         // x -> LN -> fc1 (m, inter) -> act -> fc2 (m, h); x += that.
                         xn.copy_from_slice(x);
                         block.norm2.rows(xn);
-                        block.fc1.forward(pool, xn, m, mid);
+                        block.fc1.forward_packed(pool, xn, m, mid);
                         match c.activation {
                             // The kernels' GeGLU with an "up" of ones: gelu_tanh(x) · 1.
                             VisionActivation::GeluTanh => {
@@ -879,7 +879,7 @@ impl VisionTower {
                             }
                             VisionActivation::Gelu => gelu(mid),
                         }
-                        block.fc2.forward(pool, mid, m, proj);
+                        block.fc2.forward_packed(pool, mid, m, proj);
                         kernels::add_assign(x, proj);
                     }
                     Blocks::Sandwich(blocks) => {

@@ -36,6 +36,7 @@ mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod avx512bf16;
 pub mod delta;
+mod gemm;
 mod matmul;
 pub mod mxfp4;
 pub mod packed;
@@ -53,6 +54,7 @@ pub mod w16;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
+pub use gemm::{PANEL_ROWS, TILE_TOKENS, gemm_packed};
 pub use matmul::{GEMM_MIN_TOKENS, bf16_scratch_len};
 pub use pool::{ThreadPool, physical_cores};
 

@@ -205,6 +205,73 @@ pub unsafe fn gemm_tile_dyn<const D: u8>(
     }
 }
 
+/// [`crate::gemm`]'s register tile: `y[t * y_stride + i] = Σ_c x[t * cols + c] · panel[c * 16 +
+/// i]` for `t < mt <= 6`, `i < nr <= 16`, each output one sequential chain of fused
+/// multiply-adds over `c` from zero (the order of [`crate::gemm`]'s scalar tile).
+///
+/// # Safety
+/// `panel` valid for `cols * 16` floats, `x` for `(mt, cols)`, `y` for writing
+/// `y[t * y_stride + i]`, `t < mt`, `i < nr`.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn gemm_packed_tile(
+    mt: usize,
+    panel: *const f32,
+    cols: usize,
+    x: *const f32,
+    y: *mut f32,
+    y_stride: usize,
+    nr: usize,
+) {
+    // SAFETY: the caller's contract, for the tile size chosen by `mt`.
+    unsafe {
+        match mt {
+            6 => packed_tile::<6>(panel, cols, x, y, y_stride, nr),
+            5 => packed_tile::<5>(panel, cols, x, y, y_stride, nr),
+            4 => packed_tile::<4>(panel, cols, x, y, y_stride, nr),
+            3 => packed_tile::<3>(panel, cols, x, y, y_stride, nr),
+            2 => packed_tile::<2>(panel, cols, x, y, y_stride, nr),
+            _ => packed_tile::<1>(panel, cols, x, y, y_stride, nr),
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn packed_tile<const MT: usize>(
+    panel: *const f32,
+    cols: usize,
+    x: *const f32,
+    y: *mut f32,
+    y_stride: usize,
+    nr: usize,
+) {
+    let mut acc = [[_mm256_setzero_ps(); 2]; MT];
+    // SAFETY (whole body): panel reads at `c * 16 + 0..16`, `c < cols`; token reads at
+    // `t * cols + c`, `t < MT`; writes at `t * y_stride + i`, `i < nr`: the caller's extents.
+    unsafe {
+        for c in 0..cols {
+            let b0 = _mm256_loadu_ps(panel.add(c * 16));
+            let b1 = _mm256_loadu_ps(panel.add(c * 16 + 8));
+            for (t, a) in acc.iter_mut().enumerate() {
+                let xv = _mm256_broadcast_ss(&*x.add(t * cols + c));
+                a[0] = _mm256_fmadd_ps(xv, b0, a[0]);
+                a[1] = _mm256_fmadd_ps(xv, b1, a[1]);
+            }
+        }
+        for (t, a) in acc.iter().enumerate() {
+            let out = y.add(t * y_stride);
+            if nr == 16 {
+                _mm256_storeu_ps(out, a[0]);
+                _mm256_storeu_ps(out.add(8), a[1]);
+            } else {
+                let mut tmp = [0.0f32; 16];
+                _mm256_storeu_ps(tmp.as_mut_ptr(), a[0]);
+                _mm256_storeu_ps(tmp.as_mut_ptr().add(8), a[1]);
+                std::ptr::copy_nonoverlapping(tmp.as_ptr(), out, nr);
+            }
+        }
+    }
+}
+
 /// Widens `out.len()` elements of dtype `D` starting at `w` into `out`.
 ///
 /// # Safety
