@@ -13,7 +13,7 @@ transformers' Gemma 4 processor fills its budget of soft tokens: pass
 Usage:
   python3 scripts/bench_tower_vs_llamacpp.py MODEL IMAGE --llama-mtmd-cli PATH \
       --text-gguf FILE --mmproj FILE [--mmproj FILE ...] [--mm-processor-kwargs JSON] \
-      [--threads 2] [--repetitions 2]
+      [--threads 2] [--repetitions 2] [--chat-template chatml]
 """
 
 import argparse
@@ -38,7 +38,8 @@ def kylin_once(args):
 
 def llama_once(args, mmproj):
     cmd = [str(args.llama_mtmd_cli), "-m", str(args.text_gguf), "--mmproj", str(mmproj), "--image",
-           str(args.image), "-p", args.prompt, "-n", "4", "-t", str(args.threads), "--temp", "0", "--jinja", "-v"]
+           str(args.image), "-p", args.prompt, "-n", "4", "-t", str(args.threads), "--temp", "0", "-v"]
+    cmd += ["--chat-template", args.chat_template] if args.chat_template else ["--jinja"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     log = out.stdout + out.stderr
     ms = re.search(r"mtmd batch encoding done in (\d+) ms", log)
@@ -56,6 +57,7 @@ def main():
     p.add_argument("--text-gguf", type=Path, required=True)
     p.add_argument("--mmproj", type=Path, action="append", required=True)
     p.add_argument("--mm-processor-kwargs")
+    p.add_argument("--chat-template", help="llama.cpp's built-in template, for a GGUF without one (chatml)")
     p.add_argument("--kylin", type=Path, default=ROOT / "target/release/kylin")
     p.add_argument("--prompt", default="Describe this image.")
     p.add_argument("--threads", type=int, default=2)
