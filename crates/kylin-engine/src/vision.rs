@@ -1105,6 +1105,18 @@ impl ImageOptions {
         Ok(options)
     }
 
+    /// The keys these options set, by their `mm_processor_kwargs` names.
+    pub fn keys(&self) -> impl Iterator<Item = &'static str> + '_ {
+        [
+            ("min_pixels", self.min_pixels.is_some()),
+            ("max_pixels", self.max_pixels.is_some()),
+            ("max_soft_tokens", self.max_soft_tokens.is_some()),
+            ("do_pan_and_scan", self.do_pan_and_scan.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(key, set)| set.then_some(key))
+    }
+
     /// These options, each unset one taken from `defaults` (a server's `--mm-processor-kwargs`).
     pub fn or(self, defaults: &ImageOptions) -> ImageOptions {
         ImageOptions {
@@ -1203,34 +1215,31 @@ impl ImagePreparer {
     }
 
     /// Decodes a PNG, JPEG or WebP file and makes its patches (`IMAGE_INVALID` naming what is
-    /// wrong with it).
+    /// wrong with it): the whole image, as the directory's processor settings say (Gemma 3's
+    /// pan-and-scan crops, which only a request asks for, come from
+    /// [`ImagePreparer::prepare_all`]).
     pub fn prepare(&self, bytes: &[u8]) -> Result<ImageInput> {
-        self.prepare_with(bytes, &ImageOptions::default())
+        let mut all = self.prepare_all(bytes, &ImageOptions::default())?;
+        all.truncate(1);
+        all.pop().ok_or_else(|| KylinError::image_invalid("IMAGE_SHAPE: the image processor made nothing of the image"))
     }
 
     /// This preparer with a request's options applied: `INPUT_INVALID` naming an option the
     /// model's processor does not read, or a value out of its range.
     pub fn with_options(&self, options: &ImageOptions) -> Result<ImagePreparer> {
-        let mut out = self.clone();
-        let unread = |key: &str| {
-            let model = match self.processor {
-                Processor::Qwen(_) => "Qwen's",
-                Processor::Gemma3 { .. } => "Gemma 3's",
-                Processor::Gemma4 { .. } => "Gemma 4's",
-            };
-            KylinError::input_invalid(format!("mm_processor_kwargs.{key}: {model} image processor does not read it"))
+        let (model, reads): (&str, &[&str]) = match self.processor {
+            Processor::Qwen(_) => ("Qwen's", &["min_pixels", "max_pixels"]),
+            Processor::Gemma3 { .. } => ("Gemma 3's", &["do_pan_and_scan"]),
+            Processor::Gemma4 { .. } => ("Gemma 4's", &["max_soft_tokens"]),
         };
+        if let Some(key) = options.keys().find(|key| !reads.contains(key)) {
+            return Err(KylinError::input_invalid(format!(
+                "mm_processor_kwargs.{key}: {model} image processor does not read it"
+            )));
+        }
+        let mut out = self.clone();
         match &mut out.processor {
             Processor::Qwen(p) => {
-                if let Some(key) = [
-                    ("max_soft_tokens", options.max_soft_tokens.is_some()),
-                    ("do_pan_and_scan", options.do_pan_and_scan.is_some()),
-                ]
-                .into_iter()
-                .find_map(|(key, set)| set.then_some(key))
-                {
-                    return Err(unread(key));
-                }
                 let (min, max) =
                     (options.min_pixels.unwrap_or(p.min_pixels), options.max_pixels.unwrap_or(p.max_pixels));
                 if min == 0 || min > max || max > MAX_REQUEST_PIXELS {
@@ -1242,31 +1251,11 @@ impl ImagePreparer {
                 (p.min_pixels, p.max_pixels) = (min, max);
             }
             Processor::Gemma3 { processor, .. } => {
-                if let Some(key) = [
-                    ("min_pixels", options.min_pixels.is_some()),
-                    ("max_pixels", options.max_pixels.is_some()),
-                    ("max_soft_tokens", options.max_soft_tokens.is_some()),
-                ]
-                .into_iter()
-                .find_map(|(key, set)| set.then_some(key))
-                {
-                    return Err(unread(key));
-                }
                 if let Some(on) = options.do_pan_and_scan {
                     processor.do_pan_and_scan = on;
                 }
             }
             Processor::Gemma4 { processor, .. } => {
-                if let Some(key) = [
-                    ("min_pixels", options.min_pixels.is_some()),
-                    ("max_pixels", options.max_pixels.is_some()),
-                    ("do_pan_and_scan", options.do_pan_and_scan.is_some()),
-                ]
-                .into_iter()
-                .find_map(|(key, set)| set.then_some(key))
-                {
-                    return Err(unread(key));
-                }
                 if let Some(tokens) = options.max_soft_tokens {
                     if !GEMMA4_SUPPORTED_SOFT_TOKENS.contains(&tokens) {
                         return Err(KylinError::input_invalid(format!(
@@ -1279,16 +1268,6 @@ impl ImagePreparer {
             }
         }
         Ok(out)
-    }
-
-    /// [`ImagePreparer::prepare`] with a request's options ([`ImagePreparer::with_options`]);
-    /// the whole image only, without pan-and-scan crops ([`ImagePreparer::prepare_all`] gives
-    /// them).
-    pub fn prepare_with(&self, bytes: &[u8], options: &ImageOptions) -> Result<ImageInput> {
-        let options = ImageOptions { do_pan_and_scan: None, ..*options };
-        let mut all = self.prepare_all(bytes, &options)?;
-        all.truncate(1);
-        all.pop().ok_or_else(|| KylinError::image_invalid("IMAGE_SHAPE: the image processor made nothing of the image"))
     }
 
     /// Everything one image file becomes, with a request's options: the whole image, then (Gemma
