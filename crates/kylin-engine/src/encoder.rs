@@ -36,6 +36,13 @@ impl EncoderInput {
     }
 }
 
+/// Every element of a tensor widened to f32, in storage order (for small tensors read once at
+/// load: norms, scalars, a projector).
+pub(crate) fn widened(t: &WeightTensor) -> Result<Vec<f32>> {
+    let v = WeightVector { dtype: dtype_of(t)?, data: t.bytes() };
+    Ok((0..v.len()).map(|i| v.get(i)).collect())
+}
+
 pub(crate) fn dtype_of(t: &WeightTensor) -> Result<WeightDType> {
     match t.dtype {
         DType::F32 => Ok(WeightDType::F32),
@@ -128,12 +135,8 @@ impl LayerNorm {
     }
 
     pub(crate) fn new(weight: &WeightTensor, bias: &WeightTensor, eps: f32) -> Result<Self> {
-        let widen = |t: &WeightTensor| -> Result<Vec<f32>> {
-            let v = WeightVector { dtype: dtype_of(t)?, data: t.bytes() };
-            Ok((0..v.len()).map(|i| v.get(i)).collect())
-        };
         // Two vectors of `hidden` floats: the norms' parameters are widened once (a few KiB).
-        Ok(LayerNorm { weight: widen(weight)?, bias: widen(bias)?, eps })
+        Ok(LayerNorm { weight: widened(weight)?, bias: widened(bias)?, eps })
     }
 
     /// Normalises every row of `x (n, hidden)` in place.

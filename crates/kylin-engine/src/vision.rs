@@ -46,7 +46,7 @@ use kylin_vision::{
     VisionError, decode_image, gemma3_full_image_sequence, gemma3_image_prompt,
 };
 
-use crate::encoder::{Dense, LayerNorm, dtype_of, gelu};
+use crate::encoder::{Dense, LayerNorm, dtype_of, gelu, widened};
 use crate::serving::ImageInput;
 
 /// transformers' `nn.LayerNorm(..., eps=1e-6)` in every norm of the tower.
@@ -293,11 +293,7 @@ impl VisionTower {
         let VisionKind::Gemma4 { standardize, clipped_linears, .. } = c.kind else {
             return Err(KylinError::config_invalid("a Gemma 4 tower was asked of another config (a Kylin bug)"));
         };
-        let vector = |role: &str| -> Result<Vec<f32>> {
-            let t = loaded.tensor(role)?;
-            let v = kernels::WeightVector { dtype: dtype_of(t)?, data: t.bytes() };
-            Ok((0..v.len()).map(|i| v.get(i)).collect())
-        };
+        let vector = |role: &str| -> Result<Vec<f32>> { widened(loaded.tensor(role)?) };
         let linear = |role: &str| -> Result<ClippedLinear> {
             let dense = Dense::without_bias(loaded.tensor(&format!("{role}.linear.weight"))?)?;
             let clip = if clipped_linears {
@@ -424,19 +420,11 @@ impl VisionTower {
             .collect::<Result<Vec<_>>>()?;
         let pos_embed = loaded.tensor("vision_tower.embeddings.position_embedding.weight")?.clone();
         dtype_of(&pos_embed)?;
-        let widen = |role: &str, rows: usize, cols: usize| -> Result<Vec<f32>> {
-            let t = loaded.tensor(role)?;
-            let m = WeightMatrix { dtype: dtype_of(t)?, rows, cols, data: t.bytes() };
-            let mut out = vec![0.0f32; rows * cols];
-            for (r, row) in out.chunks_exact_mut(cols).enumerate() {
-                kernels::widen_row(m, r, row);
-            }
-            Ok(out)
-        };
         let (h, out) = (c.hidden, c.out_hidden);
-        let soft_norm = widen("multi_modal_projector.mm_soft_emb_norm.weight", 1, h)?.iter().map(|w| 1.0 + w).collect();
+        let soft_norm =
+            widened(loaded.tensor("multi_modal_projector.mm_soft_emb_norm.weight")?)?.iter().map(|w| 1.0 + w).collect();
         // (hidden, out_hidden) as stored -> (out_hidden, hidden): one copy at load, a few MB.
-        let stored = widen("multi_modal_projector.mm_input_projection_weight", h, out)?;
+        let stored = widened(loaded.tensor("multi_modal_projector.mm_input_projection_weight")?)?;
         let mut projection = vec![0.0f32; out * h];
         for (i, row) in stored.chunks_exact(out).enumerate() {
             for (o, &v) in row.iter().enumerate() {
