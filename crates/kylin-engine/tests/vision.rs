@@ -4,21 +4,17 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use std::sync::Arc;
 
 use kylin_engine::batch::{BatchEngine, EngineOptions};
 use kylin_engine::serving::{ImageInput, Request};
 use kylin_engine::vision::{PatchGrid, VisionTower};
-use kylin_engine::{EventKind, PrecisionChoice, Serving};
+use kylin_engine::{EventKind, Serving};
 use kylin_kernels::ThreadPool;
 use serde_json::Value;
-use support::{Output, floats, ids, log_softmax};
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+use support::{Output, engine, f32_options, floats, ids, log_softmax, repo};
 
 /// The two fixtures: the shared one (2 rotary frequencies) and ours rotating every section.
 fn fixtures() -> [(PathBuf, Value); 2] {
@@ -114,15 +110,6 @@ fn a_grid_that_does_not_match_its_pixels_is_refused() {
     }
 }
 
-fn engine(dir: &Path, opts: &EngineOptions) -> BatchEngine {
-    let model = kylin_loader::load(dir, &Default::default()).expect("the fixture loads");
-    BatchEngine::new(model, opts).expect("the engine builds")
-}
-
-fn options() -> EngineOptions {
-    EngineOptions { threads: 2, ctx_size: Some(256), precision: PrecisionChoice::F32, ..EngineOptions::default() }
-}
-
 /// A case's prompt and images as a request: greedy, 12 tokens, with the top-20 log-probabilities
 /// of every prompt position and generated token.
 fn request(id: u64, case: &Value) -> Request {
@@ -148,7 +135,7 @@ fn run(e: &mut BatchEngine, requests: Vec<Request>) -> Vec<Output> {
 fn prompts_with_images_give_transformers_logits_and_greedy_tokens() {
     for (dir, reference) in fixtures() {
         for (c, case) in reference["cases"].as_array().unwrap().iter().enumerate() {
-            let mut e = engine(&dir, &options());
+            let mut e = engine(&dir, &f32_options());
             let out = run(&mut e, vec![request(1, case)]).remove(0);
             let argmax = ids(&case["argmax_per_position"]);
             let logits: Vec<Vec<f32>> = case["logits"].as_array().unwrap().iter().map(floats).collect();
@@ -176,9 +163,9 @@ fn prompts_with_images_give_transformers_logits_and_greedy_tokens() {
 fn chunks_that_split_an_image_give_the_same_bits() {
     let (dir, reference) = &fixtures()[1];
     let case = &reference["cases"][1];
-    let whole = run(&mut engine(dir, &options()), vec![request(1, case)]);
+    let whole = run(&mut engine(dir, &f32_options()), vec![request(1, case)]);
     // Chunks of 5 tokens cut the 8 x 4 image (8 tokens) and the 2 x 10 one (5 tokens).
-    let opts = EngineOptions { max_batch_tokens: 5, ..options() };
+    let opts = EngineOptions { max_batch_tokens: 5, ..f32_options() };
     let chunked = run(&mut engine(dir, &opts), vec![request(1, case)]);
     assert_eq!(whole, chunked);
 }
@@ -187,7 +174,7 @@ fn chunks_that_split_an_image_give_the_same_bits() {
 fn the_prefix_cache_reuses_an_image_and_never_confuses_two() {
     let (dir, reference) = &fixtures()[1];
     let case = &reference["cases"][1];
-    let opts = EngineOptions { block_size: Some(4), ..options() };
+    let opts = EngineOptions { block_size: Some(4), ..f32_options() };
     let mut e = engine(dir, &opts);
     // Prompt log-probabilities compute every position: these requests ask for none.
     let request = |id: u64, case: &Value| Request { prompt_logprobs: None, ..request(id, case) };
@@ -215,7 +202,7 @@ fn the_prefix_cache_reuses_an_image_and_never_confuses_two() {
 fn images_that_do_not_fit_the_prompt_are_refused_with_the_reason() {
     let (dir, reference) = &fixtures()[0];
     let case = &reference["cases"][0];
-    let mut e = engine(dir, &options());
+    let mut e = engine(dir, &f32_options());
     let refused = |e: &mut BatchEngine, r: Request, needle: &str| {
         let err = e.add_request(r).unwrap_err();
         assert_eq!(err.code.as_str(), "INPUT_INVALID", "{err}");
@@ -234,7 +221,7 @@ fn images_that_do_not_fit_the_prompt_are_refused_with_the_reason() {
     refused(&mut e, wrong, "becomes 8 tokens, but its run of image tokens has 6");
     // A model without a vision tower takes no images.
     let text_model = repo().join("testdata/families/fixtures/tiny-qwen3.5");
-    let mut text = engine(&text_model, &options());
+    let mut text = engine(&text_model, &f32_options());
     refused(&mut text, request(4, case), "no vision tower");
 }
 
@@ -245,7 +232,7 @@ fn choices_over_a_prompt_with_images_share_it_and_give_the_same_tokens() {
         let plain = |id| Request { prompt_logprobs: None, ..request(id, case) };
         let want = ids(&case["greedy_new_ids"]);
         // Two choices share the prompt's blocks and images.
-        let mut e = engine(dir, &options());
+        let mut e = engine(dir, &f32_options());
         e.add_request(Request { n: 2, ..plain(1) }).unwrap();
         let mut choices = [Vec::new(), Vec::new()];
         support::step_until_idle(&mut e, |events| {
@@ -271,7 +258,7 @@ fn chat_fixture() -> (PathBuf, Value) {
 #[test]
 fn a_chat_with_an_image_file_gives_transformers_prompt_and_tokens() {
     let (dir, reference) = chat_fixture();
-    let mut e = engine(&dir, &options());
+    let mut e = engine(&dir, &f32_options());
     let preparer = e.image_preparer().expect("the directory has a preprocessor_config.json");
     let png = std::fs::read(repo().join("tests/fixtures/vision_model/chat.png")).unwrap();
     let image = preparer.prepare(&png).expect("the PNG is prepared");
@@ -305,7 +292,7 @@ fn a_chat_with_an_image_file_gives_transformers_prompt_and_tokens() {
 #[test]
 fn image_files_that_cannot_be_used_are_refused_with_their_code() {
     let (dir, _) = chat_fixture();
-    let e = engine(&dir, &options());
+    let e = engine(&dir, &f32_options());
     let preparer = e.image_preparer().unwrap();
     let gif = b"GIF89a\x01\x00\x01\x00\x00\x00\x00;".to_vec();
     let mut truncated = std::fs::read(repo().join("tests/fixtures/vision_model/chat.png")).unwrap();
@@ -317,14 +304,14 @@ fn image_files_that_cannot_be_used_are_refused_with_their_code() {
     }
     // The shared fixture has no preprocessor configuration: it takes images as patches only.
     let (shared, _) = &fixtures()[0];
-    assert!(engine(shared, &options()).image_preparer().is_none());
+    assert!(engine(shared, &f32_options()).image_preparer().is_none());
 }
 
 #[test]
 fn a_request_cancelled_while_its_images_are_encoded_ends_and_frees_everything() {
     let (dir, reference) = &fixtures()[1];
     let case = &reference["cases"][1];
-    let mut e = engine(dir, &options());
+    let mut e = engine(dir, &f32_options());
     let r = Request { prompt_logprobs: None, ..request(1, case) };
     let cancel = r.cancel.clone();
     e.add_request(r).unwrap();

@@ -5,20 +5,16 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
+use kylin_engine::Serving;
 use kylin_engine::batch::{BatchEngine, EngineOptions};
 use kylin_engine::serving::{ImageInput, Request};
 use kylin_engine::vision::{PatchGrid, VisionTower, siglip_patches};
-use kylin_engine::{PrecisionChoice, Serving};
 use kylin_kernels::ThreadPool;
 use serde_json::Value;
-use support::{Output, floats, ids, log_softmax};
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+use support::{Output, check_case, engine, f32_options, floats, ids, repo};
 
 /// The shared fixture (2 x 2 patches, no pooling, SigLIP's pooling head present) and ours
 /// (6 x 6 patches pooled 2 x 2, a sliding window shorter than an image).
@@ -82,15 +78,6 @@ fn an_image_that_is_not_the_towers_square_is_refused() {
     }
 }
 
-fn engine(dir: &Path, opts: &EngineOptions) -> BatchEngine {
-    let model = kylin_loader::load(dir, &Default::default()).expect("the fixture loads");
-    BatchEngine::new(model, opts).expect("the engine builds")
-}
-
-fn options() -> EngineOptions {
-    EngineOptions { threads: 2, ctx_size: Some(256), precision: PrecisionChoice::F32, ..EngineOptions::default() }
-}
-
 fn request(id: u64, case: &Value, patch: usize) -> Request {
     let mut r = Request::new(id, ids(&case["input_ids"]), 12);
     r.ignore_eos = true;
@@ -105,34 +92,13 @@ fn run(e: &mut BatchEngine, requests: Vec<Request>) -> Vec<Output> {
     support::run_requests(e, requests)
 }
 
-/// Checks a run against a case: the argmax at every position, log-probabilities within 1e-3,
-/// and the greedy tokens.
-fn check(out: &Output, case: &Value, what: &str) {
-    let argmax = ids(&case["argmax_per_position"]);
-    let logits: Vec<Vec<f32>> = case["logits"].as_array().unwrap().iter().map(floats).collect();
-    let len = argmax.len();
-    assert_eq!(out.prompt_top.len(), len - 1, "{what}");
-    let mut worst = 0.0f64;
-    for p in 0..len {
-        let top = if p + 1 < len { &out.prompt_top[p] } else { &out.top[0] };
-        assert_eq!(top[0].0, argmax[p], "{what}: argmax at position {p}");
-        let want = log_softmax(&logits[p]);
-        for &(id, lp) in top {
-            worst = worst.max((want[id as usize] - lp as f64).abs());
-        }
-    }
-    eprintln!("{what}: worst |log-probability diff| {worst:e}");
-    assert!(worst < 1e-3, "{what}: {worst}");
-    assert_eq!(out.ids, ids(&case["greedy_new_ids"]), "{what}: greedy tokens");
-}
-
 #[test]
 fn prompts_with_images_give_transformers_logits_and_greedy_tokens() {
     for (dir, reference) in fixtures() {
         let patch = kylin_loader::load(&dir, &Default::default()).unwrap().vision.unwrap().config.patch_size;
         for (c, case) in reference["cases"].as_array().unwrap().iter().enumerate() {
-            let out = run(&mut engine(&dir, &options()), vec![request(1, case, patch)]).remove(0);
-            check(&out, case, &format!("{}: case {c}", dir.display()));
+            let out = run(&mut engine(&dir, &f32_options()), vec![request(1, case, patch)]).remove(0);
+            check_case(&out, case, &format!("{}: case {c}", dir.display()));
         }
     }
 }
@@ -143,12 +109,12 @@ fn a_step_never_ends_inside_an_image_so_small_chunks_give_the_same_answer() {
     for (c, case) in reference["cases"].as_array().unwrap().iter().enumerate() {
         // Chunks of at most 10 tokens: each image (9 tokens) is computed in one step, the text
         // around it in the steps before and after.
-        let opts = EngineOptions { max_batch_tokens: 10, ..options() };
+        let opts = EngineOptions { max_batch_tokens: 10, ..f32_options() };
         let out = run(&mut engine(dir, &opts), vec![request(1, case, 14)]).remove(0);
-        check(&out, case, &format!("chunks of 10: case {c}"));
+        check_case(&out, case, &format!("chunks of 10: case {c}"));
     }
     // A step shorter than an image cannot hold it: refused with what to change.
-    let opts = EngineOptions { max_batch_tokens: 8, ..options() };
+    let opts = EngineOptions { max_batch_tokens: 8, ..f32_options() };
     let err = engine(dir, &opts).add_request(request(1, &reference["cases"][0], 14)).unwrap_err();
     assert_eq!(err.code.as_str(), "INPUT_INVALID");
     assert!(err.to_string().contains("raise --max-batch-tokens to at least 9"), "{err}");
@@ -158,7 +124,7 @@ fn a_step_never_ends_inside_an_image_so_small_chunks_give_the_same_answer() {
 fn the_prefix_cache_reuses_an_image_and_its_answer_is_unchanged() {
     let (dir, reference) = &fixtures()[1];
     let case = &reference["cases"][0];
-    let opts = EngineOptions { block_size: Some(4), ..options() };
+    let opts = EngineOptions { block_size: Some(4), ..f32_options() };
     let mut e = engine(dir, &opts);
     let plain = |id| Request { prompt_logprobs: None, ..request(id, case, 14) };
     let first = run(&mut e, vec![plain(1)]).remove(0);
@@ -183,7 +149,7 @@ fn chat_fixture() -> (PathBuf, Value) {
 #[test]
 fn a_chat_with_an_image_file_gives_transformers_prompt_and_tokens() {
     let (dir, reference) = chat_fixture();
-    let mut e = engine(&dir, &options());
+    let mut e = engine(&dir, &f32_options());
     let preparer = e.image_preparer().expect("the directory has a preprocessor_config.json");
     let png = std::fs::read(repo().join("tests/fixtures/vision_model/chat.png")).unwrap();
     let image = preparer.prepare(&png).expect("the PNG is prepared");
@@ -224,7 +190,7 @@ fn pan_and_scan_gives_transformers_prompt_and_tokens() {
     use kylin_engine::vision::ImageOptions;
     let (dir, reference) = chat_fixture();
     let reference = &reference["pan_and_scan"];
-    let mut e = engine(&dir, &options());
+    let mut e = engine(&dir, &f32_options());
     let preparer = e.image_preparer().unwrap();
     let png = std::fs::read(repo().join("tests/fixtures/vision_model/wide.png")).unwrap();
     // Off by default, as Gemma3Processor calls its image processor.
@@ -253,7 +219,7 @@ fn pan_and_scan_gives_transformers_prompt_and_tokens() {
     let err = preparer.expand(&[2, 1000, 9], &images).unwrap_err();
     assert!(err.to_string().contains("needs a text or chat prompt"), "{err}");
     // Other processors do not read it.
-    let gemma4 = engine(&repo().join("tests/fixtures/tiny-gemma4-vl-bidir"), &options()).image_preparer().unwrap();
+    let gemma4 = engine(&repo().join("tests/fixtures/tiny-gemma4-vl-bidir"), &f32_options()).image_preparer().unwrap();
     let err = gemma4.with_options(&on).unwrap_err();
     assert!(err.to_string().contains("do_pan_and_scan: Gemma 4's image processor does not read it"), "{err}");
 }

@@ -6,21 +6,17 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
+use kylin_engine::Serving;
 use kylin_engine::batch::{BatchEngine, EngineOptions};
 use kylin_engine::serving::{ImageInput, Request};
 use kylin_engine::vision::{PatchGrid, VisionTower};
-use kylin_engine::{PrecisionChoice, Serving};
 use kylin_kernels::ThreadPool;
 use kylin_loader::vision::ImageAttention;
 use serde_json::Value;
-use support::{Output, floats, ids, log_softmax};
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+use support::{Output, check_case, engine, f32_options, floats, ids, repo};
 
 /// The shared fixture (one block, image tokens causal in the language model) and ours (two
 /// blocks with grouped-query attention, clipped linears, standardized output; image tokens
@@ -97,15 +93,6 @@ fn an_image_the_tower_cannot_read_is_refused() {
     assert!(err.to_string().contains("expected 768 values, got 720"), "{err}");
 }
 
-fn engine(dir: &Path, opts: &EngineOptions) -> BatchEngine {
-    let model = kylin_loader::load(dir, &Default::default()).expect("the fixture loads");
-    BatchEngine::new(model, opts).expect("the engine builds")
-}
-
-fn options() -> EngineOptions {
-    EngineOptions { threads: 2, ctx_size: Some(256), precision: PrecisionChoice::F32, ..EngineOptions::default() }
-}
-
 fn request(id: u64, case: &Value) -> Request {
     let mut r = Request::new(id, ids(&case["input_ids"]), 12);
     r.ignore_eos = true;
@@ -120,29 +107,6 @@ fn run(e: &mut BatchEngine, requests: Vec<Request>) -> Vec<Output> {
     support::run_requests(e, requests)
 }
 
-/// Checks a run against a case: the argmax at every position, log-probabilities within 1e-3,
-/// and the greedy tokens.
-fn check(out: &Output, case: &Value, what: &str) {
-    let argmax = ids(&case["argmax_per_position"]);
-    let logits: Vec<Vec<f32>> = case["logits"].as_array().unwrap().iter().map(floats).collect();
-    let len = argmax.len();
-    // Without prompt log-probabilities, the last position only.
-    let first = if out.prompt_top.is_empty() { len - 1 } else { 0 };
-    assert_eq!(out.prompt_top.len(), len - 1 - first, "{what}");
-    let mut worst = 0.0f64;
-    for p in first..len {
-        let top = if p + 1 < len { &out.prompt_top[p] } else { &out.top[0] };
-        assert_eq!(top[0].0, argmax[p], "{what}: argmax at position {p}");
-        let want = log_softmax(&logits[p]);
-        for &(id, lp) in top {
-            worst = worst.max((want[id as usize] - lp as f64).abs());
-        }
-    }
-    eprintln!("{what}: worst |log-probability diff| {worst:e}");
-    assert!(worst < 1e-3, "{what}: {worst}");
-    assert_eq!(out.ids, ids(&case["greedy_new_ids"]), "{what}: greedy tokens");
-}
-
 #[test]
 fn prompts_with_images_give_transformers_logits_and_greedy_tokens() {
     for (dir, reference) in fixtures() {
@@ -153,8 +117,8 @@ fn prompts_with_images_give_transformers_logits_and_greedy_tokens() {
                 // the last position's and the greedy tokens are checked.
                 r.prompt_logprobs = None;
             }
-            let out = run(&mut engine(&dir, &options()), vec![r]).remove(0);
-            check(&out, case, &format!("{}: case {c}", dir.display()));
+            let out = run(&mut engine(&dir, &f32_options()), vec![r]).remove(0);
+            check_case(&out, case, &format!("{}: case {c}", dir.display()));
         }
     }
 }
@@ -165,11 +129,11 @@ fn small_steps_and_a_batch_of_both_cases_give_the_same_answers() {
         let cases = reference["cases"].as_array().unwrap();
         // Steps of at most 12 tokens: an image of the bidirectional fixture (at most 12 tokens
         // in the first two cases) runs in one step, the causal fixture's are cut anywhere.
-        let opts = EngineOptions { max_batch_tokens: 12, ..options() };
+        let opts = EngineOptions { max_batch_tokens: 12, ..f32_options() };
         let mut e = engine(&dir, &opts);
         let outs = run(&mut e, vec![request(1, &cases[0]), request(2, &cases[1])]);
         for (c, out) in outs.iter().enumerate() {
-            check(out, &cases[c], &format!("{}: steps of 12, case {c} beside another", dir.display()));
+            check_case(out, &cases[c], &format!("{}: steps of 12, case {c} beside another", dir.display()));
         }
         // The large image (90 tokens) does not fit a step of 12 where its tokens see each other.
         let got = engine(&dir, &opts).add_request(request(1, &cases[2]));
@@ -194,7 +158,7 @@ fn chat_fixture() -> (PathBuf, Value) {
 #[test]
 fn a_chat_with_an_image_file_gives_transformers_prompt_and_tokens() {
     let (dir, reference) = chat_fixture();
-    let mut e = engine(&dir, &options());
+    let mut e = engine(&dir, &f32_options());
     let preparer = e.image_preparer().expect("the directory has a preprocessor_config.json");
     let png = std::fs::read(repo().join("tests/fixtures/vision_model/chat.png")).unwrap();
     let image = preparer.prepare(&png).expect("the PNG is prepared");
@@ -236,7 +200,7 @@ fn a_chat_with_an_image_file_gives_transformers_prompt_and_tokens() {
 fn the_prefix_cache_reuses_an_image_and_its_answer_is_unchanged() {
     for (dir, reference) in fixtures() {
         let case = &reference["cases"][0];
-        let opts = EngineOptions { block_size: Some(4), ..options() };
+        let opts = EngineOptions { block_size: Some(4), ..f32_options() };
         let mut e = engine(&dir, &opts);
         let plain = |id| Request { prompt_logprobs: None, ..request(id, case) };
         let first = run(&mut e, vec![plain(1)]).remove(0);

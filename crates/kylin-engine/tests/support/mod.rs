@@ -136,3 +136,48 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
     let lse = max + logits.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
     logits.iter().map(|&v| v as f64 - lse).collect()
 }
+
+/// The repository's root (the fixtures are under `tests/fixtures`).
+pub fn repo() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// A fixture directory's batching engine.
+pub fn engine(dir: &std::path::Path, opts: &kylin_engine::batch::EngineOptions) -> kylin_engine::batch::BatchEngine {
+    let model = kylin_loader::load(dir, &Default::default()).expect("the fixture loads");
+    kylin_engine::batch::BatchEngine::new(model, opts).expect("the engine builds")
+}
+
+/// Two threads, 256 positions of context, float32 compute: what the transformers references
+/// are compared with.
+pub fn f32_options() -> kylin_engine::batch::EngineOptions {
+    kylin_engine::batch::EngineOptions {
+        threads: 2,
+        ctx_size: Some(256),
+        precision: kylin_engine::PrecisionChoice::F32,
+        ..Default::default()
+    }
+}
+
+/// Checks a run against a transformers case (`argmax_per_position`, `logits`,
+/// `greedy_new_ids`): the argmax at every position (the last one only when the run asked for no
+/// prompt log-probabilities), log-probabilities within 1e-3, and the greedy tokens.
+pub fn check_case(out: &Output, case: &Value, what: &str) {
+    let argmax = ids(&case["argmax_per_position"]);
+    let logits: Vec<Vec<f32>> = case["logits"].as_array().expect("logits").iter().map(floats).collect();
+    let len = argmax.len();
+    let first = if out.prompt_top.is_empty() { len - 1 } else { 0 };
+    assert_eq!(out.prompt_top.len(), len - 1 - first, "{what}");
+    let mut worst = 0.0f64;
+    for p in first..len {
+        let top = if p + 1 < len { &out.prompt_top[p] } else { &out.top[0] };
+        assert_eq!(top[0].0, argmax[p], "{what}: argmax at position {p}");
+        let want = log_softmax(&logits[p]);
+        for &(id, lp) in top {
+            worst = worst.max((want[id as usize] - lp as f64).abs());
+        }
+    }
+    eprintln!("{what}: worst |log-probability diff| {worst:e}");
+    assert!(worst < 1e-3, "{what}: {worst}");
+    assert_eq!(out.ids, ids(&case["greedy_new_ids"]), "{what}: greedy tokens");
+}
