@@ -8,7 +8,7 @@ mod support;
 
 use kylin_vision::{Gemma4ImageProcessor, Gemma4Processed, ImageLimits, RgbImage, decode_image, gemma4_image_sequence};
 use serde_json::Value;
-use support::{read, read_f32, usize_of};
+use support::{is_jpeg, max_byte_diff, pillow_rgb_file, read, read_f32, usize_of};
 
 /// The tolerance on values: none beyond float rounding. The resize is Pillow's to the bit and
 /// the arithmetic NumPy's, so the values are expected equal; any difference is a bug.
@@ -32,13 +32,7 @@ fn processor(config: &Value) -> Gemma4ImageProcessor {
 
 /// What transformers' `convert_to_rgb` made of the case's file in Pillow.
 fn pillow_rgb(case: &Value) -> RgbImage {
-    let (width, height) = (usize_of(&case["width"]) as u32, usize_of(&case["height"]) as u32);
-    let bytes = read(case["rgb"].as_str().unwrap());
-    RgbImage::from_raw(width, height, bytes).expect("the .rgb file matches the size")
-}
-
-fn is_jpeg(case: &Value) -> bool {
-    case["file"].as_str().unwrap().ends_with(".jpg")
+    pillow_rgb_file(case, case["rgb"].as_str().unwrap())
 }
 
 /// The checksum of the fixture script: the sum of `bits(value_i) * (i + 1)` modulo 2^64.
@@ -116,7 +110,7 @@ fn patch_positions_are_x_then_y_row_major() {
 #[test]
 fn png_and_webp_decode_as_pillow_and_process_end_to_end() {
     let mut checked = 0;
-    for case in cases().iter().filter(|c| !is_jpeg(c)) {
+    for case in cases().iter().filter(|c| !is_jpeg(c["file"].as_str().unwrap())) {
         let name = case["name"].as_str().unwrap();
         let decoded = decode_image(&read(case["file"].as_str().unwrap()), &ImageLimits::default()).expect("decode");
         let expected = pillow_rgb(case);
@@ -136,18 +130,12 @@ fn png_and_webp_decode_as_pillow_and_process_end_to_end() {
 #[test]
 fn jpeg_end_to_end_is_within_the_decoders_difference() {
     let mut checked = 0;
-    for case in cases().iter().filter(|c| is_jpeg(c)) {
+    for case in cases().iter().filter(|c| is_jpeg(c["file"].as_str().unwrap())) {
         let name = case["name"].as_str().unwrap();
         let decoded = decode_image(&read(case["file"].as_str().unwrap()), &ImageLimits::default()).expect("decode");
         let expected = pillow_rgb(case);
         assert_eq!(decoded.dimensions(), expected.dimensions(), "{name}");
-        let max_byte = decoded
-            .as_raw()
-            .iter()
-            .zip(expected.as_raw())
-            .map(|(&a, &b)| (i32::from(a) - i32::from(b)).abs())
-            .max()
-            .unwrap_or(0);
+        let max_byte = max_byte_diff(&decoded, &expected);
         assert!(max_byte <= MAX_JPEG_BYTE_DIFF, "{name}: decoded bytes differ from Pillow's by {max_byte}");
         let processor = processor(&case["config"]);
         let diff = compare(case, &processor.process(&decoded).expect("process"));

@@ -6,7 +6,7 @@ mod support;
 
 use kylin_vision::{ImageLimits, QwenImageProcessor, ResampleFilter, RgbImage, decode_image, resize, smart_resize};
 use serde_json::Value;
-use support::{manifest, read, read_f32, usize_of};
+use support::{is_jpeg, manifest, pillow_rgb_file, read, read_f32, usize_of};
 
 /// The tolerance on normalised values: float rounding only. The resize is Pillow's to the bit,
 /// so any larger difference is a bug, not a reason to widen this.
@@ -18,13 +18,7 @@ fn images() -> Vec<Value> {
 
 /// What transformers' `convert_to_rgb` made of the case's file in Pillow.
 fn pillow_rgb(case: &Value) -> RgbImage {
-    let name = case["name"].as_str().unwrap();
-    let (width, height) = (usize_of(&case["width"]) as u32, usize_of(&case["height"]) as u32);
-    RgbImage::from_raw(width, height, read(&format!("{name}.rgb"))).expect("the .rgb file matches the size")
-}
-
-fn is_jpeg(file: &str) -> bool {
-    file.ends_with(".jpg")
+    pillow_rgb_file(case, &format!("{}.rgb", case["name"].as_str().unwrap()))
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
