@@ -7,15 +7,18 @@ the other (the order alternating from prompt to prompt), streamed with greedy de
 decode rate is the generated tokens after the first divided by the time from the first token to
 the last. Outputs must be identical (the script stops otherwise).
 
-Two prompt sets:
+Three prompt sets:
 * `edit`: code edits whose answer copies its input: a 100-130-line window of
   testdata/data/python-json-module.py (CPython's json module) with one small change asked for
   (rename, reword a docstring, add a comment), the whole window asked back.
 * `chat`: free-form questions whose answers copy nothing.
+* `extract`: structured extraction under a JSON schema (`response_format`), whose strings copy
+  their input: every function of a window of the same file, with its `def` line as written
+  and the first line of its docstring.
 
 Usage:
   python3 scripts/bench_speculative.py MODEL [--speculative-tokens 8] [--draft-model DIR]
-      [--quantize q8_0] [--threads 2] [--set edit,chat] [--max-tokens 1400]
+      [--quantize q8_0] [--threads 2] [--set edit,chat,extract] [--max-tokens 1400]
 Prints one line per prompt and a summary per set (the figures BENCHMARKS.md quotes).
 """
 
@@ -62,6 +65,43 @@ def edit_prompts():
     return prompts
 
 
+EXTRACT_WINDOWS = [(14, 130), (130, 245), (245, 370)]
+
+FUNCTIONS_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "functions": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string"},
+                    "def_line": {"type": "string"},
+                    "docstring_first_line": {"type": "string"},
+                },
+                "required": ["name", "def_line", "docstring_first_line"],
+                "additionalProperties": False,
+            },
+        }
+    },
+    "required": ["functions"],
+    "additionalProperties": False,
+}
+
+
+def extract_prompts():
+    lines = SOURCE.read_text().splitlines()
+    prompts = []
+    for start, end in EXTRACT_WINDOWS:
+        window = "\n".join(lines[start:end])
+        prompt = ("List every function and method defined in this code: its name, its `def` line exactly as "
+                  "written, and the first line of its docstring exactly as written (empty if it has none)."
+                  f"\n\n```python\n{window}\n```")
+        prompts.append((prompt, {"type": "json_schema",
+                                 "json_schema": {"name": "functions", "schema": FUNCTIONS_SCHEMA}}))
+    return prompts
+
+
 def start(model, extra, common, name):
     port = free_port()
     log = Path(tempfile.gettempdir()) / f"kylin-bench-spec-{name}-{port}.log"
@@ -83,10 +123,12 @@ def start(model, extra, common, name):
     sys.exit(f"{name} server not ready; see {log}")
 
 
-def run(base, prompt, max_tokens):
+def run(base, prompt, max_tokens, response_format=None):
     """Streams one greedy chat completion: (text, tokens, seconds from first token to last)."""
     body = {"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    if response_format:
+        body["response_format"] = response_format
     text, first, last, tokens = [], None, None, 0
     with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=900) as r:
         r.raise_for_status()
@@ -134,17 +176,18 @@ def main():
     plain_proc, plain = start(args.model, [], common, "plain")
     spec_proc, fast = start(args.model, spec, common, "spec")
     try:
-        sets = {"edit": edit_prompts(), "chat": CHATS}
+        sets = {"edit": [(p, None) for p in edit_prompts()], "chat": [(p, None) for p in CHATS],
+                "extract": extract_prompts()}
         for name in args.set.split(","):
             rates = {"plain": [], "spec": []}
             totals = {"plain": [0, 0.0], "spec": [0, 0.0]}
-            for i, prompt in enumerate(sets[name]):
+            for i, (prompt, response_format) in enumerate(sets[name]):
                 order = [("plain", plain), ("spec", fast)]
                 if i % 2:
                     order.reverse()
                 outs = {}
                 for label, base in order:
-                    text, tokens, seconds = run(base, prompt, args.max_tokens)
+                    text, tokens, seconds = run(base, prompt, args.max_tokens, response_format)
                     outs[label] = text
                     rate = (tokens - 1) / seconds if seconds > 0 else 0.0
                     rates[label].append(rate)
@@ -153,6 +196,8 @@ def main():
                     print(f"{name} #{i} {label:5}: {tokens} tokens, decode {rate:.1f} tok/s", flush=True)
                 if outs["plain"] != outs["spec"]:
                     sys.exit(f"{name} #{i}: the outputs differ; speculative decoding changed the answer")
+                if response_format:
+                    json.loads(outs["plain"])
             plain_rate = totals["plain"][0] / totals["plain"][1]
             spec_rate = totals["spec"][0] / totals["spec"][1]
             print(f"{name}: without {plain_rate:.1f} tok/s, with {spec_rate:.1f} tok/s, "

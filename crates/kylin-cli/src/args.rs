@@ -216,9 +216,10 @@ pub struct EngineArgs {
     /// N-gram speculative decoding (prompt lookup) in the batching engine (`serve`, `bench
     /// --concurrency`): each decoding sequence proposes up to K tokens per step by finding the
     /// longest of its last 8 down to 1 tokens earlier in its prompt and output, and checks them
-    /// in the same forward pass; the length adapts to how its proposals fare. Outputs are identical to decoding without it, greedy and seeded sampling
-    /// alike. Default 0 (off); refused for models with recurrent layers (Qwen3.5, LFM2,
-    /// Qwen3-Next). `run`, `chat` and single-stream `bench` decode one token at a time.
+    /// in the same forward pass; the length adapts to how its proposals fare. Outputs are
+    /// identical to decoding without it, greedy and seeded sampling alike, structured outputs
+    /// and hybrid models (Qwen3.5, LFM2, Qwen3-Next) included. Default 0 (off). `run`, `chat`
+    /// and single-stream `bench` decode one token at a time.
     /// With --draft-model, K is the number of tokens the draft model proposes per sequence and
     /// step (default 4 when --draft-model is given without this flag).
     #[arg(long, value_name = "K", visible_alias = "spec-tokens")]

@@ -18,7 +18,8 @@
 //!    up on the sequence's tokens in its own KV pool), as far as the step's spare tokens,
 //!    logits rows and free blocks allow (never preempting for them); after the forward pass
 //!    they are verified row by row with the sequence's sampler and the rejected ones' blocks
-//!    are dropped (in the draft's pool too).
+//!    are dropped (in the draft's pool too), and the recurrent layers' convolution rows rolled
+//!    back (`StatePool::roll_back`; proposals stop before a delta-rule chunk's end).
 //! 3. Running sequences whose prompt is partly computed get the next chunk, then waiting
 //!    sequences are admitted (FCFS, while fewer than `max_seqs` run) with whatever prefix the
 //!    cache holds for them, and get a chunk, until the step holds `max_batch_tokens` tokens
@@ -57,7 +58,7 @@ use crate::serving::{
     EmbeddingInfo, EngineInfo, EngineStats, Event, EventKind, Pooled, Request, Serving, StatePoolInfo, StopReason,
     Usage,
 };
-use crate::speculative::{MAX_SPECULATIVE_TOKENS, SpeculationControl, propose_ngram};
+use crate::speculative::{MAX_SPECULATIVE_TOKENS, Proposer, SpeculationControl, propose_ngram};
 use crate::state_pool::{NO_SLOT, StatePool};
 use crate::text::TextCodec;
 use crate::vision::{self, Encoding, ImagePreparer, VisionTower};
@@ -131,6 +132,24 @@ pub fn default_state_snapshots(max_seqs: usize) -> usize {
     (2 * max_seqs).max(4)
 }
 
+/// The longest speculative segment with `speculative_tokens` proposals: the last sampled
+/// token and the proposals (0 when speculation is off).
+fn speculative_rows(speculative_tokens: usize) -> usize {
+    if speculative_tokens == 0 { 0 } else { 1 + speculative_tokens }
+}
+
+/// The most proposals a sequence of a model with recurrent layers may verify after its last
+/// sampled token at position `first` (with Gated DeltaNet chunks of `chunk` positions): no
+/// proposal may complete a chunk, since completing one folds it into the state `S₀` for good,
+/// and a rejected proposal must leave the state as it was (`crate::state_pool`). The first
+/// token, which is never rejected, may complete one.
+pub fn proposals_before_chunk_end(first: usize, chunk: usize) -> usize {
+    // The last position of the first chunk a proposal could complete.
+    let chunk_end = (first / chunk + 1) * chunk - 1;
+    let chunk_end = if chunk_end == first { chunk_end + chunk } else { chunk_end };
+    chunk_end - first - 1
+}
+
 /// How much memory the KV cache may take.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum KvBudget {
@@ -175,8 +194,9 @@ pub struct EngineOptions {
     /// layers.
     pub state_snapshots: Option<usize>,
     /// Tokens proposed per decoding sequence and step by n-gram speculative decoding
-    /// (`--speculative-tokens`, [`crate::speculative`]); 0 turns it off. Refused for a model
-    /// with recurrent layers (their state cannot be rolled back yet).
+    /// (`--speculative-tokens`, [`crate::speculative`]); 0 turns it off. A model with
+    /// recurrent layers keeps a log of its convolution rows per sequence for it
+    /// ([`crate::state_pool`]).
     pub speculative_tokens: usize,
     /// A draft model's directory (`--draft-model`): a smaller model with the same vocabulary
     /// proposes the `speculative_tokens` tokens instead of the n-gram proposer
@@ -566,13 +586,6 @@ impl EngineCore {
                 "--speculative-tokens {speculative_tokens} is too large; pass at most {MAX_SPECULATIVE_TOKENS}"
             )));
         }
-        if speculative_tokens > 0 && !model.recurrent_layers().is_empty() {
-            return Err(KylinError::config_invalid(format!(
-                "speculative decoding (--speculative-tokens {speculative_tokens}) is not supported for {}: its \
-                 recurrent layers' state cannot be rolled back to the accepted tokens yet; run without it",
-                config.architecture.hf_name()
-            )));
-        }
         // Logits rows beyond one per sequence: the prompt log-probabilities' share, and with
         // speculation, one row per proposal of every sequence (both drawn from one budget).
         let prompt_rows = prompt_logit_rows(model.dims().vocab)
@@ -613,7 +626,7 @@ impl EngineCore {
         } else {
             let chunk = state_chunk(block_size)?;
             let snapshots = opts.state_snapshots.unwrap_or_else(|| default_state_snapshots(max_seqs));
-            let (live, snap) = StatePool::slot_bytes(&recurrent, chunk);
+            let (live, snap) = StatePool::slot_bytes(&recurrent, chunk, speculative_rows(speculative_tokens));
             let bytes = live
                 .checked_mul(max_seqs as u64)
                 .and_then(|l| snap.checked_mul(snapshots as u64).and_then(|s| l.checked_add(s)))
@@ -624,7 +637,9 @@ impl EngineCore {
         let reserved = sliding_bytes.saturating_add(state_bytes);
         let n_blocks = kv_blocks(opts, kv_dtype, block_size, &model, &scratch, context, max_seqs, reserved)?;
         let mut states = match state_plan {
-            Some((chunk, snapshots, _)) => Some(StatePool::new(&recurrent, chunk, max_seqs, snapshots)?),
+            Some((chunk, snapshots, _)) => {
+                Some(StatePool::new(&recurrent, chunk, max_seqs, snapshots, speculative_rows(speculative_tokens))?)
+            }
             None => None,
         };
         let layout = kylin_kernels::paged::attention_path(
@@ -704,6 +719,13 @@ impl EngineCore {
     /// Bytes of the KV pools (the full layers' and the sliding layers').
     pub fn kv_bytes(&self) -> u64 {
         self.kv.bytes() + self.swa.as_ref().map_or(0, |s| s.kv.bytes())
+    }
+
+    /// The most proposals a sequence whose last sampled token sits at `first` may verify in
+    /// one step as far as its recurrent state goes ([`proposals_before_chunk_end`]; no limit
+    /// without recurrent layers).
+    fn proposal_room(&self, first: usize) -> usize {
+        self.states.as_ref().map_or(usize::MAX, |s| proposals_before_chunk_end(first, s.chunk()))
     }
 
     /// The recurrent layers' state pool (`None` for a model without recurrent layers).
@@ -841,7 +863,8 @@ impl EngineCore {
             has_tokenizer: self.text.is_some(),
             eos_ids: self.eos_ids.clone(),
             state_pool: self.states.as_ref().map(|s| {
-                let (live_bytes, snapshot_bytes) = StatePool::slot_bytes(&self.model.recurrent_layers(), s.chunk());
+                let (live_bytes, snapshot_bytes) =
+                    StatePool::slot_bytes(&self.model.recurrent_layers(), s.chunk(), s.speculative_rows());
                 StatePoolInfo {
                     live_slots: s.live_slots(),
                     snapshots: s.snapshot_slots(),
@@ -1144,6 +1167,8 @@ pub struct BatchEngine {
     next_internal_id: u64,
     /// The draft model that proposes speculative tokens (`--draft-model`), if any.
     draft: Option<DraftModel>,
+    /// A proposer the embedding program set in place of the n-gram proposer, if any.
+    proposer: Option<Box<dyn Proposer>>,
     /// The sequences the draft proposes for in the current step (room for `max_seqs`).
     draft_jobs: Vec<DraftJob>,
     /// The vision tower that encodes a prompt's images, for a vision-language directory whose
@@ -1262,6 +1287,7 @@ impl BatchEngine {
             next_internal_id: INTERNAL_IDS,
             draft_jobs: Vec::with_capacity(if draft.is_some() { max_seqs } else { 0 }),
             draft,
+            proposer: None,
             vision: None,
             image_preparer: None,
             encoding: VecDeque::new(),
@@ -1271,6 +1297,24 @@ impl BatchEngine {
 
     pub fn core(&self) -> &EngineCore {
         &self.core
+    }
+
+    /// Proposes speculative tokens with `proposer` in place of the n-gram proposer.
+    /// `CONFIG_INVALID` when speculation is off (`speculative_tokens` 0) or a draft model
+    /// proposes.
+    pub fn set_proposer(&mut self, proposer: Box<dyn Proposer>) -> Result<()> {
+        if self.core.speculative_tokens == 0 {
+            return Err(KylinError::config_invalid(
+                "a proposer needs --speculative-tokens of at least 1 (the proposals per step)",
+            ));
+        }
+        if self.draft.is_some() {
+            return Err(KylinError::config_invalid(
+                "a draft model proposes already (--draft-model); set one or the other",
+            ));
+        }
+        self.proposer = Some(proposer);
+        Ok(())
     }
 
     /// The draft model proposing speculative tokens (`--draft-model`), if any.
@@ -1658,6 +1702,7 @@ impl BatchEngine {
     /// tokens, `rows` logits rows and free blocks are left for it.
     fn propose(&mut self, budget: &mut usize, rows: &mut usize) {
         let bs = self.core.kv.block_size;
+        let vocab = self.core.model.dims().vocab;
         for i in 0..self.scheduled.len() {
             if *budget == 0 || *rows == 0 {
                 break;
@@ -1670,7 +1715,7 @@ impl BatchEngine {
             // one token fewer than the choice may still generate would never be emitted.
             let room = self.core.context.saturating_sub(seq.tokens.len());
             let k = self.core.speculative_tokens.min(*budget).min(*rows).min(room);
-            let k = k.min(seq.decoding.remaining().saturating_sub(1));
+            let k = k.min(seq.decoding.remaining().saturating_sub(1)).min(self.core.proposal_room(seq.computed));
             if k == 0 {
                 continue;
             }
@@ -1680,11 +1725,25 @@ impl BatchEngine {
             }
             seq.draft.clear();
             seq.draft.push(seq.tokens[seq.computed]);
-            let mut proposed = propose_ngram(&seq.tokens, k, &mut seq.draft);
-            // An image's tokens are never sampled: a proposal stops before them.
-            if let Some(cut) = seq.draft[1..].iter().position(|&id| id >= IMAGE_IDS) {
+            let mut proposed = match &mut self.proposer {
+                Some(proposer) => {
+                    proposer.propose(seq.request, seq.index, &seq.tokens, k, &mut seq.draft);
+                    seq.draft.truncate(1 + k);
+                    seq.draft.len() - 1
+                }
+                None => propose_ngram(&seq.tokens, k, &mut seq.draft),
+            };
+            // An image's tokens are never sampled: a proposal stops before them (and before any
+            // id outside the vocabulary, which only a proposer set by the program makes).
+            if let Some(cut) = seq.draft[1..].iter().position(|&id| id >= IMAGE_IDS || id as usize >= vocab) {
                 seq.draft.truncate(1 + cut);
                 proposed = cut;
+            }
+            // Nor does a token the sequence's grammar forbids.
+            let valid = seq.decoding.valid_prefix(&seq.draft[1..]);
+            if valid < proposed {
+                seq.draft.truncate(1 + valid);
+                proposed = valid;
             }
             if proposed == 0 || !seq.kv.grow(&mut self.core.allocs(), seq.computed + 1 + proposed, bs) {
                 continue;
@@ -1724,6 +1783,7 @@ impl BatchEngine {
             let room = self.core.context.saturating_sub(len);
             let k = self.core.speculative_tokens.min(*budget).min(*rows).min(room);
             let k = k.min(seq.decoding.remaining().saturating_sub(1)).min(draft_context + 1 - len);
+            let k = k.min(self.core.proposal_room(seq.computed)).min(draft.proposal_room(seq.computed));
             if k == 0 {
                 continue;
             }
@@ -1780,12 +1840,24 @@ impl BatchEngine {
                     let seq = &mut self.running[self.scheduled[job.i].slot];
                     let last = seq.draft[round];
                     // Planned: `grow` above covered the position.
-                    job.row = draft.push(&mut seq.draft_kv, &[last], true).unwrap_or(0);
+                    job.row = draft.push_proposal(&mut seq.draft_kv, last);
                 }
             }
             self.stats.draft_model_computed_tokens += draft.planned_tokens() as u64;
             draft.forward(&self.core.pool);
             round += 1;
+        }
+        // 3. A constrained sequence's proposals stop before the first its grammar forbids (one
+        // is kept, so that the verification cuts the draft back as for any other rejection).
+        for job in &self.draft_jobs {
+            let s = &mut self.scheduled[job.i];
+            let seq = &mut self.running[s.slot];
+            let valid = seq.decoding.valid_prefix(&seq.draft[1..]).max(1);
+            if valid < s.proposed {
+                seq.draft.truncate(1 + valid);
+                s.proposed = valid;
+                s.len = 1 + valid;
+            }
         }
     }
 
@@ -1854,7 +1926,8 @@ impl BatchEngine {
                 reason = ended;
                 break;
             }
-            if row == proposed || id != seq.draft[row + 1] {
+            // Tokens a grammar forces now come next, not the proposals.
+            if row == proposed || id != seq.draft[row + 1] || seq.decoding.has_forced() {
                 break;
             }
         }
@@ -1873,10 +1946,22 @@ impl BatchEngine {
         }
         // The last token and the accepted proposals were computed with the tokens the sequence
         // now holds at their positions; the blocks past them go back to the pool, never
-        // registered, and the kept last block's rejected positions are overwritten later.
+        // registered, and the kept last block's rejected positions are overwritten later. The
+        // recurrent layers' convolution rows go back to the last kept token (their `S₀` never
+        // moved past it).
+        if emitted <= proposed
+            && let Some(states) = &mut self.core.states
+        {
+            states.roll_back(seq.state, emitted);
+        }
         seq.computed += emitted;
         seq.kv.advance(&mut self.core.allocs(), &seq.tokens, seq.computed, bs);
         let kept = seq.kv.truncate(&mut self.core.allocs(), &seq.tokens, seq.computed.div_ceil(bs), bs);
+        if kept * bs < seq.computed && self.core.states.is_some() {
+            // The sliding window's released blocks cut the kept prefix below the state: the
+            // state goes back to the last snapshot at or below it (or to nothing).
+            seq.computed = self.core.resume_state(&mut seq.kv, seq.state, &seq.tokens);
+        }
         seq.computed = seq.computed.min(kept * bs);
         let text = self.core.text.as_ref();
         if reason.is_none() {
@@ -2023,7 +2108,7 @@ impl BatchEngine {
             if s.proposed > 0 {
                 // The draft: the last sampled token, then the proposals (not in `tokens`).
                 debug_assert_eq!(seq.draft.first(), seq.tokens.get(seq.computed));
-                s.first_row = self.core.plan.push_all_logits(
+                s.first_row = self.core.plan.push_speculative(
                     &seq.draft,
                     seq.computed,
                     &seq.kv.blocks,

@@ -13,9 +13,16 @@
 //! the target's own, token for token. After the verification the draft's cache is cut back to
 //! the longest prefix it shares with the sequence's tokens (the accepted proposals stay).
 //!
+//! A draft with recurrent layers (a small Qwen3.5 for a large one: the family's tokenizer is
+//! its own) keeps a live state slot per sequence in a state pool of its own, without
+//! snapshots. The proposals it is fed are logged (`Segment::log_from`) and cut back like the
+//! target's (`StatePool::roll_back`); the engine lets no proposal complete one of its
+//! delta-rule chunks ([`DraftModel::proposal_room`]). A cut below what the log holds (a rare
+//! rewind of a token it had computed) starts the sequence's draft state over from nothing.
+//!
 //! Guarantees: the draft is validated while loading (the same vocabulary size as the target,
 //! the same tokenizer when either has one: `VOCAB_MISMATCH` naming both directories and the
-//! expected and found values; no recurrent layers: `CONFIG_INVALID`); its pool holds as many positions as the
+//! expected and found values); its pool holds as many positions as the
 //! target's, plus one step's proposals per sequence; a sequence that finds no free draft
 //! block does not speculate in that step, and the draft never preempts; its activations,
 //! batch plan and block tables are planned up front, so proposing allocates nothing.
@@ -26,12 +33,14 @@ use kylin_kernels::ThreadPool;
 use kylin_loader::tokenizer::TokenizerBundle;
 use kylin_loader::{KylinError, Result};
 
-use crate::batch::{Allocs, EngineOptions, SeqKv, SlidingPool, default_block_size};
+use crate::batch::{
+    Allocs, EngineOptions, SeqKv, SlidingPool, default_block_size, proposals_before_chunk_end, state_chunk,
+};
 use crate::kv_pool::KvPool;
 use crate::model::{BatchPlan, Model, Scratch};
 use crate::rope::Ropes;
 use crate::sampler::argmax;
-use crate::state_pool::NO_SLOT;
+use crate::state_pool::{NO_SLOT, StatePool};
 
 /// Proposals per step when `--draft-model` is given without `--speculative-tokens`.
 pub const DEFAULT_DRAFT_TOKENS: usize = 4;
@@ -42,6 +51,9 @@ pub struct DraftModel {
     model: Model,
     kv: KvPool,
     swa: Option<SlidingPool>,
+    /// The recurrent layers' live states, one slot per sequence (no snapshots), when the draft
+    /// has recurrent layers.
+    states: Option<StatePool>,
     rope: Ropes,
     scratch: Scratch,
     plan: BatchPlan,
@@ -65,11 +77,24 @@ impl std::fmt::Debug for DraftModel {
 }
 
 /// One sequence's state in the draft: its block tables in the draft's pools and the number of
-/// the sequence's tokens whose keys and values they hold (always a prefix of its tokens).
-#[derive(Debug, Default)]
+/// the sequence's tokens whose keys and values they hold (always a prefix of its tokens), and
+/// with recurrent layers its live state slot and where the log of its proposals starts.
+#[derive(Debug)]
 pub(crate) struct DraftSeq {
     pub kv: SeqKv,
     pub computed: usize,
+    /// Its live slot in the draft's state pool (`NO_SLOT` until it computes something, and
+    /// always without recurrent layers).
+    state: u32,
+    /// The position of the first proposal fed since the last cut (the start of its
+    /// convolution log), if any was.
+    log_from: Option<usize>,
+}
+
+impl Default for DraftSeq {
+    fn default() -> Self {
+        DraftSeq { kv: SeqKv::default(), computed: 0, state: NO_SLOT, log_from: None }
+    }
 }
 
 /// What the draft is compared against and sized from: the target's directory (for messages),
@@ -109,15 +134,6 @@ impl DraftModel {
             .map_err(in_draft)?;
         check_vocabulary(dir, &target_name, target, loaded.config.vocab_size, loaded.tokenizer.as_ref())?;
         let mut model = Model::new(&loaded.config, &loaded.weights).map_err(in_draft)?;
-        if !model.recurrent_layers().is_empty() {
-            return Err(KylinError::config_invalid(format!(
-                "draft model {} ({}) has recurrent layers, whose state cannot be rolled back to the accepted \
-                 tokens; pick a draft with attention layers only",
-                dir.display(),
-                loaded.config.architecture.hf_name()
-            ))
-            .at(dir));
-        }
         let threads = opts.threads.max(1);
         if let Some(format) = opts.quantize {
             model.quantize(format, threads, &|_, _| {}).map_err(in_draft)?;
@@ -164,7 +180,17 @@ impl DraftModel {
             _ => None,
         };
         let plan = BatchPlan::with_capacity(max_tokens, max_seqs, max_seqs * per_seq);
+        // A live state per sequence, with a log of the proposals fed (at most one fewer than
+        // the speculative tokens; one more keeps the sizes simple).
+        let recurrent = model.recurrent_layers();
+        let states = if recurrent.is_empty() {
+            None
+        } else {
+            let chunk = state_chunk(block_size).map_err(in_draft)?;
+            Some(StatePool::new(&recurrent, chunk, max_seqs, 0, opts.speculative_tokens.max(1)).map_err(in_draft)?)
+        };
         let mut draft = DraftModel {
+            states,
             rope: model.rope(context).map_err(in_draft)?,
             model,
             kv,
@@ -181,6 +207,9 @@ impl DraftModel {
                 swa.kv.prefault();
             }
             draft.scratch.prefault();
+            if let Some(states) = &mut draft.states {
+                states.prefault();
+            }
         }
         Ok(draft)
     }
@@ -205,9 +234,23 @@ impl DraftModel {
         self.max_tokens
     }
 
-    /// Bytes of the draft's KV pools.
+    /// Bytes of the draft's KV pools and its recurrent layers' states.
     pub fn kv_bytes(&self) -> u64 {
-        self.kv.bytes() + self.swa.as_ref().map_or(0, |s| s.kv.bytes())
+        self.kv.bytes()
+            + self.swa.as_ref().map_or(0, |s| s.kv.bytes())
+            + self.states.as_ref().map_or(0, StatePool::bytes)
+    }
+
+    /// The most proposals a sequence whose last sampled token sits at `first` may take from
+    /// this draft in one step: the draft computes all but the last, and none of those may
+    /// complete one of its delta-rule chunks (no limit without recurrent layers).
+    pub fn proposal_room(&self, first: usize) -> usize {
+        self.states.as_ref().map_or(usize::MAX, |s| proposals_before_chunk_end(first, s.chunk()) + 1)
+    }
+
+    /// Live state slots sequences hold now (0 without recurrent layers).
+    pub fn states_in_use(&self) -> usize {
+        self.states.as_ref().map_or(0, StatePool::live_in_use)
     }
 
     /// Blocks of the draft's pool that sequences hold now.
@@ -222,32 +265,72 @@ impl DraftModel {
 
     /// A fresh sequence state with room for a sequence of the full context.
     pub(crate) fn new_seq(&self) -> DraftSeq {
-        DraftSeq { kv: SeqKv::with_capacity(self.context.div_ceil(self.kv.block_size) + 1), computed: 0 }
+        DraftSeq { kv: SeqKv::with_capacity(self.context.div_ceil(self.kv.block_size) + 1), ..DraftSeq::default() }
     }
 
     fn allocs(&mut self) -> Allocs<'_> {
         Allocs { full: &mut self.kv.alloc, sliding: self.swa.as_mut().map(|s| (&mut s.kv.alloc, s.window)) }
     }
 
-    /// Makes `seq`'s tables cover positions `0..len`; false (nothing allocated) when the pool
-    /// has too few free blocks (it is planned so that it does not happen).
+    /// Makes `seq`'s tables cover positions `0..len` (and gives it a live state slot with
+    /// recurrent layers); false (nothing allocated) when the pool has too few free blocks (it is
+    /// planned so that it does not happen).
     pub(crate) fn grow(&mut self, seq: &mut DraftSeq, len: usize) -> bool {
+        if let Some(states) = &mut self.states
+            && seq.state == NO_SLOT
+        {
+            // Slots are planned for every running sequence; a fresh one is zeroed.
+            let Some(slot) = states.allocate() else { return false };
+            seq.state = slot;
+            seq.computed = 0;
+            seq.kv.release_all(&mut Allocs {
+                full: &mut self.kv.alloc,
+                sliding: self.swa.as_mut().map(|s| (&mut s.kv.alloc, s.window)),
+            });
+        }
         let bs = self.kv.block_size;
         seq.kv.grow(&mut self.allocs(), len, bs)
     }
 
     /// Cuts `seq` back to its first `keep` tokens (the prefix it shares with the sequence)
-    /// and releases the blocks past them.
+    /// and releases the blocks past them. With recurrent layers the state follows: rolled back
+    /// from the log of the proposals fed, or, for a cut below the log's start, started over.
     pub(crate) fn truncate(&mut self, seq: &mut DraftSeq, tokens: &[u32], keep: usize) {
         let bs = self.kv.block_size;
+        if let Some(states) = &mut self.states
+            && keep < seq.computed
+        {
+            match seq.log_from {
+                Some(from) if from <= keep => states.roll_back(seq.state, keep - from),
+                _ => {
+                    states.reset(seq.state);
+                    seq.computed = 0;
+                }
+            }
+        }
+        seq.log_from = None;
         seq.computed = seq.computed.min(keep);
         let kept = seq.kv.truncate(&mut self.allocs(), tokens, seq.computed.div_ceil(bs), bs);
+        if kept * bs < seq.computed
+            && let Some(states) = &mut self.states
+        {
+            // The sliding window's released blocks cut the prefix below the state: start over.
+            states.reset(seq.state);
+            seq.computed = 0;
+        }
         seq.computed = seq.computed.min(kept * bs);
     }
 
-    /// Releases every block of `seq` (the sequence ends or is preempted).
+    /// Releases every block of `seq` and its state slot (the sequence ends or is preempted).
     pub(crate) fn release(&mut self, seq: &mut DraftSeq) {
         seq.kv.release_all(&mut self.allocs());
+        if let Some(states) = &mut self.states
+            && seq.state != NO_SLOT
+        {
+            states.release(seq.state);
+        }
+        seq.state = NO_SLOT;
+        seq.log_from = None;
         seq.computed = 0;
     }
 
@@ -258,10 +341,24 @@ impl DraftModel {
 
     /// Adds `ids` at positions `seq.computed..` of `seq` to the pass (its tables must cover
     /// them) and counts them as computed; returns the logits row of the last one when asked.
+    /// These are the sequence's own tokens, never rejected.
     pub(crate) fn push(&mut self, seq: &mut DraftSeq, ids: &[u32], logits: bool) -> Option<usize> {
-        let row = self.plan.push(ids, seq.computed, &seq.kv.blocks, &seq.kv.sliding, NO_SLOT, logits);
+        debug_assert!(seq.log_from.is_none(), "tokens pushed after proposals without a cut");
+        let row = self.plan.push(ids, seq.computed, &seq.kv.blocks, &seq.kv.sliding, seq.state, logits);
         seq.computed += ids.len();
         row
+    }
+
+    /// Adds a proposal at position `seq.computed` (which verification may reject) to the pass,
+    /// logged for a rollback; returns the logits row of its next proposal.
+    pub(crate) fn push_proposal(&mut self, seq: &mut DraftSeq, id: u32) -> usize {
+        let from = *seq.log_from.get_or_insert(seq.computed);
+        let row = self.plan.push(&[id], seq.computed, &seq.kv.blocks, &seq.kv.sliding, seq.state, true);
+        if self.states.is_some() {
+            self.plan.log_last_from(from);
+        }
+        seq.computed += 1;
+        row.unwrap_or(0)
     }
 
     /// Tokens in the pass being built.
@@ -277,7 +374,16 @@ impl DraftModel {
         let end = self.plan.segments.iter().map(|s| s.start + s.n).max().unwrap_or(0);
         self.rope.prepare(0, end);
         let sliding = self.swa.as_mut().map(|s| &mut s.kv);
-        self.model.forward(pool, &mut self.kv, sliding, None, &self.rope, &mut self.scratch, &self.plan, None);
+        self.model.forward(
+            pool,
+            &mut self.kv,
+            sliding,
+            self.states.as_mut(),
+            &self.rope,
+            &mut self.scratch,
+            &self.plan,
+            None,
+        );
     }
 
     /// The greedy token of logits row `row` of the last pass.
@@ -331,6 +437,97 @@ fn check_vocabulary(
                     dv.get(token).map_or_else(|| "none".to_string(), u32::to_string)
                 )),
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FAMILIES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/families/fixtures");
+    const REPO_FAMILIES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/families/fixtures");
+
+    fn fixture(name: &str) -> PathBuf {
+        [Path::new(FAMILIES).join(name), Path::new(REPO_FAMILIES).join(name)]
+            .into_iter()
+            .find(|p| p.is_dir())
+            .unwrap_or_else(|| panic!("fixture {name} is missing"))
+    }
+
+    fn draft_of(dir: &Path, speculative_tokens: usize) -> DraftModel {
+        let loaded = kylin_loader::load(dir, &kylin_loader::LoadOptions::default()).unwrap();
+        let target = DraftTarget {
+            path: Some(dir),
+            vocab: loaded.config.vocab_size,
+            tokenizer: loaded.tokenizer.as_ref(),
+            kv_tokens: 4096,
+        };
+        let opts = EngineOptions { threads: 2, speculative_tokens, ..EngineOptions::default() };
+        DraftModel::load(dir, &target, &opts, 256, 2, 256).unwrap()
+    }
+
+    /// The bits of the logits of row `row` of the last pass.
+    fn logits_bits(draft: &DraftModel, row: usize) -> Vec<u32> {
+        draft.scratch.logits(row, draft.model.dims().vocab).iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// The last row's logits of a fresh sequence computing `tokens` in one pass.
+    fn fresh_logits(draft: &mut DraftModel, pool: &ThreadPool, tokens: &[u32]) -> Vec<u32> {
+        let mut seq = draft.new_seq();
+        assert!(draft.grow(&mut seq, tokens.len()));
+        draft.begin();
+        let row = draft.push(&mut seq, tokens, true).unwrap();
+        draft.forward(pool);
+        let bits = logits_bits(draft, row);
+        draft.release(&mut seq);
+        bits
+    }
+
+    #[test]
+    fn a_recurrent_draft_cut_back_after_proposals_continues_as_if_they_never_were() {
+        // Proposals fed one pass at a time, some cut back, then the sequence's own tokens: the
+        // logits equal a fresh computation of the kept tokens, bit for bit, across several
+        // chunks of the delta rule (16 positions) and for cuts at every offset.
+        let pool = ThreadPool::new(2);
+        for name in ["tiny-qwen3.5", "tiny-lfm2", "tiny-qwen3-next-gqa-sparse"] {
+            let mut draft = draft_of(&fixture(name), 6);
+            let tokens: Vec<u32> = (0..300u32).map(|i| (i * 7919 + 13) % 1000).collect();
+            let mut seq = draft.new_seq();
+            let mut len = 5;
+            assert!(draft.grow(&mut seq, len));
+            draft.begin();
+            draft.push(&mut seq, &tokens[..len], false);
+            draft.forward(&pool);
+            let mut cuts = 0;
+            for round in 0..30 {
+                // Feed proposals at len.. (the right tokens but for the last, which is wrong),
+                // as many as may be fed before a chunk ends, then keep `kept` of them.
+                let room = draft.proposal_room(len - 1).saturating_sub(1).min(5);
+                let kept = round % (room + 1);
+                assert!(draft.grow(&mut seq, len + room + 1));
+                for j in 0..room {
+                    let id = if j == kept { tokens[len + j] + 1 } else { tokens[len + j] };
+                    draft.begin();
+                    draft.push_proposal(&mut seq, id);
+                    draft.forward(&pool);
+                }
+                draft.truncate(&mut seq, &tokens, len + kept);
+                assert_eq!(seq.computed, len + kept, "{name}: the cut keeps what it was told");
+                cuts += usize::from(room > kept);
+                // The sequence's own next tokens, then the check against a fresh computation.
+                let next = len + kept + 1 + round % 3;
+                assert!(draft.grow(&mut seq, next));
+                draft.begin();
+                let row = draft.push(&mut seq, &tokens[len + kept..next], true).unwrap();
+                draft.forward(&pool);
+                let got = logits_bits(&draft, row);
+                assert_eq!(got, fresh_logits(&mut draft, &pool, &tokens[..next]), "{name}: round {round}, at {next}");
+                len = next;
+            }
+            assert!(len > 64 && cuts > 10, "{name}: {len} positions, {cuts} cuts");
+            draft.release(&mut seq);
+            assert_eq!((draft.blocks_in_use(), draft.states_in_use()), (0, 0));
         }
     }
 }

@@ -427,6 +427,21 @@ impl GrammarState {
         self.forced.last().copied()
     }
 
+    /// True while tokens the grammar forces wait to be handed out.
+    pub fn has_forced(&self) -> bool {
+        !self.forced.is_empty()
+    }
+
+    /// How many of `tokens`, in order from the current state, the grammar accepts, consuming
+    /// none (speculative proposals are cut there before they are computed). 0 while forced
+    /// tokens wait (they come first) or when the grammar fails.
+    pub fn valid_prefix(&mut self, tokens: &[u32]) -> usize {
+        if !self.forced.is_empty() {
+            return 0;
+        }
+        self.matcher.validate_tokens(tokens).unwrap_or(0)
+    }
+
     /// True once the grammar is complete and admits nothing more (the sequence is done).
     pub fn is_finished(&self) -> bool {
         self.forced.is_empty() && self.matcher.is_stopped()

@@ -79,11 +79,26 @@ impl Decoding {
         self.max_new_tokens.saturating_sub(self.generated)
     }
 
-    /// True when speculative decoding may propose tokens for the choice: an unconstrained one
-    /// (a grammar's mask for a token depends on accepting the tokens before it, so constrained
-    /// choices decode one token at a time).
+    /// True when speculative decoding may propose tokens for the choice: always, but while a
+    /// grammar forces tokens (they are handed out first, without sampling).
     pub fn may_speculate(&self) -> bool {
-        self.grammar.is_none()
+        self.grammar.as_ref().is_none_or(|g| !g.has_forced())
+    }
+
+    /// True while the grammar forces tokens that wait to be handed out
+    /// ([`Decoding::next_forced`]): a speculative verification stops there.
+    pub fn has_forced(&self) -> bool {
+        self.grammar.as_ref().is_some_and(GrammarState::has_forced)
+    }
+
+    /// How many of the proposals `tokens` the choice's grammar accepts in order from where it
+    /// is (all of them without a grammar), consuming none: a proposal the grammar forbids
+    /// could never be sampled, so it is not computed.
+    pub fn valid_prefix(&mut self, tokens: &[u32]) -> usize {
+        match &mut self.grammar {
+            Some(g) => g.valid_prefix(tokens),
+            None => tokens.len(),
+        }
     }
 
     /// True when the choice is constrained and the mask for its next token is not computed

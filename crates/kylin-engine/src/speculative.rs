@@ -12,6 +12,19 @@
 //! Guarantees: proposing allocates nothing (it appends to a buffer planned with room for the
 //! proposals) and reads only the sequence's tokens.
 
+/// A source of proposals in place of the n-gram proposer, for a program that embeds the engine
+/// and knows better what comes next (a suffix index over a code base, the previous version of
+/// a document being edited, a retrieval cache), set with `BatchEngine::set_proposer`.
+/// Whatever it proposes, outputs are those of decoding without speculation; a good proposer
+/// only makes them come in fewer steps.
+pub trait Proposer: Send {
+    /// Appends to `out` up to `k` tokens proposed to follow `tokens` (the prompt and the
+    /// output so far) of choice `index` of request `request`; returns how many were appended.
+    /// `out` has room for `k` more tokens: a proposer that pushes no more than `k` allocates
+    /// nothing. The engine keeps at most `k` and stops at the first id outside the vocabulary.
+    fn propose(&mut self, request: u64, index: usize, tokens: &[u32], k: usize, out: &mut Vec<u32>) -> usize;
+}
+
 /// The longest suffix of the sequence the proposer looks for earlier in it.
 pub const NGRAM_MAX: usize = 8;
 /// The shortest suffix it looks for, when no longer one occurs earlier.

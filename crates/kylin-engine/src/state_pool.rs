@@ -8,7 +8,17 @@
 //!   sequence's last chunk boundary, the chunk in progress (per value head up to `chunk` keys,
 //!   corrected values and decays: `kylin_kernels::delta`), the convolution's last `kernel - 1`
 //!   input rows, and those rows as they were at the anchor;
-//! - short convolution: its last `kernel - 1` input rows, and those at the anchor.
+//! - short convolution: its last `kernel - 1` input rows, and those at the anchor;
+//! - with speculative decoding, per layer with a convolution, its **log**: the `kernel - 1`
+//!   rows before the first position that may be rejected, then the input rows from there (one
+//!   speculative segment of the target, or a draft model's proposals fed one pass at a time),
+//!   so that the rows after any of those positions can be put back ([`StatePool::roll_back`]).
+//!
+//! No position that may be rejected completes a chunk (the engine caps the proposals there,
+//! `batch::proposals_before_chunk_end`), so rejecting them leaves `S₀` and the anchor as they
+//! were: the chunk in progress is indexed by position, and the next call overwrites the
+//! rejected tokens' keys, values and decays. Only the convolution rows have moved past the
+//! accepted tokens, and the log puts them back.
 //!
 //! Chunks start at multiples of `chunk`, itself a multiple of the KV block size, so every
 //! anchor is a block boundary. A **snapshot** is a copy of a live slot's anchor (`S₀` and the
@@ -51,6 +61,16 @@ impl RecurrentShape {
         channels * (taps - 1)
     }
 
+    /// Floats of the convolution's log for speculative segments of up to `rows` tokens (none
+    /// without speculation).
+    fn conv_log_len(&self, rows: usize) -> usize {
+        if rows == 0 {
+            return 0;
+        }
+        let (channels, taps) = self.conv();
+        channels * (taps - 1 + rows)
+    }
+
     /// Floats of `S₀` (0 for a short convolution).
     fn state_len(&self) -> usize {
         match *self {
@@ -81,6 +101,10 @@ pub struct LiveLayout {
     /// The convolution's rows now, and at the anchor, `(taps - 1, channels)` each.
     pub conv: usize,
     pub conv_anchor: usize,
+    /// The convolution's log for speculative decoding: the rows before the last speculative
+    /// segment, then its input rows, `(taps - 1 + speculative_rows, channels)` (empty without
+    /// speculation).
+    pub conv_log: usize,
     /// The layer's first float in a snapshot (`S₀`, then the anchor's convolution rows).
     pub snapshot: usize,
 }
@@ -92,6 +116,9 @@ pub struct StatePool {
     layers: Vec<LiveLayout>,
     /// Positions between two updates of a DeltaNet state (a multiple of the KV block size).
     chunk: usize,
+    /// The longest speculative segment (the last sampled token and the proposals) the
+    /// convolution logs hold; 0 without speculative decoding.
+    speculative_rows: usize,
     live_stride: usize,
     snapshot_stride: usize,
     live: Vec<f32>,
@@ -110,16 +137,28 @@ pub struct StatePool {
 pub const NO_SLOT: u32 = u32::MAX;
 
 impl StatePool {
-    /// The bytes of one live slot and of one snapshot for `layers` at `chunk`.
-    pub fn slot_bytes(layers: &[RecurrentShape], chunk: usize) -> (u64, u64) {
-        let live: usize = layers.iter().map(|l| l.state_len() + l.tail_len(chunk) + 2 * l.conv_len()).sum();
+    /// The bytes of one live slot and of one snapshot for `layers` at `chunk`, with
+    /// convolution logs for speculative segments of up to `speculative_rows` tokens (0 for
+    /// none).
+    pub fn slot_bytes(layers: &[RecurrentShape], chunk: usize, speculative_rows: usize) -> (u64, u64) {
+        let live: usize = layers
+            .iter()
+            .map(|l| l.state_len() + l.tail_len(chunk) + 2 * l.conv_len() + l.conv_log_len(speculative_rows))
+            .sum();
         let snapshot: usize = layers.iter().map(|l| l.state_len() + l.conv_len()).sum();
         (4 * live as u64, 4 * snapshot as u64)
     }
 
-    /// `live_slots` live slots and `snapshot_slots` snapshots of `layers`' state.
-    /// `CONFIG_INVALID` if the sizes overflow.
-    pub fn new(layers: &[RecurrentShape], chunk: usize, live_slots: usize, snapshot_slots: usize) -> Result<Self> {
+    /// `live_slots` live slots and `snapshot_slots` snapshots of `layers`' state, with
+    /// convolution logs for speculative segments of up to `speculative_rows` tokens (0 for
+    /// none). `CONFIG_INVALID` if the sizes overflow.
+    pub fn new(
+        layers: &[RecurrentShape],
+        chunk: usize,
+        live_slots: usize,
+        snapshot_slots: usize,
+        speculative_rows: usize,
+    ) -> Result<Self> {
         let overflow = || {
             KylinError::config_invalid(format!(
                 "a state pool of {live_slots} sequences and {snapshot_slots} snapshots overflows; pass a smaller --max-seqs or --state-snapshots"
@@ -130,6 +169,7 @@ impl StatePool {
         let mut layout = Vec::with_capacity(layers.len());
         for &shape in layers {
             let (state, tail, conv) = (shape.state_len(), shape.tail_len(chunk), shape.conv_len());
+            let log = shape.conv_log_len(speculative_rows);
             let (dk, dv, heads) = match shape {
                 RecurrentShape::DeltaNet { heads, dk, dv, .. } => (dk, dv, heads),
                 RecurrentShape::ShortConv { .. } => (0, 0, 0),
@@ -142,9 +182,10 @@ impl StatePool {
                 decay: offset + state + heads * chunk * (dk + dv),
                 conv: offset + state + tail,
                 conv_anchor: offset + state + tail + conv,
+                conv_log: offset + state + tail + 2 * conv,
                 snapshot,
             };
-            offset = offset.checked_add(state + tail + 2 * conv).ok_or_else(overflow)?;
+            offset = offset.checked_add(state + tail + 2 * conv + log).ok_or_else(overflow)?;
             snapshot = snapshot.checked_add(state + conv).ok_or_else(overflow)?;
             layout.push(l);
         }
@@ -156,6 +197,7 @@ impl StatePool {
         Ok(StatePool {
             layers: layout,
             chunk,
+            speculative_rows,
             live_stride: offset,
             snapshot_stride: snapshot,
             live: vec![0.0; live_len],
@@ -172,6 +214,11 @@ impl StatePool {
     /// The chunk length of the DeltaNet layers (anchors are at its multiples).
     pub fn chunk(&self) -> usize {
         self.chunk
+    }
+
+    /// The longest speculative segment the convolution logs hold (0 without speculation).
+    pub fn speculative_rows(&self) -> usize {
+        self.speculative_rows
     }
 
     /// The layout of recurrent layer `layer` (in layer order) inside a live slot.
@@ -316,6 +363,21 @@ impl StatePool {
         true
     }
 
+    /// Puts live slot `slot`'s convolution rows back to where they were after the first `kept`
+    /// positions its log holds (those from the log's start, `Segment::log_from`; at most the
+    /// positions logged). `S₀` and the anchor need nothing: the engine lets no position that
+    /// may be rejected complete a chunk.
+    pub fn roll_back(&mut self, slot: u32, kept: usize) {
+        debug_assert!(kept <= self.speculative_rows, "kept {kept} of a log of {}", self.speculative_rows);
+        let live = slot as usize * self.live_stride;
+        for l in &self.layers {
+            let (channels, _) = l.shape.conv();
+            let conv = l.shape.conv_len();
+            let from = live + l.conv_log + kept * channels;
+            self.live.copy_within(from..from + conv, live + l.conv);
+        }
+    }
+
     /// Puts live slot `slot` back to its own anchor (a rewind within the chunk in progress):
     /// the convolution rows at the anchor become the current ones; `S₀` is the anchor already.
     pub fn rewind_to_anchor(&mut self, slot: u32) {
@@ -340,17 +402,50 @@ mod tests {
 
     #[test]
     fn sizes_add_up() {
-        let (live, snap) = StatePool::slot_bytes(&shapes(), 8);
+        let (live, snap) = StatePool::slot_bytes(&shapes(), 8, 0);
         // DeltaNet: S 2·3·4, tail 2·8·(3+4+1), conv 2·3·5; short conv: 2·2·6.
         assert_eq!(live, 4 * (24 + 128 + 30 + 24));
         assert_eq!(snap, 4 * (24 + 15 + 12));
-        let pool = StatePool::new(&shapes(), 8, 3, 5).unwrap();
+        let pool = StatePool::new(&shapes(), 8, 3, 5, 0).unwrap();
         assert_eq!(pool.bytes(), 3 * live + 5 * snap);
+        // Logs for segments of 5 tokens: (3 + 5) rows of 5 and (2 + 5) rows of 6.
+        let (spec_live, spec_snap) = StatePool::slot_bytes(&shapes(), 8, 5);
+        assert_eq!((spec_live, spec_snap), (live + 4 * (40 + 42), snap));
+        assert_eq!(StatePool::new(&shapes(), 8, 3, 5, 5).unwrap().bytes(), 3 * spec_live + 5 * snap);
+    }
+
+    #[test]
+    fn roll_back_restores_the_rows_after_the_kept_tokens() {
+        // Taps 4 (3 rows) over 5 channels, and taps 3 (2 rows) over 6; segments of up to 4.
+        let mut pool = StatePool::new(&shapes(), 8, 1, 0, 4).unwrap();
+        let slot = pool.allocate().unwrap();
+        let stride = pool.live_stride();
+        let base = slot as usize * stride;
+        for layer in 0..2 {
+            let l = *pool.layer(layer);
+            let (channels, taps) = l.shape.conv();
+            // The log: rows before the segment are 100, 101, 102 (row r filled with r), then the
+            // segment's four input rows 103..=106.
+            for r in 0..taps - 1 + 4 {
+                pool.live[base + l.conv_log + r * channels..][..channels].fill(100.0 + r as f32);
+            }
+            pool.live[base + l.conv..base + l.conv + (taps - 1) * channels].fill(-1.0);
+        }
+        pool.roll_back(slot, 2);
+        for layer in 0..2 {
+            let l = *pool.layer(layer);
+            let (channels, taps) = l.shape.conv();
+            // Two kept tokens: the last taps - 1 rows up to the second input row (log row
+            // taps - 1 + 1).
+            let rows: Vec<f32> = (0..taps - 1).map(|r| pool.live[base + l.conv + r * channels]).collect();
+            let want: Vec<f32> = (0..taps - 1).map(|r| 100.0 + (2 + r) as f32).collect();
+            assert_eq!(rows, want, "layer {layer}");
+        }
     }
 
     #[test]
     fn snapshots_round_trip_and_are_evicted_least_recent_first() {
-        let mut pool = StatePool::new(&shapes(), 8, 2, 2).unwrap();
+        let mut pool = StatePool::new(&shapes(), 8, 2, 2, 0).unwrap();
         let a = pool.allocate().unwrap();
         let b = pool.allocate().unwrap();
         assert!(pool.allocate().is_none());

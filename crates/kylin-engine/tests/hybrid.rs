@@ -124,7 +124,7 @@ fn the_state_pool_is_sized_per_sequence_and_comes_out_of_the_budget() {
     let live = 4 * (1024 + 2112 + 2 * 384) * 3;
     let snapshot = 4 * (1024 + 384) * 3;
     assert_eq!((pool.live_bytes, pool.snapshot_bytes), (live as u64, snapshot as u64));
-    assert_eq!(StatePool::slot_bytes(&qwen35_shapes(), 16), (live as u64, snapshot as u64));
+    assert_eq!(StatePool::slot_bytes(&qwen35_shapes(), 16, 0), (live as u64, snapshot as u64));
     let total = 4 * live as u64 + default_state_snapshots(4) as u64 * snapshot as u64;
     assert_eq!(pool.bytes, total);
     assert_eq!(e.core().state_bytes(), total);

@@ -4,7 +4,8 @@
 //! several sequences at once, on prompts that repeat themselves (proposals accepted) and random
 //! ones (proposals rejected); acceptance is real; blocks all return to the pool, also under
 //! preemption; blocks registered in the prefix cache while speculating hold what their hashes
-//! say; a hybrid model refuses speculation with a typed error.
+//! say; hybrid models (Gated DeltaNet, short convolutions) speculate with the same guarantees,
+//! their recurrent state rolled back to the accepted tokens.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -12,6 +13,7 @@ use std::path::{Path, PathBuf};
 use kylin_engine::batch::{BatchEngine, EngineOptions, KvBudget};
 use kylin_engine::sampler::SamplingParams;
 use kylin_engine::serving::{EngineStats, Event, EventKind, Request, Serving, StopReason};
+use kylin_engine::speculative::Proposer;
 use kylin_loader::ErrorCode;
 
 mod support;
@@ -251,18 +253,146 @@ fn blocks_cached_while_speculating_hold_the_accepted_tokens() {
     assert_same(&fresh, &reused, "prompts over blocks cached while speculating");
 }
 
-#[test]
-fn a_hybrid_model_refuses_speculation_with_a_typed_error() {
-    for name in ["tiny-qwen3.5", "tiny-qwen3-next-gqa-sparse"] {
-        let path = fixture(name);
-        let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
-        let err = BatchEngine::new(model, &options(4)).unwrap_err();
-        assert_eq!(err.code(), ErrorCode::ConfigInvalid, "{name}: {err}");
-        assert!(err.message.contains("speculative"), "{name}: {}", err.message);
-        // Without speculation the model runs.
-        let (out, _) = run(&path, &options(0), &mixed_requests(4));
-        assert_eq!(out.len(), 6);
+/// The hybrid fixtures: Gated DeltaNet beside attention (Qwen3.5, Qwen3-Next with its grouped
+/// projections, Qwen3.5's MoE), and LFM2's short convolutions.
+const HYBRID: [&str; 4] = ["tiny-qwen3.5", "tiny-qwen3-next-gqa-sparse", "tiny-qwen3.5-moe-k3-interval", "tiny-lfm2"];
+
+/// A proposer that knows the outputs decoding without speculation gives (per request, the
+/// prompt and the output), and proposes them with every `miss`-th position (by a hash of the
+/// request and the position) wrong, so that proposals are accepted in runs of every length and
+/// rejected at every offset of a segment.
+struct Oracle {
+    expected: BTreeMap<u64, Vec<u32>>,
+    vocab: u32,
+    miss: u64,
+}
+
+impl Oracle {
+    fn new(requests: &[Request], outputs: &Outputs, vocab: usize, miss: u64) -> Self {
+        let expected = requests
+            .iter()
+            .map(|r| {
+                let mut ids = r.prompt_ids.clone();
+                ids.extend_from_slice(&outputs[&(r.id, 0)].ids);
+                (r.id, ids)
+            })
+            .collect();
+        Oracle { expected, vocab: vocab as u32, miss }
     }
+}
+
+impl Proposer for Oracle {
+    fn propose(&mut self, request: u64, _index: usize, tokens: &[u32], k: usize, out: &mut Vec<u32>) -> usize {
+        let full = &self.expected[&request];
+        assert_eq!(&full[..tokens.len()], tokens, "request {request} left the expected output");
+        let mut n = 0;
+        for (position, &id) in full.iter().enumerate().skip(tokens.len()).take(k) {
+            let wrong = (request * 7919 + position as u64 * 104_729) % self.miss == 0;
+            out.push(if wrong { (id + 1) % self.vocab } else { id });
+            n += 1;
+        }
+        n
+    }
+}
+
+fn run_with_oracle(path: &Path, k: usize, requests: &[Request], plain: &Outputs, miss: u64) -> (Outputs, EngineStats) {
+    let mut e = engine(path, &options(k));
+    let vocab = e.core().model().dims().vocab;
+    e.set_proposer(Box::new(Oracle::new(requests, plain, vocab, miss))).unwrap();
+    let out = drain(&mut e, requests);
+    assert_all_blocks_free(&e);
+    (out, e.stats())
+}
+
+#[test]
+fn hybrid_models_speculate_with_outputs_identical_to_decoding_without() {
+    // 40 new tokens after prompts of 12 to 44 cross several chunks of the delta rule (16
+    // positions): the proposals stop before a chunk's end, and rejected ones roll the
+    // convolution rows back. Greedy and seeded sampling, six sequences at once; the n-gram
+    // proposer (which the random fixtures rarely reward) and a proposer that knows the answer
+    // but for every fifth or second position.
+    for name in HYBRID {
+        let path = fixture(name);
+        for (what, requests) in [("greedy", mixed_requests(40)), ("seeded", seeded_requests(40))] {
+            let (plain, plain_stats) = run(&path, &options(0), &requests);
+            let (ngram, _) = run(&path, &options(4), &requests);
+            assert_same(&plain, &ngram, &format!("{name}, {what}, n-gram proposals"));
+            for (k, miss) in [(1, 5), (4, 5), (8, 5), (8, 2)] {
+                let (spec, stats) = run_with_oracle(&path, k, &requests, &plain, miss);
+                let what = format!("{name}, {what}, {k} speculative tokens, one in {miss} wrong");
+                assert_same(&plain, &spec, &what);
+                assert_eq!(stats.generation_tokens_total, plain_stats.generation_tokens_total);
+                eprintln!(
+                    "{what}: {} of {} proposals accepted; {} steps against {}",
+                    stats.speculative_accepted_tokens,
+                    stats.speculative_proposed_tokens,
+                    stats.steps,
+                    plain_stats.steps
+                );
+                // Both outcomes happen, so both the kept state and the rolled-back one are checked.
+                assert!(stats.speculative_accepted_tokens > 0, "{what}: nothing accepted");
+                assert!(
+                    stats.speculative_accepted_tokens < stats.speculative_proposed_tokens,
+                    "{what}: nothing rejected"
+                );
+                if miss > 2 {
+                    assert!(stats.steps < plain_stats.steps, "{what}: accepted proposals must save steps");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn proposals_stop_before_a_chunk_of_the_delta_rule_ends() {
+    use kylin_engine::batch::proposals_before_chunk_end;
+    // Chunks of 16: positions 15, 31, ... complete one. After a last token at 0, proposals at
+    // 1..=14 complete none; at 14, none fits; at 15 (which completes one itself), 16..=30 do.
+    assert_eq!(proposals_before_chunk_end(0, 16), 14);
+    assert_eq!(proposals_before_chunk_end(10, 16), 4);
+    assert_eq!(proposals_before_chunk_end(13, 16), 1);
+    assert_eq!(proposals_before_chunk_end(14, 16), 0);
+    assert_eq!(proposals_before_chunk_end(15, 16), 15);
+    assert_eq!(proposals_before_chunk_end(16, 16), 14);
+    assert_eq!(proposals_before_chunk_end(47, 32), 15);
+    assert_eq!(proposals_before_chunk_end(63, 32), 31);
+}
+
+#[test]
+fn a_hybrid_model_with_a_prefix_hit_and_preemption_keeps_speculative_outputs() {
+    // Small KV budget: sequences are preempted and resume from the state snapshots; a second
+    // round hits blocks (and snapshots) written while speculating.
+    let path = fixture("tiny-qwen3.5");
+    let requests: Vec<Request> = (0..6)
+        .map(|i| {
+            let p =
+                if i % 2 == 0 { repeating_prompt(20 + i, 4 + i / 2, 70 + i as u64) } else { prompt(20 + i, 70, 500) };
+            request(i as u64, p, 40)
+        })
+        .collect();
+    let roomy = EngineOptions { ctx_size: Some(64), max_seqs: 6, ..options(0) };
+    let (plain, _) = run(&path, &roomy, &requests);
+    let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
+    let probe = BatchEngine::new(model, &EngineOptions { max_seqs: 6, ..options(4) }).unwrap();
+    let state_bytes = probe.core().state_bytes();
+    // The KV bytes of a block of the attention layers (a hybrid model has few).
+    let per_block = probe.info().kv_bytes / probe.info().kv_blocks as u64;
+    drop(probe);
+    let small = EngineOptions {
+        ctx_size: Some(64),
+        kv_budget: KvBudget::Bytes(state_bytes + 9 * per_block),
+        max_seqs: 6,
+        ..options(4)
+    };
+    let mut e = engine(&path, &small);
+    let vocab = e.core().model().dims().vocab;
+    e.set_proposer(Box::new(Oracle::new(&requests, &plain, vocab, 4))).unwrap();
+    let spec = drain(&mut e, &requests);
+    assert_same(&plain, &spec, "hybrid speculation with preemption");
+    let stats = e.stats();
+    assert!(stats.preemptions > 0, "six sequences of 4 blocks in 9 blocks must preempt: {stats:?}");
+    assert!(stats.speculative_accepted_tokens > 0);
+    assert_all_blocks_free(&e);
 }
 
 #[test]
@@ -345,6 +475,7 @@ fn run_with_draft(path: &Path, draft: &Path, k: usize, requests: &[Request]) -> 
     let out = drain(&mut e, requests);
     assert_all_blocks_free(&e);
     assert_eq!(e.draft().unwrap().blocks_in_use(), 0, "draft blocks still held after all requests ended");
+    assert_eq!(e.draft().unwrap().states_in_use(), 0, "draft state slots still held after all requests ended");
     (out, e.stats())
 }
 
@@ -488,22 +619,40 @@ fn a_draft_model_with_another_vocabulary_is_refused_with_a_typed_error() {
 }
 
 #[test]
-fn draft_models_are_refused_for_hybrid_targets_and_as_hybrid_drafts() {
-    // A hybrid target refuses speculation whatever proposes.
+fn hybrid_targets_and_hybrid_drafts_speculate_with_identical_outputs() {
     let hybrid = fixture("tiny-qwen3.5");
-    let model = kylin_loader::load(&hybrid, &kylin_loader::LoadOptions::default()).unwrap();
-    let err = BatchEngine::new(model, &draft_options(4, &fixture("tiny-qwen3-sharded-f32"))).unwrap_err();
-    assert_eq!(err.code(), ErrorCode::ConfigInvalid, "{err}");
-    assert!(err.message.contains("speculative"), "{}", err.message);
-    // A hybrid draft (the same vocabulary size) cannot be rolled back either.
-    let target = fixture("tiny-qwen3-sharded-f32");
-    let model = kylin_loader::load(&target, &kylin_loader::LoadOptions::default()).unwrap();
-    let err = BatchEngine::new(model, &draft_options(4, &hybrid)).unwrap_err();
-    assert_eq!(err.code(), ErrorCode::ConfigInvalid, "{err}");
-    assert!(err.message.contains("recurrent") && err.message.contains("draft model"), "{}", err.message);
+    let dense = fixture("tiny-qwen3-sharded-f32");
+    let requests = mixed_requests(40);
+    let seeded = seeded_requests(40);
+    // A hybrid model drafting for itself computes the target's logits bit for bit, its state
+    // cut back after every rejection: every greedy proposal is accepted.
+    for name in ["tiny-qwen3.5", "tiny-lfm2", "tiny-qwen3-next-gqa-sparse"] {
+        let path = fixture(name);
+        let (plain, plain_stats) = run(&path, &options(0), &requests);
+        let (spec, stats) = run_with_draft(&path, &path, 4, &requests);
+        assert_same(&plain, &spec, &format!("{name} drafting for itself"));
+        assert!(stats.draft_model_proposed_tokens > 0, "{name}: {stats:?}");
+        assert_eq!(stats.draft_model_accepted_tokens, stats.draft_model_proposed_tokens, "{name}: {stats:?}");
+        assert!(stats.steps * 2 < plain_stats.steps, "{name}: every proposal accepted must save steps: {stats:?}");
+        // Seeded sampling rejects greedy proposals now and then; the draft rolls back.
+        let (plain, _) = run(&path, &options(0), &seeded);
+        let (spec, stats) = run_with_draft(&path, &path, 4, &seeded);
+        assert_same(&plain, &spec, &format!("{name} drafting for itself, seeded"));
+        assert!(stats.draft_model_accepted_tokens < stats.draft_model_proposed_tokens, "{name}: {stats:?}");
+    }
+    // Other drafts: dense for hybrid, hybrid for hybrid and for dense.
+    for (target, draft) in [(&hybrid, &dense), (&hybrid, &fixture("tiny-qwen3.5-gqa-interval")), (&dense, &hybrid)] {
+        for (what, requests) in [("greedy", &requests), ("seeded", &seeded)] {
+            let (plain, _) = run(target, &options(0), requests);
+            let (drafted, stats) = run_with_draft(target, draft, 4, requests);
+            let what = format!("{} with the draft {}, {what}", target.display(), draft.display());
+            assert_same(&plain, &drafted, &what);
+            assert!(stats.draft_model_proposed_tokens > 0, "{what}: {stats:?}");
+        }
+    }
     // A draft model needs draft tokens.
-    let model = kylin_loader::load(&target, &kylin_loader::LoadOptions::default()).unwrap();
-    let err = BatchEngine::new(model, &draft_options(0, &target)).unwrap_err();
+    let model = kylin_loader::load(&dense, &kylin_loader::LoadOptions::default()).unwrap();
+    let err = BatchEngine::new(model, &draft_options(0, &dense)).unwrap_err();
     assert_eq!(err.code(), ErrorCode::ConfigInvalid, "{err}");
     assert!(err.message.contains("--speculative-tokens"), "{}", err.message);
 }
@@ -625,4 +774,57 @@ fn a_self_draft_accepts_everything_under_preemption_and_prefix_hits() {
     assert_eq!(stats.draft_model_accepted_tokens, stats.draft_model_proposed_tokens, "{stats:?}");
     assert_all_blocks_free(&e);
     assert_eq!(e.draft().unwrap().blocks_in_use(), 0);
+}
+
+/// A person as JSON: keys and punctuation forced by the grammar, strings and numbers sampled.
+fn person_grammar(e: &BatchEngine) -> kylin_engine::grammar::Grammar {
+    let codec = e.core().text().unwrap();
+    let eos = codec.tokenize("<|im_end|>", false).unwrap();
+    let compiler = codec.grammar_compiler(e.core().model().dims().vocab, &eos).unwrap();
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 40},
+            "note": {"type": "string", "maxLength": 60},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150}
+        },
+        "required": ["name", "note", "age"],
+        "additionalProperties": false
+    });
+    compiler.compile(&kylin_engine::grammar::GrammarSpec::JsonSchema(schema)).unwrap()
+}
+
+#[test]
+fn constrained_sequences_speculate_with_identical_outputs_that_follow_their_grammar() {
+    // Proposals are checked against the grammar before they are computed, verified under its
+    // masks row by row, and stop where it forces tokens; outputs equal decoding without
+    // speculation and every finished one is valid JSON. Half the requests are constrained.
+    let path = fixture("tiny-qwen3");
+    let grammar = person_grammar(&engine(&path, &options(0)));
+    for (what, mut requests) in [("greedy", mixed_requests(60)), ("seeded", seeded_requests(60))] {
+        for r in requests.iter_mut().step_by(2) {
+            r.grammar = Some(grammar.clone());
+        }
+        let (plain, plain_stats) = run(&path, &options(0), &requests);
+        let (ngram, _) = run(&path, &options(4), &requests);
+        assert_same(&plain, &ngram, &format!("{what}, n-gram proposals under a grammar"));
+        let (spec, stats) = run_with_oracle(&path, 4, &requests, &plain, 5);
+        assert_same(&plain, &spec, &format!("{what}, proposals under a grammar"));
+        eprintln!(
+            "{what}: {} of {} proposals accepted; {} steps against {}",
+            stats.speculative_accepted_tokens, stats.speculative_proposed_tokens, stats.steps, plain_stats.steps
+        );
+        assert!(stats.speculative_accepted_tokens > 0, "{what}: {stats:?}");
+        assert!(stats.steps < plain_stats.steps, "{what}: {stats:?}");
+        let codec = engine(&path, &options(0));
+        let codec = codec.core().text().unwrap();
+        for r in requests.iter().step_by(2) {
+            let out = &spec[&(r.id, 0)];
+            if out.reason == Some(StopReason::Eos) {
+                let text = codec.detokenize(&out.ids, true).unwrap();
+                let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+                assert!(v["age"].is_i64() && v["name"].is_string(), "{text}");
+            }
+        }
+    }
 }

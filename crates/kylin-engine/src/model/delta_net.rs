@@ -334,7 +334,8 @@ impl DeltaNet {
 /// The causal depthwise convolution of a recurrent layer (Gated DeltaNet's, LFM2's), per
 /// segment over its sequence's rolling rows in the state pool: `input` `(n, width)` ->
 /// `output` `(n, width)`, `width = conv.rows`, optionally plus `bias` and through SiLU. The rows
-/// at the last chunk boundary a segment reaches become its slot's anchor.
+/// at the last chunk boundary a segment reaches become its slot's anchor. A speculative
+/// segment's rows are logged first, for [`StatePool::roll_back`].
 #[allow(clippy::too_many_arguments)]
 pub(super) fn convolve_segments(
     plan: &BatchPlan,
@@ -351,15 +352,32 @@ pub(super) fn convolve_segments(
     let stride = states.live_stride();
     let chunk = states.chunk();
     let conv_len = width * (conv.cols - 1);
+    let log_rows = states.speculative_rows();
     for seg in &plan.segments {
         let base = seg.state as usize * stride;
+        let (t0, t1) = (seg.t0 * width, (seg.t0 + seg.n) * width);
+        if let Some(from) = seg.log_from {
+            // The log: the rows before position `from`, then the input rows of the positions
+            // from there, (taps - 1 + rows, width); this segment's go at `seg.start - from`.
+            let logged = seg.start + seg.n;
+            assert!(
+                from <= seg.start && logged - from <= log_rows,
+                "a segment logging positions {from}..{logged}; the logs hold {log_rows}"
+            );
+            let live = states.live_mut();
+            let log = base + layout.conv_log;
+            if seg.start == from {
+                live.copy_within(base + layout.conv..base + layout.conv + conv_len, log);
+            }
+            let at = log + conv_len + (seg.start - from) * width;
+            live[at..at + seg.n * width].copy_from_slice(&input[t0..t1]);
+        }
         let live = states.live_mut();
         let (before, after) = live.split_at_mut(base + layout.conv_anchor);
         let rows = &mut before[base + layout.conv..base + layout.conv + conv_len];
         let anchor = &mut after[..conv_len];
         let boundary = (seg.start + seg.n) / chunk * chunk;
         let anchor = (boundary > seg.start).then(|| (boundary - seg.start, anchor));
-        let (t0, t1) = (seg.t0 * width, (seg.t0 + seg.n) * width);
         delta::causal_conv1d(&input[t0..t1], seg.n, width, conv, bias, silu, rows, anchor, &mut output[t0..t1]);
     }
 }

@@ -440,6 +440,11 @@ pub struct Segment {
     /// The sequence's live slot in the recurrent layers' state pool (`NO_SLOT` for a model
     /// without recurrent layers); a sequence appears in at most one segment of a plan.
     pub state: u32,
+    /// For a segment whose tokens may be rejected (speculative decoding): the position where
+    /// its sequence's convolution log starts (the segment's own start, or an earlier segment's
+    /// of the same speculation). The recurrent layers log its convolution rows there, so that
+    /// the state can be rolled back to any position from that one (`StatePool::roll_back`).
+    pub log_from: Option<usize>,
 }
 
 /// A token whose input is a row of an image's encoding instead of a row of the embedding
@@ -540,6 +545,30 @@ impl BatchPlan {
         first
     }
 
+    /// [`BatchPlan::push_all_logits`] for a speculative segment: the last sampled token, then
+    /// proposals that verification may reject, logged from its start (see
+    /// [`Segment::log_from`]).
+    pub fn push_speculative(
+        &mut self,
+        ids: &[u32],
+        start: usize,
+        blocks: &[u32],
+        sliding: &[u32],
+        state: u32,
+    ) -> usize {
+        let first = self.push_all_logits(ids, start, blocks, sliding, state);
+        self.log_last_from(start);
+        first
+    }
+
+    /// Marks the last segment pushed as one whose tokens may be rejected, its sequence's
+    /// convolution log starting at position `from` (see [`Segment::log_from`]).
+    pub fn log_last_from(&mut self, from: usize) {
+        if let Some(segment) = self.segments.last_mut() {
+            segment.log_from = Some(from);
+        }
+    }
+
     fn push_segment(
         &mut self,
         ids: &[u32],
@@ -561,6 +590,7 @@ impl BatchPlan {
             logits_row,
             all_logits,
             state,
+            log_from: None,
         });
         self.ids.extend_from_slice(ids);
         self.block_ids.extend_from_slice(blocks);
