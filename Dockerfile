@@ -10,13 +10,13 @@
 # below replace `.cargo/config.toml`'s `target-cpu=native`.
 
 # Where no image registry is reachable, import a Debian root made with debootstrap and pass
-# `--build-arg RUN_IMAGE=localhost/debian-bookworm` (and a build image with Rust and cmake).
+# `--build-arg RUN_IMAGE=localhost/debian-bookworm` (and a build image with Rust, cmake and nasm).
 ARG BUILD_IMAGE=docker.io/library/rust:1-bookworm
 ARG RUN_IMAGE=docker.io/library/debian:bookworm-slim
 
 FROM ${BUILD_IMAGE} AS build
 RUN apt-get update -q \
- && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends cmake clang libclang-dev \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends cmake clang libclang-dev nasm \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .

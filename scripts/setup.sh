@@ -2,6 +2,8 @@
 # Installs what building and testing Kylin needs on a fresh Debian machine, then fetches the
 # real models. Idempotent: a second run only checks.
 #   - cmake and clang (llama-cpp-2 builds llama.cpp from source),
+#   - nasm (mozjpeg-sys assembles libjpeg-turbo's SIMD, whose output kylin-vision's JPEG tests
+#     compare with Pillow's; without it the build falls back to C, which differs on corrupt files),
 #   - the test models from testdata/models/fetch.sh (--bench adds qwen3-0.6b-shaped),
 #   - haproxy (the balancer recipe's test, tests/e2e/test_balancer.py).
 set -euo pipefail
@@ -9,10 +11,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SUDO=""
 if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null; then SUDO=sudo; fi
 if ! command -v cmake >/dev/null || ! command -v clang >/dev/null || ! dpkg -s libclang-dev >/dev/null 2>&1 \
-  || ! { command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ]; }; then
-  echo "installing cmake, clang and haproxy"
+  || ! command -v nasm >/dev/null || ! { command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ]; }; then
+  echo "installing cmake, clang, nasm and haproxy"
   $SUDO apt-get update -q
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q cmake clang libclang-dev haproxy
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q cmake clang libclang-dev nasm haproxy
 fi
 bash "$ROOT/testdata/models/fetch.sh" --bench
 # The Python side of the end-to-end test of `kylin serve`: the official openai client and

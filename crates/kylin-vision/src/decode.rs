@@ -6,6 +6,10 @@
 //! allocations capped too: a few bytes that claim a 100000 x 100000 image are refused without
 //! allocating it.
 //!
+//! JPEG files are decoded by libjpeg-turbo's decoder (`crate::jpeg`), the one Pillow uses, so
+//! their bytes equal Pillow's exactly; PNG and WebP by the `image` crate (png and image-webp),
+//! whose output equals Pillow's too.
+//!
 //! The conversion to RGB is transformers' `convert_to_rgb` on the image Pillow opens: images
 //! with an alpha channel (or a PNG `tRNS` chunk) are composited onto opaque white with Pillow's
 //! integer `alpha_composite`, 16-bit samples are reduced the way Pillow's PNG reader and its
@@ -55,6 +59,7 @@ impl ImageFormatKind {
     fn image_format(self) -> ImageFormat {
         match self {
             ImageFormatKind::Png => ImageFormat::Png,
+            // JPEG files go to libjpeg-turbo's decoder (crate::jpeg), never to `image`.
             ImageFormatKind::Jpeg => ImageFormat::Jpeg,
             ImageFormatKind::WebP => ImageFormat::WebP,
         }
@@ -118,19 +123,15 @@ pub fn decode_image(bytes: &[u8], limits: &ImageLimits) -> Result<RgbImage, Visi
         )));
     }
     let kind = sniff_format(bytes)?;
+    if kind == ImageFormatKind::Jpeg {
+        // libjpeg-turbo's decoder, as Pillow's; it checks the header's dimensions itself.
+        return crate::jpeg::decode_jpeg(bytes, limits);
+    }
 
     // 2. The dimensions the header declares, read without decoding the pixels.
     let header = ImageReader::with_format(Cursor::new(bytes), kind.image_format());
     let (width, height) = header.into_dimensions().map_err(|e| decoder_error(kind, e))?;
     check_dimensions(kind, width, height, limits)?;
-
-    // zune-jpeg fills a truncated scan with gray where Pillow (without LOAD_TRUNCATED_IMAGES)
-    // refuses the file; refuse it too.
-    if kind == ImageFormatKind::Jpeg && !jpeg_has_end_of_image(bytes) {
-        return Err(VisionError::decode(
-            "the JPEG file is truncated: expected an end-of-image marker after its first scan, found none",
-        ));
-    }
 
     // 3. The pixels, the decoder held to these dimensions and to a memory budget they imply
     // (the decoded image in 16-bit RGBA, twice over, plus room for the decoder's tables).
@@ -156,7 +157,7 @@ pub fn decode_image(bytes: &[u8], limits: &ImageLimits) -> Result<RgbImage, Visi
 /// segments before the scan are walked by their lengths, so the end marker of an embedded
 /// thumbnail (inside an APP1 segment) does not count; inside entropy-coded data a `FF` byte is
 /// always followed by `00` or a marker, so `FF D9` there is the real end.
-fn jpeg_has_end_of_image(bytes: &[u8]) -> bool {
+pub(crate) fn jpeg_has_end_of_image(bytes: &[u8]) -> bool {
     const START_OF_SCAN: u8 = 0xDA;
     let mut at = 2;
     while at + 4 <= bytes.len() {
@@ -177,7 +178,12 @@ fn jpeg_has_end_of_image(bytes: &[u8]) -> bool {
     false
 }
 
-fn check_dimensions(kind: ImageFormatKind, width: u32, height: u32, limits: &ImageLimits) -> Result<(), VisionError> {
+pub(crate) fn check_dimensions(
+    kind: ImageFormatKind,
+    width: u32,
+    height: u32,
+    limits: &ImageLimits,
+) -> Result<(), VisionError> {
     if width == 0 || height == 0 {
         return Err(VisionError::decode(format!(
             "the {} header declares an empty image ({width}x{height} pixels)",
@@ -234,12 +240,12 @@ fn clipped_gray(sample: u16) -> u8 {
     sample.min(255) as u8
 }
 
-fn from_gray(width: u32, height: u32, gray: impl Iterator<Item = u8>) -> RgbImage {
+pub(crate) fn from_gray(width: u32, height: u32, gray: impl Iterator<Item = u8>) -> RgbImage {
     let data: Vec<u8> = gray.flat_map(|v| [v, v, v]).collect();
     RgbImage::from_raw(width, height, data).unwrap_or_else(|| RgbImage::new(width, height))
 }
 
-fn from_rgb(width: u32, height: u32, rgb: impl Iterator<Item = [u8; 3]>) -> RgbImage {
+pub(crate) fn from_rgb(width: u32, height: u32, rgb: impl Iterator<Item = [u8; 3]>) -> RgbImage {
     let data: Vec<u8> = rgb.flatten().collect();
     RgbImage::from_raw(width, height, data).unwrap_or_else(|| RgbImage::new(width, height))
 }

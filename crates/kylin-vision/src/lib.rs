@@ -5,7 +5,8 @@
 //!   RGB image under [`ImageLimits`]: the header's dimensions are checked before anything is
 //!   decoded, so a small file that claims a huge image is refused without allocating it, and
 //!   transparency is composited onto white exactly as transformers' `convert_to_rgb` (Pillow's
-//!   `alpha_composite`) does.
+//!   `alpha_composite`) does. JPEG goes through libjpeg-turbo's decoder, Pillow's, so every
+//!   format decodes to Pillow's bytes exactly.
 //! - [`resize`] is Pillow's `Image.resize` for RGB images (`ImagingResample`: separable,
 //!   fixed-point coefficients, a horizontal then a vertical pass), bit for bit.
 //! - [`QwenImageProcessor`] is transformers' Qwen2-VL image processor (the PIL backend, which
@@ -33,6 +34,7 @@ mod decode;
 mod error;
 mod gemma;
 mod gemma4;
+mod jpeg;
 mod qwen;
 mod resample;
 

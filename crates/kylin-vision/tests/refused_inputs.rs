@@ -75,7 +75,8 @@ fn formats_are_detected_by_content_not_name() {
 fn truncated_files_are_decode_errors() {
     let error = refusal(&read("refused/truncated.png"), &ImageLimits::default());
     assert_eq!(error.code(), "IMAGE_DECODE", "{error}");
-    // zune-jpeg would fill a truncated scan with gray; Pillow refuses the file, and so does Kylin.
+    // libjpeg would fill a truncated scan with gray after a warning; Pillow refuses the file, and
+    // so does Kylin.
     let jpeg = read("photo.jpg");
     for cut in [4, 20, jpeg.len() / 3, jpeg.len() - 2] {
         let error = refusal(&jpeg[..cut], &ImageLimits::default());

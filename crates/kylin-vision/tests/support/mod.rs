@@ -33,13 +33,3 @@ pub fn pillow_rgb_file(case: &Value, name: &str) -> kylin_vision::RgbImage {
     let (width, height) = (usize_of(&case["width"]) as u32, usize_of(&case["height"]) as u32);
     kylin_vision::RgbImage::from_raw(width, height, read(name)).expect("the .rgb file matches the size")
 }
-
-/// Whether a fixture file is a JPEG (decoded within a few levels of Pillow's libjpeg-turbo).
-pub fn is_jpeg(file: &str) -> bool {
-    file.ends_with(".jpg")
-}
-
-/// The largest difference between two decodings of an image, in levels of a byte.
-pub fn max_byte_diff(a: &kylin_vision::RgbImage, b: &kylin_vision::RgbImage) -> i32 {
-    a.as_raw().iter().zip(b.as_raw()).map(|(&x, &y)| (i32::from(x) - i32::from(y)).abs()).max().unwrap_or(0)
-}
