@@ -14,7 +14,7 @@ cargo test --release -p kylin-cli --no-default-features --test without_llamacpp
 # suite starts the server on a free 127.0.0.1 port, waits for /health and stops it with SIGTERM.
 cargo build --release -p kylin-cli
 TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
-KYLIN_BIN="$TARGET_DIR/release/kylin" timeout 900 "$ROOT/.venv/bin/pytest" -q "$ROOT/tests/e2e"
+KYLIN_BIN="$TARGET_DIR/release/kylin" timeout 1500 "$ROOT/.venv/bin/pytest" -q "$ROOT/tests/e2e"
 # The Python package: its wheel built with maturin (PyO3; the same target directory), installed
 # into the test venv like a user's pip install, and tested from Python.
 rm -rf "$TARGET_DIR/wheels"

@@ -224,13 +224,19 @@ pub struct EngineArgs {
     /// step (default 4 when --draft-model is given without this flag).
     #[arg(long, value_name = "K", visible_alias = "spec-tokens")]
     pub speculative_tokens: Option<usize>,
+    /// The most tokens a step computes for its decoding sequences and their proposals
+    /// (default 32): speculation fades out as the batch grows and is off once N sequences
+    /// decode together, where a step is compute-bound and a rejected proposal costs as much as
+    /// a token.
+    #[arg(long, value_name = "N")]
+    pub speculative_step_tokens: Option<usize>,
     /// Speculative decoding with a draft model instead of n-gram lookup (`serve`, `bench
     /// --concurrency`): DIR is a smaller Hugging Face model with the same tokenizer and
     /// vocabulary (e.g. Qwen3-0.6B for Qwen3-8B), run by Kylin's own engine beside the target.
     /// It proposes --speculative-tokens tokens (default 4) per sequence and step, greedily, and
     /// the target checks them in one forward pass; outputs are identical to decoding without
-    /// it. A draft with another vocabulary is refused (VOCAB_MISMATCH), and so are targets and
-    /// drafts with recurrent layers (CONFIG_INVALID).
+    /// it. A draft with another vocabulary is refused (VOCAB_MISMATCH). Hybrid models (Qwen3.5,
+    /// LFM2) may be targets and drafts.
     #[arg(long, value_name = "DIR")]
     pub draft_model: Option<std::path::PathBuf>,
     /// Arithmetic of the matrix products (default auto); `f32` reproduces transformers' float32.

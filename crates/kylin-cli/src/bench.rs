@@ -444,6 +444,7 @@ fn spawn_worker_json(model: &ModelArgs, threads: usize, args: &BenchArgs) -> Res
         ("--precision", e.precision.map(|p| crate::args::flag_value(&p))),
         ("--quantize", e.quantize.map(|q| crate::args::flag_value(&q))),
         ("--speculative-tokens", e.speculative_tokens.map(|v| v.to_string())),
+        ("--speculative-step-tokens", e.speculative_step_tokens.map(|v| v.to_string())),
     ] {
         if let Some(v) = value {
             cmd.args([flag, &v]);

@@ -287,6 +287,9 @@ pub fn engine_options(args: &ModelArgs, threads: usize, default_max_seqs: usize)
         } else {
             0
         }),
+        speculative_step_tokens: e
+            .speculative_step_tokens
+            .unwrap_or(kylin_engine::batch::DEFAULT_SPECULATIVE_STEP_TOKENS),
         draft_model: e.draft_model.clone(),
         draft_kv_tokens: None,
     })

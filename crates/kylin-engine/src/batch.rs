@@ -132,6 +132,11 @@ pub fn default_state_snapshots(max_seqs: usize) -> usize {
     (2 * max_seqs).max(4)
 }
 
+/// `EngineOptions::speculative_step_tokens` when not given: two decode steps' worth of
+/// compute on the CPUs measured (`BENCHMARKS.md`), so a lone sequence proposes up to 31
+/// tokens, eight sequences 3 each, and 32 sequences none.
+pub const DEFAULT_SPECULATIVE_STEP_TOKENS: usize = 32;
+
 /// The longest speculative segment with `speculative_tokens` proposals: the last sampled
 /// token and the proposals (0 when speculation is off).
 fn speculative_rows(speculative_tokens: usize) -> usize {
@@ -198,6 +203,12 @@ pub struct EngineOptions {
     /// recurrent layers keeps a log of its convolution rows per sequence for it
     /// ([`crate::state_pool`]).
     pub speculative_tokens: usize,
+    /// The most tokens a step computes for its decoding sequences and their proposals
+    /// (`--speculative-step-tokens`): proposals stop there, so speculation fades out as the
+    /// batch grows and is off once this many sequences decode. Past about as many tokens as
+    /// prefill computes in the time a decode step reads the weights (15 to 20 on a CPU), a step
+    /// is compute-bound, and a proposal costs about what a decoded token does.
+    pub speculative_step_tokens: usize,
     /// A draft model's directory (`--draft-model`): a smaller model with the same vocabulary
     /// proposes the `speculative_tokens` tokens instead of the n-gram proposer
     /// ([`crate::draft`]). Only the batching engine runs it; it needs `speculative_tokens > 0`.
@@ -235,6 +246,7 @@ impl Default for EngineOptions {
             quantize_progress: None,
             state_snapshots: None,
             speculative_tokens: 0,
+            speculative_step_tokens: DEFAULT_SPECULATIVE_STEP_TOKENS,
             draft_model: None,
             draft_kv_tokens: None,
         }
@@ -511,6 +523,7 @@ pub struct EngineCore {
     pub(crate) quantize_ms: Option<f64>,
     /// Tokens the n-gram proposer may propose per decoding sequence and step (0: off).
     pub(crate) speculative_tokens: usize,
+    pub(crate) speculative_step_tokens: usize,
 }
 
 impl std::fmt::Debug for EngineCore {
@@ -691,6 +704,7 @@ impl EngineCore {
             prompt_rows,
             quantize_ms,
             speculative_tokens,
+            speculative_step_tokens: opts.speculative_step_tokens,
         })
     }
 
@@ -1608,12 +1622,16 @@ impl BatchEngine {
         // 2b. Speculative decoding: each decoding sequence, in admission order, extends its one
         //     token with the n-gram proposer's guesses, as far as the step's tokens, its logits
         //     rows and the free blocks allow; proposals never preempt anyone.
+        //     Together with the decodes they stay within `speculative_step_tokens`.
         let mut rows = self.core.prompt_rows;
+        let mut proposals = budget.min(self.core.speculative_step_tokens.saturating_sub(self.scheduled.len()));
+        let offered = proposals;
         if self.draft.is_some() {
-            self.propose_with_draft(&mut budget, &mut rows);
+            self.propose_with_draft(&mut proposals, &mut rows);
         } else if self.core.speculative_tokens > 0 {
-            self.propose(&mut budget, &mut rows);
+            self.propose(&mut proposals, &mut rows);
         }
+        budget -= offered - proposals;
 
         // 3a. Running sequences with a partly computed prompt get their next chunk. A chunk
         //     whose logits are all wanted (prompt log-probabilities) is also limited by the

@@ -828,3 +828,35 @@ fn constrained_sequences_speculate_with_identical_outputs_that_follow_their_gram
         }
     }
 }
+
+#[test]
+fn proposals_stay_within_the_step_tokens_and_fade_out_as_the_batch_grows() {
+    let path = fixture("tiny-qwen3");
+    let one = vec![request(1, prompt(20, 5, 500), 40)];
+    let (plain, plain_stats) = run(&path, &options(0), &one);
+    // A proposer that is always right: each step emits every proposal and one more token.
+    let with_step_tokens = |step_tokens: usize, requests: &[Request], plain: &Outputs| {
+        let mut e = engine(&path, &EngineOptions { speculative_step_tokens: step_tokens, ..options(8) });
+        let vocab = e.core().model().dims().vocab;
+        e.set_proposer(Box::new(Oracle::new(requests, plain, vocab, u64::MAX))).unwrap();
+        let out = drain(&mut e, requests);
+        assert_same(plain, &out, &format!("{step_tokens} step tokens"));
+        e.stats()
+    };
+    // 40 tokens: the first from the prompt's step, then 9 per step with 8 proposals, 3 per step
+    // when a step holds 3 tokens, 1 when it holds 1 (no proposals).
+    let roomy = with_step_tokens(32, &one, &plain);
+    let three = with_step_tokens(3, &one, &plain);
+    let none = with_step_tokens(1, &one, &plain);
+    assert_eq!(none.speculative_proposed_tokens, 0, "{none:?}");
+    assert_eq!(none.steps, plain_stats.steps);
+    assert!(three.steps >= 1 + 39 / 3 && three.steps < plain_stats.steps, "{three:?}");
+    assert!(roomy.steps <= 1 + 39u64.div_ceil(9) + 1, "{roomy:?}");
+    // Six sequences and 6 step tokens: once all six decode, nobody proposes.
+    let six = mixed_requests(30);
+    let (plain6, plain6_stats) = run(&path, &options(0), &six);
+    let crowded = with_step_tokens(6, &six, &plain6);
+    let spacious = with_step_tokens(64, &six, &plain6);
+    assert!(crowded.speculative_proposed_tokens < spacious.speculative_proposed_tokens / 4, "{crowded:?} {spacious:?}");
+    assert!(crowded.steps > spacious.steps && crowded.steps <= plain6_stats.steps, "{crowded:?} {spacious:?}");
+}
