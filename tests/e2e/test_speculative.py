@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import jsonschema
+import openai
 import pytest
 
 from test_agents import KEY, QWEN, QWEN_NAME, TOOLS, Served, check_calls
@@ -119,3 +120,19 @@ def test_seeded_sampling_and_streaming_are_identical(servers):
                                                            max_tokens=200, stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert text == both(servers[:1], messages=messages, max_tokens=200)[0].message.content
+
+
+def test_a_request_turns_speculation_off_or_down_and_too_many_is_a_400(servers):
+    prompt = f"Repeat this code exactly:\n\n```python\n{code_window(230, 260)}\n```"
+    messages = [{"role": "user", "content": prompt}]
+    before = accepted(servers[1])
+    plain, spec = both(servers, messages=messages, max_tokens=150, extra_body={"speculative_tokens": 0})
+    assert spec.message.content == plain.message.content
+    assert accepted(servers[1]) == before
+    (two,) = both(servers[1:], messages=messages, max_tokens=150, extra_body={"speculative_tokens": 2})
+    assert two.message.content == plain.message.content
+    for server, message in ((servers[1], "--speculative-tokens 8"), (servers[0], "runs without")):
+        with pytest.raises(openai.BadRequestError) as e:
+            server.openai().chat.completions.create(model=QWEN_NAME, messages=messages, max_tokens=5,
+                                                    extra_body={"speculative_tokens": 9})
+        assert e.value.body["param"] == "speculative_tokens" and message in e.value.body["message"], e.value.body

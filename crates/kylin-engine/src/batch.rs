@@ -1022,6 +1022,9 @@ struct Seq {
     draft: Vec<u32>,
     /// How many tokens it proposes next (adapted to how its proposals fared).
     speculation: SpeculationControl,
+    /// The most proposals per step the request allows (its `speculative_tokens`, else the
+    /// engine's).
+    speculation_limit: usize,
     /// With a draft model: the sequence's keys and values in the draft's pool, and how many of
     /// its tokens they hold (empty otherwise, and whenever the sequence is not running).
     draft_kv: DraftSeq,
@@ -1360,6 +1363,10 @@ impl BatchEngine {
             pooling: request.pooling.clone(),
             draft: Vec::with_capacity(if core.speculative_tokens > 0 { core.speculative_tokens + 1 } else { 0 }),
             speculation: SpeculationControl::default(),
+            speculation_limit: request
+                .speculative_tokens
+                .unwrap_or(core.speculative_tokens)
+                .min(core.speculative_tokens),
             draft_kv: self.draft.as_ref().map_or_else(DraftSeq::default, DraftModel::new_seq),
             images: Arc::from(Vec::new()),
         }
@@ -1732,12 +1739,12 @@ impl BatchEngine {
             // The proposals sit at positions `tokens.len()..`, all inside the context; more than
             // one token fewer than the choice may still generate would never be emitted.
             let room = self.core.context.saturating_sub(seq.tokens.len());
-            let k = self.core.speculative_tokens.min(*budget).min(*rows).min(room);
+            let k = seq.speculation_limit.min(*budget).min(*rows).min(room);
             let k = k.min(seq.decoding.remaining().saturating_sub(1)).min(self.core.proposal_room(seq.computed));
             if k == 0 {
                 continue;
             }
-            let k = k.min(seq.speculation.next_len(self.core.speculative_tokens));
+            let k = k.min(seq.speculation.next_len(seq.speculation_limit));
             if k == 0 {
                 continue;
             }
@@ -1799,13 +1806,13 @@ impl BatchEngine {
             }
             // As for the n-gram proposer, and the draft computes positions up to `len + k - 2`.
             let room = self.core.context.saturating_sub(len);
-            let k = self.core.speculative_tokens.min(*budget).min(*rows).min(room);
+            let k = seq.speculation_limit.min(*budget).min(*rows).min(room);
             let k = k.min(seq.decoding.remaining().saturating_sub(1)).min(draft_context + 1 - len);
             let k = k.min(self.core.proposal_room(seq.computed)).min(draft.proposal_room(seq.computed));
             if k == 0 {
                 continue;
             }
-            let k = k.min(seq.speculation.next_len(self.core.speculative_tokens));
+            let k = k.min(seq.speculation.next_len(seq.speculation_limit));
             if k == 0 {
                 continue;
             }
@@ -1953,7 +1960,7 @@ impl BatchEngine {
         self.stats.speculative_accepted_tokens += (emitted - 1) as u64;
         // A choice that ended on a proposal's row says nothing about the rows after it.
         if reason.is_none() {
-            seq.speculation.update(proposed, emitted - 1, self.core.speculative_tokens);
+            seq.speculation.update(proposed, emitted - 1, seq.speculation_limit);
         }
         if let Some(draft) = &mut self.draft {
             self.stats.draft_model_proposed_tokens += proposed as u64;
@@ -2427,6 +2434,21 @@ impl Serving for BatchEngine {
                 "this model is an embedding model (from {}): it serves /v1/embeddings and generates no text",
                 e.source
             )));
+        }
+        if let Some(k) = request.speculative_tokens
+            && k > self.core.speculative_tokens
+        {
+            return Err(KylinError::input_invalid(if self.core.speculative_tokens == 0 {
+                format!(
+                    "speculative_tokens {k} asks for speculative decoding, which this server runs without; start it \
+                     with --speculative-tokens"
+                )
+            } else {
+                format!(
+                    "speculative_tokens {k} is more than the server's --speculative-tokens {}; pass at most that",
+                    self.core.speculative_tokens
+                )
+            }));
         }
         let duplicate = self.running.iter().chain(self.waiting.iter()).any(|s| s.request == request.id);
         if duplicate {

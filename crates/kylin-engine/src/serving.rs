@@ -90,6 +90,10 @@ pub struct Request {
     /// The prompt's images, in prompt order: the prompt holds a run of the model's image
     /// placeholder token for each, one per token the image becomes.
     pub images: Vec<ImageInput>,
+    /// At most this many speculative proposals per step for the request's choices (0: none),
+    /// within the engine's own `speculative_tokens`; `None` takes the engine's. A client that
+    /// knows its answer copies nothing turns speculation off for it.
+    pub speculative_tokens: Option<usize>,
     pub cancel: CancelHandle,
 }
 
@@ -149,6 +153,7 @@ impl Request {
             grammar: None,
             pooling: None,
             images: Vec::new(),
+            speculative_tokens: None,
             cancel: CancelHandle::new(),
         }
     }

@@ -860,3 +860,46 @@ fn proposals_stay_within_the_step_tokens_and_fade_out_as_the_batch_grows() {
     assert!(crowded.speculative_proposed_tokens < spacious.speculative_proposed_tokens / 4, "{crowded:?} {spacious:?}");
     assert!(crowded.steps > spacious.steps && crowded.steps <= plain6_stats.steps, "{crowded:?} {spacious:?}");
 }
+
+#[test]
+fn a_request_limits_its_own_proposals_within_the_engines() {
+    let path = fixture("tiny-qwen3");
+    let requests = vec![request(1, prompt(20, 5, 500), 40), request(2, prompt(20, 6, 500), 40)];
+    let (plain, _) = run(&path, &options(0), &requests);
+    let with_limits = |limits: [Option<usize>; 2]| {
+        let mut requests = requests.clone();
+        for (r, limit) in requests.iter_mut().zip(limits) {
+            r.speculative_tokens = limit;
+        }
+        let mut e = engine(&path, &options(8));
+        let vocab = e.core().model().dims().vocab;
+        e.set_proposer(Box::new(Oracle::new(&requests, &plain, vocab, u64::MAX))).unwrap();
+        let out = drain(&mut e, &requests);
+        assert_same(&plain, &out, &format!("limits {limits:?}"));
+        e.stats()
+    };
+    // Off for both: nothing proposed, one token per step each.
+    let off = with_limits([Some(0), Some(0)]);
+    assert_eq!(off.speculative_proposed_tokens, 0, "{off:?}");
+    // Off for one, the engine's 8 for the other: only its tokens come from proposals.
+    let one = with_limits([Some(0), None]);
+    assert!(one.speculative_accepted_tokens > 0 && one.speculative_accepted_tokens < 40, "{one:?}");
+    // Two per step for both: every step emits at most 3 tokens per sequence.
+    let two = with_limits([Some(2), Some(2)]);
+    let all = with_limits([None, None]);
+    assert!(two.steps >= 1 + 39 / 3 && two.steps > all.steps, "{two:?} {all:?}");
+    // More than the engine's, or any without speculation, is refused with the field's name.
+    let mut e = engine(&path, &options(8));
+    let mut too_many = requests[0].clone();
+    too_many.speculative_tokens = Some(9);
+    let err = e.add_request(too_many.clone()).unwrap_err();
+    assert_eq!(err.code(), ErrorCode::InputInvalid, "{err}");
+    assert!(err.message.contains("speculative_tokens 9") && err.message.contains("--speculative-tokens 8"), "{err}");
+    let mut e = engine(&path, &options(0));
+    let err = e.add_request(too_many).unwrap_err();
+    assert!(err.message.contains("runs without"), "{err}");
+    // Zero is always allowed.
+    let mut off = requests[0].clone();
+    off.speculative_tokens = Some(0);
+    e.add_request(off).unwrap();
+}

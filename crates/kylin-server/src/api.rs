@@ -110,6 +110,9 @@ pub struct Common {
     /// A vLLM-style `guided_*` constraint and the field it came from.
     pub guided: Option<(GrammarSpec, &'static str)>,
     pub skip_special_tokens: bool,
+    /// At most this many speculative proposals per step for this request (0: none); the
+    /// engine refuses more than the server's `--speculative-tokens`.
+    pub speculative_tokens: Option<usize>,
 }
 
 /// `stop`: a string or a list of strings.
@@ -142,6 +145,7 @@ impl Common {
             n: f.take("n", "a positive integer")?.unwrap_or(1),
             stream: f.take("stream", "a boolean")?.unwrap_or(false),
             ignore_eos: f.take("ignore_eos", "a boolean")?.unwrap_or(false),
+            speculative_tokens: f.take("speculative_tokens", "a non-negative integer")?,
             skip_special_tokens: true,
             ..Common::default()
         };

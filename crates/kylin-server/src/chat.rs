@@ -295,6 +295,7 @@ pub(crate) async fn start(
         max_tokens: limits.max_tokens,
         stop: limits.stop,
         ignore_eos: false,
+        speculative_tokens: None,
         n: 1,
         logprobs: None,
         prompt_logprobs: None,

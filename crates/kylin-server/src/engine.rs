@@ -75,6 +75,8 @@ pub struct Submission {
     pub max_tokens: Option<usize>,
     pub stop: Vec<String>,
     pub ignore_eos: bool,
+    /// At most this many speculative proposals per step (`None`: the server's).
+    pub speculative_tokens: Option<usize>,
     pub n: usize,
     /// `Some(k)`: log-probabilities with the `k` best alternatives.
     pub logprobs: Option<usize>,
@@ -587,6 +589,7 @@ impl EngineLoop {
             grammar: s.grammar,
             pooling: None,
             images: s.images,
+            speculative_tokens: s.speculative_tokens,
             cancel: s.cancel.clone(),
         };
         self.engine.add_request(request)?;

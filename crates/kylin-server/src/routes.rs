@@ -310,6 +310,7 @@ async fn run(
             max_tokens: job.common.max_tokens,
             stop: job.common.stop.clone(),
             ignore_eos: job.common.ignore_eos,
+            speculative_tokens: job.common.speculative_tokens,
             n,
             logprobs: job.logprobs,
             prompt_logprobs: job.prompt_logprobs,
@@ -325,7 +326,13 @@ async fn run(
         };
         let accepted = state.engine().submit(submission).await.map_err(|e| {
             // A context overflow caused by max_tokens names that field; others name the prompt.
-            let param = if e.message.contains("max_tokens") { "max_tokens" } else { param };
+            let param = if e.message.contains("max_tokens") {
+                "max_tokens"
+            } else if e.message.contains("speculative_tokens") {
+                "speculative_tokens"
+            } else {
+                param
+            };
             ApiError::from_engine(&e, param)
         })?;
         prompt_tokens += accepted.prompt_tokens;
