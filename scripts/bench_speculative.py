@@ -110,13 +110,19 @@ def start(model, extra, common, name):
                              "--served-model-name", "m", *common, *extra],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
+    wait_ready(proc, base, name, log)
+    return proc, base
+
+
+def wait_ready(proc, base, name, log):
+    """Waits up to 300 s for `base`/health; exits naming `log` if the server dies or stays down."""
     deadline = time.time() + 300
     while time.time() < deadline:
         if proc.poll() is not None:
             sys.exit(f"{name} server exited; see {log}")
         try:
             if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return proc, base
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.3)

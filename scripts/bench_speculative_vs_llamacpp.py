@@ -53,7 +53,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -77,20 +76,6 @@ LLAMA_SPEC_TYPES = {
     # llama-lookup's three-level n-gram cache; its draft length is fixed at 8 in this llama.cpp
     "ngram-cache": lambda k, n: [],
 }
-
-
-def wait_ready(proc, base, name, log):
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"{name} server exited; see {log}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    sys.exit(f"{name} server not ready; see {log}")
 
 
 def launch(cmd, name):
@@ -162,7 +147,7 @@ def main():
         for label in LABELS:
             proc, base, log = launch(cmds[label], label)
             procs[label] = proc
-            wait_ready(proc, base, label, log)
+            bs.wait_ready(proc, base, label, log)
             bases[label] = base
 
         sets = {"edit": [(p, None) for p in bs.edit_prompts()], "chat": [(p, None) for p in bs.CHATS],
