@@ -835,15 +835,13 @@ impl EngineCore {
 
     /// Runs the current plan (RoPE prepared up to the plan's last position).
     pub(crate) fn forward(&mut self, all_logits: Option<&mut [f32]>) {
-        let end = self.plan.segments.iter().map(|s| s.start + s.n).max().unwrap_or(0);
-        self.rope.prepare(0, end);
         let sliding = self.swa.as_mut().map(|s| &mut s.kv);
-        self.model.forward(
+        self.model.forward_plan(
             &self.pool,
             &mut self.kv,
             sliding,
             self.states.as_mut(),
-            &self.rope,
+            &mut self.rope,
             &mut self.scratch,
             &self.plan,
             all_logits,

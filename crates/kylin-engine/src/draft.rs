@@ -371,15 +371,13 @@ impl DraftModel {
         if self.plan.segments.is_empty() {
             return;
         }
-        let end = self.plan.segments.iter().map(|s| s.start + s.n).max().unwrap_or(0);
-        self.rope.prepare(0, end);
         let sliding = self.swa.as_mut().map(|s| &mut s.kv);
-        self.model.forward(
+        self.model.forward_plan(
             pool,
             &mut self.kv,
             sliding,
             self.states.as_mut(),
-            &self.rope,
+            &mut self.rope,
             &mut self.scratch,
             &self.plan,
             None,

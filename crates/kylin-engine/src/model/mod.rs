@@ -1466,6 +1466,25 @@ impl Model {
         kernels::paged::AttentionNeeds { window: self.has_window(), softcap: self.attention_softcap.is_some() }
     }
 
+    /// [`Model::forward`] of `plan` after preparing `rope`'s tables up to the plan's last
+    /// position: what the engine and a draft model run each pass.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_plan(
+        &self,
+        pool: &ThreadPool,
+        kv: &mut KvPool,
+        sliding_kv: Option<&mut KvPool>,
+        states: Option<&mut StatePool>,
+        rope: &mut Ropes,
+        s: &mut Scratch,
+        plan: &BatchPlan,
+        all_logits: Option<&mut [f32]>,
+    ) {
+        let end = plan.segments.iter().map(|seg| seg.start + seg.n).max().unwrap_or(0);
+        rope.prepare(0, end);
+        self.forward(pool, kv, sliding_kv, states, rope, s, plan, all_logits);
+    }
+
     /// One forward pass over every segment of `plan`: appends each segment's keys and values to
     /// its blocks in `kv` and writes the logits of the segments that want them into `s`
     /// (read them with [`Scratch::logits`]). With `all_logits`, the plan must hold one segment,
