@@ -1,19 +1,23 @@
-"""Tiny Qwen3.5 and Qwen3.5-MoE checkpoints with seeded multi-token-prediction (MTP) heads, and
-what a float32 torch reference of the MTP proposer computes on them.
+"""Tiny Qwen3.5, Qwen3.5-MoE and Qwen3-Next checkpoints with seeded multi-token-prediction (MTP)
+heads, and what a float32 torch reference of the MTP proposer computes on them.
 
 transformers does not run the MTP head (it ignores `mtp.*` on load), so the reference here is
 built from transformers' own modules: one decoder layer of the family (a full-attention
-`Qwen3_5DecoderLayer`, or a `Qwen3_5MoeDecoderLayer` with its sparse experts and shared expert),
-three `(1 + w)` RMS norms and the `fc` projection, run as vLLM's `qwen3_next_mtp.py` and
-`qwen3_5_mtp.py` run them. The target models are text-only (`Qwen3_5ForCausalLM`,
-`Qwen3_5MoeForCausalLM`), their weights seeded random BF16 as in make_family_fixtures.py; the MTP
-tensors are added to `model.safetensors` under the names and shapes Qwen publishes (the experts one
-tensor per expert), and `config.json` gets `mtp_num_hidden_layers: 1`.
+`Qwen3_5DecoderLayer`, or a `Qwen3_5MoeDecoderLayer` or `Qwen3NextDecoderLayer` with its sparse
+experts and sigmoid-gated shared expert), three `(1 + w)` RMS norms and the `fc` projection, run as
+vLLM's `qwen3_next_mtp.py` and `qwen3_5_mtp.py` run them. The target models are text-only
+(`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`, `Qwen3NextForCausalLM`), their weights seeded
+random BF16 as in make_family_fixtures.py; the MTP tensors are added to `model.safetensors` under
+the names and shapes Qwen publishes (the experts one tensor per expert), and `config.json` gets the
+family's MTP layer count: `mtp_num_hidden_layers: 1` (Qwen3.5) or `num_nextn_predict_layers: 1`
+(Qwen3-Next). Qwen3-Next's MTP layer has the experts even where the target's decoder_sparse_step
+and mlp_only_layers would make a layer 0 dense.
 
     python3 -m venv /tmp/tvenv && /tmp/tvenv/bin/pip install torch transformers==5.24.0 safetensors
     /tmp/tvenv/bin/python scripts/make_mtp_fixtures.py tests/fixtures [NAME ...]
 
-writes, for NAME in tiny-qwen3.5-mtp and tiny-qwen3.5-moe-mtp:
+writes, for NAME in tiny-qwen3.5-mtp, tiny-qwen3.5-moe-mtp and tiny-qwen3-next-mtp (all of them,
+or only the NAMEs given):
 
 - OUT/families/fixtures/NAME: save_pretrained output plus the mtp.* tensors;
 - OUT/families/reference/NAME.json: what transformers computes on the target (the format of
@@ -21,6 +25,9 @@ writes, for NAME in tiny-qwen3.5-mtp and tiny-qwen3.5-moe-mtp:
   greedy_new_ids and last_logits), so the family test walker covers the target;
 - OUT/mtp/NAME.json: the MTP reference, cases of 1, 9 and 41 tokens, each with
   - input_ids (T ids) and next_token (the target's greedy token after them);
+  - hidden: T rows, the target's final hidden states h_0..h_{T-1} (after its final norm), as
+    float32 values written exactly, so that a test can run the head on transformers' own
+    hidden states and compare the head alone;
   - teacher_forced_logits: T - 1 rows, row i the logits of the MTP row at position i whose
     inputs are the token input_ids[i + 1] and the target's final hidden state h_i (after the
     target's final norm), all rows in one causal pass;
@@ -47,6 +54,7 @@ from safetensors.torch import load_file, save_file
 from transformers.cache_utils import DynamicCache
 from transformers.models.qwen3_5 import modeling_qwen3_5 as q35
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as q35moe
+from transformers.models.qwen3_next import modeling_qwen3_next as q3n
 
 out = sys.argv[1]
 only = set(sys.argv[2:])
@@ -102,11 +110,17 @@ class MTP(nn.Module):
         cfg.num_hidden_layers = 1
         cfg.layer_types = ["full_attention"]
         cfg._attn_implementation = "eager"
+        if module is q3n:
+            # Qwen3-Next's MTP layer is sparse whatever the target's decoder_sparse_step and
+            # mlp_only_layers make of the target's layers (vLLM's qwen3_next_mtp.py builds it so):
+            # in this copy, layer 0 must get the experts.
+            cfg.mlp_only_layers = []
+            cfg.decoder_sparse_step = 1
         self.config = cfg
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
-        moe = module is q35moe
-        rms = module.Qwen3_5MoeRMSNorm if moe else module.Qwen3_5RMSNorm
-        layer = module.Qwen3_5MoeDecoderLayer if moe else module.Qwen3_5DecoderLayer
+        rms, layer = {q35: (q35.Qwen3_5RMSNorm, q35.Qwen3_5DecoderLayer),
+                      q35moe: (q35moe.Qwen3_5MoeRMSNorm, q35moe.Qwen3_5MoeDecoderLayer),
+                      q3n: (q3n.Qwen3NextRMSNorm, q3n.Qwen3NextDecoderLayer)}[module]
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         self.pre_fc_norm_embedding = rms(hidden, eps=eps)
         self.pre_fc_norm_hidden = rms(hidden, eps=eps)
@@ -201,6 +215,7 @@ def mtp_case(mtp, target, ids, n_chain=4):
         diff = (all_logits[T_ - 1:] - torch.stack(chain_logits)).abs().max()
         assert diff < 1e-4, f"chain one pass vs cached: {diff}"
     case = {"input_ids": ids, "next_token": next_token,
+            "hidden": [[float(v) for v in row] for row in h],
             "teacher_forced_logits": [[round(float(v), 6) for v in row] for row in teacher],
             "chain_ids": chain_ids,
             "chain_logits": [[round(float(v), 6) for v in row] for row in chain_logits]}
@@ -270,20 +285,37 @@ BASE = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_l
             layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
 
+QWEN35_MTP = {"mtp_num_hidden_layers": 1}
+
 # name -> (model class, config class, config kwargs, module of the MTP's layer and norms,
-# seed of the target's weights, seed of the MTP's weights)
+# seed of the target's weights, seed of the MTP's weights, keys set in config.json afterwards
+# (None dropping one))
 SPECS = {
     # The shared tiny-qwen3.5's configuration (three linear-attention layers, then one full).
-    "tiny-qwen3.5-mtp": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", BASE, q35, 3737, 3738),
+    "tiny-qwen3.5-mtp": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", BASE, q35, 3737, 3738, QWEN35_MTP),
     # The same with 6 experts of width 48, top 2, and a shared expert of width 64 on every layer,
     # the MTP layer's too.
     "tiny-qwen3.5-moe-mtp": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig",
         dict(BASE, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=64),
-        q35moe, 3838, 3839),
+        q35moe, 3838, 3839, QWEN35_MTP),
+    # make_family_fixtures.py's tiny-qwen3-next-gqa-sparse configuration (5 layers, full attention
+    # every second one from `full_attention_interval` with layer_types left out of config.json,
+    # experts of width 32, top 3 of 8 not renormalised, on every second layer but layer 3, a shared
+    # expert of width 48 with its sigmoid gate, grouped linear-attention value heads), its weights
+    # seeded anew, and Qwen3-Next's MTP field `num_nextn_predict_layers`. The MTP layer is a
+    # full-attention Qwen3NextDecoderLayer with the sparse block (experts, shared expert and gate).
+    "tiny-qwen3-next-mtp": ("Qwen3NextForCausalLM", "Qwen3NextConfig",
+        dict(vocab_size=1024, hidden_size=64, intermediate_size=96, num_hidden_layers=5, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
+             head_dim=16, linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=16,
+             linear_value_head_dim=12, linear_conv_kernel_dim=3, num_experts=8, num_experts_per_tok=3,
+             moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=False,
+             decoder_sparse_step=2, mlp_only_layers=[3], full_attention_interval=2),
+        q3n, 3939, 3940, {"layer_types": None, "full_attention_interval": 2, "num_nextn_predict_layers": 1}),
 }
 
 meta_base = "transformers " + T.__version__ + ", torch " + torch.__version__ + ", float32 compute, eager attention"
-for name, (cls, cfg_cls, kw, module, seed, mtp_seed) in SPECS.items():
+for name, (cls, cfg_cls, kw, module, seed, mtp_seed, config_edits) in SPECS.items():
     if only and name not in only:
         continue
     torch.manual_seed(0)
@@ -296,7 +328,11 @@ for name, (cls, cfg_cls, kw, module, seed, mtp_seed) in SPECS.items():
     model.to(torch.bfloat16).save_pretrained(d, safe_serialization=True)
     path = os.path.join(d, "config.json")
     config = json.load(open(path))
-    config["mtp_num_hidden_layers"] = 1
+    for k, v in config_edits.items():
+        if v is None:
+            config.pop(k, None)
+        else:
+            config[k] = v
     json.dump(config, open(path, "w"), indent=2, sort_keys=True)
 
     # The MTP head: randomized in float32, stored in BF16 with the prefix `mtp.`, the experts
