@@ -26,8 +26,10 @@ RETRIEVAL = ROOT / "tests" / "fixtures" / "retrieval"
 
 
 def kylin_run(model, *args):
+    # The package's default precision is f32 (exact against transformers); `kylin run`'s is
+    # auto, BF16 where the CPU has BF16 kernels: the same request asks for f32 on both.
     binary = os.environ.get("KYLIN_BIN", str(ROOT / "target" / "release" / "kylin"))
-    out = subprocess.run([binary, "run", str(model), "--json", "--threads", "2", *args],
+    out = subprocess.run([binary, "run", str(model), "--json", "--threads", "2", "--precision", "f32", *args],
                          check=True, capture_output=True, text=True, timeout=300)
     return json.loads(out.stdout)
 
@@ -86,6 +88,24 @@ def test_speculative_decoding_keeps_the_outputs(smol):
     with pytest.raises(kylin.KylinError) as e:
         kylin.LLM(str(SMOL), threads=2, ctx_size=1024, draft_model=str(TINY))
     assert e.value.code == "VOCAB_MISMATCH"
+
+
+def test_the_mtp_head_proposes_and_keeps_the_outputs(smol):
+    # A Qwen3.5 fixture with a seeded multi-token-prediction head (scripts/make_mtp_fixtures.py):
+    # the same tokens with the head proposing as without, greedy and seeded.
+    tiny_mtp = ROOT / "tests" / "fixtures" / "families" / "fixtures" / "tiny-qwen3.5-mtp"
+    prompts = [{"prompt_token_ids": [(i * 7919 + 13 * k) % 1000 for i in range(8 + 5 * k)]} for k in range(4)]
+    plain = kylin.LLM(str(tiny_mtp), threads=2, ctx_size=256, max_seqs=4)
+    fast = kylin.LLM(str(tiny_mtp), threads=2, ctx_size=256, max_seqs=4, mtp=True, speculative_tokens=3,
+                     speculative_step_tokens=16)
+    for params in [kylin.SamplingParams(temperature=0, max_tokens=24),
+                   kylin.SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=24)]:
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+        assert [o.outputs[0].token_ids for o in fast.generate(prompts, params)] == want
+    # A model without the head is refused, naming the tensor it lacks.
+    with pytest.raises(kylin.KylinError) as e:
+        kylin.LLM(str(SMOL), threads=2, ctx_size=1024, mtp=True)
+    assert e.value.code == "TENSOR_MISSING" and "mtp.fc.weight" in str(e.value)
 
 
 def test_chat_sampling_n_and_seeds(smol):
