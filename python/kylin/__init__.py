@@ -166,12 +166,15 @@ class LLM:
     transformers' float32; `"bf16"`; `"auto"`), `task` (`"auto"`, the default: what the
     directory's files say; `"generate"`, `"embed"`, `"rerank"`, as `kylin serve --task`),
     `speculative_tokens` (n-gram speculative decoding: up to that many proposals per sequence
-    and step; the outputs are the same) and `draft_model` (a directory whose model, with the
-    same tokenizer, proposes instead; `speculative_tokens` then defaults to 4)."""
+    and step; the outputs are the same), `speculative_step_tokens` (the most tokens a step
+    computes for decoding sequences and their proposals, default 32), `draft_model` (a
+    directory whose model, with the same tokenizer, proposes instead; `speculative_tokens`
+    then defaults to 4) and `mtp` (True: the checkpoint's own multi-token-prediction head
+    proposes, as Qwen3.5 and Qwen3-Next ship it; `speculative_tokens` then defaults to 2)."""
 
     def __init__(self, model: str, **engine_options: Any):
         known = {"threads", "ctx_size", "max_seqs", "max_batch_tokens", "kv_memory", "precision", "task",
-                 "speculative_tokens", "draft_model"}
+                 "speculative_tokens", "speculative_step_tokens", "draft_model", "mtp"}
         unknown = set(engine_options) - known
         if unknown:
             raise KylinError(f"unknown engine options: {', '.join(sorted(unknown))}", "INPUT_INVALID")

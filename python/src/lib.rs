@@ -221,7 +221,9 @@ impl Engine {
     /// (embeddings, reranking) on the encoder engine. `options` is JSON: `threads`, `ctx_size`,
     /// `max_seqs`, `max_batch_tokens`, `kv_memory` (bytes), `precision` (`f32`, `bf16`, `auto`),
     /// `task` (`auto`, `generate`, `embed`, `rerank`: as `kylin serve --task`),
-    /// `speculative_tokens` and `draft_model` (a directory), as `kylin serve` reads them.
+    /// `speculative_tokens`, `speculative_step_tokens`, `draft_model` (a directory) and `mtp`
+    /// (a boolean: the checkpoint's multi-token-prediction head proposes), as `kylin serve`
+    /// reads them.
     #[new]
     fn new(py: Python<'_>, path: &str, options: &str) -> PyResult<Self> {
         let opts = parse_object(options, "the engine options")?;
@@ -244,9 +246,23 @@ impl Engine {
             Some(Value::String(p)) => Some(std::path::PathBuf::from(p)),
             Some(_) => return Err(invalid("draft_model must be a path")),
         };
+        let mtp = match opts.get("mtp") {
+            None | Some(Value::Null) => false,
+            Some(v) => v.as_bool().ok_or_else(|| invalid("mtp must be true or false"))?,
+        };
         let speculative_tokens = match opts.get("speculative_tokens") {
-            None | Some(Value::Null) => usize::from(draft_model.is_some()) * 4,
+            None | Some(Value::Null) if draft_model.is_some() => kylin_engine::draft::DEFAULT_DRAFT_TOKENS,
+            None | Some(Value::Null) if mtp => kylin_engine::mtp::DEFAULT_MTP_TOKENS,
+            None | Some(Value::Null) => 0,
             Some(v) => v.as_u64().ok_or_else(|| invalid("speculative_tokens must be a non-negative integer"))? as usize,
+        };
+        let speculative_step_tokens = match opts.get("speculative_step_tokens") {
+            None | Some(Value::Null) => kylin_engine::batch::DEFAULT_SPECULATIVE_STEP_TOKENS,
+            Some(v) => v
+                .as_u64()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| invalid("speculative_step_tokens must be a positive integer"))?
+                as usize,
         };
         let path = Path::new(path).to_path_buf();
         let engine: Box<dyn Serving + Send> = py
@@ -259,7 +275,7 @@ impl Engine {
                 }
                 let model = kylin_loader::load(
                     &path,
-                    &kylin_loader::LoadOptions { prefetch: true, task, ..Default::default() },
+                    &kylin_loader::LoadOptions { prefetch: true, task, mtp, ..Default::default() },
                 )?;
                 let defaults = EngineOptions::default();
                 let options = EngineOptions {
@@ -270,7 +286,9 @@ impl Engine {
                     max_batch_tokens: usize_opt("max_batch_tokens").unwrap_or(defaults.max_batch_tokens),
                     precision,
                     speculative_tokens,
+                    speculative_step_tokens,
                     draft_model,
+                    mtp,
                     ..defaults
                 };
                 Ok(Box::new(BatchEngine::new(model, &options)?))

@@ -239,6 +239,14 @@ pub struct EngineArgs {
     /// LFM2) may be targets and drafts.
     #[arg(long, value_name = "DIR")]
     pub draft_model: Option<std::path::PathBuf>,
+    /// Speculative decoding with the model's own multi-token-prediction head (`serve`, `bench
+    /// --concurrency`): the `mtp.*` layer Qwen3.5, Qwen3.5-MoE and Qwen3-Next checkpoints ship
+    /// proposes --speculative-tokens tokens (default 2) per sequence and step, greedily, from
+    /// the model's own hidden states, and the model checks them in one forward pass; outputs are
+    /// identical to decoding without it. A checkpoint without the head is refused
+    /// (TENSOR_MISSING).
+    #[arg(long, conflicts_with = "draft_model")]
+    pub mtp: bool,
     /// Arithmetic of the matrix products (default auto); `f32` reproduces transformers' float32.
     #[arg(long, value_enum)]
     pub precision: Option<PrecisionArg>,

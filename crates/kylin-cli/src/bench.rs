@@ -453,6 +453,9 @@ fn spawn_worker_json(model: &ModelArgs, threads: usize, args: &BenchArgs) -> Res
     if let Some(draft) = &e.draft_model {
         cmd.arg("--draft-model").arg(draft);
     }
+    if e.mtp {
+        cmd.arg("--mtp");
+    }
     let output = cmd.env("KYLIN_QUIET", "1").output().context("cannot start a bench worker")?;
     let stdout = String::from_utf8_lossy(&output.stdout);
     let value: serde_json::Value = serde_json::from_str(stdout.trim()).map_err(|_| {

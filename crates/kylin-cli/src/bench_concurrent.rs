@@ -207,7 +207,8 @@ pub fn worker(args: &BenchWorkerArgs, n: usize) -> Result<()> {
     let sample = if matches!(format, Format::Gguf { .. }) {
         gguf_worker(args, n, threads, started)?
     } else {
-        let model = kylin_loader::load(&model_args.model, &LoadOptions { prefetch: true, ..LoadOptions::default() })?;
+        let load = LoadOptions { prefetch: true, mtp: model_args.engine.mtp, ..LoadOptions::default() };
+        let model = kylin_loader::load(&model_args.model, &load)?;
         // Room for every sequence, and for the late request too.
         let opts = engine_options(&model_args, threads, n + usize::from(args.late_prompt_tokens > 0))?;
         let mut engine = BatchEngine::new(model, &opts)?;
@@ -215,7 +216,8 @@ pub fn worker(args: &BenchWorkerArgs, n: usize) -> Result<()> {
         let info = engine.info();
         let vocab = info.vocab_size;
         let core = engine.core();
-        let draft = engine.draft().map_or(0, |d| d.model().weight_bytes_resident() + d.kv_bytes());
+        let draft = engine.draft().map_or(0, |d| d.model().weight_bytes_resident() + d.kv_bytes())
+            + engine.mtp().map_or(0, |m| m.kv_bytes());
         let planned = core.model().weight_bytes_resident()
             + core.kv_bytes()
             + core.state_bytes()

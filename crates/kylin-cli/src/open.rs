@@ -126,6 +126,7 @@ pub fn open(args: &ModelArgs, require_tokenizer: bool) -> Result<Opened> {
         require_tokenizer,
         prefetch: true,
         task: args.task.into(),
+        mtp: false,
     };
     let model = kylin_loader::load(&args.model, &opts)?;
     for warning in &model.warnings {
@@ -133,10 +134,12 @@ pub fn open(args: &ModelArgs, require_tokenizer: bool) -> Result<Opened> {
     }
     let tokenizer_ms = model.timings.tokenizer_ms;
     // One sequence decodes one token at a time here: speculation is the batching engine's.
-    let engine = EngineOptions { speculative_tokens: 0, draft_model: None, ..engine_options(args, threads, 1)? };
-    if args.engine.speculative_tokens.is_some_and(|k| k > 0) || args.engine.draft_model.is_some() {
+    let engine =
+        EngineOptions { speculative_tokens: 0, draft_model: None, mtp: false, ..engine_options(args, threads, 1)? };
+    if args.engine.speculative_tokens.is_some_and(|k| k > 0) || args.engine.draft_model.is_some() || args.engine.mtp {
         tracing_warning(
-            "--speculative-tokens and --draft-model apply to the batching engine (serve, bench --concurrency); ignored here",
+            "--speculative-tokens, --draft-model and --mtp apply to the batching engine (serve, bench --concurrency); \
+             ignored here",
         );
     }
     let backend = NativeBackend::new(
@@ -179,6 +182,7 @@ pub fn open_engine_sized(args: &ModelArgs, default_max_seqs: usize, prefault: bo
         require_tokenizer: false,
         prefetch: true,
         task: args.task.into(),
+        mtp: args.engine.mtp,
     };
     let model = kylin_loader::load(&args.model, &opts)?;
     for warning in &model.warnings {
@@ -195,6 +199,15 @@ pub fn open_engine_sized(args: &ModelArgs, default_max_seqs: usize, prefault: bo
             draft.model().parameter_count() as f64 / 1e6,
             engine.speculative_tokens,
             kylin_engine::batch::human_bytes(draft.kv_bytes())
+        );
+    }
+    if let Some(mtp) = batch.mtp()
+        && std::env::var_os("KYLIN_QUIET").is_none()
+    {
+        eprintln!(
+            "MTP head: {} tokens proposed per sequence and step, KV pool {}",
+            engine.speculative_tokens,
+            kylin_engine::batch::human_bytes(mtp.kv_bytes())
         );
     }
     Ok(Box::new(batch))
@@ -281,9 +294,11 @@ pub fn engine_options(args: &ModelArgs, threads: usize, default_max_seqs: usize)
         quantize: e.quantize.map(QuantizeArg::format),
         quantize_progress: e.quantize.map(|_| quantize_progress_bar()),
         state_snapshots: e.state_snapshots,
-        // A draft model without a count proposes its default number of tokens.
+        // A draft model or an MTP head without a count proposes its default number of tokens.
         speculative_tokens: e.speculative_tokens.unwrap_or(if e.draft_model.is_some() {
             kylin_engine::draft::DEFAULT_DRAFT_TOKENS
+        } else if e.mtp {
+            kylin_engine::mtp::DEFAULT_MTP_TOKENS
         } else {
             0
         }),
@@ -292,6 +307,7 @@ pub fn engine_options(args: &ModelArgs, threads: usize, default_max_seqs: usize)
             .unwrap_or(kylin_engine::batch::DEFAULT_SPECULATIVE_STEP_TOKENS),
         draft_model: e.draft_model.clone(),
         draft_kv_tokens: None,
+        mtp: e.mtp,
     })
 }
 

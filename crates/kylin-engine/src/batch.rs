@@ -49,6 +49,7 @@ use crate::draft::{DraftModel, DraftSeq, DraftTarget};
 use crate::kv_pool::{BlockAllocator, KvPool};
 use crate::model::NO_BLOCK;
 use crate::model::{BatchPlan, EmbeddingRow, Model, PrecisionChoice, QuantFormat, Scratch};
+use crate::mtp::{MtpDraft, MtpSeq};
 use crate::native::ModelParts;
 use crate::rope::Ropes;
 use crate::sequence::Decoding;
@@ -217,6 +218,10 @@ pub struct EngineOptions {
     /// step's proposals per sequence. A sequence that finds no free draft block does not
     /// speculate in that step.
     pub draft_kv_tokens: Option<usize>,
+    /// Speculative decoding with the checkpoint's own multi-token-prediction head (`--mtp`,
+    /// [`crate::mtp`]): it proposes the `speculative_tokens` tokens instead of the n-gram
+    /// proposer. The model must be loaded with its head (`LoadOptions::mtp`).
+    pub mtp: bool,
 }
 
 /// A progress callback for the quantization at load: `(done, total)` source bytes.
@@ -249,6 +254,7 @@ impl Default for EngineOptions {
             speculative_step_tokens: DEFAULT_SPECULATIVE_STEP_TOKENS,
             draft_model: None,
             draft_kv_tokens: None,
+            mtp: false,
         }
     }
 }
@@ -1026,8 +1032,24 @@ struct Seq {
     /// With a draft model: the sequence's keys and values in the draft's pool, and how many of
     /// its tokens they hold (empty otherwise, and whenever the sequence is not running).
     draft_kv: DraftSeq,
+    /// With an MTP head: the sequence's keys and values in the head's pool (empty otherwise,
+    /// and whenever the sequence is not running).
+    mtp: MtpSeq,
+    /// The head's row, in the pass that caught up on the sequence's last computed position,
+    /// that gives its first proposal (valid while no other head pass ran and the sequence
+    /// holds as many tokens as then).
+    mtp_row: Option<MtpRow>,
     /// The prompt's images, encoded, in prompt order (shared by a request's choices).
     images: Arc<[SeqImage]>,
+}
+
+/// Where a sequence's first MTP proposal is: logits row `row` of head pass `pass`, made when the
+/// sequence held `tokens` tokens.
+#[derive(Debug, Clone, Copy)]
+struct MtpRow {
+    row: usize,
+    pass: u64,
+    tokens: usize,
 }
 
 /// An image of a sequence's prompt: where its placeholder tokens are and what replaces them.
@@ -1145,6 +1167,9 @@ struct Scheduled {
     /// Tokens proposed after the sequence's last sampled token (its `draft`): the segment is
     /// the draft, `1 + proposed` tokens with every row's logits, verified after the forward.
     proposed: usize,
+    /// The segment's first position in the sequence and its first token in the plan.
+    start: usize,
+    t0: usize,
 }
 
 /// A sequence the draft model proposes for in this step: `scheduled[i]`, `k` proposals, and
@@ -1158,7 +1183,7 @@ struct DraftJob {
 
 impl Scheduled {
     fn new(slot: usize, len: usize, all_rows: bool) -> Self {
-        Scheduled { slot, len, logits_row: None, all_rows, first_row: 0, proposed: 0 }
+        Scheduled { slot, len, logits_row: None, all_rows, first_row: 0, proposed: 0, start: 0, t0: 0 }
     }
 }
 
@@ -1184,8 +1209,11 @@ pub struct BatchEngine {
     draft: Option<DraftModel>,
     /// A proposer the embedding program set in place of the n-gram proposer, if any.
     proposer: Option<Box<dyn Proposer>>,
-    /// The sequences the draft proposes for in the current step (room for `max_seqs`).
+    /// The sequences the draft or the MTP head proposes for in the current step (room for
+    /// `max_seqs`).
     draft_jobs: Vec<DraftJob>,
+    /// The checkpoint's MTP head proposing speculative tokens (`--mtp`), if any.
+    mtp: Option<MtpDraft>,
     /// The vision tower that encodes a prompt's images, for a vision-language directory whose
     /// tower Kylin runs.
     vision: Option<VisionTower>,
@@ -1249,10 +1277,10 @@ impl std::fmt::Debug for BatchEngine {
 impl BatchEngine {
     /// Builds the engine for a model from [`kylin_loader::load`].
     pub fn new(model: LoadedModel, opts: &EngineOptions) -> Result<Self> {
-        let LoadedModel { format, config, weights, tokenizer, generation, eos_ids, task, vision, .. } = model;
+        let LoadedModel { format, config, weights, tokenizer, generation, eos_ids, task, vision, mtp, .. } = model;
         let parts =
             ModelParts { config: &config, weights: &weights, tokenizer: tokenizer.as_ref(), generation, eos_ids };
-        let mut engine = BatchEngine::build(parts, opts, format.dir())?;
+        let mut engine = BatchEngine::build(parts, opts, format.dir(), mtp.as_ref())?;
         engine.task = task;
         engine.vision = vision.as_ref().map(VisionTower::new).transpose()?;
         let token_text = |id: u32| tokenizer.as_ref().and_then(|t| t.tokenizer.id_to_token(id));
@@ -1266,10 +1294,15 @@ impl BatchEngine {
     /// Builds the engine from bound parts (a draft model's messages then call the target "the
     /// target model": its directory is not known here).
     pub fn from_parts(parts: ModelParts<'_>, opts: &EngineOptions) -> Result<Self> {
-        BatchEngine::build(parts, opts, None)
+        BatchEngine::build(parts, opts, None, None)
     }
 
-    fn build(parts: ModelParts<'_>, opts: &EngineOptions, target_path: Option<&Path>) -> Result<Self> {
+    fn build(
+        parts: ModelParts<'_>,
+        opts: &EngineOptions,
+        target_path: Option<&Path>,
+        mtp_head: Option<&kylin_loader::mtp::MtpHead>,
+    ) -> Result<Self> {
         let tokenizer = parts.tokenizer;
         let core = EngineCore::new(parts, opts)?;
         let max_seqs = core.max_seqs;
@@ -1290,6 +1323,32 @@ impl BatchEngine {
                 Some(DraftModel::load(dir, &target, opts, core.context, max_seqs, core.max_batch_tokens)?)
             }
         };
+        let mtp = match (opts.mtp, mtp_head) {
+            (false, _) => None,
+            (true, _) if core.speculative_tokens == 0 => {
+                return Err(KylinError::config_invalid(
+                    "--mtp needs --speculative-tokens of at least 1 (the tokens the MTP head proposes per step)",
+                ));
+            }
+            (true, _) if draft.is_some() => {
+                return Err(KylinError::config_invalid(
+                    "--mtp and --draft-model both propose speculative tokens; set one or the other",
+                ));
+            }
+            (true, None) => {
+                return Err(KylinError::tensor_missing(
+                    "--mtp: the model was loaded without its multi-token-prediction head (load it with LoadOptions::mtp)",
+                ));
+            }
+            (true, Some(head)) => {
+                // What the target's pool holds, plus one step's proposals per sequence; passes
+                // catch up on a whole step's tokens, and on what the prefix cache gave.
+                let slack = (core.speculative_tokens + 1).saturating_mul(max_seqs);
+                let kv_tokens = (core.kv.alloc.total() * core.kv.block_size).saturating_add(slack);
+                let max_tokens = core.max_batch_tokens.saturating_mul(2);
+                Some(MtpDraft::new(head, opts, core.context, max_seqs, max_tokens, kv_tokens)?)
+            }
+        };
         Ok(BatchEngine {
             core,
             running: Vec::with_capacity(max_seqs),
@@ -1300,8 +1359,9 @@ impl BatchEngine {
             task: ModelTask::Generate,
             held: Vec::new(),
             next_internal_id: INTERNAL_IDS,
-            draft_jobs: Vec::with_capacity(if draft.is_some() { max_seqs } else { 0 }),
+            draft_jobs: Vec::with_capacity(if draft.is_some() || mtp.is_some() { max_seqs } else { 0 }),
             draft,
+            mtp,
             proposer: None,
             vision: None,
             image_preparer: None,
@@ -1323,9 +1383,9 @@ impl BatchEngine {
                 "a proposer needs --speculative-tokens of at least 1 (the proposals per step)",
             ));
         }
-        if self.draft.is_some() {
+        if self.draft.is_some() || self.mtp.is_some() {
             return Err(KylinError::config_invalid(
-                "a draft model proposes already (--draft-model); set one or the other",
+                "a draft model or an MTP head proposes already (--draft-model, --mtp); set one or the other",
             ));
         }
         self.proposer = Some(proposer);
@@ -1335,6 +1395,11 @@ impl BatchEngine {
     /// The draft model proposing speculative tokens (`--draft-model`), if any.
     pub fn draft(&self) -> Option<&DraftModel> {
         self.draft.as_ref()
+    }
+
+    /// The MTP head proposing speculative tokens (`--mtp`), if any.
+    pub fn mtp(&self) -> Option<&MtpDraft> {
+        self.mtp.as_ref()
     }
 
     /// A fresh sequence for choice `index` of `request`, with nothing computed.
@@ -1366,6 +1431,8 @@ impl BatchEngine {
                 .unwrap_or(core.speculative_tokens)
                 .min(core.speculative_tokens),
             draft_kv: self.draft.as_ref().map_or_else(DraftSeq::default, DraftModel::new_seq),
+            mtp: self.mtp.as_ref().map_or_else(MtpSeq::default, MtpDraft::new_seq),
+            mtp_row: None,
             images: Arc::from(Vec::new()),
         }
     }
@@ -1526,6 +1593,10 @@ impl BatchEngine {
         if let Some(draft) = &mut self.draft {
             draft.release(&mut seq.draft_kv);
         }
+        if let Some(mtp) = &mut self.mtp {
+            mtp.release(&mut seq.mtp);
+        }
+        seq.mtp_row = None;
     }
 
     /// Ends a sequence that is not running (waiting or never admitted).
@@ -1633,6 +1704,8 @@ impl BatchEngine {
         let offered = proposals;
         if self.draft.is_some() {
             self.propose_with_draft(&mut proposals, &mut rows);
+        } else if self.mtp.is_some() {
+            self.propose_with_mtp(&mut proposals, &mut rows);
         } else if self.core.speculative_tokens > 0 {
             self.propose(&mut proposals, &mut rows);
         }
@@ -1884,6 +1957,150 @@ impl BatchEngine {
         }
     }
 
+    /// Whether the MTP head follows `seq` (computes its positions as the target does): a
+    /// sequence that may speculate, whose prompt has no images (the head reads token
+    /// embeddings only) and that generates.
+    fn mtp_follows(seq: &Seq) -> bool {
+        seq.speculation_limit > 0
+            && seq.decoding.may_speculate()
+            && seq.images.is_empty()
+            && seq.pooling.is_none()
+            && !seq.decoding.generates_nothing()
+    }
+
+    /// Step 2b with an MTP head: like [`BatchEngine::propose_with_draft`]. A sequence's first
+    /// proposal is the head's row for its last computed position, made by the previous step's
+    /// catch-up ([`BatchEngine::mtp_catch_up`]); each further one is one batched head pass at
+    /// the next position, fed the previous proposal and the head's own output row.
+    fn propose_with_mtp(&mut self, budget: &mut usize, rows: &mut usize) {
+        let Some(mtp) = self.mtp.as_mut() else { return };
+        let bs = self.core.kv.block_size;
+        let head_context = mtp.context();
+        self.draft_jobs.clear();
+        mtp.begin();
+        for i in 0..self.scheduled.len() {
+            if *budget == 0 || *rows == 0 {
+                break;
+            }
+            let seq = &mut self.running[self.scheduled[i].slot];
+            let len = seq.tokens.len();
+            let Some(first) = seq.mtp_row.filter(|r| r.pass == mtp.passes() && r.tokens == len) else { continue };
+            if !BatchEngine::mtp_follows(seq) || seq.mtp.computed() != seq.computed {
+                continue;
+            }
+            // As for the n-gram proposer, and the head computes positions up to `len + k - 3`.
+            let room = self.core.context.saturating_sub(len);
+            let k = seq.speculation_limit.min(*budget).min(*rows).min(room);
+            let k = k.min(seq.decoding.remaining().saturating_sub(1)).min((head_context + 2).saturating_sub(len));
+            let k = k.min(self.core.proposal_room(seq.computed));
+            if k == 0 {
+                continue;
+            }
+            let k = k.min(seq.speculation.next_len(seq.speculation_limit));
+            if k == 0 {
+                continue;
+            }
+            // The head's logits are the target's head's: its proposals are ids of the vocabulary.
+            let id = mtp.greedy(first.row);
+            if !mtp.grow(&mut seq.mtp, len + k - 2) || !seq.kv.grow(&mut self.core.allocs(), seq.computed + 1 + k, bs) {
+                continue;
+            }
+            seq.draft.clear();
+            seq.draft.push(seq.tokens[seq.computed]);
+            seq.draft.push(id);
+            let row = if k > 1 { mtp.push_chained(&mut seq.mtp, id, first.row) } else { 0 };
+            self.scheduled[i].len = 1 + k;
+            self.scheduled[i].proposed = k;
+            *budget -= k;
+            *rows -= k;
+            self.draft_jobs.push(DraftJob { i, k, row });
+        }
+        // One pass per further proposal, each fed the previous one.
+        let mut round = 2;
+        while self.draft_jobs.iter().any(|job| job.k >= round) {
+            self.stats.draft_model_computed_tokens += mtp.planned_tokens() as u64;
+            mtp.forward(&self.core.pool);
+            mtp.begin();
+            for job in &mut self.draft_jobs {
+                if job.k >= round {
+                    let seq = &mut self.running[self.scheduled[job.i].slot];
+                    let id = mtp.greedy(job.row);
+                    seq.draft.push(id);
+                    if job.k > round {
+                        // Planned: `grow` above covered the position.
+                        job.row = mtp.push_chained(&mut seq.mtp, id, job.row);
+                    }
+                }
+            }
+            round += 1;
+        }
+        // A constrained sequence's proposals stop before the first its grammar forbids (one is
+        // kept, so that the verification cuts the head back as for any other rejection).
+        for job in &self.draft_jobs {
+            let s = &mut self.scheduled[job.i];
+            let seq = &mut self.running[s.slot];
+            let valid = seq.decoding.valid_prefix(&seq.draft[1..]).max(1);
+            if valid < s.proposed {
+                seq.draft.truncate(1 + valid);
+                s.proposed = valid;
+                s.len = 1 + valid;
+            }
+        }
+    }
+
+    /// After the forward pass and the sampling: the MTP head computes, for every sequence it
+    /// follows, the positions the target computed in this step (position `p` reads the token at
+    /// `p + 1`, which is now known, and the target's final-normed hidden state at `p`, still in
+    /// the target's activations), all in one pass. It first drops its positions from the
+    /// segment's start on (its proposals' rows), and fills positions the target computed
+    /// without it (a prefix-cache hit, a forked choice's prompt) with the token's embedding
+    /// alone (a zero hidden row): proposals there are weaker, outputs unchanged. The last row of
+    /// a decoding sequence gives its first proposal of the next step.
+    fn mtp_catch_up(&mut self) {
+        let Some(mtp) = self.mtp.as_mut() else { return };
+        let mut left = mtp.max_tokens();
+        mtp.begin();
+        for k in 0..self.scheduled.len() {
+            let s = self.scheduled[k];
+            if self.finished.contains(&s.slot) {
+                continue;
+            }
+            let seq = &mut self.running[s.slot];
+            seq.mtp_row = None;
+            if !BatchEngine::mtp_follows(seq) {
+                continue;
+            }
+            // Positions with the target's hidden state: the segment's kept tokens.
+            let end = seq.computed.min(seq.tokens.len() - 1).min(mtp.context());
+            let start = s.start.min(end);
+            mtp.truncate(&mut seq.mtp, start);
+            let from = seq.mtp.computed();
+            let take = (end - from).min(left);
+            if take == 0 || !mtp.grow(&mut seq.mtp, from + take) {
+                continue;
+            }
+            left -= take;
+            let gap = start - from;
+            // The last row proposes when it is the sequence's last computed position and the
+            // sequence will propose next step.
+            let proposes = from + take == seq.computed && seq.is_decoding() && !seq.speculation.sitting_out();
+            let (model, scratch) = (&self.core.model, &self.core.scratch);
+            let next_ids = &seq.tokens[from + 1..from + take + 1];
+            let row = mtp.push_rows(&mut seq.mtp, next_ids, proposes, |i, out| {
+                if i < gap {
+                    out.fill(0.0);
+                } else {
+                    model.final_hidden(scratch, s.t0 + i - gap, out);
+                }
+            });
+            if let Some(row) = row {
+                seq.mtp_row = Some(MtpRow { row, pass: mtp.passes() + 1, tokens: seq.tokens.len() });
+            }
+        }
+        self.stats.draft_model_computed_tokens += mtp.planned_tokens() as u64;
+        mtp.forward(&self.core.pool);
+    }
+
     /// With a draft model, before the forward pass: the draft computes the prompt chunks the
     /// step schedules (from where its cache ends up to the chunk's end, never a sequence's last
     /// token, all in one pass of at most its `max_tokens`), so that a sequence's first
@@ -1959,6 +2176,10 @@ impl BatchEngine {
         // A choice that ended on a proposal's row says nothing about the rows after it.
         if reason.is_none() {
             seq.speculation.update(proposed, emitted - 1, seq.speculation_limit);
+        }
+        if self.mtp.is_some() {
+            self.stats.draft_model_proposed_tokens += proposed as u64;
+            self.stats.draft_model_accepted_tokens += (emitted - 1) as u64;
         }
         if let Some(draft) = &mut self.draft {
             self.stats.draft_model_proposed_tokens += proposed as u64;
@@ -2123,6 +2344,7 @@ impl BatchEngine {
         for s in self.scheduled.iter_mut() {
             let seq = &self.running[s.slot];
             let t0 = self.core.plan.ids.len();
+            (s.start, s.t0) = (seq.computed, t0);
             if rope || bidirectional || !seq.images.is_empty() {
                 // Every token's rotary positions, how far it attends, and the image rows of the
                 // segment's image tokens.
@@ -2178,7 +2400,7 @@ impl BatchEngine {
         let vocab = self.core.model.dims().vocab;
         let n_scheduled = self.scheduled.len();
         for k in 0..n_scheduled {
-            let Scheduled { slot, len, logits_row, all_rows, first_row, proposed } = self.scheduled[k];
+            let Scheduled { slot, len, logits_row, all_rows, first_row, proposed, .. } = self.scheduled[k];
             if proposed > 0 {
                 self.verify_proposals(slot, first_row, proposed, events)?;
                 continue;
@@ -2236,6 +2458,7 @@ impl BatchEngine {
                 self.fork(slot, &request, row, events)?;
             }
         }
+        self.mtp_catch_up();
         // Finished sequences leave, highest slot first so the others keep their slots.
         self.finished.sort_unstable();
         while let Some(slot) = self.finished.pop() {
@@ -2568,5 +2791,122 @@ impl Serving for BatchEngine {
 
     fn grammar_compiler(&self) -> Result<Arc<crate::grammar::GrammarCompiler>> {
         self.core.text()?.grammar_compiler(self.core.model.dims().vocab, &self.core.eos_ids)
+    }
+}
+
+#[cfg(test)]
+mod mtp_tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::draft::{DraftModel, DraftTarget};
+
+    const FAMILIES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/families/fixtures");
+
+    /// A copy of the fixture at `dir` whose `lm_head.weight` is all zeros.
+    fn with_zero_lm_head(dir: &Path) -> tempfile::TempDir {
+        let tmp = tempfile::tempdir().unwrap();
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let entry = entry.unwrap();
+            std::fs::copy(entry.path(), tmp.path().join(entry.file_name())).unwrap();
+        }
+        let file = tmp.path().join("model.safetensors");
+        let mut bytes = std::fs::read(&file).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        let offsets = &header["lm_head.weight"]["data_offsets"];
+        let (from, to) = (offsets[0].as_u64().unwrap() as usize, offsets[1].as_u64().unwrap() as usize);
+        bytes[8 + n + from..8 + n + to].fill(0);
+        std::fs::write(&file, bytes).unwrap();
+        tmp
+    }
+
+    #[test]
+    fn the_mtp_head_follows_every_sequence_as_a_fresh_computation_would() {
+        // After every step, each sequence's first proposal of the next step (the head's row for
+        // its last computed position) must be, bit for bit, what a fresh head computes over the
+        // sequence's tokens with the target's hidden rows from one fresh pass: the catch-up
+        // reads the right rows of the target's activations, at the right positions, after
+        // chunked prompts, rejected proposals and several sequences per step.
+        //
+        // With the fixtures' random heads every proposal is rejected; with a head of zeros
+        // (every logit 0: the target and the head both pick token 0) every one is accepted, and
+        // the head's output rows, which the head of zeros leaves as they are, are compared.
+        let pool = ThreadPool::new(2);
+        for (name, zero_head) in [
+            ("tiny-qwen3.5-mtp", false),
+            ("tiny-qwen3.5-moe-mtp", false),
+            ("tiny-qwen3-next-mtp", false),
+            ("tiny-qwen3.5-mtp", true),
+        ] {
+            let copy = zero_head.then(|| with_zero_lm_head(&Path::new(FAMILIES).join(name)));
+            let dir = copy.as_ref().map_or_else(|| Path::new(FAMILIES).join(name), |t| t.path().to_path_buf());
+            let with_head = kylin_loader::LoadOptions { mtp: true, ..Default::default() };
+            let opts = EngineOptions {
+                threads: 2,
+                ctx_size: Some(256),
+                max_batch_tokens: 24,
+                speculative_tokens: 3,
+                mtp: true,
+                ..EngineOptions::default()
+            };
+            let mut e = BatchEngine::new(kylin_loader::load(&dir, &with_head).unwrap(), &opts).unwrap();
+            let head = kylin_loader::load(&dir, &with_head).unwrap().mtp.unwrap();
+            let mut fresh = MtpDraft::new(&head, &opts, 256, 1, 256, 4096).unwrap();
+            let vocab = e.core.model.dims().vocab;
+            let target_of = DraftTarget { path: None, vocab, tokenizer: None, kv_tokens: 4096 };
+            let mut target = DraftModel::load(&dir, &target_of, &opts, 256, 1, 256).unwrap();
+            let h = e.core.model.dims().hidden;
+            for (id, len) in [5usize, 20, 33, 50].into_iter().enumerate() {
+                let ids: Vec<u32> = (0..len as u32).map(|i| (i * 7919 + 13 * id as u32 + 5) % 1000).collect();
+                e.add_request(Request::new(id as u64, ids, 24)).unwrap();
+            }
+            let (mut checked, mut events) = (0, Vec::new());
+            while !(e.running.is_empty() && e.waiting.is_empty()) {
+                // Proposals of random heads are rejected, and a sequence whose proposals all
+                // miss sits out steps: start every sequence's control afresh, so that each
+                // decoding sequence proposes (and its head row is made) every step.
+                for seq in &mut e.running {
+                    seq.speculation = SpeculationControl::default();
+                }
+                events.clear();
+                e.step(&mut events).unwrap();
+                for seq in &e.running {
+                    let mtp = e.mtp.as_ref().unwrap();
+                    let Some(r) = seq.mtp_row.filter(|r| r.pass == mtp.passes() && r.tokens == seq.tokens.len()) else {
+                        continue;
+                    };
+                    let c = seq.computed;
+                    let mut t = target.new_seq();
+                    assert!(target.grow(&mut t, c));
+                    target.begin();
+                    target.push(&mut t, &seq.tokens[..c], false);
+                    target.forward(&pool);
+                    let mut hidden = vec![0.0f32; c * h];
+                    for (p, out) in hidden.chunks_exact_mut(h).enumerate() {
+                        target.model().final_hidden(target.scratch(), p, out);
+                    }
+                    target.release(&mut t);
+                    let mut s = fresh.new_seq();
+                    assert!(fresh.grow(&mut s, c));
+                    fresh.begin();
+                    let row = fresh.push(&mut s, &seq.tokens[1..=c], &hidden, true).unwrap();
+                    fresh.forward(&pool);
+                    let bits = |l: &[f32]| l.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                    let what = format!("{name} (zero head: {zero_head}): request {}, {c} positions", seq.request);
+                    assert_eq!(bits(mtp.logits(r.row)), bits(fresh.logits(row)), "{what}: logits");
+                    assert_eq!(bits(mtp.output(r.row)), bits(fresh.output(row)), "{what}: output row");
+                    fresh.release(&mut s);
+                    checked += 1;
+                }
+            }
+            let (proposed, accepted) = (e.stats.draft_model_proposed_tokens, e.stats.draft_model_accepted_tokens);
+            assert!(proposed > 0, "{name}: the head proposed nothing");
+            if zero_head {
+                assert_eq!(accepted, proposed, "{name}: a head of zeros proposes what the target picks");
+            }
+            assert!(checked > 20, "{name}: only {checked} rows checked");
+            assert_eq!(e.mtp.as_ref().unwrap().blocks_in_use(), 0, "{name}: the head's blocks all return");
+        }
     }
 }

@@ -384,6 +384,12 @@ impl DraftModel {
         );
     }
 
+    /// The activations of the last pass (a test reads the target's hidden rows from them).
+    #[cfg(test)]
+    pub(crate) fn scratch(&self) -> &Scratch {
+        &self.scratch
+    }
+
     /// The greedy token of logits row `row` of the last pass.
     pub(crate) fn greedy(&self, row: usize) -> u32 {
         argmax(self.scratch.logits(row, self.model.dims().vocab))

@@ -12,6 +12,7 @@ pub mod generate;
 pub mod grammar;
 pub mod kv_pool;
 pub mod model;
+pub mod mtp;
 pub mod native;
 pub mod retrieval;
 pub mod rope;

@@ -70,6 +70,11 @@ impl SpeculationControl {
         if self.cap == 0 { FIRST_LENGTH.min(max) } else { self.cap.min(max) }
     }
 
+    /// Whether the sequence sits out its next step (proposes nothing then).
+    pub fn sitting_out(&self) -> bool {
+        self.skip > 0
+    }
+
     /// Records that `accepted` of `proposed` (> 0) proposals were accepted.
     pub fn update(&mut self, proposed: usize, accepted: usize, max: usize) {
         if accepted >= proposed {

@@ -903,3 +903,88 @@ fn a_request_limits_its_own_proposals_within_the_engines() {
     off.speculative_tokens = Some(0);
     e.add_request(off).unwrap();
 }
+
+/// The fixtures with a multi-token-prediction head (`scripts/make_mtp_fixtures.py`): Qwen3.5,
+/// Qwen3.5-MoE and Qwen3-Next, their heads seeded random.
+const MTP: [&str; 3] = ["tiny-qwen3.5-mtp", "tiny-qwen3.5-moe-mtp", "tiny-qwen3-next-mtp"];
+
+fn mtp_engine(path: &Path, opts: &EngineOptions) -> kylin_loader::Result<BatchEngine> {
+    let model = kylin_loader::load(path, &kylin_loader::LoadOptions { mtp: true, ..Default::default() })?;
+    BatchEngine::new(model, opts)
+}
+
+#[test]
+fn greedy_and_seeded_outputs_with_an_mtp_head_equal_those_without() {
+    // Random heads propose badly: the point is that every proposal, accepted or not, leaves the
+    // outputs as they are, with several sequences per step, a prompt the prefix cache holds
+    // (its positions reach the head without the target's hidden states) and forked choices.
+    for name in MTP {
+        let path = fixture(name);
+        let mut greedy = mixed_requests(40);
+        greedy.push(request(99, greedy[0].prompt_ids.clone(), 40));
+        let mut seeded = seeded_requests(40);
+        seeded[1].n = 2;
+        for (what, requests) in [("greedy", greedy), ("seeded", seeded)] {
+            let (plain, _) = run(&path, &options(0), &requests);
+            for k in [1, 3] {
+                let mut e = mtp_engine(&path, &EngineOptions { mtp: true, ..options(k) }).unwrap();
+                let out = drain(&mut e, &requests);
+                assert_same(&plain, &out, &format!("{name}, {what}, MTP with {k} tokens"));
+                let stats = e.stats();
+                assert!(stats.draft_model_proposed_tokens > 0, "{name}: the head proposed nothing");
+                assert_eq!(stats.speculative_proposed_tokens, stats.draft_model_proposed_tokens);
+                assert_all_blocks_free(&e);
+                assert_eq!(e.mtp().unwrap().blocks_in_use(), 0, "{name}: head blocks still held");
+                eprintln!(
+                    "{name}, {what}, k = {k}: {} of {} MTP proposals accepted",
+                    stats.draft_model_accepted_tokens, stats.draft_model_proposed_tokens
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn an_mtp_head_under_preemption_keeps_outputs_identical() {
+    // Six sequences of 4 blocks in 9 blocks: sequences are preempted, resume from the prefix
+    // cache's blocks and state snapshots, and the head fills what the cache gave.
+    let path = fixture(MTP[0]);
+    let requests: Vec<Request> =
+        (0..6).map(|i| request(i as u64, prompt(20 + 3 * i, 70 + i as u64, 500), 40)).collect();
+    let roomy = EngineOptions { ctx_size: Some(64), max_seqs: 6, ..options(0) };
+    let (plain, _) = run(&path, &roomy, &requests);
+    let probe = engine(&path, &EngineOptions { max_seqs: 6, ..options(3) });
+    let state_bytes = probe.core().state_bytes();
+    let per_block = probe.info().kv_bytes / probe.info().kv_blocks as u64;
+    drop(probe);
+    let small = EngineOptions {
+        ctx_size: Some(64),
+        kv_budget: KvBudget::Bytes(state_bytes + 9 * per_block),
+        max_seqs: 6,
+        mtp: true,
+        ..options(3)
+    };
+    let mut e = mtp_engine(&path, &small).unwrap();
+    let out = drain(&mut e, &requests);
+    assert_same(&plain, &out, "MTP with preemption");
+    assert!(e.stats().preemptions > 0, "the small pool must preempt");
+    assert!(e.stats().draft_model_proposed_tokens > 0);
+    assert_all_blocks_free(&e);
+    assert_eq!(e.mtp().unwrap().blocks_in_use(), 0);
+}
+
+#[test]
+fn an_mtp_head_is_refused_with_typed_errors_where_it_cannot_run() {
+    // A checkpoint without a head, asked for one: TENSOR_MISSING naming the tensor.
+    let err = mtp_engine(&fixture("tiny-qwen3.5"), &EngineOptions { mtp: true, ..options(2) }).unwrap_err();
+    assert_eq!(err.code, ErrorCode::TensorMissing, "{err}");
+    assert!(err.message.contains("mtp.fc.weight"), "{err}");
+    // A model loaded without its head.
+    let model = kylin_loader::load(&fixture(MTP[0]), &kylin_loader::LoadOptions::default()).unwrap();
+    let err = BatchEngine::new(model, &EngineOptions { mtp: true, ..options(2) }).unwrap_err();
+    assert_eq!(err.code, ErrorCode::TensorMissing, "{err}");
+    // No tokens to propose.
+    let err = mtp_engine(&fixture(MTP[0]), &EngineOptions { mtp: true, ..options(0) }).unwrap_err();
+    assert_eq!(err.code, ErrorCode::ConfigInvalid, "{err}");
+    assert!(err.message.contains("--speculative-tokens"), "{err}");
+}

@@ -19,6 +19,7 @@ pub mod generation;
 pub mod gguf;
 pub mod inspect;
 pub mod llama2c;
+pub mod mtp;
 pub mod published;
 pub mod safetensors_file;
 pub mod task;
@@ -173,6 +174,9 @@ pub struct LoadOptions {
     /// What the model serves (`--task`): by default what the directory's files say (see
     /// [`task`]).
     pub task: task::TaskChoice,
+    /// Bind the checkpoint's multi-token-prediction head (`mtp.*`) for speculative decoding
+    /// (`--speculative mtp`): `TENSOR_MISSING` when it has none.
+    pub mtp: bool,
 }
 
 /// Where the load time went, in milliseconds.
@@ -200,10 +204,12 @@ pub struct LoadedModel {
     pub unused_tensors: Vec<String>,
     /// Tensors of parts the native engine does not run, by part: the vision tower and projector
     /// of a `*ForConditionalGeneration` directory, and the multi-token-prediction head
-    /// (`mtp.*`, Qwen3.5), kept for speculative decoding.
+    /// (`mtp.*`, Qwen3.5) unless [`LoadOptions::mtp`] binds it.
     pub not_run: Vec<NotRun>,
     /// The vision tower of a vision-language directory whose tower Kylin runs.
     pub vision: Option<vision::LoadedVision>,
+    /// The multi-token-prediction head, when [`LoadOptions::mtp`] asked for it.
+    pub mtp: Option<mtp::MtpHead>,
     /// Generation, embeddings or reranking ([`task::decide`]).
     pub task: task::ModelTask,
     /// The header and tensor layout of a llama2.c `.bin` (`None` for other formats).
@@ -288,6 +294,13 @@ pub struct NotRun {
 pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     let format = detect(path)?;
     if let Format::LegacyBin { file, .. } = &format {
+        if opts.mtp {
+            return Err(KylinError::tensor_missing(format!(
+                "{} is a llama2.c checkpoint, which has no multi-token-prediction head",
+                file.display()
+            ))
+            .at(file));
+        }
         return llama2c::load(file, opts);
     }
     let t0 = Instant::now();
@@ -361,12 +374,32 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         bound.unused.extend(vision);
     }
     // Qwen3.5's multi-token-prediction head: a further decoder layer that proposes the token
-    // after next, for speculative decoding; the model's own logits do not use it.
+    // after next, for speculative decoding; the model's own logits do not use it. Bound when
+    // asked for; otherwise listed as not run.
+    let mtp_head = if opts.mtp {
+        let head = mtp::bind(&config, &index, &map)?.ok_or_else(|| {
+            KylinError::tensor_missing(format!(
+                "{} has no multi-token-prediction head ({} is not in the checkpoint); Qwen3.5 and Qwen3-Next \
+                 checkpoints ship one (speculate with n-gram or a draft model instead)",
+                dir.display(),
+                mtp::MTP_FC
+            ))
+            .at(dir)
+        })?;
+        Some(head)
+    } else {
+        None
+    };
     let (mtp, rest): (Vec<String>, Vec<String>) = bound.unused.drain(..).partition(|n| n.starts_with("mtp."));
     bound.unused = rest;
+    let mtp: Vec<String> = match &mtp_head {
+        Some(head) => mtp.into_iter().filter(|n| head.tensors.binary_search(n).is_err()).collect(),
+        None => mtp,
+    };
     if !mtp.is_empty() {
         warnings.push(format!(
-            "{} mtp.* tensors (the multi-token-prediction head) are not run: they are kept for speculative decoding",
+            "{} mtp.* tensors (the multi-token-prediction head) are not run: --mtp runs them as the proposer of \
+             speculative decoding",
             mtp.len()
         ));
         not_run.push(NotRun { part: "multi-token prediction (mtp.*)".into(), tensors: mtp });
@@ -401,6 +434,7 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         unused_tensors: bound.unused,
         not_run,
         vision: vision_tower,
+        mtp: mtp_head,
         task,
         llama2c: None,
         tokenizer,

@@ -1326,3 +1326,54 @@ fn a_broken_vision_tower_names_its_field_or_tensor() {
     });
     assert_code(&load_err(dir.path()), ErrorCode::TensorMissing, &["model.visual.blocks.0.attn.qkv.weight"]);
 }
+
+#[test]
+fn an_mtp_head_is_bound_when_asked_for_and_its_tensors_are_checked() {
+    let with_head = LoadOptions { mtp: true, ..LoadOptions::default() };
+    // Bound: its tensors are the head's, not "not run"; without asking, listed as not run.
+    let dir = copy_more("tiny-qwen3.5-mtp");
+    let loaded = load(dir.path(), &with_head).unwrap();
+    let head = loaded.mtp.as_ref().expect("the head is bound");
+    assert_eq!(head.config.num_layers, 1);
+    assert!(head.tensors.iter().any(|n| n == "mtp.layers.0.self_attn.q_proj.weight"), "{:?}", head.tensors);
+    assert!(head.tensors.iter().any(|n| n == "mtp.norm.weight"));
+    assert!(loaded.not_run.iter().all(|p| !p.part.contains("multi-token")), "{:?}", loaded.not_run);
+    let plain = load(dir.path(), &LoadOptions::default()).unwrap();
+    assert!(plain.mtp.is_none());
+    assert!(plain.not_run.iter().any(|p| p.part.contains("multi-token")));
+
+    // A layer tensor of the wrong shape: named, with what was expected.
+    edit_header(&dir.path().join("model.safetensors"), |h| {
+        let t = &mut h["mtp.layers.0.mlp.down_proj.weight"];
+        let shape: Vec<u64> = serde_json::from_value(t["shape"].clone()).unwrap();
+        t["shape"] = serde_json::json!([shape[1], shape[0]]);
+    });
+    let err = load_err_with(dir.path(), &with_head);
+    assert_code(&err, ErrorCode::TensorShapeMismatch, &["mtp.layers.0.mlp.down_proj.weight"]);
+    // ... and the decoder still loads without the head.
+    assert!(load(dir.path(), &LoadOptions::default()).is_ok());
+
+    // A missing projection or layer tensor.
+    let dir = copy_more("tiny-qwen3.5-mtp");
+    edit_header(&dir.path().join("model.safetensors"), |h| rename_tensor(h, "mtp.fc.weight", "mtp.fc2.weight"));
+    let err = load_err_with(dir.path(), &with_head);
+    assert_code(&err, ErrorCode::TensorMissing, &["mtp.fc.weight"]);
+    let dir = copy_more("tiny-qwen3.5-mtp");
+    edit_header(&dir.path().join("model.safetensors"), |h| {
+        rename_tensor(h, "mtp.layers.0.self_attn.k_proj.weight", "mtp.layers.0.self_attn.k.weight")
+    });
+    let err = load_err_with(dir.path(), &with_head);
+    assert_code(&err, ErrorCode::TensorMissing, &["mtp.layers.0.self_attn.k_proj.weight"]);
+    // A head of two layers.
+    let dir = copy_more("tiny-qwen3.5-mtp");
+    edit_header(&dir.path().join("model.safetensors"), |h| {
+        rename_tensor(h, "mtp.layers.0.input_layernorm.weight", "mtp.layers.1.input_layernorm.weight")
+    });
+    let err = load_err_with(dir.path(), &with_head);
+    assert_code(&err, ErrorCode::OperatorUnsupported, &["mtp.layers.0", "mtp.layers.1"]);
+
+    // A checkpoint without a head, asked for one.
+    let dir = copy_family("tiny-qwen3.5");
+    let err = load_err_with(dir.path(), &with_head);
+    assert_code(&err, ErrorCode::TensorMissing, &["mtp.fc.weight"]);
+}

@@ -93,6 +93,7 @@ mod input_quant;
 mod linear;
 mod mlp;
 mod moe;
+mod mtp;
 mod per_layer;
 mod scratch;
 mod short_conv;
@@ -115,6 +116,7 @@ use linear::{Linear, Matmul, Norm, PublishedDecode, QuantSource, Vector, decode_
 use mlp::Mlp;
 use moe::Moe;
 pub use moe::MoeScratch;
+pub use mtp::{MtpHead, MtpScratch};
 use per_layer::{PerLayerBlock, PerLayerInputs};
 pub use scratch::{ProductScratch, Scratch};
 use short_conv::ShortConv;
@@ -1497,8 +1499,8 @@ impl Model {
         &self,
         pool: &ThreadPool,
         kv: &mut KvPool,
-        mut sliding_kv: Option<&mut KvPool>,
-        mut states: Option<&mut StatePool>,
+        sliding_kv: Option<&mut KvPool>,
+        states: Option<&mut StatePool>,
         rope: &Ropes,
         s: &mut Scratch,
         plan: &BatchPlan,
@@ -1507,9 +1509,7 @@ impl Model {
         let d = &self.dims;
         let n = plan.tokens();
         let h = d.hidden;
-        let mm = Matmul { pool, bf16: self.bf16 };
         assert!(n <= s.max_tokens && plan.segments.len() <= s.max_segments, "batch larger than planned");
-        assert!(plan.logit_rows <= s.max_logit_rows, "more logits rows than planned");
 
         // 1. Embedding lookup: ids (n) -> x (n, hidden), times the embedding scale if any; an
         //    image's placeholder tokens take the image's rows instead (not scaled).
@@ -1528,6 +1528,29 @@ impl Model {
         for e in &plan.embedding_rows {
             s.x[e.t * h..(e.t + 1) * h].copy_from_slice(&e.rows[e.row * h..(e.row + 1) * h]);
         }
+        self.forward_embedded(pool, kv, sliding_kv, states, rope, s, plan, all_logits);
+    }
+
+    /// [`Model::forward`] from its input rows on: the residual stream `s.x (n, hidden)` holds
+    /// the plan's input rows (the embedding lookup's, or the MTP head's projection of them).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn forward_embedded(
+        &self,
+        pool: &ThreadPool,
+        kv: &mut KvPool,
+        mut sliding_kv: Option<&mut KvPool>,
+        mut states: Option<&mut StatePool>,
+        rope: &Ropes,
+        s: &mut Scratch,
+        plan: &BatchPlan,
+        all_logits: Option<&mut [f32]>,
+    ) {
+        let d = &self.dims;
+        let n = plan.tokens();
+        let h = d.hidden;
+        let mm = Matmul { pool, bf16: self.bf16 };
+        assert!(n <= s.max_tokens && plan.segments.len() <= s.max_segments, "batch larger than planned");
+        assert!(plan.logit_rows <= s.max_logit_rows, "more logits rows than planned");
 
         // Gemma 4's per-layer inputs: x (n, hidden) -> ple (n, layers · width).
         if let Some(p) = &self.per_layer_inputs {

@@ -1,7 +1,8 @@
 //! Qwen3.5 (`Qwen3_5ForCausalLM`, the text model; `model_type` `qwen3_5_text`; and the language
 //! model of `Qwen3_5ForConditionalGeneration`, which is how Qwen3.5 is published: `text_config`
 //! nested in `config.json`, weights under `model.language_model.*`, a vision tower beside
-//! them and `mtp.*` multi-token-prediction tensors, neither run here).
+//! them and `mtp.*` multi-token-prediction tensors: the tower runs through `vision.rs`, the
+//! head only as the proposer of speculative decoding, bound by `crate::mtp` when asked).
 //!
 //! Three of every four layers (`layer_types`, else `full_attention_interval`) are Gated
 //! DeltaNet linear attention, the fourth gated full attention; every layer has a dense SwiGLU

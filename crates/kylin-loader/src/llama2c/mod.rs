@@ -1000,6 +1000,7 @@ pub(crate) fn load(file: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         unused_tensors: Vec::new(),
         not_run: Vec::new(),
         vision: None,
+        mtp: None,
         task: crate::task::ModelTask::Generate,
         llama2c: Some(BinInfo::new(&layout, bound.owned_bytes)),
         config,
