@@ -248,8 +248,20 @@ def test_logprobs(client):
     assert all(len(t) == 2 for t in lp.top_logprobs)
 
 
-def test_echo_scores_the_prompt_as_transformers_does(client):
+@pytest.fixture(scope="module")
+def f32_client():
+    """A server computing in float32, for comparisons with transformers' float32 references (the
+    default precision, auto, is BF16 where the CPU has BF16 kernels)."""
+    s = Server("--precision", "f32")
+    try:
+        yield s.client()
+    finally:
+        assert s.stop() == 0
+
+
+def test_echo_scores_the_prompt_as_transformers_does(f32_client):
     """lm-evaluation-harness's log-likelihood request: echo, logprobs, max_tokens 0 (and more)."""
+    client = f32_client
     ref = json.loads((ROOT / "tests/fixtures/prompt_logprobs/smollm2-135m-instruct.json").read_text())
     want = [p["logprob"] for p in ref["positions"]]
     n_prompt = len(ref["input_ids"])
