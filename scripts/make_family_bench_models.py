@@ -441,9 +441,12 @@ def gpt_oss(spec):
 # key and 16 value heads of 128, a convolution of 4 taps) to one gated full-attention layer (8
 # heads of 256, 2 KV heads, a quarter of each head rotated, interleaved RoPE sections), SwiGLU of
 # 3584, a tied embedding of 248320. Written in the layout Qwen3.5 is published in
-# (Qwen3_5ForConditionalGeneration: `text_config`, weights under `model.language_model.*`);
-# the vision tower and the multi-token-prediction layer are left out (neither runs for text;
-# llama.cpp's converter runs with --no-mtp, which it needs without the layer's tensors).
+# (Qwen3_5ForConditionalGeneration: `text_config`, weights under `model.language_model.*`),
+# with the multi-token-prediction head the published checkpoint ships (`mtp.*`: its projection,
+# norms and one gated full-attention layer, which `kylin --mtp` runs as the speculative
+# proposer); the vision tower is left out. llama.cpp's converter runs with --no-mtp (the
+# vendored llama.cpp does not speculate with the head). The head's tensors come after every
+# other tensor in the file, so the decoder's seeded values are those of the model without it.
 QWEN35_08B = dict(
     name="qwen3.5-0.8b-shaped", H=1024, L=24, NH=8, NKV=2, HD=256, FF=3584, V=248320, HK=16, HV=16, DK=128,
     DV=128, K=4,
@@ -506,6 +509,18 @@ def qwen35(spec):
         shapes[p + "mlp.gate_proj.weight"] = (FF, H)
         shapes[p + "mlp.up_proj.weight"] = (FF, H)
         shapes[p + "mlp.down_proj.weight"] = (H, FF)
+    # The MTP head: fc (hidden, 2 hidden), its norms, one full-attention layer with its MLP.
+    shapes["mtp.fc.weight"] = (H, 2 * H)
+    for norm in ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight"):
+        shapes[norm] = (H,)
+    m = "mtp.layers.0."
+    for k, shape in (("input_layernorm.weight", (H,)), ("post_attention_layernorm.weight", (H,)),
+                     ("self_attn.q_proj.weight", (2 * NH * HD, H)), ("self_attn.k_proj.weight", (NKV * HD, H)),
+                     ("self_attn.v_proj.weight", (NKV * HD, H)), ("self_attn.o_proj.weight", (H, NH * HD)),
+                     ("self_attn.q_norm.weight", (HD,)), ("self_attn.k_norm.weight", (HD,)),
+                     ("mlp.gate_proj.weight", (FF, H)), ("mlp.up_proj.weight", (FF, H)),
+                     ("mlp.down_proj.weight", (H, FF))):
+        shapes[m + k] = shape
     rng = np.random.default_rng(20261127)
 
     def fill(k, shape, write):
