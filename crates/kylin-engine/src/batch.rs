@@ -1346,7 +1346,9 @@ impl BatchEngine {
                 let slack = (core.speculative_tokens + 1).saturating_mul(max_seqs);
                 let kv_tokens = (core.kv.alloc.total() * core.kv.block_size).saturating_add(slack);
                 let max_tokens = core.max_batch_tokens.saturating_mul(2);
-                Some(MtpDraft::new(head, opts, core.context, max_seqs, max_tokens, kv_tokens)?)
+                let mut mtp = MtpDraft::new(head, opts, core.context, max_seqs, max_tokens, kv_tokens)?;
+                mtp.share_lm_head(&core.model);
+                Some(mtp)
             }
         };
         Ok(BatchEngine {
@@ -2908,5 +2910,22 @@ mod mtp_tests {
             assert!(checked > 20, "{name}: only {checked} rows checked");
             assert_eq!(e.mtp.as_ref().unwrap().blocks_in_use(), 0, "{name}: the head's blocks all return");
         }
+    }
+
+    #[test]
+    fn under_quantize_the_mtp_head_reads_the_targets_quantized_head() {
+        let dir = Path::new(FAMILIES).join("tiny-qwen3.5-mtp");
+        let with_head = kylin_loader::LoadOptions { mtp: true, ..Default::default() };
+        let opts = EngineOptions {
+            threads: 2,
+            ctx_size: Some(128),
+            speculative_tokens: 2,
+            mtp: true,
+            quantize: Some(QuantFormat::Q8_0),
+            precision: PrecisionChoice::Auto,
+            ..EngineOptions::default()
+        };
+        let e = BatchEngine::new(kylin_loader::load(&dir, &with_head).unwrap(), &opts).unwrap();
+        assert!(e.mtp.as_ref().unwrap().head().shares_quantized_lm_head(&e.core.model));
     }
 }

@@ -85,9 +85,8 @@ impl MtpDraft {
     ) -> Result<Self> {
         let mut head = MtpHead::new(head)?;
         let threads = opts.threads.max(1);
-        // The head runs in the target's weight format and precision. (With --quantize the
-        // head's copy of the target's lm_head is quantized again: the tied bytes are views of
-        // the map only while both run as stored.)
+        // The head runs in the target's weight format and precision; the engine then gives it
+        // the target's own prepared head (`share_lm_head`).
         let decoder = head.model_mut();
         if let Some(format) = opts.quantize {
             decoder.quantize(format, threads, &|_, _| {})?;
@@ -132,6 +131,17 @@ impl MtpDraft {
             draft.scratch.prefault();
         }
         Ok(draft)
+    }
+
+    /// Computes the head's logits with the target's own head (see [`MtpHead::share_lm_head`]).
+    pub fn share_lm_head(&mut self, target: &crate::model::Model) {
+        self.head.share_lm_head(target);
+    }
+
+    /// The head.
+    #[cfg(test)]
+    pub(crate) fn head(&self) -> &MtpHead {
+        &self.head
     }
 
     /// Positions the head computes.

@@ -146,7 +146,8 @@ fn the_weights_only_computation_matches_transformers_without_activation_quantiza
             let path = fixture("reference").join("weights-only").join(format!("{name}.json"));
             let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
             let reference: Value = serde_json::from_str(&text).expect("JSON");
-            let layers = kylin_loader::load(&fixture(&name), &LoadOptions::default()).expect("load").weights.published.len();
+            let layers =
+                kylin_loader::load(&fixture(&name), &LoadOptions::default()).expect("load").weights.published.len();
             let (mut backend, rounded) = weights_only(&name);
             assert_eq!(rounded, layers, "{name}: every quantized layer's input is");
             check_against(&name, &mut backend, &reference);

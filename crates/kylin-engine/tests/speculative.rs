@@ -988,3 +988,21 @@ fn an_mtp_head_is_refused_with_typed_errors_where_it_cannot_run() {
     assert_eq!(err.code, ErrorCode::ConfigInvalid, "{err}");
     assert!(err.message.contains("--speculative-tokens"), "{err}");
 }
+
+#[test]
+fn an_mtp_head_under_quantize_keeps_the_quantized_outputs() {
+    // The head reads the target's quantized head (shared planes) and runs its layer quantized.
+    let path = fixture(MTP[1]);
+    let quantized = |k| EngineOptions {
+        quantize: Some(kylin_engine::model::QuantFormat::Q8_0),
+        precision: kylin_engine::model::PrecisionChoice::Auto,
+        ..options(k)
+    };
+    let requests = mixed_requests(32);
+    let (plain, _) = run(&path, &quantized(0), &requests);
+    let mut e = mtp_engine(&path, &EngineOptions { mtp: true, ..quantized(2) }).unwrap();
+    let out = drain(&mut e, &requests);
+    assert_same(&plain, &out, "MTP under --quantize q8_0");
+    assert!(e.stats().draft_model_proposed_tokens > 0);
+    assert_all_blocks_free(&e);
+}

@@ -75,6 +75,24 @@ impl MtpHead {
         &mut self.model
     }
 
+    /// Computes the head's logits with `target`'s head (the same matrix, quantized or
+    /// prepared as the target's), instead of a copy of its own: with `--quantize` the planes are
+    /// shared, not made and held twice. Call once both are prepared alike.
+    pub fn share_lm_head(&mut self, target: &Model) {
+        debug_assert!(self.model.lm_head.weight.same_bytes(&target.lm_head.weight));
+        self.model.lm_head = target.lm_head.clone();
+    }
+
+    /// Whether the head's logits are computed with `target`'s own quantized planes.
+    #[cfg(test)]
+    pub(crate) fn shares_quantized_lm_head(&self, target: &Model) -> bool {
+        use super::linear::QuantSource;
+        match (&self.model.lm_head.quant, &target.lm_head.quant) {
+            (Some(QuantSource::Owned(a)), Some(QuantSource::Owned(b))) => std::sync::Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+
     /// The buffers of passes of up to `max_tokens` tokens in `max_segments` segments over
     /// sequences of up to `context` positions.
     pub fn plan_scratch(&self, max_tokens: usize, max_segments: usize, context: usize) -> Result<MtpScratch> {
