@@ -76,6 +76,25 @@ pub const AMX_BLOCK_SIZE: usize = 32;
 
 /// The default positions per KV block for an attention path: [`AMX_BLOCK_SIZE`] where the AMX
 /// kernel would run at that size, [`DEFAULT_BLOCK_SIZE`] elsewhere.
+/// A KV cache's element type, positions per block and tile layout.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct KvGeometry {
+    pub dtype: WeightDType,
+    pub block_size: usize,
+    pub layout: kylin_kernels::paged::KvLayout,
+}
+
+/// The KV cache of `model` under `opts`: the options' dtype and block size, else the model's
+/// defaults, and the layout its attention path reads (the target, a draft model and an MTP head
+/// each decide theirs this way).
+pub(crate) fn kv_geometry(model: &Model, opts: &EngineOptions) -> KvGeometry {
+    let dtype = opts.kv_dtype.unwrap_or(model.default_kv_dtype());
+    let (head_dim, needs) = (model.attention_head_dim(), model.attention_needs());
+    let block_size = opts.block_size.unwrap_or_else(|| default_block_size(model.precision(), dtype, head_dim, needs));
+    let layout = kylin_kernels::paged::attention_path(model.precision(), dtype, head_dim, block_size, needs).layout();
+    KvGeometry { dtype, block_size, layout }
+}
+
 pub fn default_block_size(
     precision: kylin_kernels::Precision,
     kv_dtype: WeightDType,
@@ -579,10 +598,7 @@ impl EngineCore {
             }
             Some(n) => n,
         };
-        let kv_dtype = opts.kv_dtype.unwrap_or(model.default_kv_dtype());
-        let block_size = opts.block_size.unwrap_or_else(|| {
-            default_block_size(model.precision(), kv_dtype, model.attention_head_dim(), model.attention_needs())
-        });
+        let KvGeometry { dtype: kv_dtype, block_size, layout } = kv_geometry(&model, opts);
         for (name, value) in [
             ("--max-seqs", opts.max_seqs),
             ("--max-batch-tokens", opts.max_batch_tokens),
@@ -661,14 +677,6 @@ impl EngineCore {
             }
             None => None,
         };
-        let layout = kylin_kernels::paged::attention_path(
-            model.precision(),
-            kv_dtype,
-            model.attention_head_dim(),
-            block_size,
-            model.attention_needs(),
-        )
-        .layout();
         let mut kv = KvPool::new(kv_dtype, layout, n_blocks, block_size, &groups.full)?;
         let mut swa = match (sliding_blocks, groups.window) {
             (Some(blocks), Some(window)) => {
@@ -1809,15 +1817,7 @@ impl BatchEngine {
             if !seq.decoding.may_speculate() {
                 continue;
             }
-            // The proposals sit at positions `tokens.len()..`, all inside the context; more than
-            // one token fewer than the choice may still generate would never be emitted.
-            let room = self.core.context.saturating_sub(seq.tokens.len());
-            let k = seq.speculation_limit.min(*budget).min(*rows).min(room);
-            let k = k.min(seq.decoding.remaining().saturating_sub(1)).min(self.core.proposal_room(seq.computed));
-            if k == 0 {
-                continue;
-            }
-            let k = k.min(seq.speculation.next_len(seq.speculation_limit));
+            let k = proposal_length(&self.core, seq, *budget, *rows, usize::MAX);
             if k == 0 {
                 continue;
             }
@@ -1877,15 +1877,9 @@ impl BatchEngine {
             if !seq.decoding.may_speculate() || len > draft_context || !seq.images.is_empty() {
                 continue;
             }
-            // As for the n-gram proposer, and the draft computes positions up to `len + k - 2`.
-            let room = self.core.context.saturating_sub(len);
-            let k = seq.speculation_limit.min(*budget).min(*rows).min(room);
-            let k = k.min(seq.decoding.remaining().saturating_sub(1)).min(draft_context + 1 - len);
-            let k = k.min(self.core.proposal_room(seq.computed)).min(draft.proposal_room(seq.computed));
-            if k == 0 {
-                continue;
-            }
-            let k = k.min(seq.speculation.next_len(seq.speculation_limit));
+            // The draft computes positions up to `len + k - 2`.
+            let own = (draft_context + 1 - len).min(draft.proposal_room(seq.computed));
+            let k = proposal_length(&self.core, seq, *budget, *rows, own);
             if k == 0 {
                 continue;
             }
@@ -1945,8 +1939,14 @@ impl BatchEngine {
             draft.forward(&self.core.pool);
             round += 1;
         }
-        // 3. A constrained sequence's proposals stop before the first its grammar forbids (one
-        // is kept, so that the verification cuts the draft back as for any other rejection).
+        // 3. A constrained sequence's proposals stop before the first its grammar forbids.
+        self.cut_drafted_proposals_to_grammar();
+    }
+
+    /// A constrained sequence's proposals from the draft model or the MTP head (this step's
+    /// `draft_jobs`) stop before the first its grammar forbids. One is kept, so that the
+    /// verification cuts the proposer's cache back as for any other rejection.
+    fn cut_drafted_proposals_to_grammar(&mut self) {
         for job in &self.draft_jobs {
             let s = &mut self.scheduled[job.i];
             let seq = &mut self.running[s.slot];
@@ -1990,15 +1990,8 @@ impl BatchEngine {
             if !BatchEngine::mtp_follows(seq) || seq.mtp.computed() != seq.computed {
                 continue;
             }
-            // As for the n-gram proposer, and the head computes positions up to `len + k - 3`.
-            let room = self.core.context.saturating_sub(len);
-            let k = seq.speculation_limit.min(*budget).min(*rows).min(room);
-            let k = k.min(seq.decoding.remaining().saturating_sub(1)).min((head_context + 2).saturating_sub(len));
-            let k = k.min(self.core.proposal_room(seq.computed));
-            if k == 0 {
-                continue;
-            }
-            let k = k.min(seq.speculation.next_len(seq.speculation_limit));
+            // The head computes positions up to `len + k - 3`.
+            let k = proposal_length(&self.core, seq, *budget, *rows, (head_context + 2).saturating_sub(len));
             if k == 0 {
                 continue;
             }
@@ -2036,18 +2029,7 @@ impl BatchEngine {
             }
             round += 1;
         }
-        // A constrained sequence's proposals stop before the first its grammar forbids (one is
-        // kept, so that the verification cuts the head back as for any other rejection).
-        for job in &self.draft_jobs {
-            let s = &mut self.scheduled[job.i];
-            let seq = &mut self.running[s.slot];
-            let valid = seq.decoding.valid_prefix(&seq.draft[1..]).max(1);
-            if valid < s.proposed {
-                seq.draft.truncate(1 + valid);
-                s.proposed = valid;
-                s.len = 1 + valid;
-            }
-        }
+        self.cut_drafted_proposals_to_grammar();
     }
 
     /// After the forward pass and the sampling: the MTP head computes, for every sequence it
@@ -2550,6 +2532,21 @@ impl BatchEngine {
             })
             .collect()
     }
+}
+
+/// How many tokens `seq` proposes this step, at most `own` (the proposer's own limit): within
+/// its request's limit, the step's `budget` tokens and `rows` logits rows, the context (the
+/// proposals sit at positions `tokens.len()..`), one fewer than the choice may still generate
+/// (more would never be emitted) and the recurrent layers' chunk room; then as many as its
+/// adaptive length allows (which counts a step sat out). 0: it does not propose.
+fn proposal_length(core: &EngineCore, seq: &mut Seq, budget: usize, rows: usize, own: usize) -> usize {
+    let room = core.context.saturating_sub(seq.tokens.len());
+    let k = seq.speculation_limit.min(budget).min(rows).min(room).min(own);
+    let k = k.min(seq.decoding.remaining().saturating_sub(1)).min(core.proposal_room(seq.computed));
+    if k == 0 {
+        return 0;
+    }
+    k.min(seq.speculation.next_len(seq.speculation_limit))
 }
 
 /// Ends choices `1..n` of a request whose siblings were never forked.

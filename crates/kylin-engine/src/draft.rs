@@ -34,7 +34,7 @@ use kylin_loader::tokenizer::TokenizerBundle;
 use kylin_loader::{KylinError, Result};
 
 use crate::batch::{
-    Allocs, EngineOptions, SeqKv, SlidingPool, default_block_size, proposals_before_chunk_end, state_chunk,
+    Allocs, EngineOptions, KvGeometry, SeqKv, SlidingPool, kv_geometry, proposals_before_chunk_end, state_chunk,
 };
 use crate::kv_pool::KvPool;
 use crate::model::{BatchPlan, Model, Scratch};
@@ -141,10 +141,7 @@ impl DraftModel {
         model.prepare_published(opts.precision, threads).map_err(in_draft)?;
         model.set_precision(opts.precision).map_err(in_draft)?;
         let context = context.min(model.max_position_embeddings()).max(1);
-        let kv_dtype = opts.kv_dtype.unwrap_or(model.default_kv_dtype());
-        let block_size = opts.block_size.unwrap_or_else(|| {
-            default_block_size(model.precision(), kv_dtype, model.attention_head_dim(), model.attention_needs())
-        });
+        let KvGeometry { dtype: kv_dtype, block_size, layout } = kv_geometry(&model, opts);
         let max_tokens = max_tokens.max(max_seqs).max(1);
         let scratch = model.plan_scratch(max_tokens, max_seqs, context).map_err(in_draft)?;
         // What the target's pool holds, plus the proposals: the running sequences' tokens fit
@@ -163,14 +160,6 @@ impl DraftModel {
         }
         .min(most);
         let groups = model.kv_groups();
-        let layout = kylin_kernels::paged::attention_path(
-            model.precision(),
-            kv_dtype,
-            model.attention_head_dim(),
-            block_size,
-            model.attention_needs(),
-        )
-        .layout();
         let kv = KvPool::new(kv_dtype, layout, blocks, block_size, &groups.full).map_err(in_draft)?;
         let swa = match groups.window {
             Some(window) if !groups.sliding.is_empty() => {

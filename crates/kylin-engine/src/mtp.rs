@@ -16,7 +16,7 @@
 use kylin_kernels::ThreadPool;
 use kylin_loader::{KylinError, Result};
 
-use crate::batch::{Allocs, EngineOptions, SeqKv, default_block_size};
+use crate::batch::{Allocs, EngineOptions, KvGeometry, SeqKv, kv_geometry};
 use crate::kv_pool::KvPool;
 use crate::model::{BatchPlan, MtpHead, MtpScratch};
 use crate::rope::Ropes;
@@ -95,24 +95,13 @@ impl MtpDraft {
         decoder.set_precision(opts.precision)?;
         let model = head.model();
         let context = context.min(model.max_position_embeddings()).max(1);
-        let kv_dtype = opts.kv_dtype.unwrap_or(model.default_kv_dtype());
-        let block_size = opts.block_size.unwrap_or_else(|| {
-            default_block_size(model.precision(), kv_dtype, model.attention_head_dim(), model.attention_needs())
-        });
+        let KvGeometry { dtype: kv_dtype, block_size, layout } = kv_geometry(model, opts);
         let max_tokens = max_tokens.max(max_seqs).max(1);
         let scratch = head.plan_scratch(max_tokens, max_seqs, context)?;
         let per_seq = context.div_ceil(block_size) + 1;
         let overflow = || KylinError::config_invalid("the MTP head's KV pool overflows; pass a smaller --max-seqs");
         let most = per_seq.checked_mul(max_seqs).ok_or_else(overflow)?;
         let blocks = kv_tokens.div_ceil(block_size).max(per_seq).min(most);
-        let layout = kylin_kernels::paged::attention_path(
-            model.precision(),
-            kv_dtype,
-            model.attention_head_dim(),
-            block_size,
-            model.attention_needs(),
-        )
-        .layout();
         let kv = KvPool::new(kv_dtype, layout, blocks, block_size, &model.kv_groups().full)?;
         let hidden = vec![0.0; max_tokens.checked_mul(model.dims().hidden).ok_or_else(overflow)?];
         let mut draft = MtpDraft {
