@@ -931,6 +931,9 @@ fn greedy_and_seeded_outputs_with_an_mtp_head_equal_those_without() {
                 let out = drain(&mut e, &requests);
                 assert_same(&plain, &out, &format!("{name}, {what}, MTP with {k} tokens"));
                 let stats = e.stats();
+                if what == "greedy" {
+                    assert!(stats.prefix_cache_hits > 0, "{name}: the repeated prompt must hit the cache");
+                }
                 assert!(stats.draft_model_proposed_tokens > 0, "{name}: the head proposed nothing");
                 assert_eq!(stats.speculative_proposed_tokens, stats.draft_model_proposed_tokens);
                 assert_all_blocks_free(&e);
