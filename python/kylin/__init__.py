@@ -65,6 +65,9 @@ class SamplingParams:
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
+    # At most this many speculative proposals per step for this request, within the engine's
+    # `speculative_tokens` (0 turns speculation off for it; more is a KylinError INPUT_INVALID).
+    speculative_tokens: Optional[int] = None
 
     def _request(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v is not None}

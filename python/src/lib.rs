@@ -157,6 +157,7 @@ impl Inner {
         request.prompt_logprobs = get_usize("prompt_logprobs")?;
         request.ignore_eos = spec.get("ignore_eos").and_then(Value::as_bool).unwrap_or(false);
         request.skip_special_tokens = spec.get("skip_special_tokens").and_then(Value::as_bool).unwrap_or(true);
+        request.speculative_tokens = get_usize("speculative_tokens")?;
         request.images = prepared;
         request.detokenize = self.engine.info().has_tokenizer;
         request.stop = match spec.get("stop") {

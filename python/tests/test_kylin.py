@@ -102,6 +102,14 @@ def test_the_mtp_head_proposes_and_keeps_the_outputs(smol):
                    kylin.SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=24)]:
         want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
         assert [o.outputs[0].token_ids for o in fast.generate(prompts, params)] == want
+        # A request may ask for fewer proposals, or none, but not more than the engine's.
+        params.speculative_tokens = 0
+        assert [o.outputs[0].token_ids for o in fast.generate(prompts, params)] == want
+        params.speculative_tokens = 4
+        with pytest.raises(kylin.KylinError) as e:
+            fast.generate(prompts, params)
+        assert e.value.code == "INPUT_INVALID" and "speculative_tokens" in str(e.value)
+        params.speculative_tokens = None
     # A model without the head is refused, naming the tensor it lacks.
     with pytest.raises(kylin.KylinError) as e:
         kylin.LLM(str(SMOL), threads=2, ctx_size=1024, mtp=True)
