@@ -358,6 +358,15 @@ fn proposals_stop_before_a_chunk_of_the_delta_rule_ends() {
     assert_eq!(proposals_before_chunk_end(63, 32), 31);
 }
 
+/// A KV budget for the hybrid model at `path` with `max_seqs` sequences and `k` speculative
+/// tokens: its recurrent states, and `blocks` KV blocks of its attention layers (a hybrid model
+/// has few), measured on a probe engine.
+fn hybrid_budget(path: &Path, max_seqs: usize, k: usize, blocks: u64) -> KvBudget {
+    let probe = engine(path, &EngineOptions { max_seqs, ..options(k) });
+    let per_block = probe.info().kv_bytes / probe.info().kv_blocks as u64;
+    KvBudget::Bytes(probe.core().state_bytes() + blocks * per_block)
+}
+
 #[test]
 fn a_hybrid_model_with_a_prefix_hit_and_preemption_keeps_speculative_outputs() {
     // Small KV budget: sequences are preempted and resume from the state snapshots; a second
@@ -372,18 +381,8 @@ fn a_hybrid_model_with_a_prefix_hit_and_preemption_keeps_speculative_outputs() {
         .collect();
     let roomy = EngineOptions { ctx_size: Some(64), max_seqs: 6, ..options(0) };
     let (plain, _) = run(&path, &roomy, &requests);
-    let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default()).unwrap();
-    let probe = BatchEngine::new(model, &EngineOptions { max_seqs: 6, ..options(4) }).unwrap();
-    let state_bytes = probe.core().state_bytes();
-    // The KV bytes of a block of the attention layers (a hybrid model has few).
-    let per_block = probe.info().kv_bytes / probe.info().kv_blocks as u64;
-    drop(probe);
-    let small = EngineOptions {
-        ctx_size: Some(64),
-        kv_budget: KvBudget::Bytes(state_bytes + 9 * per_block),
-        max_seqs: 6,
-        ..options(4)
-    };
+    let small =
+        EngineOptions { ctx_size: Some(64), kv_budget: hybrid_budget(&path, 6, 4, 9), max_seqs: 6, ..options(4) };
     let mut e = engine(&path, &small);
     let vocab = e.core().model().dims().vocab;
     e.set_proposer(Box::new(Oracle::new(&requests, &plain, vocab, 4))).unwrap();
@@ -956,13 +955,9 @@ fn an_mtp_head_under_preemption_keeps_outputs_identical() {
         (0..6).map(|i| request(i as u64, prompt(20 + 3 * i, 70 + i as u64, 500), 40)).collect();
     let roomy = EngineOptions { ctx_size: Some(64), max_seqs: 6, ..options(0) };
     let (plain, _) = run(&path, &roomy, &requests);
-    let probe = engine(&path, &EngineOptions { max_seqs: 6, ..options(3) });
-    let state_bytes = probe.core().state_bytes();
-    let per_block = probe.info().kv_bytes / probe.info().kv_blocks as u64;
-    drop(probe);
     let small = EngineOptions {
         ctx_size: Some(64),
-        kv_budget: KvBudget::Bytes(state_bytes + 9 * per_block),
+        kv_budget: hybrid_budget(&path, 6, 3, 9),
         max_seqs: 6,
         mtp: true,
         ..options(3)
