@@ -136,8 +136,14 @@ fn activation_quantized() -> Vec<String> {
         .flat_map(|family| ACTIVATION_QUANTIZED.iter().map(move |suffix| format!("{family}-{suffix}")))
         .collect();
     names.push("tiny-qwen3-w8a8-static".to_string());
+    names.push(MOE_FP8.to_string());
     names
 }
+
+/// A Qwen3-MoE in fine-grained FP8 as Qwen publishes its MoE FP8 checkpoints (issue 34): every
+/// expert's projections one F8_E4M3 tensor per expert with 128 × 128 block scales, the routers
+/// in BF16 (`scripts/make_moe_fp8_fixture.py`).
+const MOE_FP8: &str = "tiny-qwen3-moe-fp8";
 
 #[test]
 fn the_weights_only_computation_matches_transformers_without_activation_quantization() {
@@ -349,6 +355,9 @@ fn the_integer_kernels_agree_with_transformers() {
     }
     let (positions, agree, worst, kl) = measure_fast("tiny-qwen3-w8a8-static", Packing::Q8_0);
     report.push(("tiny-qwen3-w8a8-static".to_string(), "w8a8-static", positions, agree, worst, kl, Packing::Q8_0));
+    let packing = expected_packing(Packing::F8A16, Packing::Q8_0);
+    let (positions, agree, worst, kl) = measure_fast(MOE_FP8, packing);
+    report.push((MOE_FP8.to_string(), "fp8", positions, agree, worst, kl, packing));
     for (name, _, positions, agree, worst, kl, packing) in &report {
         let share = 100.0 * *agree as f64 / *positions as f64;
         println!(
