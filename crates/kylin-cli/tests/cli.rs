@@ -586,7 +586,7 @@ fn published_quantized_checkpoints_run_through_run_logits_and_bench() {
         .filter(|n| n != "reference" && n != "README.md" && !n.ends_with("-bf16"))
         .collect();
     names.sort();
-    assert_eq!(names.len(), 19, "{names:?}");
+    assert_eq!(names.len(), 20, "{names:?}");
     for name in &names {
         let dir = root.join(name);
         let reference: Value =

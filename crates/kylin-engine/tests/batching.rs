@@ -152,7 +152,9 @@ fn sixteen_requests_together_equal_each_alone_on_every_fixture() {
 #[test]
 fn published_quantized_checkpoints_batch_invariantly() {
     let quantized = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/quantized");
-    for name in ["tiny-qwen3-w4a16", "tiny-llama-fp8-block", "tiny-qwen3-w8a16", "tiny-llama-w8a8"] {
+    for name in
+        ["tiny-qwen3-w4a16", "tiny-llama-fp8-block", "tiny-qwen3-w8a16", "tiny-llama-w8a8", "tiny-qwen3-moe-fp8"]
+    {
         let path = Path::new(quantized).join(name);
         let opts = EngineOptions { max_batch_tokens: 48, precision: PrecisionChoice::Auto, ..options(2) };
         let requests: Vec<Request> =
