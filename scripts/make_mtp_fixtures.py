@@ -1,5 +1,12 @@
-"""Tiny Qwen3.5, Qwen3.5-MoE and Qwen3-Next checkpoints with seeded multi-token-prediction (MTP)
-heads, and what a float32 torch reference of the MTP proposer computes on them.
+"""Tiny Qwen3.5, Qwen3.5-MoE, Qwen3-Next and GLM-4.5 checkpoints with seeded
+multi-token-prediction (MTP) heads, and what a float32 torch reference of the MTP proposer
+computes on them.
+
+GLM-4.5 (`tiny-glm4-moe-mtp`) publishes its head in DeepSeek-V3's NextN layout, one more decoder
+layer `model.layers.{num_hidden_layers}.*` whose `eh_proj`, `enorm`, `hnorm` and
+`shared_head.norm` are Qwen's `fc`, `pre_fc_norm_embedding`, `pre_fc_norm_hidden` and `norm`
+(transformers 5's generic `MtpLayer` computes the same formula), with plain RMS norms and a
+sparse `Glm4MoeDecoderLayer`; the layer's copies of the embedding and head are written too.
 
 transformers does not run the MTP head (it ignores `mtp.*` on load), so the reference here is
 built from transformers' own modules: one decoder layer of the family (a full-attention
@@ -55,6 +62,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.models.qwen3_5 import modeling_qwen3_5 as q35
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as q35moe
 from transformers.models.qwen3_next import modeling_qwen3_next as q3n
+from transformers.models.glm4_moe import modeling_glm4_moe as glm
 
 out = sys.argv[1]
 only = set(sys.argv[2:])
@@ -78,6 +86,16 @@ def randomize(model, seed):
             else:
                 fan_in = p.shape[-1] if p.dim() > 1 else p.shape[0]
                 p.copy_(torch.randn(p.shape, generator=g) * (1.5 / fan_in ** 0.5))
+
+
+def randomize_router_biases(model, seed):
+    """GLM's `e_score_correction_bias` is a buffer (randomize leaves it at zero): values of the
+    sigmoids' own scale, so that the bias changes which experts are chosen."""
+    g = torch.Generator().manual_seed(seed + 17)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=g))
 
 
 def run_cases(model, seqs, n_greedy=20):
@@ -108,7 +126,12 @@ class MTP(nn.Module):
         super().__init__()
         cfg = copy.deepcopy(config)
         cfg.num_hidden_layers = 1
-        cfg.layer_types = ["full_attention"]
+        if module is not glm:
+            cfg.layer_types = ["full_attention"]
+        else:
+            # GLM-4.5's NextN layer is sparse (transformers' get_mtp_config sets
+            # first_k_dense_replace = 0 for it, as vLLM's glm4_moe_mtp.py builds it).
+            cfg.first_k_dense_replace = 0
         cfg._attn_implementation = "eager"
         if module is q3n:
             # Qwen3-Next's MTP layer is sparse whatever the target's decoder_sparse_step and
@@ -120,12 +143,56 @@ class MTP(nn.Module):
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
         rms, layer = {q35: (q35.Qwen3_5RMSNorm, q35.Qwen3_5DecoderLayer),
                       q35moe: (q35moe.Qwen3_5MoeRMSNorm, q35moe.Qwen3_5MoeDecoderLayer),
-                      q3n: (q3n.Qwen3NextRMSNorm, q3n.Qwen3NextDecoderLayer)}[module]
+                      q3n: (q3n.Qwen3NextRMSNorm, q3n.Qwen3NextDecoderLayer),
+                      glm: (glm.Glm4MoeRMSNorm, glm.Glm4MoeDecoderLayer)}[module]
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         self.pre_fc_norm_embedding = rms(hidden, eps=eps)
         self.pre_fc_norm_hidden = rms(hidden, eps=eps)
         self.layers = nn.ModuleList([layer(cfg, layer_idx=0)])
         self.norm = rms(hidden, eps=eps)
+
+
+def published_names(state, module, num_layers):
+    """The MTP module's state under the names the checkpoint publishes: Qwen's `mtp.*` as the
+    module names them; GLM-4.5's NextN layer as one more decoder layer, `model.layers.{L}.*`
+    (L = num_hidden_layers) with `eh_proj`, `enorm`, `hnorm` and `shared_head.norm` beside the
+    layer's own tensors."""
+    if module is not glm:
+        return {"mtp." + k: v for k, v in state.items()}
+    renames = {"fc.": "eh_proj.", "pre_fc_norm_embedding.": "enorm.", "pre_fc_norm_hidden.": "hnorm.",
+               "norm.": "shared_head.norm.", "layers.0.": ""}
+    out = {}
+    for k, v in state.items():
+        for old, new in renames.items():
+            if k.startswith(old):
+                out[f"model.layers.{num_layers}.{new}{k[len(old):]}"] = v
+                break
+        else:
+            raise ValueError(k)
+    return out
+
+
+def module_names(saved, module, num_layers):
+    """published_names' inverse, over a checkpoint's tensors (the others dropped)."""
+    if module is not glm:
+        return {k[len("mtp."):]: v for k, v in saved.items() if k.startswith("mtp.")}
+    prefix = f"model.layers.{num_layers}."
+    renames = {"eh_proj.": "fc.", "enorm.": "pre_fc_norm_embedding.", "hnorm.": "pre_fc_norm_hidden.",
+               "shared_head.norm.": "norm."}
+    out = {}
+    for k, v in saved.items():
+        if not k.startswith(prefix):
+            continue
+        rest = k[len(prefix):]
+        if rest in ("embed_tokens.weight", "shared_head.head.weight"):
+            continue  # copies of the target's embedding and head, as GLM publishes them
+        for old, new in renames.items():
+            if rest.startswith(old):
+                out[new + rest[len(old):]] = v
+                break
+        else:
+            out["layers.0." + rest] = v
+    return out
 
 
 def causal_mask(n):
@@ -164,7 +231,10 @@ def routing_gaps(mtp):
     if router is None:
         return gaps, None
     def hook(module, args, out):
-        top = out[0].topk(module.top_k + 1, dim=-1).values
+        choice = out[0]
+        if hasattr(module, "e_score_correction_bias"):  # GLM: chosen by sigmoid + bias
+            choice = choice.sigmoid() + module.e_score_correction_bias
+        top = choice.topk(module.top_k + 1, dim=-1).values
         gaps.extend(float(v) for v in top[:, -2] - top[:, -1])
     return gaps, router.register_forward_hook(hook)
 
@@ -226,7 +296,8 @@ def mtp_case(mtp, target, ids, n_chain=4):
 def check_layer_path(target):
     """Check 2: the layer path (the rotary module, the explicit mask, the layer's call) run on the
     target's own full-attention layer reproduces that layer inside the target's forward."""
-    index = target.config.layer_types.index("full_attention")
+    types = getattr(target.config, "layer_types", None)
+    index = types.index("full_attention") if types else target.config.num_hidden_layers - 1
     layer = target.model.layers[index]
     seen = {}
     hook = layer.register_forward_hook(lambda m, args, kwargs, out: seen.update(x=args[0], y=out), with_kwargs=True)
@@ -314,6 +385,21 @@ SPECS = {
         q3n, 3939, 3940, {"layer_types": None, "full_attention_interval": 2, "num_nextn_predict_layers": 1}),
 }
 
+# GLM-4.5 (`Glm4MoeForCausalLM`, zai-org/GLM-4.5-Air's layout at a tiny size): q/k/v biases,
+# per-head q/k norms, half the head rotated, the first layer dense, then 8 experts of width 32 in
+# 2 groups (the top 1 group by its two best `sigmoid + e_score_correction_bias` kept, DeepSeek-V3's
+# group-limited choice), top 3 weighed by the sigmoids renormalised and times 2.5, and one shared
+# expert without a gate; its NextN layer (`num_nextn_predict_layers: 1`) is `model.layers.3.*`,
+# with the copies of the embedding and head GLM publishes there.
+GLM = dict(vocab_size=1024, hidden_size=64, intermediate_size=112, num_hidden_layers=3, num_attention_heads=4,
+           num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-5,
+           tie_word_embeddings=False, attention_bias=True, use_qk_norm=True, first_k_dense_replace=1,
+           n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, n_shared_experts=1,
+           n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, partial_rotary_factor=0.5,
+           rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+SPECS["tiny-glm4-moe-mtp"] = ("Glm4MoeForCausalLM", "Glm4MoeConfig", GLM, glm, 4141, 4142,
+                              {"num_nextn_predict_layers": 1})
+
 meta_base = "transformers " + T.__version__ + ", torch " + torch.__version__ + ", float32 compute, eager attention"
 for name, (cls, cfg_cls, kw, module, seed, mtp_seed, config_edits) in SPECS.items():
     if only and name not in only:
@@ -323,6 +409,7 @@ for name, (cls, cfg_cls, kw, module, seed, mtp_seed, config_edits) in SPECS.item
     cfg.dtype = "bfloat16"
     model = getattr(T, cls)(cfg)
     randomize(model, seed)
+    randomize_router_biases(model, seed)
     d = os.path.join(FIX, name)
     shutil.rmtree(d, ignore_errors=True)
     model.to(torch.bfloat16).save_pretrained(d, safe_serialization=True)
@@ -339,10 +426,22 @@ for name, (cls, cfg_cls, kw, module, seed, mtp_seed, config_edits) in SPECS.item
     # one tensor per expert.
     mtp = MTP(cfg, module)
     randomize(mtp, mtp_seed)
-    state = per_expert({"mtp." + k: v.to(torch.bfloat16) for k, v in mtp.state_dict().items()})
+    randomize_router_biases(mtp, mtp_seed)
+    state = per_expert(published_names({k: v.to(torch.bfloat16) for k, v in mtp.state_dict().items()}, module,
+                                       cfg.num_hidden_layers))
     path = os.path.join(d, "model.safetensors")
     tensors = load_file(path)
-    assert not any(k.startswith("mtp.") for k in tensors)
+    assert not set(state) & set(tensors)
+    if module is glm:
+        # GLM publishes copies of the embedding and the head in its NextN layer.
+        prefix = f"model.layers.{cfg.num_hidden_layers}."
+        state[prefix + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        state[prefix + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+        # The routers' selection biases in float32, as GLM publishes them.
+        for k in list(tensors) + list(state):
+            if k.endswith("e_score_correction_bias"):
+                src = tensors if k in tensors else state
+                src[k] = src[k].float()
     tensors.update(state)
     save_file(tensors, path, metadata={"format": "pt"})
 
@@ -354,7 +453,7 @@ for name, (cls, cfg_cls, kw, module, seed, mtp_seed, config_edits) in SPECS.item
     target.eval()
     assert not info["missing_keys"], info
     mtp = MTP(target.config, module).eval()
-    saved = {k[len("mtp."):]: v.float() for k, v in load_file(path).items() if k.startswith("mtp.")}
+    saved = {k: v.float() for k, v in module_names(load_file(path), module, target.config.num_hidden_layers).items()}
     mtp.load_state_dict(fused(saved), strict=True)
     check_layer_path(target)
 

@@ -2836,6 +2836,7 @@ mod mtp_tests {
             ("tiny-qwen3.5-mtp", false),
             ("tiny-qwen3.5-moe-mtp", false),
             ("tiny-qwen3-next-mtp", false),
+            ("tiny-glm4-moe-mtp", false),
             ("tiny-qwen3.5-mtp", true),
         ] {
             let copy = zero_head.then(|| with_zero_lm_head(&Path::new(FAMILIES).join(name)));

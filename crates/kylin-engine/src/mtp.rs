@@ -290,7 +290,7 @@ mod tests {
         // decoder layer and norms in float32: teacher-forced rows (position i reads token i + 1
         // and the target's hidden state at i) and a greedy chain of proposals after the prompt.
         let pool = ThreadPool::new(2);
-        for name in ["tiny-qwen3.5-mtp", "tiny-qwen3.5-moe-mtp", "tiny-qwen3-next-mtp"] {
+        for name in ["tiny-qwen3.5-mtp", "tiny-qwen3.5-moe-mtp", "tiny-qwen3-next-mtp", "tiny-glm4-moe-mtp"] {
             let dir = fixture(name);
             let text = std::fs::read_to_string(Path::new(REPO).join("mtp").join(format!("{name}.json"))).unwrap();
             let reference: serde_json::Value = serde_json::from_str(&text).unwrap();

@@ -539,3 +539,24 @@ fn moe_bytes_per_token_count_the_active_experts() {
         assert!(per_token < resident, "{name}");
     }
 }
+
+/// GLM-4.5 (`tests/fixtures/families/fixtures/tiny-glm4-moe-mtp`, which matches transformers in
+/// `further_configurations_match_transformers`): nine requests alone and together give the same
+/// bits in f32, BF16 and Q8_0, and the fast paths stay within the MoE families' bounds above.
+#[test]
+fn glm4_moe_batches_invariantly_and_its_fast_paths_stay_close_to_f32() {
+    let name = "tiny-glm4-moe-mtp";
+    let path = Path::new(MORE).join("fixtures").join(name);
+    batch_invariance_at(&path, name, PrecisionChoice::F32, None);
+    batch_invariance_at(&path, name, PrecisionChoice::Auto, Some(QuantFormat::Q8_0));
+    let mut paths = vec![("q8_0", PrecisionChoice::Auto, Some(QuantFormat::Q8_0))];
+    if kylin_kernels::bf16_kernels().is_some() {
+        batch_invariance_at(&path, name, PrecisionChoice::Bf16, None);
+        paths.push(("bf16", PrecisionChoice::Bf16, None));
+    }
+    for (label, precision, quantize) in paths {
+        let (kl, agree) = kl_in(MORE, name, precision, quantize);
+        println!("{name} {label}: KL {kl:.6}, argmax agreement {:.1}%", agree * 100.0);
+        assert!(kl < 0.2 && agree >= 0.5, "{name} {label}: KL {kl}, argmax agreement {agree}");
+    }
+}

@@ -904,8 +904,8 @@ fn a_request_limits_its_own_proposals_within_the_engines() {
 }
 
 /// The fixtures with a multi-token-prediction head (`scripts/make_mtp_fixtures.py`): Qwen3.5,
-/// Qwen3.5-MoE and Qwen3-Next, their heads seeded random.
-const MTP: [&str; 3] = ["tiny-qwen3.5-mtp", "tiny-qwen3.5-moe-mtp", "tiny-qwen3-next-mtp"];
+/// Qwen3.5-MoE and Qwen3-Next (`mtp.*`) and GLM-4.5 (a NextN layer), their heads seeded random.
+const MTP: [&str; 4] = ["tiny-qwen3.5-mtp", "tiny-qwen3.5-moe-mtp", "tiny-qwen3-next-mtp", "tiny-glm4-moe-mtp"];
 
 fn mtp_engine(path: &Path, opts: &EngineOptions) -> kylin_loader::Result<BatchEngine> {
     let model = kylin_loader::load(path, &kylin_loader::LoadOptions { mtp: true, ..Default::default() })?;

@@ -260,8 +260,10 @@ pub enum Cond {
     ExpertBiasStacked,
     /// Experts stacked as MXFP4 `_blocks` and `_scales` (gpt-oss as published).
     ExpertsMxfp4,
-    /// The shared expert and its gate (Qwen2-MoE).
+    /// The shared expert (Qwen2-MoE, GLM-4.5).
     SharedExpert,
+    /// The shared expert's sigmoid gate (Qwen2-MoE; not GLM-4.5).
+    SharedExpertGate,
     /// Per-head attention sinks (gpt-oss).
     Sinks,
 }
@@ -322,6 +324,7 @@ impl Cond {
             }
             Cond::ExpertsMxfp4 => layout(ExpertLayout::StackedMxfp4),
             Cond::SharedExpert => moe.is_some_and(|m| m.shared_intermediate.is_some()),
+            Cond::SharedExpertGate => moe.is_some_and(|m| m.shared_intermediate.is_some() && m.shared_gated),
             Cond::Sinks => attention && c.decoder.attention_sinks,
             Cond::DeltaNet => mixer(crate::family::MixerKind::GatedDeltaNet),
             Cond::ShortConv => mixer(crate::family::MixerKind::ShortConv),
@@ -900,6 +903,41 @@ pub const SHARED_EXPERT: &[Spec] = &[
         Role::SharedExpertGate,
         "model.layers.{layer}.mlp.shared_expert_gate.weight",
         &[One, Hidden],
+        Cond::SharedExpertGate,
+    ),
+];
+
+/// GLM-4.5's router (DeepSeek-V3's): `mlp.gate.weight` and the selection bias
+/// `e_score_correction_bias` (float32 as published).
+pub const GLM4_MOE_ROUTER: &[Spec] = &[
+    spec(Role::Router, "model.layers.{layer}.mlp.gate.weight", &[Experts, Hidden], Cond::Router),
+    spec(
+        Role::RouterSelectionBias,
+        "model.layers.{layer}.mlp.gate.e_score_correction_bias",
+        &[Experts],
+        Cond::RouterSelectionBias,
+    ),
+];
+
+/// GLM-4.5's shared experts (`mlp.shared_experts`, plural; `n_shared_experts` of them fused into
+/// one MLP of `n_shared_experts · moe_intermediate_size`), without a gate.
+pub const SHARED_EXPERTS: &[Spec] = &[
+    spec(
+        Role::SharedGate,
+        "model.layers.{layer}.mlp.shared_experts.gate_proj.weight",
+        &[SharedInter, Hidden],
+        Cond::SharedExpert,
+    ),
+    spec(
+        Role::SharedUp,
+        "model.layers.{layer}.mlp.shared_experts.up_proj.weight",
+        &[SharedInter, Hidden],
+        Cond::SharedExpert,
+    ),
+    spec(
+        Role::SharedDown,
+        "model.layers.{layer}.mlp.shared_experts.down_proj.weight",
+        &[Hidden, SharedInter],
         Cond::SharedExpert,
     ),
 ];

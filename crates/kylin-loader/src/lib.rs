@@ -379,10 +379,12 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     let mtp_head = if opts.mtp {
         let head = mtp::bind(&config, &index, &map)?.ok_or_else(|| {
             KylinError::tensor_missing(format!(
-                "{} has no multi-token-prediction head ({} is not in the checkpoint); Qwen3.5 and Qwen3-Next \
-                 checkpoints ship one (speculate with n-gram or a draft model instead)",
+                "{} has no multi-token-prediction head (neither {} nor a NextN layer's model.layers.{}.eh_proj.weight \
+                 is in the checkpoint); Qwen3.5, Qwen3-Next and GLM-4.5 checkpoints ship one (speculate with n-gram \
+                 or a draft model instead)",
                 dir.display(),
-                mtp::MTP_FC
+                mtp::MTP_FC,
+                config.num_layers
             ))
             .at(dir)
         })?;
@@ -390,19 +392,26 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     } else {
         None
     };
-    let (mtp, rest): (Vec<String>, Vec<String>) = bound.unused.drain(..).partition(|n| n.starts_with("mtp."));
+    let layers = config.num_layers;
+    let (mtp, rest): (Vec<String>, Vec<String>) = bound.unused.drain(..).partition(|n| mtp::is_head_tensor(n, layers));
     bound.unused = rest;
     let mtp: Vec<String> = match &mtp_head {
         Some(head) => mtp.into_iter().filter(|n| head.tensors.binary_search(n).is_err()).collect(),
         None => mtp,
     };
     if !mtp.is_empty() {
+        // Qwen's `mtp.*`, or a NextN layer past the decoder's (GLM-4.5).
+        let what = if mtp.iter().all(|n| n.starts_with("mtp.")) {
+            "mtp.*".to_string()
+        } else {
+            format!("NextN layer model.layers.{layers}.*")
+        };
         warnings.push(format!(
-            "{} mtp.* tensors (the multi-token-prediction head) are not run: --mtp runs them as the proposer of \
+            "{} {what} tensors (the multi-token-prediction head) are not run: --mtp runs them as the proposer of \
              speculative decoding",
             mtp.len()
         ));
-        not_run.push(NotRun { part: "multi-token prediction (mtp.*)".into(), tensors: mtp });
+        not_run.push(NotRun { part: format!("multi-token prediction ({what})"), tensors: mtp });
     }
     if opts.prefetch {
         for tensor in bound.weights.tensors() {

@@ -1040,8 +1040,15 @@ fn every_quantized_fixture_loads_with_every_tensor_used() {
         let model = load(&path, &LoadOptions::default()).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         assert!(model.unused_tensors.is_empty(), "{}: unused {:?}", path.display(), model.unused_tensors);
         let name = path.file_name().unwrap().to_string_lossy().into_owned();
-        // 7 matrices in each of 2 layers are quantized; the head stays as stored.
-        let expected = if name.ends_with("-bf16") { 0 } else { 14 };
+        // 7 matrices in each of 2 layers are quantized; the head stays as stored. The MoE
+        // fixture: 4 attention matrices and 8 experts of 3 in each of 2 layers (not the routers).
+        let expected = if name.ends_with("-bf16") {
+            0
+        } else if name.contains("moe") {
+            56
+        } else {
+            14
+        };
         assert_eq!(model.weights.published.len(), expected, "{name}: quantized modules");
         assert!(!model.weights.published.contains_key("lm_head.weight"), "{name}: the head is quantized");
     }
@@ -1376,4 +1383,78 @@ fn an_mtp_head_is_bound_when_asked_for_and_its_tensors_are_checked() {
     let dir = copy_family("tiny-qwen3.5");
     let err = load_err_with(dir.path(), &with_head);
     assert_code(&err, ErrorCode::TensorMissing, &["mtp.fc.weight"]);
+}
+
+#[test]
+fn a_glm_nextn_layer_is_bound_when_asked_for_and_its_tensors_are_checked() {
+    let with_head = LoadOptions { mtp: true, ..LoadOptions::default() };
+    // GLM-4.5 keeps its NextN layer as model.layers.{num_hidden_layers}: bound as the head
+    // (the copies of the embedding and head it carries count as the head's), listed as not run
+    // without --mtp, never "unused".
+    let dir = copy_more("tiny-glm4-moe-mtp");
+    let loaded = load(dir.path(), &with_head).unwrap();
+    let head = loaded.mtp.as_ref().expect("the NextN layer is bound");
+    assert_eq!(head.config.num_layers, 1);
+    for name in [
+        "model.layers.3.eh_proj.weight",
+        "model.layers.3.enorm.weight",
+        "model.layers.3.hnorm.weight",
+        "model.layers.3.shared_head.norm.weight",
+        "model.layers.3.self_attn.q_proj.bias",
+        "model.layers.3.mlp.experts.7.down_proj.weight",
+        "model.layers.3.mlp.gate.e_score_correction_bias",
+        "model.layers.3.embed_tokens.weight",
+    ] {
+        assert!(head.tensors.iter().any(|n| n == name), "{name} not in {:?}", head.tensors);
+    }
+    assert!(loaded.not_run.iter().all(|p| !p.part.contains("multi-token")), "{:?}", loaded.not_run);
+    assert!(loaded.unused_tensors.is_empty(), "{:?}", loaded.unused_tensors);
+    let plain = load(dir.path(), &LoadOptions::default()).unwrap();
+    assert!(plain.mtp.is_none());
+    assert!(plain.unused_tensors.is_empty(), "{:?}", plain.unused_tensors);
+    let listed = plain.not_run.iter().find(|p| p.part.contains("multi-token")).expect("listed as not run");
+    assert_eq!(listed.tensors.len(), head.tensors.len());
+
+    // A missing norm of the NextN layer, and a layer tensor of the wrong shape: named.
+    edit_header(&dir.path().join("model.safetensors"), |h| {
+        rename_tensor(h, "model.layers.3.hnorm.weight", "model.layers.3.hnorm2.weight")
+    });
+    assert_code(&load_err_with(dir.path(), &with_head), ErrorCode::TensorMissing, &["model.layers.3.hnorm.weight"]);
+    let dir = copy_more("tiny-glm4-moe-mtp");
+    edit_header(&dir.path().join("model.safetensors"), |h| {
+        let t = &mut h["model.layers.3.mlp.shared_experts.down_proj.weight"];
+        let shape: Vec<u64> = serde_json::from_value(t["shape"].clone()).unwrap();
+        t["shape"] = serde_json::json!([shape[1], shape[0]]);
+    });
+    let err = load_err_with(dir.path(), &with_head);
+    assert_code(&err, ErrorCode::TensorShapeMismatch, &["model.layers.3.mlp.shared_experts.down_proj.weight"]);
+    assert!(load(dir.path(), &LoadOptions::default()).is_ok(), "the decoder loads without its head");
+
+    // Two NextN layers.
+    let dir = copy_more("tiny-glm4-moe-mtp");
+    edit_header(&dir.path().join("model.safetensors"), |h| {
+        rename_tensor(h, "model.layers.3.shared_head.head.weight", "model.layers.4.shared_head.head.weight")
+    });
+    let err = load_err_with(dir.path(), &with_head);
+    assert_code(&err, ErrorCode::OperatorUnsupported, &["model.layers.3", "model.layers.4"]);
+}
+
+#[test]
+fn glm_router_groups_that_do_not_split_the_experts_are_refused_by_name() {
+    for (edit, field) in [
+        (serde_json::json!({"n_group": 3}), "n_group"),
+        (serde_json::json!({"n_group": 2, "topk_group": 3}), "topk_group"),
+        (serde_json::json!({"n_group": 0}), "n_group"),
+        (serde_json::json!({"routed_scaling_factor": -1.0}), "routed_scaling_factor"),
+        (serde_json::json!({"first_k_dense_replace": 9}), "first_k_dense_replace"),
+        (serde_json::json!({"n_group": 4, "topk_group": 1}), "num_experts_per_tok"),
+    ] {
+        let dir = copy_more("tiny-glm4-moe-mtp");
+        edit_json(&dir.path().join("config.json"), |c| {
+            for (k, v) in edit.as_object().unwrap() {
+                c[k] = v.clone();
+            }
+        });
+        assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &[field]);
+    }
 }

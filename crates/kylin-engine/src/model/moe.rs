@@ -18,6 +18,7 @@
 
 use kylin_kernels::{self as kernels};
 use kylin_loader::arch::Role;
+use kylin_loader::family::glm4_moe::MAX_EXPERT_GROUPS;
 use kylin_loader::family::{ExpertActivation, MoeSpec, Routing};
 use kylin_loader::{DType, KylinError, LayerWeights, ModelWeights, Result, WeightTensor};
 
@@ -48,8 +49,8 @@ pub(super) enum GateUp {
 #[derive(Debug, Clone)]
 pub(super) struct SharedExpert {
     pub(super) expert: Expert,
-    /// `[1, hidden]`.
-    gate: Linear,
+    /// `[1, hidden]`: the output is times `sigmoid(gate(x))` (Qwen2-MoE); GLM-4.5 has none.
+    gate: Option<Linear>,
 }
 
 /// The router and the experts of one layer.
@@ -236,7 +237,7 @@ impl Moe {
                         linear(Role::SharedUp, sw, hidden)?,
                         linear(Role::SharedDown, hidden, sw)?,
                     ),
-                    gate: linear(Role::SharedExpertGate, 1, hidden)?,
+                    gate: if spec.shared_gated { Some(linear(Role::SharedExpertGate, 1, hidden)?) } else { None },
                 })
             }
             None => None,
@@ -378,7 +379,7 @@ impl Moe {
 
     /// The router and the shared expert's gate, which stay in their stored dtype.
     pub(super) fn side_linears(&self) -> impl Iterator<Item = &Linear> {
-        std::iter::once(&self.router).chain(self.shared.iter().map(|s| &s.gate))
+        std::iter::once(&self.router).chain(self.shared.iter().filter_map(|s| s.gate.as_ref()))
     }
 
     /// Bytes of every expert, the shared expert and the router.
@@ -512,7 +513,8 @@ impl Moe {
             }
         }
 
-        // 6. The shared expert (Qwen2-MoE): out += sigmoid(gate(x)) · shared(x).
+        // 6. The shared expert: out += sigmoid(gate(x)) · shared(x) (Qwen2-MoE), or
+        // out += shared(x) without a gate (GLM-4.5).
         if let Some(shared) = &self.shared {
             let sw = shared.expert.down.cols;
             run_expert(
@@ -527,12 +529,21 @@ impl Moe {
                 &mut ms.shared[..n * h],
                 p,
             );
-            shared.gate.forward(c.mm, &x[..n * h], n, &mut ms.shared_gate[..n], p);
-            for t in 0..n {
-                let g = 1.0 / (1.0 + (-ms.shared_gate[t]).exp());
-                let row = &mut out[t * h..(t + 1) * h];
-                for (o, &v) in row.iter_mut().zip(&ms.shared[t * h..(t + 1) * h]) {
-                    *o += g * v;
+            match &shared.gate {
+                Some(gate) => {
+                    gate.forward(c.mm, &x[..n * h], n, &mut ms.shared_gate[..n], p);
+                    for t in 0..n {
+                        let g = 1.0 / (1.0 + (-ms.shared_gate[t]).exp());
+                        let row = &mut out[t * h..(t + 1) * h];
+                        for (o, &v) in row.iter_mut().zip(&ms.shared[t * h..(t + 1) * h]) {
+                            *o += g * v;
+                        }
+                    }
+                }
+                None => {
+                    for (o, &v) in out[..n * h].iter_mut().zip(&ms.shared[..n * h]) {
+                        *o += v;
+                    }
                 }
             }
         }
@@ -588,7 +599,7 @@ fn run_expert(
 struct Tables<'a> {
     /// Gemma 4's `per_expert_scale`.
     expert_scale: Option<&'a [f32]>,
-    /// LFM2-MoE's `expert_bias`.
+    /// LFM2-MoE's `expert_bias`, GLM-4.5's `e_score_correction_bias`.
     selection_bias: Option<&'a [f32]>,
 }
 
@@ -617,24 +628,27 @@ fn route(routing: Routing, row: &mut [f32], experts: &mut [u32], weights: &mut [
                 }
             }
         }
-        Routing::SigmoidTopK { normalize, scale, .. } => {
+        Routing::SigmoidTopK { normalize, scale, groups, kept_groups, normalize_epsilon, .. } => {
             // s = sigmoid(logit) in f32, as torch computes it: 1 / (1 + exp(-x)).
             for v in row.iter_mut() {
                 *v = 1.0 / (1.0 + (-*v).exp());
             }
-            match tables.selection_bias {
-                Some(bias) => {
-                    // Choose by s + bias; weigh by s alone (transformers' `torch.gather`).
-                    top_k_by(row.len(), |i| row[i] + bias[i], experts, weights);
-                    for (w, &e) in weights.iter_mut().zip(experts.iter()) {
-                        *w = row[e as usize];
-                    }
-                }
-                None => top_k(row, experts, weights),
+            // Choose by s + bias (the bias only selects); weigh by s alone (transformers'
+            // `torch.gather`).
+            let row = &*row;
+            let choice = |i: usize| match tables.selection_bias {
+                Some(bias) => row[i] + bias[i],
+                None => row[i],
+            };
+            let kept = kept_groups_of(row.len(), groups, kept_groups, &choice);
+            let group_size = row.len() / groups.clamp(1, MAX_EXPERT_GROUPS);
+            top_k_by(row.len(), |i| if kept[i / group_size] { choice(i) } else { f32::NEG_INFINITY }, experts, weights);
+            for (w, &e) in weights.iter_mut().zip(experts.iter()) {
+                *w = row[e as usize];
             }
             if normalize {
-                // w / (Σ w + 1e-6), the sum taken in order.
-                let sum: f32 = weights.iter().sum::<f32>() + 1e-6;
+                // w / (Σ w + epsilon), the sum taken in order.
+                let sum: f32 = weights.iter().sum::<f32>() + normalize_epsilon as f32;
                 for w in weights.iter_mut() {
                     *w /= sum;
                 }
@@ -645,6 +659,47 @@ fn route(routing: Routing, row: &mut [f32], experts: &mut [u32], weights: &mut [
             }
         }
     }
+}
+
+/// DeepSeek-V3's group-limited choice (GLM-4.5's `n_group`, `topk_group`): the experts split
+/// into `groups` equal groups, each scored by the sum of its two best `choice` values; the
+/// best `kept_groups` stay (ties to the lower index). One group keeps every expert.
+fn kept_groups_of(
+    experts: usize,
+    groups: usize,
+    kept_groups: usize,
+    choice: &impl Fn(usize) -> f32,
+) -> [bool; MAX_EXPERT_GROUPS] {
+    let groups = groups.clamp(1, MAX_EXPERT_GROUPS);
+    if kept_groups >= groups {
+        return [true; MAX_EXPERT_GROUPS];
+    }
+    let size = experts / groups;
+    let mut score = [f32::NEG_INFINITY; MAX_EXPERT_GROUPS];
+    for (g, score) in score.iter_mut().enumerate().take(groups) {
+        let (mut first, mut second) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+        for i in g * size..(g + 1) * size {
+            let v = choice(i);
+            if v > first {
+                second = first;
+                first = v;
+            } else if v > second {
+                second = v;
+            }
+        }
+        *score = first + second;
+    }
+    let mut kept = [false; MAX_EXPERT_GROUPS];
+    for _ in 0..kept_groups {
+        let best = (0..groups).filter(|&g| !kept[g]).fold(None, |best: Option<usize>, g| match best {
+            Some(b) if score[b] >= score[g] || score[g].is_nan() => Some(b),
+            _ => Some(g),
+        });
+        if let Some(b) = best {
+            kept[b] = true;
+        }
+    }
+    kept
 }
 
 /// `weights /= Σ weights`, the sum taken in order (`top_k` is small).

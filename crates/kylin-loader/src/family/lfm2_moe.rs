@@ -68,7 +68,8 @@ fn resolve(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
             1.0
         }
     };
-    moe.routing = Routing::SigmoidTopK { normalize, selection_bias, scale };
+    moe.routing =
+        Routing::SigmoidTopK { normalize, selection_bias, scale, groups: 1, kept_groups: 1, normalize_epsilon: 1e-6 };
     c.decoder.moe = Some(moe);
 
     // The first `num_dense_layers` layers keep the dense MLP (Lfm2MoeDecoderLayer).

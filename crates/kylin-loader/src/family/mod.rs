@@ -26,6 +26,7 @@ use crate::error::Result;
 pub mod gemma2;
 pub mod gemma3;
 pub mod gemma4;
+pub mod glm4_moe;
 pub mod gpt_oss;
 pub mod granite;
 pub mod lfm2;
@@ -68,6 +69,7 @@ pub static REGISTRY: &[&Family] = &[
     &qwen3_5_moe::FAMILY,
     &lfm2_moe::FAMILY,
     &qwen3_next::FAMILY,
+    &glm4_moe::FAMILY,
 ];
 
 /// The defaults transformers' configuration class declares for fields `config.json` may omit.
@@ -311,11 +313,22 @@ pub enum Routing {
     /// vector and `hidden^-0.5`; softmax, top k, renormalised, each weight times its expert's
     /// stored `per_expert_scale`.
     Gemma4,
-    /// LFM2-MoE: `sigmoid` of each logit; the top k chosen by `sigmoid + expert_bias` when
-    /// `selection_bias` (the stored bias only selects, it never weighs), weighted by the
-    /// sigmoids alone; `w / (Σ w + 1e-6)` when `normalize`; every weight times `scale`
-    /// (`routed_scaling_factor`).
-    SigmoidTopK { normalize: bool, selection_bias: bool, scale: f64 },
+    /// LFM2-MoE and GLM-4.5 (DeepSeek-V3's router): `sigmoid` of each logit; the top k chosen
+    /// by `sigmoid + bias` when `selection_bias` (LFM2's `expert_bias`, GLM's
+    /// `e_score_correction_bias`: the stored bias only selects, it never weighs), by the
+    /// sigmoids otherwise, among the experts of the `kept_groups` best of `groups` equal
+    /// groups (a group's score: the sum of its two best choice values; GLM's `n_group`,
+    /// `topk_group`; one group keeps every expert); weighted by the sigmoids alone,
+    /// `w / (Σ w + normalize_epsilon)` when `normalize` (LFM2 1e-6, GLM 1e-20), every weight
+    /// times `scale` (`routed_scaling_factor`).
+    SigmoidTopK {
+        normalize: bool,
+        selection_bias: bool,
+        scale: f64,
+        groups: usize,
+        kept_groups: usize,
+        normalize_epsilon: f64,
+    },
 }
 
 /// The experts' activation: `down(act(gate) · up)`.
@@ -346,9 +359,11 @@ pub struct MoeSpec {
     /// The router and the experts' projections carry biases (gpt-oss).
     pub router_bias: bool,
     pub expert_bias: bool,
-    /// A shared expert of this width beside the routed ones, its output times
-    /// `sigmoid(shared_expert_gate(x))` (Qwen2-MoE).
+    /// A shared expert of this width beside the routed ones (Qwen2-MoE, GLM-4.5).
     pub shared_intermediate: Option<usize>,
+    /// The shared expert's output is times `sigmoid(shared_expert_gate(x))` (Qwen2-MoE,
+    /// Qwen3.5-MoE, Qwen3-Next); GLM-4.5's is added as it is.
+    pub shared_gated: bool,
 }
 
 /// One decoder layer's choices and sizes (the model-wide values unless the family varies
@@ -827,7 +842,7 @@ pub(crate) fn moe_fields(hf: &HfConfig, c: &mut ModelConfig, d: &MoeDefaults) ->
         c.defaulted.push(keys[0].to_string());
         Ok(default)
     };
-    let num_experts = number(&["num_experts", "num_local_experts"], d.num_experts, c)?;
+    let num_experts = number(&["num_experts", "num_local_experts", "n_routed_experts"], d.num_experts, c)?;
     if num_experts as u64 > MAX_EXPERTS {
         return Err(KylinError::config_invalid(format!(
             "config.json field 'num_experts' is {num_experts}; Kylin runs at most {MAX_EXPERTS} experts"
@@ -856,6 +871,7 @@ pub(crate) fn moe_fields(hf: &HfConfig, c: &mut ModelConfig, d: &MoeDefaults) ->
         router_bias: false,
         expert_bias: false,
         shared_intermediate: None,
+        shared_gated: true,
     })
 }
 
