@@ -477,6 +477,41 @@ QWEN35_08B = dict(
 )
 
 
+# Qwen3.5-35B-A3B (Qwen/Qwen3.5-35B-A3B's text_config): hidden 2048, gated DeltaNet with 16 key
+# and 32 value heads of 128, gated full attention (16 query and 2 KV heads of 256) on every
+# fourth layer, 256 experts of width 512 with 8 per token and a sigmoid-gated shared expert of
+# 512, untied head; the first LAYERS of its 40 layers (the experts alone are 1.6 GB per layer in
+# BF16), in the published ConditionalGeneration layout (stacked experts `mlp.experts.gate_up_proj`
+# and `down_proj`) without the vision tower and without the MTP head.
+QWEN35_MOE_LAYERS = int(os.environ.get("QWEN35_MOE_LAYERS", "4"))
+QWEN35_35B_A3B = dict(
+    name="qwen3.5-moe-shaped", H=2048, L=QWEN35_MOE_LAYERS, NH=16, NKV=2, HD=256, FF=None, V=248320, HK=16, HV=32,
+    DK=128, DV=128, K=4, E=256, W=512, SW=512, mtp=False,
+    config={
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"], "image_token_id": 248056, "model_type": "qwen3_5_moe",
+        "text_config": {
+            "attention_bias": False, "attention_dropout": 0.0, "attn_output_gate": True, "dtype": "bfloat16",
+            "eos_token_id": 248044, "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu",
+            "hidden_size": 2048, "initializer_range": 0.02,
+            "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                            for i in range(QWEN35_MOE_LAYERS)],
+            "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32, "linear_value_head_dim": 128, "max_position_embeddings": 262144,
+            "mamba_ssm_dtype": "float32", "model_type": "qwen3_5_moe_text", "moe_intermediate_size": 512,
+            "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False, "num_attention_heads": 16,
+            "num_experts": 256, "num_experts_per_tok": 8, "num_hidden_layers": QWEN35_MOE_LAYERS,
+            "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "router_aux_loss_coef": 0.001,
+            "shared_expert_intermediate_size": 512, "tie_word_embeddings": False, "use_cache": True,
+            "vocab_size": 248320,
+            "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "rope_type": "default",
+                                "rope_theta": 10000000, "partial_rotary_factor": 0.25}},
+        "tie_word_embeddings": False, "transformers_version": "4.57.0.dev0", "video_token_id": 248057,
+        "vision_end_token_id": 248054, "vision_start_token_id": 248053},
+    generation={"bos_token_id": 248044, "do_sample": True, "eos_token_id": [248046, 248044], "pad_token_id": 248044,
+                "temperature": 0.6, "top_k": 20, "top_p": 0.95},
+)
+
+
 def qwen35(spec):
     name, H, L, NH, NKV, HD, FF, V = (spec[k] for k in ("name", "H", "L", "NH", "NKV", "HD", "FF", "V"))
     HK, HV, DK, DV, K = (spec[k] for k in ("HK", "HV", "DK", "DV", "K"))
@@ -506,9 +541,23 @@ def qwen35(spec):
             shapes[p + "linear_attn.dt_bias"] = (HV,)
             shapes[p + "linear_attn.norm.weight"] = (DV,)
             shapes[p + "linear_attn.out_proj.weight"] = (H, HV * DV)
-        shapes[p + "mlp.gate_proj.weight"] = (FF, H)
-        shapes[p + "mlp.up_proj.weight"] = (FF, H)
-        shapes[p + "mlp.down_proj.weight"] = (H, FF)
+        if spec.get("E"):
+            E, W, SW = spec["E"], spec["W"], spec["SW"]
+            shapes[p + "mlp.gate.weight"] = (E, H)
+            shapes[p + "mlp.experts.gate_up_proj"] = (E, 2 * W, H)
+            shapes[p + "mlp.experts.down_proj"] = (E, H, W)
+            shapes[p + "mlp.shared_expert.gate_proj.weight"] = (SW, H)
+            shapes[p + "mlp.shared_expert.up_proj.weight"] = (SW, H)
+            shapes[p + "mlp.shared_expert.down_proj.weight"] = (H, SW)
+            shapes[p + "mlp.shared_expert_gate.weight"] = (1, H)
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (FF, H)
+            shapes[p + "mlp.up_proj.weight"] = (FF, H)
+            shapes[p + "mlp.down_proj.weight"] = (H, FF)
+    if not spec["config"].get("tie_word_embeddings", True):
+        shapes["lm_head.weight"] = (V, H)
+    if not spec.get("mtp", True):
+        return write_qwen35(spec, d, shapes)
     # The MTP head: fc (hidden, 2 hidden), its norms, one full-attention layer with its MLP.
     shapes["mtp.fc.weight"] = (H, 2 * H)
     for norm in ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight"):
@@ -521,10 +570,21 @@ def qwen35(spec):
                      ("mlp.gate_proj.weight", (FF, H)), ("mlp.up_proj.weight", (FF, H)),
                      ("mlp.down_proj.weight", (H, FF))):
         shapes[m + k] = shape
+    write_qwen35(spec, d, shapes)
+
+
+def write_qwen35(spec, d, shapes):
+    name = spec["name"]
     rng = np.random.default_rng(20261127)
 
     def fill(k, shape, write):
-        if k.endswith("A_log"):  # decays of about e^-1 per token, as trained models have
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [experts, rows, cols]
+            scale = 1.0 / np.sqrt(shape[2])
+            for e in range(shape[0]):
+                write(bf16(rng.standard_normal(shape[1:], dtype=np.float32) * scale))
+        elif k.endswith("mlp.gate.weight"):  # the router's logits spread so that every expert is used
+            write(bf16(rng.standard_normal(shape, dtype=np.float32) * (2.0 / np.sqrt(shape[1]))))
+        elif k.endswith("A_log"):  # decays of about e^-1 per token, as trained models have
             write(bf16(np.log(rng.uniform(0.5, 2.0, shape)).astype(np.float32)))
         elif k.endswith("dt_bias"):
             write(bf16(rng.uniform(-1.0, 1.0, shape).astype(np.float32)))
@@ -558,3 +618,5 @@ if not only or GEMMA4_E2B["name"] in only:
     gemma4(GEMMA4_E2B)
 if not only or QWEN35_08B["name"] in only:
     qwen35(QWEN35_08B)
+if not only or QWEN35_35B_A3B["name"] in only:
+    qwen35(QWEN35_35B_A3B)
