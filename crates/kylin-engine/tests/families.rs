@@ -560,3 +560,28 @@ fn glm4_moe_batches_invariantly_and_its_fast_paths_stay_close_to_f32() {
         assert!(kl < 0.2 && agree >= 0.5, "{name} {label}: KL {kl}, argmax agreement {agree}");
     }
 }
+
+/// transformers' `Qwen3_5MoeTextConfig` has no `intermediate_size` (every layer is sparse), and
+/// the configs Qwen3.5-MoE is published with leave it out: such a directory loads (the field
+/// recorded as defaulted) and computes the same bits as the fixture, which has it.
+#[test]
+fn a_qwen3_5_moe_config_without_intermediate_size_runs_as_published() {
+    let source = fixture("tiny-qwen3.5-moe");
+    let copy = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(&source).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), copy.path().join(entry.file_name())).unwrap();
+    }
+    let config_path = copy.path().join("config.json");
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    assert!(config.as_object_mut().unwrap().remove("intermediate_size").is_some());
+    std::fs::write(&config_path, serde_json::to_string(&config).unwrap()).unwrap();
+    let loaded = kylin_loader::load(copy.path(), &kylin_loader::LoadOptions::default()).unwrap();
+    assert!(loaded.config.defaulted.iter().any(|f| f == "intermediate_size"), "{:?}", loaded.config.defaulted);
+    let prompt = ids(&reference_in(FAMILIES, "tiny-qwen3.5-moe")["cases"][2]["input_ids"]);
+    let mut with = native(&source, PrecisionChoice::F32, None);
+    let mut without = native(copy.path(), PrecisionChoice::F32, None);
+    let a = with.prefill_all_logits(&prompt).unwrap().to_vec();
+    let b = without.prefill_all_logits(&prompt).unwrap().to_vec();
+    assert!(a == b, "the logits differ without intermediate_size");
+}

@@ -574,7 +574,13 @@ impl HfConfig {
             )));
         }
         let num_heads = required(self.num_attention_heads, "num_attention_heads")?;
-        let intermediate_size = required(self.intermediate_size, "intermediate_size")?;
+        let intermediate_size = match (self.intermediate_size, d.intermediate_size) {
+            (None, Some(default)) => {
+                defaulted.push("intermediate_size".into());
+                default
+            }
+            (given, _) => required(given, "intermediate_size")?,
+        };
         let vocab_size = required(self.vocab_size, "vocab_size")?;
 
         let num_kv_heads = match self.num_key_value_heads {

@@ -81,6 +81,10 @@ pub struct Defaults {
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
     pub tie_word_embeddings: bool,
+    /// `None`: `intermediate_size` is required. `Some(0)`: the family's configuration class has
+    /// no such field because no layer has a dense MLP (Qwen3.5-MoE), so a `config.json`
+    /// without it is complete.
+    pub intermediate_size: Option<usize>,
 }
 
 /// The transformers defaults most families share (Llama's).
@@ -90,6 +94,7 @@ pub const LLAMA_DEFAULTS: Defaults = Defaults {
     rms_norm_eps: 1e-6,
     rope_theta: 10000.0,
     tie_word_embeddings: false,
+    intermediate_size: None,
 };
 
 /// One architecture: its names, defaults, resolver and tensor table.

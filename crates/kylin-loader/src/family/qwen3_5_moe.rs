@@ -23,8 +23,14 @@ pub const FAMILY: Family = Family {
     model_type: "qwen3_5_moe_text",
     multimodal: Some("Qwen3_5MoeForConditionalGeneration"),
     about: "Qwen3.5's hybrid layers with softmax top-k experts and a sigmoid-gated shared expert",
-    // Qwen3_5MoeTextConfig(head_dim=256, max_position_embeddings=32768, rms_norm_eps=1e-6).
-    defaults: Defaults { max_position_embeddings: 32768, head_dim: Some(256), ..LLAMA_DEFAULTS },
+    // Qwen3_5MoeTextConfig(head_dim=256, max_position_embeddings=32768, rms_norm_eps=1e-6); it
+    // has no `intermediate_size` (every layer is sparse), and published configs leave it out.
+    defaults: Defaults {
+        max_position_embeddings: 32768,
+        head_dim: Some(256),
+        intermediate_size: Some(0),
+        ..LLAMA_DEFAULTS
+    },
     resolve,
     tensors: &[
         EMBED_HEAD,
