@@ -154,9 +154,9 @@ fn greedy_outputs_with_speculation_equal_those_without_on_several_fixtures() {
 
 /// Every family of the registry (`testdata/families`: Gemma 2/3/4, Phi-3, SmolLM3, OLMo 2,
 /// Granite, the MoE families, Qwen3.5 and LFM2; and GLM-4.5's fixture): n-gram speculation
-/// leaves the greedy outputs as they are, several sequences per step.
+/// leaves the outputs as they are, greedy and sampled with seeds, several sequences per step.
 #[test]
-fn greedy_outputs_with_speculation_equal_those_without_on_every_family() {
+fn outputs_with_speculation_equal_those_without_on_every_family() {
     let mut names: Vec<String> = std::fs::read_dir(Path::new(SHARED).join("families/fixtures"))
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
@@ -166,15 +166,16 @@ fn greedy_outputs_with_speculation_equal_those_without_on_every_family() {
     names.push("tiny-glm4-moe-mtp".to_string());
     for name in &names {
         let path = fixture(name);
-        let requests = mixed_requests(24);
-        let (plain, _) = run(&path, &options(0), &requests);
-        let (spec, stats) = run(&path, &options(3), &requests);
-        assert_same(&plain, &spec, &format!("{name}, 3 speculative tokens"));
-        assert!(stats.speculative_proposed_tokens > 0, "{name}: nothing was proposed");
-        eprintln!(
-            "{name}: {} of {} proposals accepted",
-            stats.speculative_accepted_tokens, stats.speculative_proposed_tokens
-        );
+        for (what, requests) in [("greedy", mixed_requests(24)), ("seeded", seeded_requests(24))] {
+            let (plain, _) = run(&path, &options(0), &requests);
+            let (spec, stats) = run(&path, &options(3), &requests);
+            assert_same(&plain, &spec, &format!("{name}, {what}, 3 speculative tokens"));
+            assert!(stats.speculative_proposed_tokens > 0, "{name}, {what}: nothing was proposed");
+            eprintln!(
+                "{name}, {what}: {} of {} proposals accepted",
+                stats.speculative_accepted_tokens, stats.speculative_proposed_tokens
+            );
+        }
     }
 }
 
