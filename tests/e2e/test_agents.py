@@ -383,3 +383,66 @@ def test_smollm2_calls_tools_through_the_fallback_prompt():
             jsonschema.validate(json.loads(choice.message.content), PERSON)
     finally:
         assert s.stop() == 0
+
+
+# Qwen3.5's chat template (its published shape, tests/fixtures/qwen3.5/chat_template.jinja) teaches
+# the XML calls of Qwen3-Coder and Qwen3.5; served over Qwen2.5-Coder's weights and vocabulary
+# (the template's markers are ordinary text there), the calls are constrained, parsed and typed by
+# the tools' schemas exactly as for a Qwen3.5 model.
+QWEN35_TEMPLATE = Path(__file__).resolve().parents[1] / "fixtures" / "qwen3.5" / "chat_template.jinja"
+FORECAST = {
+    "type": "function",
+    "function": {
+        "name": "get_forecast",
+        "description": "The forecast for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 40},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                "hourly": {"type": "boolean"},
+            },
+            "required": ["city", "days", "hourly"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_qwen3_5_xml_tool_calls_are_constrained_parsed_and_typed():
+    if not (QWEN / "config.json").is_file():
+        pytest.fail(f"{QWEN} is missing; run scripts/setup.sh")
+    s = Served(QWEN, "--chat-template", str(QWEN35_TEMPLATE))
+    try:
+        c = s.openai()
+        tools = [FORECAST, TIME]
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+        kw = dict(model=QWEN_NAME, tools=tools, tool_choice="required", parallel_tool_calls=False)
+        question = [{"role": "user", "content": "Forecast for Lyon for the next 3 days, hourly?"}]
+        r = c.chat.completions.create(messages=question, temperature=1.0, seed=11, n=4, max_tokens=200, **kw)
+        for choice in r.choices:
+            assert choice.finish_reason == "tool_calls", choice
+            for call in choice.message.tool_calls:
+                args = json.loads(call.function.arguments)
+                jsonschema.validate(args, schemas[call.function.name])
+                if call.function.name == "get_forecast":
+                    # Typed by the schema: an integer and a boolean, not the strings the XML holds.
+                    assert isinstance(args["days"], int) and isinstance(args["hourly"], bool), args
+        # Streamed, the arguments add up to the whole answer.
+        whole = c.chat.completions.create(messages=question, temperature=0, max_tokens=200, **kw)
+        whole_calls = [(t.function.name, t.function.arguments) for t in whole.choices[0].message.tool_calls]
+        streamed = {}
+        for chunk in c.chat.completions.create(messages=question, temperature=0, max_tokens=200, stream=True, **kw):
+            for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                slot = streamed.setdefault(tc.index, {"name": None, "arguments": ""})
+                slot["name"] = slot["name"] or tc.function.name
+                slot["arguments"] += tc.function.arguments or ""
+        assert [(v["name"], v["arguments"]) for v in streamed.values()] == whole_calls
+        # The call goes back through the template (as XML) with its result, and the model answers.
+        messages = question + [whole.choices[0].message.model_dump(exclude_none=True),
+                               {"role": "tool", "tool_call_id": whole.choices[0].message.tool_calls[0].id,
+                                "content": json.dumps({"forecast": "sunny"})}]
+        r = c.chat.completions.create(model=QWEN_NAME, messages=messages, tools=tools, temperature=0, max_tokens=30)
+        assert r.choices[0].message.content or r.choices[0].message.tool_calls
+    finally:
+        assert s.stop() == 0

@@ -166,9 +166,16 @@ fn tools() -> Vec<ToolSpec> {
 fn forced_tool_calls_parse_and_validate_in_every_syntax() {
     let (codec, compiler) = compiler();
     let special = |s: &str| compiler.special_token(s);
-    let syntaxes =
-        [ToolSyntax::Hermes, ToolSyntax::Llama3, ToolSyntax::Mistral, ToolSyntax::Gemma, ToolSyntax::Harmony];
+    let syntaxes = [
+        ToolSyntax::Hermes,
+        ToolSyntax::Llama3,
+        ToolSyntax::Mistral,
+        ToolSyntax::Gemma,
+        ToolSyntax::Harmony,
+        ToolSyntax::QwenXml,
+    ];
     for syntax in syntaxes {
+        let mut completed = 0;
         for (choice, parallel) in [
             (ToolChoice::Required, false),
             (ToolChoice::Required, true),
@@ -181,7 +188,8 @@ fn forced_tool_calls_parse_and_validate_in_every_syntax() {
                     // Random logits can write a string for ever; what ends must be right.
                     continue;
                 }
-                let parsed = syntax.parse(&text);
+                completed += 1;
+                let parsed = syntax.parse_for(&text, &tools());
                 assert!(!parsed.calls.is_empty(), "{syntax:?} {choice:?} seed {seed}: no call in {text:?}");
                 assert!(parallel || parsed.calls.len() == 1, "{text}");
                 for call in &parsed.calls {
@@ -201,6 +209,8 @@ fn forced_tool_calls_parse_and_validate_in_every_syntax() {
                 }
             }
         }
+        assert!(completed > 0, "{syntax:?}: every sample ran to the length limit");
+        eprintln!("{syntax:?}: {completed} of 12 samples ended with their calls");
     }
 }
 

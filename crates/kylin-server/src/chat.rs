@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use kylin_engine::grammar::{Grammar, GrammarCompiler, GrammarSpec};
 use kylin_engine::tools::{
-    ParsedResponse, ToolCallParser, ToolChoice, ToolEvent, ToolSpec, ToolSyntax, fallback_system_prompt,
+    ParsedResponse, ToolCallParser, ToolChoice, ToolEvent, ToolParsing, ToolSpec, ToolSyntax, fallback_system_prompt,
 };
 use serde_json::{Map, Value, json};
 
@@ -47,8 +47,9 @@ pub struct Prepared {
     pub images: Vec<kylin_engine::serving::ImageInput>,
     pub grammar: Option<Grammar>,
     pub skip_special_tokens: bool,
-    /// Parse the output for tool calls in this syntax (`None`: no tools offered).
-    pub syntax: Option<ToolSyntax>,
+    /// Parse the output for tool calls in this syntax, typed by the offered tools (`None`: no
+    /// tools offered).
+    pub syntax: Option<ToolParsing>,
 }
 
 /// The grammar compiler (built by the engine on first use, then kept).
@@ -177,7 +178,7 @@ pub async fn prepare(state: &AppState, published: &Published, plan: ChatPlan) ->
         prompt: Prompt::Chat { messages, kwargs, add_generation_prompt },
         grammar,
         skip_special_tokens,
-        syntax: tools_on.then_some(syntax),
+        syntax: tools_on.then(|| ToolParsing { syntax, tools: tools.into() }),
     })
 }
 
@@ -189,8 +190,8 @@ pub struct ChoiceOutput {
 }
 
 impl ChoiceOutput {
-    pub fn new(syntax: Option<ToolSyntax>) -> Self {
-        ChoiceOutput { parser: syntax.map(ToolSyntax::parser), parsed: ParsedResponse::default() }
+    pub fn new(syntax: Option<&ToolParsing>) -> Self {
+        ChoiceOutput { parser: syntax.map(ToolParsing::parser), parsed: ParsedResponse::default() }
     }
 
     /// Feeds generated text; returns what it completed.
@@ -319,7 +320,7 @@ pub(crate) async fn start(
         done: false,
         pending_end: None,
         prompt_tokens: accepted.prompt_tokens,
-        output: ChoiceOutput::new(prepared.syntax),
+        output: ChoiceOutput::new(prepared.syntax.as_ref()),
         _admission: admission,
     })
 }

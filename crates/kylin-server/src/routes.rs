@@ -23,7 +23,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use kylin_engine::grammar::Grammar;
-use kylin_engine::tools::{ParsedResponse, ToolEvent, ToolSyntax};
+use kylin_engine::tools::{ParsedResponse, ToolEvent, ToolParsing};
 
 use crate::api::{ChatRequest, Common, CompletionRequest, DetokenizeRequest, PromptInput, TokenizeRequest};
 use crate::chat::{self, ChatPlan, ChoiceOutput};
@@ -266,7 +266,7 @@ struct Job {
     grammar: Option<Grammar>,
     skip_special_tokens: bool,
     /// Parse the choices' text for tool calls in this syntax.
-    syntax: Option<ToolSyntax>,
+    syntax: Option<ToolParsing>,
     /// The chat's images, prepared.
     images: Vec<kylin_engine::serving::ImageInput>,
 }
@@ -410,10 +410,10 @@ struct Collector {
 }
 
 impl Collector {
-    fn new(choices: usize, n: usize, prompt_tokens: usize, syntax: Option<ToolSyntax>) -> Self {
+    fn new(choices: usize, n: usize, prompt_tokens: usize, syntax: Option<ToolParsing>) -> Self {
         Collector {
             texts: vec![String::new(); choices],
-            outputs: (0..choices).map(|_| ChoiceOutput::new(syntax)).collect(),
+            outputs: (0..choices).map(|_| ChoiceOutput::new(syntax.as_ref())).collect(),
             reasons: vec![None; choices],
             logprobs: vec![Vec::new(); choices],
             echo: vec![None; choices],

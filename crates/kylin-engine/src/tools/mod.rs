@@ -3,7 +3,9 @@
 //!
 //! A chat template teaches its model one way to write calls; [`ToolSyntax::detect`] reads it
 //! from the template's source: Qwen/Hermes `<tool_call>{json}</tool_call>`, Llama 3.x JSON
-//! (`{"name", "parameters"}`, optionally after `<|python_tag|>`), Mistral `[TOOL_CALLS]` (the
+//! (`{"name", "parameters"}`, optionally after `<|python_tag|>`), Qwen3-Coder's and Qwen3.5's
+//! XML (`<tool_call><function=name><parameter=key>value</parameter></function></tool_call>`,
+//! whose values take their JSON types from the tools' schemas), Mistral `[TOOL_CALLS]` (the
 //! JSON list of v3 and the `name[ARGS]{json}` form of later models), Gemma 4
 //! `<|tool_call>call:name{...}<tool_call|>`, and gpt-oss's harmony messages
 //! (`to=functions.name ... <|message|>{json}`). A template that renders no tools gets
@@ -28,6 +30,7 @@ mod harmony;
 mod hermes;
 mod llama3;
 mod mistral;
+mod qwen_xml;
 pub mod scan;
 
 use serde_json::{Value, json};
@@ -146,6 +149,23 @@ pub enum ToolSyntax {
     Gemma,
     /// gpt-oss (harmony): `<|channel|>commentary to=functions.name <|constrain|>json<|message|>{...}`.
     Harmony,
+    /// Qwen3-Coder, Qwen3.5, Qwen3.6: `<tool_call>\n<function=name>\n<parameter=key>\nvalue\n</parameter>\n</function>\n</tool_call>`.
+    QwenXml,
+}
+
+/// How to read one request's output for tool calls: the model's syntax and the tools the
+/// request offered (the XML syntax types its values by their schemas).
+#[derive(Debug, Clone)]
+pub struct ToolParsing {
+    pub syntax: ToolSyntax,
+    pub tools: std::sync::Arc<[ToolSpec]>,
+}
+
+impl ToolParsing {
+    /// A fresh parser for one response.
+    pub fn parser(&self) -> Box<dyn ToolCallParser> {
+        self.syntax.parser_for(&self.tools)
+    }
 }
 
 impl ToolSyntax {
@@ -157,6 +177,8 @@ impl ToolSyntax {
             Some(ToolSyntax::Mistral)
         } else if template.contains("<|tool_call>") {
             Some(ToolSyntax::Gemma)
+        } else if template.contains("<function=") && template.contains("<parameter=") {
+            Some(ToolSyntax::QwenXml)
         } else if template.contains("<tool_call>") {
             Some(ToolSyntax::Hermes)
         } else if template.contains("<|python_tag|>") || template.contains("\"parameters\": ") {
@@ -173,6 +195,7 @@ impl ToolSyntax {
             ToolSyntax::Mistral => "mistral",
             ToolSyntax::Gemma => "gemma4",
             ToolSyntax::Harmony => "harmony",
+            ToolSyntax::QwenXml => "qwen3_coder",
         }
     }
 
@@ -180,7 +203,7 @@ impl ToolSyntax {
     /// text must keep special tokens for the parser to see them).
     pub fn markers(self) -> &'static [&'static str] {
         match self {
-            ToolSyntax::Hermes => &["<tool_call>", "</tool_call>"],
+            ToolSyntax::Hermes | ToolSyntax::QwenXml => &["<tool_call>", "</tool_call>"],
             ToolSyntax::Llama3 => &["<|python_tag|>"],
             ToolSyntax::Mistral => &["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"],
             ToolSyntax::Gemma => &["<|tool_call>", "<tool_call|>", "<|\"|>"],
@@ -188,9 +211,16 @@ impl ToolSyntax {
         }
     }
 
-    /// A fresh parser for one response.
+    /// A fresh parser for one response (values of the XML syntax untyped: see
+    /// [`ToolSyntax::parser_for`]).
     pub fn parser(self) -> Box<dyn ToolCallParser> {
+        self.parser_for(&[])
+    }
+
+    /// A fresh parser for one response to a request that offered `tools`.
+    pub fn parser_for(self, tools: &[ToolSpec]) -> Box<dyn ToolCallParser> {
         match self {
+            ToolSyntax::QwenXml => Box::new(qwen_xml::QwenXmlParser::new(qwen_xml::parameter_types(tools))),
             ToolSyntax::Hermes => Box::new(hermes::HermesParser::default()),
             ToolSyntax::Llama3 => Box::new(llama3::Llama3Parser::default()),
             ToolSyntax::Mistral => Box::new(mistral::MistralParser::default()),
@@ -201,7 +231,12 @@ impl ToolSyntax {
 
     /// Parses a whole response.
     pub fn parse(self, text: &str) -> ParsedResponse {
-        let mut parser = self.parser();
+        self.parse_for(text, &[])
+    }
+
+    /// Parses a whole response to a request that offered `tools`.
+    pub fn parse_for(self, text: &str, tools: &[ToolSpec]) -> ParsedResponse {
+        let mut parser = self.parser_for(tools);
         let mut events = Vec::new();
         parser.push(text, &mut events);
         parser.finish(&mut events);
@@ -237,6 +272,7 @@ impl ToolSyntax {
             ToolSyntax::Mistral => Some(mistral::grammar(&g, &chosen, forced, parallel)),
             ToolSyntax::Gemma => Some(gemma::grammar(&g, &chosen, forced, parallel)),
             ToolSyntax::Harmony => forced.then(|| harmony::grammar(&g, &chosen)),
+            ToolSyntax::QwenXml => Some(qwen_xml::grammar(&g, &chosen, forced, parallel)),
         }
     }
 }
@@ -338,8 +374,13 @@ pub(crate) mod testing {
 
     /// Parses `text` whole and fed in pieces of `step` characters; both must agree.
     pub fn parse_both_ways(syntax: ToolSyntax, text: &str, step: usize) -> ParsedResponse {
-        let whole = syntax.parse(text);
-        let mut parser = syntax.parser();
+        parse_both_ways_for(syntax, text, step, &[])
+    }
+
+    /// [`parse_both_ways`] for a request that offered `tools`.
+    pub fn parse_both_ways_for(syntax: ToolSyntax, text: &str, step: usize, tools: &[ToolSpec]) -> ParsedResponse {
+        let whole = syntax.parse_for(text, tools);
+        let mut parser = syntax.parser_for(tools);
         let mut events = Vec::new();
         let chars: Vec<char> = text.chars().collect();
         for piece in chars.chunks(step) {
@@ -379,6 +420,14 @@ mod tests {
             Some(ToolSyntax::Harmony)
         );
         assert_eq!(ToolSyntax::detect("{% for m in messages %}{{ m.content }}{% endfor %}"), None);
+        // Qwen3.5's template (its published shape: scripts/make_qwen35_tokenizer.py) teaches the
+        // XML calls, though it also names <tool_call>.
+        let qwen35 = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../tests/fixtures/qwen3.5/chat_template.jinja"
+        ))
+        .unwrap();
+        assert_eq!(ToolSyntax::detect(&qwen35), Some(ToolSyntax::QwenXml));
     }
 
     #[test]
