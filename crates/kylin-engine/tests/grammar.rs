@@ -173,6 +173,7 @@ fn forced_tool_calls_parse_and_validate_in_every_syntax() {
         ToolSyntax::Gemma,
         ToolSyntax::Harmony,
         ToolSyntax::QwenXml,
+        ToolSyntax::Glm,
     ];
     for syntax in syntaxes {
         let mut completed = 0;

@@ -5,7 +5,9 @@
 //! from the template's source: Qwen/Hermes `<tool_call>{json}</tool_call>`, Llama 3.x JSON
 //! (`{"name", "parameters"}`, optionally after `<|python_tag|>`), Qwen3-Coder's and Qwen3.5's
 //! XML (`<tool_call><function=name><parameter=key>value</parameter></function></tool_call>`,
-//! whose values take their JSON types from the tools' schemas), Mistral `[TOOL_CALLS]` (the
+//! whose values take their JSON types from the tools' schemas), GLM-4.5's
+//! (`<tool_call>name<arg_key>key</arg_key><arg_value>value</arg_value></tool_call>`, typed the
+//! same way), Mistral `[TOOL_CALLS]` (the
 //! JSON list of v3 and the `name[ARGS]{json}` form of later models), Gemma 4
 //! `<|tool_call>call:name{...}<tool_call|>`, and gpt-oss's harmony messages
 //! (`to=functions.name ... <|message|>{json}`). A template that renders no tools gets
@@ -26,6 +28,7 @@
 //! nothing of HTTP.
 
 mod gemma;
+mod glm;
 mod harmony;
 mod hermes;
 mod llama3;
@@ -151,6 +154,8 @@ pub enum ToolSyntax {
     Harmony,
     /// Qwen3-Coder, Qwen3.5, Qwen3.6: `<tool_call>\n<function=name>\n<parameter=key>\nvalue\n</parameter>\n</function>\n</tool_call>`.
     QwenXml,
+    /// GLM-4.5, -4.6, -4.7: `<tool_call>name\n<arg_key>key</arg_key>\n<arg_value>value</arg_value>\n</tool_call>`.
+    Glm,
 }
 
 /// How to read one request's output for tool calls: the model's syntax and the tools the
@@ -177,6 +182,8 @@ impl ToolSyntax {
             Some(ToolSyntax::Mistral)
         } else if template.contains("<|tool_call>") {
             Some(ToolSyntax::Gemma)
+        } else if template.contains("<arg_key>") && template.contains("<arg_value>") {
+            Some(ToolSyntax::Glm)
         } else if template.contains("<function=") && template.contains("<parameter=") {
             Some(ToolSyntax::QwenXml)
         } else if template.contains("<tool_call>") {
@@ -196,6 +203,7 @@ impl ToolSyntax {
             ToolSyntax::Gemma => "gemma4",
             ToolSyntax::Harmony => "harmony",
             ToolSyntax::QwenXml => "qwen3_coder",
+            ToolSyntax::Glm => "glm45",
         }
     }
 
@@ -204,6 +212,9 @@ impl ToolSyntax {
     pub fn markers(self) -> &'static [&'static str] {
         match self {
             ToolSyntax::Hermes | ToolSyntax::QwenXml => &["<tool_call>", "</tool_call>"],
+            ToolSyntax::Glm => {
+                &["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"]
+            }
             ToolSyntax::Llama3 => &["<|python_tag|>"],
             ToolSyntax::Mistral => &["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"],
             ToolSyntax::Gemma => &["<|tool_call>", "<tool_call|>", "<|\"|>"],
@@ -221,6 +232,7 @@ impl ToolSyntax {
     pub fn parser_for(self, tools: &[ToolSpec]) -> Box<dyn ToolCallParser> {
         match self {
             ToolSyntax::QwenXml => Box::new(qwen_xml::QwenXmlParser::new(qwen_xml::parameter_types(tools))),
+            ToolSyntax::Glm => Box::new(glm::GlmParser::new(qwen_xml::parameter_types(tools))),
             ToolSyntax::Hermes => Box::new(hermes::HermesParser::default()),
             ToolSyntax::Llama3 => Box::new(llama3::Llama3Parser::default()),
             ToolSyntax::Mistral => Box::new(mistral::MistralParser::default()),
@@ -273,6 +285,7 @@ impl ToolSyntax {
             ToolSyntax::Gemma => Some(gemma::grammar(&g, &chosen, forced, parallel)),
             ToolSyntax::Harmony => forced.then(|| harmony::grammar(&g, &chosen)),
             ToolSyntax::QwenXml => Some(qwen_xml::grammar(&g, &chosen, forced, parallel)),
+            ToolSyntax::Glm => Some(glm::grammar(&g, &chosen, forced, parallel)),
         }
     }
 }
@@ -428,6 +441,9 @@ mod tests {
         ))
         .unwrap();
         assert_eq!(ToolSyntax::detect(&qwen35), Some(ToolSyntax::QwenXml));
+        // GLM-4.5's template writes its calls with <arg_key>/<arg_value> inside <tool_call>.
+        let glm = "{{- '<tool_call>' + tc.name }}{% for k, v in tc.arguments.items() %}\n<arg_key>{{ k }}</arg_key>\n<arg_value>{{ v }}</arg_value>{% endfor %}\n</tool_call>";
+        assert_eq!(ToolSyntax::detect(glm), Some(ToolSyntax::Glm));
     }
 
     #[test]

@@ -59,6 +59,32 @@ pub(crate) fn parameter_types(tools: &[ToolSpec]) -> ParameterTypes {
         .collect()
 }
 
+/// `value`, the raw text of parameter `key` of a call of `tool`, as JSON text, by the type the
+/// tool's schema declares (see the module's documentation).
+pub(crate) fn typed_value(types: &ParameterTypes, tool: &str, key: &str, value: &str) -> String {
+    let ty = types.get(tool).and_then(|params| params.get(key)).map(String::as_str);
+    let as_string = || Value::String(value.to_string()).to_string();
+    if value.trim().eq_ignore_ascii_case("null") {
+        return "null".into();
+    }
+    let parsed = |keep: &dyn Fn(&Value) -> bool| match serde_json::from_str::<Value>(value.trim()) {
+        Ok(v) if keep(&v) => v.to_string(),
+        _ => as_string(),
+    };
+    match ty {
+        None | Some("string" | "str" | "text" | "enum") => as_string(),
+        Some("integer" | "int") => parsed(&|v| v.is_i64() || v.is_u64()),
+        Some("number" | "float") => parsed(&Value::is_number),
+        Some("boolean" | "bool") => match value.trim().to_ascii_lowercase().as_str() {
+            "true" => "true".into(),
+            "false" => "false".into(),
+            _ => as_string(),
+        },
+        Some("object" | "array" | "dict" | "list") => parsed(&|v| v.is_object() || v.is_array()),
+        Some(_) => parsed(&|_| true),
+    }
+}
+
 /// Where the parser is.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 enum At {
@@ -98,31 +124,12 @@ impl QwenXmlParser {
         QwenXmlParser { types, ..Default::default() }
     }
 
-    /// `value`, the raw text of parameter `key`, as JSON text.
+    /// `value`, the raw text of parameter `key`, as JSON text (one leading and one trailing
+    /// newline dropped).
     fn json_value(&self, key: &str, value: &str) -> String {
         let value = value.strip_prefix('\n').unwrap_or(value);
         let value = value.strip_suffix('\n').unwrap_or(value);
-        let ty = self.types.get(&self.name).and_then(|params| params.get(key)).map(String::as_str);
-        let as_string = || Value::String(value.to_string()).to_string();
-        if value.eq_ignore_ascii_case("null") {
-            return "null".into();
-        }
-        let parsed = |keep: &dyn Fn(&Value) -> bool| match serde_json::from_str::<Value>(value.trim()) {
-            Ok(v) if keep(&v) => v.to_string(),
-            _ => as_string(),
-        };
-        match ty {
-            None | Some("string" | "str" | "text" | "enum") => as_string(),
-            Some("integer" | "int") => parsed(&|v| v.is_i64() || v.is_u64()),
-            Some("number" | "float") => parsed(&Value::is_number),
-            Some("boolean" | "bool") => match value.trim().to_ascii_lowercase().as_str() {
-                "true" => "true".into(),
-                "false" => "false".into(),
-                _ => as_string(),
-            },
-            Some("object" | "array" | "dict" | "list") => parsed(&|v| v.is_object() || v.is_array()),
-            Some(_) => parsed(&|_| true),
-        }
+        typed_value(&self.types, &self.name, key, value)
     }
 
     /// Closes the open call's arguments and ends it.
@@ -273,7 +280,7 @@ pub(crate) fn grammar(g: &GrammarWriter<'_>, tools: &[&ToolSpec], forced: bool, 
         let mut items = Vec::new();
         for (j, (key, schema)) in props.into_iter().flatten().enumerate() {
             let rule = format!("call{i}_p{j}");
-            let value = match string_value(schema) {
+            let value = match string_value(schema, PARAMETER_END) {
                 Some(StringValue::OneOf(items)) => items,
                 Some(StringValue::Text(terminal)) => {
                     // `&` and `~` combine terminals only: the text is a terminal of its own.
@@ -300,17 +307,17 @@ pub(crate) fn grammar(g: &GrammarWriter<'_>, tools: &[&ToolSpec], forced: bool, 
     lark
 }
 
-/// A string parameter's value as the XML holds it (raw text, no quotes).
-enum StringValue {
+/// A string parameter's value as the XML holds it (raw text, no quotes), ended by `end`.
+pub(crate) enum StringValue {
     /// One of the schema's `enum` values: the alternatives, as a grammar item.
     OneOf(String),
-    /// Text without `</parameter>` of the schema's `minLength` to `maxLength` characters: the
+    /// Text without the end marker of the schema's `minLength` to `maxLength` characters: the
     /// terminal's definition.
     Text(String),
 }
 
 /// [`StringValue`] for a string schema; `None` for any other (its value is JSON).
-fn string_value(schema: &Value) -> Option<StringValue> {
+pub(crate) fn string_value(schema: &Value, end: &str) -> Option<StringValue> {
     if schema.get("type").and_then(Value::as_str) != Some("string") {
         return None;
     }
@@ -320,10 +327,7 @@ fn string_value(schema: &Value) -> Option<StringValue> {
     }
     let min = schema.get("minLength").and_then(Value::as_u64).unwrap_or(0);
     let max = schema.get("maxLength").and_then(Value::as_u64).map_or(String::new(), |m| m.to_string());
-    Some(StringValue::Text(format!(
-        "/(?s:.){{{min},{max}}}/ & ~/(?s:.*){}(?s:.*)/",
-        super::regex_escape(PARAMETER_END)
-    )))
+    Some(StringValue::Text(format!("/(?s:.){{{min},{max}}}/ & ~/(?s:.*){}(?s:.*)/", super::regex_escape(end))))
 }
 
 #[cfg(test)]
