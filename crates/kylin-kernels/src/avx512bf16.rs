@@ -23,6 +23,14 @@ pub const MT: usize = 4;
 /// Weight rows per full tile (`MT × NR = 24` accumulators, `NR` weight vectors and one
 /// activation vector: 31 of the 32 zmm registers).
 pub const NR: usize = 6;
+/// Weight rows per tile when the product has one token (decode): one row at a time, so each
+/// thread reads its rows as one sequential stream. With six rows in flight (six streams a row
+/// apart) one token's decode read about 26 GB/s of BF16 weights on 2 Zen 4 cores where one row
+/// at a time reads 32 (qwen3-0.6b-shaped 21.4 -> 26.9 tokens/s, qwen3.5-0.8b-shaped 15.6 ->
+/// 20.3, qwen3-moe-shaped 23.4 -> 31.1; BENCHMARKS.md). Two rows read less than six. Each
+/// output row keeps its one accumulator chain over the columns, so the bits are the same for
+/// every tile shape: batch invariance is untouched.
+const NR_ONE_TOKEN: usize = 1;
 /// Columns per step.
 const K: usize = 32;
 
@@ -214,7 +222,7 @@ pub unsafe fn gemm_rows(
         let passes = (t1 - t0).div_ceil(MT);
         let mut r = r0;
         while r < r1 {
-            let nr = NR.min(r1 - r);
+            let nr = (if n_tokens == 1 { NR_ONE_TOKEN } else { NR }).min(r1 - r);
             // The next tile's rows follow this tile's in memory: each pass over this tile's
             // rows prefetches its share of them.
             let next = w.wrapping_add((r + nr) * cols * 2);
