@@ -18,8 +18,7 @@
 
 use kylin_kernels::{self as kernels};
 use kylin_loader::arch::Role;
-use kylin_loader::family::glm4_moe::MAX_EXPERT_GROUPS;
-use kylin_loader::family::{ExpertActivation, MoeSpec, Routing};
+use kylin_loader::family::{ExpertActivation, MAX_EXPERT_GROUPS, MoeSpec, Routing};
 use kylin_loader::{DType, KylinError, LayerWeights, ModelWeights, Result, WeightTensor};
 
 use super::Step;

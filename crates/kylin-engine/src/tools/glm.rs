@@ -13,9 +13,9 @@
 //! reads each value back by the type the tool's schema declares, as the XML syntax of Qwen3.5
 //! does ([`super::qwen_xml::typed_value`]). The arguments are sent on one argument at a time.
 
-use super::qwen_xml::{ParameterTypes, StringValue, string_value, typed_value};
+use super::qwen_xml::{ParameterTypes, parameter_rules, typed_value};
 use super::scan::take_until;
-use super::{GrammarWriter, ToolCallParser, ToolEvent, ToolSpec, quote, text_without};
+use super::{GrammarWriter, ToolCallParser, ToolEvent, ToolSpec, block_start_rules, body_rule, quote};
 
 const OPEN: &str = "<tool_call>";
 const CLOSE: &str = "</tool_call>";
@@ -172,50 +172,15 @@ impl ToolCallParser for GlmParser {
 /// always and the others optionally; a string's value is text of its `enum` or length bounds
 /// without `</arg_value>`, any other value the JSON its schema allows.
 pub(crate) fn grammar(g: &GrammarWriter<'_>, tools: &[&ToolSpec], forced: bool, parallel: bool) -> String {
-    let open = g.lit(OPEN);
-    let close = g.lit(CLOSE);
     let (key, key_end, value_open, value_end) = (g.lit(KEY), g.lit(KEY_END), g.lit(VALUE), g.lit(VALUE_END));
-    let mut lark = String::new();
-    let more = if parallel { format!(" (\"\\n\" {open} call_rest)*") } else { String::new() };
-    if forced {
-        lark.push_str(&format!("start: {open} call_rest{more}\n"));
-    } else if g.is_special(OPEN) {
-        lark.push_str(&format!("start: TEXT | TEXT? {open} call_rest{more}\nTEXT: /(.|\\n)+/\n"));
-    } else {
-        lark.push_str(&format!(
-            "start: TEXT | call_head call_rest{more}\ncall_head[lazy]: TEXT {open}\nTEXT: {}\n",
-            text_without(OPEN)
-        ));
-    }
-    lark.push_str(&format!("call_rest: body {close}\n"));
-    lark.push_str(&format!("body: {}\n", (0..tools.len()).map(|i| format!("call{i}")).collect::<Vec<_>>().join(" | ")));
+    let mut lark = block_start_rules(g, OPEN, forced, parallel);
+    lark.push_str(&format!("call_rest: body {}\n", g.lit(CLOSE)));
+    lark.push_str(&body_rule(tools.len()));
     for (i, tool) in tools.iter().enumerate() {
-        let props = tool.parameters.get("properties").and_then(serde_json::Value::as_object);
-        let required: Vec<&str> = tool
-            .parameters
-            .get("required")
-            .and_then(serde_json::Value::as_array)
-            .map(|r| r.iter().filter_map(serde_json::Value::as_str).collect())
-            .unwrap_or_default();
-        let mut items = Vec::new();
-        for (j, (name, schema)) in props.into_iter().flatten().enumerate() {
-            let rule = format!("call{i}_p{j}");
-            let value = match string_value(schema, VALUE_END) {
-                Some(StringValue::OneOf(items)) => items,
-                Some(StringValue::Text(terminal)) => {
-                    let terminal_name = format!("CALL{i}_P{j}_TEXT");
-                    lark.push_str(&format!("{terminal_name}: {terminal}\n"));
-                    terminal_name
-                }
-                None => format!("%json {}", crate::grammar::schema_with_layout(schema)),
-            };
-            lark.push_str(&format!(
-                "{rule}: {key} {} {key_end} \"\\n\" {value_open} {value} {value_end} \"\\n\"\n",
-                quote(name)
-            ));
-            items.push(if required.contains(&name.as_str()) { rule } else { format!("{rule}?") });
-        }
-        lark.push_str(&format!("call{i}: {} \"\\n\" {}\n", quote(&tool.name), items.join(" ")));
+        let items = parameter_rules(&mut lark, i, tool, VALUE_END, |name, value| {
+            format!("{key} {} {key_end} \"\\n\" {value_open} {value} {value_end} \"\\n\"", quote(name))
+        });
+        lark.push_str(&format!("call{i}: {} \"\\n\" {items}\n", quote(&tool.name)));
     }
     lark
 }

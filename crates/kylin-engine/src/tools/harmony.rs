@@ -110,7 +110,7 @@ pub(crate) fn grammar(g: &GrammarWriter<'_>, tools: &[&ToolSpec]) -> String {
     let mut lark = format!(
         "start: ({channel} \"analysis\" {message} ANALYSIS {end} {start} \"assistant\")? {channel} \"commentary to=functions.\" body\nANALYSIS: /[^<]*/\n"
     );
-    lark.push_str(&format!("body: {}\n", (0..tools.len()).map(|i| format!("call{i}")).collect::<Vec<_>>().join(" | ")));
+    lark.push_str(&super::body_rule(tools.len()));
     for (i, t) in tools.iter().enumerate() {
         lark.push_str(&format!(
             "call{i}: {} \" \" {constrain} \"json\" {message} {}\n",

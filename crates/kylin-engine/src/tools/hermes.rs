@@ -3,7 +3,7 @@
 //! optional text.
 
 use super::scan::{CallScanner, take_until};
-use super::{GrammarWriter, ToolCallParser, ToolEvent, ToolSpec, call_object_json, text_without};
+use super::{GrammarWriter, ToolCallParser, ToolEvent, ToolSpec, block_start_rules, body_rule, call_object_json};
 
 const OPEN: &str = "<tool_call>";
 const CLOSE: &str = "</tool_call>";
@@ -71,26 +71,10 @@ impl ToolCallParser for HermesParser {
 /// The grammar: calls only when `forced`, else free text that turns into calls at `<tool_call>`.
 pub(crate) fn grammar(g: &GrammarWriter<'_>, tools: &[&ToolSpec], forced: bool, parallel: bool) -> String {
     let bodies: Vec<String> = tools.iter().map(|t| call_object_json(t, "arguments")).collect();
-    let mut lark = String::new();
-    let open = g.lit(OPEN);
+    let mut lark = block_start_rules(g, OPEN, forced, parallel);
     let close = g.lit(CLOSE);
-    let more = if parallel { format!(" (\"\\n\" {open} call_rest)*") } else { String::new() };
-    if forced {
-        lark.push_str(&format!("start: {open} call_rest{more}\n"));
-    } else if g.is_special(OPEN) {
-        lark.push_str(&format!("start: TEXT | TEXT? {open} call_rest{more}\nTEXT: /(.|\\n)+/\n"));
-    } else {
-        // Text never holds the marker, so the marker always opens a constrained call.
-        lark.push_str(&format!(
-            "start: TEXT | call_head call_rest{more}\ncall_head[lazy]: TEXT {open}\nTEXT: {}\n",
-            text_without(OPEN)
-        ));
-    }
     lark.push_str(&format!("call_rest: \"\\n\" body \"\\n\" {close}\n"));
-    lark.push_str(&format!(
-        "body: {}\n",
-        (0..bodies.len()).map(|i| format!("call{i}")).collect::<Vec<_>>().join(" | ")
-    ));
+    lark.push_str(&body_rule(bodies.len()));
     for (i, b) in bodies.iter().enumerate() {
         lark.push_str(&format!("call{i}: {b}\n"));
     }

@@ -109,7 +109,7 @@ pub(crate) fn grammar(g: &GrammarWriter<'_>, tools: &[&ToolSpec], forced: bool, 
     } else {
         format!("start: TEXT? | {tag} body{more}\nTEXT: /[^{{<\\s]/ {FREE_TEXT}\n")
     };
-    lark.push_str(&format!("body: {}\n", (0..tools.len()).map(|i| format!("call{i}")).collect::<Vec<_>>().join(" | ")));
+    lark.push_str(&super::body_rule(tools.len()));
     for (i, t) in tools.iter().enumerate() {
         lark.push_str(&format!("call{i}: {}\n", call_object_json(t, "parameters")));
     }

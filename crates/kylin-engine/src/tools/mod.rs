@@ -310,6 +310,30 @@ impl GrammarWriter<'_> {
     }
 }
 
+/// The `start` rule of a syntax whose calls are blocks opened by `marker` and whose rule
+/// `call_rest` holds the rest of one call: calls only when `forced`, else free text that turns
+/// into calls at the marker (a special token can only be the marker; spelled as text, the
+/// marker never occurs inside the free text). `parallel` allows further blocks after a newline.
+pub(crate) fn block_start_rules(g: &GrammarWriter<'_>, marker: &str, forced: bool, parallel: bool) -> String {
+    let open = g.lit(marker);
+    let more = if parallel { format!(" (\"\\n\" {open} call_rest)*") } else { String::new() };
+    if forced {
+        format!("start: {open} call_rest{more}\n")
+    } else if g.is_special(marker) {
+        format!("start: TEXT | TEXT? {open} call_rest{more}\nTEXT: /(.|\\n)+/\n")
+    } else {
+        format!(
+            "start: TEXT | call_head call_rest{more}\ncall_head[lazy]: TEXT {open}\nTEXT: {}\n",
+            text_without(marker)
+        )
+    }
+}
+
+/// `body: call0 | call1 | ...`, one alternative per tool.
+pub(crate) fn body_rule(tools: usize) -> String {
+    format!("body: {}\n", (0..tools).map(|i| format!("call{i}")).collect::<Vec<_>>().join(" | "))
+}
+
 /// A Lark string literal.
 pub(crate) fn quote(text: &str) -> String {
     serde_json::to_string(text).unwrap_or_else(|_| "\"\"".into())

@@ -27,7 +27,7 @@ use std::collections::BTreeMap;
 use serde_json::Value;
 
 use super::scan::take_until;
-use super::{GrammarWriter, ToolCallParser, ToolEvent, ToolSpec, quote, text_without};
+use super::{GrammarWriter, ToolCallParser, ToolEvent, ToolSpec, block_start_rules, body_rule, quote};
 
 const OPEN: &str = "<tool_call>";
 const CLOSE: &str = "</tool_call>";
@@ -253,62 +253,61 @@ impl ToolCallParser for QwenXmlParser {
 /// always and the others optionally; a string's value is any text without `</parameter>`, any
 /// other value the JSON its schema allows.
 pub(crate) fn grammar(g: &GrammarWriter<'_>, tools: &[&ToolSpec], forced: bool, parallel: bool) -> String {
-    let open = g.lit(OPEN);
-    let close = g.lit(CLOSE);
-    let mut lark = String::new();
-    let more = if parallel { format!(" (\"\\n\" {open} call_rest)*") } else { String::new() };
-    if forced {
-        lark.push_str(&format!("start: {open} call_rest{more}\n"));
-    } else if g.is_special(OPEN) {
-        lark.push_str(&format!("start: TEXT | TEXT? {open} call_rest{more}\nTEXT: /(.|\\n)+/\n"));
-    } else {
-        lark.push_str(&format!(
-            "start: TEXT | call_head call_rest{more}\ncall_head[lazy]: TEXT {open}\nTEXT: {}\n",
-            text_without(OPEN)
-        ));
-    }
-    lark.push_str(&format!("call_rest: \"\\n\" body \"\\n\" {close}\n"));
-    lark.push_str(&format!("body: {}\n", (0..tools.len()).map(|i| format!("call{i}")).collect::<Vec<_>>().join(" | ")));
+    let mut lark = block_start_rules(g, OPEN, forced, parallel);
+    lark.push_str(&format!("call_rest: \"\\n\" body \"\\n\" {}\n", g.lit(CLOSE)));
+    lark.push_str(&body_rule(tools.len()));
     for (i, tool) in tools.iter().enumerate() {
-        let props = tool.parameters.get("properties").and_then(Value::as_object);
-        let required: Vec<&str> = tool
-            .parameters
-            .get("required")
-            .and_then(Value::as_array)
-            .map(|r| r.iter().filter_map(Value::as_str).collect())
-            .unwrap_or_default();
-        let mut items = Vec::new();
-        for (j, (key, schema)) in props.into_iter().flatten().enumerate() {
-            let rule = format!("call{i}_p{j}");
-            let value = match string_value(schema, PARAMETER_END) {
-                Some(StringValue::OneOf(items)) => items,
-                Some(StringValue::Text(terminal)) => {
-                    // `&` and `~` combine terminals only: the text is a terminal of its own.
-                    let name = format!("CALL{i}_P{j}_TEXT");
-                    lark.push_str(&format!("{name}: {terminal}\n"));
-                    name
-                }
-                None => format!("%json {}", crate::grammar::schema_with_layout(schema)),
-            };
-            lark.push_str(&format!(
-                "{rule}: {} \"\\n\" {value} \"\\n\" {} \"\\n\"\n",
-                quote(&format!("{PARAMETER}{key}>")),
-                quote(PARAMETER_END)
-            ));
-            items.push(if required.contains(&key.as_str()) { rule } else { format!("{rule}?") });
-        }
+        let items = parameter_rules(&mut lark, i, tool, PARAMETER_END, |key, value| {
+            format!("{} \"\\n\" {value} \"\\n\" {} \"\\n\"", quote(&format!("{PARAMETER}{key}>")), quote(PARAMETER_END))
+        });
         lark.push_str(&format!(
             "call{i}: {} \"\\n\" {} {}\n",
             quote(&format!("{FUNCTION}{}>", tool.name)),
-            items.join(" "),
+            items,
             quote(FUNCTION_END)
         ));
     }
     lark
 }
 
+/// Writes to `lark` one rule per parameter of tool `i` (`call{i}_p{j}: write(key, value)`, the
+/// value a string's text ended by `end` or the JSON its schema allows) and returns the
+/// sequence of them in the schema's order, the required ones always and the others optional.
+pub(crate) fn parameter_rules(
+    lark: &mut String,
+    i: usize,
+    tool: &ToolSpec,
+    end: &str,
+    write: impl Fn(&str, &str) -> String,
+) -> String {
+    let props = tool.parameters.get("properties").and_then(Value::as_object);
+    let required: Vec<&str> = tool
+        .parameters
+        .get("required")
+        .and_then(Value::as_array)
+        .map(|r| r.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    let mut items = Vec::new();
+    for (j, (key, schema)) in props.into_iter().flatten().enumerate() {
+        let rule = format!("call{i}_p{j}");
+        let value = match string_value(schema, end) {
+            Some(StringValue::OneOf(items)) => items,
+            Some(StringValue::Text(terminal)) => {
+                // `&` and `~` combine terminals only: the text is a terminal of its own.
+                let name = format!("CALL{i}_P{j}_TEXT");
+                lark.push_str(&format!("{name}: {terminal}\n"));
+                name
+            }
+            None => format!("%json {}", crate::grammar::schema_with_layout(schema)),
+        };
+        lark.push_str(&format!("{rule}: {}\n", write(key, &value)));
+        items.push(if required.contains(&key.as_str()) { rule } else { format!("{rule}?") });
+    }
+    items.join(" ")
+}
+
 /// A string parameter's value as the XML holds it (raw text, no quotes), ended by `end`.
-pub(crate) enum StringValue {
+enum StringValue {
     /// One of the schema's `enum` values: the alternatives, as a grammar item.
     OneOf(String),
     /// Text without the end marker of the schema's `minLength` to `maxLength` characters: the
@@ -317,7 +316,7 @@ pub(crate) enum StringValue {
 }
 
 /// [`StringValue`] for a string schema; `None` for any other (its value is JSON).
-pub(crate) fn string_value(schema: &Value, end: &str) -> Option<StringValue> {
+fn string_value(schema: &Value, end: &str) -> Option<StringValue> {
     if schema.get("type").and_then(Value::as_str) != Some("string") {
         return None;
     }

@@ -25,7 +25,7 @@
 //! decoder layer) are the multi-token-prediction head that `--mtp` proposes with
 //! ([`crate::mtp`]); transformers' forward ignores them.
 
-use super::{Defaults, Family, FfnKind, LLAMA_DEFAULTS, MoeDefaults, QkNorm, Routing};
+use super::{Defaults, Family, FfnKind, LLAMA_DEFAULTS, MAX_EXPERT_GROUPS, MoeDefaults, QkNorm, Routing};
 use crate::arch::{
     ATTENTION, EMBED_HEAD, GLM4_MOE_ROUTER, HEAD_QK_NORM, MLP, MLP_EXPERTS, PRE_NORMS, QKV_BIAS, SHARED_EXPERTS,
 };
@@ -57,10 +57,6 @@ pub const FAMILY: Family = Family {
 /// `moe_intermediate_size=1408`, `norm_topk_prob=True`).
 const MOE: MoeDefaults =
     MoeDefaults { num_experts: 128, top_k: 8, width_key: "moe_intermediate_size", width: 1408, normalize: Some(true) };
-
-/// The most expert groups Kylin's router keeps apart (DeepSeek-V3 has 8; the router marks the
-/// kept groups in a fixed array, so nothing is allocated per token).
-pub const MAX_EXPERT_GROUPS: usize = 64;
 
 fn resolve(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
     hf.silu_only(c)?;

@@ -336,6 +336,10 @@ pub enum Routing {
     },
 }
 
+/// The most expert groups [`Routing::SigmoidTopK`] keeps apart (DeepSeek-V3 has 8; the router
+/// marks the kept groups in a fixed array, so nothing is allocated per token).
+pub const MAX_EXPERT_GROUPS: usize = 64;
+
 /// The experts' activation: `down(act(gate) · up)`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 #[serde(rename_all = "snake_case")]
