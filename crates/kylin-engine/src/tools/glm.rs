@@ -13,7 +13,7 @@
 //! reads each value back by the type the tool's schema declares, as the XML syntax of Qwen3.5
 //! does ([`super::qwen_xml::typed_value`]). The arguments are sent on one argument at a time.
 
-use super::qwen_xml::{ParameterTypes, parameter_rules, typed_value};
+use super::qwen_xml::{ArgumentsStream, ParameterTypes, parameter_rules, typed_value};
 use super::scan::take_until;
 use super::{GrammarWriter, ToolCallParser, ToolEvent, ToolSpec, block_start_rules, body_rule, quote};
 
@@ -46,35 +46,13 @@ enum At {
 pub struct GlmParser {
     buf: String,
     at: At,
-    calls: usize,
-    name: String,
-    sent: usize,
-    open: bool,
+    args: ArgumentsStream,
     types: ParameterTypes,
 }
 
 impl GlmParser {
     pub fn new(types: ParameterTypes) -> Self {
         GlmParser { types, ..Default::default() }
-    }
-
-    fn end_call(&mut self, out: &mut Vec<ToolEvent>) {
-        if self.open {
-            let index = self.calls - 1;
-            out.push(ToolEvent::Arguments { index, delta: "}".into() });
-            out.push(ToolEvent::End { index });
-            self.open = false;
-        }
-    }
-
-    fn start_call(&mut self, name: &str, out: &mut Vec<ToolEvent>) {
-        let index = self.calls;
-        self.calls += 1;
-        out.push(ToolEvent::Start { index, name: name.to_string() });
-        out.push(ToolEvent::Arguments { index, delta: "{".into() });
-        self.name = name.to_string();
-        self.sent = 0;
-        self.open = true;
     }
 
     fn run(&mut self, at_end: bool, out: &mut Vec<ToolEvent>) {
@@ -106,7 +84,7 @@ impl GlmParser {
                         }
                         continue;
                     }
-                    self.start_call(&name, out);
+                    self.args.start(&name, out);
                     self.at = At::Call;
                 }
                 At::Call => {
@@ -114,7 +92,7 @@ impl GlmParser {
                     match found {
                         Some(0) => self.at = At::Key,
                         Some(_) => {
-                            self.end_call(out);
+                            self.args.end(out);
                             self.at = At::Text;
                         }
                         None => return,
@@ -144,11 +122,8 @@ impl GlmParser {
                     };
                     let raw = self.buf[..end].to_string();
                     self.buf.replace_range(..(end + VALUE_END.len()).min(self.buf.len()), "");
-                    let value = typed_value(&self.types, &self.name, &key, &raw);
-                    let comma = if self.sent > 0 { ", " } else { "" };
-                    let delta = format!("{comma}{}: {value}", serde_json::Value::String(key));
-                    out.push(ToolEvent::Arguments { index: self.calls - 1, delta });
-                    self.sent += 1;
+                    let value = typed_value(&self.types, &self.args.name, &key, &raw);
+                    self.args.field(key, &value, out);
                     self.at = At::Call;
                 }
             }
@@ -164,7 +139,7 @@ impl ToolCallParser for GlmParser {
 
     fn finish(&mut self, out: &mut Vec<ToolEvent>) {
         self.run(true, out);
-        self.end_call(out);
+        self.args.end(out);
     }
 }
 

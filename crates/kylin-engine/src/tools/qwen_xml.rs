@@ -85,6 +85,49 @@ pub(crate) fn typed_value(types: &ParameterTypes, tool: &str, key: &str, value: 
     }
 }
 
+/// One response's calls as their arguments stream, one field at a time: `{` when a call
+/// starts, each `"key": value` as it completes, `}` when the call ends.
+#[derive(Debug, Default)]
+pub(crate) struct ArgumentsStream {
+    /// Calls started so far.
+    calls: usize,
+    /// The open call's tool, and how many fields it has sent.
+    pub(crate) name: String,
+    sent: usize,
+    /// A call is open (its closing brace not yet sent).
+    open: bool,
+}
+
+impl ArgumentsStream {
+    pub(crate) fn start(&mut self, name: &str, out: &mut Vec<ToolEvent>) {
+        let index = self.calls;
+        self.calls += 1;
+        out.push(ToolEvent::Start { index, name: name.to_string() });
+        out.push(ToolEvent::Arguments { index, delta: "{".into() });
+        self.name = name.to_string();
+        self.sent = 0;
+        self.open = true;
+    }
+
+    /// Sends field `key` with `value`, already JSON text.
+    pub(crate) fn field(&mut self, key: String, value: &str, out: &mut Vec<ToolEvent>) {
+        let comma = if self.sent > 0 { ", " } else { "" };
+        let delta = format!("{comma}{}: {value}", Value::String(key));
+        out.push(ToolEvent::Arguments { index: self.calls - 1, delta });
+        self.sent += 1;
+    }
+
+    /// Closes the open call's arguments and ends it.
+    pub(crate) fn end(&mut self, out: &mut Vec<ToolEvent>) {
+        if self.open {
+            let index = self.calls - 1;
+            out.push(ToolEvent::Arguments { index, delta: "}".into() });
+            out.push(ToolEvent::End { index });
+            self.open = false;
+        }
+    }
+}
+
 /// Where the parser is.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 enum At {
@@ -109,13 +152,7 @@ enum At {
 pub struct QwenXmlParser {
     buf: String,
     at: At,
-    /// Calls started so far.
-    calls: usize,
-    /// The current call's tool and how many parameters it has sent.
-    name: String,
-    sent: usize,
-    /// The open call's arguments still lack their closing brace.
-    open: bool,
+    args: ArgumentsStream,
     types: ParameterTypes,
 }
 
@@ -129,17 +166,7 @@ impl QwenXmlParser {
     fn json_value(&self, key: &str, value: &str) -> String {
         let value = value.strip_prefix('\n').unwrap_or(value);
         let value = value.strip_suffix('\n').unwrap_or(value);
-        typed_value(&self.types, &self.name, key, value)
-    }
-
-    /// Closes the open call's arguments and ends it.
-    fn end_call(&mut self, out: &mut Vec<ToolEvent>) {
-        if self.open {
-            let index = self.calls - 1;
-            out.push(ToolEvent::Arguments { index, delta: "}".into() });
-            out.push(ToolEvent::End { index });
-            self.open = false;
-        }
+        typed_value(&self.types, &self.args.name, key, value)
     }
 
     fn run(&mut self, at_end: bool, out: &mut Vec<ToolEvent>) {
@@ -173,13 +200,7 @@ impl QwenXmlParser {
                     };
                     let name = self.buf[..end].trim().to_string();
                     self.buf.replace_range(..=end, "");
-                    let index = self.calls;
-                    self.calls += 1;
-                    out.push(ToolEvent::Start { index, name: name.clone() });
-                    out.push(ToolEvent::Arguments { index, delta: "{".into() });
-                    self.name = name;
-                    self.sent = 0;
-                    self.open = true;
+                    self.args.start(&name, out);
                     self.at = At::Function;
                 }
                 At::Function => {
@@ -187,11 +208,11 @@ impl QwenXmlParser {
                     match found {
                         Some(0) => self.at = At::ParameterName,
                         Some(1) => {
-                            self.end_call(out);
+                            self.args.end(out);
                             self.at = At::AfterFunction;
                         }
                         Some(_) => {
-                            self.end_call(out);
+                            self.args.end(out);
                             self.at = At::Text;
                         }
                         None => return,
@@ -216,10 +237,7 @@ impl QwenXmlParser {
                     let raw = self.buf[..end].to_string();
                     self.buf.replace_range(..(end + PARAMETER_END.len()).min(self.buf.len()), "");
                     let value = self.json_value(&key, &raw);
-                    let comma = if self.sent > 0 { ", " } else { "" };
-                    let delta = format!("{comma}{}: {value}", Value::String(key).to_string());
-                    out.push(ToolEvent::Arguments { index: self.calls - 1, delta });
-                    self.sent += 1;
+                    self.args.field(key, &value, out);
                     self.at = At::Function;
                     if at_end && self.buf.is_empty() {
                         return;
@@ -245,7 +263,7 @@ impl ToolCallParser for QwenXmlParser {
 
     fn finish(&mut self, out: &mut Vec<ToolEvent>) {
         self.run(true, out);
-        self.end_call(out);
+        self.args.end(out);
     }
 }
 

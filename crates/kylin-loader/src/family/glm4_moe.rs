@@ -25,11 +25,11 @@
 //! decoder layer) are the multi-token-prediction head that `--mtp` proposes with
 //! ([`crate::mtp`]); transformers' forward ignores them.
 
-use super::{Defaults, Family, FfnKind, LLAMA_DEFAULTS, MAX_EXPERT_GROUPS, MoeDefaults, QkNorm, Routing};
+use super::{Defaults, Family, LLAMA_DEFAULTS, MAX_EXPERT_GROUPS, MoeDefaults, QkNorm, Routing};
 use crate::arch::{
     ATTENTION, EMBED_HEAD, GLM4_MOE_ROUTER, HEAD_QK_NORM, MLP, MLP_EXPERTS, PRE_NORMS, QKV_BIAS, SHARED_EXPERTS,
 };
-use crate::config::{HfConfig, ModelConfig, raw_bool, raw_f64, raw_u64};
+use crate::config::{HfConfig, ModelConfig, raw_bool, raw_u64};
 use crate::error::{KylinError, Result};
 
 pub const FAMILY: Family = Family {
@@ -113,18 +113,7 @@ fn resolve(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
             kept_groups * (experts / groups)
         )));
     }
-    let scale = match raw_f64(hf, "routed_scaling_factor")? {
-        Some(s) if s.is_finite() && s > 0.0 => s,
-        Some(s) => {
-            return Err(KylinError::config_invalid(format!(
-                "config.json field 'routed_scaling_factor' is {s}; it must be positive"
-            )));
-        }
-        None => {
-            c.defaulted.push("routed_scaling_factor".into());
-            1.0
-        }
-    };
+    let scale = super::routed_scaling_factor(hf, c)?;
     moe.routing =
         Routing::SigmoidTopK { normalize, selection_bias: true, scale, groups, kept_groups, normalize_epsilon: 1e-20 };
     // `n_shared_experts` shared experts, as one MLP of their summed width (0: none).
@@ -145,21 +134,5 @@ fn resolve(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
     c.decoder.moe = Some(moe);
 
     // The first `first_k_dense_replace` layers keep the dense MLP of `intermediate_size`.
-    let n = c.num_layers;
-    let dense = match raw_u64(hf, "first_k_dense_replace")? {
-        Some(d) if d as usize <= n => d as usize,
-        Some(d) => {
-            return Err(KylinError::config_invalid(format!(
-                "config.json field 'first_k_dense_replace' is {d}; num_hidden_layers is {n}"
-            )));
-        }
-        None => {
-            c.defaulted.push("first_k_dense_replace".into());
-            1.min(n)
-        }
-    };
-    for (i, layer) in c.decoder.layers.iter_mut().enumerate() {
-        layer.ffn = if i < dense { FfnKind::Dense } else { FfnKind::Moe };
-    }
-    Ok(())
+    super::dense_first_layers(hf, c, "first_k_dense_replace", 1)
 }

@@ -23,9 +23,9 @@
 //! without them), so a `config.json` that gives neither `layer_types` nor LFM2's
 //! `full_attn_idxs` is refused.
 
-use super::{Family, FfnKind, MoeDefaults, Routing};
+use super::{Family, MoeDefaults, Routing};
 use crate::arch::{LFM2_ATTENTION, LFM2_EMBED_HEAD, LFM2_MLP, LFM2_MOE, LFM2_NORMS, SHORT_CONV};
-use crate::config::{HfConfig, ModelConfig, raw_bool, raw_f64, raw_u64};
+use crate::config::{HfConfig, ModelConfig, raw_bool};
 use crate::error::{KylinError, Result};
 
 pub const FAMILY: Family = Family {
@@ -56,38 +56,11 @@ fn resolve(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
         c.defaulted.push("use_expert_bias".into());
         true
     });
-    let scale = match raw_f64(hf, "routed_scaling_factor")? {
-        Some(s) if s.is_finite() && s > 0.0 => s,
-        Some(s) => {
-            return Err(KylinError::config_invalid(format!(
-                "config.json field 'routed_scaling_factor' is {s}; it must be positive"
-            )));
-        }
-        None => {
-            c.defaulted.push("routed_scaling_factor".into());
-            1.0
-        }
-    };
+    let scale = super::routed_scaling_factor(hf, c)?;
     moe.routing =
         Routing::SigmoidTopK { normalize, selection_bias, scale, groups: 1, kept_groups: 1, normalize_epsilon: 1e-6 };
     c.decoder.moe = Some(moe);
 
     // The first `num_dense_layers` layers keep the dense MLP (Lfm2MoeDecoderLayer).
-    let n = c.num_layers;
-    let dense = match raw_u64(hf, "num_dense_layers")? {
-        Some(d) if d as usize <= n => d as usize,
-        Some(d) => {
-            return Err(KylinError::config_invalid(format!(
-                "config.json field 'num_dense_layers' is {d}; num_hidden_layers is {n}"
-            )));
-        }
-        None => {
-            c.defaulted.push("num_dense_layers".into());
-            2.min(n)
-        }
-    };
-    for (i, layer) in c.decoder.layers.iter_mut().enumerate() {
-        layer.ffn = if i < dense { FfnKind::Dense } else { FfnKind::Moe };
-    }
-    Ok(())
+    super::dense_first_layers(hf, c, "num_dense_layers", 2)
 }

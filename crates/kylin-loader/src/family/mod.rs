@@ -901,6 +901,44 @@ pub(crate) fn shared_expert_width(hf: &HfConfig, c: &mut ModelConfig, family: &s
     }
 }
 
+/// `routed_scaling_factor` (LFM2-MoE, GLM-4.5): positive, 1 when absent.
+pub(crate) fn routed_scaling_factor(hf: &HfConfig, c: &mut ModelConfig) -> Result<f64> {
+    use crate::error::KylinError;
+    match crate::config::raw_f64(hf, "routed_scaling_factor")? {
+        Some(s) if s.is_finite() && s > 0.0 => Ok(s),
+        Some(s) => Err(KylinError::config_invalid(format!(
+            "config.json field 'routed_scaling_factor' is {s}; it must be positive"
+        ))),
+        None => {
+            c.defaulted.push("routed_scaling_factor".into());
+            Ok(1.0)
+        }
+    }
+}
+
+/// The first `key` layers (LFM2-MoE's `num_dense_layers`, GLM-4.5's `first_k_dense_replace`;
+/// `default` when absent) keep the dense MLP, the others get the experts.
+pub(crate) fn dense_first_layers(hf: &HfConfig, c: &mut ModelConfig, key: &str, default: usize) -> Result<()> {
+    use crate::error::KylinError;
+    let n = c.num_layers;
+    let dense = match crate::config::raw_u64(hf, key)? {
+        Some(d) if d as usize <= n => d as usize,
+        Some(d) => {
+            return Err(KylinError::config_invalid(format!(
+                "config.json field '{key}' is {d}; num_hidden_layers is {n}"
+            )));
+        }
+        None => {
+            c.defaulted.push(key.to_string());
+            default.min(n)
+        }
+    };
+    for (i, layer) in c.decoder.layers.iter_mut().enumerate() {
+        layer.ffn = if i < dense { FfnKind::Dense } else { FfnKind::Moe };
+    }
+    Ok(())
+}
+
 /// Qwen's rule for which layers are sparse: layer `i` has experts unless it is in
 /// `mlp_only_layers`, when `(i + 1) % decoder_sparse_step == 0`; the others keep the dense
 /// MLP of `intermediate_size`.
