@@ -14,7 +14,7 @@
 //! does ([`super::qwen_xml::typed_value`]). The arguments are sent on one argument at a time.
 
 use super::qwen_xml::{ArgumentsStream, ParameterTypes, parameter_rules, typed_value};
-use super::scan::take_until;
+use super::scan::{take_through, take_until};
 use super::{GrammarWriter, ToolCallParser, ToolEvent, ToolSpec, block_start_rules, body_rule, quote};
 
 const OPEN: &str = "<tool_call>";
@@ -99,15 +99,13 @@ impl GlmParser {
                     }
                 }
                 At::Key => {
-                    let Some(end) = self.buf.find(KEY_END) else {
+                    let Some(key) = take_through(&mut self.buf, KEY_END, false) else {
                         if at_end {
                             self.buf.clear();
                         }
                         return;
                     };
-                    let key = self.buf[..end].trim().to_string();
-                    self.buf.replace_range(..end + KEY_END.len(), "");
-                    self.at = At::BeforeValue { key };
+                    self.at = At::BeforeValue { key: key.trim().to_string() };
                 }
                 At::BeforeValue { key } => {
                     let (_, found) = take_until(&mut self.buf, &[VALUE], at_end);
@@ -117,11 +115,9 @@ impl GlmParser {
                     self.at = At::Value { key };
                 }
                 At::Value { key } => {
-                    let Some(end) = self.buf.find(VALUE_END).or(at_end.then_some(self.buf.len())) else {
+                    let Some(raw) = take_through(&mut self.buf, VALUE_END, at_end) else {
                         return;
                     };
-                    let raw = self.buf[..end].to_string();
-                    self.buf.replace_range(..(end + VALUE_END.len()).min(self.buf.len()), "");
                     let value = typed_value(&self.types, &self.args.name, &key, &raw);
                     self.args.field(key, &value, out);
                     self.at = At::Call;

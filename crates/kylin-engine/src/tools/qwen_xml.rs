@@ -26,7 +26,7 @@ use std::collections::BTreeMap;
 
 use serde_json::Value;
 
-use super::scan::take_until;
+use super::scan::{take_through, take_until};
 use super::{GrammarWriter, ToolCallParser, ToolEvent, ToolSpec, block_start_rules, body_rule, quote};
 
 const OPEN: &str = "<tool_call>";
@@ -192,15 +192,14 @@ impl QwenXmlParser {
                     }
                 }
                 At::Name => {
-                    let Some(end) = self.buf.find('>') else {
+                    // A name the text ends inside is dropped.
+                    let Some(name) = take_through(&mut self.buf, ">", false) else {
                         if at_end {
                             self.buf.clear();
                         }
                         return;
                     };
-                    let name = self.buf[..end].trim().to_string();
-                    self.buf.replace_range(..=end, "");
-                    self.args.start(&name, out);
+                    self.args.start(name.trim(), out);
                     self.at = At::Function;
                 }
                 At::Function => {
@@ -219,29 +218,22 @@ impl QwenXmlParser {
                     }
                 }
                 At::ParameterName => {
-                    let Some(end) = self.buf.find('>') else {
+                    let Some(key) = take_through(&mut self.buf, ">", false) else {
                         if at_end {
                             self.buf.clear();
                         }
                         return;
                     };
-                    let key = self.buf[..end].trim().to_string();
-                    self.buf.replace_range(..=end, "");
-                    self.at = At::Value { key };
+                    self.at = At::Value { key: key.trim().to_string() };
                 }
                 At::Value { key } => {
                     // The value is complete at `</parameter>` (or where the text ends).
-                    let Some(end) = self.buf.find(PARAMETER_END).or(at_end.then_some(self.buf.len())) else {
+                    let Some(raw) = take_through(&mut self.buf, PARAMETER_END, at_end) else {
                         return;
                     };
-                    let raw = self.buf[..end].to_string();
-                    self.buf.replace_range(..(end + PARAMETER_END.len()).min(self.buf.len()), "");
                     let value = self.json_value(&key, &raw);
                     self.args.field(key, &value, out);
                     self.at = At::Function;
-                    if at_end && self.buf.is_empty() {
-                        return;
-                    }
                 }
                 At::AfterFunction => {
                     let (_, found) = take_until(&mut self.buf, &[CLOSE], at_end);

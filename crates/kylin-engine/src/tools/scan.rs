@@ -35,6 +35,21 @@ pub fn take_until(buf: &mut String, markers: &[&str], at_end: bool) -> (String, 
     (out, None)
 }
 
+/// Removes from `buf` the text before the first `end`, and `end` itself, and returns that
+/// text; `None` while `end` has not arrived. With `at_end` (the response is over), the rest of
+/// `buf` is the text.
+pub fn take_through(buf: &mut String, end: &str, at_end: bool) -> Option<String> {
+    match buf.find(end) {
+        Some(at) => {
+            let text = buf[..at].to_string();
+            buf.replace_range(..at + end.len(), "");
+            Some(text)
+        }
+        None if at_end => Some(std::mem::take(buf)),
+        None => None,
+    }
+}
+
 /// Where the scanner is inside the top-level object.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Expect {

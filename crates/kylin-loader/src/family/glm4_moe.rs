@@ -68,14 +68,7 @@ fn resolve(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
         false
     });
     c.decoder.qk_norm = if qk_norm { QkNorm::PerHead } else { QkNorm::None };
-    // transformers 5 defaults `partial_rotary_factor` to 0.5 for GLM-4.5 when neither the RoPE
-    // parameters nor the top level give it.
-    let in_rope =
-        hf.rope_parameters.as_ref().is_some_and(|p| p.get("partial_rotary_factor").is_some_and(|v| !v.is_null()));
-    if !in_rope && hf.partial_rotary_factor.is_none() {
-        c.defaulted.push("partial_rotary_factor".into());
-        c.rope.partial_rotary_factor = 0.5;
-    }
+    super::default_partial_rotary(hf, c, 0.5);
 
     let mut moe = super::moe_fields(hf, c, &MOE)?;
     let normalize = matches!(moe.routing, Routing::SoftmaxTopK { normalize: true });

@@ -901,6 +901,18 @@ pub(crate) fn shared_expert_width(hf: &HfConfig, c: &mut ModelConfig, family: &s
     }
 }
 
+/// Sets `partial_rotary_factor` to the family's `default` when neither the RoPE parameters nor
+/// the top level of `config.json` give it (transformers 5's default for Qwen3.5, 0.25, and
+/// GLM-4.5, 0.5), recording it as defaulted.
+pub(crate) fn default_partial_rotary(hf: &HfConfig, c: &mut ModelConfig, default: f64) {
+    let in_rope =
+        hf.rope_parameters.as_ref().is_some_and(|p| p.get("partial_rotary_factor").is_some_and(|v| !v.is_null()));
+    if !in_rope && hf.partial_rotary_factor.is_none() {
+        c.defaulted.push("partial_rotary_factor".into());
+        c.rope.partial_rotary_factor = default;
+    }
+}
+
 /// `routed_scaling_factor` (LFM2-MoE, GLM-4.5): positive, 1 when absent.
 pub(crate) fn routed_scaling_factor(hf: &HfConfig, c: &mut ModelConfig) -> Result<f64> {
     use crate::error::KylinError;

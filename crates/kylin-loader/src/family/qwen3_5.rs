@@ -67,14 +67,7 @@ pub(crate) fn resolve_named(hf: &HfConfig, c: &mut ModelConfig, family: &str) ->
     d.norm = NormKind::RmsUnitOffset;
     d.qk_norm = QkNorm::PerHead;
     d.attention_output_gate = true;
-    // transformers 5 defaults `partial_rotary_factor` to 0.25 for Qwen3.5 when neither the RoPE
-    // dictionary nor the top level names it.
-    let in_rope =
-        hf.rope_parameters.as_ref().is_some_and(|p| p.get("partial_rotary_factor").is_some_and(|v| !v.is_null()));
-    if !in_rope && hf.partial_rotary_factor.is_none() {
-        c.defaulted.push("partial_rotary_factor".into());
-        c.rope.partial_rotary_factor = 0.25;
-    }
+    super::default_partial_rotary(hf, c, 0.25);
     mrope_sections(hf, c)?;
     layer_types(hf, c, family)?;
     linear_sizes(hf, c)
