@@ -23,14 +23,20 @@ pub const MT: usize = 4;
 /// Weight rows per full tile (`MT × NR = 24` accumulators, `NR` weight vectors and one
 /// activation vector: 31 of the 32 zmm registers).
 pub const NR: usize = 6;
-/// Weight rows per tile when the product has one token (decode): one row at a time, so each
-/// thread reads its rows as one sequential stream. With six rows in flight (six streams a row
-/// apart) one token's decode read about 26 GB/s of BF16 weights on 2 Zen 4 cores where one row
-/// at a time reads 32 (qwen3-0.6b-shaped 21.4 -> 26.9 tokens/s, qwen3.5-0.8b-shaped 15.6 ->
-/// 20.3, qwen3-moe-shaped 23.4 -> 31.1; BENCHMARKS.md). Two rows read less than six. Each
-/// output row keeps its one accumulator chain over the columns, so the bits are the same for
-/// every tile shape: batch invariance is untouched.
-const NR_ONE_TOKEN: usize = 1;
+/// Tokens up to which a product reads its weights one row at a time (tiles of one weight row
+/// and up to [`MT`] tokens), so that each thread reads its rows as one sequential stream that
+/// the hardware prefetcher follows, with no software prefetch. With six rows in flight (six
+/// streams a row apart) one token's decode read about 26 GB/s of BF16 weights on 2 Zen 4 cores
+/// where one row at a time reads 32 (qwen3-0.6b-shaped 21.4 -> 26.9 tokens/s, qwen3.5-0.8b-shaped
+/// 15.6 -> 20.3, qwen3-moe-shaped 23.4 -> 31.1; BENCHMARKS.md); two rows read less than six. The
+/// same holds for a few tokens: batched decode of qwen3-0.6b-shaped at 2 sequences went from 38
+/// to 54 tokens/s, at 4 from 67 to 85, at 6 from 95 to 105, and a Mixture-of-Experts step, whose
+/// experts each see one to four tokens, gains too. From 7 tokens on, one `vdpbf16ps` per
+/// activation load makes the one-row tile compute-bound, and six-row tiles that prefetch the
+/// next rows are faster (8 sequences: 125 against 90 tokens/s). Each output row keeps its one
+/// accumulator chain over the columns, so the bits are the same for every tile shape: batch
+/// invariance is untouched.
+const ONE_ROW_MAX_TOKENS: usize = 6;
 /// Columns per step.
 const K: usize = 32;
 
@@ -77,7 +83,7 @@ struct Prefetch {
 
 /// One tile: `y[t * y_stride + r] = Σ_c w[r, c] · bf16(x)[t, c]` for `t < MT_`, `r < NR_`, in
 /// the canonical order (module header), prefetching `prefetch` meanwhile if `PREFETCH` (a
-/// separate instance, so that one-token decode carries none of that code).
+/// separate instance, so that the one-row tiles of decode carry none of that code).
 ///
 /// # Safety
 /// AVX-512 F/BW/VL/BF16 are available; `w` is valid for `NR_` rows of `cols` BF16 elements
@@ -175,12 +181,15 @@ unsafe fn tile_dyn(
     }
     // SAFETY: the caller's contract, for the tile chosen by `mt` and `nr`.
     unsafe {
-        match mt {
-            4 => rows!(4, true),
-            3 => rows!(3, true),
-            2 => rows!(2, true),
-            _ if pf.lines > 0 => rows!(1, true),
-            _ => rows!(1, false),
+        match (mt, pf.lines > 0) {
+            (4, true) => rows!(4, true),
+            (3, true) => rows!(3, true),
+            (2, true) => rows!(2, true),
+            (_, true) => rows!(1, true),
+            (4, false) => rows!(4, false),
+            (3, false) => rows!(3, false),
+            (2, false) => rows!(2, false),
+            (_, false) => rows!(1, false),
         }
     }
 }
@@ -192,10 +201,11 @@ const TOKEN_BLOCK_BYTES: usize = 512 * 1024;
 /// Computes output rows `r0..r1` of `y = bf16(x) · Wᵀ` for all `n_tokens` tokens from the rows
 /// [`pack_rows`] wrote: token blocks whose packed rows stay in L2; inside a block, each tile of
 /// `NR` weight rows (in L1) runs across the block's token tiles, and those passes prefetch the
-/// next tile's rows between them. Without that, batched decode (2 to 16 tokens) alternates
+/// next tile's rows between them. Without that, batched decode (7 to 16 tokens) alternates
 /// between waiting for memory (the first pass) and computing with the memory idle (the others);
 /// with it, 8 tokens cost about what one does (BENCHMARKS.md, `model_bf16_dot`). Which
-/// products prefetch is [`crate::prefetches_weights`]'s rule.
+/// products prefetch is [`crate::prefetches_weights`]'s rule, except that up to
+/// [`ONE_ROW_MAX_TOKENS`] tokens read one row at a time without prefetching.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL/BF16 are available; `w` points to `rows × cols` BF16 weights with `r1 <=
@@ -215,14 +225,15 @@ pub unsafe fn gemm_rows(
     let kp = row_len(cols);
     debug_assert!(xb.len() >= n_tokens * kp);
     let block = (TOKEN_BLOCK_BYTES / (kp * 2).max(1) / MT * MT).max(MT);
-    let prefetching = crate::prefetches_weights(n_tokens);
+    let one_row = n_tokens <= ONE_ROW_MAX_TOKENS;
+    let prefetching = !one_row && crate::prefetches_weights(n_tokens);
     let mut t0 = 0;
     while t0 < n_tokens {
         let t1 = (t0 + block).min(n_tokens);
         let passes = (t1 - t0).div_ceil(MT);
         let mut r = r0;
         while r < r1 {
-            let nr = (if n_tokens == 1 { NR_ONE_TOKEN } else { NR }).min(r1 - r);
+            let nr = (if one_row { 1 } else { NR }).min(r1 - r);
             // The next tile's rows follow this tile's in memory: each pass over this tile's
             // rows prefetches its share of them.
             let next = w.wrapping_add((r + nr) * cols * 2);
