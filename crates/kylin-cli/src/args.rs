@@ -448,6 +448,10 @@ pub struct BenchArgs {
     /// Measured repetitions per model (after one warm-up).
     #[arg(long, default_value_t = 3)]
     pub repetitions: usize,
+    /// Skip the warm-up round: for long prompts (a 16k-token prefill takes minutes) run right
+    /// after another run of the same models has brought them into the page cache.
+    #[arg(long)]
+    pub no_warmup: bool,
     /// Submit this many sequences at once (distinct prompts) and measure the batching engine:
     /// aggregate decode throughput, time to first token and inter-token latency percentiles.
     #[arg(long, value_name = "N")]

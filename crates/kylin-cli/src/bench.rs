@@ -117,9 +117,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
         drop(pool);
         return run_concurrent(&args, &models, threads);
     }
-    // One warm-up round (page cache, CPU frequency), then alternating measured rounds.
+    // One warm-up round (page cache, CPU frequency) unless `--no-warmup`, then alternating
+    // measured rounds.
     let mut samples: Vec<Vec<BenchSample>> = vec![Vec::new(); models.len()];
-    for round in 0..=args.repetitions {
+    let first_round = usize::from(args.no_warmup);
+    for round in first_round..=args.repetitions {
         let gb_s = kylin_kernels::measure_read_bandwidth(&pool, 1 << 30, 3);
         if !args.json {
             eprintln!("round {round}: machine read bandwidth {gb_s:.1} GB/s ({threads} threads)");
@@ -178,7 +180,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
 fn run_concurrent(args: &BenchArgs, models: &[ModelArgs], threads: usize) -> Result<()> {
     use crate::bench_concurrent::{ConcurrentSample, summarize_samples};
     let mut samples: Vec<Vec<ConcurrentSample>> = vec![Vec::new(); models.len()];
-    for round in 0..=args.repetitions {
+    for round in usize::from(args.no_warmup)..=args.repetitions {
         for (i, model) in models.iter().enumerate() {
             let value = spawn_worker_json(model, threads, args)?;
             let sample: ConcurrentSample = serde_json::from_value(value)?;
@@ -348,8 +350,13 @@ fn summarize(samples: Vec<BenchSample>, read_gb_s: f64) -> BenchSummary {
 
 fn print_table(summaries: &[BenchSummary], ratios: Option<&BenchRatios>, args: &BenchArgs, read_gb_s: f64) {
     println!(
-        "kylin bench: {} prompt tokens, {} generated, {} threads, median of {} runs (after a warm-up); machine read bandwidth {:.1} GB/s",
-        args.prompt_tokens, args.gen_tokens, summaries[0].threads, args.repetitions, read_gb_s
+        "kylin bench: {} prompt tokens, {} generated, {} threads, median of {} runs ({}); machine read bandwidth {:.1} GB/s",
+        args.prompt_tokens,
+        args.gen_tokens,
+        summaries[0].threads,
+        args.repetitions,
+        if args.no_warmup { "no warm-up" } else { "after a warm-up" },
+        read_gb_s
     );
     println!(
         "{:<10} {:>9} {:>9} {:>12} {:>11} {:>9} {:>10} {:>9}  model",

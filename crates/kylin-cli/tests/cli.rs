@@ -268,6 +268,22 @@ fn bench_json_reports_both_engines_and_their_ratios() {
 }
 
 #[test]
+fn bench_no_warmup_measures_from_the_first_round() {
+    let tiny = Path::new(SHARED).join("fixtures/tiny-qwen3");
+    let args = ["bench", s(&tiny), "--prompt-tokens", "8", "--gen-tokens", "2", "--repetitions", "2"];
+    let out = kylin(&[&args[..], &["--no-warmup"]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(!log.contains("warm-up"), "a warm-up round ran: {log}");
+    assert!(log.contains("run 1") && log.contains("run 2"), "{log}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("median of 2 runs (no warm-up)"));
+    // Without the flag, the warm-up round comes first.
+    let out = kylin(&args);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("warm-up"));
+}
+
+#[test]
 fn bench_concurrency_json_reports_the_batching_figures_for_both_engines() {
     let hf = model("smollm2-135m-instruct");
     let gguf = model("gguf/smollm2-135m-instruct-q4_1.gguf");
