@@ -9,7 +9,8 @@ Prefill is 512 prompt tokens; decode is 64 tokens after a 512-token prompt (`kyl
 decodes after its prompt; `llama-bench -gp 512,64` does the same).
 
 Workloads (the table of issue 36), where the weights exist in KYLIN_MODELS:
-* qwen3-0.6b-shaped BF16 (Kylin's default precision here) against its BF16 GGUF twin;
+* qwen3-0.6b-shaped BF16 (Kylin's default precision here) against its BF16 GGUF twin, and its
+  prefill of 3584 tokens (the issue's second prompt length; prefill only);
 * qwen3-0.6b-shaped `--quantize q8_0` against its Q8_0 twin;
 * Qwen2.5-Coder-0.5B-Instruct `--quantize q4_k` against the published Q4_K_M.
 
@@ -29,13 +30,16 @@ MODELS = Path(os.environ.get("KYLIN_MODELS", Path.home() / ".cache" / "kylin-mod
 KYLIN = os.environ.get("KYLIN_BIN", str(ROOT / "target/release/kylin"))
 PROMPT, GEN, THREADS = 512, 64, 2
 
+# (name, Kylin's model, Kylin's flags, the peer's GGUF, prompt tokens, whether decode is measured)
 WORKLOADS = [
     ("qwen3-0.6b-shaped BF16", MODELS / "qwen3-0.6b-shaped", [],
-     MODELS / "qwen3-0.6b-shaped/gguf/qwen3-0.6b-shaped-bf16.gguf"),
+     MODELS / "qwen3-0.6b-shaped/gguf/qwen3-0.6b-shaped-bf16.gguf", PROMPT, True),
+    ("qwen3-0.6b-shaped BF16", MODELS / "qwen3-0.6b-shaped", [],
+     MODELS / "qwen3-0.6b-shaped/gguf/qwen3-0.6b-shaped-bf16.gguf", 3584, False),
     ("qwen3-0.6b-shaped q8_0", MODELS / "qwen3-0.6b-shaped", ["--quantize", "q8_0"],
-     MODELS / "qwen3-0.6b-shaped/gguf/qwen3-0.6b-shaped-q8_0.gguf"),
+     MODELS / "qwen3-0.6b-shaped/gguf/qwen3-0.6b-shaped-q8_0.gguf", PROMPT, True),
     ("Qwen2.5-Coder-0.5B q4_k vs Q4_K_M", MODELS / "qwen2.5-coder-0.5b-instruct", ["--quantize", "q4_k"],
-     MODELS / "gguf/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
+     MODELS / "gguf/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", PROMPT, True),
 ]
 
 
@@ -45,18 +49,20 @@ def ik_bench_path():
     return out.stdout.strip().splitlines()[-1]
 
 
-def kylin(model, extra):
+def kylin(model, extra, prompt, with_decode):
+    gen = GEN if with_decode else 1
     out = subprocess.run([KYLIN, "bench", str(model), *extra, "--threads", str(THREADS), "--prompt-tokens",
-                          str(PROMPT), "--gen-tokens", str(GEN), "--repetitions", "1", "--json"],
+                          str(prompt), "--gen-tokens", str(gen), "--repetitions", "1", "--json"],
                          check=True, capture_output=True, text=True, timeout=1800)
     r = json.loads(out.stdout)
     return r["prefill_tok_s"], r["decode_tok_s"]
 
 
-def ik(bench, gguf):
+def ik(bench, gguf, prompt, with_decode):
     best = [0.0, 0.0]
+    depth = ["-gp", f"{prompt},{GEN}"] if with_decode else []
     for rtr in ("0", "1"):
-        out = subprocess.run([bench, "-m", str(gguf), "-p", str(PROMPT), "-n", "0", "-gp", f"{PROMPT},{GEN}",
+        out = subprocess.run([bench, "-m", str(gguf), "-p", str(prompt), "-n", "0", *depth,
                               "-t", str(THREADS), "-r", "1", "-fa", "1", "-rtr", rtr, "-o", "json"],
                              check=True, capture_output=True, text=True, timeout=1800)
         for row in json.loads(out.stdout):
@@ -72,7 +78,7 @@ def main():
     args = ap.parse_args()
     bench = ik_bench_path()
     rows = []
-    for name, model, extra, gguf in WORKLOADS:
+    for name, model, extra, gguf, prompt, with_decode in WORKLOADS:
         if args.only and args.only not in name:
             continue
         if not (model / "config.json").is_file() or not gguf.is_file():
@@ -80,20 +86,21 @@ def main():
             continue
         ours, theirs = [], []
         for r in range(args.rounds):
-            order = [("kylin", lambda: kylin(model, extra)), ("ik_llama.cpp", lambda: ik(bench, gguf))]
+            order = [("kylin", lambda: kylin(model, extra, prompt, with_decode)),
+                     ("ik_llama.cpp", lambda: ik(bench, gguf, prompt, with_decode))]
             if r % 2:
                 order.reverse()
             for label, run in order:
                 prefill, decode = run()
                 (ours if label == "kylin" else theirs).append((prefill, decode))
-                print(f"{name} round {r + 1} {label:12}: prefill {prefill:.1f} tok/s, decode {decode:.1f} tok/s",
-                      flush=True)
-        rows.append((name, ours, theirs))
+                print(f"{name} round {r + 1} {label:12}: prefill {prompt} {prefill:.1f} tok/s, "
+                      f"decode {decode:.1f} tok/s", flush=True)
+        rows.append((name, prompt, with_decode, ours, theirs))
     print()
     print("| workload | Kylin | ik_llama.cpp | ratio per round |")
     print("|---|---:|---:|---:|")
-    for name, ours, theirs in rows:
-        for i, what in enumerate(("prefill 512", "decode after 512")):
+    for name, prompt, with_decode, ours, theirs in rows:
+        for i, what in enumerate((f"prefill {prompt}", f"decode after {prompt}")[:2 if with_decode else 1]):
             k = sum(o[i] for o in ours) / len(ours)
             t = sum(o[i] for o in theirs) / len(theirs)
             ratios = ", ".join(f"{o[i] / x[i]:.2f}×" for o, x in zip(ours, theirs))
