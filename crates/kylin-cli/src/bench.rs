@@ -120,8 +120,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     // One warm-up round (page cache, CPU frequency) unless `--no-warmup`, then alternating
     // measured rounds.
     let mut samples: Vec<Vec<BenchSample>> = vec![Vec::new(); models.len()];
-    let first_round = usize::from(args.no_warmup);
-    for round in first_round..=args.repetitions {
+    for round in usize::from(args.no_warmup)..=args.repetitions {
         let gb_s = kylin_kernels::measure_read_bandwidth(&pool, 1 << 30, 3);
         if !args.json {
             eprintln!("round {round}: machine read bandwidth {gb_s:.1} GB/s ({threads} threads)");

@@ -179,19 +179,18 @@ unsafe fn tile_dyn(
             }
         };
     }
-    // SAFETY: the caller's contract, for the tile chosen by `mt` and `nr`.
-    unsafe {
-        match (mt, pf.lines > 0) {
-            (4, true) => rows!(4, true),
-            (3, true) => rows!(3, true),
-            (2, true) => rows!(2, true),
-            (_, true) => rows!(1, true),
-            (4, false) => rows!(4, false),
-            (3, false) => rows!(3, false),
-            (2, false) => rows!(2, false),
-            (_, false) => rows!(1, false),
-        }
+    macro_rules! tokens {
+        ($p:literal) => {
+            match mt {
+                4 => rows!(4, $p),
+                3 => rows!(3, $p),
+                2 => rows!(2, $p),
+                _ => rows!(1, $p),
+            }
+        };
     }
+    // SAFETY: the caller's contract, for the tile chosen by `mt` and `nr`.
+    unsafe { if pf.lines > 0 { tokens!(true) } else { tokens!(false) } }
 }
 
 /// Bytes of packed activations one token block may take (they stay in L2 while the task's
