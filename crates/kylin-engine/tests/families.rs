@@ -381,7 +381,8 @@ fn fast_paths_stay_close_to_f32_on_every_family() {
 }
 
 /// gpt-oss as published: the experts run as stored, 4-bit FP4 codes with E8M0 scales in the
-/// MXFP4 kernel (int8 activations), the attention and head in BF16 as stored; close to the
+/// MXFP4 kernel (int8 activations), the attention and head in BF16 as stored (on the BF16
+/// kernels where the CPU has them); close to the
 /// f32 path (which matches transformers' dequantized forward exactly, above), and batch
 /// invariant.
 #[test]
@@ -395,6 +396,16 @@ fn mxfp4_experts_run_as_stored() {
         Some(QuantFormat::Published(kylin_kernels::quant::Packing::Mxfp4)),
         "the experts are packed as MXFP4"
     );
+    // The float half (attention, router, head: all BF16 as stored) runs on the BF16 kernels and
+    // keeps a BF16 KV cache where the CPU has them, as a BF16 model's would.
+    let bf16 = kylin_kernels::bf16_kernels().is_some();
+    let model = engine.core().model();
+    let (precision, kv) = if bf16 {
+        ("int8 experts, bf16 elsewhere", kylin_kernels::WeightDType::BF16)
+    } else {
+        ("int8 experts, f32 elsewhere", kylin_kernels::WeightDType::F16)
+    };
+    assert_eq!((model.precision_name(), engine.core().kv_dtype()), (precision, kv));
     let (kl, agree) = kl_in(MORE, "tiny-gpt-oss-mxfp4", PrecisionChoice::Auto, None);
     println!("tiny-gpt-oss-mxfp4 mxfp4 kernels: KL {kl:.6}, argmax agreement {:.1}%", agree * 100.0);
     assert!(kl < 0.05 && agree >= 0.85, "MXFP4 kernels too far from f32: KL {kl}, agreement {agree}");

@@ -1068,6 +1068,9 @@ impl Model {
     /// against the float32 references).
     pub fn default_kv_dtype(&self) -> WeightDType {
         match (self.quantization, self.precision()) {
+            // Experts-only quantization with the rest on the BF16 kernels: attention as a BF16
+            // model runs it.
+            (Some(_), Precision::Bf16) if self.published_experts_only => WeightDType::BF16,
             (Some(_), _) => WeightDType::F16,
             (None, Precision::Bf16) => WeightDType::BF16,
             (None, Precision::F32) => WeightDType::F32,
@@ -1084,6 +1087,15 @@ impl Model {
             // BF16 activations over Q8_0 weights on request.
             self.bf16 = None;
             return match choice {
+                PrecisionChoice::Auto if self.published_experts_only => {
+                    // gpt-oss as published: MXFP4 experts beside BF16 attention and head. The
+                    // experts keep their integer kernels; the float half runs on the BF16
+                    // kernels, as a BF16 model's would, when every one of its matrices is BF16.
+                    let float_not_bf16 =
+                        self.product_linears().any(|m| m.quant.is_none() && m.dtype != WeightDType::BF16);
+                    self.bf16 = kernels::bf16_kernels().filter(|_| !float_not_bf16);
+                    Ok(())
+                }
                 PrecisionChoice::Auto => Ok(()),
                 PrecisionChoice::Bf16 => self.run_quantized_on_bf16_activations(format),
                 PrecisionChoice::F32 => Err(KylinError::config_invalid(format!(
@@ -1092,13 +1104,7 @@ impl Model {
                 ))),
             };
         }
-        let non_bf16 = self
-            .layers
-            .iter()
-            .flat_map(|l| l.linears().map(|(_, m)| m).chain(l.side_linears()))
-            .chain(self.per_layer_inputs.as_ref().map(|p| &p.projection))
-            .chain(std::iter::once(&self.lm_head))
-            .find(|m| m.dtype != WeightDType::BF16);
+        let non_bf16 = self.product_linears().find(|m| m.dtype != WeightDType::BF16);
         self.bf16 = match choice {
             PrecisionChoice::F32 => None,
             PrecisionChoice::Auto => kernels::bf16_kernels().filter(|_| non_bf16.is_none()),
@@ -1119,6 +1125,16 @@ impl Model {
             }
         };
         Ok(())
+    }
+
+    /// Every matrix of the model's products: the layers' (with the routers and gates), the
+    /// per-layer input projection and the head.
+    fn product_linears(&self) -> impl Iterator<Item = &Linear> {
+        self.layers
+            .iter()
+            .flat_map(|l| l.linears().map(|(_, m)| m).chain(l.side_linears()))
+            .chain(self.per_layer_inputs.as_ref().map(|p| &p.projection))
+            .chain(std::iter::once(&self.lm_head))
     }
 
     /// `--quantize q8_0 --precision bf16`: every Q8_0 matrix (made at load or stored by `kylin
