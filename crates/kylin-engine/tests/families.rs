@@ -351,7 +351,12 @@ fn kl_in(root: &str, name: &str, precision: PrecisionChoice, quantize: Option<Qu
 /// Mixture-of-Experts families, whose top-k routing is discrete: a rounding that swaps two
 /// nearly tied experts changes a token's output wholesale, and random routers make near-ties
 /// common). The fixtures' 64- and 128-column matrices are below one Q4_K super-block, so
-/// `q4_k` runs them as Q8_0; their experts of width 48 stay as stored.
+/// `q4_k` runs them as Q5_0, as llama.cpp's Q4_K_M does (their experts of width 48 stay as
+/// stored): its step is eight times Q8_0's (`amax / 16` against `amax / 127`), and on these
+/// fixtures its KL is 3 to 31 times Q8_0's (trained models: `BENCHMARKS.md`), so its bounds are
+/// those of a path that works, not of a close one: KL below 1.5 nats (noise is `ln(vocab)`,
+/// about 7) and the same argmax at 30% of positions (15% for the Mixture-of-Experts families).
+/// The Q5_0 products themselves are checked bit for bit in `kylin-kernels/tests/q5.rs`.
 #[test]
 fn fast_paths_stay_close_to_f32_on_every_family() {
     let mut paths: Vec<(&str, PrecisionChoice, Option<QuantFormat>)> = vec![
@@ -366,12 +371,21 @@ fn fast_paths_stay_close_to_f32_on_every_family() {
         for &(label, precision, quantize) in &paths {
             let (kl, agree) = kl_against_f32(name, precision, quantize);
             println!("{name:<18} {label:<5} KL {kl:.6}  argmax agreement {:.1}%", agree * 100.0);
-            let floor =
-                if name.contains("moe") || name.contains("mixtral") || name.contains("gpt-oss") { 0.5 } else { 0.7 };
+            let moe = name.contains("moe") || name.contains("mixtral") || name.contains("gpt-oss");
+            let floor = match (label, moe) {
+                ("q4_k", true) => 0.15,
+                ("q4_k", false) => 0.3,
+                (_, true) => 0.5,
+                (_, false) => 0.7,
+            };
             // Qwen3.5-MoE compounds both sensitivities: the recurrent layers' rounding (tiny-qwen3.5
             // alone: KL 0.08) moves the random routers' near-ties (0.14 to 0.25 over its four
             // fixtures, argmax agreement 70 to 77%).
-            let ceiling = if name.contains("qwen3.5-moe") { 0.3 } else { 0.2 };
+            let ceiling = match label {
+                "q4_k" => 1.5,
+                _ if name.contains("qwen3.5-moe") => 0.3,
+                _ => 0.2,
+            };
             if kl >= ceiling || agree < floor {
                 failures.push(format!("{name} {label}: KL {kl:.4}, argmax agreement {:.1}%", agree * 100.0));
             }

@@ -5,30 +5,43 @@
 //! weight quantization's search for sub-block scales and mins on AVX-512, 16 sub-blocks at
 //! once, with the scalar search's bits.
 //!
-//! The tiles also run Q4_G (`q4g.rs`), whose quants plane and activations are Q4_K's: their
-//! const parameter `GROUPED` ([`Q4K_SCALES`] or [`Q4G_SCALES`]) picks where sub-block `j`'s
-//! `(dsc_j, dm_j)` come from — Q4_K's `(d · sc_j, dmin · m_j)` or Q4_G's f16 `(s_j, m_j)` —
-//! and everything else, the canonical order included, is the same code.
+//! The tiles also run Q4_G (`q4g.rs`) and Q5_0 (`q5.rs`), whose quants plane and activations
+//! are Q4_K's: their const parameter `SCALES` ([`Q4K_SCALES`], [`Q4G_SCALES`] or
+//! [`Q5_0_SCALES`]) picks where sub-block `j`'s `(dsc_j, dm_j)` come from — Q4_K's
+//! `(d · sc_j, dmin · m_j)` or Q4_G's f16 `(s_j, m_j)` — and for Q5_0 adds each quant's fifth
+//! bit (16) from the scales plane's masks and reads Q8_0's activations, whose per-block
+//! correction takes the offset of 16 out of the integer sum (`q5.rs`); everything else is the
+//! same code.
 
 use std::arch::x86_64::*;
 
 use crate::q4g::SUB_SCALE_BYTES as G_SUB_SCALE_BYTES;
 use crate::q4k::{HEADER_BYTES, PAIR_BYTES, QK_K, SUB, SUB_SCALE_BYTES, SUPER_SCALE_BYTES, subs_in};
+use crate::q5::SUB_SCALE_BYTES as Q5_SUB_SCALE_BYTES;
 use crate::quant::GROUP_ROWS;
 
-/// The tiles' `GROUPED` for Q4_K's scales plane: `d`, `dmin` per super-block, 6-bit `sc`, `m`
+/// The tiles' `SCALES` for Q4_K's scales plane: `d`, `dmin` per super-block, 6-bit `sc`, `m`
 /// per sub-block.
-pub(crate) const Q4K_SCALES: bool = false;
-/// The tiles' `GROUPED` for Q4_G's scales plane: an f16 scale and min per sub-block.
-pub(crate) const Q4G_SCALES: bool = true;
+pub(crate) const Q4K_SCALES: u8 = 0;
+/// The tiles' `SCALES` for Q4_G's scales plane: an f16 scale and min per sub-block.
+pub(crate) const Q4G_SCALES: u8 = 1;
+/// The tiles' `SCALES` for Q5_0's scales plane: an f16 scale and the quants' high bits per
+/// sub-block.
+pub(crate) const Q5_0_SCALES: u8 = 2;
 
-/// Bytes of a group's scales plane for rows of `cols` columns, in the layout `GROUPED` picks.
+/// Bytes of one sub-block's scales of 16 rows in a per-sub-block scales plane (Q4_G, Q5_0).
 #[inline(always)]
-fn scales_len<const GROUPED: bool>(cols: usize) -> usize {
-    if GROUPED {
-        cols / SUB * G_SUB_SCALE_BYTES
-    } else {
+fn sub_scale_bytes<const SCALES: u8>() -> usize {
+    if SCALES == Q5_0_SCALES { Q5_SUB_SCALE_BYTES } else { G_SUB_SCALE_BYTES }
+}
+
+/// Bytes of a group's scales plane for rows of `cols` columns, in the layout `SCALES` picks.
+#[inline(always)]
+fn scales_len<const SCALES: u8>(cols: usize) -> usize {
+    if SCALES == Q4K_SCALES {
         cols.div_ceil(QK_K) * HEADER_BYTES + cols / SUB * SUB_SCALE_BYTES
+    } else {
+        cols / SUB * sub_scale_bytes::<SCALES>()
     }
 }
 
@@ -208,12 +221,12 @@ pub(crate) unsafe fn quantize_sub_block_avx512(x: &[f32; SUB], dm: f32, dj: f32,
     }
 }
 
-/// [`tile_vnni`] for `mt` (1..=8) tokens, on the scales plane `GROUPED` picks.
+/// [`tile_vnni`] for `mt` (1..=8) tokens, on the scales plane `SCALES` picks.
 ///
 /// # Safety
 /// As [`tile_vnni`].
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn tile_vnni_dyn<const GROUPED: bool>(
+pub(crate) unsafe fn tile_vnni_dyn<const SCALES: u8>(
     mt: usize,
     wq: &[u8],
     ws: &[u8],
@@ -228,14 +241,14 @@ pub(crate) unsafe fn tile_vnni_dyn<const GROUPED: bool>(
     // SAFETY: the caller's contract.
     unsafe {
         match mt {
-            1 => tile_vnni::<1, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid, prefetch_next),
-            2 => tile_vnni::<2, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid, prefetch_next),
-            3 => tile_vnni::<3, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid, prefetch_next),
-            4 => tile_vnni::<4, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid, prefetch_next),
-            5 => tile_vnni::<5, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid, prefetch_next),
-            6 => tile_vnni::<6, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid, prefetch_next),
-            7 => tile_vnni::<7, GROUPED>(wq, ws, cols, xq, stride, y, y_stride, valid, prefetch_next),
-            _ => tile_vnni::<{ crate::quant::Q8_MT }, GROUPED>(
+            1 => tile_vnni::<1, SCALES>(wq, ws, cols, xq, stride, y, y_stride, valid, prefetch_next),
+            2 => tile_vnni::<2, SCALES>(wq, ws, cols, xq, stride, y, y_stride, valid, prefetch_next),
+            3 => tile_vnni::<3, SCALES>(wq, ws, cols, xq, stride, y, y_stride, valid, prefetch_next),
+            4 => tile_vnni::<4, SCALES>(wq, ws, cols, xq, stride, y, y_stride, valid, prefetch_next),
+            5 => tile_vnni::<5, SCALES>(wq, ws, cols, xq, stride, y, y_stride, valid, prefetch_next),
+            6 => tile_vnni::<6, SCALES>(wq, ws, cols, xq, stride, y, y_stride, valid, prefetch_next),
+            7 => tile_vnni::<7, SCALES>(wq, ws, cols, xq, stride, y, y_stride, valid, prefetch_next),
+            _ => tile_vnni::<{ crate::quant::Q8_MT }, SCALES>(
                 wq,
                 ws,
                 cols,
@@ -256,18 +269,20 @@ pub(crate) unsafe fn tile_vnni_dyn<const GROUPED: bool>(
 /// broadcast groups of four activations (`vpdpbusd`: unsigned weights × signed
 /// activations), giving each row's exact `isum`; then per lane
 /// `acc = fma(f32(isum), dsc · dx, acc); acc = fma(−bx, dm, acc)`, with `(dsc, dm)` Q4_K's
-/// `(d · sc, dmin · m)` or, when `GROUPED`, Q4_G's `(s, m)`. With `prefetch_next`, each pair
+/// `(d · sc, dmin · m)` or Q4_G's `(s, m)` as `SCALES` says. For Q5_0 a masked byte add puts
+/// each quant's fifth bit onto its unpacked nibble, and with Q8_0's activations
+/// `acc = fma(f32(isum − 16 · Σq_x), d · dx, acc)`. With `prefetch_next`, each pair
 /// also asks for the next group's same pair and its share of the next group's scales (both
 /// planes hold the groups one after another), as the Q8_0 tile does.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL/VNNI must be available; `wq`, `ws` are one whole group's planes for
-/// `cols` columns (a multiple of 64) in the format `GROUPED` names; `xq` holds `MT` token rows
+/// `cols` columns (a multiple of 64) in the format `SCALES` names; `xq` holds `MT` token rows
 /// of `stride` bytes; `y` is valid for writing rows `0..valid` (`<= 16`) of `MT` tokens at row
 /// stride `y_stride`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn tile_vnni<const MT: usize, const GROUPED: bool>(
+unsafe fn tile_vnni<const MT: usize, const SCALES: u8>(
     wq: &[u8],
     ws: &[u8],
     cols: usize,
@@ -281,23 +296,26 @@ unsafe fn tile_vnni<const MT: usize, const GROUPED: bool>(
     let nb = cols / SUB;
     let n_super = cols.div_ceil(QK_K);
     // One group's bytes in each plane, and the scales bytes of one pair of sub-blocks.
-    let (group_quants, group_scales) = (nb / 2 * PAIR_BYTES, scales_len::<GROUPED>(cols));
+    let (group_quants, group_scales) = (nb / 2 * PAIR_BYTES, scales_len::<SCALES>(cols));
     let pair_scales = group_scales.div_ceil((nb / 2).max(1));
-    assert!(wq.len() >= nb / 2 * PAIR_BYTES && ws.len() >= scales_len::<GROUPED>(cols));
+    assert!(wq.len() >= nb / 2 * PAIR_BYTES && ws.len() >= scales_len::<SCALES>(cols));
     assert!(xq.len() >= MT * stride && stride >= cols + 8 * nb);
     debug_assert!(valid <= GROUP_ROWS);
     let (wp, sp, xp) = (wq.as_ptr(), ws.as_ptr(), xq.as_ptr());
     let nibble = _mm512_set1_epi8(0x0F);
+    let sixteen = _mm512_set1_epi8(16);
+    let grouped = SCALES != Q4K_SCALES;
     let mut acc = [_mm512_setzero_ps(); MT];
     for s in 0..n_super {
         let n_sub = subs_in(cols, s);
-        // SAFETY: super-block `s`'s scales (Q4_K's header and sub-block bytes, or Q4_G's 64
-        // bytes per sub-block), its pairs' quants and every token's sub-blocks lie inside the
-        // slices (checked above against the layout `GROUPED` names); all loads are unaligned.
+        // SAFETY: super-block `s`'s scales (Q4_K's header and sub-block bytes, or Q4_G's and
+        // Q5_0's bytes per sub-block), its pairs' quants and every token's sub-blocks lie
+        // inside the slices (checked above against the layout `SCALES` names); all loads are
+        // unaligned.
         unsafe {
-            // Q4_K's super-block header (`d`, `dmin` of the 16 rows); Q4_G has none.
-            let header = if GROUPED { sp } else { sp.add(s * SUPER_SCALE_BYTES) };
-            let (d, dmin) = if GROUPED {
+            // Q4_K's super-block header (`d`, `dmin` of the 16 rows); Q4_G and Q5_0 have none.
+            let header = if grouped { sp } else { sp.add(s * SUPER_SCALE_BYTES) };
+            let (d, dmin) = if grouped {
                 (_mm512_setzero_ps(), _mm512_setzero_ps())
             } else {
                 (
@@ -307,9 +325,13 @@ unsafe fn tile_vnni<const MT: usize, const GROUPED: bool>(
             };
             for jj in 0..n_sub {
                 let j = s * (QK_K / SUB) + jj;
-                let (dsc, dm) = if GROUPED {
+                let sub_scales = sp.add(j * sub_scale_bytes::<SCALES>());
+                let (dsc, dm) = if SCALES == Q5_0_SCALES {
+                    // Q5_0: sub-block `j`'s 16 f16 scales `d` (the offset of 16 is taken out of
+                    // the integer sum instead of a min).
+                    (_mm512_cvtph_ps(_mm256_loadu_si256(sub_scales as *const __m256i)), _mm512_setzero_ps())
+                } else if grouped {
                     // Q4_G: sub-block `j`'s 16 f16 scales, then its 16 f16 mins.
-                    let sub_scales = sp.add(j * G_SUB_SCALE_BYTES);
                     (
                         _mm512_cvtph_ps(_mm256_loadu_si256(sub_scales as *const __m256i)),
                         _mm512_cvtph_ps(_mm256_loadu_si256(sub_scales.add(32) as *const __m256i)),
@@ -331,7 +353,14 @@ unsafe fn tile_vnni<const MT: usize, const GROUPED: bool>(
                 let w: [__m512i; 8] = std::array::from_fn(|k| {
                     let raw = _mm512_loadu_si512(wb.add(64 * k) as *const _);
                     let raw = if j.is_multiple_of(2) { raw } else { _mm512_srli_epi16(raw, 4) };
-                    _mm512_and_si512(raw, nibble)
+                    let low = _mm512_and_si512(raw, nibble);
+                    if SCALES == Q5_0_SCALES {
+                        // Bit `4 · row + c` of word `k`: the fifth bit of this vector's byte.
+                        let high: __mmask64 = std::ptr::read_unaligned(sub_scales.add(32 + 8 * k) as *const u64);
+                        _mm512_mask_add_epi8(low, high, low, sixteen)
+                    } else {
+                        low
+                    }
                 });
                 for (t, acc) in acc.iter_mut().enumerate() {
                     let xt = xp.add(t * stride);
@@ -346,6 +375,14 @@ unsafe fn tile_vnni<const MT: usize, const GROUPED: bool>(
                     i0 = _mm512_dpbusd_epi32(i0, w[6], four(6));
                     i1 = _mm512_dpbusd_epi32(i1, w[7], four(7));
                     let dx = _mm512_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * j) as *const f32));
+                    if SCALES == Q5_0_SCALES {
+                        // Q8_0's activations: the block's `−128 · Σq_x` over 8 is `−16 · Σq_x`,
+                        // which turns `Σ q · q_x` into `Σ (q − 16) · q_x` (exact integers).
+                        let corr = std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const i32) >> 3;
+                        let isum = _mm512_add_epi32(_mm512_add_epi32(i0, i1), _mm512_set1_epi32(corr));
+                        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dsc, dx), *acc);
+                        continue;
+                    }
                     let bx = _mm512_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const f32));
                     let isum = _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
                     *acc = _mm512_fmadd_ps(isum, _mm512_mul_ps(dsc, dx), *acc);
@@ -364,14 +401,14 @@ unsafe fn tile_vnni<const MT: usize, const GROUPED: bool>(
 /// `mt` tokens × one group of 16 rows on AVX2 (no VNNI): `vpmaddubsw(w, x)` multiplies the
 /// unpacked nibbles (unsigned, at most 15) by the signed activations without saturating
 /// (`2 · 15 · 127 < 2^15`), `vpmaddwd` by ones widens the pairs to i32: the same exact
-/// sub-block sums as the VNNI tile, combined in the same order, on the scales plane `GROUPED`
+/// sub-block sums as the VNNI tile, combined in the same order, on the scales plane `SCALES`
 /// picks.
 ///
 /// # Safety
 /// AVX2, FMA and F16C must be available; otherwise as [`tile_vnni`].
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn tile_avx2<const GROUPED: bool>(
+pub(crate) unsafe fn tile_avx2<const SCALES: u8>(
     mt: usize,
     wq: &[u8],
     ws: &[u8],
@@ -384,23 +421,30 @@ pub(crate) unsafe fn tile_avx2<const GROUPED: bool>(
 ) {
     let nb = cols / SUB;
     let n_super = cols.div_ceil(QK_K);
-    assert!(wq.len() >= nb / 2 * PAIR_BYTES && ws.len() >= scales_len::<GROUPED>(cols));
+    assert!(wq.len() >= nb / 2 * PAIR_BYTES && ws.len() >= scales_len::<SCALES>(cols));
     assert!(xq.len() >= mt * stride && stride >= cols + 8 * nb);
     debug_assert!(valid <= GROUP_ROWS);
     let (wp, sp, xp) = (wq.as_ptr(), ws.as_ptr(), xq.as_ptr());
     let (nibble, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
+    let grouped = SCALES != Q4K_SCALES;
+    // Q5_0's high bits: byte `i` of a 32-byte half takes bit `i % 8` of mask byte `i / 8`.
+    let spread = _mm256_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+    );
+    let bit_of_byte = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let sixteen = _mm256_set1_epi8(16);
     for t in 0..mt {
         let mut acc = [_mm256_setzero_ps(); 2];
         for s in 0..n_super {
             // SAFETY: as in `tile_vnni`.
             unsafe {
-                // Q4_K's super-block header; Q4_G has none.
-                let header = if GROUPED { sp } else { sp.add(s * SUPER_SCALE_BYTES) };
+                // Q4_K's super-block header; Q4_G and Q5_0 have none.
+                let header = if grouped { sp } else { sp.add(s * SUPER_SCALE_BYTES) };
                 let xt = xp.add(t * stride);
                 for jj in 0..subs_in(cols, s) {
                     let j = s * (QK_K / SUB) + jj;
-                    let sub_scales = if GROUPED {
-                        sp.add(j * G_SUB_SCALE_BYTES)
+                    let sub_scales = if grouped {
+                        sp.add(j * sub_scale_bytes::<SCALES>())
                     } else {
                         header.add(HEADER_BYTES + jj * SUB_SCALE_BYTES)
                     };
@@ -412,14 +456,36 @@ pub(crate) unsafe fn tile_avx2<const GROUPED: bool>(
                         for (h, ii) in ii.iter_mut().enumerate() {
                             let raw = _mm256_loadu_si256(wb.add(64 * k + 32 * h) as *const __m256i);
                             let raw = if j.is_multiple_of(2) { raw } else { _mm256_srli_epi16(raw, 4) };
-                            let pairs = _mm256_maddubs_epi16(_mm256_and_si256(raw, nibble), x4);
+                            let mut w = _mm256_and_si256(raw, nibble);
+                            if SCALES == Q5_0_SCALES {
+                                // Bits `32h .. 32h + 32` of word `k`, one per byte of this half,
+                                // spread to bytes of 16 where set (`31 · 127 · 2 < 2^15`: the
+                                // pairs still do not saturate).
+                                let m = std::ptr::read_unaligned(sub_scales.add(32 + 8 * k + 4 * h) as *const i32);
+                                let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(m), spread);
+                                let set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit_of_byte), bit_of_byte);
+                                w = _mm256_or_si256(w, _mm256_and_si256(set, sixteen));
+                            }
+                            let pairs = _mm256_maddubs_epi16(w, x4);
                             *ii = _mm256_add_epi32(*ii, _mm256_madd_epi16(pairs, ones));
                         }
                     }
                     let dx = _mm256_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * j) as *const f32));
+                    if SCALES == Q5_0_SCALES {
+                        // Q8_0's activations: `−128 · Σq_x` over 8 takes the offset of 16 out
+                        // of the integer sums, as in the VNNI tile.
+                        let corr = std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const i32) >> 3;
+                        for (h, acc) in acc.iter_mut().enumerate() {
+                            // Rows `8h .. 8h + 8`'s f16 scales `d` of sub-block `j`.
+                            let d = _mm256_cvtph_ps(_mm_loadu_si128(sub_scales.add(16 * h) as *const __m128i));
+                            let isum = _mm256_add_epi32(ii[h], _mm256_set1_epi32(corr));
+                            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), *acc);
+                        }
+                        continue;
+                    }
                     let bx = _mm256_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const f32));
                     for (h, acc) in acc.iter_mut().enumerate() {
-                        let (dsc, dm) = if GROUPED {
+                        let (dsc, dm) = if grouped {
                             // Q4_G: rows `8h .. 8h + 8`'s f16 scales and mins of sub-block `j`.
                             (
                                 _mm256_cvtph_ps(_mm_loadu_si128(sub_scales.add(16 * h) as *const __m128i)),

@@ -1454,14 +1454,21 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
         if let Some(q) = config.quantization.filter(|_| spec.role.is_matrix()) {
             // A stored-quantized matrix: its two planes, with the shapes and dtypes the
             // matrix's shape implies.
-            // A `q4_k-packed` checkpoint stores each matrix in Q4_K (U8 scales) or Q8_0 (F16
-            // scales), as `kylin quantize --to q4_k` chose; a `q8_0-packed` one only Q8_0.
+            // A `q4_k-packed` checkpoint stores each matrix in Q8_0 (F16 scales) or, with U8
+            // scales, in Q4_K when its columns are whole 256-column super-blocks and in Q5_0
+            // otherwise, as `kylin quantize --to q4_k` chose; a `q8_0-packed` one only Q8_0.
             let (rows, cols) = (expected[0], expected[1]);
             let why = || spec.shape.iter().map(|d| d.explain(config, layer)).collect::<Vec<_>>().join(", ");
             let scale_name = format!("{name}_scale");
-            let q4k =
+            let u8_scales =
                 q == StoredQuantization::KylinQ4K && index.raw(&scale_name).is_some_and(|r| r.dtype == Some(DType::U8));
-            let (format, unit) = if q4k { ("Q4_K", 64) } else { ("Q8_0", 32) };
+            let q5 = u8_scales && !cols.is_multiple_of(256);
+            let q4k = u8_scales && !q5;
+            let (format, unit) = match (q4k, q5) {
+                (true, _) => ("Q4_K", 64),
+                (_, true) => ("Q5_0", 64),
+                _ => ("Q8_0", 32),
+            };
             if cols == 0 || !cols.is_multiple_of(unit) {
                 shape_errors.push(format!(
                     "tensor '{name}': {format} needs columns in multiples of {unit}; the matrix has {cols} ({})",
@@ -1470,8 +1477,10 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
                 return None;
             }
             let groups = rows.div_ceil(16);
-            let planes: [(&String, Vec<usize>, DType); 2] = if q4k {
-                let scale_bytes = 64 * cols.div_ceil(256) + cols;
+            let planes: [(&String, Vec<usize>, DType); 2] = if u8_scales {
+                // Q4_K: a header per super-block and two bytes per sub-block of 16 rows; Q5_0:
+                // 96 bytes per sub-block (scales and high bits).
+                let scale_bytes = if q5 { 3 * cols } else { 64 * cols.div_ceil(256) + cols };
                 [(&name, vec![groups, cols * 8], DType::U8), (&scale_name, vec![groups, scale_bytes], DType::U8)]
             } else {
                 let blocks = cols / 32;

@@ -207,10 +207,11 @@ pub enum StoredQuantization {
     /// `X.weight` (U8 `[groups of 16 rows, blocks of 32 columns, 512]`, Kylin's packed Q8_0
     /// quants) and `X.weight_scale` (F16 `[groups, blocks, 16]`); the embedding as stored.
     KylinQ8_0,
-    /// Written by `kylin quantize --to q4_k`: each linear layer and the head either as
-    /// Kylin's packed Q4_K (`X.weight` U8 `[groups of 16 rows, cols · 8]`, `X.weight_scale` U8
-    /// `[groups, 64 · super-blocks + cols]`) or as packed Q8_0 (F16 scales, as above), as the
-    /// Q4_K recipe chose; the embedding as stored.
+    /// Written by `kylin quantize --to q4_k`: each linear layer and the head as Kylin's packed
+    /// Q4_K (`X.weight` U8 `[groups of 16 rows, cols · 8]`, `X.weight_scale` U8 `[groups, 64 ·
+    /// super-blocks + cols]`, columns whole super-blocks of 256), packed Q5_0 (the same quants
+    /// plane, `X.weight_scale` U8 `[groups, 3 · cols]`, other columns) or packed Q8_0 (F16
+    /// scales, as above), as the Q4_K recipe chose; the embedding as stored.
     KylinQ4K,
 }
 
@@ -233,7 +234,7 @@ impl StoredQuantization {
         match self {
             StoredQuantization::KylinQ8_0 => "kylin q8_0-packed (Q8_0, blocks of 32, f16 scales, rows in groups of 16)",
             StoredQuantization::KylinQ4K => {
-                "kylin q4_k-packed (Q4_K super-blocks of 256, Q8_0 where the Q4_K_M recipe wants more bits; rows in groups of 16)"
+                "kylin q4_k-packed (Q4_K super-blocks of 256, Q5_0 where the columns are not whole super-blocks, Q8_0 where the Q4_K_M recipe wants more bits; rows in groups of 16)"
             }
         }
     }

@@ -55,8 +55,9 @@ pub struct QuantizationReport {
     pub bytes_per_token: u64,
 }
 
-/// How a bound matrix is stored: `Q8_0` or `Q4_K` planes (told apart by the scales' dtype,
-/// F16 or U8), else its dtype.
+/// How a bound matrix is stored: `Q8_0` planes (F16 scales), `Q4_K` or `Q5_0` planes (U8
+/// scales; Q4_K when the columns, an eighth of the quants plane's row, are whole 256-column
+/// super-blocks), else its dtype.
 fn stored_format(w: &crate::ModelWeights, t: &crate::WeightTensor) -> String {
     if let Some(m) = w.published_matrix(t) {
         return match &m.scheme {
@@ -67,7 +68,10 @@ fn stored_format(w: &crate::ModelWeights, t: &crate::WeightTensor) -> String {
         };
     }
     match w.scales.get(&t.name) {
-        Some(scale) if scale.dtype == crate::DType::U8 => "Q4_K".to_string(),
+        Some(scale) if scale.dtype == crate::DType::U8 => {
+            let cols = t.shape.get(1).map_or(0, |c| c / 8);
+            if cols.is_multiple_of(256) { "Q4_K" } else { "Q5_0" }.to_string()
+        }
         Some(_) => "Q8_0".to_string(),
         None => t.dtype.as_str().to_string(),
     }

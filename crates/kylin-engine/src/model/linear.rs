@@ -131,7 +131,8 @@ impl Linear {
     }
 
     /// A linear layer stored quantized (`kylin quantize`): `quants` and `scales` are the planes
-    /// (Q8_0 when the scales are F16, Q4_K when they are U8), checked against `[rows, cols]`
+    /// (Q8_0 when the scales are F16; with U8 scales Q4_K when the columns are whole 256-column
+    /// super-blocks, Q5_0 otherwise, as the loader checked them), checked against `[rows, cols]`
     /// (`TENSOR_SHAPE_MISMATCH` naming the tensors otherwise).
     pub(super) fn stored_quant(
         quants: &WeightTensor,
@@ -140,7 +141,11 @@ impl Linear {
         rows: usize,
         cols: usize,
     ) -> Result<Self> {
-        let packing = if scales.dtype == DType::U8 { Packing::Q4K } else { Packing::Q8_0 };
+        let packing = match scales.dtype {
+            DType::U8 if cols.is_multiple_of(kylin_kernels::q4k::QK_K) => Packing::Q4K,
+            DType::U8 => Packing::Q5_0,
+            _ => Packing::Q8_0,
+        };
         if QuantMatrix::new(packing, rows, cols, quants.bytes(), scales.bytes()).is_none() {
             return Err(KylinError::tensor_shape_mismatch(format!(
                 "tensors '{}' ({} bytes) and '{}' ({} bytes) are not the {} planes of a [{rows}, {cols}] matrix",

@@ -854,12 +854,15 @@ impl Model {
             }
         }
         matrices.push((&self.lm_head, Packing::Q8_0));
-        // A matrix whose columns are not whole blocks of 32 stays as stored (llama.cpp falls
-        // back to a wider type the same way); its products run in f32.
+        // A Q4_K matrix whose columns are not whole super-blocks of 256 becomes Q5_0, as
+        // llama.cpp's Q4_K_M falls back (`llama_tensor_get_type`), or Q8_0 when they are not
+        // whole pairs of blocks either (Q5_0's layout reads 64 columns at a time). A matrix
+        // whose columns are not whole blocks of 32 stays as stored (llama.cpp falls back to a
+        // wider type the same way); its products run in f32.
         let mut buffers: Vec<Option<QuantBuffer>> = Vec::with_capacity(matrices.len());
         for (m, packing) in matrices.iter_mut() {
             if *packing == Packing::Q4K && !m.cols.is_multiple_of(kylin_kernels::q4k::QK_K) {
-                *packing = Packing::Q8_0;
+                *packing = if m.cols.is_multiple_of(64) { Packing::Q5_0 } else { Packing::Q8_0 };
             }
             buffers.push(QuantBuffer::zeroed(*packing, m.rows, m.cols));
         }
