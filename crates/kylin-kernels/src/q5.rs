@@ -85,8 +85,10 @@ pub fn q5_0_plane_shapes(rows: usize, cols: usize) -> ([usize; 2], [usize; 2]) {
 }
 
 /// One block of 32 values quantized as llama.cpp's `quantize_row_q5_0_ref`: the scale `d`
-/// (before its rounding to f16) and the 5-bit quants.
-pub fn quantize_block_q5_0(x: &[f32; SUB]) -> (f32, [u8; SUB]) {
+/// (before its rounding to f16) and the 5-bit quants. Panics unless `x` holds 32 values (a
+/// caller bug).
+pub fn quantize_block_q5_0(x: &[f32]) -> (f32, [u8; SUB]) {
+    assert_eq!(x.len(), SUB, "a Q5_0 block is 32 values");
     let (mut amax, mut max) = (0.0f32, 0.0f32);
     for &v in x {
         if amax < v.abs() {
@@ -97,7 +99,7 @@ pub fn quantize_block_q5_0(x: &[f32; SUB]) -> (f32, [u8; SUB]) {
     let d = max / -16.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     // `(int8_t)(x · id + 16.5f)` then `MIN(31, ·)`: truncation toward zero; a NaN gives 0.
-    let q = x.map(|v| ((v * id + 16.5) as i8).min(31) as u8);
+    let q = std::array::from_fn(|k| ((x[k] * id + 16.5) as i8).min(31) as u8);
     (d, q)
 }
 
@@ -116,14 +118,12 @@ pub fn quantize_q5_0_groups(
     assert_eq!(quants.len(), groups.len() * gq_len, "quants length != groups * group bytes");
     assert_eq!(scales.len(), groups.len() * gs_len, "scales length != groups * group bytes");
     assert_eq!(row.len(), w.cols);
-    let nb = w.cols / SUB;
     for (g, (gq, gs)) in groups.zip(quants.chunks_exact_mut(gq_len).zip(scales.chunks_exact_mut(gs_len))) {
         gq.fill(0);
         gs.fill(0);
         for lane in 0..GROUP_ROWS.min(w.rows.saturating_sub(g * GROUP_ROWS)) {
             crate::widen_row(w, g * GROUP_ROWS + lane, row);
-            for j in 0..nb {
-                let block: &[f32; SUB] = row[j * SUB..(j + 1) * SUB].try_into().expect("32 columns");
+            for (j, block) in row.chunks_exact(SUB).enumerate() {
                 let (d, q) = quantize_block_q5_0(block);
                 let at = j * SUB_SCALE_BYTES + 2 * lane;
                 gs[at..at + 2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
