@@ -699,6 +699,13 @@ impl Packing {
         }
     }
 
+    /// The format of a `q4_k` matrix whose scales plane is bytes (the recipe's rule, which
+    /// `kylin quantize`'s directories keep): Q4_K for whole 256-column super-blocks, Q5_0
+    /// otherwise.
+    pub fn with_byte_scales(cols: usize) -> Packing {
+        if cols.is_multiple_of(crate::q4k::QK_K) { Packing::Q4K } else { Packing::Q5_0 }
+    }
+
     /// Stored bits per weight of a `[rows, cols]` matrix, planes included.
     pub fn bits_per_weight(self, rows: usize, cols: usize) -> Option<f64> {
         let (q, s) = self.plane_lens(rows, cols)?;

@@ -1462,13 +1462,9 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
             let scale_name = format!("{name}_scale");
             let u8_scales =
                 q == StoredQuantization::KylinQ4K && index.raw(&scale_name).is_some_and(|r| r.dtype == Some(DType::U8));
-            let q5 = u8_scales && !cols.is_multiple_of(256);
-            let q4k = u8_scales && !q5;
-            let (format, unit) = match (q4k, q5) {
-                (true, _) => ("Q4_K", 64),
-                (_, true) => ("Q5_0", 64),
-                _ => ("Q8_0", 32),
-            };
+            let (format, unit) =
+                if u8_scales { (StoredQuantization::byte_scales_format(cols), 64) } else { ("Q8_0", 32) };
+            let q5 = format == "Q5_0";
             if cols == 0 || !cols.is_multiple_of(unit) {
                 shape_errors.push(format!(
                     "tensor '{name}': {format} needs columns in multiples of {unit}; the matrix has {cols} ({})",

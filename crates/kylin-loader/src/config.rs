@@ -216,6 +216,12 @@ pub enum StoredQuantization {
 }
 
 impl StoredQuantization {
+    /// The format of a `q4_k-packed` matrix of `cols` columns whose scales are U8 (the
+    /// recipe's rule): `Q4_K` for whole 256-column super-blocks, `Q5_0` otherwise.
+    pub fn byte_scales_format(cols: usize) -> &'static str {
+        if cols.is_multiple_of(256) { "Q4_K" } else { "Q5_0" }
+    }
+
     /// `quant_method` and `format` as written.
     pub const KYLIN_METHOD: &'static str = "kylin";
     pub const Q8_0_FORMAT: &'static str = "q8_0-packed";

@@ -70,7 +70,7 @@ fn stored_format(w: &crate::ModelWeights, t: &crate::WeightTensor) -> String {
     match w.scales.get(&t.name) {
         Some(scale) if scale.dtype == crate::DType::U8 => {
             let cols = t.shape.get(1).map_or(0, |c| c / 8);
-            if cols.is_multiple_of(256) { "Q4_K" } else { "Q5_0" }.to_string()
+            crate::config::StoredQuantization::byte_scales_format(cols).to_string()
         }
         Some(_) => "Q8_0".to_string(),
         None => t.dtype.as_str().to_string(),

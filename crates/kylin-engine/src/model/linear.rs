@@ -141,11 +141,7 @@ impl Linear {
         rows: usize,
         cols: usize,
     ) -> Result<Self> {
-        let packing = match scales.dtype {
-            DType::U8 if cols.is_multiple_of(kylin_kernels::q4k::QK_K) => Packing::Q4K,
-            DType::U8 => Packing::Q5_0,
-            _ => Packing::Q8_0,
-        };
+        let packing = if scales.dtype == DType::U8 { Packing::with_byte_scales(cols) } else { Packing::Q8_0 };
         if QuantMatrix::new(packing, rows, cols, quants.bytes(), scales.bytes()).is_none() {
             return Err(KylinError::tensor_shape_mismatch(format!(
                 "tensors '{}' ({} bytes) and '{}' ({} bytes) are not the {} planes of a [{rows}, {cols}] matrix",

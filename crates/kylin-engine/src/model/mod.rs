@@ -861,8 +861,8 @@ impl Model {
         // wider type the same way); its products run in f32.
         let mut buffers: Vec<Option<QuantBuffer>> = Vec::with_capacity(matrices.len());
         for (m, packing) in matrices.iter_mut() {
-            if *packing == Packing::Q4K && !m.cols.is_multiple_of(kylin_kernels::q4k::QK_K) {
-                *packing = if m.cols.is_multiple_of(64) { Packing::Q5_0 } else { Packing::Q8_0 };
+            if *packing == Packing::Q4K {
+                *packing = if m.cols.is_multiple_of(64) { Packing::with_byte_scales(m.cols) } else { Packing::Q8_0 };
             }
             buffers.push(QuantBuffer::zeroed(*packing, m.rows, m.cols));
         }
