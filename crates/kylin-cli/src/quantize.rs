@@ -108,7 +108,11 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
                 ((qs.to_vec(), safetensors::Dtype::U8), (ss.to_vec(), safetensors::Dtype::U8))
             }
             QuantMatrix::Q5_0(_) => {
-                let (qs, ss) = kylin_kernels::q5::q5_0_plane_shapes(m.rows(), m.cols());
+                let (qs, ss) = kylin_kernels::q56::q5_0_plane_shapes(m.rows(), m.cols());
+                ((qs.to_vec(), safetensors::Dtype::U8), (ss.to_vec(), safetensors::Dtype::U8))
+            }
+            QuantMatrix::Q6_0(_) => {
+                let (qs, ss) = kylin_kernels::q56::q6_0_plane_shapes(m.rows(), m.cols());
                 ((qs.to_vec(), safetensors::Dtype::U8), (ss.to_vec(), safetensors::Dtype::U8))
             }
             // Only a published checkpoint's matrices get these packings, and those are refused

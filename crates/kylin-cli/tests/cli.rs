@@ -484,10 +484,13 @@ fn quantize_writes_q8_0_and_q4_k_directories_that_load_in_place_with_the_same_lo
         assert!(r.to_string().contains(&format!("{format}-packed")), "{r}");
         if name == "smollm2-q4_k" {
             // The recipe: Q4_K where a matrix has whole 256-column super-blocks (down_proj),
-            // Q5_0 where it does not (the 576-column projections), Q8_0 for the head and where
-            // Q4_K_M wants more bits.
+            // Q5_0 where it does not (the 576-column projections); where Q4_K_M wants more
+            // bits, Q6_0 for whole super-blocks (down_proj in the `use_more_bits` layers) and
+            // Q8_0 otherwise (the head, v_proj).
             let kinds = r["binding"]["quantization"]["kinds"].to_string();
-            assert!(kinds.contains("Q4_K") && kinds.contains("Q5_0") && kinds.contains("Q8_0"), "{kinds}");
+            for kind in ["Q4_K", "Q5_0", "Q6_0", "Q8_0"] {
+                assert!(kinds.contains(kind), "{kind} missing: {kinds}");
+            }
         }
     }
     // A Q4_K plane of the wrong shape is named, with its format.

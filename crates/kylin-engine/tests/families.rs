@@ -356,7 +356,7 @@ fn kl_in(root: &str, name: &str, precision: PrecisionChoice, quantize: Option<Qu
 /// fixtures its KL is 3 to 31 times Q8_0's (trained models: `BENCHMARKS.md`), so its bounds are
 /// those of a path that works, not of a close one: KL below 1.5 nats (noise is `ln(vocab)`,
 /// about 7) and the same argmax at 30% of positions (15% for the Mixture-of-Experts families).
-/// The Q5_0 products themselves are checked bit for bit in `kylin-kernels/tests/q5.rs`.
+/// The Q5_0 products themselves are checked bit for bit in `kylin-kernels/tests/q56.rs`.
 #[test]
 fn fast_paths_stay_close_to_f32_on_every_family() {
     let mut paths: Vec<(&str, PrecisionChoice, Option<QuantFormat>)> = vec![

@@ -46,7 +46,7 @@ pub mod q4g;
 pub mod q4k;
 #[cfg(target_arch = "x86_64")]
 mod q4k_x86;
-pub mod q5;
+pub mod q56;
 pub mod quant;
 #[cfg(target_arch = "x86_64")]
 mod quant_x86;

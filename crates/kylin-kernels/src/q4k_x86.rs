@@ -5,19 +5,18 @@
 //! weight quantization's search for sub-block scales and mins on AVX-512, 16 sub-blocks at
 //! once, with the scalar search's bits.
 //!
-//! The tiles also run Q4_G (`q4g.rs`) and Q5_0 (`q5.rs`), whose quants plane and activations
-//! are Q4_K's: their const parameter `SCALES` ([`Q4K_SCALES`], [`Q4G_SCALES`] or
-//! [`Q5_0_SCALES`]) picks where sub-block `j`'s `(dsc_j, dm_j)` come from — Q4_K's
-//! `(d · sc_j, dmin · m_j)` or Q4_G's f16 `(s_j, m_j)` — and for Q5_0 adds each quant's fifth
-//! bit (16) from the scales plane's masks and reads Q8_0's activations, whose per-block
-//! correction takes the offset of 16 out of the integer sum (`q5.rs`); everything else is the
-//! same code.
+//! The tiles also run Q4_G (`q4g.rs`), Q5_0 and Q6_0 (`q56.rs`), whose quants plane is
+//! Q4_K's: their const parameter `SCALES` ([`Q4K_SCALES`], [`Q4G_SCALES`], [`Q5_0_SCALES`] or
+//! [`Q6_0_SCALES`]) picks where sub-block `j`'s `(dsc_j, dm_j)` come from — Q4_K's
+//! `(d · sc_j, dmin · m_j)` or Q4_G's f16 `(s_j, m_j)` — and for Q5_0 and Q6_0 adds each
+//! quant's high bits (16, and 32) from the scales plane's masks and reads Q8_0's activations,
+//! whose per-block correction takes the offset of 16 (or 32) out of the integer sum
+//! (`q56.rs`); everything else is the same code.
 
 use std::arch::x86_64::*;
 
 use crate::q4g::SUB_SCALE_BYTES as G_SUB_SCALE_BYTES;
 use crate::q4k::{HEADER_BYTES, PAIR_BYTES, QK_K, SUB, SUB_SCALE_BYTES, SUPER_SCALE_BYTES, subs_in};
-use crate::q5::SUB_SCALE_BYTES as Q5_SUB_SCALE_BYTES;
 use crate::quant::GROUP_ROWS;
 
 /// The tiles' `SCALES` for Q4_K's scales plane: `d`, `dmin` per super-block, 6-bit `sc`, `m`
@@ -28,11 +27,29 @@ pub(crate) const Q4G_SCALES: u8 = 1;
 /// The tiles' `SCALES` for Q5_0's scales plane: an f16 scale and the quants' high bits per
 /// sub-block.
 pub(crate) const Q5_0_SCALES: u8 = 2;
+/// The tiles' `SCALES` for Q6_0's scales plane: an f16 scale and the quants' two high bits
+/// per sub-block.
+pub(crate) const Q6_0_SCALES: u8 = 3;
 
-/// Bytes of one sub-block's scales of 16 rows in a per-sub-block scales plane (Q4_G, Q5_0).
+/// How many high bits above the nibble the scales plane `SCALES` holds: 1 for Q5_0, 2 for
+/// Q6_0, none for Q4_K and Q4_G.
+#[inline(always)]
+const fn high_bits<const SCALES: u8>() -> usize {
+    match SCALES {
+        Q5_0_SCALES => 1,
+        Q6_0_SCALES => 2,
+        _ => 0,
+    }
+}
+
+/// Bytes of one sub-block's scales of 16 rows in a per-sub-block scales plane (Q4_G, Q5_0,
+/// Q6_0).
 #[inline(always)]
 fn sub_scale_bytes<const SCALES: u8>() -> usize {
-    if SCALES == Q5_0_SCALES { Q5_SUB_SCALE_BYTES } else { G_SUB_SCALE_BYTES }
+    match high_bits::<SCALES>() {
+        0 => G_SUB_SCALE_BYTES,
+        h => crate::q56::sub_scale_bytes(h),
+    }
 }
 
 /// Bytes of a group's scales plane for rows of `cols` columns, in the layout `SCALES` picks.
@@ -269,9 +286,9 @@ pub(crate) unsafe fn tile_vnni_dyn<const SCALES: u8>(
 /// broadcast groups of four activations (`vpdpbusd`: unsigned weights × signed
 /// activations), giving each row's exact `isum`; then per lane
 /// `acc = fma(f32(isum), dsc · dx, acc); acc = fma(−bx, dm, acc)`, with `(dsc, dm)` Q4_K's
-/// `(d · sc, dmin · m)` or Q4_G's `(s, m)` as `SCALES` says. For Q5_0 a masked byte add puts
-/// each quant's fifth bit onto its unpacked nibble, and with Q8_0's activations
-/// `acc = fma(f32(isum − 16 · Σq_x), d · dx, acc)`. With `prefetch_next`, each pair
+/// `(d · sc, dmin · m)` or Q4_G's `(s, m)` as `SCALES` says. For Q5_0 (Q6_0) a masked byte
+/// add puts each quant's fifth bit (and sixth) onto its unpacked nibble, and with Q8_0's
+/// activations `acc = fma(f32(isum − half · Σq_x), d · dx, acc)`, `half` 16 (32). With `prefetch_next`, each pair
 /// also asks for the next group's same pair and its share of the next group's scales (both
 /// planes hold the groups one after another), as the Q8_0 tile does.
 ///
@@ -303,17 +320,18 @@ unsafe fn tile_vnni<const MT: usize, const SCALES: u8>(
     debug_assert!(valid <= GROUP_ROWS);
     let (wp, sp, xp) = (wq.as_ptr(), ws.as_ptr(), xq.as_ptr());
     let nibble = _mm512_set1_epi8(0x0F);
-    let sixteen = _mm512_set1_epi8(16);
+    let (sixteen, thirty_two) = (_mm512_set1_epi8(16), _mm512_set1_epi8(32));
+    let high = high_bits::<SCALES>();
     let grouped = SCALES != Q4K_SCALES;
     let mut acc = [_mm512_setzero_ps(); MT];
     for s in 0..n_super {
         let n_sub = subs_in(cols, s);
-        // SAFETY: super-block `s`'s scales (Q4_K's header and sub-block bytes, or Q4_G's and
-        // Q5_0's bytes per sub-block), its pairs' quants and every token's sub-blocks lie
+        // SAFETY: super-block `s`'s scales (Q4_K's header and sub-block bytes, or Q4_G's,
+        // Q5_0's and Q6_0's bytes per sub-block), its pairs' quants and every token's sub-blocks lie
         // inside the slices (checked above against the layout `SCALES` names); all loads are
         // unaligned.
         unsafe {
-            // Q4_K's super-block header (`d`, `dmin` of the 16 rows); Q4_G and Q5_0 have none.
+            // Q4_K's super-block header (`d`, `dmin` of the 16 rows); the others have none.
             let header = if grouped { sp } else { sp.add(s * SUPER_SCALE_BYTES) };
             let (d, dmin) = if grouped {
                 (_mm512_setzero_ps(), _mm512_setzero_ps())
@@ -326,8 +344,8 @@ unsafe fn tile_vnni<const MT: usize, const SCALES: u8>(
             for jj in 0..n_sub {
                 let j = s * (QK_K / SUB) + jj;
                 let sub_scales = sp.add(j * sub_scale_bytes::<SCALES>());
-                let (dsc, dm) = if SCALES == Q5_0_SCALES {
-                    // Q5_0: sub-block `j`'s 16 f16 scales `d` (the offset of 16 is taken out of
+                let (dsc, dm) = if high > 0 {
+                    // Q5_0, Q6_0: sub-block `j`'s 16 f16 scales `d` (the offset is taken out of
                     // the integer sum instead of a min).
                     (_mm512_cvtph_ps(_mm256_loadu_si256(sub_scales as *const __m256i)), _mm512_setzero_ps())
                 } else if grouped {
@@ -354,13 +372,18 @@ unsafe fn tile_vnni<const MT: usize, const SCALES: u8>(
                     let raw = _mm512_loadu_si512(wb.add(64 * k) as *const _);
                     let raw = if j.is_multiple_of(2) { raw } else { _mm512_srli_epi16(raw, 4) };
                     let low = _mm512_and_si512(raw, nibble);
-                    if SCALES == Q5_0_SCALES {
-                        // Bit `4 · row + c` of word `k`: the fifth bit of this vector's byte.
-                        let high: __mmask64 = std::ptr::read_unaligned(sub_scales.add(32 + 8 * k) as *const u64);
-                        _mm512_mask_add_epi8(low, high, low, sixteen)
-                    } else {
-                        low
+                    if high == 0 {
+                        return low;
                     }
+                    // Bit `4 · row + c` of word `k`: the fifth bit of this vector's byte; of
+                    // word `8 + k` (Q6_0), its sixth.
+                    let fifth: __mmask64 = std::ptr::read_unaligned(sub_scales.add(32 + 8 * k) as *const u64);
+                    let low = _mm512_mask_add_epi8(low, fifth, low, sixteen);
+                    if high == 1 {
+                        return low;
+                    }
+                    let sixth: __mmask64 = std::ptr::read_unaligned(sub_scales.add(96 + 8 * k) as *const u64);
+                    _mm512_mask_add_epi8(low, sixth, low, thirty_two)
                 });
                 for (t, acc) in acc.iter_mut().enumerate() {
                     let xt = xp.add(t * stride);
@@ -375,10 +398,11 @@ unsafe fn tile_vnni<const MT: usize, const SCALES: u8>(
                     i0 = _mm512_dpbusd_epi32(i0, w[6], four(6));
                     i1 = _mm512_dpbusd_epi32(i1, w[7], four(7));
                     let dx = _mm512_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * j) as *const f32));
-                    if SCALES == Q5_0_SCALES {
-                        // Q8_0's activations: the block's `−128 · Σq_x` over 8 is `−16 · Σq_x`,
-                        // which turns `Σ q · q_x` into `Σ (q − 16) · q_x` (exact integers).
-                        let corr = std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const i32) >> 3;
+                    if high > 0 {
+                        // Q8_0's activations: the block's `−128 · Σq_x` over 8 (4) is
+                        // `−16 · Σq_x` (`−32 · Σq_x`), which turns `Σ q · q_x` into
+                        // `Σ (q − half) · q_x` (exact integers).
+                        let corr = std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const i32) >> (4 - high);
                         let isum = _mm512_add_epi32(_mm512_add_epi32(i0, i1), _mm512_set1_epi32(corr));
                         *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dsc, dx), *acc);
                         continue;
@@ -427,18 +451,19 @@ pub(crate) unsafe fn tile_avx2<const SCALES: u8>(
     let (wp, sp, xp) = (wq.as_ptr(), ws.as_ptr(), xq.as_ptr());
     let (nibble, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
     let grouped = SCALES != Q4K_SCALES;
-    // Q5_0's high bits: byte `i` of a 32-byte half takes bit `i % 8` of mask byte `i / 8`.
+    // Q5_0's and Q6_0's high bits: byte `i` of a 32-byte half takes bit `i % 8` of mask byte
+    // `i / 8`.
     let spread = _mm256_setr_epi8(
         0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
     );
     let bit_of_byte = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
-    let sixteen = _mm256_set1_epi8(16);
+    let high = high_bits::<SCALES>();
     for t in 0..mt {
         let mut acc = [_mm256_setzero_ps(); 2];
         for s in 0..n_super {
             // SAFETY: as in `tile_vnni`.
             unsafe {
-                // Q4_K's super-block header; Q4_G and Q5_0 have none.
+                // Q4_K's super-block header; the others have none.
                 let header = if grouped { sp } else { sp.add(s * SUPER_SCALE_BYTES) };
                 let xt = xp.add(t * stride);
                 for jj in 0..subs_in(cols, s) {
@@ -457,24 +482,25 @@ pub(crate) unsafe fn tile_avx2<const SCALES: u8>(
                             let raw = _mm256_loadu_si256(wb.add(64 * k + 32 * h) as *const __m256i);
                             let raw = if j.is_multiple_of(2) { raw } else { _mm256_srli_epi16(raw, 4) };
                             let mut w = _mm256_and_si256(raw, nibble);
-                            if SCALES == Q5_0_SCALES {
-                                // Bits `32h .. 32h + 32` of word `k`, one per byte of this half,
-                                // spread to bytes of 16 where set (`31 · 127 · 2 < 2^15`: the
-                                // pairs still do not saturate).
-                                let m = std::ptr::read_unaligned(sub_scales.add(32 + 8 * k + 4 * h) as *const i32);
+                            for b in 0..high {
+                                // Bits `32h .. 32h + 32` of word `8b + k`, one per byte of this
+                                // half, spread to bytes of `16 << b` where set
+                                // (`63 · 127 · 2 < 2^15`: the pairs still do not saturate).
+                                let at = 32 + 64 * b + 8 * k + 4 * h;
+                                let m = std::ptr::read_unaligned(sub_scales.add(at) as *const i32);
                                 let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(m), spread);
                                 let set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit_of_byte), bit_of_byte);
-                                w = _mm256_or_si256(w, _mm256_and_si256(set, sixteen));
+                                w = _mm256_or_si256(w, _mm256_and_si256(set, _mm256_set1_epi8(16 << b)));
                             }
                             let pairs = _mm256_maddubs_epi16(w, x4);
                             *ii = _mm256_add_epi32(*ii, _mm256_madd_epi16(pairs, ones));
                         }
                     }
                     let dx = _mm256_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * j) as *const f32));
-                    if SCALES == Q5_0_SCALES {
-                        // Q8_0's activations: `−128 · Σq_x` over 8 takes the offset of 16 out
-                        // of the integer sums, as in the VNNI tile.
-                        let corr = std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const i32) >> 3;
+                    if high > 0 {
+                        // Q8_0's activations: `−128 · Σq_x` over 8 (4) takes the offset of 16
+                        // (32) out of the integer sums, as in the VNNI tile.
+                        let corr = std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const i32) >> (4 - high);
                         for (h, acc) in acc.iter_mut().enumerate() {
                             // Rows `8h .. 8h + 8`'s f16 scales `d` of sub-block `j`.
                             let d = _mm256_cvtph_ps(_mm_loadu_si128(sub_scales.add(16 * h) as *const __m128i));

@@ -474,6 +474,7 @@ unsafe fn compute_groups(
             QuantMatrix::Q4K(m) => m.group(g),
             QuantMatrix::Q4G(m) | QuantMatrix::Q4GA16(m) => m.group(g),
             QuantMatrix::Q5_0(m) => m.group(g),
+            QuantMatrix::Q6_0(m) => m.group(g),
             QuantMatrix::F8A16(m) => m.group(g),
             QuantMatrix::Mxfp4(m) => m.group(g),
         };
@@ -481,7 +482,7 @@ unsafe fn compute_groups(
             Packing::Q8_0A16 => Some(crate::w16::Weights::Int8),
             Packing::Q4GA16 => Some(crate::w16::Weights::Int4),
             Packing::F8A16 => Some(crate::w16::Weights::Fp8),
-            Packing::Q8_0 | Packing::Q4K | Packing::Q4G | Packing::Q5_0 | Packing::Mxfp4 => None,
+            Packing::Q8_0 | Packing::Q4K | Packing::Q4G | Packing::Q5_0 | Packing::Q6_0 | Packing::Mxfp4 => None,
         };
         if let Some(weights) = weights {
             // SAFETY: as below, for all the tokens; `xq` holds their packed BF16 rows.
@@ -537,7 +538,16 @@ unsafe fn compute_groups(
                     (Packing::Q5_0, Int8Isa::Avx2) => crate::q4k_x86::tile_avx2::<{ crate::q4k_x86::Q5_0_SCALES }>(
                         mt, wq, ws, cols, xt, stride, y, rows, valid,
                     ),
-                    (Packing::Q5_0, _) => crate::q5::tile_scalar(mt, wq, ws, cols, xt, stride, y, rows, valid),
+                    (Packing::Q5_0, _) => crate::q56::tile_scalar::<1>(mt, wq, ws, cols, xt, stride, y, rows, valid),
+                    #[cfg(target_arch = "x86_64")]
+                    (Packing::Q6_0, Int8Isa::Vnni) => crate::q4k_x86::tile_vnni_dyn::<{ crate::q4k_x86::Q6_0_SCALES }>(
+                        mt, wq, ws, cols, xt, stride, y, rows, valid, pf,
+                    ),
+                    #[cfg(target_arch = "x86_64")]
+                    (Packing::Q6_0, Int8Isa::Avx2) => crate::q4k_x86::tile_avx2::<{ crate::q4k_x86::Q6_0_SCALES }>(
+                        mt, wq, ws, cols, xt, stride, y, rows, valid,
+                    ),
+                    (Packing::Q6_0, _) => crate::q56::tile_scalar::<2>(mt, wq, ws, cols, xt, stride, y, rows, valid),
                     // MXFP4 runs its AVX2 tile on AVX-512 CPUs too (same bits as the scalar one).
                     #[cfg(target_arch = "x86_64")]
                     (Packing::Mxfp4, Int8Isa::Vnni | Int8Isa::Avx2) => {
@@ -630,15 +640,18 @@ pub enum Packing {
     F8A16 = 5,
     /// [`crate::mxfp4::Mxfp4Matrix`]: FP4 values with E8M0 block scales, Q8_0 activations.
     Mxfp4 = 6,
-    /// [`crate::q5::Q5Matrix`]: GGUF's Q5_0 numbers, Q8_0's activations.
+    /// [`crate::q56::Q5Matrix`]: GGUF's Q5_0 numbers, Q8_0's activations.
     Q5_0 = 7,
+    /// [`crate::q56::Q6Matrix`]: ik_llama.cpp's Q6_0 numbers, Q8_0's activations.
+    Q6_0 = 8,
 }
 
 /// The activation quantizations the formats' products read; formats of the same kind share
 /// one quantization of an input in [`matmul_many_quant`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ActivationKind {
-    /// Q8_0's: int8 per block of 32 columns with an f16-rounded scale (Q8_0, MXFP4, Q5_0).
+    /// Q8_0's: int8 per block of 32 columns with an f16-rounded scale (Q8_0, MXFP4, Q5_0,
+    /// Q6_0).
     Q8_0 = 0,
     /// Q4_K's: int8 per super-block of 256 columns, with per-sub-block scales and sums (Q4_K
     /// and Q4_G).
@@ -662,14 +675,15 @@ impl ActivationKind {
 
 impl Packing {
     /// Bytes of the quants and scales planes of a packed `[rows, cols]` matrix; `None` when
-    /// the columns do not suit the format (Q8_0: multiples of 32; Q4_K, Q4_G and Q5_0: non-zero
-    /// multiples of 64) or a size overflows.
+    /// the columns do not suit the format (Q8_0: multiples of 32; Q4_K, Q4_G, Q5_0 and Q6_0:
+    /// non-zero multiples of 64) or a size overflows.
     pub fn plane_lens(self, rows: usize, cols: usize) -> Option<(usize, usize)> {
         match self {
             Packing::Q8_0 => q8_0_plane_lens(rows, cols),
             Packing::Q4K => crate::q4k::q4_k_plane_lens(rows, cols),
             Packing::Q4G | Packing::Q4GA16 => crate::q4g::q4_g_plane_lens(rows, cols),
-            Packing::Q5_0 => crate::q5::q5_0_plane_lens(rows, cols),
+            Packing::Q5_0 => crate::q56::q5_0_plane_lens(rows, cols),
+            Packing::Q6_0 => crate::q56::q6_0_plane_lens(rows, cols),
             Packing::Q8_0A16 => q8_0_plane_lens(rows, cols),
             Packing::F8A16 => crate::w16::f8_plane_lens(rows, cols),
             Packing::Mxfp4 => crate::mxfp4::mxfp4_plane_lens(rows, cols),
@@ -687,23 +701,33 @@ impl Packing {
             Packing::F8A16 => "f8_e4m3_a16",
             Packing::Mxfp4 => "mxfp4",
             Packing::Q5_0 => "q5_0",
+            Packing::Q6_0 => "q6_0",
         }
     }
 
     /// The activation quantization the format's products read.
     pub fn activation_kind(self) -> ActivationKind {
         match self {
-            Packing::Q8_0 | Packing::Mxfp4 | Packing::Q5_0 => ActivationKind::Q8_0,
+            Packing::Q8_0 | Packing::Mxfp4 | Packing::Q5_0 | Packing::Q6_0 => ActivationKind::Q8_0,
             Packing::Q4K | Packing::Q4G => ActivationKind::Q4K,
             Packing::Q8_0A16 | Packing::Q4GA16 | Packing::F8A16 => ActivationKind::Bf16,
         }
     }
 
-    /// The format of a `q4_k` matrix whose scales plane is bytes (the recipe's rule, which
-    /// `kylin quantize`'s directories keep): Q4_K for whole 256-column super-blocks, Q5_0
-    /// otherwise.
-    pub fn with_byte_scales(cols: usize) -> Packing {
+    /// The 4-bit format of a `q4_k` matrix (the recipe's rule): Q4_K for whole 256-column
+    /// super-blocks, Q5_0 otherwise.
+    pub fn four_bit(cols: usize) -> Packing {
         if cols.is_multiple_of(crate::q4k::QK_K) { Packing::Q4K } else { Packing::Q5_0 }
+    }
+
+    /// The format of a stored `q4_k` matrix `[rows, cols]` whose scales plane is
+    /// `scales_len` bytes (`kylin quantize`'s directories): Q6_0 when that is Q6_0's length
+    /// (Q4_K's and Q5_0's are never the same for the same shape), else [`Packing::four_bit`].
+    pub fn with_byte_scales(rows: usize, cols: usize, scales_len: usize) -> Packing {
+        match Packing::Q6_0.plane_lens(rows, cols) {
+            Some((_, s)) if s == scales_len => Packing::Q6_0,
+            _ => Packing::four_bit(cols),
+        }
     }
 
     /// Stored bits per weight of a `[rows, cols]` matrix, planes included.
@@ -723,7 +747,8 @@ pub enum QuantMatrix<'a> {
     Q4GA16(crate::q4g::Q4GMatrix<'a>),
     F8A16(crate::w16::F8Matrix<'a>),
     Mxfp4(crate::mxfp4::Mxfp4Matrix<'a>),
-    Q5_0(crate::q5::Q5Matrix<'a>),
+    Q5_0(crate::q56::Q5Matrix<'a>),
+    Q6_0(crate::q56::Q6Matrix<'a>),
 }
 
 impl<'a> QuantMatrix<'a> {
@@ -738,7 +763,8 @@ impl<'a> QuantMatrix<'a> {
             Packing::Q4GA16 => crate::q4g::Q4GMatrix::new(rows, cols, quants, scales).map(QuantMatrix::Q4GA16),
             Packing::F8A16 => crate::w16::F8Matrix::new(rows, cols, quants, scales).map(QuantMatrix::F8A16),
             Packing::Mxfp4 => crate::mxfp4::Mxfp4Matrix::new(rows, cols, quants, scales).map(QuantMatrix::Mxfp4),
-            Packing::Q5_0 => crate::q5::Q5Matrix::new(rows, cols, quants, scales).map(QuantMatrix::Q5_0),
+            Packing::Q5_0 => crate::q56::Q5Matrix::new(rows, cols, quants, scales).map(QuantMatrix::Q5_0),
+            Packing::Q6_0 => crate::q56::Q6Matrix::new(rows, cols, quants, scales).map(QuantMatrix::Q6_0),
         }
     }
 
@@ -752,6 +778,7 @@ impl<'a> QuantMatrix<'a> {
             QuantMatrix::F8A16(_) => Packing::F8A16,
             QuantMatrix::Mxfp4(_) => Packing::Mxfp4,
             QuantMatrix::Q5_0(_) => Packing::Q5_0,
+            QuantMatrix::Q6_0(_) => Packing::Q6_0,
         }
     }
 
@@ -765,6 +792,7 @@ impl<'a> QuantMatrix<'a> {
             QuantMatrix::F8A16(m) => m.rows(),
             QuantMatrix::Mxfp4(m) => m.rows(),
             QuantMatrix::Q5_0(m) => m.rows(),
+            QuantMatrix::Q6_0(m) => m.rows(),
         }
     }
 
@@ -778,6 +806,7 @@ impl<'a> QuantMatrix<'a> {
             QuantMatrix::F8A16(m) => m.cols(),
             QuantMatrix::Mxfp4(m) => m.cols(),
             QuantMatrix::Q5_0(m) => m.cols(),
+            QuantMatrix::Q6_0(m) => m.cols(),
         }
     }
 
@@ -792,6 +821,7 @@ impl<'a> QuantMatrix<'a> {
             QuantMatrix::F8A16(m) => m.quants(),
             QuantMatrix::Mxfp4(m) => m.quants(),
             QuantMatrix::Q5_0(m) => m.quants(),
+            QuantMatrix::Q6_0(m) => m.quants(),
         }
     }
 
@@ -806,6 +836,7 @@ impl<'a> QuantMatrix<'a> {
             QuantMatrix::F8A16(m) => m.scales(),
             QuantMatrix::Mxfp4(m) => m.scales(),
             QuantMatrix::Q5_0(m) => m.scales(),
+            QuantMatrix::Q6_0(m) => m.scales(),
         }
     }
 
@@ -844,7 +875,8 @@ impl<'a> QuantMatrix<'a> {
             QuantMatrix::Q8_0A16(m) => dequantize_row_q8_0(*m, r, out),
             QuantMatrix::F8A16(m) => crate::w16::dequantize_row_f8(*m, r, out),
             QuantMatrix::Mxfp4(m) => crate::mxfp4::dequantize_row_mxfp4(*m, r, out),
-            QuantMatrix::Q5_0(m) => crate::q5::dequantize_row_q5_0(*m, r, out),
+            QuantMatrix::Q5_0(m) => crate::q56::dequantize_row_q5_0(*m, r, out),
+            QuantMatrix::Q6_0(m) => crate::q56::dequantize_row_q6_0(*m, r, out),
         }
     }
 
@@ -866,9 +898,15 @@ impl<'a> From<crate::q4k::Q4KMatrix<'a>> for QuantMatrix<'a> {
     }
 }
 
-impl<'a> From<crate::q5::Q5Matrix<'a>> for QuantMatrix<'a> {
-    fn from(m: crate::q5::Q5Matrix<'a>) -> Self {
+impl<'a> From<crate::q56::Q5Matrix<'a>> for QuantMatrix<'a> {
+    fn from(m: crate::q56::Q5Matrix<'a>) -> Self {
         QuantMatrix::Q5_0(m)
+    }
+}
+
+impl<'a> From<crate::q56::Q6Matrix<'a>> for QuantMatrix<'a> {
+    fn from(m: crate::q56::Q6Matrix<'a>) -> Self {
+        QuantMatrix::Q6_0(m)
     }
 }
 
@@ -957,7 +995,8 @@ impl QuantBuffer {
             Packing::Q4GA16 => QuantMatrix::Q4GA16(crate::q4g::Q4GMatrix::from_planes(rows, cols, quants, scales)),
             Packing::F8A16 => QuantMatrix::F8A16(crate::w16::F8Matrix::from_planes(rows, cols, quants, scales)),
             Packing::Mxfp4 => QuantMatrix::Mxfp4(crate::mxfp4::Mxfp4Matrix::from_planes(rows, cols, quants, scales)),
-            Packing::Q5_0 => QuantMatrix::Q5_0(crate::q5::Q5Matrix::from_planes(rows, cols, quants, scales)),
+            Packing::Q5_0 => QuantMatrix::Q5_0(crate::q56::Q5Matrix::from_planes(rows, cols, quants, scales)),
+            Packing::Q6_0 => QuantMatrix::Q6_0(crate::q56::Q6Matrix::from_planes(rows, cols, quants, scales)),
         }
     }
 
@@ -965,7 +1004,7 @@ impl QuantBuffer {
     /// slices for those groups, as [`QuantBuffer::planes_mut`] gives them split by
     /// [`QuantBuffer::group_bytes`]); `row` is scratch for `cols` elements.
     ///
-    /// Q8_0, Q4_K and Q5_0 only: Q4_G holds a published 4-bit checkpoint's own numbers, packed by
+    /// Q8_0, Q4_K, Q5_0 and Q6_0 only: Q4_G holds a published 4-bit checkpoint's own numbers, packed by
     /// [`crate::q4g::pack_q4_g`] into [`QuantBuffer::planes_mut`]; there is no Kylin
     /// quantization from floats to it, and asking for one panics (a caller bug).
     pub fn quantize_groups(
@@ -979,7 +1018,8 @@ impl QuantBuffer {
         match packing {
             Packing::Q8_0 => quantize_q8_0_groups(w, groups, quants, scales, row),
             Packing::Q4K => crate::q4k::quantize_q4_k_groups(w, groups, quants, scales, row),
-            Packing::Q5_0 => crate::q5::quantize_q5_0_groups(w, groups, quants, scales, row),
+            Packing::Q5_0 => crate::q56::quantize_groups::<1>(w, groups, quants, scales, row),
+            Packing::Q6_0 => crate::q56::quantize_groups::<2>(w, groups, quants, scales, row),
             Packing::Q4G | Packing::Q8_0A16 | Packing::Q4GA16 | Packing::F8A16 | Packing::Mxfp4 => panic!(
                 "{} is packed from a published checkpoint's own numbers, not quantized from floats",
                 packing.name()

@@ -1455,16 +1455,17 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
             // A stored-quantized matrix: its two planes, with the shapes and dtypes the
             // matrix's shape implies.
             // A `q4_k-packed` checkpoint stores each matrix in Q8_0 (F16 scales) or, with U8
-            // scales, in Q4_K when its columns are whole 256-column super-blocks and in Q5_0
-            // otherwise, as `kylin quantize --to q4_k` chose; a `q8_0-packed` one only Q8_0.
+            // scales, in Q6_0 (scales of Q6_0's length), Q4_K (columns whole 256-column
+            // super-blocks) or Q5_0 (otherwise), as `kylin quantize --to q4_k` chose; a
+            // `q8_0-packed` one only Q8_0.
             let (rows, cols) = (expected[0], expected[1]);
             let why = || spec.shape.iter().map(|d| d.explain(config, layer)).collect::<Vec<_>>().join(", ");
             let scale_name = format!("{name}_scale");
-            let u8_scales =
-                q == StoredQuantization::KylinQ4K && index.raw(&scale_name).is_some_and(|r| r.dtype == Some(DType::U8));
+            let byte_scales = index.raw(&scale_name).filter(|r| r.dtype == Some(DType::U8));
+            let u8_scales = q == StoredQuantization::KylinQ4K && byte_scales.is_some();
+            let scale_cols = byte_scales.and_then(|r| r.shape.get(1).copied()).unwrap_or(0);
             let (format, unit) =
-                if u8_scales { (StoredQuantization::byte_scales_format(cols), 64) } else { ("Q8_0", 32) };
-            let q5 = format == "Q5_0";
+                if u8_scales { (StoredQuantization::byte_scales_format(cols, scale_cols), 64) } else { ("Q8_0", 32) };
             if cols == 0 || !cols.is_multiple_of(unit) {
                 shape_errors.push(format!(
                     "tensor '{name}': {format} needs columns in multiples of {unit}; the matrix has {cols} ({})",
@@ -1475,8 +1476,12 @@ pub(crate) fn bind(config: &ModelConfig, index: &TensorIndex, map: &TensorMap) -
             let groups = rows.div_ceil(16);
             let planes: [(&String, Vec<usize>, DType); 2] = if u8_scales {
                 // Q4_K: a header per super-block and two bytes per sub-block of 16 rows; Q5_0:
-                // 96 bytes per sub-block (scales and high bits).
-                let scale_bytes = if q5 { 3 * cols } else { 64 * cols.div_ceil(256) + cols };
+                // 96 bytes per sub-block (scales and high bits); Q6_0: 160.
+                let scale_bytes = match format {
+                    "Q5_0" => 3 * cols,
+                    "Q6_0" => 5 * cols,
+                    _ => 64 * cols.div_ceil(256) + cols,
+                };
                 [(&name, vec![groups, cols * 8], DType::U8), (&scale_name, vec![groups, scale_bytes], DType::U8)]
             } else {
                 let blocks = cols / 32;

@@ -210,16 +210,26 @@ pub enum StoredQuantization {
     /// Written by `kylin quantize --to q4_k`: each linear layer and the head as Kylin's packed
     /// Q4_K (`X.weight` U8 `[groups of 16 rows, cols · 8]`, `X.weight_scale` U8 `[groups, 64 ·
     /// super-blocks + cols]`, columns whole super-blocks of 256), packed Q5_0 (the same quants
-    /// plane, `X.weight_scale` U8 `[groups, 3 · cols]`, other columns) or packed Q8_0 (F16
-    /// scales, as above), as the Q4_K recipe chose; the embedding as stored.
+    /// plane, `X.weight_scale` U8 `[groups, 3 · cols]`, other columns), packed Q6_0 (the same
+    /// quants plane, `X.weight_scale` U8 `[groups, 5 · cols]`, where the recipe wants more
+    /// bits) or packed Q8_0 (F16 scales, as above), as the Q4_K recipe chose; the embedding as
+    /// stored.
     KylinQ4K,
 }
 
 impl StoredQuantization {
-    /// The format of a `q4_k-packed` matrix of `cols` columns whose scales are U8 (the
-    /// recipe's rule): `Q4_K` for whole 256-column super-blocks, `Q5_0` otherwise.
-    pub fn byte_scales_format(cols: usize) -> &'static str {
-        if cols.is_multiple_of(256) { "Q4_K" } else { "Q5_0" }
+    /// The format of a `q4_k-packed` matrix of `cols` columns whose scales are U8 with
+    /// `scale_cols` bytes per group of 16 rows: `Q6_0` when that is Q6_0's `5 · cols` (Q4_K's
+    /// `64 · super-blocks + cols` and Q5_0's `3 · cols` never are), else the recipe's 4-bit
+    /// rule: `Q4_K` for whole 256-column super-blocks, `Q5_0` otherwise.
+    pub fn byte_scales_format(cols: usize, scale_cols: usize) -> &'static str {
+        if cols > 0 && Some(scale_cols) == cols.checked_mul(5) {
+            "Q6_0"
+        } else if cols.is_multiple_of(256) {
+            "Q4_K"
+        } else {
+            "Q5_0"
+        }
     }
 
     /// `quant_method` and `format` as written.
@@ -240,7 +250,7 @@ impl StoredQuantization {
         match self {
             StoredQuantization::KylinQ8_0 => "kylin q8_0-packed (Q8_0, blocks of 32, f16 scales, rows in groups of 16)",
             StoredQuantization::KylinQ4K => {
-                "kylin q4_k-packed (Q4_K super-blocks of 256, Q5_0 where the columns are not whole super-blocks, Q8_0 where the Q4_K_M recipe wants more bits; rows in groups of 16)"
+                "kylin q4_k-packed (Q4_K super-blocks of 256, Q5_0 where the columns are not whole super-blocks, Q6_0 (or Q8_0 where the columns are not whole super-blocks) where the Q4_K_M recipe wants more bits; rows in groups of 16)"
             }
         }
     }

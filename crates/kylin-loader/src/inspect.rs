@@ -55,9 +55,8 @@ pub struct QuantizationReport {
     pub bytes_per_token: u64,
 }
 
-/// How a bound matrix is stored: `Q8_0` planes (F16 scales), `Q4_K` or `Q5_0` planes (U8
-/// scales; Q4_K when the columns, an eighth of the quants plane's row, are whole 256-column
-/// super-blocks), else its dtype.
+/// How a bound matrix is stored: `Q8_0` planes (F16 scales), `Q4_K`, `Q5_0` or `Q6_0` planes
+/// (U8 scales; the columns are an eighth of the quants plane's row), else its dtype.
 fn stored_format(w: &crate::ModelWeights, t: &crate::WeightTensor) -> String {
     if let Some(m) = w.published_matrix(t) {
         return match &m.scheme {
@@ -70,7 +69,8 @@ fn stored_format(w: &crate::ModelWeights, t: &crate::WeightTensor) -> String {
     match w.scales.get(&t.name) {
         Some(scale) if scale.dtype == crate::DType::U8 => {
             let cols = t.shape.get(1).map_or(0, |c| c / 8);
-            crate::config::StoredQuantization::byte_scales_format(cols).to_string()
+            let scale_cols = scale.shape.get(1).copied().unwrap_or(0);
+            crate::config::StoredQuantization::byte_scales_format(cols, scale_cols).to_string()
         }
         Some(_) => "Q8_0".to_string(),
         None => t.dtype.as_str().to_string(),

@@ -131,8 +131,9 @@ impl Linear {
     }
 
     /// A linear layer stored quantized (`kylin quantize`): `quants` and `scales` are the planes
-    /// (Q8_0 when the scales are F16; with U8 scales Q4_K when the columns are whole 256-column
-    /// super-blocks, Q5_0 otherwise, as the loader checked them), checked against `[rows, cols]`
+    /// (Q8_0 when the scales are F16; with U8 scales Q6_0 when the scales have its length,
+    /// else Q4_K when the columns are whole 256-column super-blocks, Q5_0 otherwise, as the
+    /// loader checked them), checked against `[rows, cols]`
     /// (`TENSOR_SHAPE_MISMATCH` naming the tensors otherwise).
     pub(super) fn stored_quant(
         quants: &WeightTensor,
@@ -141,7 +142,11 @@ impl Linear {
         rows: usize,
         cols: usize,
     ) -> Result<Self> {
-        let packing = if scales.dtype == DType::U8 { Packing::with_byte_scales(cols) } else { Packing::Q8_0 };
+        let packing = if scales.dtype == DType::U8 {
+            Packing::with_byte_scales(rows, cols, scales.byte_len())
+        } else {
+            Packing::Q8_0
+        };
         if QuantMatrix::new(packing, rows, cols, quants.bytes(), scales.bytes()).is_none() {
             return Err(KylinError::tensor_shape_mismatch(format!(
                 "tensors '{}' ({} bytes) and '{}' ({} bytes) are not the {} planes of a [{rows}, {cols}] matrix",

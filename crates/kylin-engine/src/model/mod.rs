@@ -806,14 +806,15 @@ impl Model {
     /// quantized from it. Each quantized matrix's source pages are released from resident
     /// memory as soon as it is done (the map stays: a lookup faults back the rows it reads).
     ///
-    /// `Q8_0` quantizes every matrix to Q8_0. `Q4K` follows llama.cpp's Q4_K_M recipe with
-    /// Q8_0 wherever that recipe asks for Q6_K (which Kylin does not implement; Q8_0 is the
-    /// more accurate of the two): the head, and `v_proj` and `down_proj` in the layers
-    /// llama.cpp's `use_more_bits` picks (the first and last eighth, and every third between);
-    /// all other matrices are Q4_K. A matrix whose columns are not whole super-blocks of 256 is
-    /// Q8_0 too, where llama.cpp falls back to Q5_0 (Qwen2.5-0.5B's 896 columns). The Q4_K
-    /// kernels could run such a matrix with a partial last super-block, but measured on
-    /// Qwen2.5-Coder-0.5B that costs ten times llama.cpp's KL divergence (BENCHMARKS.md).
+    /// `Q8_0` quantizes every matrix to Q8_0. `Q4K` follows llama.cpp's Q4_K_M recipe: where
+    /// that recipe asks for Q6_K (the head, and `v_proj` and `down_proj` in the layers
+    /// llama.cpp's `use_more_bits` picks: the first and last eighth, and every third between)
+    /// the matrix is Q6_0 (6.5 bits per weight, Q6_K's 6.5625; `q56.rs` says why not Q6_K
+    /// itself), all other matrices are Q4_K. A matrix whose columns are not whole super-blocks
+    /// of 256 falls back as llama.cpp's does: from Q4_K to Q5_0 (Qwen2.5-0.5B's 896 columns),
+    /// from Q6_K to Q8_0. (The Q4_K kernels could run such a matrix with a partial last
+    /// super-block, but measured on Qwen2.5-Coder-0.5B that costs ten times llama.cpp's KL
+    /// divergence; BENCHMARKS.md.)
     ///
     /// `OPERATOR_UNSUPPORTED` naming the tensor when a matrix's columns are not whole blocks
     /// of 32.
@@ -846,24 +847,30 @@ impl Model {
                         if matches!(role, Role::VProj | Role::DownProj | Role::ExpertDown | Role::SharedDown)
                             && more_bits(i) =>
                     {
-                        Packing::Q8_0
+                        Packing::Q6_0
                     }
                     QuantFormat::Q4K => Packing::Q4K,
                 };
                 matrices.push((m, wants));
             }
         }
-        matrices.push((&self.lm_head, Packing::Q8_0));
-        // A Q4_K matrix whose columns are not whole super-blocks of 256 becomes Q5_0, as
-        // llama.cpp's Q4_K_M falls back (`llama_tensor_get_type`), or Q8_0 when they are not
-        // whole pairs of blocks either (Q5_0's layout reads 64 columns at a time). A matrix
-        // whose columns are not whole blocks of 32 stays as stored (llama.cpp falls back to a
-        // wider type the same way); its products run in f32.
+        let head = if matches!(format, QuantFormat::Q4K) { Packing::Q6_0 } else { Packing::Q8_0 };
+        matrices.push((&self.lm_head, head));
+        // A matrix whose columns are not whole super-blocks of 256 falls back as llama.cpp's
+        // Q4_K_M does (`llama_tensor_get_type`): a Q4_K one to Q5_0 (or to Q8_0 when they are
+        // not whole pairs of blocks either: Q5_0's layout reads 64 columns at a time), a Q6_0
+        // one (llama.cpp's Q6_K) to Q8_0. A matrix whose columns are not whole blocks of 32
+        // stays as stored (llama.cpp falls back to a wider type the same way); its products
+        // run in f32.
         let mut buffers: Vec<Option<QuantBuffer>> = Vec::with_capacity(matrices.len());
         for (m, packing) in matrices.iter_mut() {
-            if *packing == Packing::Q4K {
-                *packing = if m.cols.is_multiple_of(64) { Packing::with_byte_scales(m.cols) } else { Packing::Q8_0 };
-            }
+            let whole_super_blocks = m.cols.is_multiple_of(kylin_kernels::q4k::QK_K);
+            *packing = match *packing {
+                Packing::Q4K if m.cols.is_multiple_of(64) => Packing::four_bit(m.cols),
+                Packing::Q6_0 if whole_super_blocks => Packing::Q6_0,
+                Packing::Q4K | Packing::Q6_0 => Packing::Q8_0,
+                other => other,
+            };
             buffers.push(QuantBuffer::zeroed(*packing, m.rows, m.cols));
         }
         self.unquantized = buffers.iter().filter(|b| b.is_none()).count();
