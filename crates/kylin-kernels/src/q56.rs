@@ -183,6 +183,12 @@ pub fn quantize_block_q6_0(x: &[f32]) -> (f32, [u8; SUB]) {
 /// high bits (`groups.len()` times `(cols / 64) · 512` and `(cols / 32) · (32 + 64 · H)`
 /// bytes); `row` is scratch for `cols` elements. Panics if `cols` is not a non-zero multiple
 /// of 64 or a length disagrees (a caller bug).
+///
+/// A group's 16 rows are widened into a buffer (allocated per call; this runs at load), and
+/// each block of 32 columns is quantized for the 16 rows at once ([`quantize_block_x16`]: a
+/// row per lane, every lane doing [`quantize_block_q5_0`]'s or [`quantize_block_q6_0`]'s
+/// operations in their order, so the bytes are theirs), compiled for AVX-512 where the CPU
+/// has it.
 pub fn quantize_groups<const H: usize>(
     w: WeightMatrix<'_>,
     groups: std::ops::Range<usize>,
@@ -190,36 +196,143 @@ pub fn quantize_groups<const H: usize>(
     scales: &mut [u8],
     row: &mut [f32],
 ) {
-    let sub_bytes = sub_scale_bytes(H);
-    let (gq_len, gs_len) = HighBitPlanes::<H>::group_lens(w.cols)
-        .unwrap_or_else(|| panic!("Q5_0 and Q6_0 need columns in multiples of 64; got {}", w.cols));
+    let cols = w.cols;
+    let (gq_len, gs_len) = HighBitPlanes::<H>::group_lens(cols)
+        .unwrap_or_else(|| panic!("Q5_0 and Q6_0 need columns in multiples of 64; got {cols}"));
     assert_eq!(quants.len(), groups.len() * gq_len, "quants length != groups * group bytes");
     assert_eq!(scales.len(), groups.len() * gs_len, "scales length != groups * group bytes");
-    assert_eq!(row.len(), w.cols);
-    let block = if H == 1 { quantize_block_q5_0 } else { quantize_block_q6_0 };
+    assert_eq!(row.len(), cols);
+    let sub_bytes = sub_scale_bytes(H);
+    let mut rows = vec![0.0f32; GROUP_ROWS * cols];
     for (g, (gq, gs)) in groups.zip(quants.chunks_exact_mut(gq_len).zip(scales.chunks_exact_mut(gs_len))) {
-        gq.fill(0);
-        gs.fill(0);
-        for lane in 0..GROUP_ROWS.min(w.rows.saturating_sub(g * GROUP_ROWS)) {
-            crate::widen_row(w, g * GROUP_ROWS + lane, row);
-            for (j, values) in row.chunks_exact(SUB).enumerate() {
-                let (d, q) = block(values);
-                let at = j * sub_bytes + 2 * lane;
-                gs[at..at + 2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
-                let pair = &mut gq[(j / 2) * PAIR_BYTES..(j / 2 + 1) * PAIR_BYTES];
-                let shift = if j.is_multiple_of(2) { 0 } else { 4 };
-                for (k, &v) in q.iter().enumerate() {
-                    pair[(k / 4) * 64 + lane * 4 + k % 4] |= (v & 0xF) << shift;
-                    let bit = lane * 4 + k % 4;
-                    for b in 0..H {
-                        if (v >> (4 + b)) & 1 == 1 {
-                            gs[j * sub_bytes + SCALE_BYTES + b * HIGH_BYTES + 8 * (k / 4) + bit / 8] |= 1 << (bit % 8);
+        for (lane, row) in rows.chunks_exact_mut(cols).enumerate() {
+            let r = g * GROUP_ROWS + lane;
+            if r < w.rows {
+                crate::widen_row(w, r, row);
+            } else {
+                // Padding rows quantize to zero scales and quants `half`, whose low nibble is 0
+                // and whose high bits are cleared below, so the padding stays all zero bytes.
+                row.fill(0.0);
+            }
+        }
+        let valid = GROUP_ROWS.min(w.rows.saturating_sub(g * GROUP_ROWS));
+        for j in 0..cols / SUB {
+            // `x[k][lane]`: column `k` of the block, row `lane`.
+            let mut x = [[0.0f32; GROUP_ROWS]; SUB];
+            for (lane, row) in rows.chunks_exact(cols).enumerate() {
+                for (k, v) in row[j * SUB..(j + 1) * SUB].iter().enumerate() {
+                    x[k][lane] = *v;
+                }
+            }
+            let (d, q) = quantize_block_x16::<H>(&x);
+            let block = &mut gs[j * sub_bytes..(j + 1) * sub_bytes];
+            block.fill(0);
+            for lane in 0..valid {
+                block[2 * lane..2 * lane + 2].copy_from_slice(&half::f16::from_f32(d[lane]).to_le_bytes());
+            }
+            // High-bit word `8b + k4`: bit `4 · lane + c` is bit `4 + b` of column `4k4 + c`.
+            for b in 0..H {
+                for k4 in 0..SUB / 4 {
+                    let mut word = 0u64;
+                    for lane in 0..valid {
+                        for c in 0..4 {
+                            word |= (((q[4 * k4 + c][lane] >> (4 + b)) & 1) as u64) << (4 * lane + c);
                         }
+                    }
+                    let at = SCALE_BYTES + b * HIGH_BYTES + 8 * k4;
+                    block[at..at + 8].copy_from_slice(&word.to_le_bytes());
+                }
+            }
+            // The low nibbles: byte `64 · k4 + 4 · lane + c` of the pair, low or high half.
+            let pair = &mut gq[(j / 2) * PAIR_BYTES..(j / 2 + 1) * PAIR_BYTES];
+            let (shift, keep) = if j.is_multiple_of(2) { (0, 0xF0) } else { (4, 0x0F) };
+            for k4 in 0..SUB / 4 {
+                for lane in 0..GROUP_ROWS {
+                    for c in 0..4 {
+                        let nibble = if lane < valid { q[4 * k4 + c][lane] & 0xF } else { 0 };
+                        let byte = &mut pair[64 * k4 + 4 * lane + c];
+                        *byte = (*byte & keep) | (nibble << shift);
                     }
                 }
             }
         }
     }
+}
+
+/// One block of 32 columns of 16 rows (`x[k][lane]`) quantized as [`quantize_block_q5_0`]
+/// (`H` = 1) or [`quantize_block_q6_0`] (`H` = 2) quantize each row: the scales (before their
+/// rounding to f16) and the quants `q[k][lane]`. Each lane does the scalar operations in the
+/// scalar order (Rust never fuses a multiply and an add), so the results are the scalar
+/// ones bit for bit on whatever instructions the compiler picks; on AVX-512 CPUs the same
+/// code runs compiled for AVX-512.
+fn quantize_block_x16<const H: usize>(x: &[[f32; GROUP_ROWS]; SUB]) -> ([f32; GROUP_ROWS], [[u8; GROUP_ROWS]; SUB]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::isa() == crate::Isa::Avx512 {
+        // SAFETY: `isa()` is AVX-512, so AVX-512 F/BW/VL are available.
+        return unsafe { quantize_block_x16_avx512::<H>(x) };
+    }
+    quantize_block_lanes::<H>(x)
+}
+
+/// [`quantize_block_lanes`] compiled for AVX-512.
+///
+/// # Safety
+/// AVX-512 F/BW/VL must be available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn quantize_block_x16_avx512<const H: usize>(
+    x: &[[f32; GROUP_ROWS]; SUB],
+) -> ([f32; GROUP_ROWS], [[u8; GROUP_ROWS]; SUB]) {
+    quantize_block_lanes::<H>(x)
+}
+
+/// The body of [`quantize_block_x16`], lane by lane in the scalar quantizers' order.
+#[inline(always)]
+fn quantize_block_lanes<const H: usize>(x: &[[f32; GROUP_ROWS]; SUB]) -> ([f32; GROUP_ROWS], [[u8; GROUP_ROWS]; SUB]) {
+    let offset = half(H) as f32;
+    let top = (2 * half(H) - 1) as i8;
+    // The value of largest magnitude, the first one on ties (`signed_max`).
+    let (mut amax, mut max) = ([0.0f32; GROUP_ROWS], [0.0f32; GROUP_ROWS]);
+    for column in x {
+        for lane in 0..GROUP_ROWS {
+            let a = column[lane].abs();
+            let larger = amax[lane] < a;
+            amax[lane] = if larger { a } else { amax[lane] };
+            max[lane] = if larger { column[lane] } else { max[lane] };
+        }
+    }
+    let mut d = [0.0f32; GROUP_ROWS];
+    let mut id = [0.0f32; GROUP_ROWS];
+    for lane in 0..GROUP_ROWS {
+        d[lane] = max[lane] / -offset;
+        id[lane] = if d[lane] != 0.0 { 1.0 / d[lane] } else { 0.0 };
+    }
+    let mut q = [[0u8; GROUP_ROWS]; SUB];
+    for (qk, column) in q.iter_mut().zip(x) {
+        for lane in 0..GROUP_ROWS {
+            // `(int8_t)(x · id + half + 0.5)` then `MIN(top, ·)`: truncation; a NaN gives 0.
+            qk[lane] = ((column[lane] * id[lane] + (offset + 0.5)) as i8).min(top) as u8;
+        }
+    }
+    if H == 1 {
+        return (d, q);
+    }
+    // Q6_0's weighted least squares, in `quantize_block_q6_0`'s order.
+    let (mut sumqx, mut sumq2) = ([0.0f32; GROUP_ROWS], [0.0f32; GROUP_ROWS]);
+    for j in 0..SUB / 2 {
+        let (a, b) = (j, j + SUB / 2);
+        for lane in 0..GROUP_ROWS {
+            let (x0, x1) = (x[a][lane] * id[lane], x[b][lane] * id[lane]);
+            let (w0, w1) = (x0 * x0, x1 * x1);
+            let (q0, q1) = (q[a][lane] as f32 - 32.0, q[b][lane] as f32 - 32.0);
+            sumqx[lane] += w0 * x[a][lane] * q0 + w1 * x[b][lane] * q1;
+            sumq2[lane] += w0 * q0 * q0 + w1 * q1 * q1;
+        }
+    }
+    for lane in 0..GROUP_ROWS {
+        d[lane] = if sumq2[lane] > 0.0 { sumqx[lane] / sumq2[lane] } else { d[lane] };
+    }
+    (d, q)
 }
 
 /// Row `lane`'s scale of sub-block `j` (f16 widened to f32) in a group's scales plane `gs`.
@@ -367,4 +480,60 @@ pub fn matmul_many_q6_0(
     jobs: &mut [(Q6Matrix<'_>, &mut [f32])],
 ) {
     crate::quant::matmul_many_packed(pool, x, n_tokens, scratch, jobs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The 16-lane block quantizer (compiled for AVX-512 on this CPU when it has it) gives,
+    /// lane for lane, the bits of the one-row quantizers on blocks of every kind, extreme
+    /// ones included, which the end-to-end tests' random weights do not reach.
+    #[test]
+    fn sixteen_lanes_have_the_one_row_bits() {
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = move || {
+            state ^= state >> 12;
+            state ^= state << 25;
+            state ^= state >> 27;
+            state.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        };
+        for batch in 0..3000 {
+            let mut x = [[0.0f32; GROUP_ROWS]; SUB];
+            for lane in 0..GROUP_ROWS {
+                let kind = (batch + lane) % 10;
+                for (k, column) in x.iter_mut().enumerate() {
+                    let bits = next();
+                    let unit = (bits >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                    column[lane] = match kind {
+                        0 => 0.0,
+                        1 => [f32::NAN, unit][(k % 7 != 3) as usize],
+                        2 => [f32::INFINITY, unit][(k % 5 != 1) as usize],
+                        3 => unit * 3e38,
+                        4 => unit * 1e-40,
+                        5 => ((bits % 33) as f32 - 16.0) / 8.0,
+                        6 => [-0.0, 0.0][(bits % 2) as usize],
+                        7 => [unit, -unit][(k == 9) as usize] * [1.0, 4.0][(k % 9 == 0) as usize],
+                        _ => unit,
+                    };
+                }
+            }
+            let one_row = |h: usize, lane: usize| {
+                let row: Vec<f32> = x.iter().map(|column| column[lane]).collect();
+                if h == 1 { quantize_block_q5_0(&row) } else { quantize_block_q6_0(&row) }
+            };
+            let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+            let (d5, q5) = quantize_block_x16::<1>(&x);
+            let (d6, q6) = quantize_block_x16::<2>(&x);
+            for lane in 0..GROUP_ROWS {
+                for (h, d, q) in [(1, d5[lane], &q5), (2, d6[lane], &q6)] {
+                    let (d1, q1) = one_row(h, lane);
+                    assert!(same(d, d1), "batch {batch} lane {lane} h {h}: {d} vs {d1}");
+                    for k in 0..SUB {
+                        assert_eq!(q[k][lane], q1[k], "batch {batch} lane {lane} h {h} column {k}");
+                    }
+                }
+            }
+        }
+    }
 }
