@@ -319,48 +319,16 @@ unsafe fn tile_vnni<const MT: usize, const SCALES: u8>(
     assert!(xq.len() >= MT * stride && stride >= cols + 8 * nb);
     debug_assert!(valid <= GROUP_ROWS);
     let (wp, sp, xp) = (wq.as_ptr(), ws.as_ptr(), xq.as_ptr());
-    let nibble = _mm512_set1_epi8(0x0F);
-    let (sixteen, thirty_two) = (_mm512_set1_epi8(16), _mm512_set1_epi8(32));
-    let high = high_bits::<SCALES>();
-    let grouped = SCALES != Q4K_SCALES;
     let mut acc = [_mm512_setzero_ps(); MT];
     for s in 0..n_super {
-        let n_sub = subs_in(cols, s);
-        // SAFETY: super-block `s`'s scales (Q4_K's header and sub-block bytes, or Q4_G's,
-        // Q5_0's and Q6_0's bytes per sub-block), its pairs' quants and every token's sub-blocks lie
-        // inside the slices (checked above against the layout `SCALES` names); all loads are
-        // unaligned.
-        unsafe {
-            // Q4_K's super-block header (`d`, `dmin` of the 16 rows); the others have none.
-            let header = if grouped { sp } else { sp.add(s * SUPER_SCALE_BYTES) };
-            let (d, dmin) = if grouped {
-                (_mm512_setzero_ps(), _mm512_setzero_ps())
-            } else {
-                (
-                    _mm512_cvtph_ps(_mm256_loadu_si256(header as *const __m256i)),
-                    _mm512_cvtph_ps(_mm256_loadu_si256(header.add(32) as *const __m256i)),
-                )
-            };
-            for jj in 0..n_sub {
-                let j = s * (QK_K / SUB) + jj;
-                let sub_scales = sp.add(j * sub_scale_bytes::<SCALES>());
-                let (dsc, dm) = if high > 0 {
-                    // Q5_0, Q6_0: sub-block `j`'s 16 f16 scales `d` (the offset is taken out of
-                    // the integer sum instead of a min).
-                    (_mm512_cvtph_ps(_mm256_loadu_si256(sub_scales as *const __m256i)), _mm512_setzero_ps())
-                } else if grouped {
-                    // Q4_G: sub-block `j`'s 16 f16 scales, then its 16 f16 mins.
-                    (
-                        _mm512_cvtph_ps(_mm256_loadu_si256(sub_scales as *const __m256i)),
-                        _mm512_cvtph_ps(_mm256_loadu_si256(sub_scales.add(32) as *const __m256i)),
-                    )
-                } else {
-                    let sub_scales = header.add(HEADER_BYTES + jj * SUB_SCALE_BYTES);
-                    let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(sub_scales as *const __m128i)));
-                    let m =
-                        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(sub_scales.add(16) as *const __m128i)));
-                    (_mm512_mul_ps(d, sc), _mm512_mul_ps(dmin, m))
-                };
+        for jj in 0..subs_in(cols, s) {
+            let j = s * (QK_K / SUB) + jj;
+            // SAFETY: sub-block `j`'s scales (Q4_K's header and sub-block bytes, or Q4_G's,
+            // Q5_0's and Q6_0's bytes per sub-block), its pair's quants and every token's
+            // sub-block lie inside the slices (checked above against the layout `SCALES`
+            // names); all loads are unaligned.
+            unsafe {
+                let (dsc, dm) = sub_block_scales::<SCALES>(sp, s, jj);
                 let wb = wp.add((j / 2) * PAIR_BYTES);
                 if prefetch_next && j.is_multiple_of(2) {
                     // The next group's pair `j / 2`, in both planes.
@@ -368,49 +336,9 @@ unsafe fn tile_vnni<const MT: usize, const SCALES: u8>(
                     let next_scales = sp.wrapping_add(group_scales + j / 2 * pair_scales);
                     crate::prefetch_lines(next_scales, pair_scales.div_ceil(64));
                 }
-                let w: [__m512i; 8] = std::array::from_fn(|k| {
-                    let raw = _mm512_loadu_si512(wb.add(64 * k) as *const _);
-                    let raw = if j.is_multiple_of(2) { raw } else { _mm512_srli_epi16(raw, 4) };
-                    let low = _mm512_and_si512(raw, nibble);
-                    if high == 0 {
-                        return low;
-                    }
-                    // Bit `4 · row + c` of word `k`: the fifth bit of this vector's byte; of
-                    // word `8 + k` (Q6_0), its sixth.
-                    let fifth: __mmask64 = std::ptr::read_unaligned(sub_scales.add(32 + 8 * k) as *const u64);
-                    let low = _mm512_mask_add_epi8(low, fifth, low, sixteen);
-                    if high == 1 {
-                        return low;
-                    }
-                    let sixth: __mmask64 = std::ptr::read_unaligned(sub_scales.add(96 + 8 * k) as *const u64);
-                    _mm512_mask_add_epi8(low, sixth, low, thirty_two)
-                });
+                let w = unpack_sub_block::<SCALES>(wp, sp, j);
                 for (t, acc) in acc.iter_mut().enumerate() {
-                    let xt = xp.add(t * stride);
-                    let xb = xt.add(j * SUB);
-                    let four = |k: usize| _mm512_set1_epi32(std::ptr::read_unaligned(xb.add(4 * k) as *const i32));
-                    let mut i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], four(0));
-                    let mut i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], four(1));
-                    i0 = _mm512_dpbusd_epi32(i0, w[2], four(2));
-                    i1 = _mm512_dpbusd_epi32(i1, w[3], four(3));
-                    i0 = _mm512_dpbusd_epi32(i0, w[4], four(4));
-                    i1 = _mm512_dpbusd_epi32(i1, w[5], four(5));
-                    i0 = _mm512_dpbusd_epi32(i0, w[6], four(6));
-                    i1 = _mm512_dpbusd_epi32(i1, w[7], four(7));
-                    let dx = _mm512_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * j) as *const f32));
-                    if high > 0 {
-                        // Q8_0's activations: the block's `−128 · Σq_x` over 8 (4) is
-                        // `−16 · Σq_x` (`−32 · Σq_x`), which turns `Σ q · q_x` into
-                        // `Σ (q − half) · q_x` (exact integers).
-                        let corr = std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const i32) >> (4 - high);
-                        let isum = _mm512_add_epi32(_mm512_add_epi32(i0, i1), _mm512_set1_epi32(corr));
-                        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dsc, dx), *acc);
-                        continue;
-                    }
-                    let bx = _mm512_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const f32));
-                    let isum = _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
-                    *acc = _mm512_fmadd_ps(isum, _mm512_mul_ps(dsc, dx), *acc);
-                    *acc = _mm512_fnmadd_ps(bx, dm, *acc);
+                    accumulate_sub_block::<SCALES>(acc, &w, xp.add(t * stride), cols, j, dsc, dm);
                 }
             }
         }
@@ -419,6 +347,209 @@ unsafe fn tile_vnni<const MT: usize, const SCALES: u8>(
     for (t, acc) in acc.iter().enumerate() {
         // SAFETY: the caller's contract: rows `0..valid` of token `t` are writable.
         unsafe { _mm512_mask_storeu_ps(y.add(t * y_stride), mask, *acc) };
+    }
+}
+
+/// Sub-block `jj` of super-block `s`'s per-row `(dsc, dm)` for 16 rows, from the scales plane
+/// at `sp` in the layout `SCALES` names: Q4_K's `(d · sc, dmin · m)`, Q4_G's f16 `(s, m)`, or
+/// Q5_0's and Q6_0's f16 `d` with no min (their offset is taken out of the integer sum).
+///
+/// # Safety
+/// AVX-512 F and F16C must be available; the scales of that sub-block lie at `sp`'s offsets.
+#[inline(always)]
+unsafe fn sub_block_scales<const SCALES: u8>(sp: *const u8, s: usize, jj: usize) -> (__m512, __m512) {
+    let j = s * (QK_K / SUB) + jj;
+    // SAFETY: the caller's contract.
+    unsafe {
+        if SCALES == Q4K_SCALES {
+            // Q4_K's super-block header (`d`, `dmin` of the 16 rows), then the sub-block's
+            // 6-bit `sc` and `m`.
+            let header = sp.add(s * SUPER_SCALE_BYTES);
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(header as *const __m256i));
+            let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(header.add(32) as *const __m256i));
+            let sub_scales = header.add(HEADER_BYTES + jj * SUB_SCALE_BYTES);
+            let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(sub_scales as *const __m128i)));
+            let m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(sub_scales.add(16) as *const __m128i)));
+            return (_mm512_mul_ps(d, sc), _mm512_mul_ps(dmin, m));
+        }
+        let sub_scales = sp.add(j * sub_scale_bytes::<SCALES>());
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(sub_scales as *const __m256i));
+        if high_bits::<SCALES>() > 0 {
+            (d, _mm512_setzero_ps())
+        } else {
+            // Q4_G: the sub-block's 16 f16 scales, then its 16 f16 mins.
+            (d, _mm512_cvtph_ps(_mm256_loadu_si256(sub_scales.add(32) as *const __m256i)))
+        }
+    }
+}
+
+/// Sub-block `j`'s 8 weight vectors (`[row: 16][4 columns]` bytes each), unpacked: the low or
+/// high nibbles of its pair's vectors in the quants plane at `wp`, with Q5_0's fifth and
+/// Q6_0's sixth bits added from the scales plane at `sp` by masked byte adds.
+///
+/// # Safety
+/// AVX-512 F/BW must be available; the sub-block's pair and scales lie at the planes' offsets.
+#[inline(always)]
+unsafe fn unpack_sub_block<const SCALES: u8>(wp: *const u8, sp: *const u8, j: usize) -> [__m512i; 8] {
+    let high = high_bits::<SCALES>();
+    // SAFETY: the caller's contract.
+    unsafe {
+        let wb = wp.add((j / 2) * PAIR_BYTES);
+        let sub_scales = sp.add(j * sub_scale_bytes::<SCALES>());
+        std::array::from_fn(|k| {
+            let raw = _mm512_loadu_si512(wb.add(64 * k) as *const _);
+            let raw = if j.is_multiple_of(2) { raw } else { _mm512_srli_epi16(raw, 4) };
+            let low = _mm512_and_si512(raw, _mm512_set1_epi8(0x0F));
+            if high == 0 {
+                return low;
+            }
+            // Bit `4 · row + c` of word `k`: the fifth bit of this vector's byte; of word
+            // `8 + k` (Q6_0), its sixth.
+            let fifth: __mmask64 = std::ptr::read_unaligned(sub_scales.add(32 + 8 * k) as *const u64);
+            let low = _mm512_mask_add_epi8(low, fifth, low, _mm512_set1_epi8(16));
+            if high == 1 {
+                return low;
+            }
+            let sixth: __mmask64 = std::ptr::read_unaligned(sub_scales.add(96 + 8 * k) as *const u64);
+            _mm512_mask_add_epi8(low, sixth, low, _mm512_set1_epi8(32))
+        })
+    }
+}
+
+/// One token's sub-block `j` into its 16 rows' `acc`: the exact integer sums of the weight
+/// vectors `w` (unsigned) with the token's groups of four activations at `xt` (signed,
+/// `vpdpbusd`), then `acc = fma(f32(isum), dsc · dx, acc); acc = fma(−bx, dm, acc)` with Q4_K's
+/// activations, or `acc = fma(f32(isum − half · Σq_x), d · dx, acc)` with Q8_0's (Q5_0, Q6_0).
+///
+/// # Safety
+/// AVX-512 F/VNNI must be available; `xt` is one token's activation row for `cols` columns.
+#[inline(always)]
+unsafe fn accumulate_sub_block<const SCALES: u8>(
+    acc: &mut __m512,
+    w: &[__m512i; 8],
+    xt: *const u8,
+    cols: usize,
+    j: usize,
+    dsc: __m512,
+    dm: __m512,
+) {
+    let nb = cols / SUB;
+    let high = high_bits::<SCALES>();
+    // SAFETY: the caller's contract.
+    unsafe {
+        let xb = xt.add(j * SUB);
+        let four = |k: usize| _mm512_set1_epi32(std::ptr::read_unaligned(xb.add(4 * k) as *const i32));
+        let mut i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], four(0));
+        let mut i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], four(1));
+        i0 = _mm512_dpbusd_epi32(i0, w[2], four(2));
+        i1 = _mm512_dpbusd_epi32(i1, w[3], four(3));
+        i0 = _mm512_dpbusd_epi32(i0, w[4], four(4));
+        i1 = _mm512_dpbusd_epi32(i1, w[5], four(5));
+        i0 = _mm512_dpbusd_epi32(i0, w[6], four(6));
+        i1 = _mm512_dpbusd_epi32(i1, w[7], four(7));
+        let dx = _mm512_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * j) as *const f32));
+        if high > 0 {
+            // Q8_0's activations: the block's `−128 · Σq_x` over 8 (4) is `−16 · Σq_x`
+            // (`−32 · Σq_x`), which turns `Σ q · q_x` into `Σ (q − half) · q_x` (exact
+            // integers).
+            let corr = std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const i32) >> (4 - high);
+            let isum = _mm512_add_epi32(_mm512_add_epi32(i0, i1), _mm512_set1_epi32(corr));
+            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dsc, dx), *acc);
+            return;
+        }
+        let bx = _mm512_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const f32));
+        let isum = _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
+        *acc = _mm512_fmadd_ps(isum, _mm512_mul_ps(dsc, dx), *acc);
+        *acc = _mm512_fnmadd_ps(bx, dm, *acc);
+    }
+}
+
+/// Super-blocks a prefill product unpacks at once ([`group_vnni_unpacked`]): 4, 1024 columns,
+/// whose 16 rows' unpacked weights take 16 KB on the stack and stay in L1 while every token
+/// tile reads them.
+const UNPACK_SUPERS: usize = 4;
+
+/// All `n_tokens` tokens × one group of 16 rows on AVX-512 VNNI, for products long enough
+/// that unpacking the weights once pays (prefill): chunk by chunk of [`UNPACK_SUPERS`]
+/// super-blocks, the chunk's sub-blocks are unpacked once ([`unpack_sub_block`]) into a stack
+/// buffer, then every tile of up to 8 tokens runs over them, its accumulators carried from
+/// one chunk to the next through `y`. Each output sees the same operations in the same order
+/// as in [`tile_vnni`] (the integer sums are exact, the FMAs run sub-block by sub-block), so
+/// the bits are the same as any other batch's.
+///
+/// # Safety
+/// As [`tile_vnni`], for `n_tokens` token rows of `xq`; `y` is valid for reading and writing
+/// rows `0..valid` of `n_tokens` tokens at row stride `y_stride`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn group_vnni_unpacked<const SCALES: u8>(
+    n_tokens: usize,
+    wq: &[u8],
+    ws: &[u8],
+    cols: usize,
+    xq: &[u8],
+    stride: usize,
+    y: *mut f32,
+    y_stride: usize,
+    valid: usize,
+) {
+    let nb = cols / SUB;
+    assert!(wq.len() >= nb / 2 * PAIR_BYTES && ws.len() >= scales_len::<SCALES>(cols));
+    assert!(xq.len() >= n_tokens * stride && stride >= cols + 8 * nb);
+    debug_assert!(valid <= GROUP_ROWS);
+    let (wp, sp, xp) = (wq.as_ptr(), ws.as_ptr(), xq.as_ptr());
+    let mask: __mmask16 = if valid >= GROUP_ROWS { 0xffff } else { (1u16 << valid) - 1 };
+    let mut unpacked = [[_mm512_setzero_si512(); 8]; UNPACK_SUPERS * QK_K / SUB];
+    let n_super = cols.div_ceil(QK_K);
+    for s0 in (0..n_super).step_by(UNPACK_SUPERS) {
+        let s1 = (s0 + UNPACK_SUPERS).min(n_super);
+        let mut n = 0;
+        for s in s0..s1 {
+            for jj in 0..subs_in(cols, s) {
+                // SAFETY: sub-block `s · 8 + jj`'s pair and scales lie inside the planes
+                // (checked above).
+                unpacked[n] = unsafe { unpack_sub_block::<SCALES>(wp, sp, s * (QK_K / SUB) + jj) };
+                n += 1;
+            }
+        }
+        let mut t = 0;
+        while t < n_tokens {
+            let mt = crate::quant::Q8_MT.min(n_tokens - t);
+            // SAFETY: the caller's contract for tokens `t..t + mt`; the chunk's scales and
+            // every token's activations lie inside the slices (checked above).
+            unsafe {
+                let yt = y.add(t * y_stride);
+                let mut acc = [_mm512_setzero_ps(); crate::quant::Q8_MT];
+                if s0 > 0 {
+                    for (u, acc) in acc.iter_mut().enumerate().take(mt) {
+                        *acc = _mm512_maskz_loadu_ps(mask, yt.add(u * y_stride));
+                    }
+                }
+                let mut i = 0;
+                for s in s0..s1 {
+                    for jj in 0..subs_in(cols, s) {
+                        let j = s * (QK_K / SUB) + jj;
+                        let (dsc, dm) = sub_block_scales::<SCALES>(sp, s, jj);
+                        for (u, acc) in acc.iter_mut().enumerate().take(mt) {
+                            accumulate_sub_block::<SCALES>(
+                                acc,
+                                &unpacked[i],
+                                xp.add((t + u) * stride),
+                                cols,
+                                j,
+                                dsc,
+                                dm,
+                            );
+                        }
+                        i += 1;
+                    }
+                }
+                for (u, acc) in acc.iter().enumerate().take(mt) {
+                    _mm512_mask_storeu_ps(yt.add(u * y_stride), mask, *acc);
+                }
+            }
+            t += mt;
+        }
     }
 }
 

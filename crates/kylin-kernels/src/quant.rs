@@ -452,6 +452,10 @@ pub(crate) fn matmul_many_packed<'a, M: MatrixRows + Into<QuantMatrix<'a>>>(
 /// `out` points to the `(n_tokens, w.rows)` output whose rows `r0..r1` no one else accesses
 /// meanwhile; `xq` holds `n_tokens` rows of `w`'s format's quantized activations, `stride`
 /// bytes each; the CPU has `kernels`' instructions.
+/// [`crate::q4k_x86::group_vnni_unpacked`] for one scales layout.
+#[cfg(target_arch = "x86_64")]
+type UnpackedGroup = unsafe fn(usize, &[u8], &[u8], usize, &[u8], usize, *mut f32, usize, usize);
+
 #[allow(clippy::too_many_arguments)]
 unsafe fn compute_groups(
     kernels: Int8Isa,
@@ -491,6 +495,28 @@ unsafe fn compute_groups(
                 crate::w16::group(weights, n_tokens, wq, ws, cols, xq, stride, y, rows, valid, prefetch_next)
             };
             continue;
+        }
+        // Prefill on the Q4_K-family tiles: unpack the group's nibbles (and high bits) once for
+        // all the token tiles instead of once per tile.
+        #[cfg(target_arch = "x86_64")]
+        if kernels == Int8Isa::Vnni && n_tokens > Q8_MT && !prefetch_next {
+            use crate::q4k_x86::{Q4G_SCALES, Q4K_SCALES, Q5_0_SCALES, Q6_0_SCALES, group_vnni_unpacked};
+            // SAFETY: rows `g·16 .. g·16 + valid` of every token lie inside the output and
+            // belong to this call; `wq`, `ws` are one whole group and `xq` `n_tokens` whole
+            // token rows of the matrix's format.
+            let y = unsafe { out.0.add(g * GROUP_ROWS) };
+            let unpacked = match w.packing() {
+                Packing::Q4K => Some(group_vnni_unpacked::<Q4K_SCALES> as UnpackedGroup),
+                Packing::Q4G => Some(group_vnni_unpacked::<Q4G_SCALES> as UnpackedGroup),
+                Packing::Q5_0 => Some(group_vnni_unpacked::<Q5_0_SCALES> as UnpackedGroup),
+                Packing::Q6_0 => Some(group_vnni_unpacked::<Q6_0_SCALES> as UnpackedGroup),
+                _ => None,
+            };
+            if let Some(run) = unpacked {
+                // SAFETY: as above; `kernels` is VNNI, so this CPU has AVX-512 F/BW/VL/VNNI.
+                unsafe { run(n_tokens, wq, ws, cols, xq, stride, y, rows, valid) };
+                continue;
+            }
         }
         let mut t = 0;
         while t < n_tokens {

@@ -216,7 +216,8 @@ fn products_have_the_canonical_bits_and_the_expected_accuracy() {
         let src = Source::random(&mut rng, rows, cols);
         let data = src.pack();
         let m = data.matrix().as_q4g().expect("q4_g");
-        for n in 1..=20 {
+        // 40 tokens: a prefill's path (weights unpacked once for every tile of 8 tokens).
+        for n in (1..=20).chain([40]) {
             if rows * cols > 64 * 1024 && n % 3 != 1 && n != 20 {
                 // The large matrix at a sample of token counts only (1, 4, 7, ..., 19, 20).
                 continue;
@@ -287,32 +288,34 @@ fn fused_formats_and_lone_tokens_agree() {
     ];
     let matrices: Vec<QuantMatrix<'_>> = buffers.iter().map(|b| b.matrix()).collect();
     let pool = ThreadPool::new(2);
-    let n = 21;
-    let x = rng.vec(n * cols);
-    let mut scratch = vec![0u8; quant_scratch_len(n, cols)];
-    let mut ys: Vec<Vec<f32>> = matrices.iter().map(|m| vec![f32::NAN; n * m.rows()]).collect();
-    {
-        // (n, cols) · (rows_i, cols)ᵀ -> (n, rows_i) for every matrix, in one call.
-        let mut jobs: Vec<(QuantMatrix<'_>, &mut [f32])> =
-            matrices.iter().copied().zip(ys.iter_mut().map(|y| &mut y[..])).collect();
-        matmul_many_quant(&pool, &x, n, &mut scratch, &mut jobs);
-    }
-    for (i, (m, y)) in matrices.iter().zip(&ys).enumerate() {
-        let rows = m.rows();
-        // (n, cols) · (rows, cols)ᵀ -> (n, rows), this matrix alone.
-        let mut alone = vec![f32::NAN; n * rows];
-        m.matmul(&pool, &x, n, &mut scratch, &mut alone);
-        assert!(same_bits(&alone, y), "matrix {i} ({}): fused vs alone", m.packing().name());
-        for t in 0..n {
-            // (1, cols) · (rows, cols)ᵀ -> (1, rows), token `t` alone.
-            let mut lone = vec![f32::NAN; rows];
-            m.matmul(&pool, &x[t * cols..(t + 1) * cols], 1, &mut scratch, &mut lone);
-            assert!(same_bits(&lone, &y[t * rows..(t + 1) * rows]), "matrix {i} token {t}: batch vs alone");
+    // 45 tokens: a prefill's path, against lone tokens on the decode path.
+    for n in [21, 45] {
+        let x = rng.vec(n * cols);
+        let mut scratch = vec![0u8; quant_scratch_len(n, cols)];
+        let mut ys: Vec<Vec<f32>> = matrices.iter().map(|m| vec![f32::NAN; n * m.rows()]).collect();
+        {
+            // (n, cols) · (rows_i, cols)ᵀ -> (n, rows_i) for every matrix, in one call.
+            let mut jobs: Vec<(QuantMatrix<'_>, &mut [f32])> =
+                matrices.iter().copied().zip(ys.iter_mut().map(|y| &mut y[..])).collect();
+            matmul_many_quant(&pool, &x, n, &mut scratch, &mut jobs);
         }
+        for (i, (m, y)) in matrices.iter().zip(&ys).enumerate() {
+            let rows = m.rows();
+            // (n, cols) · (rows, cols)ᵀ -> (n, rows), this matrix alone.
+            let mut alone = vec![f32::NAN; n * rows];
+            m.matmul(&pool, &x, n, &mut scratch, &mut alone);
+            assert!(same_bits(&alone, y), "matrix {i} ({}): fused vs alone", m.packing().name());
+            for t in 0..n {
+                // (1, cols) · (rows, cols)ᵀ -> (1, rows), token `t` alone.
+                let mut lone = vec![f32::NAN; rows];
+                m.matmul(&pool, &x[t * cols..(t + 1) * cols], 1, &mut scratch, &mut lone);
+                assert!(same_bits(&lone, &y[t * rows..(t + 1) * rows]), "matrix {i} token {t}: batch vs alone");
+            }
+        }
+        // Q4_K and Q4_G share one activation region: two int8 regions hold all three formats,
+        // and the `_a16` packings' BF16 values and sums (2.125 bytes per column) take a third.
+        assert_eq!(quant_scratch_len(n, cols), 2 * q4k_scratch_len(n, cols) + n * (2 * cols + cols / 8));
     }
-    // Q4_K and Q4_G share one activation region: two int8 regions hold all three formats,
-    // and the `_a16` packings' BF16 values and sums (2.125 bytes per column) take a third.
-    assert_eq!(quant_scratch_len(n, cols), 2 * q4k_scratch_len(n, cols) + n * (2 * cols + cols / 8));
 }
 
 /// `pack_q8_0` writes exactly the planes `quantize_q8_0_groups` makes of weights `d · q` that

@@ -194,10 +194,12 @@ fn activation_quantization_matches_its_definition() {
 #[test]
 fn products_have_the_canonical_bits_and_the_expected_accuracy() {
     let mut rng = Rng(3);
-    for (rows, cols) in [(1, 64), (7, 128), (16, 320), (33, 576), (50, 896), (19, 1024)] {
+    // 1344 and 2304 columns: more than one chunk of a prefill's unpacked weights (1024).
+    for (rows, cols) in [(1, 64), (7, 128), (16, 320), (33, 576), (50, 896), (19, 1024), (9, 1344), (20, 2304)] {
         let (_, data) = packed(&mut rng, WeightDType::BF16, rows, cols);
         let m = data.matrix().as_q4k().expect("q4_k");
-        for n in [1, 2, 5, 8, 9, 19] {
+        // 40 tokens: a prefill's path (weights unpacked once for every tile of 8 tokens).
+        for n in [1, 2, 5, 8, 9, 19, 40] {
             let x = rng.vec(n * cols);
             let expected = canonical(m, &x, n);
             for threads in [1, 2, 3] {
@@ -247,17 +249,19 @@ fn fused_matrices_and_lone_tokens_agree() {
     let (_, b) = packed(&mut rng, WeightDType::BF16, 9, cols);
     let (ma, mb) = (a.matrix().as_q4k().expect("q4_k"), b.matrix().as_q4k().expect("q4_k"));
     let pool = ThreadPool::new(2);
-    let n = 21;
-    let x = rng.vec(n * cols);
-    let mut scratch = vec![0u8; q4k_scratch_len(n, cols)];
-    let (mut ya, mut yb) = (vec![0.0; n * 40], vec![0.0; n * 9]);
-    matmul_many_q4k(&pool, &x, n, &mut scratch, &mut [(ma, &mut ya), (mb, &mut yb)]);
-    for t in 0..n {
-        let (mut la, mut lb) = (vec![0.0; 40], vec![0.0; 9]);
-        matmul_many_q4k(&pool, &x[t * cols..(t + 1) * cols], 1, &mut scratch, &mut [(ma, &mut la)]);
-        matmul_many_q4k(&pool, &x[t * cols..(t + 1) * cols], 1, &mut scratch, &mut [(mb, &mut lb)]);
-        assert!(la.iter().zip(&ya[t * 40..(t + 1) * 40]).all(|(p, q)| p.to_bits() == q.to_bits()), "token {t}");
-        assert!(lb.iter().zip(&yb[t * 9..(t + 1) * 9]).all(|(p, q)| p.to_bits() == q.to_bits()), "token {t}");
+    // 45 tokens: a prefill's path, against lone tokens on the decode path.
+    for n in [21, 45] {
+        let x = rng.vec(n * cols);
+        let mut scratch = vec![0u8; q4k_scratch_len(n, cols)];
+        let (mut ya, mut yb) = (vec![0.0; n * 40], vec![0.0; n * 9]);
+        matmul_many_q4k(&pool, &x, n, &mut scratch, &mut [(ma, &mut ya), (mb, &mut yb)]);
+        for t in 0..n {
+            let (mut la, mut lb) = (vec![0.0; 40], vec![0.0; 9]);
+            matmul_many_q4k(&pool, &x[t * cols..(t + 1) * cols], 1, &mut scratch, &mut [(ma, &mut la)]);
+            matmul_many_q4k(&pool, &x[t * cols..(t + 1) * cols], 1, &mut scratch, &mut [(mb, &mut lb)]);
+            assert!(la.iter().zip(&ya[t * 40..(t + 1) * 40]).all(|(p, q)| p.to_bits() == q.to_bits()), "token {t}");
+            assert!(lb.iter().zip(&yb[t * 9..(t + 1) * 9]).all(|(p, q)| p.to_bits() == q.to_bits()), "token {t}");
+        }
     }
 }
 

@@ -296,15 +296,18 @@ fn products_have_the_canonical_bits() {
     let pools: Vec<ThreadPool> = [1, 2, 3].into_iter().map(ThreadPool::new).collect();
     // (200, 1024) is large enough for the products to split across the pool's threads.
     for (f, (rows, cols)) in [Q5_0, Q6_0].into_iter().flat_map(|f| {
-        [(1, 64), (7, 128), (16, 320), (33, 576), (50, 896), (19, 1024), (200, 1024)].map(|shape| (f, shape))
+        [(1, 64), (7, 128), (16, 320), (33, 576), (50, 896), (19, 1024), (200, 1024), (9, 1344), (20, 2304)]
+            .map(|shape| (f, shape))
     }) {
         let w = source(&mut rng, rows, cols);
         let blocks = numbers(f, &w);
         let data = quantize(f, &w, rows, cols);
         let m = data.matrix();
         let name = f.packing.name();
-        for n in 1..=20 {
-            if rows * cols > 64 * 1024 && n % 3 != 1 && n != 20 {
+        // 33 and 70 tokens: a prefill's path (weights unpacked once for every tile of 8
+        // tokens); 1344 and 2304 columns: more than one chunk of them (1024).
+        for n in (1..=20).chain([33, 70]) {
+            if rows * cols > 64 * 1024 && n % 3 != 1 && n != 20 && n != 70 {
                 // The large matrix at a sample of token counts only (1, 4, 7, ..., 19, 20).
                 continue;
             }
@@ -359,27 +362,29 @@ fn fused_formats_and_lone_tokens_agree() {
     ];
     let matrices: Vec<QuantMatrix<'_>> = buffers.iter().map(|b| b.matrix()).collect();
     let pool = ThreadPool::new(2);
-    let n = 21;
-    let x = rng.vec(n * cols);
-    let mut scratch = vec![0u8; quant_scratch_len(n, cols)];
-    let mut ys: Vec<Vec<f32>> = matrices.iter().map(|m| vec![f32::NAN; n * m.rows()]).collect();
-    {
-        // (n, cols) · (rows_i, cols)ᵀ -> (n, rows_i) for every matrix, in one call.
-        let mut jobs: Vec<(QuantMatrix<'_>, &mut [f32])> =
-            matrices.iter().copied().zip(ys.iter_mut().map(|y| &mut y[..])).collect();
-        matmul_many_quant(&pool, &x, n, &mut scratch, &mut jobs);
-    }
-    for (i, (m, y)) in matrices.iter().zip(&ys).enumerate() {
-        let rows = m.rows();
-        // (n, cols) · (rows, cols)ᵀ -> (n, rows), this matrix alone.
-        let mut alone = vec![f32::NAN; n * rows];
-        m.matmul(&pool, &x, n, &mut scratch, &mut alone);
-        assert!(same_bits(&alone, y), "matrix {i} ({}): fused vs alone", m.packing().name());
-        for t in 0..n {
-            // (1, cols) · (rows, cols)ᵀ -> (1, rows), token `t` alone.
-            let mut lone = vec![f32::NAN; rows];
-            m.matmul(&pool, &x[t * cols..(t + 1) * cols], 1, &mut scratch, &mut lone);
-            assert!(same_bits(&lone, &y[t * rows..(t + 1) * rows]), "matrix {i} token {t}: batch vs alone");
+    // 45 tokens: a prefill's path, against lone tokens on the decode path.
+    for n in [21, 45] {
+        let x = rng.vec(n * cols);
+        let mut scratch = vec![0u8; quant_scratch_len(n, cols)];
+        let mut ys: Vec<Vec<f32>> = matrices.iter().map(|m| vec![f32::NAN; n * m.rows()]).collect();
+        {
+            // (n, cols) · (rows_i, cols)ᵀ -> (n, rows_i) for every matrix, in one call.
+            let mut jobs: Vec<(QuantMatrix<'_>, &mut [f32])> =
+                matrices.iter().copied().zip(ys.iter_mut().map(|y| &mut y[..])).collect();
+            matmul_many_quant(&pool, &x, n, &mut scratch, &mut jobs);
+        }
+        for (i, (m, y)) in matrices.iter().zip(&ys).enumerate() {
+            let rows = m.rows();
+            // (n, cols) · (rows, cols)ᵀ -> (n, rows), this matrix alone.
+            let mut alone = vec![f32::NAN; n * rows];
+            m.matmul(&pool, &x, n, &mut scratch, &mut alone);
+            assert!(same_bits(&alone, y), "matrix {i} ({}): fused vs alone", m.packing().name());
+            for t in 0..n {
+                // (1, cols) · (rows, cols)ᵀ -> (1, rows), token `t` alone.
+                let mut lone = vec![f32::NAN; rows];
+                m.matmul(&pool, &x[t * cols..(t + 1) * cols], 1, &mut scratch, &mut lone);
+                assert!(same_bits(&lone, &y[t * rows..(t + 1) * rows]), "matrix {i} token {t}: batch vs alone");
+            }
         }
     }
 }
