@@ -181,8 +181,9 @@ pub fn quantize_block_q6_0(x: &[f32]) -> (f32, [u8; SUB]) {
 
 /// Quantizes groups `groups` of `w` into their parts of the planes of the format with `H`
 /// high bits (`groups.len()` times `(cols / 64) · 512` and `(cols / 32) · (32 + 64 · H)`
-/// bytes); `row` is scratch for `cols` elements. Panics if `cols` is not a non-zero multiple
-/// of 64 or a length disagrees (a caller bug).
+/// bytes). `row` (one row's scratch in [`crate::quant::QuantBuffer::quantize_groups`]'s
+/// signature) is unused. Panics if `cols` is not a non-zero multiple of 64 or a length
+/// disagrees (a caller bug).
 ///
 /// A group's 16 rows are widened into a buffer (allocated per call; this runs at load), and
 /// each block of 32 columns is quantized for the 16 rows at once ([`quantize_block_x16`]: a
