@@ -14,8 +14,10 @@ Workloads (the table of issue 36), where the weights exist in KYLIN_MODELS:
 * qwen3-0.6b-shaped `--quantize q8_0` against its Q8_0 twin;
 * Qwen2.5-Coder-0.5B-Instruct `--quantize q4_k` against the published Q4_K_M.
 
-Usage: python3 scripts/bench_peers.py [--rounds 2] [--only NAME] [--markdown]
-Prints every measurement and a table of the figures and the ratios of each round.
+Usage: python3 scripts/bench_peers.py [--rounds 2] [--only NAME] [--prompt N]
+`--prompt N` replaces the 512-token prompt (and so the depth decode is measured at) with N, to
+see decode where attention over the context costs more. Prints every measurement and a table
+of the figures and the ratios of each round.
 """
 
 import argparse
@@ -75,12 +77,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--only")
+    ap.add_argument("--prompt", type=int, help="prompt tokens instead of 512 (the decode depth)")
     args = ap.parse_args()
     bench = ik_bench_path()
     rows = []
     for name, model, extra, gguf, prompt, with_decode in WORKLOADS:
         if args.only and args.only not in name:
             continue
+        if args.prompt and prompt == PROMPT:
+            prompt = args.prompt
         if not (model / "config.json").is_file() or not gguf.is_file():
             print(f"{name}: skipped ({model} or {gguf} missing; run testdata/models/fetch.sh --bench)")
             continue
