@@ -958,7 +958,7 @@ pub fn quant_scratch_len(n_tokens: usize, cols: usize) -> usize {
 /// An owned, 64-byte aligned buffer holding the two planes of a packed matrix made at load
 /// time (quants first, so the kernels read them in whole cache lines, then scales).
 pub struct QuantBuffer {
-    lines: Vec<Line>,
+    lines: Box<[Line]>,
     packing: Packing,
     rows: usize,
     cols: usize,
@@ -986,8 +986,12 @@ impl QuantBuffer {
         let (quants_len, s) = packing.plane_lens(rows, cols)?;
         let scales_at = quants_len.checked_next_multiple_of(64)?;
         let len = scales_at.checked_add(s)?;
+        // Zeroed by the allocator (fresh pages from the OS are zero already), not written line
+        // by line before the quantizer writes them again.
+        let lines = Box::<[Line]>::new_zeroed_slice(len.div_ceil(64));
         Some(QuantBuffer {
-            lines: vec![Line([0; 64]); len.div_ceil(64)],
+            // SAFETY: a `Line` is 64 bytes, and all zero bytes are a valid one.
+            lines: unsafe { lines.assume_init() },
             packing,
             rows,
             cols,
