@@ -513,9 +513,28 @@ fn gemma4_sizes_per_layer_and_shared_keys_are_checked() {
         c.insert("num_kv_shared_layers".into(), Value::from(1));
     });
     assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &["layer 5", "full_attention"]);
-    // The Mixture-of-Experts variant needs its expert fields.
+    // The row an image's tokens read for their per-layer inputs is the config's pad_token_id
+    // (0 when absent), and it must be a row of both embeddings.
     edit_json(&config, |c| {
         c.insert("num_kv_shared_layers".into(), Value::from(0));
+        c.insert("pad_token_id".into(), Value::from(7));
+    });
+    let model = load(dir.path(), &LoadOptions::default()).unwrap();
+    assert_eq!(model.config.decoder.per_layer_input.map(|p| p.pad_row), Some(7));
+    edit_json(&config, |c| {
+        c.remove("pad_token_id");
+    });
+    let model = load(dir.path(), &LoadOptions::default()).unwrap();
+    assert_eq!(model.config.decoder.per_layer_input.map(|p| p.pad_row), Some(0));
+    assert!(model.config.defaulted.iter().any(|f| f == "pad_token_id"), "{:?}", model.config.defaulted);
+    let vocab = model.config.vocab_size;
+    edit_json(&config, |c| {
+        c.insert("pad_token_id".into(), Value::from(vocab));
+    });
+    assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &["pad_token_id", &vocab.to_string()]);
+    // The Mixture-of-Experts variant needs its expert fields.
+    edit_json(&config, |c| {
+        c.insert("pad_token_id".into(), Value::from(0));
         c.insert("enable_moe_block".into(), Value::from(true));
     });
     assert_code(&load_err(dir.path()), ErrorCode::ConfigInvalid, &["enable_moe_block", "num_experts"]);

@@ -754,7 +754,7 @@ impl Model {
             *counter += 1;
         }
         let per_layer_inputs = match spec.per_layer_input {
-            Some(p) => Some(PerLayerInputs::new(weights, p.width, p.vocab, &dims, spec.norm)?),
+            Some(p) => Some(PerLayerInputs::new(weights, p, &dims, spec.norm)?),
             None => None,
         };
         let lm_head = Linear::bind(&weights.lm_head, None, dims.vocab, dims.hidden, weights)?;

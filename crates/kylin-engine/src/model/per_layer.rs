@@ -3,7 +3,7 @@
 
 use kylin_kernels::{self as kernels};
 use kylin_loader::arch::Role;
-use kylin_loader::family::NormKind;
+use kylin_loader::family::{NormKind, PerLayerInput};
 use kylin_loader::{KylinError, ModelWeights, Result};
 
 use super::linear::{Linear, Matmul, Norm};
@@ -33,8 +33,10 @@ pub(super) struct PerLayerInputs {
     /// `per_layer_projection_norm`, `[width]`.
     pub(super) norm: Norm,
     pub(super) width: usize,
-    /// Rows of `embed`: ids at or past it take the padding row 0's values.
+    /// Rows of `embed`: ids at or past it (an image's tokens) take row `pad_row`'s values.
     vocab: usize,
+    /// The text model's `pad_token_id`.
+    pad_row: usize,
     /// `√width` (the second embedding's scale), `hidden^-0.5` (the projection's) and `2^-0.5`
     /// (the sum's), as the f32 numbers transformers multiplies by.
     embed_scale: f32,
@@ -43,7 +45,8 @@ pub(super) struct PerLayerInputs {
 }
 
 impl PerLayerInputs {
-    pub(super) fn new(weights: &ModelWeights, width: usize, vocab: usize, d: &Dims, kind: NormKind) -> Result<Self> {
+    pub(super) fn new(weights: &ModelWeights, spec: PerLayerInput, d: &Dims, kind: NormKind) -> Result<Self> {
+        let PerLayerInput { width, vocab, pad_row } = spec;
         let global = |role: Role| {
             weights.globals.get(&role).ok_or_else(|| {
                 KylinError::tensor_missing(format!("the per-layer inputs need the model's {role:?} tensor"))
@@ -56,6 +59,7 @@ impl PerLayerInputs {
             norm: Norm::new(global(Role::PerLayerProjectionNorm)?, width, kind)?,
             width,
             vocab,
+            pad_row,
             embed_scale: (width as f64).sqrt() as f32,
             projection_scale: (d.hidden as f64).powf(-0.5) as f32,
             sum_scale: 2f64.powf(-0.5) as f32,
@@ -90,8 +94,8 @@ impl PerLayerInputs {
                 self.norm.apply(x, eps, y);
             }
             // An image's tokens (ids past the vocabulary) take the pad token's row, as
-            // transformers' `Gemma4Model` does (`pad_token_id`, 0 in every Gemma 4 config).
-            let id = if (id as usize) < self.vocab { id as usize } else { 0 };
+            // transformers' `Gemma4Model` does (`pad_token_id`, 0 in every published config).
+            let id = if (id as usize) < self.vocab { id as usize } else { self.pad_row };
             kernels::widen_row(embed, id, row);
             kernels::scale(row, self.embed_scale);
             kernels::add_assign(projected, row);

@@ -345,8 +345,9 @@ fn ropes(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
     Ok(())
 }
 
-/// `hidden_size_per_layer_input` (default 256; 0 or null turns the per-layer inputs off) and
-/// `vocab_size_per_layer_input` (default 262 144).
+/// `hidden_size_per_layer_input` (default 256; 0 or null turns the per-layer inputs off),
+/// `vocab_size_per_layer_input` (default 262 144) and `pad_token_id` (default 0), the row an
+/// image's tokens read, which must be a row of both embeddings.
 fn per_layer_inputs(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
     let width = match hf.raw.get("hidden_size_per_layer_input") {
         None => {
@@ -371,6 +372,20 @@ fn per_layer_inputs(hf: &HfConfig, c: &mut ModelConfig) -> Result<()> {
             "config.json field 'hidden_size_per_layer_input' is {width}, which is implausibly large"
         )));
     }
-    c.decoder.per_layer_input = Some(PerLayerInput { width, vocab });
+    let pad_row = match raw_u64(hf, "pad_token_id")? {
+        Some(id) => id,
+        None => {
+            c.defaulted.push("pad_token_id".into());
+            0
+        }
+    };
+    if pad_row >= vocab.min(c.vocab_size) as u64 {
+        return Err(KylinError::config_invalid(format!(
+            "config.json field 'pad_token_id' is {pad_row}, not a row of the embeddings (vocab_size {}, \
+             vocab_size_per_layer_input {vocab}): Gemma 4 gives an image's tokens that row's per-layer input",
+            c.vocab_size
+        )));
+    }
+    c.decoder.per_layer_input = Some(PerLayerInput { width, vocab, pad_row: pad_row as usize });
     Ok(())
 }

@@ -473,6 +473,9 @@ pub struct PerLayerInput {
     pub width: usize,
     /// `vocab_size_per_layer_input`: rows of `embed_tokens_per_layer`.
     pub vocab: usize,
+    /// The row an image's tokens read: the text model's `pad_token_id`, as transformers'
+    /// `Gemma4Model` replaces multimodal ids by it (0 when the field is absent, its default).
+    pub pad_row: usize,
 }
 
 impl DecoderSpec {
