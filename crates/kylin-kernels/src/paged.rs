@@ -573,18 +573,14 @@ impl Job<'_> {
     fn prefetch_blocks(&self, from: usize, to: usize, max_len: usize) {
         #[cfg(target_arch = "x86_64")]
         {
-            use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
             let (bs, size) = (self.keys.block_size, self.keys.dtype.size_in_bytes());
             let lines = (bs * self.keys.head_dim * size).div_ceil(64);
             let mut p = from.div_ceil(bs) * bs;
             while p < to.min(max_len) {
                 // `p < max_len`, so its block is in the table (checked by `run`).
                 for view in [&self.keys, &self.values] {
-                    let tile = view.data.as_ptr().wrapping_add(view.tile_base(self.blocks, self.offset, p) * size);
-                    for k in 0..lines {
-                        // SAFETY: SSE is part of x86_64's baseline, and a prefetch never faults.
-                        unsafe { _mm_prefetch::<_MM_HINT_T1>(tile.wrapping_add(64 * k) as *const i8) };
-                    }
+                    let at = view.tile_base(self.blocks, self.offset, p) * size;
+                    crate::prefetch_lines_l2(view.data.as_ptr().wrapping_add(at), lines);
                 }
                 p += bs;
             }
