@@ -241,7 +241,6 @@ pub(super) unsafe fn rows_dpbf16(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> St
                     kc[c] = data_k.add(at);
                     vc[c] = data_v.add(at);
                 }
-                job.prefetch_blocks(t0 + TILE, t0 + 2 * TILE, max_len);
                 // The rows with a position in this tile, in groups of GROUP.
                 let mut active = [0usize; MAX_ROWS];
                 let mut n_active = 0;
