@@ -362,6 +362,10 @@ def test_errors_name_their_field(qwen, client):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=QWEN_NAME, input="hi", previous_response_id="resp_1")
     assert e.value.body["param"] == "previous_response_id"
+    # The Responses API calls the limit max_output_tokens, and its errors say so.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=QWEN_NAME, input="hi", max_output_tokens=4000)
+    assert e.value.body["param"] == "max_output_tokens" and "2048" in e.value.body["message"], e.value.body
 
 
 def test_smollm2_calls_tools_through_the_fallback_prompt():

@@ -321,8 +321,15 @@ def test_400_with_the_field(client):
     assert e.value.body["param"] == "response_format.type"
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, "hi " * 3000)
-    assert e.value.body["code"] == "context_length_exceeded"
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "messages"
     assert "2048" in e.value.body["message"]
+    # The engine's own checks name the parameter they refuse, not the prompt.
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, "hi", max_tokens=4000)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, "hi", n=100)
+    assert e.value.body["param"] == "n" and "--max-seqs" in e.value.body["message"], e.value.body
 
 
 def test_401_404_413(server, client):

@@ -2668,7 +2668,8 @@ impl Serving for BatchEngine {
                     "speculative_tokens {k} is more than the server's --speculative-tokens {}; pass at most that",
                     self.core.speculative_tokens
                 )
-            }));
+            })
+            .for_field("speculative_tokens"));
         }
         let duplicate = self.running.iter().chain(self.waiting.iter()).any(|s| s.request == request.id);
         if duplicate {

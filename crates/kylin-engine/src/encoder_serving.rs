@@ -160,7 +160,8 @@ impl Serving for EncoderEngine {
         if instruction.is_some() {
             return Err(KylinError::input_invalid(
                 "a cross-encoder takes no instruction (only yes/no rerankers such as Qwen3-Reranker do)",
-            ));
+            )
+            .for_field("instruction"));
         }
         if !self.can_rerank() {
             return Err(KylinError::input_invalid(

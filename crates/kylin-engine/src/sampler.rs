@@ -87,8 +87,9 @@ impl SamplingParams {
 
     /// Checks the values are in range; `INPUT_INVALID` naming the bad one otherwise.
     pub fn validate(&self) -> Result<()> {
-        let bad = |name: &str, v: f32, want: &str| {
-            Err(KylinError::input_invalid(format!("sampling parameter {name} = {v} is out of range; expected {want}")))
+        let bad = |name: &'static str, v: f32, want: &str| {
+            Err(KylinError::input_invalid(format!("sampling parameter {name} = {v} is out of range; expected {want}"))
+                .for_field(name))
         };
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
             return bad("temperature", self.temperature, "a finite value >= 0");

@@ -59,10 +59,12 @@ pub fn validate_request(request: &Request, vocab: usize, context: usize, max_seq
         return Err(KylinError::input_invalid(format!(
             "n must be between 1 and {max_seqs} (the engine's --max-seqs); got {}",
             request.n
-        )));
+        ))
+        .for_field("n"));
     }
     if request.max_new_tokens == 0 && !scoring_only {
-        return Err(KylinError::input_invalid("max_tokens must be at least 1 (0 only with prompt log-probabilities)"));
+        return Err(KylinError::input_invalid("max_tokens must be at least 1 (0 only with prompt log-probabilities)")
+            .for_field("max_tokens"));
     }
     if let Some(k) = request.logprobs.or(request.prompt_logprobs)
         && k > crate::serving::MAX_TOP_LOGPROBS
@@ -70,7 +72,8 @@ pub fn validate_request(request: &Request, vocab: usize, context: usize, max_seq
         return Err(KylinError::input_invalid(format!(
             "top_logprobs must be at most {}; got {k}",
             crate::serving::MAX_TOP_LOGPROBS
-        )));
+        ))
+        .for_field("top_logprobs"));
     }
     Ok(())
 }

@@ -72,18 +72,28 @@ impl fmt::Display for ErrorCode {
 ///
 /// The message is written once, where the failure is detected, because only that place knows
 /// the path, the tensor and the expected value. `path` is kept separately for callers that want
-/// to show or match it.
+/// to show or match it. `field` names the request parameter a request's error is about
+/// (`max_tokens`, `n`, `temperature`, ...), in the OpenAI API's words, so that a server can
+/// blame the right parameter without reading the message; `None` for errors about the prompt
+/// itself and for errors that are not about a request.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("[{code}] {message}")]
 pub struct KylinError {
     pub code: ErrorCode,
     pub message: String,
     pub path: Option<PathBuf>,
+    pub field: Option<&'static str>,
 }
 
 impl KylinError {
     pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
-        KylinError { code, message: message.into(), path: None }
+        KylinError { code, message: message.into(), path: None, field: None }
+    }
+
+    /// Names the request parameter the error is about; the message should already name it.
+    pub fn for_field(mut self, field: &'static str) -> Self {
+        self.field = Some(field);
+        self
     }
 
     /// Attaches the file the error is about; the message should already name it.

@@ -30,6 +30,9 @@ use crate::engine::{TextJob, TextReply};
 use crate::error::ApiError;
 use crate::routes::{check_model, read_body, ready};
 
+/// What this API calls the prompt and the generation limit, for its errors' `param`.
+const FIELD_NAMES: chat::FieldNames = chat::FieldNames { prompt: "messages", max_tokens: "max_tokens" };
+
 /// An [`ApiError`] answered in Anthropic's shape.
 pub struct AnthropicError(pub ApiError);
 
@@ -373,7 +376,7 @@ pub async fn messages(State(state): State<AppState>, request: Request) -> Result
     let mut prepared = chat::prepare(&state, &published, req.plan).await?;
     prepared.images = crate::images::prepare(&state, &published, req.images, &Default::default()).await?;
     let limits = Limits { sampling, max_tokens: req.common.max_tokens, stop: req.common.stop };
-    let generation = chat::start(&state, prepared, limits, admission, arrived, "messages").await?;
+    let generation = chat::start(&state, prepared, limits, admission, arrived, FIELD_NAMES).await?;
     let id = format!("msg_{}", state.next_response_id());
     let model = state.config().served_model_name.clone();
     if !req.common.stream {

@@ -278,15 +278,24 @@ pub struct Limits {
     pub stop: Vec<String>,
 }
 
-/// Submits a prepared chat request (one choice); `param` names the field a prompt error is
-/// blamed on.
+/// The request fields an API calls the prompt and the generation limit, which its errors
+/// name: the Responses API says `input` and `max_output_tokens` where Anthropic's says
+/// `messages` and `max_tokens`.
+#[derive(Clone, Copy)]
+pub(crate) struct FieldNames {
+    pub prompt: &'static str,
+    pub max_tokens: &'static str,
+}
+
+/// Submits a prepared chat request (one choice); an error is blamed on the field the engine
+/// names (`KylinError::field`, in the API's own words from `names`), else on the prompt.
 pub(crate) async fn start(
     state: &AppState,
     prepared: Prepared,
     limits: Limits,
     admission: crate::Admission,
     arrived: std::time::Instant,
-    param: &str,
+    names: FieldNames,
 ) -> Result<Generation, ApiError> {
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let cancel = kylin_engine::CancelHandle::new();
@@ -310,9 +319,11 @@ pub(crate) async fn start(
         events: tx,
         arrived,
     };
-    let accepted = state.engine().submit(submission).await.map_err(|e| {
-        let param = if e.message.contains("max_tokens") { "max_tokens" } else { param };
-        ApiError::from_engine(&e, param)
+    let accepted = state.engine().submit(submission).await.map_err(|mut e| {
+        if e.field == Some("max_tokens") {
+            e.field = Some(names.max_tokens);
+        }
+        ApiError::from_engine(&e, names.prompt)
     })?;
     Ok(Generation {
         rx,

@@ -568,7 +568,8 @@ impl EngineLoop {
                     "this model's context holds {context} tokens, but the request asks for {} \
                      ({prompt_tokens} in the prompt and {m} in max_tokens); shorten the prompt or lower max_tokens",
                     prompt_tokens + m
-                )));
+                ))
+                .for_field("max_tokens"));
             }
             Some(m) => m,
         };

@@ -139,8 +139,10 @@ impl ApiError {
         ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message).code("internal_error")
     }
 
-    /// Maps an engine error; `param` is the field the request's input came from.
+    /// Maps an engine error. It blames the parameter the engine named (`KylinError::field`),
+    /// else `param`, the field the request's input came from.
     pub fn from_engine(err: &KylinError, param: &str) -> Self {
+        let param = err.field.unwrap_or(param);
         match err.code {
             ErrorCode::InputInvalid | ErrorCode::ImageInvalid => {
                 ApiError::invalid(param, err.message.clone()).code(err.code.as_str())
@@ -182,4 +184,23 @@ pub enum ServerError {
     /// The listener or a connection failed.
     #[error("the HTTP server failed: {0}")]
     Io(#[from] std::io::Error),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_engine_error_blames_the_field_it_names_else_the_prompt() {
+        let overflow = KylinError::context_overflow("the request asks for 4001 tokens").for_field("max_tokens");
+        let e = ApiError::from_engine(&overflow, "messages");
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
+        assert_eq!(e.code.as_deref(), Some("context_length_exceeded"));
+        let prompt = KylinError::input_invalid("token id 9 is outside the vocabulary");
+        assert_eq!(ApiError::from_engine(&prompt, "prompt").param.as_deref(), Some("prompt"));
+        // A message that merely mentions a parameter no longer moves the blame.
+        let mention = KylinError::input_invalid("the prompt mentions max_tokens");
+        assert_eq!(ApiError::from_engine(&mention, "input").param.as_deref(), Some("input"));
+    }
 }

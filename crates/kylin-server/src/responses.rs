@@ -23,6 +23,9 @@ use crate::chat::{self, ChatPlan, Ending, Generation, Limits, Progress};
 use crate::error::ApiError;
 use crate::routes::{check_model, read_body, ready, unix_now};
 
+/// What this API calls the prompt and the generation limit, for its errors' `param`.
+const FIELD_NAMES: chat::FieldNames = chat::FieldNames { prompt: "input", max_tokens: "max_output_tokens" };
+
 /// A parsed `POST /v1/responses` body.
 struct ResponsesRequest {
     common: Common,
@@ -275,7 +278,7 @@ pub async fn responses(State(state): State<AppState>, request: Request) -> Resul
     let mut prepared = chat::prepare(&state, &published, plan).await?;
     prepared.images = crate::images::prepare(&state, &published, req.images, &Default::default()).await?;
     let limits = Limits { sampling, max_tokens: req.common.max_tokens, stop: Vec::new() };
-    let generation = chat::start(&state, prepared, limits, admission, arrived, "input").await?;
+    let generation = chat::start(&state, prepared, limits, admission, arrived, FIELD_NAMES).await?;
     let id = format!("resp_{}", state.next_response_id());
     let model = state.config().served_model_name.clone();
     let created = unix_now();

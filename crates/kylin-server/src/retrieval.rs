@@ -181,10 +181,12 @@ pub async fn rerank(State(state): State<AppState>, request: Request) -> Result<R
         return Err(ApiError::invalid("top_n", "`top_n` must be at least 1"));
     }
     let _admission = state.admit()?;
-    let (scores, tokens) = state.engine().rerank(query, documents.clone(), instruction).await.map_err(|e| {
-        let field = if e.message.contains("instruction") { "instruction" } else { "documents" };
-        ApiError::from_engine(&e, field)
-    })?;
+    // An error about the instruction names it (the engine's `field`); others the documents.
+    let (scores, tokens) = state
+        .engine()
+        .rerank(query, documents.clone(), instruction)
+        .await
+        .map_err(|e| ApiError::from_engine(&e, "documents"))?;
     let mut order: Vec<usize> = (0..scores.len()).collect();
     // Best first; equal scores keep the documents' order.
     order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));

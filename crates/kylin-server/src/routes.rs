@@ -324,17 +324,9 @@ async fn run(
             events: tx.clone(),
             arrived,
         };
-        let accepted = state.engine().submit(submission).await.map_err(|e| {
-            // A context overflow caused by max_tokens names that field; others name the prompt.
-            let param = if e.message.contains("max_tokens") {
-                "max_tokens"
-            } else if e.message.contains("speculative_tokens") {
-                "speculative_tokens"
-            } else {
-                param
-            };
-            ApiError::from_engine(&e, param)
-        })?;
+        // An error about a parameter (max_tokens, speculative_tokens, ...) names it; others
+        // name the prompt.
+        let accepted = state.engine().submit(submission).await.map_err(|e| ApiError::from_engine(&e, param))?;
         prompt_tokens += accepted.prompt_tokens;
         echoes.extend(std::iter::repeat_n(accepted.echo, n));
     }
