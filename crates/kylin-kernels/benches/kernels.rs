@@ -10,7 +10,8 @@
 //!   (AMX or `vdpbf16ps`): the first streams all 28 layers' weights from memory as batched
 //!   decode does, the second keeps one matrix in cache and measures the kernel's compute rate;
 //! - `head` is the 151936-row output head (311 MB in BF16, far beyond every cache, so it
-//!   measures memory bandwidth).
+//!   measures memory bandwidth);
+//! - `paged_attention_model` is one decode step's attention over a model-shaped paged cache.
 //!
 //! `KYLIN_BENCH_THREADS` sets the pool size (default: physical cores).
 
@@ -271,6 +272,61 @@ fn paged_attention(
             })
             .collect();
         attention_rows(&mut rows, kv, kv, black_box(&blocks), 0, map);
+    });
+}
+
+/// One decode step's attention over a whole model's paged cache, laid out as the engine's pool
+/// is (a block holds every layer and KV head, so one (layer, head) tile of each block is read
+/// and the next lies a block's stride away): every (layer, KV head) in turn, its query rows
+/// (the heads of one GQA group) over all `len` positions, split over two threads by (layer,
+/// head). `(model, cache)`: `qwen3` is Qwen3-0.6B at a 2k context (28 layers, 8 KV heads of
+/// 128, 2 query rows each), `gemma3` Gemma-3-1B's global attention at 16k (26 layers, one KV
+/// head of 256, 4 query rows); `bf16` is the default precision's cache (the AVX-512 BF16 or AMX
+/// path), `f16` the `--quantize` engines' (the f32 path). Bytes counted: the keys and values.
+#[divan::bench(args = [("qwen3", "bf16"), ("qwen3", "f16"), ("gemma3", "bf16"), ("gemma3", "f16")], sample_count = 20)]
+fn paged_attention_model(bencher: Bencher, (model, cache): (&str, &str)) {
+    use kylin_kernels::paged::{KvView, QueryRow, ScoreMap, attention_path, attention_rows};
+    let (hd, kv_heads, layers, len, n): (usize, usize, usize, usize, usize) =
+        if model == "qwen3" { (128, 8, 28, 2048, 2) } else { (256, 1, 26, 16384, 4) };
+    let (dtype, precision) = match cache {
+        "bf16" => (WeightDType::BF16, kylin_kernels::Precision::Bf16),
+        _ => (WeightDType::F16, kylin_kernels::Precision::F32),
+    };
+    let bs = 16;
+    let layout = attention_path(precision, dtype, hd, bs, AttentionNeeds::NONE).layout();
+    let blocks: Vec<u32> = (0..len.div_ceil(bs) as u32).collect();
+    let stride = layers * kv_heads * bs * hd;
+    let pool = |seed: usize| {
+        let bytes = blocks.len() * stride * 2;
+        let mut pool = kylin_kernels::aligned::AlignedBytes::zeroed(bytes).expect("a pool in memory");
+        let tile = weights(dtype, bs * hd);
+        for (i, chunk) in pool.chunks_exact_mut(tile.len()).enumerate() {
+            chunk.copy_from_slice(&tile);
+            chunk[0] = (i + seed) as u8;
+        }
+        pool
+    };
+    let (kpool, vpool) = (pool(0), pool(1));
+    let view = |data| KvView { dtype, layout, data, block_stride: stride, block_size: bs, head_dim: hd };
+    let (keys, values) = (view(&kpool[..]), view(&vpool[..]));
+    let map = ScoreMap::scaled(1.0 / (hd as f32).sqrt());
+    let sweep = |thread: usize| {
+        let q = vec![0.1f32; n * hd];
+        let mut out = vec![0.0f32; n * hd];
+        for tile in (thread..layers * kv_heads).step_by(2) {
+            let mut rows: Vec<QueryRow<'_>> = q
+                .chunks_exact(hd)
+                .zip(out.chunks_exact_mut(hd))
+                .map(|(q, out)| QueryRow { q, from: 0, len, out })
+                .collect();
+            attention_rows(&mut rows, keys, values, black_box(&blocks), tile * bs * hd, map);
+        }
+    };
+    bencher.counter(BytesCount::new(2 * layers * kv_heads * len * hd * 2)).bench_local(|| {
+        std::thread::scope(|s| {
+            s.spawn(|| sweep(1));
+            sweep(0);
+        });
     });
 }
 

@@ -89,6 +89,18 @@ pub(crate) fn prefetch_lines(p: *const u8, lines: usize) {
     }
 }
 
+/// [`prefetch_lines`] into the second-level cache: for data read a whole tile later
+/// (attention's next KV blocks), which would crowd the current tile out of L1.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn prefetch_lines_l2(p: *const u8, lines: usize) {
+    use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
+    for k in 0..lines {
+        // SAFETY: SSE is part of x86_64's baseline, and a prefetch never faults.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(64 * k) as *const i8) };
+    }
+}
+
 /// The instruction set the kernels use on this machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {

@@ -562,6 +562,34 @@ struct Job<'a> {
 }
 
 impl Job<'_> {
+    /// Asks the second-level cache for the (layer, head) tiles of keys and values of every
+    /// block that starts in positions `from..to` (clipped to `max_len`). The f32 path
+    /// ([`rows_body`]) calls it one tile ahead: a sequence's blocks lie far apart in the pool (a
+    /// block holds every layer and head), so without it each block's tile starts on cold misses
+    /// the hardware prefetcher only catches up with part-way, and decode's attention, a few
+    /// query rows per tile, waits on memory. The AVX-512 BF16 path does not call it: measured
+    /// alone over a model-shaped pool it gained nothing there (BENCHMARKS.md, issue 36). A
+    /// prefetch is a hint: it reads nothing and changes no result.
+    #[inline(always)]
+    fn prefetch_blocks(&self, from: usize, to: usize, max_len: usize) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let (bs, size) = (self.keys.block_size, self.keys.dtype.size_in_bytes());
+            let lines = (bs * self.keys.head_dim * size).div_ceil(64);
+            let mut p = from.div_ceil(bs) * bs;
+            while p < to.min(max_len) {
+                // `p < max_len`, so its block is in the table (checked by `run`).
+                for view in [&self.keys, &self.values] {
+                    let at = view.tile_base(self.blocks, self.offset, p) * size;
+                    crate::prefetch_lines_l2(view.data.as_ptr().wrapping_add(at), lines);
+                }
+                p += bs;
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (from, to, max_len);
+    }
+
     /// The positions `first..end` the call covers for rows of at most `max_len` positions:
     /// `first` is the start of the first partition it computes (a multiple of [`PARTITION`],
     /// that of `min_from` when it computes them all), which may lie below `min_from`.
@@ -597,6 +625,9 @@ type Stats = [PartialStats; MAX_ROWS];
 trait Lanes: Copy {
     /// Rows one register-blocked micro-kernel takes.
     const MICRO_ROWS: usize;
+    /// Whether [`weighted`] may keep up to 16 vectors of accumulators in registers (passes of
+    /// 64 and 128 columns for few rows).
+    const WIDE_PASSES: bool;
     /// Runs [`micro`] for `count` rows (`1..=MICRO_ROWS`), each implementation instantiating
     /// only the row counts it uses.
     #[allow(clippy::too_many_arguments)]
@@ -808,6 +839,7 @@ unsafe fn rows_body<L: Lanes, const D: u8>(rows: &mut [QueryRow<'_>], job: &Job<
                 }
                 j += run;
             }
+            job.prefetch_blocks(t0 + TILE, t0 + 2 * TILE, max_len);
             // Micro-kernels over the rows that use this tile.
             let mut first = 0;
             while first < n {
@@ -1005,8 +1037,14 @@ unsafe fn micro<L: Lanes, const D: u8, const NR: usize>(
     }
 }
 
-/// `o_i = o_i · corr_i`, then `o_i = fma(p_i[j], v_j, o_i)` for `j in lo..hi`, for `NR` rows:
-/// 32 columns per pass (16, then one at a time, at the end).
+/// `o_i = o_i · corr_i`, then `o_i = fma(p_i[j], v_j, o_i)` for `j in lo..hi`, for `NR` rows,
+/// in passes over the columns (one at a time at the end). Each column's operations are the same
+/// whatever the pass width, so the width changes no bit. With few rows and the registers for
+/// it ([`Lanes::WIDE_PASSES`]) a pass covers 128 columns (`NR <= 2`) or 64 (`NR <= 4`), so that
+/// each value row is read as one run of whole cache lines: decode's two query rows per KV head
+/// otherwise read every value row four times, one cache line each, a strided pattern that left
+/// the loads waiting on memory (a quarter of the kernel's samples on one load at a 2k context).
+/// Otherwise 32 columns per pass, then 16.
 ///
 /// # Safety
 /// As [`micro`]; `o_i` hold `hd` elements, `p_i` `hi`, `vrows[lo..hi]` `hd` each.
@@ -1028,36 +1066,24 @@ unsafe fn weighted<L: Lanes, const D: u8, const NR: usize>(
         let p: [*const f32; NR] = std::array::from_fn(|i| p[i].add(lo));
         let cv: [L; NR] = std::array::from_fn(|i| L::splat(corr[i]));
         let mut c0 = 0;
+        if L::WIDE_PASSES && NR <= 2 {
+            while c0 + 128 <= hd16 {
+                weighted_pass::<L, D, NR, 8>(o, p, cv, vrows, c0);
+                c0 += 128;
+            }
+        }
+        if L::WIDE_PASSES && NR <= 4 {
+            while c0 + 64 <= hd16 {
+                weighted_pass::<L, D, NR, 4>(o, p, cv, vrows, c0);
+                c0 += 64;
+            }
+        }
         while c0 + 32 <= hd16 {
-            let mut acc: [[L; 2]; NR] = std::array::from_fn(|i| {
-                [L::mul(L::load_f32(o[i].add(c0)), cv[i]), L::mul(L::load_f32(o[i].add(c0 + 16)), cv[i])]
-            });
-            for (j, &row) in vrows.iter().enumerate() {
-                let a = L::load::<D>(row, c0);
-                let b = L::load::<D>(row, c0 + 16);
-                for i in 0..NR {
-                    let pj = L::splat(*p[i].add(j));
-                    acc[i][0] = L::fma(pj, a, acc[i][0]);
-                    acc[i][1] = L::fma(pj, b, acc[i][1]);
-                }
-            }
-            for i in 0..NR {
-                acc[i][0].store_f32(o[i].add(c0));
-                acc[i][1].store_f32(o[i].add(c0 + 16));
-            }
+            weighted_pass::<L, D, NR, 2>(o, p, cv, vrows, c0);
             c0 += 32;
         }
         if c0 < hd16 {
-            let mut acc: [L; NR] = std::array::from_fn(|i| L::mul(L::load_f32(o[i].add(c0)), cv[i]));
-            for (j, &row) in vrows.iter().enumerate() {
-                let a = L::load::<D>(row, c0);
-                for i in 0..NR {
-                    acc[i] = L::fma(L::splat(*p[i].add(j)), a, acc[i]);
-                }
-            }
-            for i in 0..NR {
-                acc[i].store_f32(o[i].add(c0));
-            }
+            weighted_pass::<L, D, NR, 1>(o, p, cv, vrows, c0);
         }
         for c in hd16..hd {
             for i in 0..NR {
@@ -1071,12 +1097,47 @@ unsafe fn weighted<L: Lanes, const D: u8, const NR: usize>(
     }
 }
 
+/// One pass of [`weighted`] over columns `c0..c0 + 16 · V` of `NR` rows: `V` vectors per row
+/// held in registers across the positions.
+///
+/// # Safety
+/// As [`weighted`]; `c0 + 16 · V <= hd`; `p_i` and `vrows` start at the pass's first position.
+#[inline(always)]
+unsafe fn weighted_pass<L: Lanes, const D: u8, const NR: usize, const V: usize>(
+    o: [*mut f32; NR],
+    p: [*const f32; NR],
+    cv: [L; NR],
+    vrows: &[*const u8],
+    c0: usize,
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let mut acc: [[L; V]; NR] =
+            std::array::from_fn(|i| std::array::from_fn(|v| L::mul(L::load_f32(o[i].add(c0 + 16 * v)), cv[i])));
+        for (j, &row) in vrows.iter().enumerate() {
+            let vals: [L; V] = std::array::from_fn(|v| L::load::<D>(row, c0 + 16 * v));
+            for i in 0..NR {
+                let pj = L::splat(*p[i].add(j));
+                for v in 0..V {
+                    acc[i][v] = L::fma(pj, vals[v], acc[i][v]);
+                }
+            }
+        }
+        for i in 0..NR {
+            for v in 0..V {
+                acc[i][v].store_f32(o[i].add(c0 + 16 * v));
+            }
+        }
+    }
+}
+
 /// The portable implementation: sixteen scalars.
 #[derive(Clone, Copy)]
 struct Portable([f32; 16]);
 
 impl Lanes for Portable {
     const MICRO_ROWS: usize = 4;
+    const WIDE_PASSES: bool = false;
     micro_rows_body!(1 2 3 4);
     unsafe fn zero() -> Self {
         Portable([0.0; 16])
@@ -1235,6 +1296,7 @@ mod simd {
     // enabled; pointer arguments follow the trait's contracts.
     impl Lanes for Zmm {
         const MICRO_ROWS: usize = 12;
+        const WIDE_PASSES: bool = true;
         micro_rows_body!(1 2 3 4 5 6 7 8 9 10 11 12);
         #[inline(always)]
         unsafe fn zero() -> Self {
@@ -1351,6 +1413,7 @@ mod simd {
     // enabled; pointer arguments follow the trait's contracts.
     impl Lanes for Ymm2 {
         const MICRO_ROWS: usize = 3;
+        const WIDE_PASSES: bool = false;
         micro_rows_body!(1 2 3);
         #[inline(always)]
         unsafe fn zero() -> Self {
