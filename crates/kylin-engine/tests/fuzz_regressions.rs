@@ -157,3 +157,35 @@ fn deeply_nested_values_render_or_fail_cleanly_on_a_small_stack() {
         assert!(start.elapsed() < Duration::from_secs(10), "{show:?} took {:?}", start.elapsed());
     }
 }
+
+/// Finding 8 in docs/fuzzing.md: a long chain in one block (`{{ 1 + 1 + … }}`, `not not …`,
+/// `- - …`, filters, attributes) or a long `elif` chain builds a syntax tree as deep as the
+/// chain, which minijinja compiled and dropped recursively on the loading thread: 20 000 terms
+/// overflowed an 8 MiB main thread and aborted the process (`kylin serve` included). The
+/// patched parser refuses more than 1000 tokens in one block and guards `elif` nesting, so
+/// each of these is `CONFIG_INVALID` at load, here on a test thread's small stack.
+#[test]
+fn long_chains_are_refused_at_load_not_by_a_stack_overflow() {
+    let chains = [
+        format!("{{{{ 1{} }}}}", " + 1".repeat(20_000)),
+        format!("{{{{ 'a'{} }}}}", " ~ 'a'".repeat(20_000)),
+        format!("{{{{ {}1 }}}}", "not ".repeat(20_000)),
+        format!("{{{{ {}1 }}}}", "- ".repeat(20_000)),
+        format!("{{{{ messages{} }}}}", ".x".repeat(20_000)),
+        format!("{{{{ 'a'{} }}}}", "|trim".repeat(20_000)),
+        format!("{{% if false %}}a{}{{% endif %}}", "{% elif false %}b".repeat(20_000)),
+    ];
+    for source in &chains {
+        let err = TextCodec::new(&bundle(source), None).err().expect("a 20 000-long chain compiles");
+        assert_eq!(err.code, ErrorCode::ConfigInvalid, "{err}");
+        assert!(err.message.contains("does not compile"), "{err}");
+    }
+    // The limit is far above what templates write: 400 terms (800 tokens) and 100 elifs run.
+    let messages = vec![ChatMessage { role: "user".into(), content: "hello".into() }];
+    let long = format!("{{{{ 1{} }}}}", " + 1".repeat(399));
+    let codec = TextCodec::new(&bundle(&long), None).unwrap();
+    assert_eq!(codec.apply_chat_template(&messages, true, &serde_json::Map::new()).unwrap(), "400");
+    let elifs: String = (1..=100).map(|i| format!("{{% elif messages|length == {i} %}}{i}")).collect();
+    let codec = TextCodec::new(&bundle(&format!("{{% if false %}}0{elifs}{{% endif %}}")), None).unwrap();
+    assert_eq!(codec.apply_chat_template(&messages, true, &serde_json::Map::new()).unwrap(), "1");
+}

@@ -95,10 +95,20 @@ enum SetParseResult<'a> {
     SetBlock(ast::SetBlock<'a>),
 }
 
+/// Kylin's patch: the most tokens one `{{ … }}` or `{% … %}` block may hold. Chains of
+/// operators, filters, attributes and `not`s build an expression tree as deep as they are long,
+/// which the parser, the code generator and the tree's drop each walk recursively, so a long
+/// enough chain (`{{ 1 + 1 + … }}`, 20 000 terms) overflowed the stack and aborted the process
+/// (upstream limits only nesting, `MAX_RECURSION`). Real chat templates hold at most a few
+/// dozen tokens per block; 1000 keeps every tree's walk within a few hundred KiB of stack.
+const MAX_BLOCK_TOKENS: usize = 1000;
+
 struct TokenStream<'a> {
     tokenizer: Tokenizer<'a>,
     current: Result<Option<(Token<'a>, Span)>, Error>,
     last_span: Span,
+    /// Kylin's patch: tokens since the current block's start (`MAX_BLOCK_TOKENS`).
+    block_tokens: usize,
 }
 
 impl<'a> TokenStream<'a> {
@@ -115,6 +125,7 @@ impl<'a> TokenStream<'a> {
             tokenizer,
             current,
             last_span: Span::default(),
+            block_tokens: 0,
         }
     }
 
@@ -125,6 +136,20 @@ impl<'a> TokenStream<'a> {
         match rv {
             Ok(Some((token, span))) => {
                 self.last_span = span;
+                // Kylin's patch: bound the tokens of one block (`MAX_BLOCK_TOKENS`).
+                match token {
+                    Token::TemplateData(_) | Token::VariableStart | Token::BlockStart => {
+                        self.block_tokens = 0;
+                    }
+                    _ => {
+                        self.block_tokens += 1;
+                        if self.block_tokens > MAX_BLOCK_TOKENS {
+                            return Err(syntax_error(Cow::Borrowed(
+                                "a block holds more than 1000 tokens (Kylin's limit on one expression)",
+                            )));
+                        }
+                    }
+                }
                 Ok(Some((token, span)))
             }
             Ok(None) => Ok(None),
@@ -1020,8 +1045,10 @@ impl<'a> Parser<'a> {
                 ok!(self.stream.next());
                 rv
             }
+            // Kylin's patch: an `elif` nests one level deeper (upstream unguarded, so a chain of
+            // 20 000 overflowed the stack).
             Some((Token::Ident("elif"), span)) => vec![ast::Stmt::IfCond(Spanned::new(
-                ok!(self.parse_if_cond()),
+                ok!(with_recursion_guard!(self, self.parse_if_cond())),
                 self.stream.expand_span(span),
             ))],
             _ => Vec::new(),
