@@ -17,8 +17,9 @@ sliding window as `attention.sliding_window` (llama.cpp fixes Gemma 3's local ba
 its pattern at 6). The llama.cpp vendored by llama-cpp-sys-2 ships `convert_hf_to_gguf.py`
 without its `conversion` package, so it cannot run here; this writes the same layout directly.
 
-Needs numpy and gguf (the fetch script's venv, $KYLIN_MODELS/.venv, has both); Gemma 4's twin is
-made by llama.cpp's own converter (llamacpp_convert.py, which needs torch too).
+Needs numpy and gguf (the fetch script's venv, $KYLIN_MODELS/.venv, has both); the twins that
+llama.cpp's own converter makes (llamacpp_convert.py: Gemma 4, the MoE models, gpt-oss) need
+torch and transformers too, and the script stops if the converter fails.
 """
 import json
 import os
@@ -254,7 +255,7 @@ def gemma4(spec):
     json.dump(spec["generation"], open(os.path.join(d, "generation_config.json"), "w"), indent=2)
     print("wrote", d)
     convert = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llamacpp_convert.py")
-    os.system(f"{sys.executable} {convert} {d} {os.path.join(d, 'gguf', name + '-bf16.gguf')} bf16")
+    run(f"{sys.executable} {convert} {d} {os.path.join(d, 'gguf', name + '-bf16.gguf')} bf16")
 
 
 # Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B's config.json): hidden 2048, 32 query and 4 KV heads of 128,
@@ -303,6 +304,14 @@ GPT_OSS = dict(
 )
 
 
+def run(command):
+    """Runs a shell command (llama.cpp's converter or quantizer); a failure stops the script,
+    so a missing twin is never mistaken for a written one."""
+    status = os.system(command)
+    if status != 0:
+        sys.exit(f"failed ({status}): {command}\n(the converter needs torch and transformers in this Python)")
+
+
 def write_any_safetensors(path, specs, fill):
     """A safetensors file of `specs` (name -> (dtype, shape)), each tensor written by
     `fill(name, shape, write)` in pieces; dtype is "BF16" or "U8"."""
@@ -330,11 +339,11 @@ def twins(d, name, types):
         if os.path.exists(target):
             continue
         if t in ("bf16", "q8_0", "auto"):
-            os.system(f"{sys.executable} {os.path.join(here, 'llamacpp_convert.py')} {d} {target} {t}")
+            run(f"{sys.executable} {os.path.join(here, 'llamacpp_convert.py')} {d} {target} {t}")
         elif t == "q4_k_m":
             source = os.path.join(d, "gguf", f"{name}-bf16.gguf")
             quantize = os.path.join(here, "..", "target", "release", "examples", "gguf_quantize")
-            os.system(f"{quantize} {source} {target} q4_k_m")
+            run(f"{quantize} {source} {target} q4_k_m")
 
 
 def qwen3_moe(spec):
@@ -606,7 +615,7 @@ def write_qwen35(spec, d, shapes):
     json.dump(spec["generation"], open(os.path.join(d, "generation_config.json"), "w"), indent=2)
     print("wrote", d)
     convert = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llamacpp_convert.py")
-    os.system(f"{sys.executable} {convert} {d} {os.path.join(d, 'gguf', name + '-bf16.gguf')} bf16 --no-mtp")
+    run(f"{sys.executable} {convert} {d} {os.path.join(d, 'gguf', name + '-bf16.gguf')} bf16 --no-mtp")
 
 if not only or GEMMA3_1B["name"] in only:
     gemma3(GEMMA3_1B)

@@ -5,7 +5,9 @@
 #   - nasm (mozjpeg-sys assembles libjpeg-turbo's SIMD, whose output kylin-vision's JPEG tests
 #     compare with Pillow's; without it the build falls back to C, which differs on corrupt files),
 #   - the test models from testdata/models/fetch.sh (--bench adds qwen3-0.6b-shaped),
-#   - haproxy (the balancer recipe's test, tests/e2e/test_balancer.py).
+#   - haproxy (the balancer recipe's test, tests/e2e/test_balancer.py),
+#   - rustfmt and clippy (the test command checks formatting and lints), through rustup when
+#     the toolchain came without them (its minimal profile).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SUDO=""
@@ -15,6 +17,10 @@ if ! command -v cmake >/dev/null || ! command -v clang >/dev/null || ! dpkg -s l
   echo "installing cmake, clang, nasm and haproxy"
   $SUDO apt-get update -q
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q cmake clang libclang-dev nasm haproxy
+fi
+if ! cargo fmt --version >/dev/null 2>&1 || ! cargo clippy --version >/dev/null 2>&1; then
+  echo "installing rustfmt and clippy"
+  rustup component add rustfmt clippy
 fi
 bash "$ROOT/testdata/models/fetch.sh" --bench
 # The Python side of the end-to-end test of `kylin serve`: the official openai client and

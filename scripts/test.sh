@@ -6,6 +6,10 @@ bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 export KYLIN_MODELS="${KYLIN_MODELS:-$HOME/.cache/kylin-models}"
 cargo test --release --workspace --no-fail-fast
+# The code is formatted and lint-free: rustfmt, and clippy with every warning an error (after the
+# tests, so that it reuses their build scripts' output, llama.cpp's included).
+cargo fmt --all --check
+cargo clippy --release --workspace --all-targets -- -D warnings
 # The Kubernetes manifests against Kubernetes' schemas (strict: an unknown field fails).
 "$ROOT/.venv/bin/kubernetes-validate" --strict "$ROOT/deploy/kubernetes/kylin.yaml"
 # The build without llama.cpp: GGUF files get a clear error, Hugging Face models still run.

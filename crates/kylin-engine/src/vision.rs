@@ -143,6 +143,7 @@ fn rms_norm(row: &mut [f32], weight: Option<&[f32]>, eps: f32) {
 /// A block's query, key and value projections: one fused matrix (Qwen, `(3 · hidden, hidden)`)
 /// or three (SigLIP, each `(hidden, hidden)`).
 #[derive(Debug, Clone)]
+#[allow(clippy::large_enum_variant)]
 enum Qkv {
     Fused(Dense),
     Separate { q: Dense, k: Dense, v: Dense },
@@ -475,7 +476,7 @@ impl VisionTower {
                 grid.t, grid.h, grid.w
             )));
         }
-        if grid.t == 0 || grid.h == 0 || grid.w == 0 || grid.h % m != 0 || grid.w % m != 0 {
+        if grid.t == 0 || grid.h == 0 || grid.w == 0 || !grid.h.is_multiple_of(m) || !grid.w.is_multiple_of(m) {
             return Err(KylinError::input_invalid(format!(
                 "an image's patch grid must be non-empty with rows and columns multiples of the merge size {m}; \
                  got {} x {} x {}",
@@ -715,7 +716,7 @@ impl VisionTower {
         }
     }
 
-    /// 3. One unit of the current block's work, then the next stage; returns the
+    /// 3\. One unit of the current block's work, then the next stage; returns the
     /// multiply-adds it took. A block (`x += attn(LN(x))`, `x += mlp(LN(x))`) is cut into units
     /// that each read every weight of their part once: the projections of [`UNIT_ROWS`] patch
     /// rows, the attention of one head over [`QUERY_ROWS`] queries, the output projection and
@@ -977,7 +978,7 @@ fn average_pool(x: &[f32], grid: PatchGrid, k: usize, hidden: usize) -> Vec<f32>
 /// raster order, `(patches, 3 · patch²)`, each row `(channel, row in patch, column in patch)`.
 /// `None` when the values do not make such an image.
 pub fn siglip_patches(pixels: &[f32], size: usize, patch: usize) -> Option<Vec<f32>> {
-    if patch == 0 || size % patch != 0 || Some(pixels.len()) != size.checked_mul(size)?.checked_mul(3) {
+    if patch == 0 || !size.is_multiple_of(patch) || Some(pixels.len()) != size.checked_mul(size)?.checked_mul(3) {
         return None;
     }
     let side = size / patch;

@@ -176,7 +176,7 @@ fn long_chains_are_refused_at_load_not_by_a_stack_overflow() {
         format!("{{% if false %}}a{}{{% endif %}}", "{% elif false %}b".repeat(20_000)),
     ];
     for source in &chains {
-        let err = TextCodec::new(&bundle(source), None).err().expect("a 20 000-long chain must not compile");
+        let err = TextCodec::new(&bundle(source), None).expect_err("a 20 000-long chain must not compile");
         assert_eq!(err.code, ErrorCode::ConfigInvalid, "{err}");
         assert!(err.message.contains("does not compile"), "{err}");
     }

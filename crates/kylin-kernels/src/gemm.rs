@@ -55,7 +55,8 @@ pub fn gemm_packed(pool: &ThreadPool, w: WeightMatrix<'_>, x: &[f32], n: usize, 
     let out = OutPtr(y.as_mut_ptr());
     let avx2 = matches!(isa(), Isa::Avx2Fma | Isa::Avx512);
     let task = |p: usize| {
-        let out = out;
+        // Captures the whole `OutPtr` (which is `Sync`), not its raw pointer field.
+        let out = &out;
         // SAFETY: panel `p` writes only columns `p * PANEL_ROWS..` (below `rows`) of every
         // token's output row, which no other panel writes; `y` outlives the pool job.
         unsafe { run_panel(w, x, n, p, out.0, avx2) };

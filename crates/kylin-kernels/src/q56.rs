@@ -235,6 +235,8 @@ pub fn quantize_groups<const H: usize>(
             for b in 0..H {
                 for k4 in 0..SUB / 4 {
                     let mut word = 0u64;
+                    // The lane is a bit position as well as an index: a range reads clearest.
+                    #[allow(clippy::needless_range_loop)]
                     for lane in 0..valid {
                         for c in 0..4 {
                             word |= (((q[4 * k4 + c][lane] >> (4 + b)) & 1) as u64) << (4 * lane + c);

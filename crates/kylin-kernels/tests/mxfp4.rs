@@ -43,7 +43,7 @@ fn packed(rows: usize, cols: usize, blocks: &[u8], scales: &[u8], row_of: &dyn F
 /// The stored weight `(r, c)` by the format's definition (scales below 2^-126 flushed to zero).
 fn weight(blocks: &[u8], scales: &[u8], cols: usize, r: usize, c: usize) -> f64 {
     let byte = blocks[r * cols / 2 + c / 2];
-    let code = if c % 2 == 0 { byte & 15 } else { byte >> 4 };
+    let code = if c.is_multiple_of(2) { byte & 15 } else { byte >> 4 };
     let e = scales[r * cols / 32 + c / 32];
     if e < 2 { 0.0 } else { fp4(code) * 2f64.powi(e as i32 - 127) }
 }
@@ -58,8 +58,8 @@ fn packing_keeps_every_weight_and_refuses_nan_scales() {
         let mut row = vec![0.0f32; cols];
         for r in 0..rows {
             dequantize_row_mxfp4(m, r, &mut row);
-            for c in 0..cols {
-                assert_eq!(row[c] as f64, weight(&blocks, &scales, cols, r, c), "{rows}x{cols} ({r}, {c})");
+            for (c, &v) in row.iter().enumerate() {
+                assert_eq!(v as f64, weight(&blocks, &scales, cols, r, c), "{rows}x{cols} ({r}, {c})");
             }
         }
     }
@@ -106,11 +106,11 @@ fn canonical(blocks: &[u8], scales: &[u8], rows: usize, cols: usize, x: &[f32], 
             let mut acc = 0.0f32;
             for (b, (xq, dx)) in xa.iter().enumerate() {
                 let mut isum = 0i32;
-                for k in 0..32 {
+                for (k, &xk) in xq.iter().enumerate() {
                     let c = b * 32 + k;
                     let byte = blocks[r * cols / 2 + c / 2];
-                    let code = if c % 2 == 0 { byte & 15 } else { byte >> 4 };
-                    isum += VALUES_X2[code as usize] as i32 * xq[k];
+                    let code = if c.is_multiple_of(2) { byte & 15 } else { byte >> 4 };
+                    isum += VALUES_X2[code as usize] as i32 * xk;
                 }
                 let e = scales[r * cols / 32 + b];
                 let s = if e < 2 { 0.0 } else { 2f32.powi(e as i32 - 128) };

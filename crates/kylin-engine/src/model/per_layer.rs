@@ -70,6 +70,7 @@ impl PerLayerInputs {
     /// `out (n, layers · width)`, each `(width)` chunk
     /// `(rmsnorm(projection(e) · hidden^-0.5) + embed_per_layer(id) · √width) · 2^-0.5`;
     /// `row (layers · width)` is scratch.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn compute(
         &self,
         mm: Matmul<'_>,
