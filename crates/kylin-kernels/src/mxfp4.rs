@@ -26,9 +26,11 @@
 //! **Canonical order** of one output (DESIGN.md invariant 7): `acc = 0`, then for every block
 //! `b` in order, with `isum_b = Σ v_w · q_x` its exact integer dot product over the doubled
 //! values (at most 32 · 12 · 127 in magnitude): `acc = fma(f32(isum_b), dx_b · s_b, acc)`,
-//! `s_b = 2^(e_b − 128)`. The scalar tile and the AVX2 tile (`vpshufb` decoding, `vpmaddubsw`)
-//! compute exactly those operations, so a token's outputs do not depend on its batch nor on the
-//! instruction set. (CPUs with AVX-512 run the AVX2 tile.)
+//! `s_b = 2^(e_b − 128)`. The scalar tile, the AVX2 tile (`vpshufb` decoding, `vpmaddubsw`) and
+//! the AVX-512 VNNI tile (`vpshufb` into offset-binary bytes, `vpdpbusd` from the activations'
+//! `−128 · Σq`, the codes decoded once per block for all of a tile's tokens) compute exactly
+//! those operations, so a token's outputs do not depend on its batch nor on the instruction
+//! set.
 
 use crate::packed::{PackedMatrix, PlaneLayout, plane_lens};
 use crate::quant::{GROUP_ROWS, QK8_0};

@@ -574,9 +574,12 @@ unsafe fn compute_groups(
                         mt, wq, ws, cols, xt, stride, y, rows, valid,
                     ),
                     (Packing::Q6_0, _) => crate::q56::tile_scalar::<2>(mt, wq, ws, cols, xt, stride, y, rows, valid),
-                    // MXFP4 runs its AVX2 tile on AVX-512 CPUs too (same bits as the scalar one).
                     #[cfg(target_arch = "x86_64")]
-                    (Packing::Mxfp4, Int8Isa::Vnni | Int8Isa::Avx2) => {
+                    (Packing::Mxfp4, Int8Isa::Vnni) => {
+                        crate::quant_x86::tile_vnni_mxfp4_dyn(mt, wq, ws, cols / QK8_0, xt, stride, y, rows, valid, pf)
+                    }
+                    #[cfg(target_arch = "x86_64")]
+                    (Packing::Mxfp4, Int8Isa::Avx2) => {
                         crate::quant_x86::tile_avx2_mxfp4(mt, wq, ws, cols / QK8_0, xt, stride, y, rows, valid)
                     }
                     (Packing::Mxfp4, _) => {
