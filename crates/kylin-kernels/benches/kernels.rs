@@ -333,7 +333,7 @@ fn paged_attention_model(bencher: Bencher, (model, cache): (&str, &str)) {
 /// Batched decode through the engine's BF16 path ([`kylin_kernels::matmul_many_bf16`]) over
 /// all 28 layers of Qwen3-0.6B (880 MB of weights, far beyond every cache, so each call streams
 /// them from memory as a decode step does), for `TOKENS` tokens; counted in multiply-adds.
-#[divan::bench(consts = [1, 8, 16])]
+#[divan::bench(consts = [1, 2, 4, 8, 16])]
 fn model_bf16_dot<const TOKENS: usize>(bencher: Bencher) {
     use kylin_kernels::{bf16_kernels, bf16_scratch_len, matmul_many_bf16};
     let Some(kernels) = bf16_kernels() else { return };

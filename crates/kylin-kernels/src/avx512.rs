@@ -128,7 +128,7 @@ pub unsafe fn gemm_tile<const D: u8, const MT_: usize, const NR_: usize>(
             for _ in 0..pf_per_step {
                 if pf_next < pf_lines {
                     // `pf_next * 64 < pf_len`: inside the caller's extent.
-                    _mm_prefetch::<_MM_HINT_T0>(pf.add(pf_next * 64) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T1>(pf.add(pf_next * 64) as *const i8);
                     pf_next += 1;
                 }
             }

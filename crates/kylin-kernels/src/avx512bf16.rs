@@ -28,15 +28,14 @@ pub const NR: usize = 6;
 /// the hardware prefetcher follows, with no software prefetch. With six rows in flight (six
 /// streams a row apart) one token's decode read about 26 GB/s of BF16 weights on 2 Zen 4 cores
 /// where one row at a time reads 32 (qwen3-0.6b-shaped 21.4 -> 26.9 tokens/s, qwen3.5-0.8b-shaped
-/// 15.6 -> 20.3, qwen3-moe-shaped 23.4 -> 31.1; BENCHMARKS.md); two rows read less than six. The
-/// same holds for a few tokens: batched decode of qwen3-0.6b-shaped at 2 sequences went from 38
-/// to 54 tokens/s, at 4 from 67 to 85, at 6 from 95 to 105, and a Mixture-of-Experts step, whose
-/// experts each see one to four tokens, gains too. From 7 tokens on, one `vdpbf16ps` per
-/// activation load makes the one-row tile compute-bound, and six-row tiles that prefetch the
-/// next rows are faster (8 sequences: 125 against 90 tokens/s). Each output row keeps its one
-/// accumulator chain over the columns, so the bits are the same for every tile shape: batch
-/// invariance is untouched.
-const ONE_ROW_MAX_TOKENS: usize = 6;
+/// 15.6 -> 20.3, qwen3-moe-shaped 23.4 -> 31.1; BENCHMARKS.md). From 3 tokens on, six-row tiles
+/// that prefetch the next tile's rows into L2 ([`Prefetch`]) are as fast or faster: over the 28
+/// layers of Qwen3-0.6B (`model_bf16_dot`, ms) one row at a time took 26.1, 20.9, 21.9 for 2
+/// tokens against 27.2, 27.5, 26.8 in six-row tiles; 28.2, 26.2, 29.6 for 3 against 26.6, 27.3,
+/// 27.4; 32.1, 32.1 for 4 against 26.5, 22.3. (Before the prefetch went to L2, six-row tiles
+/// only won from 7 tokens on.) Each output row keeps its one accumulator chain over the
+/// columns, so the bits are the same for every tile shape: batch invariance is untouched.
+const ONE_ROW_MAX_TOKENS: usize = 2;
 /// Columns per step.
 const K: usize = 32;
 
@@ -75,6 +74,14 @@ fn reduce16(v: __m512) -> f32 {
 /// Cache lines a tile asks the memory system for while it computes, so that the next tile's
 /// weights arrive while this one multiplies: `lines` lines of 64 bytes from `start`, spread
 /// evenly over the tile's column chunks. Prefetches are hints; they change no result.
+///
+/// They go to the second-level cache (`prefetcht1`), not the first. Into L1 (`prefetcht0`),
+/// each prefetch holds one of the core's few L1 miss buffers until its line arrives, and the
+/// loads and products behind it wait for a free one: the tile's arithmetic and the next tile's
+/// reads ran one after the other, not overlapped. Into L2, they did overlap: the 28 layers of
+/// Qwen3-0.6B (`model_bf16_dot`) took 40.1 and 41.2 ms for 8 tokens with `prefetcht0`, 27.2
+/// with `prefetcht1` (one token: 25.3), and 57.2 and 54.5 against 41.4 ms for 16
+/// (BENCHMARKS.md). The tile then reads its weights from L2 on its first pass.
 #[derive(Clone, Copy)]
 struct Prefetch {
     start: *const u8,
@@ -117,7 +124,7 @@ unsafe fn tile<const MT_: usize, const NR_: usize, const PREFETCH: bool>(
             // A prefetch of any address is harmless, so the pointer is only computed, wrapping.
             let end = if PREFETCH { (next_line + per_chunk).min(prefetch.lines) } else { 0 };
             while next_line < end {
-                _mm_prefetch::<_MM_HINT_T0>(prefetch.start.wrapping_add(next_line * 64) as *const i8);
+                _mm_prefetch::<_MM_HINT_T1>(prefetch.start.wrapping_add(next_line * 64) as *const i8);
                 next_line += 1;
             }
             for (t, acc_t) in acc.iter_mut().enumerate() {

@@ -581,7 +581,7 @@ impl Job<'_> {
                 // `p < max_len`, so its block is in the table (checked by `run`).
                 for view in [&self.keys, &self.values] {
                     let at = view.tile_base(self.blocks, self.offset, p) * size;
-                    crate::prefetch_lines_l2(view.data.as_ptr().wrapping_add(at), lines);
+                    crate::prefetch_lines(view.data.as_ptr().wrapping_add(at), lines);
                 }
                 p += bs;
             }
