@@ -530,9 +530,18 @@ unsafe fn compute_groups(
                 let y = out.0.add(t * rows + g * GROUP_ROWS);
                 match (w.packing(), kernels) {
                     #[cfg(target_arch = "x86_64")]
-                    (Packing::Q8_0, Int8Isa::Vnni) => {
-                        crate::quant_x86::tile_vnni_dyn(mt, wq, ws, cols / QK8_0, xt, stride, y, rows, valid, pf)
-                    }
+                    (Packing::Q8_0, Int8Isa::Vnni) => crate::quant_x86::tile_vnni_dyn::<false>(
+                        mt,
+                        wq,
+                        ws,
+                        cols / QK8_0,
+                        xt,
+                        stride,
+                        y,
+                        rows,
+                        valid,
+                        pf,
+                    ),
                     #[cfg(target_arch = "x86_64")]
                     (Packing::Q8_0, Int8Isa::Avx2) => {
                         crate::quant_x86::tile_avx2(mt, wq, ws, cols / QK8_0, xt, stride, y, rows, valid)
@@ -575,9 +584,18 @@ unsafe fn compute_groups(
                     ),
                     (Packing::Q6_0, _) => crate::q56::tile_scalar::<2>(mt, wq, ws, cols, xt, stride, y, rows, valid),
                     #[cfg(target_arch = "x86_64")]
-                    (Packing::Mxfp4, Int8Isa::Vnni) => {
-                        crate::quant_x86::tile_vnni_mxfp4_dyn(mt, wq, ws, cols / QK8_0, xt, stride, y, rows, valid, pf)
-                    }
+                    (Packing::Mxfp4, Int8Isa::Vnni) => crate::quant_x86::tile_vnni_dyn::<true>(
+                        mt,
+                        wq,
+                        ws,
+                        cols / QK8_0,
+                        xt,
+                        stride,
+                        y,
+                        rows,
+                        valid,
+                        pf,
+                    ),
                     #[cfg(target_arch = "x86_64")]
                     (Packing::Mxfp4, Int8Isa::Avx2) => {
                         crate::quant_x86::tile_avx2_mxfp4(mt, wq, ws, cols / QK8_0, xt, stride, y, rows, valid)

@@ -72,12 +72,12 @@ pub(crate) unsafe fn quantize_weights_avx512(x: &[f32], qs: &mut [i8], scales: &
     }
 }
 
-/// [`tile_vnni`] for `mt` (1..=8) tokens.
+/// [`tile_vnni`] for `mt` (1..=8) tokens, over Q8_0 weights or (`MXFP4`) MXFP4 ones.
 ///
 /// # Safety
 /// As [`tile_vnni`].
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn tile_vnni_dyn(
+pub(crate) unsafe fn tile_vnni_dyn<const MXFP4: bool>(
     mt: usize,
     wq: &[u8],
     ws: &[u8],
@@ -92,34 +92,42 @@ pub(crate) unsafe fn tile_vnni_dyn(
     // SAFETY: the caller's contract.
     unsafe {
         match mt {
-            1 => tile_vnni::<1>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
-            2 => tile_vnni::<2>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
-            3 => tile_vnni::<3>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
-            4 => tile_vnni::<4>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
-            5 => tile_vnni::<5>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
-            6 => tile_vnni::<6>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
-            7 => tile_vnni::<7>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
-            _ => tile_vnni::<Q8_MT>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
+            1 => tile_vnni::<1, MXFP4>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
+            2 => tile_vnni::<2, MXFP4>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
+            3 => tile_vnni::<3, MXFP4>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
+            4 => tile_vnni::<4, MXFP4>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
+            5 => tile_vnni::<5, MXFP4>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
+            6 => tile_vnni::<6, MXFP4>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
+            7 => tile_vnni::<7, MXFP4>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
+            _ => tile_vnni::<Q8_MT, MXFP4>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
         }
     }
 }
 
 /// `MT` tokens × one group of 16 rows on AVX-512 VNNI: per block, the 8 weight vectors
-/// (`[row: 16][4 columns]` each) are loaded once and multiplied by each token's broadcast
-/// groups of four activations (`vpdpbusd`: unsigned offset weights × signed activations),
-/// the accumulator starting at the token's `−128 · Σq`, so the 16 lanes end on each row's
-/// exact dot product; then `acc = fma(f32(isum), dx · dw, acc)` per lane. With
+/// (`[row: 16][4 columns]` each, offset-binary bytes) are loaded once and multiplied by each
+/// token's broadcast groups of four activations (`vpdpbusd`: unsigned offset weights × signed
+/// activations), the accumulator starting at the token's `−128 · Σq`, so the 16 lanes end on
+/// each row's exact dot product; then `acc = fma(f32(isum), dx · dw, acc)` per lane. With
 /// `prefetch_next`, each block also asks for the same block of the next group (which follows
 /// this one in both planes), so that a many-token tile, slower than memory alone, overlaps the
 /// next group's reads with its arithmetic; a prefetch is a hint and changes no result.
 ///
+/// Q8_0 stores those weight vectors as they are, with an f16 scale per row. `MXFP4`
+/// ([`crate::mxfp4`]) makes them per block: each 64-byte load holds the codes of all 16 rows ×
+/// 8 columns (low nibbles columns `8p..8p + 4`, high nibbles `8p + 4..8p + 8`), and `vpshufb`
+/// turns each nibble into its doubled FP4 value plus 128 (`116..=140`), Q8_0's offset-binary
+/// byte for that integer; the scale is `2^(e − 128)` from the row's E8M0 byte. So the same
+/// integer sums and the same `fma`s give the scalar tile's bits, with the codes decoded once
+/// per block for all `MT` tokens.
+///
 /// # Safety
-/// AVX-512 F/BW/VL/VNNI must be available; `wq`, `ws` are one whole group's planes; `xq` holds
-/// `MT` token rows of `stride` bytes for `32 · nb` columns; `y` is valid for writing rows
-/// `0..valid` (`<= 16`) of `MT` tokens at row stride `y_stride`.
+/// AVX-512 F/BW/VL/VNNI must be available; `wq`, `ws` are one whole group's planes of the
+/// format; `xq` holds `MT` Q8_0 token rows of `stride` bytes for `32 · nb` columns; `y` is
+/// valid for writing rows `0..valid` (`<= 16`) of `MT` tokens at row stride `y_stride`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn tile_vnni<const MT: usize>(
+unsafe fn tile_vnni<const MT: usize, const MXFP4: bool>(
     wq: &[u8],
     ws: &[u8],
     nb: usize,
@@ -130,23 +138,46 @@ unsafe fn tile_vnni<const MT: usize>(
     valid: usize,
     prefetch_next: bool,
 ) {
-    assert!(wq.len() >= nb * QUANTS_BYTES && ws.len() >= nb * SCALES_BYTES && xq.len() >= MT * stride);
+    use crate::mxfp4::{BLOCK_BYTES, VALUES_X2};
+    // Bytes of one block of the group in each plane.
+    let (block_bytes, scale_bytes) = if MXFP4 { (BLOCK_BYTES, GROUP_ROWS) } else { (QUANTS_BYTES, SCALES_BYTES) };
+    assert!(wq.len() >= nb * block_bytes && ws.len() >= nb * scale_bytes && xq.len() >= MT * stride);
     debug_assert!(valid <= GROUP_ROWS);
     let cols = nb * QK8_0;
     let (wp, sp, xp) = (wq.as_ptr(), ws.as_ptr(), xq.as_ptr());
+    // MXFP4: the doubled FP4 values plus 128, in every 128-bit lane.
+    let offset_values: [u8; 16] = std::array::from_fn(|i| (VALUES_X2[i] as i16 + 128) as u8);
+    // SAFETY: `offset_values` holds 16 bytes.
+    let lut = unsafe { _mm512_broadcast_i32x4(_mm_loadu_si128(offset_values.as_ptr() as *const __m128i)) };
+    let (low, one) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi32(1));
     let mut acc = [_mm512_setzero_ps(); MT];
     for b in 0..nb {
         // SAFETY: block `b` of the group and every token's block `b` lie inside the slices
         // (checked above); all loads are unaligned.
         unsafe {
-            let wb = wp.add(b * QUANTS_BYTES);
-            let w: [__m512i; 8] = std::array::from_fn(|k| _mm512_loadu_si512(wb.add(64 * k) as *const _));
+            let wb = wp.add(b * block_bytes);
+            let sb = sp.add(b * scale_bytes);
             if prefetch_next {
                 // The next group's block `b`, in both planes.
-                crate::prefetch_lines(wb.wrapping_add(nb * QUANTS_BYTES), QUANTS_BYTES / 64);
-                crate::prefetch_lines(sp.wrapping_add((nb + b) * SCALES_BYTES), 1);
+                crate::prefetch_lines(wb.wrapping_add(nb * block_bytes), block_bytes / 64);
+                crate::prefetch_lines(sb.wrapping_add(nb * scale_bytes), 1);
             }
-            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(sp.add(b * SCALES_BYTES) as *const __m256i));
+            let (w, dw): ([__m512i; 8], __m512) = if MXFP4 {
+                // w[2p]: columns 8p..8p + 4 of the 16 rows; w[2p + 1]: columns 8p + 4..8p + 8.
+                let mut w = [_mm512_setzero_si512(); 8];
+                for p in 0..4 {
+                    let codes = _mm512_loadu_si512(wb.add(64 * p) as *const _);
+                    w[2 * p] = _mm512_shuffle_epi8(lut, _mm512_and_si512(codes, low));
+                    w[2 * p + 1] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16::<4>(codes), low));
+                }
+                // E8M0 bytes -> 2^(e - 128) as f32 bits ((e - 1) << 23), 0 below e = 2.
+                let e = _mm512_cvtepu8_epi32(_mm_loadu_si128(sb as *const __m128i));
+                let bits = _mm512_slli_epi32::<23>(_mm512_max_epi32(_mm512_sub_epi32(e, one), _mm512_setzero_si512()));
+                (w, _mm512_castsi512_ps(bits))
+            } else {
+                let w = std::array::from_fn(|k| _mm512_loadu_si512(wb.add(64 * k) as *const _));
+                (w, _mm512_cvtph_ps(_mm256_loadu_si256(sb as *const __m256i)))
+            };
             for (t, acc) in acc.iter_mut().enumerate() {
                 let xt = xp.add(t * stride);
                 let xb = xt.add(b * QK8_0);
@@ -238,126 +269,6 @@ pub(crate) unsafe fn tile_avx2(
             // SAFETY: the caller's contract: rows `0..valid` of token `t` are writable.
             unsafe { *y.add(t * y_stride + lane) = *v };
         }
-    }
-}
-
-/// [`tile_vnni_mxfp4`] for `mt` (1..=8) tokens.
-///
-/// # Safety
-/// As [`tile_vnni_mxfp4`].
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn tile_vnni_mxfp4_dyn(
-    mt: usize,
-    wq: &[u8],
-    ws: &[u8],
-    nb: usize,
-    xq: &[u8],
-    stride: usize,
-    y: *mut f32,
-    y_stride: usize,
-    valid: usize,
-    prefetch_next: bool,
-) {
-    // SAFETY: the caller's contract.
-    unsafe {
-        match mt {
-            1 => tile_vnni_mxfp4::<1>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
-            2 => tile_vnni_mxfp4::<2>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
-            3 => tile_vnni_mxfp4::<3>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
-            4 => tile_vnni_mxfp4::<4>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
-            5 => tile_vnni_mxfp4::<5>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
-            6 => tile_vnni_mxfp4::<6>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
-            7 => tile_vnni_mxfp4::<7>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
-            _ => tile_vnni_mxfp4::<Q8_MT>(wq, ws, nb, xq, stride, y, y_stride, valid, prefetch_next),
-        }
-    }
-}
-
-/// `MT` tokens × one group of 16 MXFP4 rows on AVX-512 VNNI ([`crate::mxfp4`]), as
-/// [`tile_vnni`] runs Q8_0: each 64-byte load of a block holds the codes of all 16 rows × 8
-/// columns (`[row: 16][4 bytes]`, low nibbles columns `8p..8p + 4`, high nibbles `8p + 4..8p +
-/// 8`); `vpshufb` turns each nibble into its doubled FP4 value plus 128, an unsigned byte
-/// (`116..=140`), so that the 8 vectors of a block are the offset-binary weights of Q8_0's tile
-/// and `vpdpbusd` from the token's stored `−128 · Σq` ends on each row's exact block sum. Then
-/// `acc = fma(f32(isum), dx · 2^(e − 128), acc)` per lane: the scalar tile's order and bits.
-/// The 4-bit codes are decoded once per block for all `MT` tokens.
-///
-/// # Safety
-/// AVX-512 F/BW/VL/VNNI must be available; `wq`, `ws` are one whole group's MXFP4 planes; `xq`
-/// holds `MT` Q8_0 token rows of `stride` bytes for `32 · nb` columns; `y` is valid for writing
-/// rows `0..valid` (`<= 16`) of `MT` tokens at row stride `y_stride`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn tile_vnni_mxfp4<const MT: usize>(
-    wq: &[u8],
-    ws: &[u8],
-    nb: usize,
-    xq: &[u8],
-    stride: usize,
-    y: *mut f32,
-    y_stride: usize,
-    valid: usize,
-    prefetch_next: bool,
-) {
-    use crate::mxfp4::{BLOCK_BYTES, VALUES_X2};
-    assert!(wq.len() >= nb * BLOCK_BYTES && ws.len() >= nb * GROUP_ROWS && xq.len() >= MT * stride);
-    debug_assert!(valid <= GROUP_ROWS);
-    let cols = nb * QK8_0;
-    let (wp, sp, xp) = (wq.as_ptr(), ws.as_ptr(), xq.as_ptr());
-    // The doubled FP4 values, offset by 128 into unsigned bytes, in every 128-bit lane.
-    let offset_values: [u8; 16] = std::array::from_fn(|i| (VALUES_X2[i] as i16 + 128) as u8);
-    // SAFETY: `offset_values` holds 16 bytes.
-    let lut = unsafe { _mm512_broadcast_i32x4(_mm_loadu_si128(offset_values.as_ptr() as *const __m128i)) };
-    let (low, one) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi32(1));
-    let mut acc = [_mm512_setzero_ps(); MT];
-    for b in 0..nb {
-        // SAFETY: block `b` of the group and every token's block `b` lie inside the slices
-        // (checked above); all loads are unaligned; the scales' 16-byte load is block `b`'s.
-        unsafe {
-            let wb = wp.add(b * BLOCK_BYTES);
-            if prefetch_next {
-                // The next group's block `b`, in both planes.
-                crate::prefetch_lines(wb.wrapping_add(nb * BLOCK_BYTES), BLOCK_BYTES / 64);
-                crate::prefetch_lines(sp.wrapping_add((nb + b) * GROUP_ROWS), 1);
-            }
-            // w[2p]: columns 8p..8p + 4 of the 16 rows; w[2p + 1]: columns 8p + 4..8p + 8.
-            let mut w = [_mm512_setzero_si512(); 8];
-            for p in 0..4 {
-                let codes = _mm512_loadu_si512(wb.add(64 * p) as *const _);
-                w[2 * p] = _mm512_shuffle_epi8(lut, _mm512_and_si512(codes, low));
-                w[2 * p + 1] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16::<4>(codes), low));
-            }
-            // E8M0 bytes -> 2^(e - 128) as f32 bits ((e - 1) << 23), 0 below e = 2.
-            let e = _mm512_cvtepu8_epi32(_mm_loadu_si128(sp.add(b * GROUP_ROWS) as *const __m128i));
-            let dw = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_max_epi32(
-                _mm512_sub_epi32(e, one),
-                _mm512_setzero_si512(),
-            )));
-            for (t, acc) in acc.iter_mut().enumerate() {
-                let xt = xp.add(t * stride);
-                let xb = xt.add(b * QK8_0);
-                let four = |k: usize| _mm512_set1_epi32(std::ptr::read_unaligned(xb.add(4 * k) as *const i32));
-                let corr = std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * b) as *const i32);
-                let mut i0 = _mm512_set1_epi32(corr);
-                let mut i1 = _mm512_setzero_si512();
-                i0 = _mm512_dpbusd_epi32(i0, w[0], four(0));
-                i1 = _mm512_dpbusd_epi32(i1, w[1], four(1));
-                i0 = _mm512_dpbusd_epi32(i0, w[2], four(2));
-                i1 = _mm512_dpbusd_epi32(i1, w[3], four(3));
-                i0 = _mm512_dpbusd_epi32(i0, w[4], four(4));
-                i1 = _mm512_dpbusd_epi32(i1, w[5], four(5));
-                i0 = _mm512_dpbusd_epi32(i0, w[6], four(6));
-                i1 = _mm512_dpbusd_epi32(i1, w[7], four(7));
-                let dx = _mm512_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * b) as *const f32));
-                let isum = _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
-                *acc = _mm512_fmadd_ps(isum, _mm512_mul_ps(dx, dw), *acc);
-            }
-        }
-    }
-    let mask: __mmask16 = if valid >= GROUP_ROWS { 0xffff } else { (1u16 << valid) - 1 };
-    for (t, acc) in acc.iter().enumerate() {
-        // SAFETY: the caller's contract: rows `0..valid` of token `t` are writable.
-        unsafe { _mm512_mask_storeu_ps(y.add(t * y_stride), mask, *acc) };
     }
 }
 
