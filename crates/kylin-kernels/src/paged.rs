@@ -562,32 +562,36 @@ struct Job<'a> {
 }
 
 impl Job<'_> {
-    /// Asks the second-level cache for the (layer, head) tiles of keys and values of every
-    /// block that starts in positions `from..to` (clipped to `max_len`). The f32 path
-    /// ([`rows_body`]) calls it one tile ahead: a sequence's blocks lie far apart in the pool (a
-    /// block holds every layer and head), so without it each block's tile starts on cold misses
-    /// the hardware prefetcher only catches up with part-way, and decode's attention, a few
-    /// query rows per tile, waits on memory. The AVX-512 BF16 path does not call it: measured
-    /// alone over a model-shaped pool it gained nothing there (BENCHMARKS.md, issue 36). A
-    /// prefetch is a hint: it reads nothing and changes no result.
+    /// The (layer, head) tiles of keys and values of every block that starts in positions
+    /// `from..to` (clipped to `max_len`), for [`rows_body`] to ask the second-level cache for
+    /// one tile ahead: a sequence's blocks lie far apart in the pool (a block holds every layer
+    /// and head), so without it each block's tile starts on cold misses the hardware
+    /// prefetcher only catches up with part-way, and decode's attention, a few query rows per
+    /// tile, waits on memory. [`micro`] spreads the prefetches over its score loop
+    /// ([`NextTile`]). The AVX-512 BF16 path does not prefetch: measured alone over a
+    /// model-shaped pool it gained nothing there (BENCHMARKS.md, issue 36). A prefetch is a
+    /// hint: it reads nothing and changes no result.
     #[inline(always)]
-    fn prefetch_blocks(&self, from: usize, to: usize, max_len: usize) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let (bs, size) = (self.keys.block_size, self.keys.dtype.size_in_bytes());
-            let lines = (bs * self.keys.head_dim * size).div_ceil(64);
-            let mut p = from.div_ceil(bs) * bs;
-            while p < to.min(max_len) {
-                // `p < max_len`, so its block is in the table (checked by `run`).
-                for view in [&self.keys, &self.values] {
-                    let at = view.tile_base(self.blocks, self.offset, p) * size;
-                    crate::prefetch_lines(view.data.as_ptr().wrapping_add(at), lines);
-                }
-                p += bs;
+    fn next_tile(&self, from: usize, to: usize, max_len: usize) -> NextTile {
+        let (bs, size) = (self.keys.block_size, self.keys.dtype.size_in_bytes());
+        let mut next = NextTile {
+            starts: [std::ptr::null(); NEXT_TILE_VIEWS],
+            views: 0,
+            lines: (bs * self.keys.head_dim * size).div_ceil(64),
+            view: 0,
+            line: 0,
+        };
+        let mut p = from.div_ceil(bs) * bs;
+        while p < to.min(max_len) && next.views + 2 <= NEXT_TILE_VIEWS {
+            // `p < max_len`, so its block is in the table (checked by `run`).
+            for view in [&self.keys, &self.values] {
+                let at = view.tile_base(self.blocks, self.offset, p) * size;
+                next.starts[next.views] = view.data.as_ptr().wrapping_add(at);
+                next.views += 1;
             }
+            p += bs;
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = (from, to, max_len);
+        next
     }
 
     /// The positions `first..end` the call covers for rows of at most `max_len` positions:
@@ -714,6 +718,55 @@ unsafe fn softcap_lanes<L: Lanes>(s: L, cap: f32) -> L {
     }
 }
 
+/// Block tiles (keys and values) whose starts [`NextTile`] holds: the blocks starting in the
+/// next [`TILE`] positions, two views each (16 positions per block, Kylin's default, makes 2).
+const NEXT_TILE_VIEWS: usize = 8;
+
+/// The cache lines of the next tile's blocks ([`Job::next_tile`]) that the current tile asks
+/// the second-level cache for while it computes its scores, a few per column, instead of all
+/// at once before it. Asked for in one burst (256 lines for Qwen3's 128-dimension heads in
+/// blocks of 16 positions of f16, 16 KiB), the prefetches waited for free miss buffers and
+/// held the tile's own loads behind them: in decode after 512 tokens, a fifth of the kernel's
+/// samples fell on two `prefetcht1` instructions. Spread, one decode step's attention over
+/// Qwen3-0.6B's 28 layers at a 2k context (`paged_attention_model`) went from 11.3 and 13.9 ms
+/// to 9.2–9.5 ms, Gemma 3's at 16k from 30–34 to 20–25 ms (BENCHMARKS.md). Block tiles beyond
+/// [`NEXT_TILE_VIEWS`] (blocks of fewer than 8 positions) are not prefetched.
+struct NextTile {
+    /// Where each block tile starts.
+    starts: [*const u8; NEXT_TILE_VIEWS],
+    /// Block tiles in `starts`.
+    views: usize,
+    /// Cache lines per block tile.
+    lines: usize,
+    /// The next line to ask for: block tile `view`, line `line`.
+    view: usize,
+    line: usize,
+}
+
+impl NextTile {
+    /// Lines still to ask for.
+    fn remaining(&self) -> usize {
+        (self.views - self.view.min(self.views)) * self.lines - if self.view < self.views { self.line } else { 0 }
+    }
+
+    /// Asks for up to `n` more lines.
+    #[inline(always)]
+    fn step(&mut self, n: usize) {
+        for _ in 0..n {
+            if self.view >= self.views {
+                return;
+            }
+            #[cfg(target_arch = "x86_64")]
+            crate::prefetch_lines(self.starts[self.view].wrapping_add(64 * self.line), 1);
+            self.line += 1;
+            if self.line == self.lines {
+                self.line = 0;
+                self.view += 1;
+            }
+        }
+    }
+}
+
 /// Per-row state of one call, on the stack.
 struct RowState {
     /// Running partition fold: `M`, `L`.
@@ -732,6 +785,8 @@ struct RowState {
     o: *mut f32,
     /// The tile's `p`, `(MAX_ROWS, TILE)`.
     p: [[f32; TILE]; MAX_ROWS],
+    /// The next tile's blocks, asked for during this tile's scores.
+    next: NextTile,
 }
 
 /// Where one 16-position half of a key tile is read: a pointer to element `(0, first)` and the
@@ -765,6 +820,7 @@ unsafe fn rows_body<L: Lanes, const D: u8>(rows: &mut [QueryRow<'_>], job: &Job<
         hi: [0; MAX_ROWS],
         o: o_rows.as_mut_ptr() as *mut f32,
         p: [[0.0; TILE]; MAX_ROWS],
+        next: job.next_tile(0, 0, 0),
     };
     // Transposed copies of key halves when the block size is not a multiple of 16 (so sixteen
     // positions are not contiguous): `(head_dim, 16)` each, in the pool's dtype; every byte
@@ -839,7 +895,12 @@ unsafe fn rows_body<L: Lanes, const D: u8>(rows: &mut [QueryRow<'_>], job: &Job<
                 }
                 j += run;
             }
-            job.prefetch_blocks(t0 + TILE, t0 + 2 * TILE, max_len);
+            st.next = job.next_tile(t0 + TILE, t0 + 2 * TILE, max_len);
+            if n > L::MICRO_ROWS {
+                // Many rows (prefill): several micro-kernels run over this tile, long enough
+                // to hide one burst, as before; spreading is for decode's few rows.
+                st.next.step(usize::MAX);
+            }
             // Micro-kernels over the rows that use this tile.
             let mut first = 0;
             while first < n {
@@ -962,10 +1023,14 @@ unsafe fn micro<L: Lanes, const D: u8, const NR: usize>(
     // `< TILE`.
     unsafe {
         // 1. Scores: s[i][h] = Σ_c q_i[c] · K[c][16h..16h + 16], in order of c.
+        // The next tile's lines, a few per column (all of them over the first micro-kernel of
+        // the tile's rows).
+        let per_column = st.next.remaining().div_ceil(hd.max(1));
         let mut s = [[L::zero(); 2]; NR];
         let [k0, k1] = *halves;
         if n_halves == 2 {
             for c in 0..hd {
+                st.next.step(per_column);
                 let a = L::load::<D>(k0.ptr, c * k0.stride);
                 let b = L::load::<D>(k1.ptr, c * k1.stride);
                 for i in 0..NR {
@@ -976,6 +1041,7 @@ unsafe fn micro<L: Lanes, const D: u8, const NR: usize>(
             }
         } else {
             for c in 0..hd {
+                st.next.step(per_column);
                 let a = L::load::<D>(k0.ptr, c * k0.stride);
                 for i in 0..NR {
                     s[i][0] = L::fma(L::splat(*qs[i].add(c)), a, s[i][0]);
