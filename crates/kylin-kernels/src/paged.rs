@@ -568,8 +568,8 @@ impl Job<'_> {
     /// and head), so without it each block's tile starts on cold misses the hardware
     /// prefetcher only catches up with part-way, and decode's attention, a few query rows per
     /// tile, waits on memory. [`micro`] spreads the prefetches over its score loop
-    /// ([`NextTile`]). The AVX-512 BF16 path does not prefetch: measured alone over a
-    /// model-shaped pool it gained nothing there (BENCHMARKS.md, issue 36). A prefetch is a
+    /// ([`NextTile`]), and so does the AVX-512 BF16 path's in decode (`paged_dpbf16`); asked
+    /// for in one burst they gained nothing there (BENCHMARKS.md, issue 36). A prefetch is a
     /// hint: it reads nothing and changes no result.
     #[inline(always)]
     fn next_tile(&self, from: usize, to: usize, max_len: usize) -> NextTile {
@@ -719,8 +719,9 @@ unsafe fn softcap_lanes<L: Lanes>(s: L, cap: f32) -> L {
 }
 
 /// Block tiles (keys and values) whose starts [`NextTile`] holds: the blocks starting in the
-/// next [`TILE`] positions, two views each (16 positions per block, Kylin's default, makes 2).
-const NEXT_TILE_VIEWS: usize = 8;
+/// next tile's positions, two views each (the f32 path's 32 positions in blocks of 16, Kylin's
+/// default, make 4; the AVX-512 BF16 path's 128 make 16).
+const NEXT_TILE_VIEWS: usize = 16;
 
 /// The cache lines of the next tile's blocks ([`Job::next_tile`]) that the current tile asks
 /// the second-level cache for while it computes its scores, a few per column, instead of all

@@ -51,7 +51,7 @@
 use std::arch::x86_64::*;
 
 use super::paged_amx::{RowStates, Scratch, round_queries, softmax_row};
-use super::{Job, MAX_HEAD_DIM, MAX_ROWS, PARTITION, QueryRow, Stats};
+use super::{Job, MAX_HEAD_DIM, MAX_ROWS, NextTile, PARTITION, QueryRow, Stats};
 
 /// Positions per tile (the AMX path's, whose softmax `softmax_row` both paths run).
 const TILE: usize = super::paged_amx::AMX_TILE;
@@ -83,17 +83,25 @@ unsafe fn load_pairs(p: *const u16) -> __m512bh {
 
 /// Scores of `R` query rows against four 16-position chunks: `out[r][16c + j] = Σ_pairs
 /// q_r · k_{c,j}` (unscaled), one chain per (row, chunk) over the `hd / 2` dimension pairs in
-/// order.
+/// order, asking for `per_pair` lines of the next tile's blocks per pair ([`NextTile`]).
 ///
 /// # Safety
 /// AVX-512 F/BF16 available; `q[r]` holds `hd` BF16 values; `kc[c]` points at a whole key chunk
 /// (`hd / 2` pair rows of 64 bytes); `out` has room for `R` rows of [`TILE`] f32.
 #[inline(always)]
-unsafe fn scores_micro<const R: usize>(q: &[*const u16; GROUP], hd: usize, kc: &[*const u16; 4], out: *mut f32) {
+unsafe fn scores_micro<const R: usize>(
+    q: &[*const u16; GROUP],
+    hd: usize,
+    kc: &[*const u16; 4],
+    out: *mut f32,
+    next: &mut NextTile,
+    per_pair: usize,
+) {
     // SAFETY: as the caller promises.
     unsafe {
         let mut acc = [[_mm512_setzero_ps(); 4]; R];
         for k in 0..hd / 2 {
+            next.step(per_pair);
             let kv: [__m512bh; 4] = std::array::from_fn(|c| load_pairs(kc[c].add(32 * k)));
             for r in 0..R {
                 let qp = broadcast_pair(q[r].add(2 * k));
@@ -250,6 +258,12 @@ pub(super) unsafe fn rows_dpbf16(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> St
                         n_active += 1;
                     }
                 }
+                // Decode (one group of rows) asks for the next tile's blocks while it computes
+                // this tile's scores, as the f32 path does ([`NextTile`]); prefill's groups
+                // reuse each tile long enough without.
+                let mut next =
+                    if n <= GROUP { job.next_tile(t0 + TILE, t0 + 2 * TILE, max_len) } else { job.next_tile(0, 0, 0) };
+                let per_pair = next.remaining().div_ceil((chunks.div_ceil(4) * hd / 2).max(1));
                 for group in active[..n_active].chunks(GROUP) {
                     let count = group.len();
                     let q: [*const u16; GROUP] =
@@ -261,10 +275,10 @@ pub(super) unsafe fn rows_dpbf16(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> St
                         let k4: [*const u16; 4] = std::array::from_fn(|c| kc[4 * half + c]);
                         let out = sc.add(64 * half);
                         match count {
-                            1 => scores_micro::<1>(&q, hd, &k4, out),
-                            2 => scores_micro::<2>(&q, hd, &k4, out),
-                            3 => scores_micro::<3>(&q, hd, &k4, out),
-                            _ => scores_micro::<4>(&q, hd, &k4, out),
+                            1 => scores_micro::<1>(&q, hd, &k4, out, &mut next, per_pair),
+                            2 => scores_micro::<2>(&q, hd, &k4, out, &mut next, per_pair),
+                            3 => scores_micro::<3>(&q, hd, &k4, out, &mut next, per_pair),
+                            _ => scores_micro::<4>(&q, hd, &k4, out, &mut next, per_pair),
                         }
                     }
                     // The online softmax of each row (the AMX path's operations); P rounded to
