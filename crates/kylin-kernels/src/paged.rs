@@ -574,13 +574,7 @@ impl Job<'_> {
     #[inline(always)]
     fn next_tile(&self, from: usize, to: usize, max_len: usize) -> NextTile {
         let (bs, size) = (self.keys.block_size, self.keys.dtype.size_in_bytes());
-        let mut next = NextTile {
-            starts: [std::ptr::null(); NEXT_TILE_VIEWS],
-            views: 0,
-            lines: (bs * self.keys.head_dim * size).div_ceil(64),
-            view: 0,
-            line: 0,
-        };
+        let mut next = NextTile { lines: (bs * self.keys.head_dim * size).div_ceil(64), ..NextTile::none() };
         let mut p = from.div_ceil(bs) * bs;
         while p < to.min(max_len) && next.views + 2 <= NEXT_TILE_VIEWS {
             // `p < max_len`, so its block is in the table (checked by `run`).
@@ -728,9 +722,10 @@ const NEXT_TILE_VIEWS: usize = 16;
 /// at once before it. Asked for in one burst (256 lines for Qwen3's 128-dimension heads in
 /// blocks of 16 positions of f16, 16 KiB), the prefetches waited for free miss buffers and
 /// held the tile's own loads behind them: in decode after 512 tokens, a fifth of the kernel's
-/// samples fell on two `prefetcht1` instructions. Spread, one decode step's attention over
-/// Qwen3-0.6B's 28 layers at a 2k context (`paged_attention_model`) went from 11.3 and 13.9 ms
-/// to 9.2–9.5 ms, Gemma 3's at 16k from 30–34 to 20–25 ms (BENCHMARKS.md). Block tiles beyond
+/// samples fell on two `prefetcht1` instructions. Spread, one decode step's attention over an
+/// f16 cache (`paged_attention_model`, medians of three alternating runs) went from 12.9–13.4
+/// to 9.5–10.2 ms for Qwen3-0.6B's 28 layers at a 2k context, and from 33.7–35.3 to
+/// 22.3–23.8 ms for Gemma 3 1B's at 16k (BENCHMARKS.md). Block tiles beyond
 /// [`NEXT_TILE_VIEWS`] (blocks of fewer than 8 positions) are not prefetched.
 struct NextTile {
     /// Where each block tile starts.
@@ -745,9 +740,14 @@ struct NextTile {
 }
 
 impl NextTile {
+    /// Nothing to ask for.
+    fn none() -> NextTile {
+        NextTile { starts: [std::ptr::null(); NEXT_TILE_VIEWS], views: 0, lines: 0, view: 0, line: 0 }
+    }
+
     /// Lines still to ask for.
     fn remaining(&self) -> usize {
-        (self.views - self.view.min(self.views)) * self.lines - if self.view < self.views { self.line } else { 0 }
+        if self.view >= self.views { 0 } else { (self.views - self.view) * self.lines - self.line }
     }
 
     /// Asks for up to `n` more lines.
@@ -821,7 +821,7 @@ unsafe fn rows_body<L: Lanes, const D: u8>(rows: &mut [QueryRow<'_>], job: &Job<
         hi: [0; MAX_ROWS],
         o: o_rows.as_mut_ptr() as *mut f32,
         p: [[0.0; TILE]; MAX_ROWS],
-        next: job.next_tile(0, 0, 0),
+        next: NextTile::none(),
     };
     // Transposed copies of key halves when the block size is not a multiple of 16 (so sixteen
     // positions are not contiguous): `(head_dim, 16)` each, in the pool's dtype; every byte

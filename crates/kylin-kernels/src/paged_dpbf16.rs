@@ -262,7 +262,7 @@ pub(super) unsafe fn rows_dpbf16(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> St
                 // this tile's scores, as the f32 path does ([`NextTile`]); prefill's groups
                 // reuse each tile long enough without.
                 let mut next =
-                    if n <= GROUP { job.next_tile(t0 + TILE, t0 + 2 * TILE, max_len) } else { job.next_tile(0, 0, 0) };
+                    if n <= GROUP { job.next_tile(t0 + TILE, t0 + 2 * TILE, max_len) } else { NextTile::none() };
                 let per_pair = next.remaining().div_ceil((chunks.div_ceil(4) * hd / 2).max(1));
                 for group in active[..n_active].chunks(GROUP) {
                     let count = group.len();
