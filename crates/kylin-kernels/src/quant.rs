@@ -469,6 +469,8 @@ unsafe fn compute_groups(
 ) {
     debug_assert!(r0.is_multiple_of(GROUP_ROWS));
     let (rows, cols) = (w.rows(), w.cols());
+    // Blocks of 32 columns per row, for the formats built on them (Q8_0, MXFP4).
+    let blocks = cols / QK8_0;
     // Batched decode: the first token tile over a group prefetches the next group's weights.
     let prefetch_next = crate::prefetches_weights(n_tokens);
     for g in r0 / GROUP_ROWS..r1.div_ceil(GROUP_ROWS) {
@@ -530,23 +532,14 @@ unsafe fn compute_groups(
                 let y = out.0.add(t * rows + g * GROUP_ROWS);
                 match (w.packing(), kernels) {
                     #[cfg(target_arch = "x86_64")]
-                    (Packing::Q8_0, Int8Isa::Vnni) => crate::quant_x86::tile_vnni_dyn::<false>(
-                        mt,
-                        wq,
-                        ws,
-                        cols / QK8_0,
-                        xt,
-                        stride,
-                        y,
-                        rows,
-                        valid,
-                        pf,
-                    ),
+                    (Packing::Q8_0, Int8Isa::Vnni) => {
+                        crate::quant_x86::tile_vnni_dyn::<false>(mt, wq, ws, blocks, xt, stride, y, rows, valid, pf)
+                    }
                     #[cfg(target_arch = "x86_64")]
                     (Packing::Q8_0, Int8Isa::Avx2) => {
-                        crate::quant_x86::tile_avx2(mt, wq, ws, cols / QK8_0, xt, stride, y, rows, valid)
+                        crate::quant_x86::tile_avx2(mt, wq, ws, blocks, xt, stride, y, rows, valid)
                     }
-                    (Packing::Q8_0, _) => tile_scalar(mt, wq, ws, cols / QK8_0, xt, stride, y, rows, valid),
+                    (Packing::Q8_0, _) => tile_scalar(mt, wq, ws, blocks, xt, stride, y, rows, valid),
                     #[cfg(target_arch = "x86_64")]
                     (Packing::Q4K, Int8Isa::Vnni) => crate::q4k_x86::tile_vnni_dyn::<{ crate::q4k_x86::Q4K_SCALES }>(
                         mt, wq, ws, cols, xt, stride, y, rows, valid, pf,
@@ -584,25 +577,14 @@ unsafe fn compute_groups(
                     ),
                     (Packing::Q6_0, _) => crate::q56::tile_scalar::<2>(mt, wq, ws, cols, xt, stride, y, rows, valid),
                     #[cfg(target_arch = "x86_64")]
-                    (Packing::Mxfp4, Int8Isa::Vnni) => crate::quant_x86::tile_vnni_dyn::<true>(
-                        mt,
-                        wq,
-                        ws,
-                        cols / QK8_0,
-                        xt,
-                        stride,
-                        y,
-                        rows,
-                        valid,
-                        pf,
-                    ),
+                    (Packing::Mxfp4, Int8Isa::Vnni) => {
+                        crate::quant_x86::tile_vnni_dyn::<true>(mt, wq, ws, blocks, xt, stride, y, rows, valid, pf)
+                    }
                     #[cfg(target_arch = "x86_64")]
                     (Packing::Mxfp4, Int8Isa::Avx2) => {
                         crate::quant_x86::tile_avx2_mxfp4(mt, wq, ws, cols / QK8_0, xt, stride, y, rows, valid)
                     }
-                    (Packing::Mxfp4, _) => {
-                        crate::mxfp4::tile_scalar(mt, wq, ws, cols / QK8_0, xt, stride, y, rows, valid)
-                    }
+                    (Packing::Mxfp4, _) => crate::mxfp4::tile_scalar(mt, wq, ws, blocks, xt, stride, y, rows, valid),
                     (Packing::Q8_0A16 | Packing::Q4GA16 | Packing::F8A16, _) => unreachable!("handled above"),
                 }
             }
