@@ -87,6 +87,25 @@ fn gemm_bf16<const TOKENS: usize>(bencher: Bencher, shape: (&str, usize, usize))
         .bench_local(|| kylin_kernels::matmul(&pool, w, black_box(&x), TOKENS, black_box(&mut y)));
 }
 
+/// One layer's matmuls (as [`gemm_bf16`]) on the engine's default `--precision bf16` path
+/// ([`kylin_kernels::matmul_many_bf16`]: AMX or `vdpbf16ps`), a prefill's 512 tokens: each
+/// matrix's compute rate (the activations are rounded to BF16 inside the call, as in the engine).
+#[divan::bench(args = LAYER, consts = [512])]
+fn gemm_dpbf16<const TOKENS: usize>(bencher: Bencher, shape: (&str, usize, usize)) {
+    use kylin_kernels::{bf16_kernels, bf16_scratch_len, matmul_many_bf16};
+    let Some(kernels) = bf16_kernels() else { return };
+    let (_, rows, cols) = shape;
+    let pool = ThreadPool::new(threads());
+    let data = weights(WeightDType::BF16, rows * cols);
+    let w = WeightMatrix { dtype: WeightDType::BF16, rows, cols, data: &data };
+    let x = vec![0.5f32; TOKENS * cols];
+    let mut y = vec![0.0f32; TOKENS * rows];
+    let mut scratch = vec![0u16; bf16_scratch_len(TOKENS, cols)];
+    bencher
+        .counter(ItemsCount::new(rows * cols * TOKENS))
+        .bench_local(|| matmul_many_bf16(&pool, kernels, black_box(&x), TOKENS, &mut scratch, &mut [(w, &mut y[..])]));
+}
+
 /// Qwen3-0.6B's 3072×1024 gate projection in BF16, with `tokens` tokens of input and output.
 struct Gate {
     data: Vec<u8>,
