@@ -12,7 +12,8 @@
 //! zero-padded on the activation side, so its padding adds exact zeros), then
 //! `hsum(lo256 + hi256)` with [`crate::x86::hsum`]'s tree. A tile of `MT` tokens × `NR` rows runs
 //! that sequence for each of its outputs independently, so every tile shape (decode's one token
-//! included) gives the same bits.
+//! included) gives the same bits. Wide tiles take the lane sums of sixteen accumulators in one
+//! tree of shuffles ([`reduce_two_tokens`]) that adds exactly the same pairs.
 //!
 //! Every function here must only be called once [`crate::bf16_kernels`] returned `Avx512Bf16`.
 
