@@ -150,7 +150,16 @@ unsafe fn tile<const MT_: usize, const NR_: usize, const PREFETCH: bool>(
                 }
             }
         }
-        if NR_ >= 4 && MT_ >= 2 {
+        if MT_ == MT && NR_ == NR {
+            // The full tile's 24 sums in a tree of sixteen and a tree of eight
+            // (`reduce_full_tile`): rows of tokens 0 and 1 in `a`, of 2 and 3 in `b`.
+            let [a, b] = reduce_full_tile(std::array::from_fn(|i| acc[i / NR_][i % NR_]));
+            let mask: __mmask16 = ((1u32 << NR_) - 1) as __mmask16;
+            for (t, sums) in [(0, a), (2, b)] {
+                _mm512_mask_storeu_ps(y.add(t * y_stride), mask, sums);
+                _mm512_mask_storeu_ps(y.add((t + 1) * y_stride), mask, _mm512_shuffle_f32x4::<0x0E>(sums, sums));
+            }
+        } else if NR_ >= 4 && MT_ >= 2 {
             // Two tokens' rows per tree of shuffles (see `reduce_two_tokens`).
             let mut t = 0;
             while t < MT_ {
@@ -190,14 +199,52 @@ unsafe fn tile<const MT_: usize, const NR_: usize, const PREFETCH: bool>(
 fn reduce_two_tokens<const NR_: usize>(first: &[__m512; NR_], second: Option<&[__m512; NR_]>) -> __m512 {
     debug_assert!(NR_ <= 8);
     let zero = _mm512_setzero_ps();
-    let v: [__m512; 16] = std::array::from_fn(|i| {
+    lane_sums16(std::array::from_fn(|i| {
         let lane = 4 * (i % 4) + i / 4;
         match (lane / 8, lane % 8) {
             (0, r) if r < NR_ => first[r],
             (1, r) if r < NR_ => second.map_or(zero, |s| s[r]),
             _ => zero,
         }
-    });
+    }))
+}
+
+/// The lane sums of a full tile's 24 accumulators (`acc[t · NR + r]`), each exactly
+/// [`reduce16`]'s, without [`reduce_two_tokens`]'s eight zero inputs: sixteen go through
+/// [`lane_sums16`] (tokens 0 and 1, and token 2's first four rows), the other eight through
+/// [`lane_sums8`], and one two-source permutation gathers tokens 2 and 3. The result is laid out
+/// as [`reduce_two_tokens`]'s: the first vector holds token 0's rows in lanes `0..NR` and token
+/// 1's in lanes `8..8 + NR`, the second tokens 2 and 3.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+#[inline]
+fn reduce_full_tile(acc: [__m512; MT * NR]) -> [__m512; 2] {
+    const _: () = assert!(MT == 4 && NR == 6);
+    // Tree A's lane `l`: token 0's rows in 0..6, token 1's in 8..14, token 2's rows 0 and 1 in
+    // lanes 6 and 7, its rows 2 and 3 in lanes 14 and 15.
+    let a = lane_sums16(std::array::from_fn(|i| {
+        let lane = 4 * (i % 4) + i / 4;
+        match lane {
+            0..6 => acc[lane],
+            6 | 7 => acc[2 * NR + lane - 6],
+            8..14 => acc[NR + lane - 8],
+            _ => acc[2 * NR + lane - 12],
+        }
+    }));
+    // Tree B's eight inputs: token 2's rows 4 and 5, then token 3's six rows; `lane_sums8`
+    // leaves input `m` of that list in lane `4 · (m / 2) + m % 2`.
+    let rest: [__m512; 8] = std::array::from_fn(|m| acc[2 * NR + 4 + m]);
+    let b = lane_sums8(std::array::from_fn(|i| if i < 4 { rest[2 * i] } else { rest[2 * (i - 4) + 1] }));
+    // Token 2's rows in lanes 0..6 (A's lanes 6, 7, 14, 15, then B's 0 and 1), token 3's in
+    // lanes 8..14 (B's 4, 5, 8, 9, 12, 13); indices of 16 and up pick from `b`.
+    let gather = _mm512_setr_epi32(6, 7, 14, 15, 16, 17, 0, 0, 20, 21, 24, 25, 28, 29, 0, 0);
+    [a, _mm512_permutex2var_ps(a, gather, b)]
+}
+
+/// The lane sums of sixteen vectors, each [`reduce16`]'s bits: input `i`'s sum in lane
+/// `4 · (i % 4) + i / 4` (see [`reduce_two_tokens`]).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+#[inline]
+fn lane_sums16(v: [__m512; 16]) -> __m512 {
     // Lanes i and i + 8 of each vector: two vectors' halves side by side in one register.
     let u: [__m512; 8] = std::array::from_fn(|k| {
         let (a, b) = (v[2 * k], v[2 * k + 1]);
@@ -215,6 +262,24 @@ fn reduce_two_tokens<const NR_: usize>(first: &[__m512; NR_], second: Option<&[_
     });
     // Lanes 0 and 1 of what is left: one sum per lane.
     _mm512_add_ps(_mm512_shuffle_ps::<0x88>(x[0], x[1]), _mm512_shuffle_ps::<0xDD>(x[0], x[1]))
+}
+
+/// The lane sums of eight vectors, each [`reduce16`]'s bits, by [`lane_sums16`]'s first three
+/// levels and a last one within one register: input `j < 4` in lane `4 · j`, input `4 + j` in
+/// lane `4 · j + 1` (the other lanes repeat them).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+#[inline]
+fn lane_sums8(v: [__m512; 8]) -> __m512 {
+    let u: [__m512; 4] = std::array::from_fn(|k| {
+        let (a, b) = (v[2 * k], v[2 * k + 1]);
+        _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(a, b), _mm512_shuffle_f32x4::<0xEE>(a, b))
+    });
+    let w: [__m512; 2] = std::array::from_fn(|m| {
+        let (a, b) = (u[2 * m], u[2 * m + 1]);
+        _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(a, b), _mm512_shuffle_f32x4::<0xDD>(a, b))
+    });
+    let x = _mm512_add_ps(_mm512_shuffle_ps::<0x44>(w[0], w[1]), _mm512_shuffle_ps::<0xEE>(w[0], w[1]));
+    _mm512_add_ps(_mm512_shuffle_ps::<0x88>(x, x), _mm512_shuffle_ps::<0xDD>(x, x))
 }
 
 /// Dispatches to the tile for `mt <= MT` tokens and `nr <= NR` rows (arguments as [`tile`]).
