@@ -245,41 +245,51 @@ fn reduce_full_tile(acc: [__m512; MT * NR]) -> [__m512; 2] {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
 #[inline]
 fn lane_sums16(v: [__m512; 16]) -> __m512 {
-    // Lanes i and i + 8 of each vector: two vectors' halves side by side in one register.
-    let u: [__m512; 8] = std::array::from_fn(|k| {
-        let (a, b) = (v[2 * k], v[2 * k + 1]);
-        _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(a, b), _mm512_shuffle_f32x4::<0xEE>(a, b))
-    });
-    // Lanes j and j + 4 of each half: four vectors' quarters, one per 128-bit block.
-    let w: [__m512; 4] = std::array::from_fn(|m| {
-        let (a, b) = (u[2 * m], u[2 * m + 1]);
-        _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(a, b), _mm512_shuffle_f32x4::<0xDD>(a, b))
-    });
-    // Lanes k and k + 2 of each quarter, within each block.
-    let x: [__m512; 2] = std::array::from_fn(|n| {
-        let (a, b) = (w[2 * n], w[2 * n + 1]);
-        _mm512_add_ps(_mm512_shuffle_ps::<0x44>(a, b), _mm512_shuffle_ps::<0xEE>(a, b))
-    });
-    // Lanes 0 and 1 of what is left: one sum per lane.
-    _mm512_add_ps(_mm512_shuffle_ps::<0x88>(x[0], x[1]), _mm512_shuffle_ps::<0xDD>(x[0], x[1]))
+    let u: [__m512; 8] = std::array::from_fn(|k| halves(v[2 * k], v[2 * k + 1]));
+    let w: [__m512; 4] = std::array::from_fn(|m| quarters(u[2 * m], u[2 * m + 1]));
+    let x: [__m512; 2] = std::array::from_fn(|n| pairs(w[2 * n], w[2 * n + 1]));
+    ends(x[0], x[1])
 }
 
-/// The lane sums of eight vectors, each [`reduce16`]'s bits, by [`lane_sums16`]'s first three
-/// levels and a last one within one register: input `j < 4` in lane `4 · j`, input `4 + j` in
-/// lane `4 · j + 1` (the other lanes repeat them).
+/// The lane sums of eight vectors, each [`reduce16`]'s bits, by [`lane_sums16`]'s levels with
+/// the last one within one register: input `j < 4` in lane `4 · j`, input `4 + j` in lane
+/// `4 · j + 1` (the other lanes repeat them).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
 #[inline]
 fn lane_sums8(v: [__m512; 8]) -> __m512 {
-    let u: [__m512; 4] = std::array::from_fn(|k| {
-        let (a, b) = (v[2 * k], v[2 * k + 1]);
-        _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(a, b), _mm512_shuffle_f32x4::<0xEE>(a, b))
-    });
-    let w: [__m512; 2] = std::array::from_fn(|m| {
-        let (a, b) = (u[2 * m], u[2 * m + 1]);
-        _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(a, b), _mm512_shuffle_f32x4::<0xDD>(a, b))
-    });
-    let x = _mm512_add_ps(_mm512_shuffle_ps::<0x44>(w[0], w[1]), _mm512_shuffle_ps::<0xEE>(w[0], w[1]));
-    _mm512_add_ps(_mm512_shuffle_ps::<0x88>(x, x), _mm512_shuffle_ps::<0xDD>(x, x))
+    let u: [__m512; 4] = std::array::from_fn(|k| halves(v[2 * k], v[2 * k + 1]));
+    let w: [__m512; 2] = std::array::from_fn(|m| quarters(u[2 * m], u[2 * m + 1]));
+    let x = pairs(w[0], w[1]);
+    ends(x, x)
+}
+
+/// The tree's first level: lanes `i` and `i + 8` of `a` in lanes `0..8`, of `b` in `8..16`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+#[inline]
+fn halves(a: __m512, b: __m512) -> __m512 {
+    _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(a, b), _mm512_shuffle_f32x4::<0xEE>(a, b))
+}
+
+/// The second level, on two first-level results: lanes `j` and `j + 4` of each of their four
+/// halves, one per 128-bit block.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+#[inline]
+fn quarters(a: __m512, b: __m512) -> __m512 {
+    _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(a, b), _mm512_shuffle_f32x4::<0xDD>(a, b))
+}
+
+/// The third level: lanes `k` and `k + 2` of each block's quarter, `a`'s then `b`'s.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+#[inline]
+fn pairs(a: __m512, b: __m512) -> __m512 {
+    _mm512_add_ps(_mm512_shuffle_ps::<0x44>(a, b), _mm512_shuffle_ps::<0xEE>(a, b))
+}
+
+/// The last level: lanes 0 and 1 of each remaining pair, one sum per lane.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+#[inline]
+fn ends(a: __m512, b: __m512) -> __m512 {
+    _mm512_add_ps(_mm512_shuffle_ps::<0x88>(a, b), _mm512_shuffle_ps::<0xDD>(a, b))
 }
 
 /// Dispatches to the tile for `mt <= MT` tokens and `nr <= NR` rows (arguments as [`tile`]).
