@@ -73,14 +73,18 @@ const LAYER: [(&str, usize, usize); 5] = [
     ("down_proj", 1024, 3072),
 ];
 
+/// One `(rows, cols)` matrix's deterministic BF16 weights, and `tokens` tokens of input and of
+/// output.
+fn layer_operands(rows: usize, cols: usize, tokens: usize) -> (Vec<u8>, Vec<f32>, Vec<f32>) {
+    (weights(WeightDType::BF16, rows * cols), vec![0.5f32; tokens * cols], vec![0.0f32; tokens * rows])
+}
+
 #[divan::bench(args = LAYER, consts = [512])]
 fn gemm_bf16<const TOKENS: usize>(bencher: Bencher, shape: (&str, usize, usize)) {
     let (_, rows, cols) = shape;
     let pool = ThreadPool::new(threads());
-    let data = weights(WeightDType::BF16, rows * cols);
+    let (data, x, mut y) = layer_operands(rows, cols, TOKENS);
     let w = WeightMatrix { dtype: WeightDType::BF16, rows, cols, data: &data };
-    let x = vec![0.5f32; TOKENS * cols];
-    let mut y = vec![0.0f32; TOKENS * rows];
     // One item is one multiply-add: GFLOP/s is twice the items per second.
     bencher
         .counter(ItemsCount::new(rows * cols * TOKENS))
@@ -96,10 +100,8 @@ fn gemm_dpbf16<const TOKENS: usize>(bencher: Bencher, shape: (&str, usize, usize
     let Some(kernels) = bf16_kernels() else { return };
     let (_, rows, cols) = shape;
     let pool = ThreadPool::new(threads());
-    let data = weights(WeightDType::BF16, rows * cols);
+    let (data, x, mut y) = layer_operands(rows, cols, TOKENS);
     let w = WeightMatrix { dtype: WeightDType::BF16, rows, cols, data: &data };
-    let x = vec![0.5f32; TOKENS * cols];
-    let mut y = vec![0.0f32; TOKENS * rows];
     let mut scratch = vec![0u16; bf16_scratch_len(TOKENS, cols)];
     bencher
         .counter(ItemsCount::new(rows * cols * TOKENS))
