@@ -154,22 +154,15 @@ unsafe fn tile<const MT_: usize, const NR_: usize, const PREFETCH: bool>(
             // The full tile's 24 sums in a tree of sixteen and a tree of eight
             // (`reduce_full_tile`): rows of tokens 0 and 1 in `a`, of 2 and 3 in `b`.
             let [a, b] = reduce_full_tile(std::array::from_fn(|i| acc[i / NR_][i % NR_]));
-            let mask: __mmask16 = ((1u32 << NR_) - 1) as __mmask16;
-            for (t, sums) in [(0, a), (2, b)] {
-                _mm512_mask_storeu_ps(y.add(t * y_stride), mask, sums);
-                _mm512_mask_storeu_ps(y.add((t + 1) * y_stride), mask, _mm512_shuffle_f32x4::<0x0E>(sums, sums));
-            }
+            store_token_pair::<NR_>(y, y_stride, a, true);
+            store_token_pair::<NR_>(y.add(2 * y_stride), y_stride, b, true);
         } else if NR_ >= 4 && MT_ >= 2 {
             // Two tokens' rows per tree of shuffles (see `reduce_two_tokens`).
             let mut t = 0;
             while t < MT_ {
                 let second = (t + 1 < MT_).then(|| &acc[t + 1]);
                 let sums = reduce_two_tokens::<NR_>(&acc[t], second);
-                let mask: __mmask16 = ((1u32 << NR_) - 1) as __mmask16;
-                _mm512_mask_storeu_ps(y.add(t * y_stride), mask, sums);
-                if t + 1 < MT_ {
-                    _mm512_mask_storeu_ps(y.add((t + 1) * y_stride), mask, _mm512_shuffle_f32x4::<0x0E>(sums, sums));
-                }
+                store_token_pair::<NR_>(y.add(t * y_stride), y_stride, sums, t + 1 < MT_);
                 t += 2;
             }
         } else {
@@ -178,6 +171,25 @@ unsafe fn tile<const MT_: usize, const NR_: usize, const PREFETCH: bool>(
                     *y.add(t * y_stride + r) = reduce16(*a);
                 }
             }
+        }
+    }
+}
+
+/// Stores the sums of one or two tokens as the trees leave them: lanes `r < NR_` of `sums` are
+/// the first token's rows (to `y[0 .. NR_]`), lanes `8 + r` the second token's (to
+/// `y[y_stride .. y_stride + NR_]`, when `second`).
+///
+/// # Safety
+/// `y` is valid for writing `NR_` floats, and `y + y_stride` too when `second`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+#[inline]
+unsafe fn store_token_pair<const NR_: usize>(y: *mut f32, y_stride: usize, sums: __m512, second: bool) {
+    let mask: __mmask16 = ((1u32 << NR_) - 1) as __mmask16;
+    // SAFETY: the caller's contract covers both masked stores.
+    unsafe {
+        _mm512_mask_storeu_ps(y, mask, sums);
+        if second {
+            _mm512_mask_storeu_ps(y.add(y_stride), mask, _mm512_shuffle_f32x4::<0x0E>(sums, sums));
         }
     }
 }
