@@ -217,6 +217,55 @@ fn quant_1024x1024<const TOKENS: usize>(bencher: Bencher, format: &str) {
     bencher.bench_local(|| m.matmul(&pool, black_box(&x), TOKENS, &mut scratch, black_box(&mut y)));
 }
 
+/// One decode token through all 28 layers of Qwen3-0.6B quantized at load
+/// ([`kylin_kernels::quant::QuantBuffer`], as `--quantize` makes them: far beyond every cache,
+/// so each call streams the planes from memory as a decode step does), by format. Counted in
+/// bytes of the planes read.
+#[divan::bench(args = ["q8_0", "q4_k"], sample_count = 30)]
+fn model_quant_decode(bencher: Bencher, format: &str) {
+    use kylin_kernels::quant::{Packing, QuantBuffer, quant_scratch_len};
+    const LAYERS: usize = 28;
+    let pool = ThreadPool::new(threads());
+    let packing = if format == "q8_0" { Packing::Q8_0 } else { Packing::Q4K };
+    // One layer's matrices `(rows, cols)`: q, k, v, o, gate, up, down.
+    let shapes = [(2048, 1024), (1024, 1024), (1024, 1024), (1024, 2048), (3072, 1024), (3072, 1024), (1024, 3072)];
+    // One layer quantized, its planes copied into every layer's own buffers.
+    let first: Vec<QuantBuffer> = shapes
+        .iter()
+        .map(|&(rows, cols)| {
+            let mut buffer = QuantBuffer::zeroed(packing, rows, cols).expect("a valid shape");
+            let (quants, scales) = buffer.planes_mut();
+            let data = weights(WeightDType::BF16, rows * cols);
+            let w = WeightMatrix { dtype: WeightDType::BF16, rows, cols, data: &data };
+            QuantBuffer::quantize_groups(packing, w, 0..rows / 16, quants, scales, &mut vec![0.0; cols]);
+            buffer
+        })
+        .collect();
+    let buffers: Vec<QuantBuffer> = (0..LAYERS)
+        .flat_map(|_| {
+            first.iter().zip(&shapes).map(|(source, &(rows, cols))| {
+                let mut buffer = QuantBuffer::zeroed(packing, rows, cols).expect("a valid shape");
+                let (quants, scales) = buffer.planes_mut();
+                let from = source.matrix();
+                quants.copy_from_slice(from.quants());
+                scales.copy_from_slice(from.scales());
+                buffer
+            })
+        })
+        .collect();
+    let x: Vec<f32> = (0..3072).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
+    let mut scratch = vec![0u8; quant_scratch_len(1, 3072)];
+    let mut y = vec![0.0f32; 3072];
+    let bytes: usize = buffers.iter().map(|b| b.matrix().byte_len()).sum();
+    bencher.counter(BytesCount::new(bytes)).bench_local(|| {
+        for b in &buffers {
+            let m = b.matrix();
+            // (1, cols) · (cols, rows)ᵀ -> (1, rows)
+            m.matmul(&pool, black_box(&x[..m.cols()]), 1, &mut scratch, black_box(&mut y[..m.rows()]));
+        }
+    });
+}
+
 #[divan::bench(args = [64, 576, 4096])]
 fn attention_head(bencher: Bencher, len: usize) {
     let hd = 128;
@@ -302,13 +351,21 @@ fn paged_attention(
 /// (the heads of one GQA group) over all `len` positions, split over two threads by (layer,
 /// head). `(model, cache)`: `qwen3` is Qwen3-0.6B at a 2k context (28 layers, 8 KV heads of
 /// 128, 2 query rows each), `gemma3` Gemma-3-1B's global attention at 16k (26 layers, one KV
-/// head of 256, 4 query rows); `bf16` is the default precision's cache (the AVX-512 BF16 or AMX
-/// path), `f16` the `--quantize` engines' (the f32 path). Bytes counted: the keys and values.
-#[divan::bench(args = [("qwen3", "bf16"), ("qwen3", "f16"), ("gemma3", "bf16"), ("gemma3", "f16")], sample_count = 20)]
+/// head of 256, 4 query rows), `gemma4` Gemma-4-E2B's full-attention layers at 16k (seven
+/// layers read a cache of one KV head of 512, 8 query rows each); `bf16` is the default
+/// precision's cache (the AVX-512 BF16 or AMX path), `f16` the `--quantize` engines' (the f32
+/// path). Bytes counted: the keys and values.
+#[divan::bench(
+    args = [("qwen3", "bf16"), ("qwen3", "f16"), ("gemma3", "bf16"), ("gemma3", "f16"), ("gemma4", "bf16")],
+    sample_count = 20
+)]
 fn paged_attention_model(bencher: Bencher, (model, cache): (&str, &str)) {
     use kylin_kernels::paged::{KvView, QueryRow, ScoreMap, attention_path, attention_rows};
-    let (hd, kv_heads, layers, len, n): (usize, usize, usize, usize, usize) =
-        if model == "qwen3" { (128, 8, 28, 2048, 2) } else { (256, 1, 26, 16384, 4) };
+    let (hd, kv_heads, layers, len, n): (usize, usize, usize, usize, usize) = match model {
+        "qwen3" => (128, 8, 28, 2048, 2),
+        "gemma3" => (256, 1, 26, 16384, 4),
+        _ => (512, 1, 7, 16384, 8),
+    };
     let (dtype, precision) = match cache {
         "bf16" => (WeightDType::BF16, kylin_kernels::Precision::Bf16),
         _ => (WeightDType::F16, kylin_kernels::Precision::F32),

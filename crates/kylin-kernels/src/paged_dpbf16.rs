@@ -258,11 +258,12 @@ pub(super) unsafe fn rows_dpbf16(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> St
                         n_active += 1;
                     }
                 }
-                // Decode (one group of rows) asks for the next tile's blocks while it computes
-                // this tile's scores, as the f32 path does ([`NextTile`]); prefill's groups
-                // reuse each tile long enough without.
+                // Decode (one or two groups of rows: a GQA group of up to eight query heads,
+                // Gemma 4's full layers have eight) asks for the next tile's blocks while its
+                // first group computes this tile's scores, as the f32 path does ([`NextTile`]);
+                // prefill's groups reuse each tile long enough without.
                 let mut next =
-                    if n <= GROUP { job.next_tile(t0 + TILE, t0 + 2 * TILE, max_len) } else { NextTile::none() };
+                    if n <= 2 * GROUP { job.next_tile(t0 + TILE, t0 + 2 * TILE, max_len) } else { NextTile::none() };
                 let per_pair = next.remaining().div_ceil((chunks.div_ceil(4) * hd / 2).max(1));
                 for group in active[..n_active].chunks(GROUP) {
                     let count = group.len();

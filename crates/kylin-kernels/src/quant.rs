@@ -38,11 +38,6 @@ use crate::matmul::{MatrixRows, OutPtr, split_rows};
 use crate::packed::{PackedMatrix, PlaneLayout, plane_lens};
 use crate::{Isa, ThreadPool, WeightMatrix, isa};
 
-/// One cache line.
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-struct Line([u8; 64]);
-
 /// Columns per Q8_0 block.
 pub const QK8_0: usize = 32;
 /// Rows per packed group.
@@ -961,15 +956,15 @@ pub fn quant_scratch_len(n_tokens: usize, cols: usize) -> usize {
 /// An owned, 64-byte aligned buffer holding the two planes of a packed matrix made at load
 /// time (quants first, so the kernels read them in whole cache lines, then scales).
 pub struct QuantBuffer {
-    lines: Box<[Line]>,
+    bytes: crate::aligned::AlignedBytes,
     packing: Packing,
     rows: usize,
     cols: usize,
     /// Bytes of the quants plane, at the start.
     quants_len: usize,
-    /// Where the scales plane starts (the quants' end rounded up to a cache line).
+    /// Where the scales plane starts (the quants' end rounded up to a cache line); the scales
+    /// run to the end of `bytes`.
     scales_at: usize,
-    len: usize,
 }
 
 impl std::fmt::Debug for QuantBuffer {
@@ -989,22 +984,12 @@ impl QuantBuffer {
         let (quants_len, s) = packing.plane_lens(rows, cols)?;
         let scales_at = quants_len.checked_next_multiple_of(64)?;
         let len = scales_at.checked_add(s)?;
-        // Zeroed by the allocator (fresh pages from the OS are zero already), not written line
-        // by line before the quantizer writes them again.
-        let lines = Box::<[Line]>::new_zeroed_slice(len.div_ceil(64));
-        Some(QuantBuffer {
-            // SAFETY: a `Line` is 64 bytes, and all zero bytes are a valid one.
-            lines: unsafe { lines.assume_init() },
-            packing,
-            rows,
-            cols,
-            quants_len,
-            scales_at,
-            len,
-        })
+        // Zero pages from the OS for a large matrix, with huge pages where the OS gives them
+        // (`AlignedBytes`): decode streams every plane once per token.
+        let bytes = crate::aligned::AlignedBytes::zeroed(len)?;
+        Some(QuantBuffer { bytes, packing, rows, cols, quants_len, scales_at })
     }
 
-    /// The matrix the planes hold.
     /// Reads the same planes as `packing` from now on, when its planes have the same lengths
     /// (Q8_0 as `q8_0_a16`, Q4G as `q4_g_a16`); returns whether it did.
     pub fn set_packing(&mut self, packing: Packing) -> bool {
@@ -1015,8 +1000,9 @@ impl QuantBuffer {
         true
     }
 
+    /// The matrix the planes hold.
     pub fn matrix(&self) -> QuantMatrix<'_> {
-        let bytes = self.bytes();
+        let bytes = &self.bytes[..];
         let (quants, scales) = (&bytes[..self.quants_len], &bytes[self.scales_at..]);
         let (rows, cols) = (self.rows, self.cols);
         match self.packing {
@@ -1063,24 +1049,13 @@ impl QuantBuffer {
     /// Bytes of one group of 16 rows in each plane.
     pub fn group_bytes(&self) -> (usize, usize) {
         let groups = self.rows.div_ceil(GROUP_ROWS).max(1);
-        (self.quants_len / groups, (self.len - self.scales_at) / groups)
+        (self.quants_len / groups, (self.bytes.len() - self.scales_at) / groups)
     }
 
     /// The two planes, to fill.
     pub fn planes_mut(&mut self) -> (&mut [u8], &mut [u8]) {
         let (quants_len, scales_at) = (self.quants_len, self.scales_at);
-        let (quants, scales) = self.bytes_mut().split_at_mut(scales_at);
+        let (quants, scales) = self.bytes.split_at_mut(scales_at);
         (&mut quants[..quants_len], scales)
-    }
-
-    fn bytes(&self) -> &[u8] {
-        // SAFETY: `lines` holds at least `len` initialized bytes, contiguous (`Line` is 64
-        // bytes with no padding), borrowed for as long as `self`.
-        unsafe { std::slice::from_raw_parts(self.lines.as_ptr() as *const u8, self.len) }
-    }
-
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `bytes`, borrowed mutably.
-        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr() as *mut u8, self.len) }
     }
 }
