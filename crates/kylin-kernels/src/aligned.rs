@@ -55,12 +55,6 @@ impl AlignedBytes {
         let Some(ptr) = std::ptr::NonNull::new(ptr) else { handle_alloc_error(layout) };
         Some(AlignedBytes { ptr, len, mapped: false })
     }
-
-    /// Whether the buffer is a map of its own that asked for huge pages (see the module
-    /// documentation).
-    pub fn is_huge_page_map(&self) -> bool {
-        self.mapped
-    }
 }
 
 /// Whether large buffers get maps of their own with huge pages: on by default;
@@ -71,6 +65,14 @@ fn huge_page_maps_enabled() -> bool {
     *ON.get_or_init(|| std::env::var("KYLIN_HUGE_PAGES").map_or(true, |v| v != "0"))
 }
 
+/// The size of a base page (4 KiB on x86-64, up to 64 KiB elsewhere).
+#[cfg(target_os = "linux")]
+fn page_size() -> usize {
+    // SAFETY: `sysconf` only reads a system constant.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(size).ok().filter(|&s| s > 0).unwrap_or(4096)
+}
+
 /// `len` zero bytes in a private anonymous map that starts at a 2 MiB boundary and asks for
 /// transparent huge pages; `None` if the map fails (the caller then uses the global
 /// allocator). The advice is a hint: where huge pages are off or short, the map keeps 4 KiB
@@ -78,7 +80,7 @@ fn huge_page_maps_enabled() -> bool {
 /// boundary, so that every whole 2 MiB of the buffer can be one huge page.
 #[cfg(target_os = "linux")]
 fn map_huge(len: usize) -> Option<std::ptr::NonNull<u8>> {
-    let page = 4096;
+    let page = page_size();
     let mapped = len.checked_add(HUGE_PAGE)?;
     // SAFETY: a fresh private anonymous map at an address the kernel chooses aliases nothing.
     let raw = unsafe {
@@ -172,14 +174,14 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn large_buffers_are_lazily_zeroed_maps() {
-        assert!(!AlignedBytes::zeroed(HUGE_PAGE - 1).unwrap().is_huge_page_map());
+        assert!(!AlignedBytes::zeroed(HUGE_PAGE - 1).unwrap().mapped);
         let len = 16 * HUGE_PAGE;
         let mut b = AlignedBytes::zeroed(len).unwrap();
-        assert!(b.is_huge_page_map());
+        assert!(b.mapped);
         assert_eq!(b.as_ptr() as usize % HUGE_PAGE, 0, "the map starts at a huge page boundary");
         // Resident bytes of the buffer: `mincore` over its pages.
         let resident = |b: &AlignedBytes| {
-            let page = 4096;
+            let page = page_size();
             let mut vec = vec![0u8; len.div_ceil(page)];
             // SAFETY: the range is the buffer's map; `vec` has one byte per page.
             let rc = unsafe { libc::mincore(b.as_ptr() as *mut libc::c_void, len, vec.as_mut_ptr()) };
@@ -188,7 +190,7 @@ mod tests {
         };
         assert!(resident(&b) < HUGE_PAGE, "a fresh map is not written: {} bytes resident", resident(&b));
         b[len / 2] = 1;
-        assert!(resident(&b) < 2 * HUGE_PAGE + 4096);
+        assert!(resident(&b) < 2 * HUGE_PAGE + page_size());
         assert_eq!(b.iter().map(|&x| x as usize).sum::<usize>(), 1);
     }
 }
