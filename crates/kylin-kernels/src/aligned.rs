@@ -62,7 +62,7 @@ impl AlignedBytes {
 #[cfg(target_os = "linux")]
 fn huge_page_maps_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("KYLIN_HUGE_PAGES").map_or(true, |v| v != "0"))
+    crate::env_switch(&ON, &["KYLIN_HUGE_PAGES"])
 }
 
 /// The size of a base page (4 KiB on x86-64, up to 64 KiB elsewhere).

@@ -110,6 +110,12 @@ pub enum Isa {
     Scalar,
 }
 
+/// A switch for comparisons that is on unless one of the environment variables `names` is
+/// `0`; read on first use into `cell`, then cached for the process.
+pub(crate) fn env_switch(cell: &'static OnceLock<bool>, names: &[&str]) -> bool {
+    *cell.get_or_init(|| names.iter().all(|name| std::env::var(name).map_or(true, |v| v != "0")))
+}
+
 /// The instruction set chosen for this process (detected on first use, then cached).
 ///
 /// `KYLIN_KERNELS_ISA=scalar` or `KYLIN_KERNELS_ISA=avx2` caps it (a cap the CPU does not

@@ -510,11 +510,7 @@ impl AttentionNeeds {
 /// comparisons with the f32 path.
 fn bf16_attention_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        ["KYLIN_BF16_ATTENTION", "KYLIN_AMX_ATTENTION"]
-            .iter()
-            .all(|name| std::env::var(name).map_or(true, |v| v != "0"))
-    })
+    crate::env_switch(&ON, &["KYLIN_BF16_ATTENTION", "KYLIN_AMX_ATTENTION"])
 }
 
 /// The path attention takes for this precision, cache element type, head size and block size
