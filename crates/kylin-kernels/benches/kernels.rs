@@ -266,6 +266,78 @@ fn model_quant_decode(bencher: Bencher, format: &str) {
     });
 }
 
+/// The routed experts of one decode token through 4 layers of Qwen3-30B-A3B's shapes (128
+/// experts of `[768, 2048]` gate and up and `[2048, 768]` down per layer, 8 routed per token,
+/// a different 8 at every call) quantized to Q4_K at load (0.9 MB each, below a huge page), by
+/// how the products are dispatched: `per_expert`, one pool dispatch per matrix (what the engine
+/// does today, `moe.rs` `run_expert`); `grouped`, one dispatch for each kind of matrix over all
+/// 8 routed experts (the grouped product `matmul_many_quant` runs for a layer's q, k and v).
+/// Here all products read the same input, so that only the dispatch differs (an engine's downs
+/// read each expert's own activations). Counted in bytes of the planes read.
+#[divan::bench(args = ["per_expert", "grouped"], sample_count = 30)]
+fn moe_quant_decode(bencher: Bencher, dispatch: &str) {
+    use kylin_kernels::quant::{Packing, QuantBuffer, QuantMatrix, matmul_many_quant, quant_scratch_len};
+    const LAYERS: usize = 4;
+    const EXPERTS: usize = 128;
+    const ROUTED: usize = 8;
+    let pool = ThreadPool::new(threads());
+    // One expert's matrices `(rows, cols)`: gate, up, down.
+    let shapes = [(768, 2048), (768, 2048), (2048, 768)];
+    // One expert quantized, its planes copied into every expert's own buffers.
+    let first: Vec<QuantBuffer> = shapes
+        .iter()
+        .map(|&(rows, cols)| {
+            let mut buffer = QuantBuffer::zeroed(Packing::Q4K, rows, cols).expect("a valid shape");
+            let (quants, scales) = buffer.planes_mut();
+            let data = weights(WeightDType::BF16, rows * cols);
+            let w = WeightMatrix { dtype: WeightDType::BF16, rows, cols, data: &data };
+            QuantBuffer::quantize_groups(Packing::Q4K, w, 0..rows / 16, quants, scales, &mut vec![0.0; cols]);
+            buffer
+        })
+        .collect();
+    let buffers: Vec<QuantBuffer> = (0..LAYERS * EXPERTS * 3)
+        .map(|i| {
+            let from = first[i % 3].matrix();
+            let mut buffer = QuantBuffer::zeroed(Packing::Q4K, from.rows(), from.cols()).expect("a valid shape");
+            let (quants, scales) = buffer.planes_mut();
+            quants.copy_from_slice(from.quants());
+            scales.copy_from_slice(from.scales());
+            buffer
+        })
+        .collect();
+    let x: Vec<f32> = (0..2048).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
+    let mut scratch = vec![0u8; quant_scratch_len(1, 2048)];
+    let mut ys = vec![0.0f32; ROUTED * 2048];
+    let bytes: usize = LAYERS * ROUTED * buffers[..3].iter().map(|b| b.matrix().byte_len()).sum::<usize>();
+    // A spread of experts that changes at every call, as routing does.
+    let expert = |call: usize, layer: usize, k: usize| (call * 37 + layer * 11 + k * 16) % EXPERTS;
+    let mut call = 0usize;
+    let grouped = dispatch == "grouped";
+    bencher.counter(BytesCount::new(bytes)).bench_local(|| {
+        call += 1;
+        for layer in 0..LAYERS {
+            for kind in 0..3 {
+                let mut jobs: [Option<(QuantMatrix<'_>, &mut [f32])>; ROUTED] = Default::default();
+                for ((k, y), job) in ys.chunks_mut(2048).enumerate().zip(jobs.iter_mut()) {
+                    let m = buffers[(layer * EXPERTS + expert(call, layer, k)) * 3 + kind].matrix();
+                    *job = Some((m, &mut y[..m.rows()]));
+                }
+                let mut jobs = jobs.map(|job| job.expect("one per routed expert"));
+                let cols = jobs[0].0.cols();
+                if grouped {
+                    // 8 × (1, cols) · (cols, rows)ᵀ -> (1, rows), one dispatch.
+                    matmul_many_quant(&pool, black_box(&x[..cols]), 1, &mut scratch, &mut jobs);
+                } else {
+                    for job in jobs.chunks_mut(1) {
+                        // (1, cols) · (cols, rows)ᵀ -> (1, rows)
+                        matmul_many_quant(&pool, black_box(&x[..cols]), 1, &mut scratch, job);
+                    }
+                }
+            }
+        }
+    });
+}
+
 #[divan::bench(args = [64, 576, 4096])]
 fn attention_head(bencher: Bencher, len: usize) {
     let hd = 128;
