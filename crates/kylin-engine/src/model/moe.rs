@@ -470,9 +470,27 @@ impl Moe {
         }
         start[0] = 0;
 
+        // 4a. One token (a decode step of one sequence) whose routed experts are quantized:
+        //     the gate and up products of all k experts read the same row, so they run as
+        //     grouped products, one pool dispatch per eight matrices instead of one per expert
+        //     (each output row has the same bits as in 4: the products' canonical order does
+        //     not depend on what else is in a dispatch). The activation and the downs follow
+        //     in 4, which then skips the gate and up products.
+        let gate_up_done =
+            n == 1 && self.grouped_gate_up(c, &x[..h], &ms.route_expert[..k], &mut ms.gate, &mut ms.up, p);
+
         // 4. Each expert with tokens: gather their rows x (c, hidden); gate and up (c, width);
         //    the activation; down (c, width) -> y rows start[e]..start[e + 1] (c, hidden).
-        for (e, expert) in self.experts.iter().enumerate() {
+        if gate_up_done {
+            // One token: expert e's entry is the i-th routed one, its y row i.
+            for (i, &e) in ms.route_expert[..k].iter().enumerate() {
+                let expert = &self.experts[e as usize];
+                let (gate, up) = (&mut ms.gate[i * w..(i + 1) * w], &ms.up[i * w..(i + 1) * w]);
+                activate(self.activation, gate, up);
+                expert.down.forward(c.mm, gate, 1, &mut ms.y[i * h..(i + 1) * h], p);
+            }
+        }
+        for (e, expert) in self.experts.iter().enumerate().filter(|_| !gate_up_done) {
             let (s0, s1) = (ms.start[e], ms.start[e + 1]);
             let count = s1 - s0;
             if count == 0 {
@@ -552,6 +570,80 @@ impl Moe {
     }
 }
 
+impl Moe {
+    /// Step 4a of [`Moe::forward`]: the gate and up products of one token's routed `experts`,
+    /// `x (1, hidden)` -> gate, up `(1, width)` each, written to row `i` of `gate` and `up`
+    /// for the i-th expert; `false` (nothing written) unless every one of them is split and
+    /// quantized with neither bias nor input quantization, and the rows fit.
+    fn grouped_gate_up(
+        &self,
+        c: &Step<'_>,
+        x: &[f32],
+        experts: &[u32],
+        gate: &mut [f32],
+        up: &mut [f32],
+        p: &mut ProductScratch,
+    ) -> bool {
+        let w = self.width;
+        let plain = |l: &Linear| l.quant_matrix().is_some() && l.bias.is_none() && l.input_quant.is_none();
+        let eligible = experts.iter().all(|&e| match &self.experts[e as usize].gate_up {
+            GateUp::Split { gate, up } => plain(gate) && plain(up),
+            GateUp::Interleaved(_) => false,
+        });
+        let rows = experts.len() * w;
+        if !eligible || rows > gate.len() || rows > up.len() {
+            return false;
+        }
+        // Jobs in routing order, gate then up: (quantized matrix, output row (1, width)).
+        let mut jobs =
+            experts.iter().zip(gate.chunks_exact_mut(w).zip(up.chunks_exact_mut(w))).flat_map(|(&e, (g, u))| {
+                let GateUp::Split { gate, up } = &self.experts[e as usize].gate_up else {
+                    unreachable!("checked above")
+                };
+                [(gate.quant_matrix().expect("checked above"), g), (up.quant_matrix().expect("checked above"), u)]
+            });
+        // 2k jobs in dispatches of up to eight (the grouped product's own limit), from fixed
+        // arrays: nothing is allocated.
+        let mut left = 2 * experts.len();
+        while left > 0 {
+            let taken = left.min(8);
+            match taken {
+                8 => group::<8>(c, x, &mut jobs, p),
+                6 => group::<6>(c, x, &mut jobs, p),
+                4 => group::<4>(c, x, &mut jobs, p),
+                2 => group::<2>(c, x, &mut jobs, p),
+                _ => unreachable!("jobs come in pairs"),
+            }
+            left -= taken;
+        }
+        true
+    }
+}
+
+/// One grouped product over the next `N` jobs of `jobs`: `N × (1, cols) · (cols, rows)ᵀ ->
+/// (1, rows)`, all reading `x (1, cols)`.
+fn group<'a, const N: usize>(
+    c: &Step<'_>,
+    x: &[f32],
+    jobs: &mut impl Iterator<Item = (kernels::quant::QuantMatrix<'a>, &'a mut [f32])>,
+    p: &mut ProductScratch,
+) {
+    let mut batch: [(kernels::quant::QuantMatrix<'a>, &'a mut [f32]); N] =
+        std::array::from_fn(|_| jobs.next().expect("counted by the caller"));
+    kernels::quant::matmul_many_quant(c.mm.pool, x, 1, &mut p.xq, &mut batch);
+}
+
+/// `gate = act(gate, up)` elementwise, the experts' activation (Split gate and up).
+fn activate(activation: ExpertActivation, gate: &mut [f32], up: &[f32]) {
+    match activation {
+        ExpertActivation::Silu => kernels::silu_mul(gate, up),
+        ExpertActivation::GeluTanh => kernels::gelu_tanh_mul(gate, up),
+        ExpertActivation::ClampedSwiGlu { alpha, limit } => {
+            kernels::clamped_swiglu_mul(gate, up, alpha as f32, limit as f32)
+        }
+    }
+}
+
 /// One expert over `count` gathered tokens: `x (count, hidden)` -> gate, up `(count, width)`
 /// -> `act` -> `y (count, hidden)`.
 #[allow(clippy::too_many_arguments)]
@@ -571,13 +663,7 @@ fn run_expert(
         GateUp::Split { gate: g, up: u } => {
             let (gate, up) = (&mut gate[..count * width], &mut up[..count * width]);
             Linear::forward_many(c.mm, x, count, [(g, &mut *gate), (u, &mut *up)], p);
-            match activation {
-                ExpertActivation::Silu => kernels::silu_mul(gate, up),
-                ExpertActivation::GeluTanh => kernels::gelu_tanh_mul(gate, up),
-                ExpertActivation::ClampedSwiGlu { alpha, limit } => {
-                    kernels::clamped_swiglu_mul(gate, up, alpha as f32, limit as f32)
-                }
-            }
+            activate(activation, gate, up);
             &gate[..count * width]
         }
         GateUp::Interleaved(m) => {
