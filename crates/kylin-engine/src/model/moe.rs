@@ -489,29 +489,30 @@ impl Moe {
                 activate(self.activation, gate, up);
                 expert.down.forward(c.mm, gate, 1, &mut ms.y[i * h..(i + 1) * h], p);
             }
-        }
-        for (e, expert) in self.experts.iter().enumerate().filter(|_| !gate_up_done) {
-            let (s0, s1) = (ms.start[e], ms.start[e + 1]);
-            let count = s1 - s0;
-            if count == 0 {
-                continue;
+        } else {
+            for (e, expert) in self.experts.iter().enumerate() {
+                let (s0, s1) = (ms.start[e], ms.start[e + 1]);
+                let count = s1 - s0;
+                if count == 0 {
+                    continue;
+                }
+                for (i, &entry) in ms.order[s0..s1].iter().enumerate() {
+                    let t = entry as usize / k;
+                    ms.x[i * h..(i + 1) * h].copy_from_slice(&x[t * h..(t + 1) * h]);
+                }
+                run_expert(
+                    c,
+                    expert,
+                    self.activation,
+                    &ms.x[..count * h],
+                    count,
+                    w,
+                    &mut ms.gate,
+                    &mut ms.up,
+                    &mut ms.y[s0 * h..s1 * h],
+                    p,
+                );
             }
-            for (i, &entry) in ms.order[s0..s1].iter().enumerate() {
-                let t = entry as usize / k;
-                ms.x[i * h..(i + 1) * h].copy_from_slice(&x[t * h..(t + 1) * h]);
-            }
-            run_expert(
-                c,
-                expert,
-                self.activation,
-                &ms.x[..count * h],
-                count,
-                w,
-                &mut ms.gate,
-                &mut ms.up,
-                &mut ms.y[s0 * h..s1 * h],
-                p,
-            );
         }
 
         // 5. out[t] = Σ w · y over the token's entries in expert order: the first product, then
