@@ -269,14 +269,16 @@ fn model_quant_decode(bencher: Bencher, format: &str) {
 /// The routed experts of one decode token through 4 layers of Qwen3-30B-A3B's shapes (128
 /// experts of `[768, 2048]` gate and up and `[2048, 768]` down per layer, 8 routed per token,
 /// a different 8 at every call) quantized to Q4_K at load (0.9 MB each, below a huge page), by
-/// how the products are dispatched: `per_expert`, one pool dispatch per matrix (what the engine
-/// does today, `moe.rs` `run_expert`); `grouped`, one dispatch for each kind of matrix over all
-/// 8 routed experts (the grouped product `matmul_many_quant` runs for a layer's q, k and v).
-/// Here all products read the same input, so that only the dispatch differs (an engine's downs
-/// read each expert's own activations). Counted in bytes of the planes read.
+/// how the products are dispatched: `per_expert`, one pool dispatch per matrix (the engine's
+/// path for an expert with several tokens, `moe.rs` `run_expert`); `grouped`, one dispatch for
+/// each kind of matrix over all 8 routed experts, the downs each on its own input row
+/// (`matmul_many_quant` and `matmul_rows_quant`, the engine's path for one token). Counted in
+/// bytes of the planes read.
 #[divan::bench(args = ["per_expert", "grouped"], sample_count = 30)]
 fn moe_quant_decode(bencher: Bencher, dispatch: &str) {
-    use kylin_kernels::quant::{Packing, QuantBuffer, QuantMatrix, matmul_many_quant, quant_scratch_len};
+    use kylin_kernels::quant::{
+        Packing, QuantBuffer, QuantMatrix, RowInput, matmul_many_quant, matmul_rows_quant, quant_scratch_len,
+    };
     const LAYERS: usize = 4;
     const EXPERTS: usize = 128;
     const ROUTED: usize = 8;
@@ -306,7 +308,9 @@ fn moe_quant_decode(bencher: Bencher, dispatch: &str) {
         })
         .collect();
     let x: Vec<f32> = (0..2048).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
-    let mut scratch = vec![0u8; quant_scratch_len(1, 2048)];
+    // The downs' inputs: one row of 768 activations per routed expert.
+    let acts: Vec<f32> = (0..ROUTED * 768).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
+    let mut scratch = vec![0u8; quant_scratch_len(ROUTED, 2048)];
     let mut ys = vec![0.0f32; ROUTED * 2048];
     let bytes: usize = LAYERS * ROUTED * buffers[..3].iter().map(|b| b.matrix().byte_len()).sum::<usize>();
     // A spread of experts that changes at every call, as routing does.
@@ -324,13 +328,24 @@ fn moe_quant_decode(bencher: Bencher, dispatch: &str) {
                 }
                 let mut jobs = jobs.map(|job| job.expect("one per routed expert"));
                 let cols = jobs[0].0.cols();
-                if grouped {
-                    // 8 × (1, cols) · (cols, rows)ᵀ -> (1, rows), one dispatch.
-                    matmul_many_quant(&pool, black_box(&x[..cols]), 1, &mut scratch, &mut jobs);
-                } else {
-                    for job in jobs.chunks_mut(1) {
-                        // (1, cols) · (cols, rows)ᵀ -> (1, rows)
-                        matmul_many_quant(&pool, black_box(&x[..cols]), 1, &mut scratch, job);
+                match (grouped, kind) {
+                    // 8 × (1, 2048) · (2048, 768)ᵀ -> (1, 768), one dispatch.
+                    (true, 0 | 1) => matmul_many_quant(&pool, black_box(&x[..cols]), 1, &mut scratch, &mut jobs),
+                    // 8 × (1, 768) · (768, 2048)ᵀ -> (1, 2048), expert k on row k, one dispatch.
+                    (true, _) => {
+                        let mut row = 0;
+                        let mut downs = jobs.map(|(matrix, y)| {
+                            row += 1;
+                            (RowInput { matrix, row: row - 1 }, y)
+                        });
+                        matmul_rows_quant(&pool, black_box(&acts), &mut scratch, &mut downs);
+                    }
+                    _ => {
+                        for (k, job) in jobs.chunks_mut(1).enumerate() {
+                            let input = if kind == 2 { &acts[k * cols..(k + 1) * cols] } else { &x[..cols] };
+                            // (1, cols) · (cols, rows)ᵀ -> (1, rows)
+                            matmul_many_quant(&pool, black_box(input), 1, &mut scratch, job);
+                        }
                     }
                 }
             }

@@ -378,51 +378,15 @@ pub(crate) fn matmul_many_packed<'a, M: MatrixRows + Into<QuantMatrix<'a>>>(
 ) {
     let Some((first, _)) = jobs.first() else { return };
     let cols = (*first).into().cols();
-    let mut present = [false; ACTIVATION_KINDS.len()];
     for (w, y) in jobs.iter() {
         let w: QuantMatrix<'a> = (*w).into();
-        // These checks make the unsafe reads and writes below sound.
-        assert_eq!(w.cols(), cols, "matrices sharing an input must have the same columns");
-        assert_eq!(
-            Some((w.quants().len(), w.scales().len())),
-            w.packing().plane_lens(w.rows(), cols),
-            "packed {} lengths",
-            w.packing().name()
-        );
-        assert_eq!(x.len(), n_tokens * cols, "x.len() != n_tokens * cols");
         assert_eq!(y.len(), n_tokens * w.rows(), "y.len() != n_tokens * rows");
-        present[w.packing().activation_kind() as usize] = true;
     }
-    // A kind's region (`n_tokens · stride` bytes) starts after the regions of the kinds before
-    // it that are present.
-    let region = |kind: ActivationKind| n_tokens * kind.stride(cols);
-    let offset = |kind: ActivationKind| -> usize {
-        ACTIVATION_KINDS[..kind as usize].iter().filter(|k| present[**k as usize]).map(|&k| region(k)).sum()
-    };
-    let needed: usize = ACTIVATION_KINDS.iter().filter(|k| present[**k as usize]).map(|&k| region(k)).sum();
-    assert!(scratch.len() >= needed, "quantized-product scratch holds {} bytes, {needed} needed", scratch.len());
-    if n_tokens == 0 {
+    let Some(activations) = quantize_inputs(pool, x, n_tokens, cols, scratch, jobs.iter().map(|(w, _)| (*w).into()))
+    else {
         return;
-    }
-    let isa = isa();
-    let shared = SharedBytes(scratch.as_mut_ptr(), needed);
-    let threads = if n_tokens * cols >= 1 << 16 { pool.threads().min(n_tokens) } else { 1 };
-    pool.run(threads, &|t| {
-        let (t0, t1) = (n_tokens * t / threads, n_tokens * (t + 1) / threads);
-        // SAFETY: each task writes only the rows of its own tokens `t0..t1`, in each region.
-        let all = unsafe { shared.slice() };
-        for kind in ACTIVATION_KINDS {
-            if present[kind as usize] {
-                let out = &mut all[offset(kind)..offset(kind) + region(kind)];
-                match kind {
-                    ActivationKind::Q8_0 => quantize_tokens(isa, x, cols, t0, t1, out),
-                    ActivationKind::Q4K => crate::q4k::quantize_tokens(isa, x, cols, t0, t1, out),
-                    ActivationKind::Bf16 => crate::w16::pack_tokens(x, cols, t0, t1, out),
-                }
-            }
-        }
-    });
-    let xq: &[u8] = &scratch[..needed];
+    };
+    let xq: &[u8] = &scratch[..activations.needed];
     let kernels = int8_isa();
     for chunk in jobs.chunks_mut(crate::matmul::MAX_FUSED) {
         let bytes: usize = chunk.iter().map(|(w, _)| (*w).into().byte_len()).sum();
@@ -432,12 +396,148 @@ pub(crate) fn matmul_many_packed<'a, M: MatrixRows + Into<QuantMatrix<'a>>>(
         split_rows(pool, chunk, GROUP_ROWS, threads, &|w: M, out: OutPtr, r0, r1| {
             let w: QuantMatrix<'a> = w.into();
             let kind = w.packing().activation_kind();
-            let xq = &xq[offset(kind)..offset(kind) + region(kind)];
+            let xq = activations.region(xq, kind);
             // SAFETY: `split_rows` hands this call rows `r0..r1` (whole groups, the last one
             // possibly partial) of `out`, which no other call touches; shapes were checked.
             unsafe { compute_groups(kernels, w, xq, kind.stride(cols), n_tokens, out, r0, r1) }
         });
     }
+}
+
+/// A quantized matrix and the row of the input it reads, for [`matmul_rows_quant`].
+#[derive(Debug, Clone, Copy)]
+pub struct RowInput<'a> {
+    pub matrix: QuantMatrix<'a>,
+    /// The row of `xs` this matrix multiplies.
+    pub row: usize,
+}
+
+impl MatrixRows for RowInput<'_> {
+    fn rows(&self) -> usize {
+        self.matrix.rows()
+    }
+}
+
+/// `y_i = q(xs[row_i]) · W_iᵀ` for every `(RowInput { W_i, row_i }, y_i)` in `jobs`: one token
+/// per matrix, each reading its own row of `xs` `(input rows, cols)`, in one pool job per
+/// [`crate::matmul::MAX_FUSED`] matrices. A decode step's routed experts: each down product
+/// reads its own expert's activations, and 0.9 MB matrices are too small for a pool job each.
+/// `scratch` holds at least [`quant_scratch_len`]`(input rows, cols)` bytes.
+///
+/// Shapes: every `W_i` is `(rows_i, cols)`, `y_i` is `(1, rows_i)`. `y_i` has the same bits as
+/// [`matmul_many_quant`] over `xs[row_i]` alone gives (one token's activations are quantized
+/// alone, and each row follows its format's canonical order). Allocates nothing. Panics on a
+/// shape disagreement or a row outside `xs` (a caller bug).
+pub fn matmul_rows_quant(pool: &ThreadPool, xs: &[f32], scratch: &mut [u8], jobs: &mut [(RowInput<'_>, &mut [f32])]) {
+    let Some((first, _)) = jobs.first() else { return };
+    let cols = first.matrix.cols();
+    assert!(cols > 0 && xs.len().is_multiple_of(cols), "xs.len() is not a whole number of rows of {cols}");
+    let inputs = xs.len() / cols;
+    for (w, y) in jobs.iter() {
+        assert!(w.row < inputs, "input row {} of {inputs}", w.row);
+        assert_eq!(y.len(), w.matrix.rows(), "y.len() != rows");
+    }
+    let Some(activations) = quantize_inputs(pool, xs, inputs, cols, scratch, jobs.iter().map(|(w, _)| w.matrix)) else {
+        return;
+    };
+    let xq: &[u8] = &scratch[..activations.needed];
+    let kernels = int8_isa();
+    for chunk in jobs.chunks_mut(crate::matmul::MAX_FUSED) {
+        let bytes: usize = chunk.iter().map(|(w, _)| w.matrix.byte_len()).sum();
+        let threads = if bytes >= 64 * 1024 { pool.threads() } else { 1 };
+        split_rows(pool, chunk, GROUP_ROWS, threads, &|w: RowInput<'_>, out: OutPtr, r0, r1| {
+            let kind = w.matrix.packing().activation_kind();
+            let stride = kind.stride(cols);
+            let xq = &activations.region(xq, kind)[w.row * stride..(w.row + 1) * stride];
+            // SAFETY: as in `matmul_many_packed`; `xq` is this job's one token.
+            unsafe { compute_groups(kernels, w.matrix, xq, stride, 1, out, r0, r1) }
+        });
+    }
+}
+
+/// Where [`quantize_inputs`] put each activation kind in the scratch.
+struct Activations {
+    present: [bool; ACTIVATION_KINDS.len()],
+    n_tokens: usize,
+    cols: usize,
+    /// Bytes of the scratch in use.
+    needed: usize,
+}
+
+impl Activations {
+    /// `kind`'s region of the scratch: `n_tokens` rows of its stride, after the regions of the
+    /// kinds before it that are present.
+    fn range(&self, kind: ActivationKind) -> std::ops::Range<usize> {
+        let len = |k: ActivationKind| self.n_tokens * k.stride(self.cols);
+        let offset: usize =
+            ACTIVATION_KINDS[..kind as usize].iter().filter(|k| self.present[**k as usize]).map(|&k| len(k)).sum();
+        offset..offset + len(kind)
+    }
+
+    /// `kind`'s region of `xq`.
+    fn region<'x>(&self, xq: &'x [u8], kind: ActivationKind) -> &'x [u8] {
+        &xq[self.range(kind)]
+    }
+}
+
+/// Checks `matrices` against `x (n_tokens, cols)` and quantizes `x` once per activation kind
+/// they need into `scratch` (tokens split across the pool when there are many); `None` when
+/// there are no tokens.
+fn quantize_inputs<'a>(
+    pool: &ThreadPool,
+    x: &[f32],
+    n_tokens: usize,
+    cols: usize,
+    scratch: &mut [u8],
+    matrices: impl Iterator<Item = QuantMatrix<'a>>,
+) -> Option<Activations> {
+    let mut present = [false; ACTIVATION_KINDS.len()];
+    for w in matrices {
+        // These checks make the unsafe reads and writes of the products sound.
+        assert_eq!(w.cols(), cols, "matrices sharing an input must have the same columns");
+        assert_eq!(
+            Some((w.quants().len(), w.scales().len())),
+            w.packing().plane_lens(w.rows(), cols),
+            "packed {} lengths",
+            w.packing().name()
+        );
+        present[w.packing().activation_kind() as usize] = true;
+    }
+    assert_eq!(x.len(), n_tokens * cols, "x.len() != n_tokens * cols");
+    let activations = Activations {
+        present,
+        n_tokens,
+        cols,
+        needed: ACTIVATION_KINDS.iter().filter(|k| present[**k as usize]).map(|&k| n_tokens * k.stride(cols)).sum(),
+    };
+    assert!(
+        scratch.len() >= activations.needed,
+        "quantized-product scratch holds {} bytes, {} needed",
+        scratch.len(),
+        activations.needed
+    );
+    if n_tokens == 0 {
+        return None;
+    }
+    let isa = isa();
+    let shared = SharedBytes(scratch.as_mut_ptr(), activations.needed);
+    let threads = if n_tokens * cols >= 1 << 16 { pool.threads().min(n_tokens) } else { 1 };
+    pool.run(threads, &|t| {
+        let (t0, t1) = (n_tokens * t / threads, n_tokens * (t + 1) / threads);
+        // SAFETY: each task writes only the rows of its own tokens `t0..t1`, in each region.
+        let all = unsafe { shared.slice() };
+        for kind in ACTIVATION_KINDS {
+            if present[kind as usize] {
+                let out = &mut all[activations.range(kind)];
+                match kind {
+                    ActivationKind::Q8_0 => quantize_tokens(isa, x, cols, t0, t1, out),
+                    ActivationKind::Q4K => crate::q4k::quantize_tokens(isa, x, cols, t0, t1, out),
+                    ActivationKind::Bf16 => crate::w16::pack_tokens(x, cols, t0, t1, out),
+                }
+            }
+        }
+    });
+    Some(activations)
 }
 
 /// Output rows `r0..r1` (`r0` a multiple of 16) of `y = q8(x) · Wᵀ` for all tokens, in tiles

@@ -13,8 +13,8 @@ use kylin_kernels::q4g::{
 };
 use kylin_kernels::q4k::{QK_K, q4k_scratch_len};
 use kylin_kernels::quant::{
-    Packing, QuantBuffer, QuantMatrix, dequantize_row_q8_0, matmul_many_quant, pack_q8_0, q8_0_plane_lens,
-    quant_scratch_len, quantize_q8_0_groups, row_q8_0,
+    Packing, QuantBuffer, QuantMatrix, RowInput, dequantize_row_q8_0, matmul_many_quant, matmul_rows_quant, pack_q8_0,
+    q8_0_plane_lens, quant_scratch_len, quantize_q8_0_groups, row_q8_0,
 };
 use kylin_kernels::{ThreadPool, WeightDType, WeightMatrix};
 use rng::Rng;
@@ -315,6 +315,45 @@ fn fused_formats_and_lone_tokens_agree() {
         // Q4_K and Q4_G share one activation region: two int8 regions hold all three formats,
         // and the `_a16` packings' BF16 values and sums (2.125 bytes per column) take a third.
         assert_eq!(quant_scratch_len(n, cols), 2 * q4k_scratch_len(n, cols) + n * (2 * cols + cols / 8));
+    }
+}
+
+/// Matrices that each read their own input row (`matmul_rows_quant`, a decode step's routed
+/// experts) give every matrix the bits it gets alone on its row: ten jobs (two pool jobs of
+/// up to eight), four formats, rows read twice or not at all, odd row counts.
+#[test]
+fn matrices_on_their_own_rows_agree_with_each_alone() {
+    let mut rng = Rng(9);
+    let cols = 512;
+    let buffers = [
+        quantized(&mut rng, Packing::Q8_0, 24, cols),
+        Source::random(&mut rng, 40, cols).pack(),
+        quantized(&mut rng, Packing::Q4K, 9, cols),
+        quantized(&mut rng, Packing::Q6_0, 33, cols),
+        quantized(&mut rng, Packing::Q5_0, 50, cols),
+    ];
+    let inputs = 7;
+    let xs = rng.vec(inputs * cols);
+    // (matrix, input row) of each job.
+    let plan: [(usize, usize); 10] = [(0, 6), (1, 0), (2, 3), (3, 3), (4, 1), (0, 2), (2, 0), (1, 5), (4, 6), (3, 4)];
+    let pool = ThreadPool::new(2);
+    let mut scratch = vec![0u8; quant_scratch_len(inputs, cols)];
+    let mut ys: Vec<Vec<f32>> = plan.iter().map(|&(m, _)| vec![f32::NAN; buffers[m].matrix().rows()]).collect();
+    {
+        let mut jobs: Vec<(RowInput<'_>, &mut [f32])> = plan
+            .iter()
+            .zip(ys.iter_mut())
+            .map(|(&(m, row), y)| (RowInput { matrix: buffers[m].matrix(), row }, &mut y[..]))
+            .collect();
+        // 10 × (1, cols) · (rows_i, cols)ᵀ -> (1, rows_i), input row row_i each, in one call.
+        matmul_rows_quant(&pool, &xs, &mut scratch, &mut jobs);
+    }
+    for (job, (&(m, row), y)) in plan.iter().zip(&ys).enumerate() {
+        let matrix = buffers[m].matrix();
+        // (1, cols) · (rows, cols)ᵀ -> (1, rows), this matrix and row alone.
+        let mut alone = vec![f32::NAN; matrix.rows()];
+        matrix.matmul(&pool, &xs[row * cols..(row + 1) * cols], 1, &mut scratch, &mut alone);
+        assert!(same_bits(&alone, y), "job {job} ({} on row {row}): grouped vs alone", matrix.packing().name());
     }
 }
 
