@@ -471,25 +471,12 @@ impl Moe {
         start[0] = 0;
 
         // 4a. One token (a decode step of one sequence) whose routed experts are quantized:
-        //     the gate and up products of all k experts read the same row, so they run as
-        //     grouped products, one pool dispatch per eight matrices instead of one per expert
-        //     (each output row has the same bits as in 4: the products' canonical order does
-        //     not depend on what else is in a dispatch). The activation and the downs follow
-        //     in 4, which then skips the gate and up products.
-        let gate_up_done =
-            n == 1 && self.grouped_gate_up(c, &x[..h], &ms.route_expert[..k], &mut ms.gate, &mut ms.up, p);
-
+        //     its k experts' products run as grouped products, one pool dispatch per eight
+        //     matrices instead of one per matrix (each output row has the same bits as in 4:
+        //     the products' canonical order does not depend on what else is in a dispatch).
         // 4. Each expert with tokens: gather their rows x (c, hidden); gate and up (c, width);
         //    the activation; down (c, width) -> y rows start[e]..start[e + 1] (c, hidden).
-        if gate_up_done {
-            // One token: expert e's entry is the i-th routed one, its y row i.
-            for (i, &e) in ms.route_expert[..k].iter().enumerate() {
-                let expert = &self.experts[e as usize];
-                let (gate, up) = (&mut ms.gate[i * w..(i + 1) * w], &ms.up[i * w..(i + 1) * w]);
-                activate(self.activation, gate, up);
-                expert.down.forward(c.mm, gate, 1, &mut ms.y[i * h..(i + 1) * h], p);
-            }
-        } else {
+        if !(n == 1 && self.one_token_grouped(c, &x[..h], ms, p)) {
             for (e, expert) in self.experts.iter().enumerate() {
                 let (s0, s1) = (ms.start[e], ms.start[e + 1]);
                 let count = s1 - s0;
@@ -572,66 +559,81 @@ impl Moe {
 }
 
 impl Moe {
-    /// Step 4a of [`Moe::forward`]: the gate and up products of one token's routed `experts`,
-    /// `x (1, hidden)` -> gate, up `(1, width)` each, written to row `i` of `gate` and `up`
-    /// for the i-th expert; `false` (nothing written) unless every one of them is split and
-    /// quantized with neither bias nor input quantization, and the rows fit.
-    fn grouped_gate_up(
-        &self,
-        c: &Step<'_>,
-        x: &[f32],
-        experts: &[u32],
-        gate: &mut [f32],
-        up: &mut [f32],
-        p: &mut ProductScratch,
-    ) -> bool {
-        let w = self.width;
+    /// Step 4a of [`Moe::forward`], one token `x (1, hidden)` through its routed experts
+    /// (the i-th one's outputs in row i of `ms.gate`, `ms.up` and `ms.y`): gate and up
+    /// `(1, width)` each as grouped products over the one row `x`, the activation, then the
+    /// downs `(1, width) -> (1, hidden)` as grouped products each over its own expert's row.
+    /// `false`, with nothing written, unless every expert's gate and up are split and
+    /// quantized with neither bias nor input quantization, and the rows fit; downs that are
+    /// not such run one by one.
+    fn one_token_grouped(&self, c: &Step<'_>, x: &[f32], ms: &mut MoeScratch, p: &mut ProductScratch) -> bool {
+        let (w, h, k) = (self.width, c.hidden, self.top_k);
+        let MoeScratch { route_expert, gate, up, y, .. } = ms;
+        let experts = &route_expert[..k];
         let plain = |l: &Linear| l.quant_matrix().is_some() && l.bias.is_none() && l.input_quant.is_none();
-        let eligible = experts.iter().all(|&e| match &self.experts[e as usize].gate_up {
-            GateUp::Split { gate, up } => plain(gate) && plain(up),
-            GateUp::Interleaved(_) => false,
-        });
-        let rows = experts.len() * w;
-        if !eligible || rows > gate.len() || rows > up.len() {
+        let split = |e: u32| match &self.experts[e as usize].gate_up {
+            GateUp::Split { gate, up } if plain(gate) && plain(up) => Some((gate, up)),
+            _ => None,
+        };
+        if experts.iter().any(|&e| split(e).is_none()) || k * w > gate.len().min(up.len()) {
             return false;
         }
-        // Jobs in routing order, gate then up: (quantized matrix, output row (1, width)).
-        let mut jobs =
-            experts.iter().zip(gate.chunks_exact_mut(w).zip(up.chunks_exact_mut(w))).flat_map(|(&e, (g, u))| {
-                let GateUp::Split { gate, up } = &self.experts[e as usize].gate_up else {
-                    unreachable!("checked above")
-                };
-                [(gate.quant_matrix().expect("checked above"), g), (up.quant_matrix().expect("checked above"), u)]
+        let pool = c.mm.pool;
+        {
+            // 2k × (1, hidden) · (hidden, width)ᵀ -> (1, width): gate then up of each expert,
+            // in routing order, all reading x.
+            let mut gate_up =
+                experts.iter().zip(gate.chunks_exact_mut(w).zip(up.chunks_exact_mut(w))).flat_map(|(&e, (g, u))| {
+                    let (gate, up) = split(e).expect("checked above");
+                    [(gate.quant_matrix().expect("checked above"), g), (up.quant_matrix().expect("checked above"), u)]
+                });
+            in_eights(2 * k, &mut gate_up, |jobs| kernels::quant::matmul_many_quant(pool, x, 1, &mut p.xq, jobs));
+        }
+        for (gate, up) in gate[..k * w].chunks_exact_mut(w).zip(up.chunks_exact(w)) {
+            activate(self.activation, gate, up);
+        }
+        let acts = &gate[..k * w];
+        let y = &mut y[..k * h];
+        let downs_grouped = experts.iter().all(|&e| plain(&self.experts[e as usize].down))
+            && kernels::quant::quant_scratch_len(k, w) <= p.xq.len();
+        if downs_grouped {
+            // k × (1, width) · (width, hidden)ᵀ -> (1, hidden), expert i reading row i.
+            let mut downs = experts.iter().zip(y.chunks_exact_mut(h)).enumerate().map(|(row, (&e, y))| {
+                let matrix = self.experts[e as usize].down.quant_matrix().expect("checked above");
+                (kernels::quant::RowInput { matrix, row }, y)
             });
-        // 2k jobs in dispatches of up to eight (the grouped product's own limit), from fixed
-        // arrays: nothing is allocated.
-        let mut left = 2 * experts.len();
-        while left > 0 {
-            let taken = left.min(8);
-            match taken {
-                8 => group::<8>(c, x, &mut jobs, p),
-                6 => group::<6>(c, x, &mut jobs, p),
-                4 => group::<4>(c, x, &mut jobs, p),
-                2 => group::<2>(c, x, &mut jobs, p),
-                _ => unreachable!("jobs come in pairs"),
+            in_eights(k, &mut downs, |jobs| kernels::quant::matmul_rows_quant(pool, acts, &mut p.xq, jobs));
+        } else {
+            for ((&e, act), y) in experts.iter().zip(acts.chunks_exact(w)).zip(y.chunks_exact_mut(h)) {
+                // (1, width) · (width, hidden)ᵀ -> (1, hidden)
+                self.experts[e as usize].down.forward(c.mm, act, 1, y, p);
             }
-            left -= taken;
         }
         true
     }
 }
 
-/// One grouped product over the next `N` jobs of `jobs`: `N × (1, cols) · (cols, rows)ᵀ ->
-/// (1, rows)`, all reading `x (1, cols)`.
-fn group<'a, const N: usize>(
-    c: &Step<'_>,
-    x: &[f32],
-    jobs: &mut impl Iterator<Item = (kernels::quant::QuantMatrix<'a>, &'a mut [f32])>,
-    p: &mut ProductScratch,
-) {
-    let mut batch: [(kernels::quant::QuantMatrix<'a>, &'a mut [f32]); N] =
-        std::array::from_fn(|_| jobs.next().expect("counted by the caller"));
-    kernels::quant::matmul_many_quant(c.mm.pool, x, 1, &mut p.xq, &mut batch);
+/// Runs `run` over the next `count` items of `jobs`, in fixed arrays of up to eight (the
+/// grouped products' own limit per dispatch): nothing is allocated.
+fn in_eights<J>(count: usize, jobs: &mut impl Iterator<Item = J>, mut run: impl FnMut(&mut [J])) {
+    fn take<J, const N: usize>(jobs: &mut impl Iterator<Item = J>) -> [J; N] {
+        std::array::from_fn(|_| jobs.next().expect("counted by the caller"))
+    }
+    let mut left = count;
+    while left > 0 {
+        let taken = left.min(8);
+        match taken {
+            8 => run(&mut take::<J, 8>(jobs)),
+            7 => run(&mut take::<J, 7>(jobs)),
+            6 => run(&mut take::<J, 6>(jobs)),
+            5 => run(&mut take::<J, 5>(jobs)),
+            4 => run(&mut take::<J, 4>(jobs)),
+            3 => run(&mut take::<J, 3>(jobs)),
+            2 => run(&mut take::<J, 2>(jobs)),
+            _ => run(&mut take::<J, 1>(jobs)),
+        }
+        left -= taken;
+    }
 }
 
 /// `gate = act(gate, up)` elementwise, the experts' activation (Split gate and up).
