@@ -562,39 +562,49 @@ impl Moe {
     /// Step 4a of [`Moe::forward`], one token `x (1, hidden)` through its routed experts
     /// (the i-th one's outputs in row i of `ms.gate`, `ms.up` and `ms.y`): gate and up
     /// `(1, width)` each as grouped products over the one row `x`, the activation, then the
-    /// downs `(1, width) -> (1, hidden)` as grouped products each over its own expert's row.
-    /// `false`, with nothing written, unless every expert's gate and up are split and
-    /// quantized with neither bias nor input quantization, and the rows fit; downs that are
-    /// not such run one by one.
+    /// downs `(1, width) -> (1, hidden)`, as grouped products each over its own expert's row
+    /// when they are quantized. `false`, with nothing written, unless every expert's gate and
+    /// up are split, bias-free, without input quantization, and all quantized or all BF16
+    /// products (`--precision bf16`, the default for BF16 weights), and the rows fit.
     fn one_token_grouped(&self, c: &Step<'_>, x: &[f32], ms: &mut MoeScratch, p: &mut ProductScratch) -> bool {
         let (w, h, k) = (self.width, c.hidden, self.top_k);
         let MoeScratch { route_expert, gate, up, y, .. } = ms;
         let experts = &route_expert[..k];
-        let plain = |l: &Linear| l.quant_matrix().is_some() && l.bias.is_none() && l.input_quant.is_none();
-        let split = |e: u32| match &self.experts[e as usize].gate_up {
-            GateUp::Split { gate, up } if plain(gate) && plain(up) => Some((gate, up)),
-            _ => None,
+        let plain = |l: &Linear| l.bias.is_none() && l.input_quant.is_none();
+        let quantized = |l: &Linear| plain(l) && l.quant_matrix().is_some();
+        let bf16 = |l: &Linear| plain(l) && l.quant.is_none() && l.dtype == kernels::WeightDType::BF16;
+        let gate_up = |e: u32| match &self.experts[e as usize].gate_up {
+            GateUp::Split { gate, up } => Some((gate, up)),
+            GateUp::Interleaved(_) => None,
         };
-        if experts.iter().any(|&e| split(e).is_none()) || k * w > gate.len().min(up.len()) {
+        let all = |test: &dyn Fn(&Linear) -> bool| {
+            experts.iter().all(|&e| gate_up(e).is_some_and(|(g, u)| test(g) && test(u)))
+        };
+        let bf16_kernels = c.mm.bf16.filter(|_| all(&bf16));
+        let grouped_quant = bf16_kernels.is_none() && all(&quantized);
+        if !(grouped_quant || bf16_kernels.is_some()) || k * w > gate.len().min(up.len()) {
             return false;
         }
         let pool = c.mm.pool;
-        {
-            // 2k × (1, hidden) · (hidden, width)ᵀ -> (1, width): gate then up of each expert,
-            // in routing order, all reading x.
-            let mut gate_up =
-                experts.iter().zip(gate.chunks_exact_mut(w).zip(up.chunks_exact_mut(w))).flat_map(|(&e, (g, u))| {
-                    let (gate, up) = split(e).expect("checked above");
-                    [(gate.quant_matrix().expect("checked above"), g), (up.quant_matrix().expect("checked above"), u)]
-                });
-            in_eights(2 * k, &mut gate_up, |jobs| kernels::quant::matmul_many_quant(pool, x, 1, &mut p.xq, jobs));
+        // 2k × (1, hidden) · (hidden, width)ᵀ -> (1, width): gate then up of each expert, in
+        // routing order, all reading x.
+        let pairs = experts.iter().map(|&e| gate_up(e).expect("checked above"));
+        let outputs = gate.chunks_exact_mut(w).zip(up.chunks_exact_mut(w));
+        if let Some(bf16_kernels) = bf16_kernels {
+            let mut jobs = pairs.zip(outputs).flat_map(|((g, u), (gy, uy))| [(g.matrix(), gy), (u.matrix(), uy)]);
+            in_eights(2 * k, &mut jobs, |jobs| kernels::matmul_many_bf16(pool, bf16_kernels, x, 1, &mut p.xb, jobs));
+        } else {
+            let mut jobs = pairs.zip(outputs).flat_map(|((g, u), (gy, uy))| {
+                [(g.quant_matrix().expect("checked above"), gy), (u.quant_matrix().expect("checked above"), uy)]
+            });
+            in_eights(2 * k, &mut jobs, |jobs| kernels::quant::matmul_many_quant(pool, x, 1, &mut p.xq, jobs));
         }
         for (gate, up) in gate[..k * w].chunks_exact_mut(w).zip(up.chunks_exact(w)) {
             activate(self.activation, gate, up);
         }
         let acts = &gate[..k * w];
         let y = &mut y[..k * h];
-        let downs_grouped = experts.iter().all(|&e| plain(&self.experts[e as usize].down))
+        let downs_grouped = experts.iter().all(|&e| quantized(&self.experts[e as usize].down))
             && kernels::quant::quant_scratch_len(k, w) <= p.xq.len();
         if downs_grouped {
             // k × (1, width) · (width, hidden)ᵀ -> (1, hidden), expert i reading row i.
