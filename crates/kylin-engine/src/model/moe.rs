@@ -470,10 +470,10 @@ impl Moe {
         }
         start[0] = 0;
 
-        // 4a. One token (a decode step of one sequence) whose routed experts are quantized:
-        //     its k experts' products run as grouped products, one pool dispatch per eight
-        //     matrices instead of one per matrix (each output row has the same bits as in 4:
-        //     the products' canonical order does not depend on what else is in a dispatch).
+        // 4a. One token (a decode step of one sequence): its k experts' products run as
+        //     grouped products, one pool dispatch per eight matrices instead of one per matrix,
+        //     where their formats allow (each output row has the same bits as in 4: the
+        //     products' canonical order does not depend on what else is in a dispatch).
         // 4. Each expert with tokens: gather their rows x (c, hidden); gate and up (c, width);
         //    the activation; down (c, width) -> y rows start[e]..start[e + 1] (c, hidden).
         if !(n == 1 && self.one_token_grouped(c, &x[..h], ms, p)) {
@@ -556,9 +556,7 @@ impl Moe {
             }
         }
     }
-}
 
-impl Moe {
     /// Step 4a of [`Moe::forward`], one token `x (1, hidden)` through its routed experts
     /// (the i-th one's outputs in row i of `ms.gate`, `ms.up` and `ms.y`): gate and up
     /// `(1, width)` each as grouped products over the one row `x`, the activation, then the
