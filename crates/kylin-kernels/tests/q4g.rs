@@ -319,8 +319,9 @@ fn fused_formats_and_lone_tokens_agree() {
 }
 
 /// Matrices that each read their own input row (`matmul_rows_quant`, a decode step's routed
-/// experts) give every matrix the bits it gets alone on its row: ten jobs (two pool jobs of
-/// up to eight), four formats, rows read twice or not at all, odd row counts.
+/// experts) give every matrix the bits it gets alone on its row: eleven jobs (two pool jobs
+/// of up to eight), six formats over all three activation kinds, rows read twice or not at
+/// all, odd row counts.
 #[test]
 fn matrices_on_their_own_rows_agree_with_each_alone() {
     let mut rng = Rng(9);
@@ -331,11 +332,18 @@ fn matrices_on_their_own_rows_agree_with_each_alone() {
         quantized(&mut rng, Packing::Q4K, 9, cols),
         quantized(&mut rng, Packing::Q6_0, 33, cols),
         quantized(&mut rng, Packing::Q5_0, 50, cols),
+        {
+            // BF16 activations over Q8_0's planes: the third activation region.
+            let mut b = quantized(&mut rng, Packing::Q8_0, 20, cols);
+            assert!(b.set_packing(Packing::Q8_0A16));
+            b
+        },
     ];
     let inputs = 7;
     let xs = rng.vec(inputs * cols);
     // (matrix, input row) of each job.
-    let plan: [(usize, usize); 10] = [(0, 6), (1, 0), (2, 3), (3, 3), (4, 1), (0, 2), (2, 0), (1, 5), (4, 6), (3, 4)];
+    let plan: [(usize, usize); 11] =
+        [(0, 6), (1, 0), (2, 3), (3, 3), (4, 1), (5, 2), (0, 2), (2, 0), (1, 5), (4, 6), (5, 4)];
     let pool = ThreadPool::new(2);
     let mut scratch = vec![0u8; quant_scratch_len(inputs, cols)];
     let mut ys: Vec<Vec<f32>> = plan.iter().map(|&(m, _)| vec![f32::NAN; buffers[m].matrix().rows()]).collect();
@@ -345,7 +353,7 @@ fn matrices_on_their_own_rows_agree_with_each_alone() {
             .zip(ys.iter_mut())
             .map(|(&(m, row), y)| (RowInput { matrix: buffers[m].matrix(), row }, &mut y[..]))
             .collect();
-        // 10 × (1, cols) · (rows_i, cols)ᵀ -> (1, rows_i), input row row_i each, in one call.
+        // 11 × (1, cols) · (rows_i, cols)ᵀ -> (1, rows_i), input row row_i each, in one call.
         matmul_rows_quant(&pool, &xs, &mut scratch, &mut jobs);
     }
     for (job, (&(m, row), y)) in plan.iter().zip(&ys).enumerate() {
