@@ -217,23 +217,20 @@ fn quant_1024x1024<const TOKENS: usize>(bencher: Bencher, format: &str) {
     bencher.bench_local(|| m.matmul(&pool, black_box(&x), TOKENS, &mut scratch, black_box(&mut y)));
 }
 
-/// One decode token through all 28 layers of Qwen3-0.6B quantized at load
-/// ([`kylin_kernels::quant::QuantBuffer`], as `--quantize` makes them: far beyond every cache,
-/// so each call streams the planes from memory as a decode step does), by format. Counted in
-/// bytes of the planes read.
-#[divan::bench(args = ["q8_0", "q4_k"], sample_count = 30)]
-fn model_quant_decode(bencher: Bencher, format: &str) {
-    use kylin_kernels::quant::{Packing, QuantBuffer, quant_scratch_len};
-    const LAYERS: usize = 28;
-    let pool = ThreadPool::new(threads());
-    let packing = if format == "q8_0" { Packing::Q8_0 } else { Packing::Q4K };
-    // One layer's matrices `(rows, cols)`: q, k, v, o, gate, up, down.
-    let shapes = [(2048, 1024), (1024, 1024), (1024, 1024), (1024, 2048), (3072, 1024), (3072, 1024), (1024, 3072)];
-    // One layer quantized, its planes copied into every layer's own buffers.
+/// `copies` sets of matrices of `shapes` `(rows, cols)` in `packing`, as `--quantize` makes
+/// them, one set after another: one set quantized from seeded BF16 weights, its planes copied
+/// into every set's own buffers (far beyond every cache, so each product streams from memory).
+fn quantized_copies(
+    packing: kylin_kernels::quant::Packing,
+    shapes: &[(usize, usize)],
+    copies: usize,
+) -> Vec<kylin_kernels::quant::QuantBuffer> {
+    use kylin_kernels::quant::QuantBuffer;
+    let zeroed = |rows, cols| QuantBuffer::zeroed(packing, rows, cols).expect("a valid shape");
     let first: Vec<QuantBuffer> = shapes
         .iter()
         .map(|&(rows, cols)| {
-            let mut buffer = QuantBuffer::zeroed(packing, rows, cols).expect("a valid shape");
+            let mut buffer = zeroed(rows, cols);
             let (quants, scales) = buffer.planes_mut();
             let data = weights(WeightDType::BF16, rows * cols);
             let w = WeightMatrix { dtype: WeightDType::BF16, rows, cols, data: &data };
@@ -241,10 +238,10 @@ fn model_quant_decode(bencher: Bencher, format: &str) {
             buffer
         })
         .collect();
-    let buffers: Vec<QuantBuffer> = (0..LAYERS)
+    (0..copies)
         .flat_map(|_| {
-            first.iter().zip(&shapes).map(|(source, &(rows, cols))| {
-                let mut buffer = QuantBuffer::zeroed(packing, rows, cols).expect("a valid shape");
+            first.iter().zip(shapes).map(|(source, &(rows, cols))| {
+                let mut buffer = zeroed(rows, cols);
                 let (quants, scales) = buffer.planes_mut();
                 let from = source.matrix();
                 quants.copy_from_slice(from.quants());
@@ -252,7 +249,22 @@ fn model_quant_decode(bencher: Bencher, format: &str) {
                 buffer
             })
         })
-        .collect();
+        .collect()
+}
+
+/// One decode token through all 28 layers of Qwen3-0.6B quantized at load
+/// ([`kylin_kernels::quant::QuantBuffer`], as `--quantize` makes them: far beyond every cache,
+/// so each call streams the planes from memory as a decode step does), by format. Counted in
+/// bytes of the planes read.
+#[divan::bench(args = ["q8_0", "q4_k"], sample_count = 30)]
+fn model_quant_decode(bencher: Bencher, format: &str) {
+    use kylin_kernels::quant::{Packing, quant_scratch_len};
+    const LAYERS: usize = 28;
+    let pool = ThreadPool::new(threads());
+    let packing = if format == "q8_0" { Packing::Q8_0 } else { Packing::Q4K };
+    // One layer's matrices `(rows, cols)`: q, k, v, o, gate, up, down.
+    let shapes = [(2048, 1024), (1024, 1024), (1024, 1024), (1024, 2048), (3072, 1024), (3072, 1024), (1024, 3072)];
+    let buffers = quantized_copies(packing, &shapes, LAYERS);
     let x: Vec<f32> = (0..3072).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
     let mut scratch = vec![0u8; quant_scratch_len(1, 3072)];
     let mut y = vec![0.0f32; 3072];
@@ -277,7 +289,7 @@ fn model_quant_decode(bencher: Bencher, format: &str) {
 #[divan::bench(args = ["per_expert", "grouped"], sample_count = 30)]
 fn moe_quant_decode(bencher: Bencher, dispatch: &str) {
     use kylin_kernels::quant::{
-        Packing, QuantBuffer, QuantMatrix, RowInput, matmul_many_quant, matmul_rows_quant, quant_scratch_len,
+        Packing, QuantMatrix, RowInput, matmul_many_quant, matmul_rows_quant, quant_scratch_len,
     };
     const LAYERS: usize = 4;
     const EXPERTS: usize = 128;
@@ -285,28 +297,7 @@ fn moe_quant_decode(bencher: Bencher, dispatch: &str) {
     let pool = ThreadPool::new(threads());
     // One expert's matrices `(rows, cols)`: gate, up, down.
     let shapes = [(768, 2048), (768, 2048), (2048, 768)];
-    // One expert quantized, its planes copied into every expert's own buffers.
-    let first: Vec<QuantBuffer> = shapes
-        .iter()
-        .map(|&(rows, cols)| {
-            let mut buffer = QuantBuffer::zeroed(Packing::Q4K, rows, cols).expect("a valid shape");
-            let (quants, scales) = buffer.planes_mut();
-            let data = weights(WeightDType::BF16, rows * cols);
-            let w = WeightMatrix { dtype: WeightDType::BF16, rows, cols, data: &data };
-            QuantBuffer::quantize_groups(Packing::Q4K, w, 0..rows / 16, quants, scales, &mut vec![0.0; cols]);
-            buffer
-        })
-        .collect();
-    let buffers: Vec<QuantBuffer> = (0..LAYERS * EXPERTS * 3)
-        .map(|i| {
-            let from = first[i % 3].matrix();
-            let mut buffer = QuantBuffer::zeroed(Packing::Q4K, from.rows(), from.cols()).expect("a valid shape");
-            let (quants, scales) = buffer.planes_mut();
-            quants.copy_from_slice(from.quants());
-            scales.copy_from_slice(from.scales());
-            buffer
-        })
-        .collect();
+    let buffers = quantized_copies(Packing::Q4K, &shapes, LAYERS * EXPERTS);
     let x: Vec<f32> = (0..2048).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
     // The downs' inputs: one row of 768 activations per routed expert.
     let acts: Vec<f32> = (0..ROUTED * 768).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
