@@ -165,10 +165,13 @@ fn layer_bf16<const TOKENS: usize>(bencher: Bencher) {
 }
 
 /// Quantized products (`matmul_many_quant`) on one 1024×1024 matrix for `TOKENS` tokens, by
-/// format: `q8_0` and `q4_k` quantized from BF16 weights, `q4_g` packed from GPTQ-like
-/// numbers (a scale and a zero point per 128 columns). For one token the counter is the bytes
-/// of the packed planes streamed, for more the multiply-adds.
-#[divan::bench(args = ["q8_0", "q4_k", "q4_g"], consts = [1, 64])]
+/// format: `q8_0`, `q4_k`, `q5_0` and `q6_0` quantized from BF16 weights (`--quantize q4_k`
+/// makes Q5_0 of matrices whose columns are not whole super-blocks, Q6_0 of the head and of
+/// some `v_proj` and `down_proj`), `q4_g` packed from GPTQ-like numbers (a scale and a zero
+/// point per 128 columns). The matrix stays in the caches, so this measures the tiles'
+/// arithmetic. For one token the counter is the bytes of the packed planes streamed, for more
+/// the multiply-adds.
+#[divan::bench(args = ["q8_0", "q4_k", "q4_g", "q5_0", "q6_0"], consts = [1, 64])]
 fn quant_1024x1024<const TOKENS: usize>(bencher: Bencher, format: &str) {
     use kylin_kernels::quant::{Packing, QuantBuffer, quant_scratch_len};
     let (rows, cols) = (1024, 1024);
@@ -176,6 +179,8 @@ fn quant_1024x1024<const TOKENS: usize>(bencher: Bencher, format: &str) {
     let packing = match format {
         "q8_0" => Packing::Q8_0,
         "q4_k" => Packing::Q4K,
+        "q5_0" => Packing::Q5_0,
+        "q6_0" => Packing::Q6_0,
         _ => Packing::Q4G,
     };
     let mut buffer = QuantBuffer::zeroed(packing, rows, cols).expect("a valid shape");

@@ -320,25 +320,33 @@ unsafe fn tile_vnni<const MT: usize, const SCALES: u8>(
     debug_assert!(valid <= GROUP_ROWS);
     let (wp, sp, xp) = (wq.as_ptr(), ws.as_ptr(), xq.as_ptr());
     let mut acc = [_mm512_setzero_ps(); MT];
+    // SAFETY: this function's target features.
+    let addends = unsafe { HighBitAddends::new() };
     for s in 0..n_super {
-        for jj in 0..subs_in(cols, s) {
+        // `cols` is a multiple of 64, so every super-block holds whole pairs of sub-blocks.
+        for jj in (0..subs_in(cols, s)).step_by(2) {
             let j = s * (QK_K / SUB) + jj;
-            // SAFETY: sub-block `j`'s scales (Q4_K's header and sub-block bytes, or Q4_G's,
-            // Q5_0's and Q6_0's bytes per sub-block), its pair's quants and every token's
-            // sub-block lie inside the slices (checked above against the layout `SCALES`
-            // names); all loads are unaligned.
+            // SAFETY: sub-blocks `j` and `j + 1`'s scales (Q4_K's header and sub-block bytes,
+            // or Q4_G's, Q5_0's and Q6_0's bytes per sub-block), their pair's quants and every
+            // token's sub-blocks lie inside the slices (checked above against the layout
+            // `SCALES` names); all loads are unaligned.
             unsafe {
-                let (dsc, dm) = sub_block_scales::<SCALES>(sp, s, jj);
+                let (dsc_low, dm_low) = sub_block_scales::<SCALES>(sp, s, jj);
+                let (dsc_high, dm_high) = sub_block_scales::<SCALES>(sp, s, jj + 1);
                 let wb = wp.add((j / 2) * PAIR_BYTES);
-                if prefetch_next && j.is_multiple_of(2) {
+                if prefetch_next {
                     // The next group's pair `j / 2`, in both planes.
                     crate::prefetch_lines(wb.wrapping_add(group_quants), PAIR_BYTES / 64);
                     let next_scales = sp.wrapping_add(group_scales + j / 2 * pair_scales);
                     crate::prefetch_lines(next_scales, pair_scales.div_ceil(64));
                 }
-                let w = unpack_sub_block::<SCALES>(wp, sp, j);
+                let (low, high) = unpack_pair::<SCALES>(wp, sp, j, addends);
+                // Q4_K's and Q4_G's high nibbles stay in place, times 16 (`unpack_pair`).
+                let times_16 = high_bits::<SCALES>() == 0;
                 for (t, acc) in acc.iter_mut().enumerate() {
-                    accumulate_sub_block::<SCALES>(acc, &w, xp.add(t * stride), cols, j, dsc, dm);
+                    let xt = xp.add(t * stride);
+                    accumulate_sub_block::<SCALES>(acc, &low, false, xt, cols, j, dsc_low, dm_low);
+                    accumulate_sub_block::<SCALES>(acc, &high, times_16, xt, cols, j + 1, dsc_high, dm_high);
                 }
             }
         }
@@ -383,6 +391,48 @@ unsafe fn sub_block_scales<const SCALES: u8>(sp: *const u8, s: usize, jj: usize)
     }
 }
 
+/// Sub-blocks `j` and `j + 1` (`j` even)'s weight vectors, from one load of their pair's 8
+/// vectors in the quants plane at `wp`: the low nibbles for `j`, the high ones for `j + 1`.
+/// For Q4_K and Q4_G the high nibbles stay in place (`raw & 0xF0`, each quant times 16, which
+/// saves a shift per vector; [`accumulate_sub_block`] divides the exact integer sum by 16);
+/// for Q5_0 and Q6_0 they are shifted down and get their high bits as in
+/// [`unpack_sub_block`].
+///
+/// # Safety
+/// AVX-512 F/BW must be available; the pair and its scales lie at the planes' offsets.
+#[inline(always)]
+unsafe fn unpack_pair<const SCALES: u8>(
+    wp: *const u8,
+    sp: *const u8,
+    j: usize,
+    addends: HighBitAddends,
+) -> ([__m512i; 8], [__m512i; 8]) {
+    debug_assert!(j.is_multiple_of(2));
+    // SAFETY: the caller's contract.
+    unsafe {
+        let wb = wp.add((j / 2) * PAIR_BYTES);
+        let raw: [__m512i; 8] = std::array::from_fn(|k| _mm512_loadu_si512(wb.add(64 * k) as *const _));
+        let nibble = _mm512_set1_epi8(0x0F);
+        if high_bits::<SCALES>() > 0 {
+            let (low_scales, high_scales) =
+                (sp.add(j * sub_scale_bytes::<SCALES>()), sp.add((j + 1) * sub_scale_bytes::<SCALES>()));
+            let mut low = raw;
+            let mut high = raw;
+            for k in 0..8 {
+                low[k] = add_high_bits::<SCALES>(_mm512_and_si512(raw[k], nibble), low_scales, k, addends);
+                high[k] = add_high_bits::<SCALES>(
+                    _mm512_and_si512(_mm512_srli_epi16(raw[k], 4), nibble),
+                    high_scales,
+                    k,
+                    addends,
+                );
+            }
+            return (low, high);
+        }
+        (raw.map(|v| _mm512_and_si512(v, nibble)), raw.map(|v| _mm512_and_si512(v, _mm512_set1_epi8(0xF0u8 as i8))))
+    }
+}
+
 /// Sub-block `j`'s 8 weight vectors (`[row: 16][4 columns]` bytes each), unpacked: the low or
 /// high nibbles of its pair's vectors in the quants plane at `wp`, with Q5_0's fifth and
 /// Q6_0's sixth bits added from the scales plane at `sp` by masked byte adds.
@@ -390,8 +440,12 @@ unsafe fn sub_block_scales<const SCALES: u8>(sp: *const u8, s: usize, jj: usize)
 /// # Safety
 /// AVX-512 F/BW must be available; the sub-block's pair and scales lie at the planes' offsets.
 #[inline(always)]
-unsafe fn unpack_sub_block<const SCALES: u8>(wp: *const u8, sp: *const u8, j: usize) -> [__m512i; 8] {
-    let high = high_bits::<SCALES>();
+unsafe fn unpack_sub_block<const SCALES: u8>(
+    wp: *const u8,
+    sp: *const u8,
+    j: usize,
+    addends: HighBitAddends,
+) -> [__m512i; 8] {
     // SAFETY: the caller's contract.
     unsafe {
         let wb = wp.add((j / 2) * PAIR_BYTES);
@@ -399,20 +453,59 @@ unsafe fn unpack_sub_block<const SCALES: u8>(wp: *const u8, sp: *const u8, j: us
         std::array::from_fn(|k| {
             let raw = _mm512_loadu_si512(wb.add(64 * k) as *const _);
             let raw = if j.is_multiple_of(2) { raw } else { _mm512_srli_epi16(raw, 4) };
-            let low = _mm512_and_si512(raw, _mm512_set1_epi8(0x0F));
-            if high == 0 {
-                return low;
-            }
-            // Bit `4 · row + c` of word `k`: the fifth bit of this vector's byte; of word
-            // `8 + k` (Q6_0), its sixth.
-            let fifth: __mmask64 = std::ptr::read_unaligned(sub_scales.add(32 + 8 * k) as *const u64);
-            let low = _mm512_mask_add_epi8(low, fifth, low, _mm512_set1_epi8(16));
-            if high == 1 {
-                return low;
-            }
-            let sixth: __mmask64 = std::ptr::read_unaligned(sub_scales.add(96 + 8 * k) as *const u64);
-            _mm512_mask_add_epi8(low, sixth, low, _mm512_set1_epi8(32))
+            add_high_bits::<SCALES>(_mm512_and_si512(raw, _mm512_set1_epi8(0x0F)), sub_scales, k, addends)
         })
+    }
+}
+
+/// The bytes 16 and 32 that [`add_high_bits`] adds, made once per tile and opaque to the
+/// compiler: knowing that an unpacked nibble's top bits are zero, it would turn each masked
+/// byte add into an OR and a masked byte move (AVX-512 has no byte-masked OR), two
+/// instructions where `vpaddb` with a mask is one. The values are the same.
+#[derive(Clone, Copy)]
+struct HighBitAddends {
+    fifth: __m512i,
+    sixth: __m512i,
+}
+
+impl HighBitAddends {
+    /// # Safety
+    /// AVX-512 F must be available.
+    #[inline(always)]
+    unsafe fn new() -> Self {
+        // SAFETY: the caller's contract.
+        unsafe { std::hint::black_box(HighBitAddends { fifth: _mm512_set1_epi8(16), sixth: _mm512_set1_epi8(32) }) }
+    }
+}
+
+/// Vector `k` of a sub-block's unpacked nibbles `low` with Q5_0's fifth bits (and Q6_0's
+/// sixth) added from the sub-block's scales at `sub_scales` by masked byte adds; `low` itself
+/// for Q4_K and Q4_G.
+///
+/// # Safety
+/// AVX-512 F/BW must be available; the sub-block's scales lie at `sub_scales`.
+#[inline(always)]
+unsafe fn add_high_bits<const SCALES: u8>(
+    low: __m512i,
+    sub_scales: *const u8,
+    k: usize,
+    addends: HighBitAddends,
+) -> __m512i {
+    let high = high_bits::<SCALES>();
+    if high == 0 {
+        return low;
+    }
+    // SAFETY: the caller's contract.
+    unsafe {
+        // Bit `4 · row + c` of word `k`: the fifth bit of this vector's byte; of word `8 + k`
+        // (Q6_0), its sixth.
+        let fifth: __mmask64 = std::ptr::read_unaligned(sub_scales.add(32 + 8 * k) as *const u64);
+        let low = _mm512_mask_add_epi8(low, fifth, low, addends.fifth);
+        if high == 1 {
+            return low;
+        }
+        let sixth: __mmask64 = std::ptr::read_unaligned(sub_scales.add(96 + 8 * k) as *const u64);
+        _mm512_mask_add_epi8(low, sixth, low, addends.sixth)
     }
 }
 
@@ -420,13 +513,19 @@ unsafe fn unpack_sub_block<const SCALES: u8>(wp: *const u8, sp: *const u8, j: us
 /// vectors `w` (unsigned) with the token's groups of four activations at `xt` (signed,
 /// `vpdpbusd`), then `acc = fma(f32(isum), dsc · dx, acc); acc = fma(−bx, dm, acc)` with Q4_K's
 /// activations, or `acc = fma(f32(isum − half · Σq_x), d · dx, acc)` with Q8_0's (Q5_0, Q6_0).
+/// With `times_16` the weights are the high nibbles in place (each quant times 16, Q4_K and
+/// Q4_G only, [`unpack_pair`]): the integer sum, exact and a multiple of 16 (at most
+/// `16 · 15 · 128 · 32 < 2^31` in magnitude), is shifted right by 4 first, which gives the
+/// same integer and so the same bits.
 ///
 /// # Safety
 /// AVX-512 F/VNNI must be available; `xt` is one token's activation row for `cols` columns.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 unsafe fn accumulate_sub_block<const SCALES: u8>(
     acc: &mut __m512,
     w: &[__m512i; 8],
+    times_16: bool,
     xt: *const u8,
     cols: usize,
     j: usize,
@@ -458,7 +557,8 @@ unsafe fn accumulate_sub_block<const SCALES: u8>(
             return;
         }
         let bx = _mm512_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const f32));
-        let isum = _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
+        let isum = _mm512_add_epi32(i0, i1);
+        let isum = _mm512_cvtepi32_ps(if times_16 { _mm512_srai_epi32(isum, 4) } else { isum });
         *acc = _mm512_fmadd_ps(isum, _mm512_mul_ps(dsc, dx), *acc);
         *acc = _mm512_fnmadd_ps(bx, dm, *acc);
     }
@@ -500,6 +600,8 @@ pub(crate) unsafe fn group_vnni_unpacked<const SCALES: u8>(
     let (wp, sp, xp) = (wq.as_ptr(), ws.as_ptr(), xq.as_ptr());
     let mask: __mmask16 = if valid >= GROUP_ROWS { 0xffff } else { (1u16 << valid) - 1 };
     let mut unpacked = [[_mm512_setzero_si512(); 8]; UNPACK_SUPERS * QK_K / SUB];
+    // SAFETY: this function's target features.
+    let addends = unsafe { HighBitAddends::new() };
     let n_super = cols.div_ceil(QK_K);
     for s0 in (0..n_super).step_by(UNPACK_SUPERS) {
         let s1 = (s0 + UNPACK_SUPERS).min(n_super);
@@ -508,7 +610,7 @@ pub(crate) unsafe fn group_vnni_unpacked<const SCALES: u8>(
             for jj in 0..subs_in(cols, s) {
                 // SAFETY: sub-block `s · 8 + jj`'s pair and scales lie inside the planes
                 // (checked above).
-                unpacked[n] = unsafe { unpack_sub_block::<SCALES>(wp, sp, s * (QK_K / SUB) + jj) };
+                unpacked[n] = unsafe { unpack_sub_block::<SCALES>(wp, sp, s * (QK_K / SUB) + jj, addends) };
                 n += 1;
             }
         }
@@ -534,6 +636,7 @@ pub(crate) unsafe fn group_vnni_unpacked<const SCALES: u8>(
                             accumulate_sub_block::<SCALES>(
                                 acc,
                                 &unpacked[i],
+                                false,
                                 xp.add((t + u) * stride),
                                 cols,
                                 j,
