@@ -391,12 +391,13 @@ unsafe fn sub_block_scales<const SCALES: u8>(sp: *const u8, s: usize, jj: usize)
     }
 }
 
-/// Sub-blocks `j` and `j + 1` (`j` even)'s weight vectors, from one load of their pair's 8
-/// vectors in the quants plane at `wp`: the low nibbles for `j`, the high ones for `j + 1`.
-/// For Q4_K and Q4_G the high nibbles stay in place (`raw & 0xF0`, each quant times 16, which
-/// saves a shift per vector; [`accumulate_sub_block`] divides the exact integer sum by 16);
-/// for Q5_0 and Q6_0 they are shifted down and get their high bits as in
-/// [`unpack_sub_block`].
+/// Sub-blocks `j` and `j + 1` (`j` even)'s weight vectors (`[row: 16][4 columns]` bytes
+/// each), from one load of their pair's 8 vectors in the quants plane at `wp`: the low
+/// nibbles for `j`, the high ones for `j + 1`. For Q4_K and Q4_G the high nibbles stay in
+/// place (`raw & 0xF0`, each quant times 16, which saves a shift per vector;
+/// [`accumulate_sub_block`] divides the exact integer sum by 16); for Q5_0 and Q6_0 they are
+/// shifted down, and both sub-blocks get their quants' high bits from the scales plane at `sp`
+/// ([`add_high_bits`]).
 ///
 /// # Safety
 /// AVX-512 F/BW must be available; the pair and its scales lie at the planes' offsets.
@@ -430,31 +431,6 @@ unsafe fn unpack_pair<const SCALES: u8>(
             return (low, high);
         }
         (raw.map(|v| _mm512_and_si512(v, nibble)), raw.map(|v| _mm512_and_si512(v, _mm512_set1_epi8(0xF0u8 as i8))))
-    }
-}
-
-/// Sub-block `j`'s 8 weight vectors (`[row: 16][4 columns]` bytes each), unpacked: the low or
-/// high nibbles of its pair's vectors in the quants plane at `wp`, with Q5_0's fifth and
-/// Q6_0's sixth bits added from the scales plane at `sp` by masked byte adds.
-///
-/// # Safety
-/// AVX-512 F/BW must be available; the sub-block's pair and scales lie at the planes' offsets.
-#[inline(always)]
-unsafe fn unpack_sub_block<const SCALES: u8>(
-    wp: *const u8,
-    sp: *const u8,
-    j: usize,
-    addends: HighBitAddends,
-) -> [__m512i; 8] {
-    // SAFETY: the caller's contract.
-    unsafe {
-        let wb = wp.add((j / 2) * PAIR_BYTES);
-        let sub_scales = sp.add(j * sub_scale_bytes::<SCALES>());
-        std::array::from_fn(|k| {
-            let raw = _mm512_loadu_si512(wb.add(64 * k) as *const _);
-            let raw = if j.is_multiple_of(2) { raw } else { _mm512_srli_epi16(raw, 4) };
-            add_high_bits::<SCALES>(_mm512_and_si512(raw, _mm512_set1_epi8(0x0F)), sub_scales, k, addends)
-        })
     }
 }
 
@@ -571,7 +547,7 @@ const UNPACK_SUPERS: usize = 4;
 
 /// All `n_tokens` tokens × one group of 16 rows on AVX-512 VNNI, for products long enough
 /// that unpacking the weights once pays (prefill): chunk by chunk of [`UNPACK_SUPERS`]
-/// super-blocks, the chunk's sub-blocks are unpacked once ([`unpack_sub_block`]) into a stack
+/// super-blocks, the chunk's sub-blocks are unpacked once ([`unpack_pair`]) into a stack
 /// buffer, then every tile of up to 8 tokens runs over them, its accumulators carried from
 /// one chunk to the next through `y`. Each output sees the same operations in the same order
 /// as in [`tile_vnni`] (the integer sums are exact, the FMAs run sub-block by sub-block), so
@@ -607,11 +583,12 @@ pub(crate) unsafe fn group_vnni_unpacked<const SCALES: u8>(
         let s1 = (s0 + UNPACK_SUPERS).min(n_super);
         let mut n = 0;
         for s in s0..s1 {
-            for jj in 0..subs_in(cols, s) {
-                // SAFETY: sub-block `s · 8 + jj`'s pair and scales lie inside the planes
-                // (checked above).
-                unpacked[n] = unsafe { unpack_sub_block::<SCALES>(wp, sp, s * (QK_K / SUB) + jj, addends) };
-                n += 1;
+            for jj in (0..subs_in(cols, s)).step_by(2) {
+                // SAFETY: sub-blocks `s · 8 + jj` and the next one: their pair and scales lie
+                // inside the planes (checked above).
+                let (low, high) = unsafe { unpack_pair::<SCALES>(wp, sp, s * (QK_K / SUB) + jj, addends) };
+                (unpacked[n], unpacked[n + 1]) = (low, high);
+                n += 2;
             }
         }
         let mut t = 0;
@@ -632,11 +609,14 @@ pub(crate) unsafe fn group_vnni_unpacked<const SCALES: u8>(
                     for jj in 0..subs_in(cols, s) {
                         let j = s * (QK_K / SUB) + jj;
                         let (dsc, dm) = sub_block_scales::<SCALES>(sp, s, jj);
+                        // Q4_K's and Q4_G's odd sub-blocks are high nibbles in place, times 16
+                        // (`unpack_pair`).
+                        let times_16 = high_bits::<SCALES>() == 0 && !j.is_multiple_of(2);
                         for (u, acc) in acc.iter_mut().enumerate().take(mt) {
                             accumulate_sub_block::<SCALES>(
                                 acc,
                                 &unpacked[i],
-                                false,
+                                times_16,
                                 xp.add((t + u) * stride),
                                 cols,
                                 j,
