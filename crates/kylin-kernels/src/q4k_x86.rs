@@ -417,17 +417,13 @@ unsafe fn unpack_pair<const SCALES: u8>(
         if high_bits::<SCALES>() > 0 {
             let (low_scales, high_scales) =
                 (sp.add(j * sub_scale_bytes::<SCALES>()), sp.add((j + 1) * sub_scale_bytes::<SCALES>()));
-            let mut low = raw;
-            let mut high = raw;
-            for k in 0..8 {
-                low[k] = add_high_bits::<SCALES>(_mm512_and_si512(raw[k], nibble), low_scales, k, addends);
-                high[k] = add_high_bits::<SCALES>(
-                    _mm512_and_si512(_mm512_srli_epi16(raw[k], 4), nibble),
-                    high_scales,
-                    k,
-                    addends,
-                );
-            }
+            let low = std::array::from_fn(|k| {
+                add_high_bits::<SCALES>(_mm512_and_si512(raw[k], nibble), low_scales, k, addends)
+            });
+            let high = std::array::from_fn(|k| {
+                let shifted = _mm512_srli_epi16(raw[k], 4);
+                add_high_bits::<SCALES>(_mm512_and_si512(shifted, nibble), high_scales, k, addends)
+            });
             return (low, high);
         }
         (raw.map(|v| _mm512_and_si512(v, nibble)), raw.map(|v| _mm512_and_si512(v, _mm512_set1_epi8(0xF0u8 as i8))))
