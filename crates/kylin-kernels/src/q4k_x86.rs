@@ -341,12 +341,10 @@ unsafe fn tile_vnni<const MT: usize, const SCALES: u8>(
                     crate::prefetch_lines(next_scales, pair_scales.div_ceil(64));
                 }
                 let (low, high) = unpack_pair::<SCALES>(wp, sp, j, addends);
-                // Q4_K's and Q4_G's high nibbles stay in place, times 16 (`unpack_pair`).
-                let times_16 = high_bits::<SCALES>() == 0;
                 for (t, acc) in acc.iter_mut().enumerate() {
                     let xt = xp.add(t * stride);
-                    accumulate_sub_block::<SCALES>(acc, &low, false, xt, cols, j, dsc_low, dm_low);
-                    accumulate_sub_block::<SCALES>(acc, &high, times_16, xt, cols, j + 1, dsc_high, dm_high);
+                    accumulate_sub_block::<SCALES>(acc, &low, xt, cols, j, dsc_low, dm_low);
+                    accumulate_sub_block::<SCALES>(acc, &high, xt, cols, j + 1, dsc_high, dm_high);
                 }
             }
         }
@@ -485,19 +483,17 @@ unsafe fn add_high_bits<const SCALES: u8>(
 /// vectors `w` (unsigned) with the token's groups of four activations at `xt` (signed,
 /// `vpdpbusd`), then `acc = fma(f32(isum), dsc · dx, acc); acc = fma(−bx, dm, acc)` with Q4_K's
 /// activations, or `acc = fma(f32(isum − half · Σq_x), d · dx, acc)` with Q8_0's (Q5_0, Q6_0).
-/// With `times_16` the weights are the high nibbles in place (each quant times 16, Q4_K and
-/// Q4_G only, [`unpack_pair`]): the integer sum, exact and a multiple of 16 (at most
-/// `16 · 15 · 128 · 32 < 2^31` in magnitude), is shifted right by 4 first, which gives the
-/// same integer and so the same bits.
+/// For Q4_K and Q4_G an odd `j`'s weights are the high nibbles in place (each quant times 16,
+/// [`unpack_pair`]): the integer sum, exact and a multiple of 16 (at most `16 · 15 · 128 · 32
+/// < 2^31` in magnitude), is shifted right by 4 first, which gives the same integer and so the
+/// same bits.
 ///
 /// # Safety
 /// AVX-512 F/VNNI must be available; `xt` is one token's activation row for `cols` columns.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 unsafe fn accumulate_sub_block<const SCALES: u8>(
     acc: &mut __m512,
     w: &[__m512i; 8],
-    times_16: bool,
     xt: *const u8,
     cols: usize,
     j: usize,
@@ -530,6 +526,8 @@ unsafe fn accumulate_sub_block<const SCALES: u8>(
         }
         let bx = _mm512_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const f32));
         let isum = _mm512_add_epi32(i0, i1);
+        // An odd sub-block of Q4_K or Q4_G is the pair's high nibbles in place, times 16.
+        let times_16 = !j.is_multiple_of(2);
         let isum = _mm512_cvtepi32_ps(if times_16 { _mm512_srai_epi32(isum, 4) } else { isum });
         *acc = _mm512_fmadd_ps(isum, _mm512_mul_ps(dsc, dx), *acc);
         *acc = _mm512_fnmadd_ps(bx, dm, *acc);
@@ -605,14 +603,10 @@ pub(crate) unsafe fn group_vnni_unpacked<const SCALES: u8>(
                     for jj in 0..subs_in(cols, s) {
                         let j = s * (QK_K / SUB) + jj;
                         let (dsc, dm) = sub_block_scales::<SCALES>(sp, s, jj);
-                        // Q4_K's and Q4_G's odd sub-blocks are high nibbles in place, times 16
-                        // (`unpack_pair`).
-                        let times_16 = high_bits::<SCALES>() == 0 && !j.is_multiple_of(2);
                         for (u, acc) in acc.iter_mut().enumerate().take(mt) {
                             accumulate_sub_block::<SCALES>(
                                 acc,
                                 &unpacked[i],
-                                times_16,
                                 xp.add((t + u) * stride),
                                 cols,
                                 j,
