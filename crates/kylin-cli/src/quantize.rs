@@ -8,7 +8,8 @@
 //!   naming compressed-tensors and vLLM use; the head as `lm_head.weight` even when the source
 //!   tied it to the embedding; every other bound tensor (embedding, norms, biases) as stored.
 //! - `config.json`: the source's, with `quantization_config` (`quant_method: "kylin"`,
-//!   `format: "q8_0-packed"`, `version: 1`) and `tie_word_embeddings: false`.
+//!   `format: "q8_0-packed"`, `version: 1`; `q4_k-packed` is at version 2) and
+//!   `tie_word_embeddings: false`.
 //! - the tokenizer, chat template and generation config files, copied.
 //!
 //! The layout is Kylin's own rather than compressed-tensors' `int-quantized` (row-major int8
@@ -160,7 +161,7 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
         QuantFormat::Q8_0 => serde_json::json!({
             "quant_method": StoredQuantization::KYLIN_METHOD,
             "format": StoredQuantization::Q8_0_FORMAT,
-            "version": 1,
+            "version": StoredQuantization::Q8_0_VERSION,
             "weights": {"num_bits": 8, "type": "int", "symmetric": true, "strategy": "group", "group_size": 32, "scale_dtype": "float16"},
             "rows_per_group": 16,
             "input_activations": {"num_bits": 8, "type": "int", "symmetric": true, "strategy": "group", "group_size": 32, "dynamic": true},
@@ -179,7 +180,7 @@ pub fn run(args: &QuantizeArgs) -> Result<()> {
             serde_json::json!({
                 "quant_method": StoredQuantization::KYLIN_METHOD,
                 "format": StoredQuantization::Q4_K_FORMAT,
-                "version": 1,
+                "version": StoredQuantization::Q4_K_VERSION,
                 "weights": {"num_bits": 4, "type": "int", "symmetric": false, "strategy": "group", "group_size": 32, "super_block": 256, "scale_bits": 6},
                 "rows_per_group": 16,
                 "input_activations": {"num_bits": 8, "type": "int", "symmetric": true, "strategy": "group", "group_size": 256, "dynamic": true},

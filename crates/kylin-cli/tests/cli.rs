@@ -506,6 +506,14 @@ fn quantize_writes_q8_0_and_q4_k_directories_that_load_in_place_with_the_same_lo
     }
     let err = String::from_utf8_lossy(&kylin(&["run", s(&shape_dir), "--ids", "1,2"]).stderr).to_string();
     assert!(err.starts_with("[TENSOR_SHAPE_MISMATCH] ") && err.contains("Q4_K planes"), "{err}");
+    // A `q4_k-packed` directory of version 1 (Q5_0's and Q6_0's high bits laid out as masks)
+    // is refused with the command that writes it again, not read with the new layout.
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(q4.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["quantization_config"]["version"], 2);
+    config["quantization_config"]["version"] = 1.into();
+    std::fs::write(shape_dir.join("config.json"), config.to_string()).unwrap();
+    let err = String::from_utf8_lossy(&kylin(&["run", s(&shape_dir), "--ids", "1,2"]).stderr).to_string();
+    assert!(err.starts_with("[MODEL_VERSION_INCOMPATIBLE] ") && err.contains("kylin quantize"), "{err}");
     // A directory that already holds a model is not overwritten; GGUF files are refused.
     let again = kylin(&[
         "quantize",

@@ -261,12 +261,17 @@ fn quantized_copies(
 /// ([`kylin_kernels::quant::QuantBuffer`], as `--quantize` makes them: far beyond every cache,
 /// so each call streams the planes from memory as a decode step does), by format. Counted in
 /// bytes of the planes read.
-#[divan::bench(args = ["q8_0", "q4_k"], sample_count = 30)]
+#[divan::bench(args = ["q8_0", "q4_k", "q5_0", "q6_0"], sample_count = 30)]
 fn model_quant_decode(bencher: Bencher, format: &str) {
     use kylin_kernels::quant::{Packing, quant_scratch_len};
     const LAYERS: usize = 28;
     let pool = ThreadPool::new(threads());
-    let packing = if format == "q8_0" { Packing::Q8_0 } else { Packing::Q4K };
+    let packing = match format {
+        "q8_0" => Packing::Q8_0,
+        "q4_k" => Packing::Q4K,
+        "q5_0" => Packing::Q5_0,
+        _ => Packing::Q6_0,
+    };
     // One layer's matrices `(rows, cols)`: q, k, v, o, gate, up, down.
     let shapes = [(2048, 1024), (1024, 1024), (1024, 1024), (1024, 2048), (3072, 1024), (3072, 1024), (1024, 3072)];
     let buffers = quantized_copies(packing, &shapes, LAYERS);

@@ -8,8 +8,9 @@
 //! The tiles also run Q4_G (`q4g.rs`), Q5_0 and Q6_0 (`q56.rs`), whose quants plane is
 //! Q4_K's: their const parameter `SCALES` ([`Q4K_SCALES`], [`Q4G_SCALES`], [`Q5_0_SCALES`] or
 //! [`Q6_0_SCALES`]) picks where sub-block `j`'s `(dsc_j, dm_j)` come from — Q4_K's
-//! `(d · sc_j, dmin · m_j)` or Q4_G's f16 `(s_j, m_j)` — and for Q5_0 and Q6_0 adds each
-//! quant's high bits (16, and 32) from the scales plane's masks and reads Q8_0's activations,
+//! `(d · sc_j, dmin · m_j)` or Q4_G's f16 `(s_j, m_j)` — and for Q5_0 and Q6_0 ORs each
+//! quant's high bits (16, and 32) onto its nibble from the scales plane's high-bit vectors
+//! (one shift and one masked OR per weight vector) and reads Q8_0's activations,
 //! whose per-block correction takes the offset of 16 (or 32) out of the integer sum
 //! (`q56.rs`); everything else is the same code.
 
@@ -286,9 +287,10 @@ pub(crate) unsafe fn tile_vnni_dyn<const SCALES: u8>(
 /// broadcast groups of four activations (`vpdpbusd`: unsigned weights × signed
 /// activations), giving each row's exact `isum`; then per lane
 /// `acc = fma(f32(isum), dsc · dx, acc); acc = fma(−bx, dm, acc)`, with `(dsc, dm)` Q4_K's
-/// `(d · sc, dmin · m)` or Q4_G's `(s, m)` as `SCALES` says. For Q5_0 (Q6_0) a masked byte
-/// add puts each quant's fifth bit (and sixth) onto its unpacked nibble, and with Q8_0's
-/// activations `acc = fma(f32(isum − half · Σq_x), d · dx, acc)`, `half` 16 (32). With `prefetch_next`, each pair
+/// `(d · sc, dmin · m)` or Q4_G's `(s, m)` as `SCALES` says. For Q5_0 (Q6_0) each quant's fifth
+/// bit (and sixth) is ORed onto its unpacked nibble ([`add_high_bits`]), and with Q8_0's
+/// activations `acc = fma(f32(isum − half · Σq_x), d · dx, acc)`, `half` 16 (32). With
+/// `prefetch_next`, each pair
 /// also asks for the next group's same pair and its share of the next group's scales (both
 /// planes hold the groups one after another), as the Q8_0 tile does.
 ///
@@ -320,8 +322,6 @@ unsafe fn tile_vnni<const MT: usize, const SCALES: u8>(
     debug_assert!(valid <= GROUP_ROWS);
     let (wp, sp, xp) = (wq.as_ptr(), ws.as_ptr(), xq.as_ptr());
     let mut acc = [_mm512_setzero_ps(); MT];
-    // SAFETY: this function's target features.
-    let addends = unsafe { HighBitAddends::new() };
     for s in 0..n_super {
         // `cols` is a multiple of 64, so every super-block holds whole pairs of sub-blocks.
         for jj in (0..subs_in(cols, s)).step_by(2) {
@@ -340,7 +340,7 @@ unsafe fn tile_vnni<const MT: usize, const SCALES: u8>(
                     let next_scales = sp.wrapping_add(group_scales + j / 2 * pair_scales);
                     crate::prefetch_lines(next_scales, pair_scales.div_ceil(64));
                 }
-                let (low, high) = unpack_pair::<SCALES>(wp, sp, j, addends);
+                let (low, high) = unpack_pair::<SCALES>(wp, sp, j);
                 for (t, acc) in acc.iter_mut().enumerate() {
                     let xt = xp.add(t * stride);
                     accumulate_sub_block::<SCALES>(acc, &low, xt, cols, j, dsc_low, dm_low);
@@ -378,14 +378,15 @@ unsafe fn sub_block_scales<const SCALES: u8>(sp: *const u8, s: usize, jj: usize)
             let m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(sub_scales.add(16) as *const __m128i)));
             return (_mm512_mul_ps(d, sc), _mm512_mul_ps(dmin, m));
         }
+        let high = high_bits::<SCALES>();
+        if high > 0 {
+            let d = sp.add(crate::q56::scales_offset(high, j));
+            return (_mm512_cvtph_ps(_mm256_loadu_si256(d as *const __m256i)), _mm512_setzero_ps());
+        }
+        // Q4_G: the sub-block's 16 f16 scales, then its 16 f16 mins.
         let sub_scales = sp.add(j * sub_scale_bytes::<SCALES>());
         let d = _mm512_cvtph_ps(_mm256_loadu_si256(sub_scales as *const __m256i));
-        if high_bits::<SCALES>() > 0 {
-            (d, _mm512_setzero_ps())
-        } else {
-            // Q4_G: the sub-block's 16 f16 scales, then its 16 f16 mins.
-            (d, _mm512_cvtph_ps(_mm256_loadu_si256(sub_scales.add(32) as *const __m256i)))
-        }
+        (d, _mm512_cvtph_ps(_mm256_loadu_si256(sub_scales.add(32) as *const __m256i)))
     }
 }
 
@@ -395,32 +396,27 @@ unsafe fn sub_block_scales<const SCALES: u8>(sp: *const u8, s: usize, jj: usize)
 /// place (`raw & 0xF0`, each quant times 16, which saves a shift per vector;
 /// [`accumulate_sub_block`] divides the exact integer sum by 16); for Q5_0 and Q6_0 they are
 /// shifted down, and both sub-blocks get their quants' high bits from the scales plane at `sp`
-/// ([`add_high_bits`]).
+/// ([`add_high_bits`]). The 8 vectors, then the high-bit vectors, are read in address order
+/// ([`load_in_order`]).
 ///
 /// # Safety
 /// AVX-512 F/BW must be available; the pair and its scales lie at the planes' offsets.
 #[inline(always)]
-unsafe fn unpack_pair<const SCALES: u8>(
-    wp: *const u8,
-    sp: *const u8,
-    j: usize,
-    addends: HighBitAddends,
-) -> ([__m512i; 8], [__m512i; 8]) {
+unsafe fn unpack_pair<const SCALES: u8>(wp: *const u8, sp: *const u8, j: usize) -> ([__m512i; 8], [__m512i; 8]) {
     debug_assert!(j.is_multiple_of(2));
     // SAFETY: the caller's contract.
     unsafe {
         let wb = wp.add((j / 2) * PAIR_BYTES);
-        let raw: [__m512i; 8] = std::array::from_fn(|k| _mm512_loadu_si512(wb.add(64 * k) as *const _));
+        let raw: [__m512i; 8] = std::array::from_fn(|k| load_in_order(wb.add(64 * k)));
         let nibble = _mm512_set1_epi8(0x0F);
-        if high_bits::<SCALES>() > 0 {
-            let (low_scales, high_scales) =
-                (sp.add(j * sub_scale_bytes::<SCALES>()), sp.add((j + 1) * sub_scale_bytes::<SCALES>()));
-            let low = std::array::from_fn(|k| {
-                add_high_bits::<SCALES>(_mm512_and_si512(raw[k], nibble), low_scales, k, addends)
-            });
+        let h = high_bits::<SCALES>();
+        if h > 0 {
+            let (low_bits, high_bits) =
+                (sp.add(crate::q56::high_bits_offset(h, j)), sp.add(crate::q56::high_bits_offset(h, j + 1)));
+            let low = std::array::from_fn(|k| add_high_bits::<SCALES>(_mm512_and_si512(raw[k], nibble), low_bits, k));
             let high = std::array::from_fn(|k| {
                 let shifted = _mm512_srli_epi16(raw[k], 4);
-                add_high_bits::<SCALES>(_mm512_and_si512(shifted, nibble), high_scales, k, addends)
+                add_high_bits::<SCALES>(_mm512_and_si512(shifted, nibble), high_bits, k)
             });
             return (low, high);
         }
@@ -428,54 +424,94 @@ unsafe fn unpack_pair<const SCALES: u8>(
     }
 }
 
-/// The bytes 16 and 32 that [`add_high_bits`] adds, made once per tile and opaque to the
-/// compiler: knowing that an unpacked nibble's top bits are zero, it would turn each masked
-/// byte add into an OR and a masked byte move (AVX-512 has no byte-masked OR), two
-/// instructions where `vpaddb` with a mask is one. The values are the same.
-#[derive(Clone, Copy)]
-struct HighBitAddends {
-    fifth: __m512i,
-    sixth: __m512i,
-}
-
-impl HighBitAddends {
-    /// # Safety
-    /// AVX-512 F must be available.
-    #[inline(always)]
-    unsafe fn new() -> Self {
-        // SAFETY: the caller's contract.
-        unsafe { std::hint::black_box(HighBitAddends { fifth: _mm512_set1_epi8(16), sixth: _mm512_set1_epi8(32) }) }
-    }
-}
-
 /// Vector `k` of a sub-block's unpacked nibbles `low` with Q5_0's fifth bits (and Q6_0's
-/// sixth) added from the sub-block's scales at `sub_scales` by masked byte adds; `low` itself
-/// for Q4_K and Q4_G.
+/// sixth) put above them from the sub-block's high-bit vectors at `high_bits` (`q56.rs`'
+/// layout): the high-bit vector holding `k`'s slot, shifted so that the slot's
+/// bits sit at bits `4 .. 4 + H` of every byte, masked to them and ORed onto the nibble, one
+/// shift and one `vpternlogd`; `low` itself for Q4_K and Q4_G.
 ///
 /// # Safety
-/// AVX-512 F/BW must be available; the sub-block's scales lie at `sub_scales`.
+/// AVX-512 F/BW must be available; the sub-block's high-bit vectors lie at `high_bits`.
 #[inline(always)]
-unsafe fn add_high_bits<const SCALES: u8>(
-    low: __m512i,
-    sub_scales: *const u8,
-    k: usize,
-    addends: HighBitAddends,
-) -> __m512i {
-    let high = high_bits::<SCALES>();
+unsafe fn add_high_bits<const SCALES: u8>(low: __m512i, high_bits: *const u8, k: usize) -> __m512i {
+    let high = self::high_bits::<SCALES>();
     if high == 0 {
         return low;
     }
+    let (v, slot_bit) = crate::q56::high_bit_slot(high, k);
+    // SAFETY: the caller's contract. The loop over `k` is unrolled, so the compiler loads each
+    // high-bit vector once for the slots it serves.
+    unsafe {
+        let bits = load_in_order(high_bits.add(64 * v));
+        let placed = shift_bytes_to_bit4(bits, slot_bit);
+        let mask = _mm512_set1_epi8((((1u8 << high) - 1) << 4) as i8);
+        // `low | (placed & mask)`: 0xF8 is `A | (B & C)` in `vpternlogd`'s truth table.
+        _mm512_ternarylogic_epi32::<0xF8>(low, placed, mask)
+    }
+}
+
+/// `v` shifted in 16-bit lanes so that bit `from` (0..8) of every byte moves to bit 4 (the
+/// bits crossing into the neighbouring byte land outside bits `4 .. 4 + H`, which the caller
+/// masks).
+///
+/// # Safety
+/// AVX-512 BW must be available.
+#[inline(always)]
+unsafe fn shift_bytes_to_bit4(v: __m512i, from: usize) -> __m512i {
     // SAFETY: the caller's contract.
     unsafe {
-        // Bit `4 · row + c` of word `k`: the fifth bit of this vector's byte; of word `8 + k`
-        // (Q6_0), its sixth.
-        let fifth: __mmask64 = std::ptr::read_unaligned(sub_scales.add(32 + 8 * k) as *const u64);
-        let low = _mm512_mask_add_epi8(low, fifth, low, addends.fifth);
-        if high == 1 {
-            return low;
+        match from {
+            0 => _mm512_slli_epi16::<4>(v),
+            1 => _mm512_slli_epi16::<3>(v),
+            2 => _mm512_slli_epi16::<2>(v),
+            3 => _mm512_slli_epi16::<1>(v),
+            4 => v,
+            5 => _mm512_srli_epi16::<1>(v),
+            6 => _mm512_srli_epi16::<2>(v),
+            _ => _mm512_srli_epi16::<3>(v),
         }
-        let sixth: __mmask64 = std::ptr::read_unaligned(sub_scales.add(96 + 8 * k) as *const u64);
-        _mm512_mask_add_epi8(low, sixth, low, addends.sixth)
+    }
+}
+
+/// 64 bytes at any address: the type [`load_in_order`] reads.
+#[repr(C, packed)]
+#[derive(Clone, Copy)]
+struct Unaligned(__m512i);
+
+/// The 64 bytes at `p`, as one unaligned load that the compiler keeps in program order with
+/// the tile's other such loads (a volatile read). Decode streams the planes from memory, and
+/// the order of a tile's loads is the order in which their cache lines are first asked for:
+/// with the compiler free to schedule them, it asked for a Q6_0 pair's lines out of order
+/// (the sixth weight vector first, the scales after the high bits), and one thread streamed
+/// Q6_0 weights 1.6× slower than in order (`model_quant_decode`, `BENCHMARKS.md`). The value
+/// is the plain load's.
+///
+/// # Safety
+/// `p` is valid for reading 64 bytes (no alignment needed).
+#[inline(always)]
+unsafe fn load_in_order(p: *const u8) -> __m512i {
+    // SAFETY: the caller's contract; `Unaligned` has alignment 1.
+    unsafe { std::ptr::read_volatile(p as *const Unaligned).0 }
+}
+
+/// [`shift_bytes_to_bit4`] on AVX2.
+///
+/// # Safety
+/// AVX2 must be available.
+#[inline(always)]
+unsafe fn shift_bytes_to_bit4_avx2(v: __m256i, from: usize) -> __m256i {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match from {
+            0 => _mm256_slli_epi16::<4>(v),
+            1 => _mm256_slli_epi16::<3>(v),
+            2 => _mm256_slli_epi16::<2>(v),
+            3 => _mm256_slli_epi16::<1>(v),
+            4 => v,
+            5 => _mm256_srli_epi16::<1>(v),
+            6 => _mm256_srli_epi16::<2>(v),
+            _ => _mm256_srli_epi16::<3>(v),
+        }
     }
 }
 
@@ -570,8 +606,6 @@ pub(crate) unsafe fn group_vnni_unpacked<const SCALES: u8>(
     let (wp, sp, xp) = (wq.as_ptr(), ws.as_ptr(), xq.as_ptr());
     let mask: __mmask16 = if valid >= GROUP_ROWS { 0xffff } else { (1u16 << valid) - 1 };
     let mut unpacked = [[_mm512_setzero_si512(); 8]; UNPACK_SUPERS * QK_K / SUB];
-    // SAFETY: this function's target features.
-    let addends = unsafe { HighBitAddends::new() };
     let n_super = cols.div_ceil(QK_K);
     for s0 in (0..n_super).step_by(UNPACK_SUPERS) {
         let s1 = (s0 + UNPACK_SUPERS).min(n_super);
@@ -580,7 +614,7 @@ pub(crate) unsafe fn group_vnni_unpacked<const SCALES: u8>(
             for jj in (0..subs_in(cols, s)).step_by(2) {
                 // SAFETY: sub-blocks `s · 8 + jj` and the next one: their pair and scales lie
                 // inside the planes (checked above).
-                let (low, high) = unsafe { unpack_pair::<SCALES>(wp, sp, s * (QK_K / SUB) + jj, addends) };
+                let (low, high) = unsafe { unpack_pair::<SCALES>(wp, sp, s * (QK_K / SUB) + jj) };
                 (unpacked[n], unpacked[n + 1]) = (low, high);
                 n += 2;
             }
@@ -655,13 +689,9 @@ pub(crate) unsafe fn tile_avx2<const SCALES: u8>(
     let (wp, sp, xp) = (wq.as_ptr(), ws.as_ptr(), xq.as_ptr());
     let (nibble, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
     let grouped = SCALES != Q4K_SCALES;
-    // Q5_0's and Q6_0's high bits: byte `i` of a 32-byte half takes bit `i % 8` of mask byte
-    // `i / 8`.
-    let spread = _mm256_setr_epi8(
-        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
-    );
-    let bit_of_byte = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
     let high = high_bits::<SCALES>();
+    // Q5_0's and Q6_0's high bits, once shifted to bits `4 .. 4 + H` (`add_high_bits`).
+    let high_mask = _mm256_set1_epi8((((1u16 << high) - 1) << 4) as u8 as i8);
     for t in 0..mt {
         let mut acc = [_mm256_setzero_ps(); 2];
         for s in 0..n_super {
@@ -686,15 +716,15 @@ pub(crate) unsafe fn tile_avx2<const SCALES: u8>(
                             let raw = _mm256_loadu_si256(wb.add(64 * k + 32 * h) as *const __m256i);
                             let raw = if j.is_multiple_of(2) { raw } else { _mm256_srli_epi16(raw, 4) };
                             let mut w = _mm256_and_si256(raw, nibble);
-                            for b in 0..high {
-                                // Bits `32h .. 32h + 32` of word `8b + k`, one per byte of this
-                                // half, spread to bytes of `16 << b` where set
-                                // (`63 · 127 · 2 < 2^15`: the pairs still do not saturate).
-                                let at = 32 + 64 * b + 8 * k + 4 * h;
-                                let m = std::ptr::read_unaligned(sub_scales.add(at) as *const i32);
-                                let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(m), spread);
-                                let set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit_of_byte), bit_of_byte);
-                                w = _mm256_or_si256(w, _mm256_and_si256(set, _mm256_set1_epi8(16 << b)));
+                            if high > 0 {
+                                // This half of the high-bit vector holding `k`'s slot, its bits
+                                // moved to `4 .. 4 + H` and ORed on (`63 · 127 · 2 < 2^15`: the
+                                // pairs still do not saturate).
+                                let (v, slot_bit) = crate::q56::high_bit_slot(high, k);
+                                let at = crate::q56::high_bits_offset(high, j) + 64 * v + 32 * h;
+                                let bits = _mm256_loadu_si256(sp.add(at) as *const __m256i);
+                                let placed = shift_bytes_to_bit4_avx2(bits, slot_bit);
+                                w = _mm256_or_si256(w, _mm256_and_si256(placed, high_mask));
                             }
                             let pairs = _mm256_maddubs_epi16(w, x4);
                             *ii = _mm256_add_epi32(*ii, _mm256_madd_epi16(pairs, ones));
@@ -707,7 +737,8 @@ pub(crate) unsafe fn tile_avx2<const SCALES: u8>(
                         let corr = std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const i32) >> (4 - high);
                         for (h, acc) in acc.iter_mut().enumerate() {
                             // Rows `8h .. 8h + 8`'s f16 scales `d` of sub-block `j`.
-                            let d = _mm256_cvtph_ps(_mm_loadu_si128(sub_scales.add(16 * h) as *const __m128i));
+                            let at = crate::q56::scales_offset(high, j) + 16 * h;
+                            let d = _mm256_cvtph_ps(_mm_loadu_si128(sp.add(at) as *const __m128i));
                             let isum = _mm256_add_epi32(ii[h], _mm256_set1_epi32(corr));
                             *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), *acc);
                         }

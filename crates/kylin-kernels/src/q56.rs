@@ -29,11 +29,17 @@
 //! - quants: the low four bits of every quant, exactly Q4_K's quants plane ([`crate::q4k`]),
 //!   `[group][pair of sub-blocks: cols / 64][k4: 8][row: 16][4 consecutive columns]`, so the
 //!   formats share the unpacking code;
-//! - scales `[group][sub-block: cols / 32][scale: 16 f16 (one per row)][high bits: H · 8
-//!   u64]`: 96 (Q5_0) or 160 (Q6_0) bytes per (group, sub-block). High-bit word `8b + k`
-//!   holds bit `4 + b` of the quants of columns `4k .. 4k + 4` of the sub-block, bit `4 · row
-//!   + c` for column `4k + c`: the same order as the bytes of one unpacked 64-byte weight
-//!   vector, so a tile adds `16 << b` where a mask bit is set.
+//! - scales `[group][pair of sub-blocks: cols / 64]`, each pair `[sub-block: 2][scale: 16
+//!   f16 (one per row)]` then `[sub-block: 2][high bits: H vectors of 64 bytes]`: 96 (Q5_0)
+//!   or 160 (Q6_0) bytes per (group, sub-block), every high-bit vector on a 64-byte line, in
+//!   the order a tile reads them. A sub-block's quants are 8 weight vectors of 64 bytes
+//!   (vector `k`: columns `4k .. 4k + 4`, byte `4 · row + c` for column `4k + c`, as the
+//!   quants plane orders them). Each high-bit vector serves `8 / H` of them (its *slots*):
+//!   byte `i` of high-bit vector `v` holds, at bits `H · s .. H · s + H`, bits `4 .. 4 + H`
+//!   of byte `i`'s quant in weight vector `k = v · 8 / H + s`. So a tile unpacks a weight
+//!   vector's high bits with one shift of its high-bit vector by `4 − H · s` bits (in 16-bit
+//!   lanes: what crosses into the neighbouring byte lands outside bits `4 .. 4 + H`) and one
+//!   masked OR onto the nibble.
 //!
 //! That is 352 (Q5_0) or 416 (Q6_0) bytes per 16 × 32 weights: 5.5 or 6.5 bits per weight,
 //! as GGUF's `block_q5_0` and ik_llama.cpp's `block_q6_0`.
@@ -61,13 +67,36 @@ use crate::quant::{GROUP_ROWS, q8_scratch_len, quantize_activations};
 
 /// Bytes of one sub-block's 16 f16 scales in the scales plane.
 const SCALE_BYTES: usize = GROUP_ROWS * 2;
-/// Bytes of one high-bit plane of one sub-block of a group's 16 rows (8 u64).
+/// Bytes of one high-bit vector of one sub-block of a group's 16 rows: one bit for each of
+/// the sub-block's 512 quants.
 const HIGH_BYTES: usize = GROUP_ROWS * SUB / 8;
+
+/// Where a format with `h` high bits keeps the high bits of weight vector `k` (`0..8`) of a
+/// sub-block: the high-bit vector's index and the bit `h · slot` its bits start at (module
+/// docs).
+pub(crate) const fn high_bit_slot(h: usize, k: usize) -> (usize, usize) {
+    let per_vector = 8 / h;
+    (k / per_vector, h * (k % per_vector))
+}
 
 /// Bytes of one sub-block's scales and high bits of a group's 16 rows in the scales plane of
 /// a format with `h` high bits.
 pub(crate) const fn sub_scale_bytes(h: usize) -> usize {
     SCALE_BYTES + h * HIGH_BYTES
+}
+
+/// Offset, in a group's scales plane of a format with `h` high bits, of sub-block `j`'s 16
+/// f16 scales: a pair of sub-blocks keeps both sub-blocks' scales first (one 64-byte line),
+/// then both sub-blocks' high-bit vectors, so every high-bit vector starts on a line of the
+/// plane and a tile reads the plane in ascending order.
+pub(crate) const fn scales_offset(h: usize, j: usize) -> usize {
+    (j / 2) * 2 * sub_scale_bytes(h) + (j % 2) * SCALE_BYTES
+}
+
+/// Offset, in a group's scales plane of a format with `h` high bits, of sub-block `j`'s first
+/// high-bit vector (its `h` vectors follow one another), after its pair's scales.
+pub(crate) const fn high_bits_offset(h: usize, j: usize) -> usize {
+    (j / 2) * 2 * sub_scale_bytes(h) + 2 * SCALE_BYTES + (j % 2) * h * HIGH_BYTES
 }
 
 /// The offset `half` of a format with `h` high bits: 16 for Q5_0, 32 for Q6_0.
@@ -203,7 +232,6 @@ pub fn quantize_groups<const H: usize>(
     assert_eq!(quants.len(), groups.len() * gq_len, "quants length != groups * group bytes");
     assert_eq!(scales.len(), groups.len() * gs_len, "scales length != groups * group bytes");
     assert_eq!(row.len(), cols);
-    let sub_bytes = sub_scale_bytes(H);
     let mut rows = vec![0.0f32; GROUP_ROWS * cols];
     for (g, (gq, gs)) in groups.zip(quants.chunks_exact_mut(gq_len).zip(scales.chunks_exact_mut(gs_len))) {
         for (lane, row) in rows.chunks_exact_mut(cols).enumerate() {
@@ -217,6 +245,7 @@ pub fn quantize_groups<const H: usize>(
             }
         }
         let valid = GROUP_ROWS.min(w.rows.saturating_sub(g * GROUP_ROWS));
+        gs.fill(0);
         for j in 0..cols / SUB {
             // `x[k][lane]`: column `k` of the block, row `lane`.
             let mut x = [[0.0f32; GROUP_ROWS]; SUB];
@@ -226,24 +255,19 @@ pub fn quantize_groups<const H: usize>(
                 }
             }
             let (d, q) = quantize_block_x16::<H>(&x);
-            let block = &mut gs[j * sub_bytes..(j + 1) * sub_bytes];
-            block.fill(0);
+            let scales = &mut gs[scales_offset(H, j)..scales_offset(H, j) + SCALE_BYTES];
             for lane in 0..valid {
-                block[2 * lane..2 * lane + 2].copy_from_slice(&half::f16::from_f32(d[lane]).to_le_bytes());
+                scales[2 * lane..2 * lane + 2].copy_from_slice(&half::f16::from_f32(d[lane]).to_le_bytes());
             }
-            // High-bit word `8b + k4`: bit `4 · lane + c` is bit `4 + b` of column `4k4 + c`.
-            for b in 0..H {
-                for k4 in 0..SUB / 4 {
-                    let mut word = 0u64;
-                    // The lane is a bit position as well as an index: a range reads clearest.
-                    #[allow(clippy::needless_range_loop)]
-                    for lane in 0..valid {
-                        for c in 0..4 {
-                            word |= (((q[4 * k4 + c][lane] >> (4 + b)) & 1) as u64) << (4 * lane + c);
-                        }
+            // Weight vector `k4`'s high bits: byte `4 · lane + c` of its high-bit vector, at
+            // its slot's bits, holds bits `4 .. 4 + H` of column `4k4 + c`.
+            for k4 in 0..SUB / 4 {
+                let (v, shift) = high_bit_slot(H, k4);
+                for lane in 0..valid {
+                    for c in 0..4 {
+                        let bits = (q[4 * k4 + c][lane] >> 4) & ((1 << H) - 1);
+                        gs[high_bits_offset(H, j) + v * HIGH_BYTES + 4 * lane + c] |= bits << shift;
                     }
-                    let at = SCALE_BYTES + b * HIGH_BYTES + 8 * k4;
-                    block[at..at + 8].copy_from_slice(&word.to_le_bytes());
                 }
             }
             // The low nibbles: byte `64 · k4 + 4 · lane + c` of the pair, low or high half.
@@ -341,20 +365,16 @@ fn quantize_block_lanes<const H: usize>(x: &[[f32; GROUP_ROWS]; SUB]) -> ([f32; 
 /// Row `lane`'s scale of sub-block `j` (f16 widened to f32) in a group's scales plane `gs`.
 #[inline]
 fn scale_at<const H: usize>(gs: &[u8], lane: usize, j: usize) -> f32 {
-    let at = j * sub_scale_bytes(H) + 2 * lane;
+    let at = scales_offset(H, j) + 2 * lane;
     half::f16::from_le_bytes([gs[at], gs[at + 1]]).to_f32()
 }
 
 /// Row `lane`'s whole quant of column `k` of sub-block `j` of a group's planes.
 #[inline]
 fn quant_high_at<const H: usize>(gq: &[u8], gs: &[u8], lane: usize, j: usize, k: usize) -> u8 {
-    let bit = lane * 4 + k % 4;
-    let mut q = quant_at(gq, lane, j, k);
-    for b in 0..H {
-        let byte = gs[j * sub_scale_bytes(H) + SCALE_BYTES + b * HIGH_BYTES + 8 * (k / 4) + bit / 8];
-        q |= ((byte >> (bit % 8)) & 1) << (4 + b);
-    }
-    q
+    let (v, shift) = high_bit_slot(H, k / 4);
+    let byte = gs[high_bits_offset(H, j) + v * HIGH_BYTES + 4 * lane + k % 4];
+    quant_at(gq, lane, j, k) | (((byte >> shift) & ((1 << H) - 1)) << 4)
 }
 
 /// Row `r` dequantized into `out` (`cols` elements): `d · (q − half)` in f32, `d` the block's

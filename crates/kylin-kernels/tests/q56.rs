@@ -189,10 +189,10 @@ fn check_quantization(f: Format, rng: &mut Rng) {
                 }
             }
             for (i, b) in last_s.iter().enumerate() {
-                // `[sub-block][scale: 16 f16][high bits: 8 (16) u64, bit 4 · row + c]`.
-                // A high-bit byte holds rows `2b` and `2b + 1` (`b` its place in its word).
-                let at = i % f.sub_scale_bytes;
-                let padding = if at < 32 { at / 2 >= valid } else { 2 * ((at - 32) % 8) >= valid };
+                // `[pair of sub-blocks][scales: 2 · 16 f16][high bits: 2 · (1 (2)) vectors of 64
+                // bytes]`. Byte `4 · row + c` of a high-bit vector holds row `row`'s bits.
+                let at = i % (2 * f.sub_scale_bytes);
+                let padding = if at < 64 { at % 32 / 2 >= valid } else { (at - 64) % 64 / 4 >= valid };
                 if padding {
                     assert_eq!(*b, 0, "{name} {rows}x{cols}: padding scale byte {i}");
                 }

@@ -236,6 +236,20 @@ impl StoredQuantization {
     pub const KYLIN_METHOD: &'static str = "kylin";
     pub const Q8_0_FORMAT: &'static str = "q8_0-packed";
     pub const Q4_K_FORMAT: &'static str = "q4_k-packed";
+    /// The `version` of each format this Kylin writes and reads. `q4_k-packed` version 1 kept
+    /// Q5_0's and Q6_0's high bits as 64-bit masks, one word per weight vector and bit;
+    /// version 2 keeps them as shifted bit fields, one 64-byte vector per four (Q6_0) or eight
+    /// (Q5_0) weight vectors (`kylin_kernels::q56`'s layout).
+    pub const Q8_0_VERSION: u64 = 1;
+    pub const Q4_K_VERSION: u64 = 2;
+
+    /// The `version` written for this quantization, the only one read.
+    pub fn version(self) -> u64 {
+        match self {
+            StoredQuantization::KylinQ8_0 => Self::Q8_0_VERSION,
+            StoredQuantization::KylinQ4K => Self::Q4_K_VERSION,
+        }
+    }
 
     /// The `format` written for this quantization.
     pub fn format(self) -> &'static str {
@@ -765,11 +779,17 @@ impl HfConfig {
                 )));
             }
         };
+        let reads = stored.version();
         match q.get("version").and_then(Value::as_u64) {
-            Some(1) => Ok((Some(stored), None)),
+            Some(v) if v == reads => Ok((Some(stored), None)),
+            Some(1) if stored == StoredQuantization::KylinQ4K => Err(KylinError::model_version_incompatible(format!(
+                "config.json quantization_config.version is 1: this '{}' directory was written by an earlier Kylin, whose Q5_0 and Q6_0 planes lay out their high bits differently; this Kylin reads version {reads}. Write it again with 'kylin quantize SOURCE --to q4_k OUT_DIR'",
+                StoredQuantization::Q4_K_FORMAT
+            ))),
             _ => Err(KylinError::model_version_incompatible(format!(
-                "config.json quantization_config.version is {}; this Kylin reads version 1",
-                q.get("version").map_or("missing".to_string(), |v| v.to_string())
+                "config.json quantization_config.version is {}; this Kylin reads version {reads} of '{}'",
+                q.get("version").map_or("missing".to_string(), |v| v.to_string()),
+                stored.format()
             ))),
         }
     }
