@@ -411,12 +411,19 @@ unsafe fn unpack_pair<const SCALES: u8>(wp: *const u8, sp: *const u8, j: usize) 
         let nibble = _mm512_set1_epi8(0x0F);
         let h = high_bits::<SCALES>();
         if h > 0 {
-            let (low_bits, high_bits) =
-                (sp.add(crate::q56::high_bits_offset(h, j)), sp.add(crate::q56::high_bits_offset(h, j + 1)));
-            let low = std::array::from_fn(|k| add_high_bits::<SCALES>(_mm512_and_si512(raw[k], nibble), low_bits, k));
+            // Each sub-block's `h` high-bit vectors, loaded once for the slots they serve.
+            let [low_bits, high_bits] = [j, j + 1].map(|j| {
+                let at = sp.add(crate::q56::high_bits_offset(h, j));
+                let mut bits = [_mm512_setzero_si512(); 2];
+                for (v, bits) in bits.iter_mut().enumerate().take(h) {
+                    *bits = load_in_order(at.add(64 * v));
+                }
+                bits
+            });
+            let low = std::array::from_fn(|k| add_high_bits::<SCALES>(_mm512_and_si512(raw[k], nibble), &low_bits, k));
             let high = std::array::from_fn(|k| {
                 let shifted = _mm512_srli_epi16(raw[k], 4);
-                add_high_bits::<SCALES>(_mm512_and_si512(shifted, nibble), high_bits, k)
+                add_high_bits::<SCALES>(_mm512_and_si512(shifted, nibble), &high_bits, k)
             });
             return (low, high);
         }
@@ -425,52 +432,55 @@ unsafe fn unpack_pair<const SCALES: u8>(wp: *const u8, sp: *const u8, j: usize) 
 }
 
 /// Vector `k` of a sub-block's unpacked nibbles `low` with Q5_0's fifth bits (and Q6_0's
-/// sixth) put above them from the sub-block's high-bit vectors at `high_bits` (`q56.rs`'
-/// layout): the high-bit vector holding `k`'s slot, shifted so that the slot's
-/// bits sit at bits `4 .. 4 + H` of every byte, masked to them and ORed onto the nibble, one
-/// shift and one `vpternlogd`; `low` itself for Q4_K and Q4_G.
+/// sixth) put above them from the sub-block's high-bit vectors `bits` (the first H of them;
+/// `q56.rs`' layout): the vector holding `k`'s slot, shifted so that the slot's bits sit at
+/// bits `4 .. 4 + H` of every byte, masked to them and ORed onto the nibble, one shift and
+/// one `vpternlogd`; `low` itself for Q4_K and Q4_G.
 ///
 /// # Safety
-/// AVX-512 F/BW must be available; the sub-block's high-bit vectors lie at `high_bits`.
+/// AVX-512 F/BW must be available.
 #[inline(always)]
-unsafe fn add_high_bits<const SCALES: u8>(low: __m512i, high_bits: *const u8, k: usize) -> __m512i {
-    let high = self::high_bits::<SCALES>();
+unsafe fn add_high_bits<const SCALES: u8>(low: __m512i, bits: &[__m512i; 2], k: usize) -> __m512i {
+    let high = high_bits::<SCALES>();
     if high == 0 {
         return low;
     }
     let (v, slot_bit) = crate::q56::high_bit_slot(high, k);
-    // SAFETY: the caller's contract. The loop over `k` is unrolled, so the compiler loads each
-    // high-bit vector once for the slots it serves.
+    // SAFETY: the caller's contract.
     unsafe {
-        let bits = load_in_order(high_bits.add(64 * v));
-        let placed = shift_bytes_to_bit4(bits, slot_bit);
+        let placed = shift_bytes_to_bit4(bits[v], slot_bit);
         let mask = _mm512_set1_epi8((((1u8 << high) - 1) << 4) as i8);
         // `low | (placed & mask)`: 0xF8 is `A | (B & C)` in `vpternlogd`'s truth table.
         _mm512_ternarylogic_epi32::<0xF8>(low, placed, mask)
     }
 }
 
-/// `v` shifted in 16-bit lanes so that bit `from` (0..8) of every byte moves to bit 4 (the
-/// bits crossing into the neighbouring byte land outside bits `4 .. 4 + H`, which the caller
-/// masks).
+/// The shift of `v` in 16-bit lanes (`$left` and `$right` are its ISA's immediate shifts) that
+/// moves bit `from` (0..8) of every byte to bit 4; the bits crossing into the neighbouring
+/// byte land outside bits `4 .. 4 + H`, which the caller masks.
+macro_rules! shift_bytes_to_bit4 {
+    ($v:expr, $from:expr, $left:ident, $right:ident) => {
+        match $from {
+            0 => $left::<4>($v),
+            1 => $left::<3>($v),
+            2 => $left::<2>($v),
+            3 => $left::<1>($v),
+            4 => $v,
+            5 => $right::<1>($v),
+            6 => $right::<2>($v),
+            _ => $right::<3>($v),
+        }
+    };
+}
+
+/// [`shift_bytes_to_bit4!`] on AVX-512.
 ///
 /// # Safety
 /// AVX-512 BW must be available.
 #[inline(always)]
 unsafe fn shift_bytes_to_bit4(v: __m512i, from: usize) -> __m512i {
     // SAFETY: the caller's contract.
-    unsafe {
-        match from {
-            0 => _mm512_slli_epi16::<4>(v),
-            1 => _mm512_slli_epi16::<3>(v),
-            2 => _mm512_slli_epi16::<2>(v),
-            3 => _mm512_slli_epi16::<1>(v),
-            4 => v,
-            5 => _mm512_srli_epi16::<1>(v),
-            6 => _mm512_srli_epi16::<2>(v),
-            _ => _mm512_srli_epi16::<3>(v),
-        }
-    }
+    unsafe { shift_bytes_to_bit4!(v, from, _mm512_slli_epi16, _mm512_srli_epi16) }
 }
 
 /// 64 bytes at any address: the type [`load_in_order`] reads.
@@ -494,25 +504,14 @@ unsafe fn load_in_order(p: *const u8) -> __m512i {
     unsafe { std::ptr::read_volatile(p as *const Unaligned).0 }
 }
 
-/// [`shift_bytes_to_bit4`] on AVX2.
+/// [`shift_bytes_to_bit4!`] on AVX2.
 ///
 /// # Safety
 /// AVX2 must be available.
 #[inline(always)]
 unsafe fn shift_bytes_to_bit4_avx2(v: __m256i, from: usize) -> __m256i {
     // SAFETY: the caller's contract.
-    unsafe {
-        match from {
-            0 => _mm256_slli_epi16::<4>(v),
-            1 => _mm256_slli_epi16::<3>(v),
-            2 => _mm256_slli_epi16::<2>(v),
-            3 => _mm256_slli_epi16::<1>(v),
-            4 => v,
-            5 => _mm256_srli_epi16::<1>(v),
-            6 => _mm256_srli_epi16::<2>(v),
-            _ => _mm256_srli_epi16::<3>(v),
-        }
-    }
+    unsafe { shift_bytes_to_bit4!(v, from, _mm256_slli_epi16, _mm256_srli_epi16) }
 }
 
 /// One token's sub-block `j` into its 16 rows' `acc`: the exact integer sums of the weight
