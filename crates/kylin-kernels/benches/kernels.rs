@@ -290,8 +290,8 @@ fn model_quant_decode(bencher: Bencher, format: &str) {
 
 /// The routed experts of one decode token through 4 layers of Qwen3-30B-A3B's shapes (128
 /// experts of `[768, 2048]` gate and up and `[2048, 768]` down per layer, 8 routed per token,
-/// a different 8 at every call) quantized to Q4_K at load (0.9 MB each, below a huge page), by
-/// how the products are dispatched: `per_expert`, one pool dispatch per matrix (the engine's
+/// a different 8 at every call) quantized to Q4_K at load (0.9 MB each, below a huge page: parts
+/// of `AlignedBytes`' arena chunks), by how the products are dispatched: `per_expert`, one pool dispatch per matrix (the engine's
 /// path for an expert with several tokens, `moe.rs` `run_expert`); `grouped`, one dispatch for
 /// each kind of matrix over all 8 routed experts, the downs each on its own input row
 /// (`matmul_many_quant` and `matmul_rows_quant`, the engine's path for one token). Counted in

@@ -1084,8 +1084,9 @@ impl QuantBuffer {
         let (quants_len, s) = packing.plane_lens(rows, cols)?;
         let scales_at = quants_len.checked_next_multiple_of(64)?;
         let len = scales_at.checked_add(s)?;
-        // Zero pages from the OS for a large matrix, with huge pages where the OS gives them
-        // (`AlignedBytes`): decode streams every plane once per token.
+        // Zero pages from the OS for any but a tiny matrix, on huge pages where the OS gives
+        // them (`AlignedBytes`: a map of its own, or a part of a shared arena chunk): decode
+        // streams every plane once per token.
         let bytes = crate::aligned::AlignedBytes::zeroed(len)?;
         Some(QuantBuffer { bytes, packing, rows, cols, quants_len, scales_at })
     }
