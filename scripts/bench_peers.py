@@ -17,7 +17,10 @@ Workloads (the table of issue 36), where the weights exist in KYLIN_MODELS:
 Usage: python3 scripts/bench_peers.py [--rounds 2] [--only NAME] [--prompt N]
 `--prompt N` replaces the 512-token prompt (and so the depth decode is measured at) with N, to
 see decode where attention over the context costs more. Prints every measurement and a table
-of the figures and the ratios of each round.
+of the figures and the ratios of each round, and for each decode the share of the machine's
+read bandwidth that Kylin's decode used in each round (`kylin bench`'s
+`decode_bandwidth_fraction`: the weights one token reads times tokens/s, over the probe
+measured just before; issue 36 asks for 85%).
 """
 
 import argparse
@@ -57,7 +60,7 @@ def kylin(model, extra, prompt, with_decode):
                           str(prompt), "--gen-tokens", str(gen), "--repetitions", "1", "--json"],
                          check=True, capture_output=True, text=True, timeout=1800)
     r = json.loads(out.stdout)
-    return r["prefill_tok_s"], r["decode_tok_s"]
+    return r["prefill_tok_s"], r["decode_tok_s"], r.get("decode_bandwidth_fraction") if with_decode else None
 
 
 def ik(bench, gguf, prompt, with_decode):
@@ -96,10 +99,11 @@ def main():
             if r % 2:
                 order.reverse()
             for label, run in order:
-                prefill, decode = run()
-                (ours if label == "kylin" else theirs).append((prefill, decode))
+                prefill, decode, *share = run()
+                (ours if label == "kylin" else theirs).append((prefill, decode, *share))
+                of_peak = f" ({share[0]:.0%} of the read bandwidth)" if share and share[0] is not None else ""
                 print(f"{name} round {r + 1} {label:12}: prefill {prompt} {prefill:.1f} tok/s, "
-                      f"decode {decode:.1f} tok/s", flush=True)
+                      f"decode {decode:.1f} tok/s{of_peak}", flush=True)
         rows.append((name, prompt, with_decode, ours, theirs))
     print()
     print("| workload | Kylin | ik_llama.cpp | ratio per round |")
@@ -110,6 +114,9 @@ def main():
             t = sum(o[i] for o in theirs) / len(theirs)
             ratios = ", ".join(f"{o[i] / x[i]:.2f}×" for o, x in zip(ours, theirs))
             print(f"| {name}, {what} | {k:.1f} | {t:.1f} | {ratios} |")
+        if with_decode and all(o[2] is not None for o in ours):
+            shares = ", ".join(f"{o[2]:.0%}" for o in ours)
+            print(f"| {name}, Kylin's decode, share of the read bandwidth | | | {shares} |")
     return 0
 
 
