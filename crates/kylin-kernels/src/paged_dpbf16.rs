@@ -15,7 +15,8 @@
 //!
 //! Same structure as the AMX path (absolute partitions of [`PARTITION`] positions folded in
 //! order, tiles of [`AMX_TILE`] = 128 positions, the same softmax and fold code), with groups
-//! of at most four query rows in registers.
+//! of at most four query rows in registers, or eight for a GQA group of eight (see
+//! [`rows_dpbf16`]).
 //!
 //! # The canonical computation of a row (batch invariance)
 //!
@@ -58,8 +59,12 @@ const TILE: usize = super::paged_amx::AMX_TILE;
 const _: () = assert!(PARTITION.is_multiple_of(TILE));
 /// 16-position chunks per tile.
 const CHUNKS: usize = TILE / 16;
-/// Query rows held in registers at once.
-const GROUP: usize = 4;
+/// Chunks of 16 positions (and blocks of 16 output dimensions) a micro-kernel of `rows` rows
+/// covers at once: 16 accumulators in all (up to four rows over four, five to eight rows over
+/// two).
+const fn chunks_for(rows: usize) -> usize {
+    if rows > 4 { 2 } else { 4 }
+}
 
 /// The 32 bits at `p` (a pair of BF16 values) in every lane.
 ///
@@ -81,7 +86,7 @@ unsafe fn load_pairs(p: *const u16) -> __m512bh {
     unsafe { std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(p as *const __m512i)) }
 }
 
-/// Scores of `R` query rows against four 16-position chunks: `out[r][16c + j] = Σ_pairs
+/// Scores of `R` query rows against `C` 16-position chunks: `out[r][16c + j] = Σ_pairs
 /// q_r · k_{c,j}` (unscaled), one chain per (row, chunk) over the `hd / 2` dimension pairs in
 /// order, asking for `per_pair` lines of the next tile's blocks per pair ([`NextTile`]).
 ///
@@ -89,30 +94,61 @@ unsafe fn load_pairs(p: *const u16) -> __m512bh {
 /// AVX-512 F/BF16 available; `q[r]` holds `hd` BF16 values; `kc[c]` points at a whole key chunk
 /// (`hd / 2` pair rows of 64 bytes); `out` has room for `R` rows of [`TILE`] f32.
 #[inline(always)]
-unsafe fn scores_micro<const R: usize>(
-    q: &[*const u16; GROUP],
+unsafe fn scores_micro<const R: usize, const C: usize, const G: usize>(
+    q: &[*const u16; G],
     hd: usize,
-    kc: &[*const u16; 4],
+    kc: &[*const u16; C],
     out: *mut f32,
     next: &mut NextTile,
     per_pair: usize,
 ) {
     // SAFETY: as the caller promises.
     unsafe {
-        let mut acc = [[_mm512_setzero_ps(); 4]; R];
+        let mut acc = [[_mm512_setzero_ps(); C]; R];
         for k in 0..hd / 2 {
             next.step(per_pair);
-            let kv: [__m512bh; 4] = std::array::from_fn(|c| load_pairs(kc[c].add(32 * k)));
+            let kv: [__m512bh; C] = std::array::from_fn(|c| load_pairs(kc[c].add(32 * k)));
             for r in 0..R {
                 let qp = broadcast_pair(q[r].add(2 * k));
-                for c in 0..4 {
+                for c in 0..C {
                     acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qp, kv[c]);
                 }
             }
         }
         for r in 0..R {
-            for c in 0..4 {
+            for c in 0..C {
                 _mm512_store_ps(out.add(r * TILE + 16 * c), acc[r][c]);
+            }
+        }
+    }
+}
+
+/// [`scores_micro`] over all the tile's `chunks`, [`chunks_for`]`(R)` at a time.
+///
+/// # Safety
+/// As [`scores_micro`], for every chunk of `kc`.
+#[inline(always)]
+unsafe fn scores_rows<const R: usize, const G: usize>(
+    q: &[*const u16; G],
+    hd: usize,
+    kc: &[*const u16; CHUNKS],
+    chunks: usize,
+    sc: *mut f32,
+    next: &mut NextTile,
+    per_pair: usize,
+) {
+    const { assert!(CHUNKS.is_multiple_of(chunks_for(R))) };
+    let c = chunks_for(R);
+    // SAFETY: as the caller promises; `kc` has CHUNKS pointers, a multiple of `c`.
+    unsafe {
+        for part in 0..chunks.div_ceil(c) {
+            let out = sc.add(16 * c * part);
+            if c == 2 {
+                let k2: [*const u16; 2] = std::array::from_fn(|i| kc[2 * part + i]);
+                scores_micro::<R, 2, G>(q, hd, &k2, out, next, per_pair);
+            } else {
+                let k4: [*const u16; 4] = std::array::from_fn(|i| kc[4 * part + i]);
+                scores_micro::<R, 4, G>(q, hd, &k4, out, next, per_pair);
             }
         }
     }
@@ -120,11 +156,11 @@ unsafe fn scores_micro<const R: usize>(
 
 /// One group's `o = o · corr + P · V` over one tile: the operands [`values_micro`] and
 /// [`values_rows`] read.
-struct ValueTile<'a> {
+struct ValueTile<'a, const G: usize> {
     /// Each row's partition output, `hd` f32 (rows past the group's count repeat its last).
-    o: &'a [*mut f32; GROUP],
+    o: &'a [*mut f32; G],
     /// Each row's rescaling of its output before this tile.
-    corr: &'a [f32; GROUP],
+    corr: &'a [f32; G],
     /// The group's P in BF16, rows of [`TILE`] at a stride of `TILE`.
     p: *const u16,
     /// The tile's value chunks (eight pair rows of `2 · hd` elements each), `chunks` of them used.
@@ -141,7 +177,7 @@ struct ValueTile<'a> {
 /// AVX-512 F/BF16 available; `t.o[r]` holds `d0 + 16 · D` f32; `t.p` holds `R` rows of [`TILE`]
 /// BF16 at a stride of `TILE`; `t.vc[..t.chunks]` point at whole value chunks.
 #[inline(always)]
-unsafe fn values_micro<const R: usize, const D: usize>(t: &ValueTile<'_>, d0: usize) {
+unsafe fn values_micro<const R: usize, const D: usize, const G: usize>(t: &ValueTile<'_, G>, d0: usize) {
     let (o, hd) = (t.o, t.hd);
     // SAFETY: as the caller promises.
     unsafe {
@@ -169,21 +205,25 @@ unsafe fn values_micro<const R: usize, const D: usize>(t: &ValueTile<'_>, d0: us
     }
 }
 
-/// [`values_micro`] over all `hd` dimensions, four blocks at a time (two for a last 32).
+/// [`values_micro`] over all `hd` dimensions, [`chunks_for`]`(R)` blocks of 16 at a time (two
+/// for a last 32).
 ///
 /// # Safety
 /// As [`values_micro`] with `t.hd % 32 == 0`.
 #[inline(always)]
-unsafe fn values_rows<const R: usize>(t: &ValueTile<'_>) {
+unsafe fn values_rows<const R: usize, const G: usize>(t: &ValueTile<'_, G>) {
     // SAFETY: as the caller promises.
     unsafe {
         let mut d0 = 0;
-        while d0 + 64 <= t.hd {
-            values_micro::<R, 4>(t, d0);
-            d0 += 64;
+        if chunks_for(R) == 4 {
+            while d0 + 64 <= t.hd {
+                values_micro::<R, 4, G>(t, d0);
+                d0 += 64;
+            }
         }
-        if d0 < t.hd {
-            values_micro::<R, 2>(t, d0);
+        while d0 < t.hd {
+            values_micro::<R, 2, G>(t, d0);
+            d0 += 32;
         }
     }
 }
@@ -195,8 +235,27 @@ unsafe fn values_rows<const R: usize>(t: &ValueTile<'_>) {
 /// AVX-512 F/BW/VL/BF16, AVX2, FMA and F16C are available; the checks of `attention_rows`
 /// passed; the cache is BF16 in the pair layout; `head_dim % 32 == 0` and
 /// `block_size % 16 == 0`.
+///
+/// Rows are taken in groups of four, except the five to eight rows of one GQA group (a decode
+/// step of a model with eight query heads per KV head: Qwen3-MoE, Gemma 4's full layers), which
+/// are one group of eight: the eight rows then read each key and value vector once instead of
+/// twice, for a third less time where the cache is long (`paged_attention_model`'s Gemma 4
+/// shape). A row's bits are the same either way (see the module docs). The two are separate
+/// instances, so fewer rows keep the code they had.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
 pub(super) unsafe fn rows_dpbf16(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> Stats {
+    // SAFETY: the caller's contract.
+    unsafe {
+        if (5..=8).contains(&rows.len()) { rows_in_groups::<8>(rows, job) } else { rows_in_groups::<4>(rows, job) }
+    }
+}
+
+/// [`rows_dpbf16`] with groups of up to `GROUP` (4 or 8) rows in registers.
+///
+/// # Safety
+/// As [`rows_dpbf16`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+unsafe fn rows_in_groups<const GROUP: usize>(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> Stats {
     let n = rows.len();
     let keys = &job.keys;
     let (hd, bs) = (keys.head_dim, keys.block_size);
@@ -258,29 +317,32 @@ pub(super) unsafe fn rows_dpbf16(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> St
                         n_active += 1;
                     }
                 }
-                // Decode (one or two groups of rows: a GQA group of up to eight query heads,
-                // Gemma 4's full layers have eight) asks for the next tile's blocks while its
-                // first group computes this tile's scores, as the f32 path does ([`NextTile`]);
-                // prefill's groups reuse each tile long enough without.
-                let mut next =
-                    if n <= 2 * GROUP { job.next_tile(t0 + TILE, t0 + 2 * TILE, max_len) } else { NextTile::none() };
-                let per_pair = next.remaining().div_ceil((chunks.div_ceil(4) * hd / 2).max(1));
+                // Decode (one group of rows: a GQA group of up to eight query heads, as Gemma 4's
+                // full layers and Qwen3-MoE have) asks for the next tile's blocks while it
+                // computes this tile's scores, as the f32 path does ([`NextTile`]); prefill's
+                // groups reuse each tile long enough without.
+                let mut next = if n <= 8 { job.next_tile(t0 + TILE, t0 + 2 * TILE, max_len) } else { NextTile::none() };
+                let first_rows = n_active.min(GROUP);
+                let per_pair = next.remaining().div_ceil((chunks.div_ceil(chunks_for(first_rows)) * hd / 2).max(1));
                 for group in active[..n_active].chunks(GROUP) {
                     let count = group.len();
                     let q: [*const u16; GROUP] =
                         std::array::from_fn(|g| qb.add(group[g.min(count - 1)] * hd) as *const u16);
                     let orow: [*mut f32; GROUP] =
                         std::array::from_fn(|g| o.add(group[g.min(count - 1)] * MAX_HEAD_DIM));
-                    // S = Q · Kᵀ, four chunks (64 positions) at a time.
-                    for half in 0..chunks.div_ceil(4) {
-                        let k4: [*const u16; 4] = std::array::from_fn(|c| kc[4 * half + c]);
-                        let out = sc.add(64 * half);
-                        match count {
-                            1 => scores_micro::<1>(&q, hd, &k4, out, &mut next, per_pair),
-                            2 => scores_micro::<2>(&q, hd, &k4, out, &mut next, per_pair),
-                            3 => scores_micro::<3>(&q, hd, &k4, out, &mut next, per_pair),
-                            _ => scores_micro::<4>(&q, hd, &k4, out, &mut next, per_pair),
-                        }
+                    // S = Q · Kᵀ.
+                    let (next, kc) = (&mut next, &kc);
+                    match count {
+                        1 => scores_rows::<1, GROUP>(&q, hd, kc, chunks, sc, next, per_pair),
+                        2 => scores_rows::<2, GROUP>(&q, hd, kc, chunks, sc, next, per_pair),
+                        3 => scores_rows::<3, GROUP>(&q, hd, kc, chunks, sc, next, per_pair),
+                        4 => scores_rows::<4, GROUP>(&q, hd, kc, chunks, sc, next, per_pair),
+                        // Only groups of eight have more rows.
+                        _ if GROUP <= 4 => unreachable!(),
+                        5 => scores_rows::<5, GROUP>(&q, hd, kc, chunks, sc, next, per_pair),
+                        6 => scores_rows::<6, GROUP>(&q, hd, kc, chunks, sc, next, per_pair),
+                        7 => scores_rows::<7, GROUP>(&q, hd, kc, chunks, sc, next, per_pair),
+                        _ => scores_rows::<8, GROUP>(&q, hd, kc, chunks, sc, next, per_pair),
                     }
                     // The online softmax of each row (the AMX path's operations); P rounded to
                     // BF16.
@@ -302,10 +364,15 @@ pub(super) unsafe fn rows_dpbf16(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> St
                     // o = o · corr + P · V.
                     let tile = ValueTile { o: &orow, corr: &corr, p: pb, vc: &vc, chunks, hd };
                     match count {
-                        1 => values_rows::<1>(&tile),
-                        2 => values_rows::<2>(&tile),
-                        3 => values_rows::<3>(&tile),
-                        _ => values_rows::<4>(&tile),
+                        1 => values_rows::<1, GROUP>(&tile),
+                        2 => values_rows::<2, GROUP>(&tile),
+                        3 => values_rows::<3, GROUP>(&tile),
+                        4 => values_rows::<4, GROUP>(&tile),
+                        _ if GROUP <= 4 => unreachable!(),
+                        5 => values_rows::<5, GROUP>(&tile),
+                        6 => values_rows::<6, GROUP>(&tile),
+                        7 => values_rows::<7, GROUP>(&tile),
+                        _ => values_rows::<8, GROUP>(&tile),
                     }
                 }
                 t0 += TILE;
