@@ -37,7 +37,8 @@ fn bf16_matmul_matches_the_reference_and_is_batch_invariant() {
             let w = WeightMatrix { dtype: WeightDType::BF16, rows, cols, data: &data };
             let max_tokens = *TOKENS.iter().max().unwrap();
             let x = rng.vec(max_tokens * cols);
-            let mut scratch = vec![0u16; bf16_scratch_len(max_tokens, cols)];
+            // Room to start the scratch at every element of a cache line (below).
+            let mut scratch = vec![0u16; bf16_scratch_len(max_tokens, cols) + 32];
             // Each token alone: the bits every batch must reproduce.
             let mut alone = vec![0.0f32; max_tokens * rows];
             for t in 0..max_tokens {
@@ -71,7 +72,9 @@ fn bf16_matmul_matches_the_reference_and_is_batch_invariant() {
                     let mut y = vec![0.0f32; n * rows];
                     let mut y2 = vec![0.0f32; n * 7];
                     let mut jobs = [(other, &mut y2[..]), (w, &mut y[..])];
-                    matmul_many_bf16(pool, kernels, &x[..n * cols], n, &mut scratch, &mut jobs);
+                    // The scratch starts `n % 32` elements in: the packed rows are aligned
+                    // inside it wherever it starts, with the same bits.
+                    matmul_many_bf16(pool, kernels, &x[..n * cols], n, &mut scratch[n % 32..], &mut jobs);
                     assert_eq!(
                         bits(&y),
                         bits(&alone[..n * rows]),
