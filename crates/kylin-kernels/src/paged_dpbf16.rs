@@ -228,6 +228,12 @@ unsafe fn values_rows<const R: usize, const G: usize>(t: &ValueTile<'_, G>) {
     }
 }
 
+/// Query rows per group in registers, in general.
+const SMALL_GROUP: usize = 4;
+/// Query rows per group in registers for one decode step's GQA group of five to eight rows; also
+/// the most rows one call may have for it to prefetch the next tile's blocks (decode).
+const DECODE_GROUP: usize = 8;
+
 /// The AVX-512 BF16 body of `attention_rows` over a BF16 pair-layout cache: each row's `out`
 /// undivided, its state returned.
 ///
@@ -246,7 +252,11 @@ unsafe fn values_rows<const R: usize, const G: usize>(t: &ValueTile<'_, G>) {
 pub(super) unsafe fn rows_dpbf16(rows: &mut [QueryRow<'_>], job: &Job<'_>) -> Stats {
     // SAFETY: the caller's contract.
     unsafe {
-        if (5..=8).contains(&rows.len()) { rows_in_groups::<8>(rows, job) } else { rows_in_groups::<4>(rows, job) }
+        if (SMALL_GROUP + 1..=DECODE_GROUP).contains(&rows.len()) {
+            rows_in_groups::<DECODE_GROUP>(rows, job)
+        } else {
+            rows_in_groups::<SMALL_GROUP>(rows, job)
+        }
     }
 }
 
@@ -321,7 +331,8 @@ unsafe fn rows_in_groups<const GROUP: usize>(rows: &mut [QueryRow<'_>], job: &Jo
                 // full layers and Qwen3-MoE have) asks for the next tile's blocks while it
                 // computes this tile's scores, as the f32 path does ([`NextTile`]); prefill's
                 // groups reuse each tile long enough without.
-                let mut next = if n <= 8 { job.next_tile(t0 + TILE, t0 + 2 * TILE, max_len) } else { NextTile::none() };
+                let mut next =
+                    if n <= DECODE_GROUP { job.next_tile(t0 + TILE, t0 + 2 * TILE, max_len) } else { NextTile::none() };
                 let first_rows = n_active.min(GROUP);
                 let per_pair = next.remaining().div_ceil((chunks.div_ceil(chunks_for(first_rows)) * hd / 2).max(1));
                 for group in active[..n_active].chunks(GROUP) {
@@ -338,7 +349,7 @@ unsafe fn rows_in_groups<const GROUP: usize>(rows: &mut [QueryRow<'_>], job: &Jo
                         3 => scores_rows::<3, GROUP>(&q, hd, kc, chunks, sc, next, per_pair),
                         4 => scores_rows::<4, GROUP>(&q, hd, kc, chunks, sc, next, per_pair),
                         // Only groups of eight have more rows.
-                        _ if GROUP <= 4 => unreachable!(),
+                        _ if GROUP <= SMALL_GROUP => unreachable!(),
                         5 => scores_rows::<5, GROUP>(&q, hd, kc, chunks, sc, next, per_pair),
                         6 => scores_rows::<6, GROUP>(&q, hd, kc, chunks, sc, next, per_pair),
                         7 => scores_rows::<7, GROUP>(&q, hd, kc, chunks, sc, next, per_pair),
@@ -368,7 +379,7 @@ unsafe fn rows_in_groups<const GROUP: usize>(rows: &mut [QueryRow<'_>], job: &Jo
                         2 => values_rows::<2, GROUP>(&tile),
                         3 => values_rows::<3, GROUP>(&tile),
                         4 => values_rows::<4, GROUP>(&tile),
-                        _ if GROUP <= 4 => unreachable!(),
+                        _ if GROUP <= SMALL_GROUP => unreachable!(),
                         5 => values_rows::<5, GROUP>(&tile),
                         6 => values_rows::<6, GROUP>(&tile),
                         7 => values_rows::<7, GROUP>(&tile),
