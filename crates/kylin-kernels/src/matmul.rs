@@ -483,9 +483,8 @@ fn run_bf16(
 }
 
 /// BF16 elements in one cache line (64 bytes). [`matmul_many_bf16`] starts its packed
-/// activations on a cache line, wherever the caller's scratch begins, so that no vector load of
-/// a packed row (each row a whole number of lines) straddles two lines, wherever the allocator
-/// put the caller's buffer. Qwen3-0.6B's 1024 × 2048 output projection at 512 tokens
+/// activations on a cache line, wherever the allocator put the caller's scratch, so that no
+/// vector load of a packed row (each row a whole number of lines) straddles two lines. Qwen3-0.6B's 1024 × 2048 output projection at 512 tokens
 /// (`gemm_dpbf16`, one thread) took 11.39 and 11.50 ms with the scratch 16 bytes past a line
 /// against 10.26 and 10.67 with it aligned here; the other four matrices of the layer moved
 /// within noise (BENCHMARKS.md).
