@@ -1602,11 +1602,7 @@ mod simd {
 /// Writes `src` (f32) into `dst` elements `at..at + src.len()` of a pool of element type `dtype`
 /// (rounding to nearest even for F16 and BF16): a value row. Panics if out of range.
 pub fn store_row(dtype: WeightDType, dst: &mut [u8], at: usize, src: &[f32]) {
-    let size = dtype.size_in_bytes();
-    let bytes = &mut dst[at * size..(at + src.len()) * size];
-    for (b, v) in bytes.chunks_exact_mut(size).zip(src) {
-        write_element(dtype, b, *v);
-    }
+    scatter(dtype, dst, at, src, |c| c);
 }
 
 /// Writes the key `src` (f32, `head_dim`) of position `slot` into the (block, layer, head)
@@ -1620,18 +1616,16 @@ pub fn store_key(
     slot: usize,
     src: &[f32],
 ) {
-    let size = dtype.size_in_bytes();
     assert!(slot < block_size, "slot {slot} outside a block of {block_size}");
     let hd = src.len();
-    for (c, v) in src.iter().enumerate() {
-        let within = match layout {
-            // (head_dim, block_size).
-            KvLayout::Standard => c * block_size + slot,
-            // (block_size / 16, head_dim / 2, 16, 2).
-            KvLayout::Pairs => ((slot / 16) * (hd / 2) + c / 2) * 32 + (slot % 16) * 2 + c % 2,
-        };
-        let at = (tile + within) * size;
-        write_element(dtype, &mut dst[at..at + size], *v);
+    match layout {
+        // (head_dim, block_size).
+        KvLayout::Standard => scatter(dtype, dst, tile, src, |c| c * block_size + slot),
+        // (block_size / 16, head_dim / 2, 16, 2).
+        KvLayout::Pairs => {
+            let (chunk, lane) = ((slot / 16) * (hd / 2), (slot % 16) * 2);
+            scatter(dtype, dst, tile, src, |c| (chunk + c / 2) * 32 + lane + c % 2)
+        }
     }
 }
 
@@ -1653,21 +1647,35 @@ pub fn store_value(
         KvLayout::Standard => store_row(dtype, dst, tile + slot * hd, src),
         // (block_size / 2, head_dim, 2).
         KvLayout::Pairs => {
-            let size = dtype.size_in_bytes();
-            for (c, v) in src.iter().enumerate() {
-                let at = (tile + ((slot / 2) * hd + c) * 2 + slot % 2) * size;
-                write_element(dtype, &mut dst[at..at + size], *v);
-            }
+            let first = (slot / 2) * hd * 2 + slot % 2;
+            scatter(dtype, dst, tile, src, |c| first + 2 * c)
         }
     }
 }
 
+/// Writes `src[c]`, rounded to `dtype` (to nearest even for F16 and BF16), into element
+/// `tile + index(c)` of `dst` for every `c`: the one loop of [`store_row`], [`store_key`] and
+/// [`store_value`], with the element type chosen once per call, not once per element, so that
+/// each type's loop is compiled on its own. Panics if out of range.
 #[inline]
-fn write_element(dtype: WeightDType, b: &mut [u8], v: f32) {
+fn scatter(dtype: WeightDType, dst: &mut [u8], tile: usize, src: &[f32], index: impl Fn(usize) -> usize) {
+    #[inline(always)]
+    fn each<const N: usize>(
+        dst: &mut [u8],
+        tile: usize,
+        src: &[f32],
+        index: impl Fn(usize) -> usize,
+        bytes: impl Fn(f32) -> [u8; N],
+    ) {
+        for (c, &v) in src.iter().enumerate() {
+            let at = (tile + index(c)) * N;
+            dst[at..at + N].copy_from_slice(&bytes(v));
+        }
+    }
     match dtype {
-        WeightDType::F32 => b.copy_from_slice(&v.to_le_bytes()),
-        WeightDType::F16 => b.copy_from_slice(&half::f16::from_f32(v).to_le_bytes()),
-        WeightDType::BF16 => b.copy_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
+        WeightDType::F32 => each(dst, tile, src, index, f32::to_le_bytes),
+        WeightDType::F16 => each(dst, tile, src, index, |v| half::f16::from_f32(v).to_le_bytes()),
+        WeightDType::BF16 => each(dst, tile, src, index, |v| half::bf16::from_f32(v).to_le_bytes()),
     }
 }
 
