@@ -490,24 +490,29 @@ fn bench_prompt(len: usize, vocab: usize) -> Vec<u32> {
 /// The prompt of the single-sequence warm-up: as long as `prompt` up to 16 tokens (so that it
 /// and its one decoded token fit the context the measured run needs), from another seed than
 /// `prompt`, and with another first token (for any vocabulary of three tokens or more), so that
-/// `prompt` shares no prefix with it. The warm-up once was `prompt`'s first 16 tokens: the native engine's
-/// prefix cache then served them to the measured prefill, which computed 496 of 512 tokens and
-/// was reported 3% faster than it was (BENCHMARKS.md).
+/// `prompt` shares no prefix with it. The warm-up once was `prompt`'s first 16 tokens: the
+/// native engine's prefix cache then served them to the measured prefill, which computed 496 of
+/// 512 tokens and was reported 3% faster than it was (BENCHMARKS.md).
 fn warm_up_prompt(prompt: &[u32], vocab: usize) -> Vec<u32> {
     let mut warm = bench_prompt_seeded(prompt.len().min(16), vocab, u64::MAX);
     if let (Some(w), Some(&p)) = (warm.first_mut(), prompt.first())
         && *w == p
     {
-        // Another id of the same range `1..=span` (see `bench_prompt_seeded`).
-        let span = vocab.clamp(2, 30_000) as u32 - 1;
-        *w = p % span + 1;
+        // Another id of the same range.
+        *w = p % prompt_id_span(vocab) + 1;
     }
     warm
 }
 
+/// How many token ids benchmark prompts draw from: `1..=span`, the first 30,000 ids after 0 at
+/// most (never 0, which is often a special token).
+fn prompt_id_span(vocab: usize) -> u32 {
+    vocab.clamp(2, 30_000) as u32 - 1
+}
+
 /// [`bench_prompt`] from another seed (seed 0 is `bench_prompt` itself).
 pub(crate) fn bench_prompt_seeded(len: usize, vocab: usize, seed: u64) -> Vec<u32> {
-    let span = vocab.clamp(2, 30_000) as u64 - 1;
+    let span = u64::from(prompt_id_span(vocab));
     let mut state = 0x9E37_79B9_7F4A_7C15u64 ^ seed.wrapping_mul(0xD6E8_FEB8_6659_FD93);
     (0..len)
         .map(|_| {
