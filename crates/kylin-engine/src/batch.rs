@@ -739,6 +739,12 @@ impl EngineCore {
         self.kv.block_size
     }
 
+    /// Rows the last layer computed output for in the last forward pass (only the rows whose
+    /// logits were wanted, unless every hidden row is kept or every logit was asked for).
+    pub fn last_layer_rows(&self) -> usize {
+        self.scratch.last_layer_rows()
+    }
+
     /// Bytes of the planned activation buffers.
     pub fn activation_bytes(&self) -> u64 {
         self.scratch.bytes()
@@ -1312,7 +1318,7 @@ impl BatchEngine {
         mtp_head: Option<&kylin_loader::mtp::MtpHead>,
     ) -> Result<Self> {
         let tokenizer = parts.tokenizer;
-        let core = EngineCore::new(parts, opts)?;
+        let mut core = EngineCore::new(parts, opts)?;
         let max_seqs = core.max_seqs;
         let draft = match &opts.draft_model {
             None => None,
@@ -1356,6 +1362,8 @@ impl BatchEngine {
                 let max_tokens = core.max_batch_tokens.saturating_mul(2);
                 let mut mtp = MtpDraft::new(head, opts, core.context, max_seqs, max_tokens, kv_tokens)?;
                 mtp.share_lm_head(&core.model);
+                // The head reads the target's final hidden row of every position it catches up on.
+                core.scratch.keep_every_hidden_row();
                 Some(mtp)
             }
         };
@@ -2857,6 +2865,7 @@ mod mtp_tests {
             let vocab = e.core.model.dims().vocab;
             let target_of = DraftTarget { path: None, vocab, tokenizer: None, kv_tokens: 4096 };
             let mut target = DraftModel::load(&dir, &target_of, &opts, 256, 1, 256).unwrap();
+            target.keep_every_hidden_row();
             let h = e.core.model.dims().hidden;
             for (id, len) in [5usize, 20, 33, 50].into_iter().enumerate() {
                 let ids: Vec<u32> = (0..len as u32).map(|i| (i * 7919 + 13 * id as u32 + 5) % 1000).collect();

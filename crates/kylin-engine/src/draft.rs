@@ -373,6 +373,13 @@ impl DraftModel {
         );
     }
 
+    /// Keeps every token's final hidden row after each pass (for reading them with
+    /// [`Model::final_hidden`]).
+    #[cfg(test)]
+    pub(crate) fn keep_every_hidden_row(&mut self) {
+        self.scratch.keep_every_hidden_row();
+    }
+
     /// The activations of the last pass (a test reads the target's hidden rows from them).
     #[cfg(test)]
     pub(crate) fn scratch(&self) -> &Scratch {

@@ -148,6 +148,37 @@ family_tests! {
     qwen3_5_moe_matches_transformers => "tiny-qwen3.5-moe",
 }
 
+/// The last layer computes only the rows whose logits are wanted: a prompt's last logits are
+/// the same bits as the last row of a pass that computes every row, for every family (dense,
+/// windowed, Gemma 4's per-layer inputs and shared keys and values, experts, recurrent mixers)
+/// and for prompts of one token, of one chunk and of several chunks (whose earlier chunks want
+/// no logits), in f32, BF16 and Q8_0; and the pass really computed one row there.
+#[test]
+fn the_last_layer_computes_only_the_wanted_rows() {
+    let dense = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/fixtures/tiny-qwen3");
+    let paths: Vec<PathBuf> = RUNNING.iter().chain(HYBRID.iter()).map(|name| fixture(name)).chain([dense]).collect();
+    let mut modes = vec![(PrecisionChoice::F32, None), (PrecisionChoice::Auto, Some(QuantFormat::Q8_0))];
+    if kylin_kernels::bf16_kernels().is_some() {
+        modes.push((PrecisionChoice::Bf16, None));
+    }
+    for (path, &(precision, quantize)) in paths.iter().flat_map(|p| modes.iter().map(move |m| (p, m))) {
+        for len in [1, 37, 100] {
+            let ids = prompt(len, len as u64);
+            let mut every = native_with_context(path, precision, quantize, Some(256));
+            let vocab = every.vocab_size();
+            let all = every.prefill_all_logits(&ids).expect("prefill_all_logits");
+            let chunk = every.core().last_layer_rows();
+            let mut wanted = native_with_context(path, precision, quantize, Some(256));
+            let last = wanted.prefill(&ids).expect("prefill").to_vec();
+            let label = format!("{} ({precision:?}, {quantize:?}) with {len} tokens", path.display());
+            assert!(chunk > 1 || len == 1, "{label}: the all-logits pass computed {chunk} rows");
+            assert_eq!(wanted.core().last_layer_rows(), 1, "{label}: rows of the last layer");
+            let bits = |row: &[f32]| row.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&last), bits(&all[(len - 1) * vocab..]), "{label}: the last logits differ");
+        }
+    }
+}
+
 /// The further configurations (`tests/fixtures/families`): windows of 5 to 7, one KV head,
 /// partial rotary, scaled global RoPE, NoPE every third layer, biases, other multipliers.
 #[test]

@@ -16,7 +16,7 @@ use kylin_loader::{KylinError, LayerWeights, ModelConfig, ModelWeights, Result};
 
 use super::linear::{Linear, Norm, Vector};
 use super::scratch::Scratch;
-use super::{BatchPlan, Segment, Step};
+use super::{BatchPlan, Outputs, Segment, Step};
 use crate::kv_pool::{KvPool, KvShape};
 use crate::rope::Ropes;
 
@@ -162,10 +162,12 @@ impl Attention {
         KvShape { n_kv_heads: self.n_kv_heads, head_dim: self.head_dim }
     }
 
-    /// Attention over every segment of the batch: `proj (n, hidden) =
+    /// Attention over every segment of the batch: `proj (rows, hidden) =
     /// o_proj(attention(rope(qk_norm?(q)), rope(qk_norm?(k)), v))`, where q, k, v are
-    /// projections of `xn` (`normed`) or of the residual stream `x`; the keys and values are
-    /// stored in the layer's place of `kv`.
+    /// projections of `xn` (`normed`) or of the residual stream `x`; every token's keys and
+    /// values are stored in the layer's place of `kv`. The output rows are every token's, or
+    /// only those of the tokens whose logits are wanted, in logits-row order (`outputs`).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn forward(
         &self,
         c: &Step<'_>,
@@ -174,6 +176,7 @@ impl Attention {
         s: &mut Scratch,
         plan: &BatchPlan,
         normed: bool,
+        outputs: Outputs,
     ) {
         let mm = c.mm;
         let layer = self;
@@ -290,8 +293,9 @@ impl Attention {
         //    decoding on a model with few KV heads), each decode segment reaching past one
         //    partition gets one task per (KV head, partition of PARTITION positions), and the
         //    partitions' states are folded in order afterwards, which gives the same bits as
-        //    one task.
-        //    q (n, n_heads, head_dim) -> attn (n, n_heads, head_dim).
+        //    one task. Only the tokens that get an output are queried (`outputs`), each into
+        //    its output row.
+        //    q (n, n_heads, head_dim) -> attn (rows, n_heads, head_dim).
         let kv: &KvPool = kv;
         let (keys, values) = kv.views(index);
         let group = c.n_heads / layer.n_kv_heads;
@@ -304,14 +308,17 @@ impl Attention {
         let attn = SharedMut::new(&mut s.attn[..n * q_dim]);
         let segments = &plan.segments;
         // Tasks of segment i are task_start[i]..task_start[i + 1]: its KV heads, each cut into
-        // chunks of MAX_ROWS rows, or into partitions when split.
-        let chunks = |seg: &Segment| (seg.n * group).div_ceil(MAX_ROWS);
+        // chunks of MAX_ROWS rows of the tokens that get an output, or into partitions when
+        // split.
+        let chunks = |seg: &Segment| (outputs.span(seg).2 * group).div_ceil(MAX_ROWS);
         let parts = |seg: &Segment| (seg.start + seg.n).div_ceil(PARTITION);
         let unsplit: usize = segments.iter().map(|seg| n_kv * chunks(seg)).sum();
         let split_wanted = unsplit < 2 * mm.pool.threads() && segments.len() <= s.split_segments;
-        let is_split = |seg: &Segment| split_wanted && seg.n == 1 && group <= MAX_ROWS && parts(seg) > 1;
+        let is_split = |seg: &Segment| {
+            split_wanted && seg.n == 1 && outputs.span(seg).2 == 1 && group <= MAX_ROWS && parts(seg) > 1
+        };
         let max_parts = s.split_parts;
-        let outputs = SharedMut::new(&mut s.split_outputs);
+        let split_out = SharedMut::new(&mut s.split_outputs);
         let states = SharedMut::new(&mut s.split_stats);
         let task_start = &mut s.attention_tasks[..segments.len() + 1];
         task_start[0] = 0;
@@ -332,12 +339,13 @@ impl Attention {
                 // One token: the group's query heads over one partition, into the split buffers
                 // at (split slot, head, partition).
                 let (kv_head, part) = (local / parts(&seg), local % parts(&seg));
+                // The one token's queries (its output row is chosen when the partitions fold).
                 let slot = segments[..si].iter().filter(|s| is_split(s)).count();
                 let first_row = (slot * n_heads + kv_head * group) * max_parts + part;
                 for (g, row) in rows.iter_mut().enumerate().take(group) {
                     let at = seg.t0 * q_dim + (kv_head * group + g) * hd;
                     // SAFETY: the (split slot, head, partition) row belongs to this task alone.
-                    let out = unsafe { outputs.slice((first_row + g * max_parts) * hd, hd) };
+                    let out = unsafe { split_out.slice((first_row + g * max_parts) * hd, hd) };
                     *row = QueryRow { q: &q[at..at + hd], from: first_position(seg.start), len: seg.start + 1, out };
                 }
                 let mut stats = [PartialStats::EMPTY; MAX_ROWS];
@@ -358,7 +366,10 @@ impl Attention {
                 }
                 return;
             }
-            let rows_total = seg.n * group;
+            // The segment's tokens from `first_token` on get outputs, from output row
+            // `out_row0` on.
+            let (first_token, out_row0, out_count) = outputs.span(&seg);
+            let rows_total = out_count * group;
             let (kv_head, chunk) = (local / chunks(&seg), local % chunks(&seg));
             let (row0, row_end) = (chunk * MAX_ROWS, ((chunk + 1) * MAX_ROWS).min(rows_total));
             let offset = kv.head_offset(index, kv_head);
@@ -367,16 +378,17 @@ impl Attention {
                 let count = MAX_ROWS.min(row_end - first);
                 let mut sinks = [0.0f32; MAX_ROWS];
                 for (slot, row) in rows.iter_mut().enumerate().take(count) {
-                    let (t, head) = ((first + slot) / group, kv_head * group + (first + slot) % group);
+                    let (k, head) = ((first + slot) / group, kv_head * group + (first + slot) % group);
                     if let Some(s) = &layer.sinks {
                         sinks[slot] = s[head];
                     }
+                    let t = first_token + k;
                     let token = seg.t0 + t;
                     let at = token * q_dim + head * hd;
-                    // SAFETY: the (token, head) block of attn belongs to this task's segment, KV
-                    // head group and row range, which no other task touches, and each slot of
-                    // this call is a different row.
-                    let out = unsafe { attn.slice(at, hd) };
+                    // SAFETY: the (output row, head) block of attn belongs to this task's
+                    // segment, KV head group and row range, which no other task touches, and
+                    // each slot of this call is a different row.
+                    let out = unsafe { attn.slice((out_row0 + k) * q_dim + head * hd, hd) };
                     let pos = seg.start + t;
                     // Causal, unless the plan lets the token see further (an image's tokens;
                     // Gemma 4's on sliding layers only).
@@ -405,39 +417,52 @@ impl Attention {
         if split_wanted {
             for (slot, seg) in segments.iter().filter(|seg| is_split(seg)).enumerate() {
                 let np = parts(seg);
+                let out_row = outputs.span(seg).1;
                 for head in 0..n_heads {
                     let row = (slot * n_heads + head) * max_parts;
-                    let at = seg.t0 * q_dim + head * hd;
-                    let (stats, outputs) = (&s.split_stats[row..row + np], &s.split_outputs[row * hd..(row + np) * hd]);
+                    let at = out_row * q_dim + head * hd;
+                    let (stats, parts_out) =
+                        (&s.split_stats[row..row + np], &s.split_outputs[row * hd..(row + np) * hd]);
                     match &layer.sinks {
                         Some(sinks) => kernels::paged::merge_partitions_sink(
                             kv.layout,
                             stats,
-                            outputs,
+                            parts_out,
                             sinks[head],
                             &mut s.attn[at..at + hd],
                         ),
-                        None => kernels::paged::merge_partitions(kv.layout, stats, outputs, &mut s.attn[at..at + hd]),
+                        None => kernels::paged::merge_partitions(kv.layout, stats, parts_out, &mut s.attn[at..at + hd]),
                     }
                 }
             }
         }
 
-        // 4. A gated layer's output: attn (n, heads, head_dim) *= sigmoid(gate) element-wise.
+        // 4. A gated layer's output: attn (rows, heads, head_dim) *= sigmoid(gate) element-wise,
+        //    each output row by its token's gate.
         if layer.output_gate {
-            for t in 0..n {
-                for head in 0..c.n_heads {
-                    let gate = &s.q_gate[t * 2 * q_dim + head * 2 * hd + hd..t * 2 * q_dim + (head + 1) * 2 * hd];
-                    let out = &mut s.attn[t * q_dim + head * hd..t * q_dim + (head + 1) * hd];
-                    for (o, &g) in out.iter_mut().zip(gate) {
-                        *o *= kylin_kernels::delta::sigmoid(g);
+            for seg in segments {
+                let (first_token, row0, count) = outputs.span(seg);
+                for k in 0..count {
+                    let (t, r) = (seg.t0 + first_token + k, row0 + k);
+                    for head in 0..c.n_heads {
+                        let gate = &s.q_gate[t * 2 * q_dim + head * 2 * hd + hd..t * 2 * q_dim + (head + 1) * 2 * hd];
+                        let out = &mut s.attn[r * q_dim + head * hd..r * q_dim + (head + 1) * hd];
+                        for (o, &g) in out.iter_mut().zip(gate) {
+                            *o *= kylin_kernels::delta::sigmoid(g);
+                        }
                     }
                 }
             }
         }
 
-        // 5. Output projection: attn (n, n_heads * head_dim) -> proj (n, hidden).
-        layer.o_proj.forward(mm, &s.attn[..n * q_dim], n, &mut s.proj[..n * h], &mut s.products);
+        // 5. Output projection: attn (rows, n_heads * head_dim) -> proj (rows, hidden).
+        let rows = match outputs {
+            Outputs::Every => n,
+            Outputs::LogitRows => plan.logit_rows,
+        };
+        if rows > 0 {
+            layer.o_proj.forward(mm, &s.attn[..rows * q_dim], rows, &mut s.proj[..rows * h], &mut s.products);
+        }
     }
 }
 

@@ -452,6 +452,44 @@ pub struct Segment {
     pub log_from: Option<usize>,
 }
 
+impl Segment {
+    /// How many of the segment's last tokens have their logits computed: its last one, all of
+    /// them ([`Segment::all_logits`]) or none.
+    pub fn logit_tokens(&self) -> usize {
+        match self.logits_row {
+            None => 0,
+            Some(_) if self.all_logits => self.n,
+            Some(_) => 1,
+        }
+    }
+}
+
+/// Which tokens a layer computes outputs for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Outputs {
+    /// Every token's, output row `t` for token `t`.
+    Every,
+    /// Only those of the tokens whose logits are wanted, output row `r` for logits row `r`
+    /// (the last layer, when nothing reads the other rows): the other tokens' keys and values
+    /// are still stored, and nothing else of theirs is computed.
+    LogitRows,
+}
+
+impl Outputs {
+    /// The tokens of `seg` that get an output, as (index of the first in the segment, its
+    /// output row, count): the whole segment from row `t0`, or its [`Segment::logit_tokens`]
+    /// last tokens from their logits rows.
+    pub(crate) fn span(self, seg: &Segment) -> (usize, usize, usize) {
+        match self {
+            Outputs::Every => (0, seg.t0, seg.n),
+            Outputs::LogitRows => {
+                let count = seg.logit_tokens();
+                (seg.n - count, seg.logits_row.map_or(0, |last| last + 1 - count), count)
+            }
+        }
+    }
+}
+
 /// A token whose input is a row of an image's encoding instead of a row of the embedding
 /// table: the image's placeholder tokens.
 #[derive(Debug, Clone)]
@@ -605,6 +643,14 @@ impl BatchPlan {
 
     pub fn tokens(&self) -> usize {
         self.ids.len()
+    }
+
+    /// The tokens whose logits are wanted, as (logits row, token index), in row order.
+    pub fn logit_tokens(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.segments.iter().flat_map(|seg| {
+            let (first, row0, count) = Outputs::LogitRows.span(seg);
+            (0..count).map(move |k| (row0 + k, seg.t0 + first + k))
+        })
     }
 }
 
@@ -1382,6 +1428,8 @@ impl Model {
             max_tokens,
             max_segments,
             max_logit_rows,
+            keep_hidden: false,
+            last_layer_rows: 0,
             x: sized(max_tokens, d.hidden, "residual")?,
             xn: sized(max_tokens, d.hidden, "norm")?,
             q: sized(max_tokens, d.q_dim(), "query")?,
@@ -1600,8 +1648,18 @@ impl Model {
         // 2. The decoder layers, each updating the residual stream x (n, hidden) in place:
         //    x += r · post_norm?(mixer(norm?(x))); x += r · post_norm?(ffn(norm?(x))); then
         //    Gemma 4's per-layer input block and layer scalar.
+        //    The last layer computes outputs only for the tokens whose logits are wanted when
+        //    nothing reads the other rows (not for `all_logits`, not when an MTP head reads every
+        //    hidden row): the other tokens' keys and values are stored, nothing else of theirs
+        //    is computed, and from its mixer's output on the layer works on the wanted rows
+        //    alone, in logits-row order. Each row is its own product and norm, so the wanted
+        //    rows' bits are the same either way.
         let step = Step { mm, hidden: h, n_heads: d.n_heads, eps: d.eps };
+        let trimmed = all_logits.is_none() && !s.keep_hidden && plan.logit_rows < n;
+        let last = self.layers.len().saturating_sub(1);
+        let mut n = n;
         for (i, layer) in self.layers.iter().enumerate() {
+            let outputs = if trimmed && i == last { Outputs::LogitRows } else { Outputs::Every };
             if let Some(norm) = &layer.attn_norm {
                 norm.rows(&s.x[..n * h], h, d.eps, &mut s.xn[..n * h]);
             }
@@ -1612,7 +1670,7 @@ impl Model {
                         (Some(sliding), true) => &mut **sliding,
                         _ => &mut *kv,
                     };
-                    a.forward(&step, pool, rope, s, plan, layer.attn_norm.is_some());
+                    a.forward(&step, pool, rope, s, plan, layer.attn_norm.is_some(), outputs);
                 }
                 Mixer::DeltaNet(d) => {
                     let states = states.as_deref_mut().expect("the engine passes a state pool to recurrent models");
@@ -1621,6 +1679,17 @@ impl Model {
                 Mixer::ShortConv(c) => {
                     let states = states.as_deref_mut().expect("the engine passes a state pool to recurrent models");
                     c.forward(&step, states, s, plan, layer.attn_norm.is_some());
+                }
+            }
+            if outputs == Outputs::LogitRows {
+                // Attention wrote only the wanted rows' output; the recurrent mixers wrote every
+                // token's, which are gathered too.
+                let gather_proj = !matches!(layer.mixer, Mixer::Attention(_));
+                self.keep_logit_rows(s, plan, gather_proj);
+                n = plan.logit_rows;
+                if n == 0 {
+                    // A chunk of a prompt: its keys and values (or states) were all it needed.
+                    continue;
                 }
             }
             self.residual_add_block(layer.attn_post_norm.as_ref(), s, n);
@@ -1669,6 +1738,8 @@ impl Model {
             }
         }
 
+        s.last_layer_rows = n;
+
         // 3. Final norm and head, only for the rows whose logits are wanted; then the logit
         //    divisor and soft-cap.
         match all_logits {
@@ -1684,22 +1755,17 @@ impl Model {
                     return;
                 }
                 // Last row of each segment that wants logits (every row of a segment that wants
-                // them all): x[t] (hidden) -> logit_hidden[row] (hidden); then logit_hidden
-                // (rows, hidden) -> logits (rows, vocab). Each row is its own product, so it
-                // does not depend on which rows share the head.
-                for seg in &plan.segments {
-                    if let Some(last_row) = seg.logits_row {
-                        let count = if seg.all_logits { seg.n } else { 1 };
-                        let (first_t, first_row) = (seg.t0 + seg.n - count, last_row + 1 - count);
-                        for k in 0..count {
-                            let (t, row) = (first_t + k, first_row + k);
-                            self.final_norm.apply(
-                                &s.x[t * h..(t + 1) * h],
-                                d.eps,
-                                &mut s.logit_hidden[row * h..(row + 1) * h],
-                            );
-                        }
-                    }
+                // them all): x[t] (hidden) -> logit_hidden[row] (hidden), x[row] when the last
+                // layer kept only those rows; then logit_hidden (rows, hidden) -> logits (rows,
+                // vocab). Each row is its own product, so it does not depend on which rows
+                // share the head.
+                for (row, t) in plan.logit_tokens() {
+                    let from = if trimmed { row } else { t };
+                    self.final_norm.apply(
+                        &s.x[from * h..(from + 1) * h],
+                        d.eps,
+                        &mut s.logit_hidden[row * h..(row + 1) * h],
+                    );
                 }
                 self.lm_head.forward(
                     mm,
@@ -1722,6 +1788,28 @@ impl Model {
         }
         if let Some(cap) = self.final_softcap {
             kernels::softcap(logits, cap);
+        }
+    }
+
+    /// Moves the rows of the tokens whose logits are wanted to their logits rows (row `r` of
+    /// `x`, of Gemma 4's per-layer inputs, and of `proj` when `with_proj`), for the rest of a
+    /// layer that computes only those ([`Outputs::LogitRows`]). Rows are numbered in segment
+    /// order, so a token's row is never after the token and the moves go front to back.
+    fn keep_logit_rows(&self, s: &mut Scratch, plan: &BatchPlan, with_proj: bool) {
+        let h = self.dims.hidden;
+        let ple = s.ple.len() / s.max_tokens.max(1);
+        for (row, t) in plan.logit_tokens() {
+            debug_assert!(row <= t);
+            if row == t {
+                continue;
+            }
+            s.x.copy_within(t * h..(t + 1) * h, row * h);
+            if with_proj {
+                s.proj.copy_within(t * h..(t + 1) * h, row * h);
+            }
+            if ple > 0 {
+                s.ple.copy_within(t * ple..(t + 1) * ple, row * ple);
+            }
         }
     }
 

@@ -155,8 +155,9 @@ impl MtpHead {
 impl Model {
     /// The final-normed hidden state of token `t` of the last pass (the input an MTP head
     /// reads), `out (hidden)`: the residual stream's row after the last layer, through the
-    /// final norm.
+    /// final norm. The scratch must keep every row ([`Scratch::keep_every_hidden_row`]).
     pub fn final_hidden(&self, s: &Scratch, t: usize, out: &mut [f32]) {
+        debug_assert!(s.keep_hidden, "final_hidden on a scratch that keeps only the logits rows");
         let h = self.dims.hidden;
         self.final_norm.apply(&s.x[t * h..(t + 1) * h], self.dims.eps, out);
     }

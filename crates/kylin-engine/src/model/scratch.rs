@@ -11,6 +11,12 @@ pub struct Scratch {
     /// Rows of `logits`: one per segment, plus the rows planned for segments that want every
     /// token's logits.
     pub(super) max_logit_rows: usize,
+    /// Every token's final hidden row is read after a pass (an MTP head reads them through
+    /// [`super::Model::final_hidden`]), so the last layer computes every row, not only the rows
+    /// whose logits are wanted.
+    pub(super) keep_hidden: bool,
+    /// Rows the last layer computed output for in the last pass.
+    pub(super) last_layer_rows: usize,
     /// Residual stream, `(max_tokens, hidden)`.
     pub(super) x: Vec<f32>,
     /// Normalised input of a block, `(max_tokens, hidden)`.
@@ -93,6 +99,18 @@ pub struct ProductScratch {
 impl Scratch {
     pub fn max_tokens(&self) -> usize {
         self.max_tokens
+    }
+
+    /// Keeps every token's final hidden row after each pass, for [`super::Model::final_hidden`]
+    /// (by default the last layer computes only the rows whose logits are wanted).
+    pub fn keep_every_hidden_row(&mut self) {
+        self.keep_hidden = true;
+    }
+
+    /// Rows the last layer computed output for in the last pass: every token's, or only the
+    /// rows whose logits were wanted.
+    pub fn last_layer_rows(&self) -> usize {
+        self.last_layer_rows
     }
 
     /// Logits rows one forward pass can fill.
