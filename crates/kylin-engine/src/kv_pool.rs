@@ -20,9 +20,9 @@
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 
-use kylin_kernels::WeightDType;
 use kylin_kernels::aligned::AlignedBytes;
 use kylin_kernels::paged::{KvLayout, KvView};
+use kylin_kernels::{ThreadPool, WeightDType};
 use kylin_loader::{KylinError, Result};
 
 /// "No block" in the free list links.
@@ -433,30 +433,58 @@ impl KvPool {
         (geometry, KvView { data: &self.values, ..geometry })
     }
 
-    /// Stores the keys and values of one token at position `pos` of a sequence whose block
-    /// table is `blocks`, for `layer`: `k` and `v` are the layer's `(n_kv_heads * head_dim)`, each head's
-    /// going to its (block, layer, head) tile in the pool's layout.
+    /// Stores the keys and values of `n` tokens for `layer`: token `t`'s are rows `t` of `k`
+    /// and `v` `(n, n_kv_heads * head_dim)`, and go to position `place(t).1` of the sequence
+    /// whose block table is `place(t).0`, each head's to its (block, layer, head) tile in the
+    /// pool's layout. With many tokens the KV heads are split over `pool`: each tile is a span
+    /// of its own, so no two tasks write the same bytes, and no element depends on the split.
     ///
     /// In the pair layout the AMX kernel loads whole 16-position chunks, slots past the
     /// sequence's length included (their scores are masked and their values multiplied by
     /// zero), so those slots must hold finite numbers: a block's tile is zeroed when its first
     /// slot is written, and a stale NaN of an earlier sequence can never reach a later one.
-    pub fn store(&mut self, layer: usize, blocks: &[u32], pos: usize, k: &[f32], v: &[f32]) {
+    pub fn store_tokens<'t>(
+        &mut self,
+        pool: &ThreadPool,
+        layer: usize,
+        n: usize,
+        place: &(dyn Fn(usize) -> (&'t [u32], usize) + Sync),
+        k: &[f32],
+        v: &[f32],
+    ) {
         let KvShape { n_kv_heads, head_dim: hd } = self.layers[layer];
-        let block = blocks[pos / self.block_size] as usize;
-        let slot = pos % self.block_size;
-        let size = self.dtype.size_in_bytes();
-        for h in 0..n_kv_heads {
-            let tile = block * self.block_stride + self.head_offset(layer, h);
-            if slot == 0 && self.layout == KvLayout::Pairs {
-                let span = tile * size..(tile + self.block_size * hd) * size;
-                self.keys[span.clone()].fill(0);
-                self.values[span].fill(0);
+        let kv_dim = n_kv_heads * hd;
+        assert!(k.len() >= n * kv_dim && v.len() >= n * kv_dim, "store_tokens: rows too short");
+        let parts = if n.saturating_mul(kv_dim) >= STORE_PARALLEL_MIN { pool.threads().min(n_kv_heads) } else { 1 };
+        let (bs, dtype, layout, stride) = (self.block_size, self.dtype, self.layout, self.block_stride);
+        let size = dtype.size_in_bytes();
+        let tile_bytes = bs * hd * size;
+        let first_head = self.layer_offsets[layer];
+        let (keys, values) = (TileWriter::new(&mut self.keys), TileWriter::new(&mut self.values));
+        let heads = |p: usize| {
+            for h in p * n_kv_heads / parts..(p + 1) * n_kv_heads / parts {
+                for t in 0..n {
+                    let (blocks, pos) = place(t);
+                    let (block, slot) = (blocks[pos / bs] as usize, pos % bs);
+                    let tile = block * stride + first_head + h * bs * hd;
+                    // SAFETY: head `h`'s tiles belong to this task alone (each task has its own
+                    // heads), and the buffers outlive the call.
+                    let (kd, vd) =
+                        unsafe { (keys.tile(tile * size, tile_bytes), values.tile(tile * size, tile_bytes)) };
+                    if slot == 0 && layout == KvLayout::Pairs {
+                        kd.fill(0);
+                        vd.fill(0);
+                    }
+                    let row = t * kv_dim + h * hd;
+                    kylin_kernels::paged::store_key(layout, dtype, kd, 0, bs, slot, &k[row..row + hd]);
+                    kylin_kernels::paged::store_value(layout, dtype, vd, 0, bs, slot, &v[row..row + hd]);
+                }
             }
-            let (bs, dtype, layout) = (self.block_size, self.dtype, self.layout);
-            let (k, v) = (&k[h * hd..(h + 1) * hd], &v[h * hd..(h + 1) * hd]);
-            kylin_kernels::paged::store_key(layout, dtype, &mut self.keys, tile, bs, slot, k);
-            kylin_kernels::paged::store_value(layout, dtype, &mut self.values, tile, bs, slot, v);
+        };
+        if parts <= 1 {
+            heads(0);
+        } else {
+            pool.run(parts, &heads);
         }
     }
 
@@ -469,6 +497,39 @@ impl KvPool {
             let src = from as usize * bytes;
             data.copy_within(src..src + bytes, to as usize * bytes);
         }
+    }
+}
+
+/// Elements of keys below which [`KvPool::store_tokens`] stores on the calling thread alone.
+const STORE_PARALLEL_MIN: usize = 1 << 14;
+
+/// A pool buffer whose (block, layer, head) tiles pool tasks write, each its own.
+struct TileWriter {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: a `TileWriter` only hands out tiles that its user guarantees no other task writes
+// (see `tile`), of a buffer that outlives the pool run using it.
+unsafe impl Send for TileWriter {}
+// SAFETY: as above.
+unsafe impl Sync for TileWriter {}
+
+impl TileWriter {
+    fn new(buffer: &mut [u8]) -> Self {
+        TileWriter { ptr: buffer.as_mut_ptr(), len: buffer.len() }
+    }
+
+    /// `len` bytes from `start`.
+    ///
+    /// # Safety
+    /// No two tiles obtained from the same buffer may be alive at the same time and overlap,
+    /// and the buffer must outlive them.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn tile(&self, start: usize, len: usize) -> &mut [u8] {
+        assert!(start <= self.len && len <= self.len - start, "KV tile out of the pool");
+        // SAFETY: in bounds (checked above); exclusivity is the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
     }
 }
 

@@ -226,31 +226,21 @@ impl Attention {
 
         // 2. The q/k norm (per head, or over the whole projection), then RoPE at each token's
         //    own position on the rotated part of every (token, head) row of q and k, viewed as
-        //    (n, heads, head_dim); the value norm (Gemma 4) on each value head; then the token's
-        //    keys and values go to its sequence's blocks.
-        let tmp = &mut s.head_tmp;
+        //    (n, heads, head_dim); the value norm (Gemma 4) on each value head; then the
+        //    tokens' keys and values go to their sequences' blocks. Tokens are independent,
+        //    so they are split over the pool, unless a token needs the scratch's one buffer
+        //    for its rotary frequencies (multimodal RoPE) or for a norm over the whole
+        //    projection (OLMo 2).
         let table = layer.rope.map(|i| rope.table(i));
         let rotary = table.map_or(0, |t| t.rotary_dim());
-        // Multimodal RoPE: each token's frequencies at its (time, row, column) positions.
-        let (mm_cos, mm_sin) = s.rope_tmp[..rotary].split_at_mut(rotary / 2);
         let multimodal = table.filter(|t| t.is_multimodal() && !plan.positions.is_empty());
         let writes_kv = layer.k_proj.is_some();
-        for seg in &plan.segments {
-            let blocks = &tables[table_range(seg)];
-            for t in seg.t0..seg.t0 + seg.n {
-                let pos = seg.start + (t - seg.t0);
-                let (cos, sin): (&[f32], &[f32]) = match (table, multimodal) {
-                    (_, Some(mm)) => {
-                        mm.cos_sin_at(plan.positions[t], mm_cos, mm_sin);
-                        (mm_cos, mm_sin)
-                    }
-                    (Some(table), None) => (table.cos(pos), table.sin(pos)),
-                    (None, None) => (&[], &[]),
-                };
-                let rows = [
-                    Some((&mut s.q[t * q_dim..(t + 1) * q_dim], q_dim, &layer.q_norm)),
-                    writes_kv.then(|| (&mut s.k[t * kv_dim..(t + 1) * kv_dim], kv_dim, &layer.k_norm)),
-                ];
+        let projection_norm = layer.qk_norm == QkNorm::Projection && (layer.q_norm.is_some() || layer.k_norm.is_some());
+        // One token's rows in place: q (q_dim), and k and v (kv_dim) when the layer writes them.
+        let token_rows =
+            |q: &mut [f32], kv: Option<(&mut [f32], &mut [f32])>, tmp: &mut [f32], cos: &[f32], sin: &[f32]| {
+                let (k, v) = kv.map_or((None, None), |(k, v)| (Some(k), Some(v)));
+                let rows = [Some((q, q_dim, &layer.q_norm)), k.map(|k| (k, kv_dim, &layer.k_norm))];
                 for (row, width, head_norm) in rows.into_iter().flatten() {
                     debug_assert_eq!(row.len(), width);
                     if let (Some(w), QkNorm::Projection) = (head_norm, layer.qk_norm) {
@@ -268,19 +258,68 @@ impl Attention {
                         }
                     }
                 }
-                if !writes_kv {
-                    continue;
-                }
-                let v_row = &mut s.v[t * kv_dim..(t + 1) * kv_dim];
-                if let Some(norm) = &layer.v_norm {
-                    for head in v_row.chunks_exact_mut(hd) {
+                if let (Some(v), Some(norm)) = (v, &layer.v_norm) {
+                    for head in v.chunks_exact_mut(hd) {
                         tmp[..hd].copy_from_slice(head);
                         norm.apply(&tmp[..hd], c.eps, head);
                     }
                 }
-                // (n_kv_heads * head_dim) -> block slot of position `pos`, per KV head.
-                kv.store(index, blocks, pos, &s.k[t * kv_dim..(t + 1) * kv_dim], &s.v[t * kv_dim..(t + 1) * kv_dim]);
+            };
+        let segments = &plan.segments;
+        let position = |seg: &Segment, t: usize| seg.start + (t - seg.t0);
+        if multimodal.is_none() && !projection_norm && hd <= MAX_HEAD_DIM {
+            let (q_all, k_all, v_all) = (
+                SharedMut::new(&mut s.q[..n * q_dim]),
+                SharedMut::new(&mut s.k[..n * kv_dim]),
+                SharedMut::new(&mut s.v[..n * kv_dim]),
+            );
+            super::for_row_ranges(mm.pool, n, q_dim + 2 * kv_dim, &|tokens| {
+                let mut tmp = [0.0f32; MAX_HEAD_DIM];
+                // The segment holding the range's first token, then the following ones.
+                let mut si = segments.partition_point(|seg| seg.t0 + seg.n <= tokens.start);
+                for t in tokens {
+                    while t >= segments[si].t0 + segments[si].n {
+                        si += 1;
+                    }
+                    let pos = position(&segments[si], t);
+                    let (cos, sin): (&[f32], &[f32]) = table.map_or((&[], &[]), |tb| (tb.cos(pos), tb.sin(pos)));
+                    // SAFETY: token t's rows belong to the one range holding t, and the
+                    // buffers outlive the call.
+                    let (q, kv) = unsafe {
+                        let q = q_all.slice(t * q_dim, q_dim);
+                        (q, writes_kv.then(|| (k_all.slice(t * kv_dim, kv_dim), v_all.slice(t * kv_dim, kv_dim))))
+                    };
+                    token_rows(q, kv, &mut tmp, cos, sin);
+                }
+            });
+        } else {
+            // Multimodal RoPE: each token's frequencies at its (time, row, column) positions.
+            let (mm_cos, mm_sin) = s.rope_tmp[..rotary].split_at_mut(rotary / 2);
+            for seg in segments {
+                for t in seg.t0..seg.t0 + seg.n {
+                    let pos = position(seg, t);
+                    let (cos, sin): (&[f32], &[f32]) = match (table, multimodal) {
+                        (_, Some(mm)) => {
+                            mm.cos_sin_at(plan.positions[t], mm_cos, mm_sin);
+                            (mm_cos, mm_sin)
+                        }
+                        (Some(table), None) => (table.cos(pos), table.sin(pos)),
+                        (None, None) => (&[], &[]),
+                    };
+                    let q = &mut s.q[t * q_dim..(t + 1) * q_dim];
+                    let kv = writes_kv
+                        .then(|| (&mut s.k[t * kv_dim..(t + 1) * kv_dim], &mut s.v[t * kv_dim..(t + 1) * kv_dim]));
+                    token_rows(q, kv, &mut s.head_tmp, cos, sin);
+                }
             }
+        }
+        if writes_kv {
+            // k, v (n, n_kv_heads * head_dim) -> each token's block slot, per KV head.
+            let place = |t: usize| {
+                let seg = &segments[segments.partition_point(|seg| seg.t0 + seg.n <= t)];
+                (&tables[table_range(seg)], position(seg, t))
+            };
+            kv.store_tokens(mm.pool, index, n, &place, &s.k[..n * kv_dim], &s.v[..n * kv_dim]);
         }
 
         // 3. Causal attention, blocked: one pool task per (segment, KV head, chunk of up to

@@ -7,6 +7,7 @@ use kylin_loader::family::Activation;
 use kylin_loader::{LayerWeights, ModelWeights, Result};
 
 use super::Step;
+use super::attention::SharedMut;
 use super::linear::Linear;
 use super::scratch::Scratch;
 
@@ -66,10 +67,16 @@ impl Mlp {
             [(&self.gate_proj, &mut s.gate[..n * i]), (&self.up_proj, &mut s.up[..n * i])],
             &mut s.products,
         );
-        match self.activation {
-            Activation::Silu => kernels::silu_mul(&mut s.gate[..n * i], &s.up[..n * i]),
-            Activation::GeluTanh => kernels::gelu_tanh_mul(&mut s.gate[..n * i], &s.up[..n * i]),
-        }
+        let (gate, up) = (SharedMut::new(&mut s.gate[..n * i]), &s.up[..n * i]);
+        super::for_row_ranges(c.mm.pool, n, i, &|rows| {
+            // SAFETY: the ranges of one call are disjoint, and the gate outlives it.
+            let gate = unsafe { gate.slice(rows.start * i, rows.len() * i) };
+            let up = &up[rows.start * i..rows.end * i];
+            match self.activation {
+                Activation::Silu => kernels::silu_mul(gate, up),
+                Activation::GeluTanh => kernels::gelu_tanh_mul(gate, up),
+            }
+        });
 
         // 2. down: gate (n, intermediate) -> proj (n, hidden).
         self.down_proj.forward(c.mm, &s.gate[..n * i], n, &mut s.proj[..n * h], &mut s.products);

@@ -110,7 +110,7 @@ use kylin_loader::{KylinError, LayerWeights, ModelConfig, ModelWeights, Result, 
 use crate::kv_pool::{KvPool, KvShape};
 use crate::rope::Ropes;
 use crate::state_pool::{RecurrentShape, StatePool};
-use attention::{Attention, SPLIT_SEGMENTS};
+use attention::{Attention, SPLIT_SEGMENTS, SharedMut};
 use delta_net::DeltaNet;
 use linear::{Linear, Matmul, Norm, PublishedDecode, QuantSource, Vector, decode_published};
 use mlp::Mlp;
@@ -128,6 +128,25 @@ struct Step<'a> {
     hidden: usize,
     n_heads: usize,
     eps: f32,
+}
+
+/// Elements below which row-wise work (norms, activations, residual adds) runs on the calling
+/// thread alone: a pool dispatch costs a few microseconds, about what 30 thousand elements of
+/// such work take.
+const PARALLEL_MIN_ELEMENTS: usize = 1 << 15;
+
+/// Calls `f(rows)` for `0..n` rows of `width` elements each, split into one contiguous range
+/// per thread of `pool` when they hold at least [`PARALLEL_MIN_ELEMENTS`] elements, else once
+/// on this thread. Meant for row-wise work, whose bits do not depend on the split; without it
+/// one thread did a prompt's norms, activations and residual adds while the other waited
+/// (BENCHMARKS.md).
+fn for_row_ranges(pool: &ThreadPool, n: usize, width: usize, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
+    let parts = if n.saturating_mul(width) >= PARALLEL_MIN_ELEMENTS { pool.threads().min(n) } else { 1 };
+    if parts <= 1 {
+        f(0..n);
+        return;
+    }
+    pool.run(parts, &|p| f(p * n / parts..(p + 1) * n / parts));
 }
 
 /// The largest number of prompt tokens run through the layers at once; longer prompts are
@@ -1661,7 +1680,7 @@ impl Model {
         for (i, layer) in self.layers.iter().enumerate() {
             let outputs = if trimmed && i == last { Outputs::LogitRows } else { Outputs::Every };
             if let Some(norm) = &layer.attn_norm {
-                norm.rows(&s.x[..n * h], h, d.eps, &mut s.xn[..n * h]);
+                norm.rows(pool, &s.x[..n * h], h, d.eps, &mut s.xn[..n * h]);
             }
             match &layer.mixer {
                 Mixer::Attention(a) => {
@@ -1692,10 +1711,10 @@ impl Model {
                     continue;
                 }
             }
-            self.residual_add_block(layer.attn_post_norm.as_ref(), s, n);
+            self.residual_add_block(pool, layer.attn_post_norm.as_ref(), s, n);
 
             if let Some(norm) = &layer.mlp_norm {
-                norm.rows(&s.x[..n * h], h, d.eps, &mut s.xn[..n * h]);
+                norm.rows(pool, &s.x[..n * h], h, d.eps, &mut s.xn[..n * h]);
             }
             match &layer.ffn {
                 Ffn::Dense(mlp) => mlp.forward(&step, s, n, layer.mlp_norm.is_some()),
@@ -1707,8 +1726,8 @@ impl Model {
                     // proj = post_mlp_norm(mlp(xn)) + post_expert_norm(moe(pre_expert_norm(x))),
                     // the router reading x.
                     b.mlp.forward(&step, s, n, true);
-                    b.post_mlp_norm.rows(&s.proj[..n * h], h, d.eps, &mut s.moe.branch_sum[..n * h]);
-                    b.pre_expert_norm.rows(&s.x[..n * h], h, d.eps, &mut s.moe.branch_input[..n * h]);
+                    b.post_mlp_norm.rows(pool, &s.proj[..n * h], h, d.eps, &mut s.moe.branch_sum[..n * h]);
+                    b.pre_expert_norm.rows(pool, &s.x[..n * h], h, d.eps, &mut s.moe.branch_input[..n * h]);
                     let input = std::mem::take(&mut s.moe.branch_input);
                     b.moe.forward(
                         &step,
@@ -1720,18 +1739,18 @@ impl Model {
                         &mut s.products,
                     );
                     s.moe.branch_input = input;
-                    b.post_expert_norm.rows(&s.proj[..n * h], h, d.eps, &mut s.xn[..n * h]);
+                    b.post_expert_norm.rows(pool, &s.proj[..n * h], h, d.eps, &mut s.xn[..n * h]);
                     for ((p, &a), &b) in s.proj[..n * h].iter_mut().zip(&s.moe.branch_sum[..n * h]).zip(&s.xn[..n * h])
                     {
                         *p = a + b;
                     }
                 }
             }
-            self.residual_add_block(layer.mlp_post_norm.as_ref(), s, n);
+            self.residual_add_block(pool, layer.mlp_post_norm.as_ref(), s, n);
 
             if let Some(block) = &layer.per_layer {
                 block.forward(&step, i, s, n);
-                self.residual_add(&mut s.x[..n * h], &s.xn[..n * h]);
+                self.residual_add(pool, &mut s.x[..n * h], &s.xn[..n * h]);
             }
             if let Some(scalar) = layer.scalar {
                 kernels::scale(&mut s.x[..n * h], scalar);
@@ -1745,7 +1764,7 @@ impl Model {
         match all_logits {
             Some(out) => {
                 // x (n, hidden) -> xn (n, hidden) -> out (n, vocab).
-                self.final_norm.rows(&s.x[..n * h], h, d.eps, &mut s.xn[..n * h]);
+                self.final_norm.rows(pool, &s.x[..n * h], h, d.eps, &mut s.xn[..n * h]);
                 self.lm_head.forward(mm, &s.xn[..n * h], n, out, &mut s.products);
                 self.finish_logits(&mut out[..n * d.vocab]);
             }
@@ -1814,25 +1833,31 @@ impl Model {
     }
 
     /// `x += r · post_norm?(proj)` for a sub-block's output in `proj (n, hidden)`.
-    fn residual_add_block(&self, post_norm: Option<&Norm>, s: &mut Scratch, n: usize) {
+    fn residual_add_block(&self, pool: &ThreadPool, post_norm: Option<&Norm>, s: &mut Scratch, n: usize) {
         let h = self.dims.hidden;
         match post_norm {
             Some(norm) => {
-                norm.rows(&s.proj[..n * h], h, self.dims.eps, &mut s.xn[..n * h]);
-                self.residual_add(&mut s.x[..n * h], &s.xn[..n * h]);
+                norm.rows(pool, &s.proj[..n * h], h, self.dims.eps, &mut s.xn[..n * h]);
+                self.residual_add(pool, &mut s.x[..n * h], &s.xn[..n * h]);
             }
-            None => self.residual_add(&mut s.x[..n * h], &s.proj[..n * h]),
+            None => self.residual_add(pool, &mut s.x[..n * h], &s.proj[..n * h]),
         }
     }
 
-    /// `x += r · h` for a sub-block's output `h`: the residual add, scaled by Granite's
-    /// multiplier.
-    #[inline]
-    fn residual_add(&self, x: &mut [f32], h: &[f32]) {
-        if self.residual_scale == 1.0 {
-            kernels::add_assign(x, h);
-        } else {
-            kernels::add_scaled(x, h, self.residual_scale);
-        }
+    /// `x += r · y` for a sub-block's output `y (rows, hidden)`: the residual add, scaled by
+    /// Granite's multiplier; element by element, rows split over `pool`.
+    fn residual_add(&self, pool: &ThreadPool, x: &mut [f32], y: &[f32]) {
+        let h = self.dims.hidden;
+        let shared = SharedMut::new(x);
+        for_row_ranges(pool, y.len() / h, h, &|rows| {
+            // SAFETY: the ranges of one call are disjoint, and `x` outlives it.
+            let x = unsafe { shared.slice(rows.start * h, rows.len() * h) };
+            let y = &y[rows.start * h..rows.end * h];
+            if self.residual_scale == 1.0 {
+                kernels::add_assign(x, y);
+            } else {
+                kernels::add_scaled(x, y, self.residual_scale);
+            }
+        });
     }
 }

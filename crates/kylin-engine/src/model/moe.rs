@@ -424,7 +424,7 @@ impl Moe {
             (Some(norm), Some(scale)) => {
                 let root = (h as f64).powf(-0.5) as f32;
                 let input = &mut ms.router_input[..n * h];
-                norm.rows(&router_x[..n * h], h, c.eps, input);
+                norm.rows(c.mm.pool, &router_x[..n * h], h, c.eps, input);
                 for row in input.chunks_exact_mut(h) {
                     for (v, &s) in row.iter_mut().zip(scale) {
                         *v = *v * s * root;

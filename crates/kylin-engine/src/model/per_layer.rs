@@ -136,6 +136,6 @@ impl PerLayerBlock {
         }
         // 2. projection: g (n, width) -> proj (n, hidden) -> xn = post_norm(proj).
         self.projection.forward(c.mm, &s.ple_gate[..n * w], n, &mut s.proj[..n * h], &mut s.products);
-        self.post_norm.rows(&s.proj[..n * h], h, c.eps, &mut s.xn[..n * h]);
+        self.post_norm.rows(c.mm.pool, &s.proj[..n * h], h, c.eps, &mut s.xn[..n * h]);
     }
 }
