@@ -25,6 +25,8 @@ use kylin_kernels::paged::{KvLayout, KvView};
 use kylin_kernels::{ThreadPool, WeightDType};
 use kylin_loader::{KylinError, Result};
 
+use crate::shared_mut::SharedMut;
+
 /// "No block" in the free list links.
 const NIL: u32 = u32::MAX;
 
@@ -460,7 +462,7 @@ impl KvPool {
         let size = dtype.size_in_bytes();
         let tile_bytes = bs * hd * size;
         let first_head = self.layer_offsets[layer];
-        let (keys, values) = (TileWriter::new(&mut self.keys), TileWriter::new(&mut self.values));
+        let (keys, values) = (SharedMut::new(&mut self.keys), SharedMut::new(&mut self.values));
         let heads = |p: usize| {
             for h in p * n_kv_heads / parts..(p + 1) * n_kv_heads / parts {
                 for t in 0..n {
@@ -470,7 +472,7 @@ impl KvPool {
                     // SAFETY: head `h`'s tiles belong to this task alone (each task has its own
                     // heads), and the buffers outlive the call.
                     let (kd, vd) =
-                        unsafe { (keys.tile(tile * size, tile_bytes), values.tile(tile * size, tile_bytes)) };
+                        unsafe { (keys.slice(tile * size, tile_bytes), values.slice(tile * size, tile_bytes)) };
                     if slot == 0 && layout == KvLayout::Pairs {
                         kd.fill(0);
                         vd.fill(0);
@@ -502,36 +504,6 @@ impl KvPool {
 
 /// Elements of keys below which [`KvPool::store_tokens`] stores on the calling thread alone.
 const STORE_PARALLEL_MIN: usize = 1 << 14;
-
-/// A pool buffer whose (block, layer, head) tiles pool tasks write, each its own.
-struct TileWriter {
-    ptr: *mut u8,
-    len: usize,
-}
-
-// SAFETY: a `TileWriter` only hands out tiles that its user guarantees no other task writes
-// (see `tile`), of a buffer that outlives the pool run using it.
-unsafe impl Send for TileWriter {}
-// SAFETY: as above.
-unsafe impl Sync for TileWriter {}
-
-impl TileWriter {
-    fn new(buffer: &mut [u8]) -> Self {
-        TileWriter { ptr: buffer.as_mut_ptr(), len: buffer.len() }
-    }
-
-    /// `len` bytes from `start`.
-    ///
-    /// # Safety
-    /// No two tiles obtained from the same buffer may be alive at the same time and overlap,
-    /// and the buffer must outlive them.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn tile(&self, start: usize, len: usize) -> &mut [u8] {
-        assert!(start <= self.len && len <= self.len - start, "KV tile out of the pool");
-        // SAFETY: in bounds (checked above); exclusivity is the caller's contract.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
-    }
-}
 
 #[cfg(test)]
 mod tests {

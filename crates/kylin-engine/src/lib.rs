@@ -20,6 +20,7 @@ pub mod sampler;
 pub mod sequence;
 pub mod serial;
 pub mod serving;
+mod shared_mut;
 pub mod speculative;
 pub mod state_pool;
 pub mod text;

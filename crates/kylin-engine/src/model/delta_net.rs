@@ -23,10 +23,10 @@ use kylin_loader::arch::Role;
 use kylin_loader::family::{LinearAttention, NormKind};
 use kylin_loader::{KylinError, LayerWeights, ModelWeights, Result, WeightTensor};
 
-use super::attention::SharedMut;
 use super::linear::{Linear, Norm, Vector, shape_error, weight_dtype};
 use super::scratch::Scratch;
 use super::{BatchPlan, Step};
+use crate::shared_mut::SharedMut;
 use crate::state_pool::{RecurrentShape, StatePool};
 
 /// The input projections, as the checkpoint stores them (one per layer, built once at load:

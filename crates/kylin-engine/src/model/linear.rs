@@ -11,7 +11,6 @@ use kylin_kernels::{self as kernels, Bf16Kernels, ThreadPool, WeightDType, Weigh
 use kylin_loader::family::NormKind;
 use kylin_loader::{DType, KylinError, ModelWeights, Result, WeightTensor};
 
-use super::attention::SharedMut;
 use super::input_quant::InputQuant;
 use super::scratch::ProductScratch;
 
@@ -560,10 +559,7 @@ impl Norm {
 
     /// Every row of `x (rows, width)` into `out (rows, width)`, rows split over `pool`.
     pub(super) fn rows(&self, pool: &ThreadPool, x: &[f32], width: usize, eps: f32, out: &mut [f32]) {
-        let shared = SharedMut::new(out);
-        super::for_row_ranges(pool, x.len() / width, width, &|rows| {
-            // SAFETY: the ranges of one call are disjoint, and `out` outlives it.
-            let out = unsafe { shared.slice(rows.start * width, rows.len() * width) };
+        super::for_row_slices(pool, &mut out[..x.len()], width, &|rows, out| {
             for (x, out) in x[rows.start * width..rows.end * width].chunks_exact(width).zip(out.chunks_exact_mut(width))
             {
                 self.apply(x, eps, out);

@@ -7,7 +7,6 @@ use kylin_loader::family::Activation;
 use kylin_loader::{LayerWeights, ModelWeights, Result};
 
 use super::Step;
-use super::attention::SharedMut;
 use super::linear::Linear;
 use super::scratch::Scratch;
 
@@ -67,10 +66,8 @@ impl Mlp {
             [(&self.gate_proj, &mut s.gate[..n * i]), (&self.up_proj, &mut s.up[..n * i])],
             &mut s.products,
         );
-        let (gate, up) = (SharedMut::new(&mut s.gate[..n * i]), &s.up[..n * i]);
-        super::for_row_ranges(c.mm.pool, n, i, &|rows| {
-            // SAFETY: the ranges of one call are disjoint, and the gate outlives it.
-            let gate = unsafe { gate.slice(rows.start * i, rows.len() * i) };
+        let up = &s.up[..n * i];
+        super::for_row_slices(c.mm.pool, &mut s.gate[..n * i], i, &|rows, gate| {
             let up = &up[rows.start * i..rows.end * i];
             match self.activation {
                 Activation::Silu => kernels::silu_mul(gate, up),

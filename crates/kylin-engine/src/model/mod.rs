@@ -109,8 +109,9 @@ use kylin_loader::{KylinError, LayerWeights, ModelConfig, ModelWeights, Result, 
 
 use crate::kv_pool::{KvPool, KvShape};
 use crate::rope::Ropes;
+use crate::shared_mut::SharedMut;
 use crate::state_pool::{RecurrentShape, StatePool};
-use attention::{Attention, SPLIT_SEGMENTS, SharedMut};
+use attention::{Attention, SPLIT_SEGMENTS};
 use delta_net::DeltaNet;
 use linear::{Linear, Matmul, Norm, PublishedDecode, QuantSource, Vector, decode_published};
 use mlp::Mlp;
@@ -147,6 +148,22 @@ fn for_row_ranges(pool: &ThreadPool, n: usize, width: usize, f: &(dyn Fn(std::op
         return;
     }
     pool.run(parts, &|p| f(p * n / parts..(p + 1) * n / parts));
+}
+
+/// [`for_row_ranges`] over the rows of `out (n, width)`, handing each call its rows of `out`.
+fn for_row_slices(
+    pool: &ThreadPool,
+    out: &mut [f32],
+    width: usize,
+    f: &(dyn Fn(std::ops::Range<usize>, &mut [f32]) + Sync),
+) {
+    let n = out.len() / width;
+    let shared = SharedMut::new(out);
+    for_row_ranges(pool, n, width, &|rows| {
+        // SAFETY: the ranges of one call are disjoint, and `out` outlives it.
+        let part = unsafe { shared.slice(rows.start * width, rows.len() * width) };
+        f(rows, part);
+    });
 }
 
 /// The largest number of prompt tokens run through the layers at once; longer prompts are
@@ -1848,10 +1865,7 @@ impl Model {
     /// Granite's multiplier; element by element, rows split over `pool`.
     fn residual_add(&self, pool: &ThreadPool, x: &mut [f32], y: &[f32]) {
         let h = self.dims.hidden;
-        let shared = SharedMut::new(x);
-        for_row_ranges(pool, y.len() / h, h, &|rows| {
-            // SAFETY: the ranges of one call are disjoint, and `x` outlives it.
-            let x = unsafe { shared.slice(rows.start * h, rows.len() * h) };
+        for_row_slices(pool, x, h, &|rows, x| {
             let y = &y[rows.start * h..rows.end * h];
             if self.residual_scale == 1.0 {
                 kernels::add_assign(x, y);
