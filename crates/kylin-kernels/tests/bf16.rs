@@ -18,7 +18,7 @@ fn bits(v: &[f32]) -> Vec<u32> {
 }
 
 const ROWS: [usize; 7] = [1, 5, 16, 17, 31, 33, 97];
-const COLS: [usize; 9] = [1, 2, 31, 32, 33, 64, 100, 1000, 3100];
+const COLS: [usize; 10] = [1, 2, 31, 32, 33, 64, 100, 1000, 2049, 3100];
 // 1 and 2 tokens run one-row tiles, 3 and more six-row tiles (`avx512bf16::ONE_ROW_MAX_TOKENS`).
 const TOKENS: [usize; 14] = [1, 2, 3, 4, 6, 7, 8, 15, 16, 17, 31, 33, 64, 100];
 
