@@ -277,7 +277,7 @@ impl Attention {
             super::for_row_ranges(mm.pool, n, q_dim + 2 * kv_dim, &|tokens| {
                 let mut tmp = [0.0f32; MAX_HEAD_DIM];
                 // The segment holding the range's first token, then the following ones.
-                let mut si = segments.partition_point(|seg| seg.t0 + seg.n <= tokens.start);
+                let mut si = plan.segment_of(tokens.start);
                 for t in tokens {
                     while t >= segments[si].t0 + segments[si].n {
                         si += 1;
@@ -317,7 +317,7 @@ impl Attention {
         if writes_kv {
             // k, v (n, n_kv_heads * head_dim) -> each token's block slot, per KV head.
             let place = |t: usize| {
-                let seg = &segments[segments.partition_point(|seg| seg.t0 + seg.n <= t)];
+                let seg = &segments[plan.segment_of(t)];
                 (&tables[table_range(seg)], position(seg, t))
             };
             kv.store_tokens(mm.pool, index, n, &place, &s.k[..n * kv_dim], &s.v[..n * kv_dim]);
@@ -496,10 +496,7 @@ impl Attention {
         }
 
         // 5. Output projection: attn (rows, n_heads * head_dim) -> proj (rows, hidden).
-        let rows = match outputs {
-            Outputs::Every => n,
-            Outputs::LogitRows => plan.logit_rows,
-        };
+        let rows = outputs.rows(plan, n);
         if rows > 0 {
             layer.o_proj.forward(mm, &s.attn[..rows * q_dim], rows, &mut s.proj[..rows * h], &mut s.products);
         }

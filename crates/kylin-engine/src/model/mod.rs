@@ -512,6 +512,14 @@ pub(crate) enum Outputs {
 }
 
 impl Outputs {
+    /// Rows of output for a step of `n` tokens under `plan`.
+    pub(crate) fn rows(self, plan: &BatchPlan, n: usize) -> usize {
+        match self {
+            Outputs::Every => n,
+            Outputs::LogitRows => plan.logit_rows,
+        }
+    }
+
     /// The tokens of `seg` that get an output, as (index of the first in the segment, its
     /// output row, count): the whole segment from row `t0`, or its [`Segment::logit_tokens`]
     /// last tokens from their logits rows.
@@ -610,6 +618,11 @@ impl BatchPlan {
         });
         self.push_segment(ids, start, blocks, sliding, state, logits_row, false);
         logits_row
+    }
+
+    /// Index in [`BatchPlan::segments`] of the segment holding token `t` (`t < tokens()`).
+    pub(crate) fn segment_of(&self, t: usize) -> usize {
+        self.segments.partition_point(|seg| seg.t0 + seg.n <= t)
     }
 
     /// Adds a segment as [`BatchPlan::push`] does, asking for the logits of every one of its
@@ -1722,7 +1735,7 @@ impl Model {
                 // token's, which are gathered too.
                 let gather_proj = !matches!(layer.mixer, Mixer::Attention(_));
                 self.keep_logit_rows(s, plan, gather_proj);
-                n = plan.logit_rows;
+                n = outputs.rows(plan, n);
                 if n == 0 {
                     // A chunk of a prompt: its keys and values (or states) were all it needed.
                     continue;
