@@ -324,9 +324,18 @@ impl RowStates {
                 let a = Zmm::exp1(self.big_m[i] - big);
                 let b = Zmm::exp1(self.m[i] - big);
                 self.big_l[i] = Zmm::fma1(self.l[i], b, self.big_l[i] * a);
+                // Sixteen lanes at a time, each lane the scalar fold's two operations.
                 let orow = o.add(i * MAX_HEAD_DIM);
-                for (c, out) in r.out[..hd].iter_mut().enumerate() {
-                    *out = Zmm::fma1(*orow.add(c), b, *out * a);
+                let out = r.out[..hd].as_mut_ptr();
+                let (av, bv) = (Zmm::splat(a), Zmm::splat(b));
+                let mut c = 0;
+                while c + 16 <= hd {
+                    Zmm::fma(Zmm::load_f32(orow.add(c)), bv, Zmm::mul(Zmm::load_f32(out.add(c)), av))
+                        .store_f32(out.add(c));
+                    c += 16;
+                }
+                for c in c..hd {
+                    *out.add(c) = Zmm::fma1(*orow.add(c), b, *out.add(c) * a);
                 }
                 self.big_m[i] = big;
             }
