@@ -101,12 +101,6 @@ struct ColumnSpan {
     carry: *mut __m512,
 }
 
-impl ColumnSpan {
-    fn whole(cols: usize) -> Self {
-        ColumnSpan { c0: 0, c1: cols, carry: std::ptr::null_mut() }
-    }
-}
-
 /// One tile: `y[t * y_stride + r] = Σ_c w[r, c] · bf16(x)[t, c]` for `t < MT_`, `r < NR_`, in
 /// the canonical order (module header), prefetching `prefetch` meanwhile if `PREFETCH` (a
 /// separate instance, so that the one-row tiles of decode carry none of that code).
@@ -460,11 +454,8 @@ pub unsafe fn gemm_rows(
                         start: next.wrapping_add(first * 64),
                         lines: (first + per_pass).min(next_lines) - first,
                     };
-                    let span = if spans == 1 {
-                        ColumnSpan::whole(cols)
-                    } else {
-                        ColumnSpan { c0, c1, carry: carry.wrapping_add((t - t0) / MT * MT * NR) }
-                    };
+                    // One span (c0 = 0, c1 = cols) never touches its carry slot.
+                    let span = ColumnSpan { c0, c1, carry: carry.wrapping_add((t - t0) / MT * MT * NR) };
                     // SAFETY: rows `r..r + nr <= r1` and tokens `t..t + mt <= n_tokens` exist,
                     // and their outputs belong to the caller's range; the block has at most
                     // CARRY_TILES token tiles, each with its own slot of `carry`, which a span
