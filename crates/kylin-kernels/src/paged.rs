@@ -331,9 +331,7 @@ unsafe fn merge_body<L: Lanes>(stats: &[PartialStats], o: &[f32], out: &mut [f32
             let a = L::exp1(big_m - big);
             let b = L::exp1(st.m - big);
             big_l = L::fma1(st.l, b, big_l * a);
-            for (out, &o) in out.iter_mut().zip(o) {
-                *out = L::fma1(o, b, *out * a);
-            }
+            fold_row::<L>(out, o, a, b);
             big_m = big;
         }
     }
@@ -342,6 +340,31 @@ unsafe fn merge_body<L: Lanes>(stats: &[PartialStats], o: &[f32], out: &mut [f32
         *out *= inv;
     }
     PartialStats { m: big_m, l: big_l }
+}
+
+/// One partition's output folded into a row's: `out = fma(o, b, out · a)` element-wise, sixteen
+/// lanes at a time and then one element at a time; every element is the same two IEEE
+/// operations either way (the partition folds of [`merge_partitions`] and of the BF16 paths).
+///
+/// # Safety
+/// `L`'s instructions are available.
+#[inline(always)]
+unsafe fn fold_row<L: Lanes>(out: &mut [f32], o: &[f32], a: f32, b: f32) {
+    let hd = out.len();
+    assert!(o.len() >= hd, "a partition output shorter than the row");
+    // SAFETY: `c + 16 <= hd <= o.len()` for the lane loads and stores; the caller's features.
+    unsafe {
+        let (av, bv) = (L::splat(a), L::splat(b));
+        let (out_p, o_p) = (out.as_mut_ptr(), o.as_ptr());
+        let mut c = 0;
+        while c + 16 <= hd {
+            L::fma(L::load_f32(o_p.add(c)), bv, L::mul(L::load_f32(out_p.add(c)), av)).store_f32(out_p.add(c));
+            c += 16;
+        }
+        for c in c..hd {
+            *out_p.add(c) = L::fma1(*o_p.add(c), b, *out_p.add(c) * a);
+        }
+    }
 }
 
 /// The checked entry of [`attention_rows`] and [`attention_rows_partition`]: runs the path of

@@ -43,7 +43,7 @@ use std::arch::asm;
 use std::arch::x86_64::*;
 
 use super::simd::Zmm;
-use super::{Job, Lanes, MAX_HEAD_DIM, MAX_ROWS, PARTITION, PartialStats, QueryRow, Stats, softcap_lanes};
+use super::{Job, Lanes, MAX_HEAD_DIM, MAX_ROWS, PARTITION, PartialStats, QueryRow, Stats, fold_row, softcap_lanes};
 use crate::amx::{TileConfig, round16};
 
 /// Positions per tile of the AMX path.
@@ -324,19 +324,8 @@ impl RowStates {
                 let a = Zmm::exp1(self.big_m[i] - big);
                 let b = Zmm::exp1(self.m[i] - big);
                 self.big_l[i] = Zmm::fma1(self.l[i], b, self.big_l[i] * a);
-                // Sixteen lanes at a time, each lane the scalar fold's two operations.
-                let orow = o.add(i * MAX_HEAD_DIM);
-                let out = r.out[..hd].as_mut_ptr();
-                let (av, bv) = (Zmm::splat(a), Zmm::splat(b));
-                let mut c = 0;
-                while c + 16 <= hd {
-                    Zmm::fma(Zmm::load_f32(orow.add(c)), bv, Zmm::mul(Zmm::load_f32(out.add(c)), av))
-                        .store_f32(out.add(c));
-                    c += 16;
-                }
-                for c in c..hd {
-                    *out.add(c) = Zmm::fma1(*orow.add(c), b, *out.add(c) * a);
-                }
+                let orow = std::slice::from_raw_parts(o.add(i * MAX_HEAD_DIM), hd);
+                fold_row::<Zmm>(&mut r.out[..hd], orow, a, b);
                 self.big_m[i] = big;
             }
         }
