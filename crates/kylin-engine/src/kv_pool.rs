@@ -444,7 +444,8 @@ impl KvPool {
     /// In the pair layout the AMX kernel loads whole 16-position chunks, slots past the
     /// sequence's length included (their scores are masked and their values multiplied by
     /// zero), so those slots must hold finite numbers: a block's tile is zeroed when its first
-    /// slot is written, and a stale NaN of an earlier sequence can never reach a later one.
+    /// slot is written (unless this call writes all its slots), and a stale NaN of an earlier
+    /// sequence can never reach a later one.
     pub fn store_tokens<'t>(
         &mut self,
         pool: &ThreadPool,
@@ -463,6 +464,15 @@ impl KvPool {
         let tile_bytes = bs * hd * size;
         let first_head = self.layer_offsets[layer];
         let (keys, values) = (SharedMut::new(&mut self.keys), SharedMut::new(&mut self.values));
+        // Whether tokens `t..t + bs` are positions `pos..pos + bs` of one sequence (its block
+        // table `blocks`): then this call writes every slot of the block, and none needs zeroing.
+        let fills_block = |t: usize, blocks: &[u32], pos: usize| {
+            t + bs <= n
+                && (1..bs).all(|i| {
+                    let (next_blocks, next_pos) = place(t + i);
+                    std::ptr::eq(next_blocks, blocks) && next_pos == pos + i
+                })
+        };
         let heads = |p: usize| {
             for h in p * n_kv_heads / parts..(p + 1) * n_kv_heads / parts {
                 for t in 0..n {
@@ -473,7 +483,7 @@ impl KvPool {
                     // heads), and the buffers outlive the call.
                     let (kd, vd) =
                         unsafe { (keys.slice(tile * size, tile_bytes), values.slice(tile * size, tile_bytes)) };
-                    if slot == 0 && layout == KvLayout::Pairs {
+                    if slot == 0 && layout == KvLayout::Pairs && !fills_block(t, blocks, pos) {
                         kd.fill(0);
                         vd.fill(0);
                     }
@@ -508,6 +518,46 @@ const STORE_PARALLEL_MIN: usize = 1 << 14;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// In the pair layout, the slots of a block that a call leaves unwritten hold zeros, never a
+    /// stale NaN of the block's previous sequence, whether the call's other tokens belong to the
+    /// same sequence or to another; a block one call fills holds exactly what it wrote.
+    #[test]
+    fn pair_tiles_hold_no_stale_numbers_past_the_written_slots() {
+        let (bs, hd, heads) = (16, 4, 2);
+        let kv_dim = heads * hd;
+        let pool = ThreadPool::new(1);
+        let mut kv =
+            KvPool::new(WeightDType::BF16, KvLayout::Pairs, 3, bs, &[KvShape { n_kv_heads: heads, head_dim: hd }])
+                .expect("a small pool");
+        // A first sequence fills all three blocks with NaN.
+        let first_table = [0u32, 1, 2];
+        let nan = vec![f32::NAN; 3 * bs * kv_dim];
+        kv.store_tokens(&pool, 0, 3 * bs, &|t| (&first_table[..], t), &nan, &nan);
+        // Then one call stores 3 positions of x (block 0), 2 of y (block 1) and all 16 of z
+        // (block 2), each value nonzero.
+        let (x, y, z) = ([0u32], [1u32], [2u32]);
+        let place = |t: usize| -> (&[u32], usize) {
+            match t {
+                0..3 => (&x[..], t),
+                3..5 => (&y[..], t - 3),
+                _ => (&z[..], t - 5),
+            }
+        };
+        let n = 3 + 2 + bs;
+        let rows: Vec<f32> = (0..n * kv_dim).map(|i| 1.0 + i as f32 / 64.0).collect();
+        kv.store_tokens(&pool, 0, n, &place, &rows, &rows);
+        for (block, written) in [(0usize, 3usize), (1, 2), (2, bs)] {
+            for data in [&kv.keys, &kv.values] {
+                let bytes = &data[block * kv.block_stride * 2..(block + 1) * kv.block_stride * 2];
+                let elements: Vec<f32> =
+                    bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect();
+                assert!(elements.iter().all(|v| v.is_finite()), "block {block} keeps a stale NaN: {elements:?}");
+                let nonzero = elements.iter().filter(|&&v| v != 0.0).count();
+                assert_eq!(nonzero, written * kv_dim, "block {block}: {elements:?}");
+            }
+        }
+    }
 
     #[test]
     fn allocation_is_lru_and_release_returns_blocks() {

@@ -161,6 +161,19 @@ pub fn pack_tokens(x: &[f32], cols: usize, t0: usize, t1: usize, out: &mut [u16]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 pub(crate) unsafe fn round_chunk(src: *const f32, n: usize, out: &mut [u16; TILE_K]) {
     use std::arch::x86_64::*;
+    // SAFETY: the caller's contract; `out` is 64 bytes.
+    unsafe { _mm512_storeu_si512(out.as_mut_ptr() as *mut __m512i, round32(src, n)) };
+}
+
+/// `n <= 32` consecutive f32 at `src` rounded to BF16 (as `reference::round_bf16`), in order in
+/// the 32 u16 lanes of one vector, zeros after them.
+///
+/// # Safety
+/// AVX-512 F/BW are available; `src` is valid for reading `n` f32.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[inline]
+pub(crate) unsafe fn round32(src: *const f32, n: usize) -> std::arch::x86_64::__m512i {
+    use std::arch::x86_64::*;
     let lo_mask: __mmask16 = if n >= 16 { 0xFFFF } else { ((1u32 << n) - 1) as __mmask16 };
     let hi_mask: __mmask16 = if n >= 32 {
         0xFFFF
@@ -169,15 +182,14 @@ pub(crate) unsafe fn round_chunk(src: *const f32, n: usize, out: &mut [u16; TILE
     } else {
         0
     };
-    // SAFETY: masked loads read only the `n` valid elements; `out` is 64 bytes.
+    // SAFETY: masked loads read only the `n` valid elements.
     unsafe {
         let r0 = round16(_mm512_maskz_loadu_ps(lo_mask, src));
         let r1 = round16(_mm512_maskz_loadu_ps(hi_mask, src.add(16.min(n))));
         // Each lane holds a value below 2^16, so the signed-saturating pack is exact; it packs
         // per 128-bit lane, which the permutation puts back in order.
         let packed = _mm512_packus_epi32(r0, r1);
-        let ordered = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), packed);
-        _mm512_storeu_si512(out.as_mut_ptr() as *mut __m512i, ordered);
+        _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), packed)
     }
 }
 

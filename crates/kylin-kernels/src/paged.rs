@@ -1317,6 +1317,51 @@ mod simd {
     use super::{Job, Lanes, PartialStats, QueryRow, Stats, merge_body, rows_body};
     use crate::x86::{exp8, exp16, hsum};
 
+    /// Writes one position's key `src` (f32, an even `head_dim`) rounded to BF16 into a
+    /// [`super::KvLayout::Pairs`] tile: the u32 of pair `p` (dimensions `2p`, `2p + 1`) at byte
+    /// `64 · p` from `first`, the position's lane of the first pair. Each pair is rounded as
+    /// `half::bf16::from_f32` rounds (`crate::amx::round16`), so the bits are the scalar path's.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VL are available; the 4 bytes at `first + 64 · p` are writable for every
+    /// `p < src.len() / 2`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn store_key_pairs_bf16(first: *mut u8, src: &[f32]) {
+        let offsets = _mm512_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448, 512, 576, 640, 704, 768, 832, 896, 960);
+        for c in (0..src.len()).step_by(32) {
+            let n = 32.min(src.len() - c);
+            // SAFETY: `src[c..c + n]` is readable; pairs `c / 2 .. (c + n) / 2` are writable.
+            unsafe {
+                let pairs = crate::amx::round32(src.as_ptr().add(c), n);
+                let mask = ((1u32 << (n / 2)) - 1) as __mmask16;
+                _mm512_mask_i32scatter_epi32::<1>(first.add(c / 2 * 64) as *mut i32, mask, offsets, pairs);
+            }
+        }
+    }
+
+    /// Writes one position's value `src` (f32) rounded to BF16 into its half (the high one if
+    /// `odd`) of a [`super::KvLayout::Pairs`] pair row: element `c` in the u32 at byte `4c` from
+    /// `pair_row`, the other half untouched. Rounded as [`store_key_pairs_bf16`] rounds.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VL are available; the `4 · src.len()` bytes from `pair_row` are writable.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn store_value_pairs_bf16(pair_row: *mut u8, odd: bool, src: &[f32]) {
+        for c in (0..src.len()).step_by(16) {
+            let n = 16.min(src.len() - c);
+            // SAFETY: `src[c..c + n]` is readable; the masked store writes only the `n` halves
+            // of u32s `c..c + n`.
+            unsafe {
+                let rounded =
+                    crate::amx::round16(_mm512_maskz_loadu_ps(((1u32 << n) - 1) as __mmask16, src.as_ptr().add(c)));
+                let (halves, lanes) =
+                    if odd { (_mm512_slli_epi32::<16>(rounded), 0xAAAA_AAAAu32) } else { (rounded, 0x5555_5555) };
+                let in_range = if n == 16 { u32::MAX } else { (1u32 << (2 * n)) - 1 };
+                _mm512_mask_storeu_epi16(pair_row.add(c * 4) as *mut i16, lanes & in_range, halves);
+            }
+        }
+    }
+
     /// # Safety
     /// AVX-512 F/BW/VL, AVX2, FMA and F16C are available; as [`super::rows_body`].
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
@@ -1647,6 +1692,16 @@ pub fn store_key(
         // (block_size / 16, head_dim / 2, 16, 2).
         KvLayout::Pairs => {
             let (chunk, lane) = ((slot / 16) * (hd / 2), (slot % 16) * 2);
+            #[cfg(target_arch = "x86_64")]
+            if dtype == WeightDType::BF16 && hd % 2 == 0 && isa() == Isa::Avx512 {
+                // Pair `p` (dimensions 2p and 2p + 1) is one u32, 32 elements after pair p - 1.
+                let first = tile + chunk * 32 + lane;
+                let end = first + hd.saturating_sub(2) / 2 * 32 + 2;
+                assert!(end * 2 <= dst.len(), "store_key: elements up to {end} outside a pool of {}", dst.len() / 2);
+                // SAFETY: AVX-512 F/BW/VL were detected; every pair's u32 lies below `end`.
+                unsafe { simd::store_key_pairs_bf16(dst.as_mut_ptr().add(first * 2), src) };
+                return;
+            }
             scatter(dtype, dst, tile, src, |c| (chunk + c / 2) * 32 + lane + c % 2)
         }
     }
@@ -1671,6 +1726,21 @@ pub fn store_value(
         // (block_size / 2, head_dim, 2).
         KvLayout::Pairs => {
             let first = (slot / 2) * hd * 2 + slot % 2;
+            #[cfg(target_arch = "x86_64")]
+            if dtype == WeightDType::BF16 && isa() == Isa::Avx512 {
+                let end = tile + first + 2 * hd.saturating_sub(1) + 1;
+                assert!(end * 2 <= dst.len(), "store_value: elements up to {end} outside a pool of {}", dst.len() / 2);
+                // SAFETY: AVX-512 F/BW/VL were detected; element `c` (at `first + 2c` of the
+                // tile) lies below `end`.
+                unsafe {
+                    simd::store_value_pairs_bf16(
+                        dst.as_mut_ptr().add((tile + first - slot % 2) * 2),
+                        slot % 2 == 1,
+                        src,
+                    )
+                };
+                return;
+            }
             scatter(dtype, dst, tile, src, |c| first + 2 * c)
         }
     }

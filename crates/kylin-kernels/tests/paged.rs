@@ -627,6 +627,78 @@ fn a_block_outside_the_pool_panics_instead_of_reading() {
     attention_paged(&[0.0; 4], view, view, &[9], 0, 2, ScoreMap::scaled(1.0), &mut out);
 }
 
+/// Every key and value element lands where its layout puts it, rounded as `half` rounds (ties
+/// to even, NaN kept quiet, infinities and subnormals kept), and no other byte of the tile moves:
+/// every element type and layout, even and odd slots, head sizes that do and do not fill a
+/// vector, and the tile at an offset into the pool.
+#[test]
+fn stores_put_each_element_where_its_layout_says() {
+    let specials = [
+        f32::NAN,
+        -f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::MAX,
+        f32::MIN_POSITIVE / 3.0,
+        -0.0,
+        f32::from_bits(0x3F80_8000), // a tie that rounds down to even
+        f32::from_bits(0x3F81_8000), // a tie that rounds up to even
+        f32::from_bits(0x3F80_8001),
+        f32::from_bits(0x7F7F_FFFF),
+    ];
+    let bits = |dtype: WeightDType, x: f32| -> u32 {
+        match dtype {
+            WeightDType::F32 => x.to_bits(),
+            WeightDType::F16 => half::f16::from_f32(x).to_bits() as u32,
+            WeightDType::BF16 => half::bf16::from_f32(x).to_bits() as u32,
+        }
+    };
+    for dtype in [WeightDType::BF16, WeightDType::F16, WeightDType::F32] {
+        let size = dtype.size_in_bytes();
+        for layout in [KvLayout::Standard, KvLayout::Pairs] {
+            for head_dim in [2, 6, 34, 64, 80, 128] {
+                for block_size in [16, 32] {
+                    let tile = 3 * block_size * head_dim;
+                    let elements = tile + block_size * head_dim + 8;
+                    for slot in [0, 1, 14, 15, block_size - 1] {
+                        let mut src = values(head_dim, (head_dim * 31 + slot) as u64);
+                        for (c, &x) in specials.iter().enumerate().take(head_dim) {
+                            src[(c * 7 + slot) % head_dim] = x;
+                        }
+                        for store in ["key", "value"] {
+                            let mut pool = vec![0xA5u8; elements * size];
+                            if store == "key" {
+                                store_key(layout, dtype, &mut pool, tile, block_size, slot, &src);
+                            } else {
+                                store_value(layout, dtype, &mut pool, tile, block_size, slot, &src);
+                            }
+                            let at = |c: usize| match (store, layout) {
+                                ("key", KvLayout::Standard) => c * block_size + slot,
+                                ("key", KvLayout::Pairs) => {
+                                    ((slot / 16) * (head_dim / 2) + c / 2) * 32 + (slot % 16) * 2 + c % 2
+                                }
+                                (_, KvLayout::Standard) => slot * head_dim + c,
+                                (_, KvLayout::Pairs) => (slot / 2) * head_dim * 2 + slot % 2 + 2 * c,
+                            };
+                            let mut expected = vec![0xA5u8; elements * size];
+                            for (c, &x) in src.iter().enumerate() {
+                                let e = (tile + at(c)) * size;
+                                expected[e..e + size].copy_from_slice(&bits(dtype, x).to_le_bytes()[..size]);
+                            }
+                            assert!(
+                                pool == expected,
+                                "{store} {dtype:?} {layout:?} head_dim {head_dim} block {block_size} slot {slot}: first \
+                                 wrong byte {:?}",
+                                pool.iter().zip(&expected).position(|(a, b)| a != b)
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Re-runs the tests above in a child process under every instruction set this machine can be
 /// capped to (`avx512` turns AMX off), so the AVX-512, AVX2 and scalar paths are checked as
 /// well as the default.
@@ -636,8 +708,9 @@ fn every_isa_matches_the_reference() {
         // Already a child (or the caller chose one ISA): the tests above cover it.
         return;
     }
-    const TESTS: [&str; 7] = [
+    const TESTS: [&str; 8] = [
         "paged_attention_matches_the_reference",
+        "stores_put_each_element_where_its_layout_says",
         "rows_have_the_bits_of_each_row_alone",
         "split_partitions_merge_to_the_bits_of_one_call",
         "windowed_and_soft_capped_rows_match_the_reference",
