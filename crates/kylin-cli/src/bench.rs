@@ -15,7 +15,7 @@ use kylin_loader::KylinError;
 use serde::{Deserialize, Serialize};
 
 use crate::args::{BackendChoice, BenchArgs, BenchWorkerArgs, ModelArgs};
-use crate::open::{open, threads};
+use crate::open::{open_with, threads};
 use kylin_engine::sampler::argmax;
 
 /// What one worker measured.
@@ -546,7 +546,7 @@ pub fn worker(args: BenchWorkerArgs) -> Result<()> {
     if model.ctx_size.is_none() {
         model.ctx_size = Some(args.prompt_tokens + args.gen_tokens + 1);
     }
-    let mut opened = open(&model, false)?;
+    let mut opened = open_with(&model, false, true)?;
     let backend: &mut dyn Backend = opened.backend.as_mut();
     let summary = backend.summary();
     let prompt = bench_prompt(args.prompt_tokens, backend.vocab_size());

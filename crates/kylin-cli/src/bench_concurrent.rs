@@ -22,7 +22,7 @@
 use std::time::Instant;
 
 use anyhow::Result;
-use kylin_engine::batch::BatchEngine;
+use kylin_engine::batch::{BatchEngine, EngineOptions};
 use kylin_engine::serving::{Event, EventKind, Request, Serving};
 use kylin_loader::{Format, KylinError, LoadOptions};
 use serde::{Deserialize, Serialize};
@@ -210,7 +210,11 @@ pub fn worker(args: &BenchWorkerArgs, n: usize) -> Result<()> {
         let load = LoadOptions { prefetch: true, mtp: model_args.engine.mtp, ..LoadOptions::default() };
         let model = kylin_loader::load(&model_args.model, &load)?;
         // Room for every sequence, and for the late request too.
-        let opts = engine_options(&model_args, threads, n + usize::from(args.late_prompt_tokens > 0))?;
+        // Memory resident from the start, as in the server.
+        let opts = EngineOptions {
+            prefault: true,
+            ..engine_options(&model_args, threads, n + usize::from(args.late_prompt_tokens > 0))?
+        };
         let mut engine = BatchEngine::new(model, &opts)?;
         let load_ms = started.elapsed().as_secs_f64() * 1e3;
         let info = engine.info();

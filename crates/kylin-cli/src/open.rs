@@ -92,6 +92,13 @@ pub fn flash_attention(flag: FlashAttnArg) -> kylin_llamacpp::FlashAttention {
 
 /// Detects the format and opens the model with the matching backend.
 pub fn open(args: &ModelArgs, require_tokenizer: bool) -> Result<Opened> {
+    open_with(args, require_tokenizer, false)
+}
+
+/// [`open`], and with `prefault` the native engine touches its KV pool and activation buffers
+/// at start-up, as the server's does (`bench` measures what a server's request sees, not the
+/// page faults of a process's first prompt; llama.cpp clears its KV cache when it makes it).
+pub fn open_with(args: &ModelArgs, require_tokenizer: bool, prefault: bool) -> Result<Opened> {
     let started = Instant::now();
     crate::sigbus::watch(&args.model);
     let format = kylin_loader::detect(&args.model)?;
@@ -134,8 +141,13 @@ pub fn open(args: &ModelArgs, require_tokenizer: bool) -> Result<Opened> {
     }
     let tokenizer_ms = model.timings.tokenizer_ms;
     // One sequence decodes one token at a time here: speculation is the batching engine's.
-    let engine =
-        EngineOptions { speculative_tokens: 0, draft_model: None, mtp: false, ..engine_options(args, threads, 1)? };
+    let engine = EngineOptions {
+        speculative_tokens: 0,
+        draft_model: None,
+        mtp: false,
+        prefault,
+        ..engine_options(args, threads, 1)?
+    };
     if args.engine.speculative_tokens.is_some_and(|k| k > 0) || args.engine.draft_model.is_some() || args.engine.mtp {
         tracing_warning(
             "--speculative-tokens, --draft-model and --mtp apply to the batching engine (serve, bench --concurrency); \
