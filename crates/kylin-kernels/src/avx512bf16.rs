@@ -25,8 +25,8 @@ pub const MT: usize = 4;
 /// activation vector: 31 of the 32 zmm registers).
 pub const NR: usize = 6;
 /// Tokens up to which a product reads its weights one row at a time (tiles of one weight row
-/// and up to [`MT`] tokens), so that each thread reads its rows as one sequential stream that
-/// the hardware prefetcher follows, with no software prefetch. With six rows in flight (six
+/// and up to [`MT`] tokens), so that each thread reads its rows as one sequential stream (and
+/// asks for the row [`ONE_ROW_PREFETCH_BYTES`] ahead of it meanwhile). With six rows in flight (six
 /// streams a row apart) one token's decode read about 26 GB/s of BF16 weights on 2 Zen 4 cores
 /// where one row at a time reads 32 (qwen3-0.6b-shaped 21.4 -> 26.9 tokens/s, qwen3.5-0.8b-shaped
 /// 15.6 -> 20.3, qwen3-moe-shaped 23.4 -> 31.1; BENCHMARKS.md). From 3 tokens on, six-row tiles
@@ -37,6 +37,13 @@ pub const NR: usize = 6;
 /// only won from 7 tokens on.) Each output row keeps its one accumulator chain over the
 /// columns, so the bits are the same for every tile shape: batch invariance is untouched.
 const ONE_ROW_MAX_TOKENS: usize = 2;
+/// How far ahead of its row a one-row tile prefetches (a whole row, into L2, spread over the
+/// tile's column chunks): with the hardware prefetcher alone the memory sat idle part of the
+/// time. On 2 Zen 5 cores, qwen3-0.6b-shaped decode (16-token prompt, 64 tokens; old and new
+/// binaries alternating) went from 45.5, 47.7, 46.9, 47.2 to 51.8, 51.3, 51.7, 50.6 tokens/s;
+/// rows 8, 12, 24 and 32 KB ahead did about equally well (the distance only has to cover the
+/// memory's latency at full speed), 2 KB half as well.
+const ONE_ROW_PREFETCH_BYTES: usize = 12 * 1024;
 /// Columns per step.
 const K: usize = 32;
 
@@ -439,8 +446,15 @@ pub unsafe fn gemm_rows(
             let nr = (if one_row { 1 } else { NR }).min(r1 - r);
             // The next tile's rows follow this tile's in memory: each pass over this tile's
             // rows prefetches its share of them.
-            let next = w.wrapping_add((r + nr) * cols * 2);
-            let next_lines = if prefetching { (NR.min(r1 - (r + nr)) * cols * 2).div_ceil(64) } else { 0 };
+            // A one-row tile prefetches the row about ONE_ROW_PREFETCH_BYTES ahead of it (within
+            // the caller's rows); a wider one, the next tile's rows.
+            let (next_row, next_lines) = if one_row {
+                let ahead = r + ONE_ROW_PREFETCH_BYTES.div_ceil((cols * 2).max(1));
+                (ahead, if ahead < r1 { (cols * 2).div_ceil(64) } else { 0 })
+            } else {
+                (r + nr, if prefetching { (NR.min(r1 - (r + nr)) * cols * 2).div_ceil(64) } else { 0 })
+            };
+            let next = w.wrapping_add(next_row * cols * 2);
             let per_pass = next_lines.div_ceil(passes);
             let mut pass = 0;
             let mut c0 = 0;
