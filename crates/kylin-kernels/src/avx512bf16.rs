@@ -41,8 +41,8 @@ const ONE_ROW_MAX_TOKENS: usize = 2;
 /// tile's column chunks): with the hardware prefetcher alone the memory sat idle part of the
 /// time. On 2 Zen 5 cores, qwen3-0.6b-shaped decode (16-token prompt, 64 tokens; old and new
 /// binaries alternating) went from 45.5, 47.7, 46.9, 47.2 to 51.8, 51.3, 51.7, 50.6 tokens/s;
-/// rows 8, 12, 24 and 32 KB ahead did about equally well (the distance only has to cover the
-/// memory's latency at full speed), 2 KB half as well.
+/// rows 8 to 64 KB ahead did about equally well in a sweep (the distance only has to cover the
+/// memory's latency at full speed), 2 KB less than half as well.
 const ONE_ROW_PREFETCH_BYTES: usize = 12 * 1024;
 /// Columns per step.
 const K: usize = 32;

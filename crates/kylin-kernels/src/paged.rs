@@ -1725,7 +1725,8 @@ pub fn store_value(
         KvLayout::Standard => store_row(dtype, dst, tile + slot * hd, src),
         // (block_size / 2, head_dim, 2).
         KvLayout::Pairs => {
-            let first = (slot / 2) * hd * 2 + slot % 2;
+            let pair_row = (slot / 2) * hd * 2;
+            let first = pair_row + slot % 2;
             #[cfg(target_arch = "x86_64")]
             if dtype == WeightDType::BF16 && isa() == Isa::Avx512 {
                 let end = tile + first + 2 * hd.saturating_sub(1) + 1;
@@ -1733,11 +1734,7 @@ pub fn store_value(
                 // SAFETY: AVX-512 F/BW/VL were detected; element `c` (at `first + 2c` of the
                 // tile) lies below `end`.
                 unsafe {
-                    simd::store_value_pairs_bf16(
-                        dst.as_mut_ptr().add((tile + first - slot % 2) * 2),
-                        slot % 2 == 1,
-                        src,
-                    )
+                    simd::store_value_pairs_bf16(dst.as_mut_ptr().add((tile + pair_row) * 2), slot % 2 == 1, src)
                 };
                 return;
             }
