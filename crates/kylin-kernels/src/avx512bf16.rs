@@ -400,6 +400,39 @@ const SPAN_COLS: usize = 1024;
 /// Token tiles of one block when a product runs in spans (the accumulator slots it keeps).
 const CARRY_TILES: usize = 32;
 
+/// [`gemm_rows`] for `MT_` (one or two) tokens: one weight row at a time, each row's tile
+/// asking for the row [`ONE_ROW_PREFETCH_BYTES`] ahead (while that row is one of `r0..r1`).
+/// A loop of its own, so that each row costs a tile call and no more: through `gemm_rows`'
+/// general loop (spans, token blocks, `tile_dyn`'s dispatch) qwen3-0.6b-shaped decoded at 52.3,
+/// 52.5, 51.4, 52.3, 52.6 tokens/s on 2 Zen 5 cores where this loop decodes at 54.1, 54.7,
+/// 54.8, 55.1, 54.6 (alternating runs).
+///
+/// # Safety
+/// As [`gemm_rows`], with `xb` pointing to `MT_` packed rows of `kp` elements.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn one_row_tiles<const MT_: usize>(
+    w: *const u8,
+    cols: usize,
+    xb: *const u16,
+    kp: usize,
+    y: *mut f32,
+    y_stride: usize,
+    r0: usize,
+    r1: usize,
+) {
+    let row_bytes = cols * 2;
+    let ahead = ONE_ROW_PREFETCH_BYTES.div_ceil(row_bytes.max(1));
+    let whole_row = ColumnSpan { c0: 0, c1: cols, carry: std::ptr::null_mut() };
+    for r in r0..r1 {
+        let lines = if r + ahead < r1 { row_bytes.div_ceil(64) } else { 0 };
+        let next = Prefetch { start: w.wrapping_add((r + ahead) * row_bytes), lines };
+        // SAFETY: row `r < r1` exists and its outputs are the caller's; one whole-row span
+        // never touches a carry.
+        unsafe { tile::<MT_, 1, true>(w.add(r * row_bytes), cols, xb, kp, y.add(r), y_stride, next, whole_row) };
+    }
+}
+
 /// Computes output rows `r0..r1` of `y = bf16(x) · Wᵀ` for all `n_tokens` tokens from the rows
 /// [`pack_rows`] wrote: token blocks whose packed rows stay in L2; inside a block, each tile of
 /// `NR` weight rows (in L1) runs across the block's token tiles, and those passes prefetch the
@@ -407,7 +440,7 @@ const CARRY_TILES: usize = 32;
 /// between waiting for memory (the first pass) and computing with the memory idle (the others);
 /// with it, 8 tokens cost about what one does (BENCHMARKS.md, `model_bf16_dot`). Which
 /// products prefetch is [`crate::prefetches_weights`]'s rule, except that up to
-/// [`ONE_ROW_MAX_TOKENS`] tokens read one row at a time without prefetching.
+/// [`ONE_ROW_MAX_TOKENS`] tokens read one row at a time ([`one_row_tiles`]).
 ///
 /// # Safety
 /// AVX-512 F/BW/VL/BF16 are available; `w` points to `rows × cols` BF16 weights with `r1 <=
@@ -426,13 +459,20 @@ pub unsafe fn gemm_rows(
 ) {
     let kp = row_len(cols);
     debug_assert!(xb.len() >= n_tokens * kp);
+    const _: () = assert!(ONE_ROW_MAX_TOKENS == 2);
+    // SAFETY (both): the caller's contract, for one or two tokens.
+    match n_tokens {
+        0 => return,
+        1 => return unsafe { one_row_tiles::<1>(w, cols, xb.as_ptr(), kp, y, y_stride, r0, r1) },
+        2 => return unsafe { one_row_tiles::<2>(w, cols, xb.as_ptr(), kp, y, y_stride, r0, r1) },
+        _ => {}
+    }
     let block = (TOKEN_BLOCK_BYTES / (kp * 2).max(1) / MT * MT).max(MT);
-    let one_row = n_tokens <= ONE_ROW_MAX_TOKENS;
-    let prefetching = !one_row && crate::prefetches_weights(n_tokens);
+    let prefetching = crate::prefetches_weights(n_tokens);
     // Wide products run each tile's chains in column spans (see `SPAN_COLS`), their
     // accumulators waiting in `carry` (one slot of MT × NR per token tile of a block) between
     // spans.
-    let spans = if one_row || cols <= SPAN_MAX_COLS { 1 } else { cols.div_ceil(SPAN_COLS) };
+    let spans = if cols <= SPAN_MAX_COLS { 1 } else { cols.div_ceil(SPAN_COLS) };
     let span_cols = cols.div_ceil(spans).next_multiple_of(K);
     let block = if spans > 1 { block.min(CARRY_TILES * MT) } else { block };
     let mut carry = std::mem::MaybeUninit::<[__m512; CARRY_TILES * MT * NR]>::uninit();
@@ -443,18 +483,11 @@ pub unsafe fn gemm_rows(
         let passes = (t1 - t0).div_ceil(MT) * spans;
         let mut r = r0;
         while r < r1 {
-            let nr = (if one_row { 1 } else { NR }).min(r1 - r);
+            let nr = NR.min(r1 - r);
             // The next tile's rows follow this tile's in memory: each pass over this tile's
             // rows prefetches its share of them.
-            // A one-row tile prefetches the row about ONE_ROW_PREFETCH_BYTES ahead of it (within
-            // the caller's rows); a wider one, the next tile's rows.
-            let (next_row, next_lines) = if one_row {
-                let ahead = r + ONE_ROW_PREFETCH_BYTES.div_ceil((cols * 2).max(1));
-                (ahead, if ahead < r1 { (cols * 2).div_ceil(64) } else { 0 })
-            } else {
-                (r + nr, if prefetching { (NR.min(r1 - (r + nr)) * cols * 2).div_ceil(64) } else { 0 })
-            };
-            let next = w.wrapping_add(next_row * cols * 2);
+            let next = w.wrapping_add((r + nr) * cols * 2);
+            let next_lines = if prefetching { (NR.min(r1 - (r + nr)) * cols * 2).div_ceil(64) } else { 0 };
             let per_pass = next_lines.div_ceil(passes);
             let mut pass = 0;
             let mut c0 = 0;
