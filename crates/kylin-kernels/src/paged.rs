@@ -1693,7 +1693,7 @@ pub fn store_key(
         KvLayout::Pairs => {
             let (chunk, lane) = ((slot / 16) * (hd / 2), (slot % 16) * 2);
             #[cfg(target_arch = "x86_64")]
-            if dtype == WeightDType::BF16 && hd % 2 == 0 && isa() == Isa::Avx512 {
+            if dtype == WeightDType::BF16 && hd.is_multiple_of(2) && isa() == Isa::Avx512 {
                 // Pair `p` (dimensions 2p and 2p + 1) is one u32, 32 elements after pair p - 1.
                 let first = tile + chunk * 32 + lane;
                 let end = first + hd.saturating_sub(2) / 2 * 32 + 2;
