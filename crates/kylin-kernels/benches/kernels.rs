@@ -237,6 +237,13 @@ fn quantized_copies(
         .map(|&(rows, cols)| {
             let mut buffer = zeroed(rows, cols);
             let (quants, scales) = buffer.planes_mut();
+            if loadable_only(packing) {
+                // A published format is packed from a checkpoint's tensors, not quantized at load:
+                // deterministic bytes stand in (the products' speed does not depend on them).
+                quants.copy_from_slice(&weights(WeightDType::BF16, quants.len() / 2));
+                scales.copy_from_slice(&weights(WeightDType::BF16, scales.len() / 2));
+                return buffer;
+            }
             let data = weights(WeightDType::BF16, rows * cols);
             let w = WeightMatrix { dtype: WeightDType::BF16, rows, cols, data: &data };
             QuantBuffer::quantize_groups(packing, w, 0..rows / 16, quants, scales, &mut vec![0.0; cols]);
@@ -257,11 +264,18 @@ fn quantized_copies(
         .collect()
 }
 
+/// Whether `packing` is only ever packed from a published checkpoint (no quantization at load
+/// makes it).
+fn loadable_only(packing: kylin_kernels::quant::Packing) -> bool {
+    use kylin_kernels::quant::Packing;
+    matches!(packing, Packing::Q4G | Packing::Q8_0A16 | Packing::Q4GA16 | Packing::F8A16 | Packing::Mxfp4)
+}
+
 /// One decode token through all 28 layers of Qwen3-0.6B quantized at load
 /// ([`kylin_kernels::quant::QuantBuffer`], as `--quantize` makes them: far beyond every cache,
 /// so each call streams the planes from memory as a decode step does), by format. Counted in
 /// bytes of the planes read.
-#[divan::bench(args = ["q8_0", "q4_k", "q5_0", "q6_0"], sample_count = 30)]
+#[divan::bench(args = ["q8_0", "q4_k", "q5_0", "q6_0", "q4_g", "q4_g_a16", "q8_0_a16", "f8_a16", "mxfp4"], sample_count = 30)]
 fn model_quant_decode(bencher: Bencher, format: &str) {
     use kylin_kernels::quant::{Packing, quant_scratch_len};
     const LAYERS: usize = 28;
@@ -270,7 +284,12 @@ fn model_quant_decode(bencher: Bencher, format: &str) {
         "q8_0" => Packing::Q8_0,
         "q4_k" => Packing::Q4K,
         "q5_0" => Packing::Q5_0,
-        _ => Packing::Q6_0,
+        "q6_0" => Packing::Q6_0,
+        "q4_g" => Packing::Q4G,
+        "q4_g_a16" => Packing::Q4GA16,
+        "q8_0_a16" => Packing::Q8_0A16,
+        "f8_a16" => Packing::F8A16,
+        _ => Packing::Mxfp4,
     };
     // One layer's matrices `(rows, cols)`: q, k, v, o, gate, up, down.
     let shapes = [(2048, 1024), (1024, 1024), (1024, 1024), (1024, 2048), (3072, 1024), (3072, 1024), (1024, 3072)];
