@@ -248,7 +248,7 @@ pub(crate) unsafe fn quantize_sub_block_avx512(x: &[f32; SUB], dm: f32, dj: f32,
 /// (mostly Q5_0, 896 columns) decoded at 117.4–122.5 tokens/s without, 133.4–140.1 at 4 KB
 /// ahead, 115.4–121.9 at 2 KB, 129.1–131.6 at 8 KB; qwen3-0.6b-shaped `--quantize q4_k` (Q4_K)
 /// at 92.7–96.4 without, 103.6–110.9 at 4 KB. The same prefetch in the Q8_0 tile (the head
-/// here) made decode slightly slower (138.8 → 134.8–137.2), so that tile has none.
+/// here) made decode slightly slower (137.7–138.9 → 136.0–137.2), so that tile has none.
 const ONE_TOKEN_PREFETCH_BYTES: usize = 4096;
 
 /// [`tile_vnni`] for `mt` (1..=8) tokens, on the scales plane `SCALES` picks.

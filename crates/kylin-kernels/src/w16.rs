@@ -474,9 +474,9 @@ mod x86 {
     /// widened to BF16 before its product, so a one-token tile does more work per byte than
     /// memory needs and, with the hardware prefetcher alone, its loads waited on memory. One
     /// decode token through Qwen3-0.6B's 28 layers (`model_quant_decode`, 2 Zen 5 cores,
-    /// medians of two runs) read 41.4 and 41.5 GB/s without, 46.6 to 47.7 at 8 KB ahead, in
-    /// FP8 (`f8_a16`); 41.1 and 41.5 against 45.1 to 46.5 in `q4_g_a16`; 37.9 to 43.8 against
-    /// 47.6 to 48.6 in `q8_0_a16`. 4 KB did a little less, 16 and 32 KB less again.
+    /// medians of four runs) read 41.4 to 41.5 GB/s without, 46.6 to 47.7 at 8 KB ahead, in
+    /// FP8 (`f8_a16`); 40.8 to 41.5 against 45.1 to 47.0 in `q4_g_a16`; 37.9 to 43.8 against
+    /// 46.3 to 51.0 in `q8_0_a16`. 4 KB did a little less, 16 and 32 KB less again.
     const ONE_TOKEN_PREFETCH_BYTES: usize = 8192;
 
     /// One tile of `MT_` tokens × 16 rows over an 8-bit format (module docs' canonical order).
