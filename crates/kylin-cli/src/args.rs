@@ -194,7 +194,8 @@ pub struct EngineArgs {
     pub memory_fraction: Option<f64>,
     /// Element type of the KV cache (default: bf16 under --precision bf16, as transformers keeps
     /// it for a BF16 model; f32 under --precision f32, which matches transformers' float32
-    /// exactly; f16 with --quantize).
+    /// exactly; f16 with --quantize). With --quantize, bf16 also runs attention on the BF16
+    /// kernels where the CPU has them (faster long prompts, slightly further from f32).
     #[arg(long, value_enum)]
     pub kv_dtype: Option<KvDTypeArg>,
     /// Sequences that run in one batch at most (default 16; 1 for run, chat and logits).

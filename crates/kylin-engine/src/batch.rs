@@ -90,8 +90,9 @@ pub(crate) struct KvGeometry {
 pub(crate) fn kv_geometry(model: &Model, opts: &EngineOptions) -> KvGeometry {
     let dtype = opts.kv_dtype.unwrap_or(model.default_kv_dtype());
     let (head_dim, needs) = (model.attention_head_dim(), model.attention_needs());
-    let block_size = opts.block_size.unwrap_or_else(|| default_block_size(model.precision(), dtype, head_dim, needs));
-    let layout = kylin_kernels::paged::attention_path(model.precision(), dtype, head_dim, block_size, needs).layout();
+    let precision = model.attention_precision();
+    let block_size = opts.block_size.unwrap_or_else(|| default_block_size(precision, dtype, head_dim, needs));
+    let layout = kylin_kernels::paged::attention_path(precision, dtype, head_dim, block_size, needs).layout();
     KvGeometry { dtype, block_size, layout }
 }
 

@@ -146,6 +146,55 @@ fn sixteen_requests_together_equal_each_alone_on_every_fixture() {
     }
 }
 
+/// A model quantized at load, over a BF16 KV cache (`--kv-dtype bf16`), attends on the BF16
+/// path where the CPU has BF16 kernels (f32 elsewhere): sixteen requests together equal each
+/// alone, bit for bit, and the first tokens (from the prompts' last logits) are the ones the
+/// same model picks over its default F16 cache with f32 attention, their log-probabilities
+/// 0.1 apart on average. (This random fixture is sensitive: f32 attention over a BF16 cache
+/// is 0.037 from the F16 cache on average, up to 0.16; the BF16 path 0.044, up to 0.094.)
+#[test]
+fn quantized_models_attend_in_bf16_over_a_bf16_cache() {
+    use kylin_kernels::WeightDType;
+    // Head size 32: a shape the BF16 attention paths take.
+    let path = fixture("tiny-qwen3-sharded-f32");
+    let requests: Vec<Request> =
+        (0..16).map(|i| request(i, prompt(3 + 11 * i as usize % 70, i + 1, 1000), 6 + i as usize % 5)).collect();
+    for quantize in [QuantFormat::Q8_0, QuantFormat::Q4K] {
+        let f16_cache = EngineOptions {
+            max_batch_tokens: 48,
+            quantize: Some(quantize),
+            precision: PrecisionChoice::Auto,
+            ..options(2)
+        };
+        let bf16_cache = EngineOptions { kv_dtype: Some(WeightDType::BF16), ..f16_cache.clone() };
+        let mut e = engine(&path, bf16_cache.clone());
+        let core = e.core();
+        let report = core.model().kernels_report(core.kv_dtype(), core.block_size());
+        let attention = match kylin_kernels::bf16_kernels() {
+            Some(kylin_kernels::Bf16Kernels::Amx) => "attention amx-bf16",
+            Some(kylin_kernels::Bf16Kernels::Avx512Bf16) => "attention avx512-bf16",
+            None => "attention f32",
+        };
+        assert!(report.ends_with(attention), "{quantize:?} over a BF16 cache: kernels {report}");
+        let what = format!("{quantize:?} over a BF16 cache");
+        let single = alone(&path, &bf16_cache, &requests);
+        for r in &requests {
+            e.add_request(r.clone()).unwrap();
+        }
+        let together = drain(&mut e);
+        assert_same(&single, &together, &what);
+        assert_all_blocks_free(&e);
+        let f32_attention = alone(&path, &f16_cache, &requests);
+        let (mut same, mut distance) = (0, 0.0f32);
+        for (key, a) in &together {
+            let b = &f32_attention[key];
+            same += usize::from(a.ids[0] == b.ids[0]);
+            distance += (a.logprobs[0].logprob - b.logprobs[0].logprob).abs() / requests.len() as f32;
+        }
+        assert!(same >= 14 && distance < 0.1, "{what}: {same} of 16 first tokens the same, mean distance {distance}");
+    }
+}
+
 /// Published quantized checkpoints on the default path (`q8_0_a16`, `q4_g_a16`, `f8_e4m3_a16`
 /// where the CPU has AVX-512 BF16, and W8A8's `q8_0`): sixteen requests together equal each
 /// alone, bit for bit, with prompts chunked differently.

@@ -1289,6 +1289,20 @@ impl Model {
         if self.bf16.is_some() { Precision::Bf16 } else { Precision::F32 }
     }
 
+    /// The arithmetic attention may take ([`kernels::paged::attention_path`] then picks its
+    /// path by the KV cache's element type too): the products' under `--precision bf16` or f32,
+    /// and BF16 for a quantized model where the CPU has BF16 kernels. A quantized model's
+    /// products already quantize (or round) their inputs, so over a BF16 cache (`--kv-dtype
+    /// bf16`) its attention takes the BF16 path, `S = bf16(Q) · Kᵀ`, `O += bf16(P) · V` with f32
+    /// sums, as a BF16 model's does; over its default F16 cache (or an f32 one) it stays f32.
+    pub fn attention_precision(&self) -> Precision {
+        if self.quantization.is_some() && kernels::bf16_kernels().is_some() {
+            Precision::Bf16
+        } else {
+            self.precision()
+        }
+    }
+
     /// The kernel family running the matrix products (`amx-bf16`, `avx512`, `avx2`, `scalar`,
     /// or for a quantized model `avx512-vnni q8_0`, ...).
     pub fn kernel_family(&self) -> String {
@@ -1325,7 +1339,7 @@ impl Model {
     /// over a KV cache of `kv_dtype` when it differs (`amx-bf16`, or `avx512, attention f32`).
     pub fn kernels_report(&self, kv_dtype: WeightDType, block_size: usize) -> String {
         let attention = kernels::paged::attention_path(
-            self.precision(),
+            self.attention_precision(),
             kv_dtype,
             self.attention_head_dim(),
             block_size,
