@@ -233,8 +233,11 @@ pub(crate) fn map_read_only(path: &Path, min_len: u64, what: &str) -> Result<mem
     // are prefetched by `load` (`WeightTensor::advise_will_need`); the map keeps the default
     // access advice, whose readahead also serves a cold page cache well. `MADV_RANDOM` would
     // turn that readahead off and make a cold start fault in 4 KiB at a time (23 s instead of
-    // 2 s for Qwen2.5-0.5B from disk). `MADV_HUGEPAGE` was measured and dropped: on these
-    // machines (ext4 page cache) it left prefill and decode unchanged within noise.
+    // 2 s for Qwen2.5-0.5B from disk). `MADV_HUGEPAGE` was measured and dropped: beside the
+    // `MADV_WILLNEED` readahead, whose 4 KiB folios a map can only map 4 KiB at a time, it left
+    // decode unchanged; without that readahead (ext4 on Linux 6.18 then faults 2 MiB folios in)
+    // BF16 decode on AVX-512 went up 7-12%, but a cold `kylin run` took 2.6 s instead of 1.5
+    // (BENCHMARKS.md, "issue 36 on an Intel Xeon with AMX").
     #[cfg(unix)]
     {
         let _ = map.advise_range(memmap2::Advice::WillNeed, 0, map.len().min(1 << 20));
