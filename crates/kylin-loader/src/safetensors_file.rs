@@ -236,8 +236,9 @@ pub(crate) fn map_read_only(path: &Path, min_len: u64, what: &str) -> Result<mem
     // 2 s for Qwen2.5-0.5B from disk). `MADV_HUGEPAGE` was measured and dropped: beside the
     // `MADV_WILLNEED` readahead, whose 4 KiB folios a map can only map 4 KiB at a time, it left
     // decode unchanged; without that readahead (ext4 on Linux 6.18 then faults 2 MiB folios in)
-    // BF16 decode on AVX-512 went up 7-12%, but a cold `kylin run` took 2.6 s instead of 1.5
-    // (BENCHMARKS.md, "issue 36 on an Intel Xeon with AMX").
+    // BF16 decode on AVX-512 went up 2-12%, but a cold `kylin run` took 2.6 s instead of 1.5
+    // (BENCHMARKS.md, "issue 36 on an Intel Xeon with AMX", which also measures a background
+    // `MADV_POPULATE_READ` that keeps the cold start).
     #[cfg(unix)]
     {
         let _ = map.advise_range(memmap2::Advice::WillNeed, 0, map.len().min(1 << 20));
