@@ -19,7 +19,11 @@
 //! depending only on weight row `r` and token `t`'s packed values; the last partial chunk is
 //! zero-padded on both sides (zero products add exactly nothing). So every output has the same
 //! bits whatever the number of tokens, the tile it lands in, the thread or the grouping of
-//! matrices: decode (one token) runs this same code with a zero-padded B tile.
+//! matrices: decode (one token) runs this same code with a zero-padded B tile. What one
+//! `tdpbf16ps` adds for a chunk was measured, not taken from the SDM's older pseudo-code (one
+//! rounded addition per product, which matches 1 output in 32): the chunk's 16 even products
+//! summed in order into one f32, the 16 odd ones into another, then `C += even + odd`, with
+//! denormals read as zero and flushed. A test checks every output against that model.
 //!
 //! Every function here must only be called once [`crate::bf16_kernels`] returned `Amx` (which
 //! also obtained the kernel's permission for this process to use AMX state).
@@ -423,6 +427,78 @@ mod tests {
                 let got = out[(b * chunks + c) * PACKED_TILE + (kk / 2) * 2 * TILE + 2 * t + (kk & 1)];
                 let want = if token < n && k < cols { round_bf16(x[token * cols + k]) } else { 0 };
                 assert_eq!(got, want, "token {token} column {k}");
+            }
+        }
+    }
+    /// `tdpbf16ps` on one 32-column chunk as measured on a Sapphire Rapids-class Xeon: the 16
+    /// even products of the chunk summed in order into one f32, the 16 odd ones into another
+    /// (each addition rounded to nearest even; BF16 × BF16 products are exact in f32), then
+    /// `acc + (even + odd)`, denormal inputs read as zero and denormal results flushed. (The
+    /// SDM's older pseudo-code, one rounded addition per product in pair order, is not what the
+    /// hardware does: it matched 1 output in 32 on random data.)
+    fn tdpbf16ps_chunk(acc: f32, w: &[u16], x: &[u16]) -> f32 {
+        let flush = |v: f32| if v.is_subnormal() { 0.0f32.copysign(v) } else { v };
+        let widen = |b: u16| flush(f32::from_bits((b as u32) << 16));
+        let (mut even, mut odd) = (0.0f32, 0.0f32);
+        for i in 0..TILE {
+            even = flush(even + widen(w[2 * i]) * widen(x[2 * i]));
+            odd = flush(odd + widen(w[2 * i + 1]) * widen(x[2 * i + 1]));
+        }
+        flush(acc + flush(even + odd))
+    }
+
+    /// The AMX product gives, for every output, the bits of the scalar model of `tdpbf16ps`
+    /// above applied to the column chunks in order: the canonical order that decode, prefill
+    /// and every batch shape share, pinned down on random weights and activations over several
+    /// magnitudes, with exact zeros, rows at the edge of the denormal range, a row tail and a
+    /// column tail.
+    #[test]
+    fn amx_products_follow_the_measured_tdpbf16ps_rounding_bit_for_bit() {
+        if crate::bf16_kernels() != Some(crate::Bf16Kernels::Amx) {
+            return;
+        }
+        for &(rows, cols, n) in &[(37usize, 1000usize, 17usize), (32, 4096, 1), (5, 7, 3)] {
+            let mut state = 0x2545_F491_4F6C_DD1Du64 ^ (rows * cols) as u64;
+            let mut next = move || {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                let unit = (state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
+                match state % 31 {
+                    0 => 0.0,
+                    1 => unit * 1e-39,
+                    k => unit * [1e-3f32, 0.1, 1.0, 40.0][k as usize % 4],
+                }
+            };
+            // Every fourth row is scaled down to the edge of the denormal range (some of its
+            // weights denormal, its partial sums near it), where reading denormals as zero and
+            // flushing them change the result.
+            let weights: Vec<u16> = (0..rows * cols)
+                .map(|i| round_bf16(if (i / cols) % 4 == 3 { next() * 1e-36 } else { next() }))
+                .collect();
+            let x: Vec<f32> = (0..n * cols).map(|_| next()).collect();
+            let mut packed = vec![0u16; packed_len(n, cols)];
+            pack_tokens(&x, cols, 0, n, &mut packed);
+            let mut y = vec![f32::NAN; n * rows];
+            // SAFETY: AMX was granted; the buffers have the documented sizes.
+            unsafe { gemm_rows(weights.as_ptr() as *const u8, rows, cols, &packed, n, y.as_mut_ptr(), rows, 0, rows) };
+            let chunks = cols.div_ceil(TILE_K);
+            for t in 0..n {
+                let mut xb = vec![0u16; chunks * TILE_K];
+                for (k, v) in x[t * cols..(t + 1) * cols].iter().enumerate() {
+                    xb[k] = round_bf16(*v);
+                }
+                for r in 0..rows {
+                    let mut wb = vec![0u16; chunks * TILE_K];
+                    wb[..cols].copy_from_slice(&weights[r * cols..(r + 1) * cols]);
+                    let mut want = 0.0f32;
+                    for c in 0..chunks {
+                        let span = c * TILE_K..(c + 1) * TILE_K;
+                        want = tdpbf16ps_chunk(want, &wb[span.clone()], &xb[span]);
+                    }
+                    let got = y[t * rows + r];
+                    assert_eq!(got.to_bits(), want.to_bits(), "{rows}x{cols}, token {t}, row {r}: {got:e} vs {want:e}");
+                }
             }
         }
     }
