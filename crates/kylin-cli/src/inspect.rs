@@ -58,8 +58,9 @@ fn kernels_report(report: &kylin_loader::InspectReport) -> serde_json::Value {
         "f32": kylin_kernels::kernel_family(Precision::F32),
         "bf16": bf16,
         "q8_0": kylin_kernels::quant::q8_kernels(),
-        // Q4_K runs on the same int8 dot-product family as Q8_0.
-        "q4_k": kylin_kernels::quant::q8_kernels(),
+        // Q4_K runs on the same int8 dot-product family as Q8_0, its prefill on AMX-INT8 tiles
+        // where the CPU has them.
+        "q4_k": kylin_kernels::quant::q4k_kernels(),
         "auto_precision": auto,
     })
 }

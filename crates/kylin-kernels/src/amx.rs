@@ -107,6 +107,77 @@ pub fn request_permission() -> bool {
     }
 }
 
+/// Whether this CPU has AMX-INT8 (CPUID leaf 7, EDX bit 25) besides what
+/// [`request_permission`] checks; call after it granted AMX.
+pub fn has_int8() -> bool {
+    std::arch::x86_64::__cpuid_count(7, 0).edx & (1 << 25) != 0
+}
+
+/// The tiles of [`sub_block_sums_i8`]: tmm0 holds 16 token rows of 32 signed activation bytes,
+/// tmm1 8 rows of 64 bytes (16 weight rows × 4 unsigned bytes, VNNI order), tmm2 the 16 × 16
+/// i32 sums.
+pub(crate) const INT8_CONFIG: TileConfig = TileConfig::new([32, 64, 64, 0, 0, 0, 0, 0], [16, 8, 16, 0, 0, 0, 0, 0]);
+
+/// A 16 × 16 tile of i32 sums as [`sub_block_sums_i8`] stores it: row `u` (token) holds the 16
+/// weight rows' sums.
+#[repr(C, align(64))]
+pub(crate) struct SumsTile(pub(crate) [i32; TILE * TILE]);
+
+impl SumsTile {
+    pub(crate) fn new() -> SumsTile {
+        SumsTile([0; TILE * TILE])
+    }
+}
+
+/// Loads `config` into the tile registers' configuration.
+///
+/// # Safety
+/// AMX permission was granted ([`request_permission`]).
+#[inline]
+pub(crate) unsafe fn load_config(config: &TileConfig) {
+    // SAFETY: the caller's contract; `config` is a valid 64-byte palette-1 configuration.
+    unsafe { asm!("ldtilecfg [{0}]", in(reg) config as *const TileConfig, options(nostack, readonly)) };
+}
+
+/// Releases the tile state ([`load_config`]'s counterpart).
+///
+/// # Safety
+/// AMX permission was granted.
+#[inline]
+pub(crate) unsafe fn release() {
+    // SAFETY: the caller's contract.
+    unsafe { asm!("tilerelease", options(nostack, nomem)) };
+}
+
+/// The exact integer sums of one 32-column sub-block for 16 tokens × 16 weight rows
+/// (`tdpbsud`): `c[16u + r] = Σ_k x[u · x_stride + k] · w_r[k]`, the activations signed bytes at
+/// `x` (token `u`'s 32 at `x + u · x_stride`), the weights 512 unsigned bytes at `w` in
+/// `vpdpbusd` order (vector `k` of 64 bytes holds columns `4k..4k + 4` of the 16 rows), the same
+/// integers `vpdpbusd` sums.
+///
+/// # Safety
+/// AMX-INT8 is available and permitted, [`INT8_CONFIG`] is loaded ([`load_config`]); the 16
+/// token rows, the 512 weight bytes and the 256 i32 at `c` are valid.
+#[inline(always)]
+pub(crate) unsafe fn sub_block_sums_i8(x: *const u8, x_stride: usize, w: *const u8, c: *mut i32) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        asm!(
+            "tileloadd tmm0, [{x} + {xs}*1]",
+            "tileloadd tmm1, [{w} + {ws}*1]",
+            "tilezero tmm2",
+            "tdpbsud tmm2, tmm0, tmm1",
+            "tilestored [{c} + {ws}*1], tmm2",
+            x = in(reg) x,
+            xs = in(reg) x_stride,
+            w = in(reg) w,
+            ws = in(reg) 64usize,
+            c = in(reg) c,
+            options(nostack)
+        )
+    };
+}
+
 /// `u16` elements [`pack_tokens`] writes for `n_tokens` tokens of `cols` columns.
 pub fn packed_len(n_tokens: usize, cols: usize) -> usize {
     n_tokens.div_ceil(TILE) * cols.div_ceil(TILE_K) * PACKED_TILE

@@ -175,6 +175,27 @@ impl Bf16Kernels {
     }
 }
 
+/// Whether this process runs the integer sums of quantized prefill on AMX-INT8 tiles
+/// (`tdpbsud`): the CPU has AMX-INT8, the kernel granted AMX, and `KYLIN_KERNELS_ISA` caps
+/// nothing (`avx512` keeps the AVX-512 VNNI sums, which give the same integers). Detected once.
+pub fn amx_int8() -> bool {
+    static AMX_INT8: OnceLock<bool> = OnceLock::new();
+    *AMX_INT8.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            isa() == Isa::Avx512
+                && !std::env::var("KYLIN_KERNELS_ISA").unwrap_or_default().eq_ignore_ascii_case("avx512")
+                && is_x86_feature_detected!("avx512vnni")
+                && amx::request_permission()
+                && amx::has_int8()
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
 /// The BF16 kernel family of this process, if the CPU (and OS) has one: AMX-BF16 (after this
 /// process obtained the kernel's permission to use AMX state), else AVX-512 BF16. Detected once,
 /// then cached; `KYLIN_KERNELS_ISA=avx512` skips AMX, `avx2|scalar` turns both off.

@@ -559,8 +559,6 @@ unsafe fn accumulate_sub_block<const SCALES: u8>(
     dsc: __m512,
     dm: __m512,
 ) {
-    let nb = cols / SUB;
-    let high = high_bits::<SCALES>();
     // SAFETY: the caller's contract.
     unsafe {
         let xb = xt.add(j * SUB);
@@ -573,18 +571,40 @@ unsafe fn accumulate_sub_block<const SCALES: u8>(
         i1 = _mm512_dpbusd_epi32(i1, w[5], four(5));
         i0 = _mm512_dpbusd_epi32(i0, w[6], four(6));
         i1 = _mm512_dpbusd_epi32(i1, w[7], four(7));
+        finish_sub_block::<SCALES>(acc, _mm512_add_epi32(i0, i1), xt, cols, j, dsc, dm);
+    }
+}
+
+/// The float part of [`accumulate_sub_block`] for the sub-block's exact integer sums `isum`
+/// (16 rows, one token), however they were summed (`vpdpbusd` or AMX's `tdpbsud`).
+///
+/// # Safety
+/// AVX-512 F must be available; `xt` is one token's activation row for `cols` columns.
+#[inline(always)]
+unsafe fn finish_sub_block<const SCALES: u8>(
+    acc: &mut __m512,
+    isum: __m512i,
+    xt: *const u8,
+    cols: usize,
+    j: usize,
+    dsc: __m512,
+    dm: __m512,
+) {
+    let nb = cols / SUB;
+    let high = high_bits::<SCALES>();
+    // SAFETY: the caller's contract.
+    unsafe {
         let dx = _mm512_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * j) as *const f32));
         if high > 0 {
             // Q8_0's activations: the block's `−128 · Σq_x` over 8 (4) is `−16 · Σq_x`
             // (`−32 · Σq_x`), which turns `Σ q · q_x` into `Σ (q − half) · q_x` (exact
             // integers).
             let corr = std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const i32) >> (4 - high);
-            let isum = _mm512_add_epi32(_mm512_add_epi32(i0, i1), _mm512_set1_epi32(corr));
+            let isum = _mm512_add_epi32(isum, _mm512_set1_epi32(corr));
             *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dsc, dx), *acc);
             return;
         }
         let bx = _mm512_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const f32));
-        let isum = _mm512_add_epi32(i0, i1);
         // An odd sub-block of Q4_K or Q4_G is the pair's high nibbles in place, times 16.
         let times_16 = !j.is_multiple_of(2);
         let isum = _mm512_cvtepi32_ps(if times_16 { _mm512_srai_epi32(isum, 4) } else { isum });
@@ -592,6 +612,9 @@ unsafe fn accumulate_sub_block<const SCALES: u8>(
         *acc = _mm512_fnmadd_ps(bx, dm, *acc);
     }
 }
+
+/// Tokens per AMX-INT8 tile of [`group_vnni_unpacked`].
+const AMX_TOKENS: usize = crate::amx::TILE;
 
 /// Super-blocks a prefill product unpacks at once ([`group_vnni_unpacked`]): 4, 1024 columns,
 /// whose 16 rows' unpacked weights take 16 KB on the stack and stay in L1 while every token
@@ -630,6 +653,12 @@ pub(crate) unsafe fn group_vnni_unpacked<const SCALES: u8>(
     let mask: __mmask16 = if valid >= GROUP_ROWS { 0xffff } else { (1u16 << valid) - 1 };
     let mut unpacked = [[_mm512_setzero_si512(); 8]; UNPACK_SUPERS * QK_K / SUB];
     let n_super = cols.div_ceil(QK_K);
+    let amx = n_tokens >= AMX_TOKENS && crate::amx_int8();
+    let mut sums = [crate::amx::SumsTile::new(), crate::amx::SumsTile::new()];
+    if amx {
+        // SAFETY: AMX was granted (`amx_int8`); released below.
+        unsafe { crate::amx::load_config(&crate::amx::INT8_CONFIG) };
+    }
     for s0 in (0..n_super).step_by(UNPACK_SUPERS) {
         let s1 = (s0 + UNPACK_SUPERS).min(n_super);
         let mut n = 0;
@@ -643,6 +672,48 @@ pub(crate) unsafe fn group_vnni_unpacked<const SCALES: u8>(
             }
         }
         let mut t = 0;
+        // Whole tiles of 16 tokens on AMX-INT8, when the CPU has it: the integer sums of each
+        // sub-block in one `tdpbsud`, the float part as below, so every output's bits are the
+        // same either way.
+        while amx && n_tokens - t >= AMX_TOKENS {
+            // SAFETY: AMX-INT8 was granted and `INT8_CONFIG` loaded (`amx`); tokens `t..t + 16`
+            // exist, each sub-block's 32 activation bytes lie inside its token's row and
+            // `unpacked[i]` is 512 contiguous bytes; as below otherwise.
+            unsafe {
+                let yt = y.add(t * y_stride);
+                let mut acc = [_mm512_setzero_ps(); AMX_TOKENS];
+                if s0 > 0 {
+                    for (u, acc) in acc.iter_mut().enumerate() {
+                        *acc = _mm512_maskz_loadu_ps(mask, yt.add(u * y_stride));
+                    }
+                }
+                // Sub-block `i` of the chunk is `j = 8 · s0 + i`. Sub-block `i + 1`'s tile
+                // instructions go out before sub-block `i`'s float part reads its sums, so the
+                // stored tile has time to land.
+                let sub_sums = |i: usize, sums: &mut crate::amx::SumsTile| {
+                    let j = s0 * (QK_K / SUB) + i;
+                    let w = unpacked[i].as_ptr() as *const u8;
+                    crate::amx::sub_block_sums_i8(xp.add(t * stride + j * SUB), stride, w, sums.0.as_mut_ptr())
+                };
+                sub_sums(0, &mut sums[0]);
+                for i in 0..n {
+                    if i + 1 < n {
+                        sub_sums(i + 1, &mut sums[(i + 1) % 2]);
+                    }
+                    let j = s0 * (QK_K / SUB) + i;
+                    let (dsc, dm) = sub_block_scales::<SCALES>(sp, j / (QK_K / SUB), j % (QK_K / SUB));
+                    let sums = &sums[i % 2];
+                    for (u, acc) in acc.iter_mut().enumerate() {
+                        let isum = _mm512_load_si512(sums.0.as_ptr().add(u * GROUP_ROWS) as *const __m512i);
+                        finish_sub_block::<SCALES>(acc, isum, xp.add((t + u) * stride), cols, j, dsc, dm);
+                    }
+                }
+                for (u, acc) in acc.iter().enumerate() {
+                    _mm512_mask_storeu_ps(yt.add(u * y_stride), mask, *acc);
+                }
+            }
+            t += AMX_TOKENS;
+        }
         while t < n_tokens {
             let mt = crate::quant::Q8_MT.min(n_tokens - t);
             // SAFETY: the caller's contract for tokens `t..t + mt`; the chunk's scales and
@@ -680,6 +751,10 @@ pub(crate) unsafe fn group_vnni_unpacked<const SCALES: u8>(
             }
             t += mt;
         }
+    }
+    if amx {
+        // SAFETY: loaded above.
+        unsafe { crate::amx::release() };
     }
 }
 

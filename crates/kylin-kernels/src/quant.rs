@@ -306,6 +306,16 @@ pub fn q8_kernels() -> &'static str {
     }
 }
 
+/// The kernel family of the products over 4-bit and 5/6-bit integer weights (Q4_K, Q4_G, Q5_0,
+/// Q6_0): [`q8_kernels`]'s, with `+amx-int8` where prefill's integer sums run on AMX-INT8 tiles
+/// ([`crate::amx_int8`]).
+pub fn q4k_kernels() -> String {
+    match int8_isa() {
+        Int8Isa::Vnni if crate::amx_int8() => "avx512-vnni+amx-int8".to_string(),
+        _ => q8_kernels().to_string(),
+    }
+}
+
 /// Which int8 dot-product kernels run (Q8_0's, Q4_K's and Q4_G's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Int8Isa {

@@ -1309,6 +1309,9 @@ impl Model {
         match self.quantization {
             Some(format) if self.quantized_bf16 => format!("avx512-bf16 {}_a16", format.name()),
             Some(format) if self.bf16_activations(format) => format!("avx512-bf16 {}", format.name()),
+            Some(format @ (QuantFormat::Q4K | QuantFormat::Published(Packing::Q4G))) => {
+                format!("{} {}", kernels::quant::q4k_kernels(), format.name())
+            }
             Some(format) => format!("{} {}", kernels::quant::q8_kernels(), format.name()),
             None => kernels::kernel_family(self.precision()).to_string(),
         }
