@@ -346,7 +346,7 @@ pub unsafe fn gemm_rows(
     // either weight rows `< r1 <= rows` at columns `< 32 · full_chunks <= cols`, a padded stack
     // tile, or a packed B tile inside `packed`; stores go to the stack C tiles.
     unsafe {
-        asm!("ldtilecfg [{0}]", in(reg) &CONFIG as *const TileConfig, options(nostack, readonly));
+        load_config(&CONFIG);
         // Token super-blocks whose packed tiles (about `TOKEN_BLOCK_BYTES`) stay in L2 while
         // every row pair of the task runs over them; the weights are read once per super-block.
         let super_blocks = (TOKEN_BLOCK_BYTES / (chunks * PACKED_TILE * 2)).max(2) & !1;
@@ -458,7 +458,7 @@ pub unsafe fn gemm_rows(
             }
             sb = sb_end;
         }
-        asm!("tilerelease", options(nostack, nomem));
+        release();
     }
 }
 

@@ -175,6 +175,12 @@ impl Bf16Kernels {
     }
 }
 
+/// Whether `KYLIN_KERNELS_ISA` leaves AMX on (`avx512` turns it off, for comparisons).
+#[cfg(target_arch = "x86_64")]
+fn amx_allowed() -> bool {
+    !std::env::var("KYLIN_KERNELS_ISA").unwrap_or_default().eq_ignore_ascii_case("avx512")
+}
+
 /// Whether this process runs the integer sums of quantized prefill on AMX-INT8 tiles
 /// (`tdpbsud`): the CPU has AMX-INT8, the kernel granted AMX, and `KYLIN_KERNELS_ISA` caps
 /// nothing (`avx512` keeps the AVX-512 VNNI sums, which give the same integers). Detected once.
@@ -184,7 +190,7 @@ pub fn amx_int8() -> bool {
         #[cfg(target_arch = "x86_64")]
         {
             isa() == Isa::Avx512
-                && !std::env::var("KYLIN_KERNELS_ISA").unwrap_or_default().eq_ignore_ascii_case("avx512")
+                && amx_allowed()
                 && is_x86_feature_detected!("avx512vnni")
                 && amx::request_permission()
                 && amx::has_int8()
@@ -207,8 +213,7 @@ pub fn bf16_kernels() -> Option<Bf16Kernels> {
         }
         #[cfg(target_arch = "x86_64")]
         {
-            let cap = std::env::var("KYLIN_KERNELS_ISA").unwrap_or_default();
-            if !cap.eq_ignore_ascii_case("avx512") && amx::request_permission() {
+            if amx_allowed() && amx::request_permission() {
                 return Some(Bf16Kernels::Amx);
             }
             if is_x86_feature_detected!("avx512bf16") {

@@ -374,7 +374,7 @@ pub(super) unsafe fn rows_amx<const WIDE: bool>(rows: &mut [QueryRow<'_>], job: 
             r.out[..hd].fill(0.0);
         }
         let config = tile_config(tile_rows as u8, WIDE);
-        asm!("ldtilecfg [{0}]", in(reg) &config as *const TileConfig, options(nostack, readonly));
+        crate::amx::load_config(&config);
         let data_k = keys.data.as_ptr() as *const u16;
         let data_v = job.values.data.as_ptr() as *const u16;
         debug_assert!(job.min_from == 0 && job.map.softcap.is_none());
@@ -506,7 +506,7 @@ pub(super) unsafe fn rows_amx<const WIDE: bool>(rows: &mut [QueryRow<'_>], job: 
             state.fold_partition(rows, hd, (part0, part_end), o);
             part0 = part_end;
         }
-        asm!("tilerelease", options(nostack, nomem));
+        crate::amx::release();
     }
     state.stats()
 }
