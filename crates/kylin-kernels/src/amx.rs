@@ -25,6 +25,13 @@
 //! summed in order into one f32, the 16 odd ones into another, then `C += even + odd`, with
 //! denormals read as zero and flushed. A test checks every output against that model.
 //!
+//! **Tiled weights** ([`tile_weights`], [`gemm_tiled_rows`]): under `Precision::Bf16` the
+//! engine copies each matrix of whole 16 × 32 tiles at load into B-tile order (per 16-row block,
+//! its 1 KiB tiles one after another), and the roles swap: the tokens are the A tiles (one row
+//! in decode), the weights the B tiles, and a C tile is `y`'s own layout. Each output is the
+//! same `tdpbf16ps` chain over the same chunks, so the bits are those of [`gemm_rows`]; decode
+//! streams whole tiles in sequence instead of 16 strided rows, prefetched half a tile ahead.
+//!
 //! Every function here must only be called once [`crate::bf16_kernels`] returned `Amx` (which
 //! also obtained the kernel's permission for this process to use AMX state).
 
@@ -455,6 +462,246 @@ pub unsafe fn gemm_rows(
                     b += if two_b { 2 } else { 1 };
                 }
                 r += nr;
+            }
+            sb = sb_end;
+        }
+        release();
+    }
+}
+
+/// How far ahead of the weight tile being multiplied [`gemm_tiled_rows`] prefetches, in bytes
+/// (measured in decode on qwen3-0.6b-shaped, 2 threads: 128 to 512 bytes all gave 29-31 GB/s,
+/// 1024 and more 27-29, none 26.9-27.3).
+const PREFETCH_AHEAD: usize = 512;
+
+/// Bytes of one weight tile in the tiled layout ([`tile_weights`]): 16 pair rows × 16 weight
+/// rows × 2 BF16.
+pub const WEIGHT_TILE_BYTES: usize = TILE * TILE_K * 2;
+
+/// Whether a `[rows, cols]` matrix takes the tiled layout: whole tiles of 16 rows and 32
+/// columns.
+pub fn tileable(rows: usize, cols: usize) -> bool {
+    rows > 0 && cols > 0 && rows.is_multiple_of(TILE) && cols.is_multiple_of(TILE_K)
+}
+
+/// Copies a row-major `[rows, cols]` BF16 matrix (`w`, `rows · cols · 2` bytes, [`tileable`])
+/// into its B tiles, `out` of the same length: for row block `rb` (rows `16rb..16rb + 16`)
+/// and column chunk `c`, the 1 KiB tile at `out[(rb · chunks + c) · 1024 ..]` holds in row `i`,
+/// lane pair `n`, the values `w[16rb + n][32c + 2i ..= 32c + 2i + 1]`. Each row block keeps the
+/// bytes it had (its 16 rows, reordered inside), so a range of whole row blocks is the same
+/// byte range in both layouts.
+pub fn tile_weights(w: &[u8], rows: usize, cols: usize, out: &mut [u8]) {
+    assert!(tileable(rows, cols) && w.len() == rows * cols * 2 && out.len() == w.len(), "tile_weights: bad shape");
+    let (chunks, pairs_per_row) = (cols / TILE_K, cols / 2);
+    for rb in 0..rows / TILE {
+        for c in 0..chunks {
+            let tile = &mut out[(rb * chunks + c) * WEIGHT_TILE_BYTES..(rb * chunks + c + 1) * WEIGHT_TILE_BYTES];
+            for n in 0..TILE {
+                // Row `16rb + n`'s 16 pairs of this chunk go down lane pair `n`.
+                let row_pairs = ((rb * TILE + n) * pairs_per_row + c * TILE) * 4;
+                for i in 0..TILE {
+                    let src = row_pairs + i * 4;
+                    let dst = (i * TILE + n) * 4;
+                    tile[dst..dst + 4].copy_from_slice(&w[src..src + 4]);
+                }
+            }
+        }
+    }
+}
+
+/// Reads row `r` of a matrix in the tiled layout back as f32 (the embedding lookup of a tied
+/// head): the inverse of [`tile_weights`] for one row, widened.
+pub fn widen_tiled_row(tiles: &[u8], rows: usize, cols: usize, r: usize, out: &mut [f32]) {
+    assert!(tileable(rows, cols) && tiles.len() == rows * cols * 2 && r < rows && out.len() >= cols);
+    let (chunks, rb, n) = (cols / TILE_K, r / TILE, r % TILE);
+    for c in 0..chunks {
+        let tile = &tiles[(rb * chunks + c) * WEIGHT_TILE_BYTES..];
+        for i in 0..TILE {
+            let at = (i * TILE + n) * 4;
+            for j in 0..2 {
+                let bits = u16::from_le_bytes([tile[at + 2 * j], tile[at + 2 * j + 1]]);
+                out[c * TILE_K + 2 * i + j] = f32::from_bits((bits as u32) << 16);
+            }
+        }
+    }
+}
+
+/// Packs tokens `t0..t1` of `x` (`(n_tokens, cols)` row-major, `t0` a multiple of 16, `cols` a
+/// multiple of 32) into A tiles, for the products over tiled weights ([`gemm_tiled_rows`]):
+/// for token block `b` and column chunk `c`, the tile at `out[(b · chunks + c) · 512 ..]` holds
+/// in row `t` the 32 BF16 values of `x[16b + t][32c..32c + 32]`, rows past the last token zero.
+///
+/// `out` is the whole packed buffer ([`packed_len`] of all tokens); only the tiles of blocks
+/// `t0 / 16 .. t1.div_ceil(16)` are written. Rounding is `reference::round_bf16`'s, bit for bit.
+pub fn pack_token_rows(x: &[f32], cols: usize, t0: usize, t1: usize, out: &mut [u16]) {
+    let chunks = cols / TILE_K;
+    assert!(
+        cols.is_multiple_of(TILE_K) && t0.is_multiple_of(TILE) && x.len() >= t1 * cols,
+        "pack_token_rows: bad token range or columns"
+    );
+    let b1 = t1.div_ceil(TILE);
+    assert!(out.len() >= b1 * chunks * PACKED_TILE, "pack_token_rows: output too short");
+    // Padding tokens of the last block are zero in every tile.
+    if t1 < b1 * TILE {
+        let b = b1 - 1;
+        for c in 0..chunks {
+            let tile = &mut out[(b * chunks + c) * PACKED_TILE..(b * chunks + c + 1) * PACKED_TILE];
+            tile[(t1 - b * TILE) * TILE_K..].fill(0);
+        }
+    }
+    for token in t0..t1 {
+        let (b, t) = (token / TILE, token % TILE);
+        let row = &x[token * cols..(token + 1) * cols];
+        for c in 0..chunks {
+            let at = (b * chunks + c) * PACKED_TILE + t * TILE_K;
+            let dst: &mut [u16; TILE_K] = (&mut out[at..at + TILE_K]).try_into().expect("32 elements");
+            // SAFETY: the AMX kernels exist only where AVX-512 F/BW was detected; `row[32c..32c
+            // + 32]` is readable.
+            unsafe { round_chunk(row.as_ptr().add(c * TILE_K), TILE_K, dst) };
+        }
+    }
+}
+
+/// Computes output rows `r0..r1` of `y = bf16(x) · Wᵀ` for all `n_tokens` tokens, over weights
+/// in the tiled layout ([`tile_weights`]) and activations packed by [`pack_token_rows`]: the
+/// roles of [`gemm_rows`] swapped, the tokens the A tiles (as many rows as the call has tokens,
+/// up to 16) and the weights the B tiles, so a C tile is `y`'s own layout, stored straight into
+/// it. Each output is the same chain of `tdpbf16ps` over the column chunks in order as
+/// [`gemm_rows`] computes, so the bits are the same.
+///
+/// Decode (one token) reads each row block's 1 KiB tiles in sequence, two row blocks at a
+/// time, with a one-row A tile. In qwen3-0.6b-shaped's decode on 2 threads the weights were
+/// read at 29.5-30.8 GB/s against 21.1-21.5 for [`gemm_rows`], whose 16 weight rows are 16
+/// strided streams (BENCHMARKS.md).
+///
+/// # Safety
+/// AMX permission was granted ([`request_permission`]); `tiles` points to `rows × cols` BF16
+/// weights in the tiled layout ([`tileable`]); `r0` and `r1` are multiples of 16 with `r1 <=
+/// rows`; `packed` holds [`packed_len`]`(n_tokens, cols)` elements written by
+/// [`pack_token_rows`]; `y` is valid for writing `y[t * y_stride + r]` for `t < n_tokens`, `r0
+/// <= r < r1`, which no one else accesses meanwhile.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_tiled_rows(
+    tiles: *const u8,
+    rows: usize,
+    cols: usize,
+    packed: &[u16],
+    n_tokens: usize,
+    y: *mut f32,
+    y_stride: usize,
+    r0: usize,
+    r1: usize,
+) {
+    debug_assert!(tileable(rows, cols) && r1 <= rows && r0.is_multiple_of(TILE) && r1.is_multiple_of(TILE));
+    debug_assert!(packed.len() >= packed_len(n_tokens, cols));
+    use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+    if n_tokens == 0 {
+        return;
+    }
+    let chunks = cols / TILE_K;
+    let blocks = n_tokens.div_ceil(TILE);
+    // A and C tiles have as many rows as a token block has tokens (all blocks but the last are
+    // full; a short last block of a longer call is zero-padded and stored through `spill`).
+    let m = n_tokens.min(TILE) as u8;
+    let config = TileConfig::new([64; 8], [m, m, 16, 16, m, m, m, m]);
+    let block_bytes = chunks * WEIGHT_TILE_BYTES;
+    let mut spill = CTile([0.0; TILE * TILE]);
+    // SAFETY (whole body): AMX is permitted; every weight tile load reads 1 KiB inside row
+    // blocks `r0 / 16 .. r1 / 16` of the tiled weights; every token tile load reads `m` rows of
+    // 64 bytes inside `packed`; stores go to `y` rows `r0..r1` of the block's tokens (when the
+    // block has `m` tokens) or to `spill`.
+    unsafe {
+        load_config(&config);
+        // Token super-blocks whose packed tiles stay in L2 while every row pair of the task
+        // runs over them; the weights are read once per super-block.
+        let super_blocks = (TOKEN_BLOCK_BYTES / (chunks * PACKED_TILE * 2)).max(2) & !1;
+        let mut store = |b: usize, r: usize, tile: u8| {
+            let nt = TILE.min(n_tokens - b * TILE);
+            let dst = y.add(b * TILE * y_stride + r);
+            let (ptr, stride) = if nt == m as usize { (dst, y_stride * 4) } else { (spill.0.as_mut_ptr(), TILE * 4) };
+            match tile {
+                4 => asm!("tilestored [{0} + {1}*1], tmm4", in(reg) ptr, in(reg) stride, options(nostack)),
+                5 => asm!("tilestored [{0} + {1}*1], tmm5", in(reg) ptr, in(reg) stride, options(nostack)),
+                6 => asm!("tilestored [{0} + {1}*1], tmm6", in(reg) ptr, in(reg) stride, options(nostack)),
+                _ => asm!("tilestored [{0} + {1}*1], tmm7", in(reg) ptr, in(reg) stride, options(nostack)),
+            }
+            if nt != m as usize {
+                for t in 0..nt {
+                    std::ptr::copy_nonoverlapping(spill.0.as_ptr().add(t * TILE), dst.add(t * y_stride), TILE);
+                }
+            }
+        };
+        let mut sb = 0;
+        while sb < blocks {
+            let sb_end = (sb + super_blocks).min(blocks);
+            let mut r = r0;
+            while r < r1 {
+                // Weight tiles: tmm2 (rows r..r + 16), tmm3 (rows r + 16..r + 32).
+                let two_w = r + TILE < r1;
+                let w0 = tiles.add((r / TILE) * block_bytes);
+                let w1 = w0.add(block_bytes);
+                let mut b = sb;
+                while b < sb_end {
+                    // Token tiles: tmm0 (tokens 16b..16b + 16), tmm1 (the next block).
+                    let two_x = b + 1 < sb_end;
+                    let x0 = packed.as_ptr().add(b * chunks * PACKED_TILE);
+                    let x1 = x0.add(chunks * PACKED_TILE);
+                    asm!("tilezero tmm4", "tilezero tmm5", "tilezero tmm6", "tilezero tmm7", options(nostack, nomem));
+                    for c in 0..chunks {
+                        // The lines from half a tile ahead, for both weight streams: with
+                        // them decode read 29.5-30.8 GB/s against 26.9-27.3 without.
+                        for line in 0..WEIGHT_TILE_BYTES / 64 {
+                            let ahead = c * WEIGHT_TILE_BYTES + PREFETCH_AHEAD + line * 64;
+                            _mm_prefetch::<_MM_HINT_T0>(w0.wrapping_add(ahead) as *const i8);
+                            if two_w {
+                                _mm_prefetch::<_MM_HINT_T0>(w1.wrapping_add(ahead) as *const i8);
+                            }
+                        }
+                        // C: tmm4 = X0·W0, tmm5 = X1·W0, tmm6 = X0·W1, tmm7 = X1·W1.
+                        asm!(
+                            "tileloadd tmm0, [{x} + {s}*1]",
+                            "tileloadd tmm2, [{w} + {s}*1]",
+                            "tdpbf16ps tmm4, tmm0, tmm2",
+                            x = in(reg) x0.add(c * PACKED_TILE),
+                            w = in(reg) w0.add(c * WEIGHT_TILE_BYTES),
+                            s = in(reg) 64usize,
+                            options(nostack, readonly)
+                        );
+                        if two_w {
+                            asm!(
+                                "tileloadd tmm3, [{w} + {s}*1]",
+                                "tdpbf16ps tmm6, tmm0, tmm3",
+                                w = in(reg) w1.add(c * WEIGHT_TILE_BYTES),
+                                s = in(reg) 64usize,
+                                options(nostack, readonly)
+                            );
+                        }
+                        if two_x {
+                            asm!(
+                                "tileloadd tmm1, [{x} + {s}*1]",
+                                "tdpbf16ps tmm5, tmm1, tmm2",
+                                x = in(reg) x1.add(c * PACKED_TILE),
+                                s = in(reg) 64usize,
+                                options(nostack, readonly)
+                            );
+                            if two_w {
+                                asm!("tdpbf16ps tmm7, tmm1, tmm3", options(nostack, nomem));
+                            }
+                        }
+                    }
+                    store(b, r, 4);
+                    if two_x {
+                        store(b + 1, r, 5);
+                    }
+                    if two_w {
+                        store(b, r + TILE, 6);
+                        if two_x {
+                            store(b + 1, r + TILE, 7);
+                        }
+                    }
+                    b += if two_x { 2 } else { 1 };
+                }
+                r += if two_w { 2 * TILE } else { TILE };
             }
             sb = sb_end;
         }

@@ -35,6 +35,7 @@ mod amx;
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod avx512bf16;
+pub mod bf16_tiles;
 pub mod delta;
 mod gemm;
 mod matmul;

@@ -381,6 +381,61 @@ pub fn matmul_many_bf16(
     packed: &mut [u16],
     jobs: &mut [(WeightMatrix<'_>, &mut [f32])],
 ) {
+    #[cfg(target_arch = "x86_64")]
+    match kernels {
+        crate::Bf16Kernels::Amx => matmul_many_bf16_with(
+            pool,
+            x,
+            n_tokens,
+            packed,
+            jobs,
+            crate::amx::TILE,
+            32,
+            crate::amx::pack_tokens,
+            // SAFETY: AMX permission was granted (`Bf16Kernels::Amx` exists only then); the
+            // driver checked the shapes and hands each task its own rows.
+            &|w, packed, out, r0, r1| unsafe {
+                crate::amx::gemm_rows(w.data.as_ptr(), w.rows, w.cols, packed, n_tokens, out, w.rows, r0, r1)
+            },
+        ),
+        crate::Bf16Kernels::Avx512Bf16 => matmul_many_bf16_with(
+            pool,
+            x,
+            n_tokens,
+            packed,
+            jobs,
+            1,
+            4 * crate::avx512bf16::NR,
+            crate::avx512bf16::pack_rows,
+            // SAFETY: AVX-512 BF16 was detected (`Bf16Kernels::Avx512Bf16` exists only then);
+            // the driver checked the shapes and hands each task its own rows.
+            &|w, packed, out, r0, r1| unsafe {
+                crate::avx512bf16::gemm_rows(w.data.as_ptr(), w.cols, packed, n_tokens, out, w.rows, r0, r1)
+            },
+        ),
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (pool, x, n_tokens, packed, jobs, kernels);
+        unreachable!("no BF16 kernels on this architecture")
+    }
+}
+
+/// [`matmul_many_bf16`] on one kernel: checks the shapes (which make the kernels' unsafe
+/// reads and writes sound), aligns the packed activations and runs [`run_bf16`].
+#[allow(clippy::too_many_arguments)]
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn matmul_many_bf16_with(
+    pool: &ThreadPool,
+    x: &[f32],
+    n_tokens: usize,
+    packed: &mut [u16],
+    jobs: &mut [(WeightMatrix<'_>, &mut [f32])],
+    pack_unit: usize,
+    unit: usize,
+    pack: fn(&[f32], usize, usize, usize, &mut [u16]),
+    compute: &ComputeRows<'_>,
+) {
     let Some((first, _)) = jobs.first() else { return };
     let cols = first.cols;
     for (w, y) in jobs.iter() {
@@ -400,46 +455,7 @@ pub fn matmul_many_bf16(
     // elements skipped to get there.
     let skip = packed.as_ptr().align_offset(PACKED_ALIGN * 2).min(PACKED_ALIGN);
     let packed = &mut packed[skip..skip + needed - PACKED_ALIGN];
-    #[cfg(target_arch = "x86_64")]
-    match kernels {
-        crate::Bf16Kernels::Amx => run_bf16(
-            pool,
-            x,
-            n_tokens,
-            cols,
-            packed,
-            jobs,
-            crate::amx::TILE,
-            32,
-            crate::amx::pack_tokens,
-            // SAFETY: AMX permission was granted (`Bf16Kernels::Amx` exists only then); the
-            // driver checked the shapes and hands each task its own rows.
-            &|w, packed, out, r0, r1| unsafe {
-                crate::amx::gemm_rows(w.data.as_ptr(), w.rows, w.cols, packed, n_tokens, out, w.rows, r0, r1)
-            },
-        ),
-        crate::Bf16Kernels::Avx512Bf16 => run_bf16(
-            pool,
-            x,
-            n_tokens,
-            cols,
-            packed,
-            jobs,
-            1,
-            4 * crate::avx512bf16::NR,
-            crate::avx512bf16::pack_rows,
-            // SAFETY: AVX-512 BF16 was detected (`Bf16Kernels::Avx512Bf16` exists only then);
-            // the driver checked the shapes and hands each task its own rows.
-            &|w, packed, out, r0, r1| unsafe {
-                crate::avx512bf16::gemm_rows(w.data.as_ptr(), w.cols, packed, n_tokens, out, w.rows, r0, r1)
-            },
-        ),
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (pool, x, kernels);
-        unreachable!("no BF16 kernels on this architecture")
-    }
+    run_bf16(pool, x, n_tokens, cols, packed, jobs, pack_unit, unit, pack, compute);
 }
 
 /// Computes output rows `r0..r1` of one matrix from the packed activations into `out`:

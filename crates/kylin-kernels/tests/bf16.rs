@@ -4,8 +4,9 @@
 //!
 //! On a machine without BF16 kernels the tests say so and check nothing else.
 
+use kylin_kernels::bf16_tiles::{Bf16TileBuffer, matmul_many_bf16_tiles};
 use kylin_kernels::{
-    ThreadPool, WeightDType, WeightMatrix, bf16_kernels, bf16_scratch_len, matmul_many_bf16, reference,
+    Bf16Kernels, ThreadPool, WeightDType, WeightMatrix, bf16_kernels, bf16_scratch_len, matmul_many_bf16, reference,
 };
 
 #[path = "support/rng.rs"]
@@ -104,6 +105,60 @@ fn the_avx512_bf16_kernels_pass_the_same_checks() {
     assert!(output.status.success(), "the BF16 products fail with KYLIN_KERNELS_ISA=avx512: {output:?}");
 }
 
+/// Weights repacked into AMX tiles (`Bf16TileBuffer`) give every output the bits of the
+/// row-major AMX product, for every batch size (decode's one-row token tiles, short and padded
+/// token blocks, several super-blocks), on one and two threads, beside another tiled matrix;
+/// and a tiled row reads back as the row it came from.
+#[test]
+fn tiled_bf16_weights_give_the_bits_of_the_row_major_product() {
+    if bf16_kernels() != Some(Bf16Kernels::Amx) {
+        eprintln!("no AMX on this machine: nothing to check");
+        return;
+    }
+    let pools = [ThreadPool::new(1), ThreadPool::new(2)];
+    let mut rng = Rng(0x51_7C_C1_B7_27_22_0A_95);
+    for &(rows, cols) in &[(16usize, 32usize), (48, 64), (80, 1024), (112, 96), (1024, 3072)] {
+        let data = rng.bf16_weights(rows * cols);
+        let w = WeightMatrix { dtype: WeightDType::BF16, rows, cols, data: &data };
+        let tiled = Bf16TileBuffer::new(w).expect("a tileable BF16 matrix on AMX");
+        let mut row = vec![0.0f32; cols];
+        for r in [0, 1, 15, rows / 2 + 3, rows - 1] {
+            tiled.widen_row(r, &mut row);
+            let want: Vec<f32> =
+                (0..cols).map(|c| reference::load_f32(WeightDType::BF16, &data, r * cols + c)).collect();
+            assert_eq!(bits(&row), bits(&want), "{rows}x{cols}: row {r} read back from the tiles");
+        }
+        let other_data = rng.bf16_weights(32 * cols);
+        let other = WeightMatrix { dtype: WeightDType::BF16, rows: 32, cols, data: &other_data };
+        let other_tiled = Bf16TileBuffer::new(other).expect("tileable");
+        let tokens: &[usize] =
+            if rows * cols > 1 << 20 { &[1, 2, 17, 40, 200] } else { &[1, 2, 5, 15, 16, 17, 33, 40, 100] };
+        let max = *tokens.iter().max().unwrap();
+        let x = rng.vec(max * cols);
+        let mut scratch = vec![0u16; bf16_scratch_len(max, cols) + 32];
+        for &n in tokens {
+            let mut want = vec![0.0f32; n * rows];
+            let mut want_other = vec![0.0f32; n * 32];
+            let mut jobs = [(w, &mut want[..]), (other, &mut want_other[..])];
+            matmul_many_bf16(&pools[0], Bf16Kernels::Amx, &x[..n * cols], n, &mut scratch, &mut jobs);
+            for pool in &pools {
+                let mut y = vec![f32::NAN; n * rows];
+                let mut y_other = vec![f32::NAN; n * 32];
+                let mut jobs = [(other_tiled.matrix(), &mut y_other[..]), (tiled.matrix(), &mut y[..])];
+                matmul_many_bf16_tiles(pool, &x[..n * cols], n, &mut scratch[n % 32..], &mut jobs);
+                let threads = pool.threads();
+                assert_eq!(bits(&y), bits(&want), "{rows}x{cols}, {n} tokens, {threads} threads");
+                assert_eq!(bits(&y_other), bits(&want_other), "32x{cols}, {n} tokens, {threads} threads");
+            }
+        }
+    }
+    // Not tileable: a row or column tail.
+    for (rows, cols) in [(17usize, 32usize), (16, 48)] {
+        let data = rng.bf16_weights(rows * cols);
+        assert!(Bf16TileBuffer::new(WeightMatrix { dtype: WeightDType::BF16, rows, cols, data: &data }).is_none());
+    }
+}
+
 #[test]
 fn rounding_to_bf16_is_to_nearest_even() {
     use kylin_kernels::round_bf16;
@@ -139,8 +194,16 @@ fn throughput() {
             let mut y = vec![0.0f32; n * rows];
             let mut scratch = vec![0u16; bf16_scratch_len(n, cols)];
             let reps = (2_000_000_000 / (rows * cols * n)).clamp(3, 2000);
-            let mut best = [f64::INFINITY; 2];
+            let tiled = (kernels == Bf16Kernels::Amx).then(|| Bf16TileBuffer::new(w)).flatten();
+            let mut best = [f64::INFINITY; 3];
             for _ in 0..3 {
+                if let Some(tiled) = &tiled {
+                    let start = std::time::Instant::now();
+                    for _ in 0..reps {
+                        matmul_many_bf16_tiles(&pool, &x, n, &mut scratch, &mut [(tiled.matrix(), &mut y[..])]);
+                    }
+                    best[2] = best[2].min(start.elapsed().as_secs_f64() / reps as f64);
+                }
                 let start = std::time::Instant::now();
                 for _ in 0..reps {
                     kylin_kernels::matmul(&pool, w, &x, n, &mut y);
@@ -154,12 +217,14 @@ fn throughput() {
             }
             let flop = 2.0 * (rows * cols * n) as f64;
             println!(
-                "{rows}x{cols} n={n:4}: f32 {:8.1} GFLOP/s ({:.2} ms)  bf16 {:8.1} GFLOP/s ({:.2} ms)  weights {:.1} GB/s",
+                "{rows}x{cols} n={n:4}: f32 {:8.1} GFLOP/s ({:.2} ms)  bf16 {:8.1} GFLOP/s ({:.2} ms)  weights {:.1} GB/s  tiled {:.1} GB/s ({:.2} ms)",
                 flop / best[0] / 1e9,
                 best[0] * 1e3,
                 flop / best[1] / 1e9,
                 best[1] * 1e3,
-                (rows * cols * 2) as f64 / best[1] / 1e9
+                (rows * cols * 2) as f64 / best[1] / 1e9,
+                (rows * cols * 2) as f64 / best[2] / 1e9,
+                best[2] * 1e3
             );
         }
     }

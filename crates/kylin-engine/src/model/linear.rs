@@ -6,6 +6,7 @@
 
 use std::sync::Arc;
 
+use kylin_kernels::bf16_tiles::{Bf16TileBuffer, matmul_many_bf16_tiles};
 use kylin_kernels::quant::{Packing, QuantBuffer, QuantMatrix};
 use kylin_kernels::{self as kernels, Bf16Kernels, ThreadPool, WeightDType, WeightMatrix, WeightVector};
 use kylin_loader::family::NormKind;
@@ -99,6 +100,9 @@ pub(super) struct Linear {
     /// The run-time quantization of the input a published scheme asks for, applied before
     /// the product (`--precision f32` on a W8A8 or FP8 checkpoint; `None` otherwise).
     pub(super) input_quant: Option<InputQuant>,
+    /// The BF16 weight repacked into AMX tiles, which the products read instead of `weight`
+    /// under `Precision::Bf16` on AMX ([`Linear::tile_for_amx`]; `None` otherwise).
+    pub(super) tiles: Option<Arc<Bf16TileBuffer>>,
 }
 
 /// Where a quantized linear layer's planes live.
@@ -127,6 +131,7 @@ impl Linear {
             bias: Vector::optional(bias, rows)?,
             quant: None,
             input_quant: None,
+            tiles: None,
         })
     }
 
@@ -166,6 +171,7 @@ impl Linear {
             bias: Vector::optional(bias, rows)?,
             quant: Some(QuantSource::Mapped { scales: scales.clone(), packing }),
             input_quant: None,
+            tiles: None,
         })
     }
 
@@ -200,6 +206,7 @@ impl Linear {
             bias: Vector::optional(bias, rows)?,
             quant: Some(QuantSource::Pending(Arc::new(published.clone()))),
             input_quant: None,
+            tiles: None,
         })
     }
 
@@ -252,10 +259,28 @@ impl Linear {
     /// [`Linear::product`] of an input already in the form this layer reads.
     #[inline]
     fn product_on(&self, mm: Matmul<'_>, x: &[f32], n: usize, y: &mut [f32], xb: &mut [u16], xq: &mut [u8]) {
-        match (self.quant_matrix(), mm.bf16) {
-            (Some(q), _) => q.matmul(mm.pool, x, n, xq, y),
-            (None, Some(k)) => kernels::matmul_many_bf16(mm.pool, k, x, n, xb, &mut [(self.matrix(), y)]),
-            (None, None) => kernels::matmul(mm.pool, self.matrix(), x, n, y),
+        match (self.quant_matrix(), mm.bf16, &self.tiles) {
+            (Some(q), _, _) => q.matmul(mm.pool, x, n, xq, y),
+            (None, Some(Bf16Kernels::Amx), Some(tiles)) => {
+                matmul_many_bf16_tiles(mm.pool, x, n, xb, &mut [(tiles.matrix(), y)])
+            }
+            (None, Some(k), _) => kernels::matmul_many_bf16(mm.pool, k, x, n, xb, &mut [(self.matrix(), y)]),
+            (None, None, _) => kernels::matmul(mm.pool, self.matrix(), x, n, y),
+        }
+    }
+
+    /// Under `Precision::Bf16` on AMX, copies a BF16 weight into AMX tile order for the
+    /// products ([`kernels::bf16_tiles`]: the same bits, decode reading whole 1 KiB tiles in
+    /// sequence) and lets the map's pages of the row-major weight go (a later read, such as a
+    /// tied head's embedding lookup, faults them back in from the file). Leaves quantized
+    /// layers, other dtypes and shapes that are not whole 16 × 32 tiles as they are.
+    pub(super) fn tile_for_amx(&mut self) {
+        if self.tiles.is_some() || self.quant.is_some() || self.dtype != WeightDType::BF16 {
+            return;
+        }
+        self.tiles = Bf16TileBuffer::new(self.matrix()).map(Arc::new);
+        if self.tiles.is_some() {
+            self.weight.advise_dont_need();
         }
     }
 
@@ -311,7 +336,11 @@ impl Linear {
             let mut planes = planes.into_iter().flatten();
             let mut mats = layers.each_mut().map(|(_, y)| (planes.next().expect("counted above"), &mut **y));
             kernels::quant::matmul_many_quant(mm.pool, x, n, xq, &mut mats);
-        } else if quantized == 0 {
+        } else if quantized == 0 && mm.bf16 == Some(Bf16Kernels::Amx) && linears.iter().all(|l| l.tiles.is_some()) {
+            let mut mats: [(WeightMatrix<'_>, &mut [f32]); N] =
+                layers.each_mut().map(|(l, y)| (l.tiles.as_ref().expect("checked above").matrix(), &mut **y));
+            matmul_many_bf16_tiles(mm.pool, x, n, xb, &mut mats);
+        } else if quantized == 0 && !(mm.bf16 == Some(Bf16Kernels::Amx) && linears.iter().any(|l| l.tiles.is_some())) {
             let mut mats: [(WeightMatrix<'_>, &mut [f32]); N] = layers.each_mut().map(|(l, y)| (l.matrix(), &mut **y));
             match mm.bf16 {
                 Some(k) => kernels::matmul_many_bf16(mm.pool, k, x, n, xb, &mut mats),

@@ -362,6 +362,22 @@ impl Layer {
         mixer.chain(mlp.into_iter().flat_map(Mlp::linears_mut)).chain(moe.into_iter().flat_map(Moe::linears_mut))
     }
 
+    /// The matrices of the mixer and the dense MLP: those of the products that read a whole
+    /// matrix for every token, not the experts.
+    fn dense_linears_mut(&mut self) -> impl Iterator<Item = &mut Linear> {
+        let mixer: Box<dyn Iterator<Item = &mut Linear> + '_> = match &mut self.mixer {
+            Mixer::Attention(a) => Box::new(a.linears_mut()),
+            Mixer::DeltaNet(d) => Box::new(d.linears_mut()),
+            Mixer::ShortConv(c) => Box::new(c.linears_mut()),
+        };
+        let mlp = match &mut self.ffn {
+            Ffn::Dense(m) => Some(m),
+            Ffn::Moe(_) => None,
+            Ffn::DenseAndMoe(b) => Some(&mut b.mlp),
+        };
+        mixer.chain(mlp.into_iter().flat_map(Mlp::linears_mut))
+    }
+
     /// The matrices that stay as stored under `--quantize`: Gemma 4's per-layer input block,
     /// a MoE router and Qwen2-MoE's shared-expert gate.
     fn side_linears(&self) -> impl Iterator<Item = &Linear> {
@@ -1233,7 +1249,29 @@ impl Model {
                 Some(k)
             }
         };
+        self.tile_for_amx();
         Ok(())
+    }
+
+    /// Under `Precision::Bf16` on AMX, repacks the BF16 matrices that every token reads whole
+    /// (the mixers', the dense MLPs', the per-layer input projection and the head) into AMX
+    /// tiles ([`Linear::tile_for_amx`]); otherwise drops any tiles. Experts stay in place in the
+    /// map: a copy would touch cold experts, and their grouped products read them row-major.
+    fn tile_for_amx(&mut self) {
+        let amx = self.bf16 == Some(Bf16Kernels::Amx);
+        let linears = self
+            .layers
+            .iter_mut()
+            .flat_map(|l| l.dense_linears_mut())
+            .chain(self.per_layer_inputs.as_mut().map(|p| &mut p.projection))
+            .chain(std::iter::once(&mut self.lm_head));
+        for linear in linears {
+            if amx {
+                linear.tile_for_amx();
+            } else {
+                linear.tiles = None;
+            }
+        }
     }
 
     /// Every matrix of the model's products: the layers' (with the routers and gates), the
