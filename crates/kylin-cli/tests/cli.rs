@@ -788,3 +788,54 @@ fn run_with_an_image_on_gemma3_and_gemma4_answers_as_transformers() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("must be one of [70, 140, 280, 560, 1120]; got 100"), "{stderr}");
 }
+
+/// Under `--precision bf16` on AMX the BF16 matrices are copied into AMX tile order at load;
+/// `KYLIN_BF16_TILES=0` keeps them in place in the map. Both must give the same bits: every
+/// position's top logits for prompts of 1 token (decode's one-row tiles), 5 and 40 (a full and
+/// a short token block), and 12 greedy tokens, on SmolLM2 (tied head: the embedding is looked
+/// up in the map whose pages the head's copy released). Without AMX both runs take the same
+/// path and the test says so.
+#[test]
+fn bf16_weights_copied_into_amx_tiles_give_the_bits_of_the_weights_in_place() {
+    if kylin_kernels::bf16_kernels() != Some(kylin_kernels::Bf16Kernels::Amx) {
+        eprintln!("no AMX on this machine: both runs would take the same path");
+        return;
+    }
+    let dir = model("smollm2-135m-instruct");
+    let with = |tiles: &str, args: &[&str]| -> Value {
+        let out = Command::new(env!("CARGO_BIN_EXE_kylin"))
+            .args(args)
+            .env("KYLIN_QUIET", "1")
+            .env("KYLIN_BF16_TILES", tiles)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run kylin");
+        assert!(out.status.success(), "kylin {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+        json_of(&out)
+    };
+    let ids_40: Vec<String> = (0..40).map(|i| (100 + 37 * i).to_string()).collect();
+    let ids_40 = ids_40.join(",");
+    for ids in ["504", "504,1281,28,339,2176", ids_40.as_str()] {
+        let args = ["logits", s(&dir), "--ids", ids, "--top", "8", "--json", "--precision", "bf16"];
+        let (tiled, in_place) = (with("1", &args), with("0", &args));
+        assert_eq!(tiled["positions"].as_array().map(Vec::len), Some(ids.split(',').count()));
+        assert_eq!(tiled, in_place, "logits of {} tokens", ids.split(',').count());
+    }
+    let args = [
+        "run",
+        s(&dir),
+        "-p",
+        "The capital of France is",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "12",
+        "--ignore-eos",
+        "--json",
+        "--precision",
+        "bf16",
+    ];
+    let (tiled, in_place) = (with("1", &args), with("0", &args));
+    assert_eq!(tiled["generated_ids"].as_array().map(Vec::len), Some(12));
+    assert_eq!(tiled["generated_ids"], in_place["generated_ids"]);
+}

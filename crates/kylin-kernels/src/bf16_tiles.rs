@@ -12,6 +12,16 @@
 use crate::aligned::AlignedBytes;
 use crate::{ThreadPool, WeightDType, WeightMatrix};
 
+/// Whether BF16 matrices are copied into tiles: where the BF16 products run on AMX, unless
+/// `KYLIN_BF16_TILES=0` keeps every weight in place in the map (the same results, decode slower,
+/// no copy at load: on a virtual machine whose host reclaims the memory a guest frees, the first
+/// touch of new memory can run at about 100 MB/s, which made qwen3-0.6b-shaped's load take
+/// 9 s instead of 0.3 on one such machine).
+pub fn enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    crate::bf16_kernels() == Some(crate::Bf16Kernels::Amx) && crate::env_switch(&ON, &["KYLIN_BF16_TILES"])
+}
+
 /// A BF16 matrix in the tiled layout ([`crate::amx`]'s `tile_weights`), in 64-byte aligned
 /// memory on huge pages where the system has them.
 pub struct Bf16TileBuffer {
@@ -27,12 +37,12 @@ impl std::fmt::Debug for Bf16TileBuffer {
 }
 
 impl Bf16TileBuffer {
-    /// `w` in the tiled layout, when this process runs BF16 products on AMX, `w` is BF16 and
-    /// tileable (whole tiles of 16 rows × 32 columns); `None` otherwise.
+    /// `w` in the tiled layout, when this process runs BF16 products on AMX ([`enabled`]), `w`
+    /// is BF16 and tileable (whole tiles of 16 rows × 32 columns); `None` otherwise.
     pub fn new(w: WeightMatrix<'_>) -> Option<Bf16TileBuffer> {
         #[cfg(target_arch = "x86_64")]
         {
-            if crate::bf16_kernels() != Some(crate::Bf16Kernels::Amx)
+            if !enabled()
                 || w.dtype != WeightDType::BF16
                 || !crate::amx::tileable(w.rows, w.cols)
                 || w.data.len() != w.rows * w.cols * 2

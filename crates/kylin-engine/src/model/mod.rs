@@ -1259,12 +1259,12 @@ impl Model {
     /// map: a copy would touch cold experts, and their grouped products read them row-major.
     fn tile_for_amx(&mut self) {
         let amx = self.bf16 == Some(Bf16Kernels::Amx);
-        let linears = self
-            .layers
-            .iter_mut()
-            .flat_map(|l| l.dense_linears_mut())
-            .chain(self.per_layer_inputs.as_mut().map(|p| &mut p.projection))
-            .chain(std::iter::once(&mut self.lm_head));
+        // The head first: while a matrix is copied, its source pages and its copy are both
+        // resident, so the largest goes while nothing else has been copied yet (the peak is
+        // then the model plus one layer's matrix, not plus the head).
+        let linears = std::iter::once(&mut self.lm_head)
+            .chain(self.layers.iter_mut().flat_map(|l| l.dense_linears_mut()))
+            .chain(self.per_layer_inputs.as_mut().map(|p| &mut p.projection));
         for linear in linears {
             if amx {
                 linear.tile_for_amx();
