@@ -1219,6 +1219,7 @@ impl Model {
                     let float_not_bf16 =
                         self.product_linears().any(|m| m.quant.is_none() && m.dtype != WeightDType::BF16);
                     self.bf16 = kernels::bf16_kernels().filter(|_| !float_not_bf16);
+                    self.tile_for_amx();
                     Ok(())
                 }
                 PrecisionChoice::Auto => Ok(()),
