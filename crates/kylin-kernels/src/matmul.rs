@@ -422,7 +422,9 @@ pub fn matmul_many_bf16(
 }
 
 /// [`matmul_many_bf16`] on one kernel: checks the shapes (which make the kernels' unsafe
-/// reads and writes sound), aligns the packed activations and runs [`run_bf16`].
+/// reads and writes sound), packs the activations into the aligned part of `packed` (token
+/// groups of `pack_unit` split across the pool), then runs `compute` on each matrix's output
+/// rows in units of `unit` rows split across the pool.
 #[allow(clippy::too_many_arguments)]
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn matmul_many_bf16_with(
@@ -455,30 +457,6 @@ pub(crate) fn matmul_many_bf16_with(
     // elements skipped to get there.
     let skip = packed.as_ptr().align_offset(PACKED_ALIGN * 2).min(PACKED_ALIGN);
     let packed = &mut packed[skip..skip + needed - PACKED_ALIGN];
-    run_bf16(pool, x, n_tokens, cols, packed, jobs, pack_unit, unit, pack, compute);
-}
-
-/// Computes output rows `r0..r1` of one matrix from the packed activations into `out`:
-/// `(weights, packed, out, r0, r1)`.
-#[cfg(target_arch = "x86_64")]
-type ComputeRows<'a> = dyn Fn(WeightMatrix<'_>, &[u16], *mut f32, usize, usize) + Sync + 'a;
-
-/// The BF16 driver: packs the activations (token groups of `pack_unit` split across the pool),
-/// then computes each matrix's output rows in units of `unit` rows split across the pool.
-#[allow(clippy::too_many_arguments)]
-#[cfg(target_arch = "x86_64")]
-fn run_bf16(
-    pool: &ThreadPool,
-    x: &[f32],
-    n_tokens: usize,
-    cols: usize,
-    packed: &mut [u16],
-    jobs: &mut [(WeightMatrix<'_>, &mut [f32])],
-    pack_unit: usize,
-    unit: usize,
-    pack: fn(&[f32], usize, usize, usize, &mut [u16]),
-    compute: &ComputeRows<'_>,
-) {
     // 1. Round and pack the activations, token groups split across the pool.
     let groups = n_tokens.div_ceil(pack_unit);
     let out = SharedU16(packed.as_mut_ptr(), packed.len());
@@ -497,6 +475,11 @@ fn run_bf16(
         split_rows(pool, chunk, unit, threads, &|w, out, r0, r1| compute(w, packed, out.0, r0, r1));
     }
 }
+
+/// Computes output rows `r0..r1` of one matrix from the packed activations into `out`:
+/// `(weights, packed, out, r0, r1)`.
+#[cfg(target_arch = "x86_64")]
+type ComputeRows<'a> = dyn Fn(WeightMatrix<'_>, &[u16], *mut f32, usize, usize) + Sync + 'a;
 
 /// BF16 elements in one cache line (64 bytes). [`matmul_many_bf16`] starts its packed
 /// activations on a cache line, wherever the allocator put the caller's scratch, so that no

@@ -756,6 +756,9 @@ pub struct Model {
     /// Quantized weights with BF16 activations (`--quantize q8_0 --precision bf16`: every
     /// Q8_0 matrix read as `q8_0_a16`).
     quantized_bf16: bool,
+    /// The head is another model's, given later (an MTP head's decoder gets the target's:
+    /// `MtpHead::share_lm_head`), so it is not copied into AMX tiles here.
+    head_from_target: bool,
     /// Matrices `--quantize` left as stored (columns not whole blocks of 32).
     unquantized: usize,
     /// A published checkpoint that quantizes only its experts (MXFP4).
@@ -908,6 +911,7 @@ impl Model {
             final_softcap: spec.final_softcap.map(|c| c as f32),
             bf16: None,
             quantized_bf16: false,
+            head_from_target: false,
             unquantized: 0,
             published_experts_only: config.published.as_ref().is_some_and(|q| !q.quantizes_linear_layers()),
             quantization,
@@ -1263,7 +1267,9 @@ impl Model {
         // The head first: while a matrix is copied, its source pages and its copy are both
         // resident, so the largest goes while nothing else has been copied yet (the peak is
         // then the model plus one layer's matrix, not plus the head).
-        let linears = std::iter::once(&mut self.lm_head)
+        let head = (!self.head_from_target).then_some(&mut self.lm_head);
+        let linears = head
+            .into_iter()
             .chain(self.layers.iter_mut().flat_map(|l| l.dense_linears_mut()))
             .chain(self.per_layer_inputs.as_mut().map(|p| &mut p.projection));
         for linear in linears {

@@ -54,7 +54,9 @@ impl MtpScratch {
 impl MtpHead {
     /// Binds the head's weights, checking every shape against its configuration.
     pub fn new(head: &kylin_loader::mtp::MtpHead) -> Result<Self> {
-        let model = Model::new(&head.config, &head.weights)?;
+        let mut model = Model::new(&head.config, &head.weights)?;
+        // Its head is the target's, shared once both are prepared (`share_lm_head`).
+        model.head_from_target = true;
         let hidden = head.config.hidden_size;
         let kind = head.config.decoder.norm;
         Ok(MtpHead {
