@@ -8,7 +8,7 @@ use std::process::{Command, Output, Stdio};
 use serde_json::Value;
 
 mod common;
-use common::{kylin, s};
+use common::{kylin, kylin_with_env, s};
 
 const SHARED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata");
 
@@ -803,13 +803,7 @@ fn bf16_weights_copied_into_amx_tiles_give_the_bits_of_the_weights_in_place() {
     }
     let dir = model("smollm2-135m-instruct");
     let with = |tiles: &str, args: &[&str]| -> Value {
-        let out = Command::new(env!("CARGO_BIN_EXE_kylin"))
-            .args(args)
-            .env("KYLIN_QUIET", "1")
-            .env("KYLIN_BF16_TILES", tiles)
-            .stdin(Stdio::null())
-            .output()
-            .expect("run kylin");
+        let out = kylin_with_env(args, &[("KYLIN_BF16_TILES", tiles)]);
         assert!(out.status.success(), "kylin {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
         json_of(&out)
     };

@@ -509,8 +509,8 @@ pub fn tile_weights(w: &[u8], rows: usize, cols: usize, out: &mut [u8]) {
     }
 }
 
-/// Reads row `r` of a matrix in the tiled layout back as f32 (the embedding lookup of a tied
-/// head): the inverse of [`tile_weights`] for one row, widened.
+/// Reads row `r` of a matrix in the tiled layout back as f32: the inverse of [`tile_weights`]
+/// for one row, widened (the layout test reads every row back through it).
 pub fn widen_tiled_row(tiles: &[u8], rows: usize, cols: usize, r: usize, out: &mut [f32]) {
     assert!(tileable(rows, cols) && tiles.len() == rows * cols * 2 && r < rows && out.len() >= cols);
     let (chunks, rb, n) = (cols / TILE_K, r / TILE, r % TILE);

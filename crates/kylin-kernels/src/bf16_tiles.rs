@@ -78,7 +78,8 @@ impl Bf16TileBuffer {
         self.cols
     }
 
-    /// Row `r` widened to f32 into `out[..cols]` (an embedding lookup in a tied head).
+    /// Row `r` widened to f32 into `out[..cols]`: the layout read back, which the kernels' tests
+    /// compare with the matrix it was copied from.
     /// Panics if `r >= rows` or `out` is shorter than a row (caller bugs).
     pub fn widen_row(&self, r: usize, out: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
