@@ -333,16 +333,16 @@ unsafe fn gemm_avx512<const D: u8>(w: WeightMatrix<'_>, x: &[f32], n_tokens: usi
 /// tile (a quarter of a 1 MiB L2).
 const ROW_BLOCK_BYTES: usize = 256 * 1024;
 
-/// The AVX2 GEMM on rows `r0..r1` (tiles of 3 tokens × 1 row): row blocks of about
-/// [`ROW_BLOCK_BYTES`], and inside a block each token tile (whose `x` rows stay in L1) runs
-/// across the block's rows (read from L2). A tile of one row reuses each token vector only once,
-/// so the token rows, not the weights, are what must stay closest.
+/// The AVX2 GEMM on rows `r0..r1` (tiles of [`crate::x86::PASS_MT`] tokens ×
+/// [`crate::x86::PASS_NR`] rows): row blocks of about [`ROW_BLOCK_BYTES`], and inside a block
+/// each token tile runs across the block's rows (read from L2), its columns in blocks whose
+/// token vectors stay in L1.
 ///
 /// # Safety
 /// As [`compute_rows`], and AVX2, FMA and F16C are available.
 #[cfg(target_arch = "x86_64")]
 unsafe fn gemm_avx2<const D: u8>(w: WeightMatrix<'_>, x: &[f32], n_tokens: usize, out: OutPtr, r0: usize, r1: usize) {
-    use crate::x86::{GEMM_MT, gemm_tile_dyn};
+    use crate::x86::{PASS_MT, PASS_NR, gemm_tile_passes_dyn};
     let cols = w.cols;
     let row_bytes = cols * w.dtype.size_in_bytes();
     let block = (ROW_BLOCK_BYTES / row_bytes.max(1)).max(1);
@@ -351,15 +351,19 @@ unsafe fn gemm_avx2<const D: u8>(w: WeightMatrix<'_>, x: &[f32], n_tokens: usize
         let b1 = (b0 + block).min(r1);
         let mut t = 0;
         while t < n_tokens {
-            let mt = GEMM_MT.min(n_tokens - t);
-            for r in b0..b1 {
-                // SAFETY: weight row `r < rows` exists (data length checked by the caller);
-                // tokens `t..t + mt` exist; row `r` of the output belongs to this task.
+            let mt = PASS_MT.min(n_tokens - t);
+            let mut r = b0;
+            while r < b1 {
+                let nr = PASS_NR.min(b1 - r);
+                // SAFETY: weight rows `r..r + nr < rows` exist (data length checked by the
+                // caller); tokens `t..t + mt` exist; rows `r..r + nr` of the output belong to
+                // this task.
                 unsafe {
                     let (wp, xp, yp) =
                         (w.data.as_ptr().add(r * row_bytes), x.as_ptr().add(t * cols), out.0.add(t * w.rows + r));
-                    gemm_tile_dyn::<D>(mt, wp, cols, xp, cols, yp, w.rows)
+                    gemm_tile_passes_dyn::<D>(mt, nr, wp, row_bytes, cols, xp, cols, yp, w.rows)
                 };
+                r += nr;
             }
             t += mt;
         }

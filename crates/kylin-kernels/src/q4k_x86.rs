@@ -758,11 +758,148 @@ pub(crate) unsafe fn group_vnni_unpacked<const SCALES: u8>(
     }
 }
 
+/// `MT` tokens × one group of 16 rows on AVX2, each weight vector loaded and unpacked (with
+/// Q5_0's and Q6_0's high bits ORed on) once for all `MT` tokens. For Q4_K and Q4_G a
+/// sub-block's eight `vpmaddubsw` pair sums are added in 16 bits before one `vpmaddwd` widens
+/// them (each lane sums 8 pairs, `8 · 2 · 15 · 127 = 30480 < 2^15`: exact); with high bits
+/// each pair sum is widened at once. The integer sums are exact, combined per token in the
+/// canonical order, so the bits are the VNNI and scalar tiles'.
+///
+/// # Safety
+/// As [`tile_avx2`], for `mt = MT` tokens.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_avx2_shared<const MT: usize, const SCALES: u8>(
+    wq: &[u8],
+    ws: &[u8],
+    cols: usize,
+    xq: &[u8],
+    stride: usize,
+    y: *mut f32,
+    y_stride: usize,
+    valid: usize,
+) {
+    let nb = cols / SUB;
+    let n_super = cols.div_ceil(QK_K);
+    assert!(wq.len() >= nb / 2 * PAIR_BYTES && ws.len() >= scales_len::<SCALES>(cols));
+    assert!(xq.len() >= MT * stride && stride >= cols + 8 * nb);
+    debug_assert!(valid <= GROUP_ROWS);
+    let grouped = SCALES != Q4K_SCALES;
+    let (wp, sp, xp) = (wq.as_ptr(), ws.as_ptr(), xq.as_ptr());
+    let (nibble, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
+    let high = high_bits::<SCALES>();
+    // Q5_0's and Q6_0's high bits, once shifted to bits `4 .. 4 + H` (`add_high_bits`).
+    let high_mask = _mm256_set1_epi8((((1u16 << high) - 1) << 4) as u8 as i8);
+    let mut acc = [[_mm256_setzero_ps(); 2]; MT];
+    for s in 0..n_super {
+        // SAFETY: every offset lies inside the group's planes and the tokens' rows, by the
+        // asserts above.
+        unsafe {
+            let header = if grouped { sp } else { sp.add(s * SUPER_SCALE_BYTES) };
+            for jj in 0..subs_in(cols, s) {
+                let j = s * (QK_K / SUB) + jj;
+                let wb = wp.add((j / 2) * PAIR_BYTES);
+                let mut pairs = [[_mm256_setzero_si256(); 2]; MT];
+                for k in 0..8 {
+                    let mut w = [_mm256_setzero_si256(); 2];
+                    for (h, w) in w.iter_mut().enumerate() {
+                        let raw = _mm256_loadu_si256(wb.add(64 * k + 32 * h) as *const __m256i);
+                        let raw = if j.is_multiple_of(2) { raw } else { _mm256_srli_epi16(raw, 4) };
+                        *w = _mm256_and_si256(raw, nibble);
+                        if high > 0 {
+                            // The high bits, moved to bits `4 .. 4 + H` and ORed on (`63 · 127 · 2 < 2^15`:
+                            // no pair saturates).
+                            let (v, slot_bit) = crate::q56::high_bit_slot(high, k);
+                            let at = crate::q56::high_bits_offset(high, j) + 64 * v + 32 * h;
+                            let bits = _mm256_loadu_si256(sp.add(at) as *const __m256i);
+                            let placed = shift_bytes_to_bit4_avx2(bits, slot_bit);
+                            *w = _mm256_or_si256(*w, _mm256_and_si256(placed, high_mask));
+                        }
+                    }
+                    for (t, pairs) in pairs.iter_mut().enumerate() {
+                        let xb = xp.add(t * stride + j * SUB);
+                        let x4 = _mm256_set1_epi32(std::ptr::read_unaligned(xb.add(4 * k) as *const i32));
+                        for h in 0..2 {
+                            let products = _mm256_maddubs_epi16(w[h], x4);
+                            pairs[h] = if high == 0 {
+                                _mm256_add_epi16(pairs[h], products)
+                            } else {
+                                _mm256_add_epi32(pairs[h], _mm256_madd_epi16(products, ones))
+                            };
+                        }
+                    }
+                }
+                if high > 0 {
+                    for (t, acc) in acc.iter_mut().enumerate() {
+                        let xt = xp.add(t * stride);
+                        let dx = _mm256_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * j) as *const f32));
+                        // Q8_0's activations: `−128 · Σq_x` over 8 (4) takes the offset of 16
+                        // (32) out of the integer sums, as in the VNNI tile.
+                        let corr = std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const i32) >> (4 - high);
+                        for (h, acc) in acc.iter_mut().enumerate() {
+                            let at = crate::q56::scales_offset(high, j) + 16 * h;
+                            let d = _mm256_cvtph_ps(_mm_loadu_si128(sp.add(at) as *const __m128i));
+                            let isum = _mm256_add_epi32(pairs[t][h], _mm256_set1_epi32(corr));
+                            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), *acc);
+                        }
+                    }
+                    continue;
+                }
+                // Rows `8h .. 8h + 8`'s `(dsc_j, dm_j)`, shared by the tokens.
+                let mut scales = [(_mm256_setzero_ps(), _mm256_setzero_ps()); 2];
+                for (h, sc) in scales.iter_mut().enumerate() {
+                    *sc = if grouped {
+                        let sub_scales = sp.add(j * sub_scale_bytes::<SCALES>());
+                        (
+                            _mm256_cvtph_ps(_mm_loadu_si128(sub_scales.add(16 * h) as *const __m128i)),
+                            _mm256_cvtph_ps(_mm_loadu_si128(sub_scales.add(32 + 16 * h) as *const __m128i)),
+                        )
+                    } else {
+                        let sub_scales = header.add(HEADER_BYTES + jj * SUB_SCALE_BYTES);
+                        let d = _mm256_cvtph_ps(_mm_loadu_si128(header.add(16 * h) as *const __m128i));
+                        let dmin = _mm256_cvtph_ps(_mm_loadu_si128(header.add(32 + 16 * h) as *const __m128i));
+                        let sc8 = _mm_loadl_epi64(sub_scales.add(8 * h) as *const __m128i);
+                        let m8 = _mm_loadl_epi64(sub_scales.add(16 + 8 * h) as *const __m128i);
+                        (
+                            _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc8))),
+                            _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8))),
+                        )
+                    };
+                }
+                for (t, acc) in acc.iter_mut().enumerate() {
+                    let xt = xp.add(t * stride);
+                    let dx = _mm256_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * j) as *const f32));
+                    let bx = _mm256_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const f32));
+                    for h in 0..2 {
+                        let (dsc, dm) = scales[h];
+                        let isum = _mm256_madd_epi16(pairs[t][h], ones);
+                        acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dsc, dx), acc[h]);
+                        acc[h] = _mm256_fnmadd_ps(bx, dm, acc[h]);
+                    }
+                }
+            }
+        }
+    }
+    for (t, acc) in acc.iter().enumerate() {
+        let mut lanes = [0.0f32; GROUP_ROWS];
+        // SAFETY: `lanes` holds 16 floats, two unaligned 8-float stores.
+        unsafe {
+            _mm256_storeu_ps(lanes.as_mut_ptr(), acc[0]);
+            _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc[1]);
+        }
+        for (lane, v) in lanes.iter().enumerate().take(valid) {
+            // SAFETY: the caller's contract: rows `0..valid` of token `t` are writable.
+            unsafe { *y.add(t * y_stride + lane) = *v };
+        }
+    }
+}
+
 /// `mt` tokens × one group of 16 rows on AVX2 (no VNNI): `vpmaddubsw(w, x)` multiplies the
-/// unpacked nibbles (unsigned, at most 15) by the signed activations without saturating
-/// (`2 · 15 · 127 < 2^15`), `vpmaddwd` by ones widens the pairs to i32: the same exact
-/// sub-block sums as the VNNI tile, combined in the same order, on the scales plane `SCALES`
-/// picks.
+/// unpacked nibbles (unsigned, at most 15; with Q5_0's and Q6_0's high bits at most 63) by the
+/// signed activations without saturating (`2 · 63 · 127 < 2^15`), `vpmaddwd` by ones widens
+/// the pairs to i32: the same exact sub-block sums as the VNNI tile, combined in the same
+/// order, on the scales plane `SCALES` picks. Up to four tokens share each weight load
+/// ([`tile_avx2_shared`]).
 ///
 /// # Safety
 /// AVX2, FMA and F16C must be available; otherwise as [`tile_vnni`].
@@ -779,102 +916,21 @@ pub(crate) unsafe fn tile_avx2<const SCALES: u8>(
     y_stride: usize,
     valid: usize,
 ) {
-    let nb = cols / SUB;
-    let n_super = cols.div_ceil(QK_K);
-    assert!(wq.len() >= nb / 2 * PAIR_BYTES && ws.len() >= scales_len::<SCALES>(cols));
-    assert!(xq.len() >= mt * stride && stride >= cols + 8 * nb);
-    debug_assert!(valid <= GROUP_ROWS);
-    let (wp, sp, xp) = (wq.as_ptr(), ws.as_ptr(), xq.as_ptr());
-    let (nibble, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
-    let grouped = SCALES != Q4K_SCALES;
-    let high = high_bits::<SCALES>();
-    // Q5_0's and Q6_0's high bits, once shifted to bits `4 .. 4 + H` (`add_high_bits`).
-    let high_mask = _mm256_set1_epi8((((1u16 << high) - 1) << 4) as u8 as i8);
-    for t in 0..mt {
-        let mut acc = [_mm256_setzero_ps(); 2];
-        for s in 0..n_super {
-            // SAFETY: as in `tile_vnni`.
-            unsafe {
-                // Q4_K's super-block header; the others have none.
-                let header = if grouped { sp } else { sp.add(s * SUPER_SCALE_BYTES) };
-                let xt = xp.add(t * stride);
-                for jj in 0..subs_in(cols, s) {
-                    let j = s * (QK_K / SUB) + jj;
-                    let sub_scales = if grouped {
-                        sp.add(j * sub_scale_bytes::<SCALES>())
-                    } else {
-                        header.add(HEADER_BYTES + jj * SUB_SCALE_BYTES)
-                    };
-                    let wb = wp.add((j / 2) * PAIR_BYTES);
-                    let xb = xt.add(j * SUB);
-                    let mut ii = [_mm256_setzero_si256(); 2];
-                    for k in 0..8 {
-                        let x4 = _mm256_set1_epi32(std::ptr::read_unaligned(xb.add(4 * k) as *const i32));
-                        for (h, ii) in ii.iter_mut().enumerate() {
-                            let raw = _mm256_loadu_si256(wb.add(64 * k + 32 * h) as *const __m256i);
-                            let raw = if j.is_multiple_of(2) { raw } else { _mm256_srli_epi16(raw, 4) };
-                            let mut w = _mm256_and_si256(raw, nibble);
-                            if high > 0 {
-                                // This half of the high-bit vector holding `k`'s slot, its bits
-                                // moved to `4 .. 4 + H` and ORed on (`63 · 127 · 2 < 2^15`: the
-                                // pairs still do not saturate).
-                                let (v, slot_bit) = crate::q56::high_bit_slot(high, k);
-                                let at = crate::q56::high_bits_offset(high, j) + 64 * v + 32 * h;
-                                let bits = _mm256_loadu_si256(sp.add(at) as *const __m256i);
-                                let placed = shift_bytes_to_bit4_avx2(bits, slot_bit);
-                                w = _mm256_or_si256(w, _mm256_and_si256(placed, high_mask));
-                            }
-                            let pairs = _mm256_maddubs_epi16(w, x4);
-                            *ii = _mm256_add_epi32(*ii, _mm256_madd_epi16(pairs, ones));
-                        }
-                    }
-                    let dx = _mm256_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * j) as *const f32));
-                    if high > 0 {
-                        // Q8_0's activations: `−128 · Σq_x` over 8 (4) takes the offset of 16
-                        // (32) out of the integer sums, as in the VNNI tile.
-                        let corr = std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const i32) >> (4 - high);
-                        for (h, acc) in acc.iter_mut().enumerate() {
-                            // Rows `8h .. 8h + 8`'s f16 scales `d` of sub-block `j`.
-                            let at = crate::q56::scales_offset(high, j) + 16 * h;
-                            let d = _mm256_cvtph_ps(_mm_loadu_si128(sp.add(at) as *const __m128i));
-                            let isum = _mm256_add_epi32(ii[h], _mm256_set1_epi32(corr));
-                            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), *acc);
-                        }
-                        continue;
-                    }
-                    let bx = _mm256_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const f32));
-                    for (h, acc) in acc.iter_mut().enumerate() {
-                        let (dsc, dm) = if grouped {
-                            // Q4_G: rows `8h .. 8h + 8`'s f16 scales and mins of sub-block `j`.
-                            (
-                                _mm256_cvtph_ps(_mm_loadu_si128(sub_scales.add(16 * h) as *const __m128i)),
-                                _mm256_cvtph_ps(_mm_loadu_si128(sub_scales.add(32 + 16 * h) as *const __m128i)),
-                            )
-                        } else {
-                            let d = _mm256_cvtph_ps(_mm_loadu_si128(header.add(16 * h) as *const __m128i));
-                            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(header.add(32 + 16 * h) as *const __m128i));
-                            let sc8 = _mm_loadl_epi64(sub_scales.add(8 * h) as *const __m128i);
-                            let m8 = _mm_loadl_epi64(sub_scales.add(16 + 8 * h) as *const __m128i);
-                            (
-                                _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc8))),
-                                _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8))),
-                            )
-                        };
-                        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ii[h]), _mm256_mul_ps(dsc, dx), *acc);
-                        *acc = _mm256_fnmadd_ps(bx, dm, *acc);
-                    }
-                }
+    assert!(xq.len() >= mt * stride);
+    let mut t = 0;
+    while t < mt {
+        let n = (mt - t).min(4);
+        let x = &xq[t * stride..];
+        // SAFETY: the caller's contract, for tokens `t..t + n`.
+        unsafe {
+            let yt = y.add(t * y_stride);
+            match n {
+                1 => tile_avx2_shared::<1, SCALES>(wq, ws, cols, x, stride, yt, y_stride, valid),
+                2 => tile_avx2_shared::<2, SCALES>(wq, ws, cols, x, stride, yt, y_stride, valid),
+                3 => tile_avx2_shared::<3, SCALES>(wq, ws, cols, x, stride, yt, y_stride, valid),
+                _ => tile_avx2_shared::<4, SCALES>(wq, ws, cols, x, stride, yt, y_stride, valid),
             }
         }
-        let mut lanes = [0.0f32; GROUP_ROWS];
-        // SAFETY: `lanes` holds 16 floats, two unaligned 8-float stores.
-        unsafe {
-            _mm256_storeu_ps(lanes.as_mut_ptr(), acc[0]);
-            _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc[1]);
-        }
-        for (lane, v) in lanes.iter().enumerate().take(valid) {
-            // SAFETY: the caller's contract: rows `0..valid` of token `t` are writable.
-            unsafe { *y.add(t * y_stride + lane) = *v };
-        }
+        t += n;
     }
 }

@@ -123,22 +123,37 @@ pub unsafe fn gemv_rows<const D: u8>(w: *const u8, cols: usize, x: &[f32], y: &m
     }
 }
 
-/// Tokens per AVX2 GEMM tile (one weight row): `3 × 4` ymm accumulators of the 16.
-pub const GEMM_MT: usize = 3;
+/// Tokens per tile of [`gemm_tile_passes`]; with [`PASS_NR`] rows, `4 × 3` ymm accumulators.
+pub const PASS_MT: usize = 4;
+/// Columns per block of [`gemm_tile_passes`] (a multiple of 32): 1 KiB of each token.
+const PASS_KB: usize = 256;
+/// Weight rows per tile of [`gemm_tile_passes`].
+pub const PASS_NR: usize = 3;
 
-/// AVX2 GEMM tile: `y[t * y_stride] = Σ_c w[c] · x[t * x_stride + c]` for `t < MT`, one weight
-/// row, each output reduced with exactly the operations of [`gemv_rows`] (four 8-lane
-/// accumulators per token, the 8-wide middle into the first, the same `hsum` and scalar tail):
-/// bit for bit the GEMV's result. Each weight vector is widened once per step and used for
-/// the `MT` tokens.
+/// AVX2 GEMM tile of `MT` tokens × `NR` weight rows with the GEMV's bits, in four passes.
+///
+/// [`gemv_rows`] keeps four independent 8-lane chains per output, chain `j` over the columns
+/// `32m + 8j` (and chain 0 also over the 8-wide middle), each in increasing column order, and
+/// reduces them as `hsum((a0 + a1) + (a2 + a3))` before the scalar tail. Holding all four
+/// chains of every output in registers would limit a tile to 3 outputs (12 of the 16 ymm), so
+/// each weight vector would serve 3 products and each token vector 1: the loads, not the
+/// multiplies, would bound it (the tile of 3 tokens × 1 row this replaced).
+/// Here pass `j` runs chain `j` alone for all `MT × NR` outputs, one register each, so each
+/// token vector serves `NR` products and each weight vector `MT`; the finished chains wait in
+/// `chains` for the same reduction. The columns go in blocks of [`PASS_KB`], the four passes
+/// of a block before the next, so the passes find the block's token vectors in L1. Every
+/// chain gets the same fused multiply-adds in the same order, so the bits are [`gemv_rows`]'.
 ///
 /// # Safety
-/// `w` must be valid for `cols` elements of dtype `D`; `x` for reading `x[t * x_stride + c]`,
-/// `t < MT`, `c < cols`; `y` for writing `y[t * y_stride]`, `t < MT`, with no one else
-/// accessing those meanwhile.
+/// `w` must be valid for `NR` rows of `cols` elements of dtype `D` at `w_stride` bytes apart;
+/// `x` for reading `x[t * x_stride + c]`, `t < MT`, `c < cols`; `y` for writing
+/// `y[t * y_stride + r]`, `t < MT`, `r < NR`, with no one else accessing those meanwhile.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn gemm_tile<const D: u8, const MT: usize>(
+// The chain index `j` picks columns as well as the slot in `chains`.
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+pub unsafe fn gemm_tile_passes<const D: u8, const MT: usize, const NR: usize>(
     w: *const u8,
+    w_stride: usize,
     cols: usize,
     x: *const f32,
     x_stride: usize,
@@ -147,60 +162,109 @@ pub unsafe fn gemm_tile<const D: u8, const MT: usize>(
 ) {
     let main32 = cols & !31;
     let main8 = cols & !7;
-    let mut acc = [[_mm256_setzero_ps(); 4]; MT];
-    // SAFETY (whole body): weight reads are at columns `< cols`, token reads at tokens `< MT`
-    // and columns `< cols`, output writes at tokens `< MT`: inside the caller's extents.
+    let mut chains = [[[_mm256_setzero_ps(); 4]; NR]; MT];
+    // SAFETY (whole body): weight reads are at rows `< NR` and columns `< cols`, token reads at
+    // tokens `< MT` and columns `< cols`, output writes at tokens `< MT` and rows `< NR`: inside
+    // the caller's extents.
     unsafe {
+        let ws: [*const u8; NR] = std::array::from_fn(|r| w.add(r * w_stride));
         let xs: [*const f32; MT] = std::array::from_fn(|t| x.add(t * x_stride));
-        let mut c = 0;
-        while c < main32 {
+        // Column blocks of `PASS_KB`: the four passes over a block find its token vectors in L1.
+        let mut k0 = 0;
+        while k0 < main8 {
+            let k1 = if k0 + PASS_KB < main32 { k0 + PASS_KB } else { main8 };
             for j in 0..4 {
-                let wv = load8::<D>(w, c + 8 * j);
+                let mut acc = [[_mm256_setzero_ps(); NR]; MT];
                 for (t, a) in acc.iter_mut().enumerate() {
-                    a[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[t].add(c + 8 * j)), a[j]);
+                    for (r, a) in a.iter_mut().enumerate() {
+                        *a = chains[t][r][j];
+                    }
+                }
+                // One step of chain `j` at column `c` for every output (a macro, not a closure,
+                // so that it is compiled with this function's target features).
+                macro_rules! step {
+                    ($c:expr) => {{
+                        let c = $c;
+                        let mut wv = [_mm256_setzero_ps(); NR];
+                        for (r, v) in wv.iter_mut().enumerate() {
+                            *v = load8::<D>(ws[r], c);
+                        }
+                        for (t, a) in acc.iter_mut().enumerate() {
+                            let xv = _mm256_loadu_ps(xs[t].add(c));
+                            for (r, a) in a.iter_mut().enumerate() {
+                                *a = _mm256_fmadd_ps(wv[r], xv, *a);
+                            }
+                        }
+                    }};
+                }
+                let mut c = k0 + 8 * j;
+                while c + 32 - 8 * j <= k1.min(main32) {
+                    step!(c);
+                    c += 32;
+                }
+                if j == 0 && k1 == main8 {
+                    // The 8-wide middle, after every 32-column step: chain 0's order.
+                    let mut c = main32;
+                    while c < main8 {
+                        step!(c);
+                        c += 8;
+                    }
+                }
+                for (t, a) in acc.iter().enumerate() {
+                    for (r, a) in a.iter().enumerate() {
+                        chains[t][r][j] = *a;
+                    }
                 }
             }
-            c += 32;
+            k0 = k1;
         }
-        while c < main8 {
-            let wv = load8::<D>(w, c);
-            for (t, a) in acc.iter_mut().enumerate() {
-                a[0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xs[t].add(c)), a[0]);
+        for (t, rows) in chains.iter().enumerate() {
+            for (r, a) in rows.iter().enumerate() {
+                let mut sum = hsum(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+                let mut k = main8;
+                while k < cols {
+                    sum += load1::<D>(ws[r], k) * *xs[t].add(k);
+                    k += 1;
+                }
+                *y.add(t * y_stride + r) = sum;
             }
-            c += 8;
-        }
-        for (t, a) in acc.iter().enumerate() {
-            let mut sum = hsum(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
-            let mut k = main8;
-            while k < cols {
-                sum += load1::<D>(w, k) * *xs[t].add(k);
-                k += 1;
-            }
-            *y.add(t * y_stride) = sum;
         }
     }
 }
 
-/// [`gemm_tile`] for `1 <= mt <= GEMM_MT` tokens.
+/// [`gemm_tile_passes`] for `1 <= mt <= PASS_MT` tokens and `1 <= nr <= PASS_NR` rows.
 ///
 /// # Safety
-/// As [`gemm_tile`] with `MT = mt`.
+/// As [`gemm_tile_passes`] with `MT = mt`, `NR = nr`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn gemm_tile_dyn<const D: u8>(
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_tile_passes_dyn<const D: u8>(
     mt: usize,
+    nr: usize,
     w: *const u8,
+    w_stride: usize,
     cols: usize,
     x: *const f32,
     xs: usize,
     y: *mut f32,
     ys: usize,
 ) {
-    // SAFETY: the caller's contract, for the tile size chosen by `mt`.
+    macro_rules! tile {
+        ($nr:literal) => {
+            match mt {
+                4 => gemm_tile_passes::<D, 4, $nr>(w, w_stride, cols, x, xs, y, ys),
+                3 => gemm_tile_passes::<D, 3, $nr>(w, w_stride, cols, x, xs, y, ys),
+                2 => gemm_tile_passes::<D, 2, $nr>(w, w_stride, cols, x, xs, y, ys),
+                _ => gemm_tile_passes::<D, 1, $nr>(w, w_stride, cols, x, xs, y, ys),
+            }
+        };
+    }
+    // SAFETY: the caller's contract, for the tile size chosen by `mt` and `nr`.
     unsafe {
-        match mt {
-            3 => gemm_tile::<D, 3>(w, cols, x, xs, y, ys),
-            2 => gemm_tile::<D, 2>(w, cols, x, xs, y, ys),
-            _ => gemm_tile::<D, 1>(w, cols, x, xs, y, ys),
+        match nr {
+            3 => tile!(3),
+            2 => tile!(2),
+            _ => tile!(1),
         }
     }
 }
