@@ -174,6 +174,14 @@ const A16_LOGIT_BOUND: f64 = 0.05;
 /// without AVX-512 BF16.
 const COARSE_ACTIVATIONS_LOGIT_BOUND: f64 = 0.4;
 
+/// [`COARSE_ACTIVATIONS_LOGIT_BOUND`] for the FP8 Mixture-of-Experts fixture on int8
+/// activations (a CPU without AVX-512 BF16): a router that picks another expert at a near tie
+/// moves the logits further than a dense layer's rounding does. On that path (whose bits are
+/// the same on every such CPU) it measured 0.4306 at the last position, with a mean KL of
+/// 0.0096 from f32 against 0.0031-0.0042 for the dense FP8 fixtures (an AVX2-only Zen 3,
+/// 2026-12-02).
+const MOE_INT8_ACTIVATIONS_LOGIT_BOUND: f64 = 0.5;
+
 /// The fixtures of [`COARSE_ACTIVATIONS_LOGIT_BOUND`].
 fn coarse_activations(suffix: &str) -> bool {
     suffix.starts_with("fp8") || suffix == "w8a8-static"
@@ -370,7 +378,9 @@ fn the_integer_kernels_agree_with_transformers() {
             agree as f64 >= fast_agreement_floor(suffix, packing) * positions as f64,
             "{name}: argmax agrees at {agree} of {positions} positions"
         );
-        let bound = if coarse_activations(suffix) {
+        let bound = if name == MOE_FP8 && !packing.name().ends_with("_a16") {
+            MOE_INT8_ACTIVATIONS_LOGIT_BOUND
+        } else if coarse_activations(suffix) {
             COARSE_ACTIVATIONS_LOGIT_BOUND
         } else if packing.name().ends_with("_a16") {
             A16_LOGIT_BOUND
