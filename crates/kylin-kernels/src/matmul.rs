@@ -8,7 +8,8 @@
 //!   few tokens × a few weight rows, vectorised along the columns like the GEMV. AVX-512: 4
 //!   tokens × 3 rows, token blocks whose `x` stays in L2 while each row tile (prefetched one
 //!   tile ahead, and widened to an f32 panel on the stack when the block has enough tokens)
-//!   serves all the block's tokens from L1. AVX2: 3 tokens × 1 row, row blocks in L2.
+//!   serves all the block's tokens from L1. AVX2: 4 tokens × 3 rows, one of the GEMV's four
+//!   chains at a time ([`crate::x86::gemm_tile_passes`]), row blocks in L2.
 //!
 //! Guarantees:
 //! - **Batch invariance** (DESIGN.md invariant 7): within one process, every output `y[t, r]`
