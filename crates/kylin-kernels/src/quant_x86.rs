@@ -228,7 +228,8 @@ unsafe fn tile_vnni<const MT: usize, const MXFP4: bool>(
 /// saturating (`|w| ≤ 128` read as an unsigned byte, `|x| ≤ 127`: Q8_0 activations are
 /// rounded to `[-127, 127]`, while published int8 weights use all of `[-128, 127]`), and
 /// `vpmaddwd` by ones widens the pairs to i32: the same exact block sums as the VNNI tile,
-/// combined in the same order.
+/// combined in the same order. Up to four tokens share each weight load
+/// ([`tile_avx2_shared`]).
 ///
 /// # Safety
 /// AVX2, FMA and F16C must be available; otherwise as [`tile_vnni`].
@@ -245,37 +246,89 @@ pub(crate) unsafe fn tile_avx2(
     y_stride: usize,
     valid: usize,
 ) {
-    assert!(wq.len() >= nb * QUANTS_BYTES && ws.len() >= nb * SCALES_BYTES && xq.len() >= mt * stride);
+    assert!(xq.len() >= mt * stride);
+    let mut t = 0;
+    while t < mt {
+        let n = (mt - t).min(4);
+        let x = &xq[t * stride..];
+        // SAFETY: the caller's contract, for tokens `t..t + n`.
+        unsafe {
+            let yt = y.add(t * y_stride);
+            match n {
+                1 => tile_avx2_shared::<1>(wq, ws, nb, x, stride, yt, y_stride, valid),
+                2 => tile_avx2_shared::<2>(wq, ws, nb, x, stride, yt, y_stride, valid),
+                3 => tile_avx2_shared::<3>(wq, ws, nb, x, stride, yt, y_stride, valid),
+                _ => tile_avx2_shared::<4>(wq, ws, nb, x, stride, yt, y_stride, valid),
+            }
+        }
+        t += n;
+    }
+}
+
+/// `MT` tokens × one group of 16 rows on AVX2: each weight vector is loaded, turned back into
+/// signed bytes and its magnitude taken once for all `MT` tokens; each token then moves the
+/// weights' signs onto its activations and multiplies. (Two tokens' pair sums cannot share one
+/// `vpmaddwd`, as the Q4_K tile's do: one pair sum reaches `2 · 128 · 127`, so two overflow
+/// 16 bits.) The block sums are exact and combined per token in [`tile_vnni`]'s order, so the
+/// bits are the VNNI and scalar tiles'.
+///
+/// # Safety
+/// As [`tile_avx2`], for `mt = MT` tokens.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_avx2_shared<const MT: usize>(
+    wq: &[u8],
+    ws: &[u8],
+    nb: usize,
+    xq: &[u8],
+    stride: usize,
+    y: *mut f32,
+    y_stride: usize,
+    valid: usize,
+) {
+    assert!(wq.len() >= nb * QUANTS_BYTES && ws.len() >= nb * SCALES_BYTES && xq.len() >= MT * stride);
     debug_assert!(valid <= GROUP_ROWS);
     let cols = nb * QK8_0;
     let (wp, sp, xp) = (wq.as_ptr(), ws.as_ptr(), xq.as_ptr());
     let (offset, ones) = (_mm256_set1_epi8(0x80u8 as i8), _mm256_set1_epi16(1));
-    for t in 0..mt {
-        let mut acc = [_mm256_setzero_ps(); 2];
-        for b in 0..nb {
-            // SAFETY: as in `tile_vnni`.
-            unsafe {
-                let wb = wp.add(b * QUANTS_BYTES);
-                let xt = xp.add(t * stride);
-                let xb = xt.add(b * QK8_0);
-                let mut ii = [_mm256_setzero_si256(); 2];
-                for k in 0..8 {
+    let mut acc = [[_mm256_setzero_ps(); 2]; MT];
+    for b in 0..nb {
+        // SAFETY: block `b` of the group and every token's block `b` lie inside the slices
+        // (checked above); all loads are unaligned.
+        unsafe {
+            let wb = wp.add(b * QUANTS_BYTES);
+            let mut ii = [[_mm256_setzero_si256(); 2]; MT];
+            for k in 0..8 {
+                // Rows `8h .. 8h + 8`, columns `4k .. 4k + 4` of the block: signed, and their
+                // magnitudes (|-128| is 128 as an unsigned byte).
+                let mut signed = [_mm256_setzero_si256(); 2];
+                let mut magnitude = [_mm256_setzero_si256(); 2];
+                for h in 0..2 {
+                    signed[h] = _mm256_xor_si256(_mm256_loadu_si256(wb.add(64 * k + 32 * h) as *const __m256i), offset);
+                    magnitude[h] = _mm256_abs_epi8(signed[h]);
+                }
+                for (t, ii) in ii.iter_mut().enumerate() {
+                    let xb = xp.add(t * stride + b * QK8_0);
                     let x4 = _mm256_set1_epi32(std::ptr::read_unaligned(xb.add(4 * k) as *const i32));
-                    for (h, ii) in ii.iter_mut().enumerate() {
-                        let wv =
-                            _mm256_xor_si256(_mm256_loadu_si256(wb.add(64 * k + 32 * h) as *const __m256i), offset);
-                        // |-128| is 128 as an unsigned byte; the sign moves to the activations.
-                        let pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(x4, wv));
-                        *ii = _mm256_add_epi32(*ii, _mm256_madd_epi16(pairs, ones));
+                    for h in 0..2 {
+                        let pairs = _mm256_maddubs_epi16(magnitude[h], _mm256_sign_epi8(x4, signed[h]));
+                        ii[h] = _mm256_add_epi32(ii[h], _mm256_madd_epi16(pairs, ones));
                     }
                 }
+            }
+            let dw: [__m256; 2] = std::array::from_fn(|h| {
+                _mm256_cvtph_ps(_mm_loadu_si128(sp.add(b * SCALES_BYTES + 16 * h) as *const __m128i))
+            });
+            for (t, acc) in acc.iter_mut().enumerate() {
+                let xt = xp.add(t * stride);
                 let dx = _mm256_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * b) as *const f32));
-                for (h, acc) in acc.iter_mut().enumerate() {
-                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(sp.add(b * SCALES_BYTES + 16 * h) as *const __m128i));
-                    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ii[h]), _mm256_mul_ps(dx, dw), *acc);
+                for h in 0..2 {
+                    acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ii[t][h]), _mm256_mul_ps(dx, dw[h]), acc[h]);
                 }
             }
         }
+    }
+    for (t, acc) in acc.iter().enumerate() {
         let mut lanes = [0.0f32; GROUP_ROWS];
         // SAFETY: `lanes` holds 16 floats, two unaligned 8-float stores.
         unsafe {
