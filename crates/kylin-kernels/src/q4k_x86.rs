@@ -881,16 +881,8 @@ unsafe fn tile_avx2_shared<const MT: usize, const SCALES: u8>(
         }
     }
     for (t, acc) in acc.iter().enumerate() {
-        let mut lanes = [0.0f32; GROUP_ROWS];
-        // SAFETY: `lanes` holds 16 floats, two unaligned 8-float stores.
-        unsafe {
-            _mm256_storeu_ps(lanes.as_mut_ptr(), acc[0]);
-            _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc[1]);
-        }
-        for (lane, v) in lanes.iter().enumerate().take(valid) {
-            // SAFETY: the caller's contract: rows `0..valid` of token `t` are writable.
-            unsafe { *y.add(t * y_stride + lane) = *v };
-        }
+        // SAFETY: the caller's contract: rows `0..valid` of token `t` are writable.
+        unsafe { crate::quant_x86::store_group_avx2(acc, y.add(t * y_stride), valid) };
     }
 }
 
@@ -916,21 +908,13 @@ pub(crate) unsafe fn tile_avx2<const SCALES: u8>(
     y_stride: usize,
     valid: usize,
 ) {
-    assert!(xq.len() >= mt * stride);
-    let mut t = 0;
-    while t < mt {
-        let n = (mt - t).min(4);
-        let x = &xq[t * stride..];
-        // SAFETY: the caller's contract, for tokens `t..t + n`.
-        unsafe {
-            let yt = y.add(t * y_stride);
-            match n {
-                1 => tile_avx2_shared::<1, SCALES>(wq, ws, cols, x, stride, yt, y_stride, valid),
-                2 => tile_avx2_shared::<2, SCALES>(wq, ws, cols, x, stride, yt, y_stride, valid),
-                3 => tile_avx2_shared::<3, SCALES>(wq, ws, cols, x, stride, yt, y_stride, valid),
-                _ => tile_avx2_shared::<4, SCALES>(wq, ws, cols, x, stride, yt, y_stride, valid),
-            }
-        }
-        t += n;
-    }
+    use crate::quant_x86::{SharedTile, in_fours};
+    let tiles = [
+        tile_avx2_shared::<1, SCALES> as SharedTile,
+        tile_avx2_shared::<2, SCALES>,
+        tile_avx2_shared::<3, SCALES>,
+        tile_avx2_shared::<4, SCALES>,
+    ];
+    // SAFETY: the caller's contract.
+    unsafe { in_fours(tiles, mt, wq, ws, cols, xq, stride, y, y_stride, valid) }
 }

@@ -246,22 +246,59 @@ pub(crate) unsafe fn tile_avx2(
     y_stride: usize,
     valid: usize,
 ) {
+    let tiles =
+        [tile_avx2_shared::<1> as SharedTile, tile_avx2_shared::<2>, tile_avx2_shared::<3>, tile_avx2_shared::<4>];
+    // SAFETY: the caller's contract.
+    unsafe { in_fours(tiles, mt, wq, ws, nb, xq, stride, y, y_stride, valid) }
+}
+
+/// An AVX2 tile for a fixed number of tokens `n` (`tiles[n - 1]` of [`in_fours`]), with the
+/// arguments of [`tile_avx2`] but the token count: `(wq, ws, nb or cols, xq, stride, y,
+/// y_stride, valid)`.
+pub(crate) type SharedTile = unsafe fn(&[u8], &[u8], usize, &[u8], usize, *mut f32, usize, usize);
+
+/// Runs `mt` tokens in tiles of up to four, the tile for `n` tokens being `tiles[n - 1]`.
+///
+/// # Safety
+/// Each tile's contract holds for its tokens: the CPU has its instructions, and rows `0..valid`
+/// of every token `t < mt` are writable at `y + t * y_stride`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn in_fours(
+    tiles: [SharedTile; 4],
+    mt: usize,
+    wq: &[u8],
+    ws: &[u8],
+    size: usize,
+    xq: &[u8],
+    stride: usize,
+    y: *mut f32,
+    y_stride: usize,
+    valid: usize,
+) {
     assert!(xq.len() >= mt * stride);
     let mut t = 0;
     while t < mt {
         let n = (mt - t).min(4);
-        let x = &xq[t * stride..];
         // SAFETY: the caller's contract, for tokens `t..t + n`.
-        unsafe {
-            let yt = y.add(t * y_stride);
-            match n {
-                1 => tile_avx2_shared::<1>(wq, ws, nb, x, stride, yt, y_stride, valid),
-                2 => tile_avx2_shared::<2>(wq, ws, nb, x, stride, yt, y_stride, valid),
-                3 => tile_avx2_shared::<3>(wq, ws, nb, x, stride, yt, y_stride, valid),
-                _ => tile_avx2_shared::<4>(wq, ws, nb, x, stride, yt, y_stride, valid),
-            }
-        }
+        unsafe { tiles[n - 1](wq, ws, size, &xq[t * stride..], stride, y.add(t * y_stride), y_stride, valid) };
         t += n;
+    }
+}
+
+/// Writes rows `0..valid` of one token's 16-row group (`acc[0]`: rows 0-7, `acc[1]`: rows
+/// 8-15) to `y`.
+///
+/// # Safety
+/// AVX is available, and `y` is valid for writing `valid <= 16` floats.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn store_group_avx2(acc: &[__m256; 2], y: *mut f32, valid: usize) {
+    let mut lanes = [0.0f32; GROUP_ROWS];
+    // SAFETY: `lanes` holds 16 floats, two unaligned 8-float stores; the caller's contract for
+    // `y`.
+    unsafe {
+        _mm256_storeu_ps(lanes.as_mut_ptr(), acc[0]);
+        _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc[1]);
+        std::ptr::copy_nonoverlapping(lanes.as_ptr(), y, valid.min(GROUP_ROWS));
     }
 }
 
@@ -329,16 +366,8 @@ unsafe fn tile_avx2_shared<const MT: usize>(
         }
     }
     for (t, acc) in acc.iter().enumerate() {
-        let mut lanes = [0.0f32; GROUP_ROWS];
-        // SAFETY: `lanes` holds 16 floats, two unaligned 8-float stores.
-        unsafe {
-            _mm256_storeu_ps(lanes.as_mut_ptr(), acc[0]);
-            _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc[1]);
-        }
-        for (lane, v) in lanes.iter().enumerate().take(valid) {
-            // SAFETY: the caller's contract: rows `0..valid` of token `t` are writable.
-            unsafe { *y.add(t * y_stride + lane) = *v };
-        }
+        // SAFETY: the caller's contract: rows `0..valid` of token `t` are writable.
+        unsafe { store_group_avx2(acc, y.add(t * y_stride), valid) };
     }
 }
 
@@ -405,15 +434,7 @@ pub(crate) unsafe fn tile_avx2_mxfp4(
                 }
             }
         }
-        let mut lanes = [0.0f32; GROUP_ROWS];
-        // SAFETY: `lanes` holds 16 floats, two unaligned 8-float stores.
-        unsafe {
-            _mm256_storeu_ps(lanes.as_mut_ptr(), acc[0]);
-            _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc[1]);
-        }
-        for (lane, v) in lanes.iter().enumerate().take(valid) {
-            // SAFETY: the caller's contract: rows `0..valid` of token `t` are writable.
-            unsafe { *y.add(t * y_stride + lane) = *v };
-        }
+        // SAFETY: the caller's contract: rows `0..valid` of token `t` are writable.
+        unsafe { store_group_avx2(&acc, y.add(t * y_stride), valid) };
     }
 }
