@@ -642,6 +642,13 @@ type Stats = [PartialStats; MAX_ROWS];
 trait Lanes: Copy {
     /// Rows one register-blocked micro-kernel takes.
     const MICRO_ROWS: usize;
+    /// Rows up to which a micro-kernel keeps two vectors of accumulators per row in registers:
+    /// both 16-position halves of a tile's scores in one pass over the key columns, and 32
+    /// value columns per pass. Above it (AVX2's sixteen registers with more than three rows),
+    /// each half is scored in its own pass and values go 16 columns per pass, so that twice the
+    /// rows share each key and value load. Each score and output element takes the same
+    /// operations in the same order either way, so the choice changes no bit.
+    const PAIRED_ROWS: usize;
     /// Whether [`weighted`] may keep up to 16 vectors of accumulators in registers (passes of
     /// 64 and 128 columns for few rows).
     const WIDE_PASSES: bool;
@@ -1048,7 +1055,25 @@ unsafe fn micro<L: Lanes, const D: u8, const NR: usize>(
         let per_column = st.next.remaining().div_ceil(hd.max(1));
         let mut s = [[L::zero(); 2]; NR];
         let [k0, k1] = *halves;
-        if n_halves == 2 {
+        if NR > L::PAIRED_ROWS {
+            // One pass per half (see `Lanes::PAIRED_ROWS`); a missing second half scores zero,
+            // as below.
+            for (h, half) in halves.iter().enumerate() {
+                let mut sh = [L::zero(); NR];
+                if h < n_halves {
+                    for c in 0..hd {
+                        st.next.step(per_column);
+                        let a = L::load::<D>(half.ptr, c * half.stride);
+                        for i in 0..NR {
+                            sh[i] = L::fma(L::splat(*qs[i].add(c)), a, sh[i]);
+                        }
+                    }
+                }
+                for i in 0..NR {
+                    sh[i].store_f32(st.p[first + i].as_mut_ptr().add(16 * h));
+                }
+            }
+        } else if n_halves == 2 {
             for c in 0..hd {
                 st.next.step(per_column);
                 let a = L::load::<D>(k0.ptr, c * k0.stride);
@@ -1070,10 +1095,12 @@ unsafe fn micro<L: Lanes, const D: u8, const NR: usize>(
         }
         // The raw scores go to each row's `p` (read back below): the accumulators stay in
         // registers through the loop above instead of being kept in memory as well.
-        for i in 0..NR {
-            let p = st.p[first + i].as_mut_ptr();
-            s[i][0].store_f32(p);
-            s[i][1].store_f32(p.add(16));
+        if NR <= L::PAIRED_ROWS {
+            for i in 0..NR {
+                let p = st.p[first + i].as_mut_ptr();
+                s[i][0].store_f32(p);
+                s[i][1].store_f32(p.add(16));
+            }
         }
         // 2. Online softmax per row: scores mapped (scale, soft cap), masked to `lo..hi`.
         let sc = L::splat(map.scale);
@@ -1130,7 +1157,7 @@ unsafe fn micro<L: Lanes, const D: u8, const NR: usize>(
 /// each value row is read as one run of whole cache lines: decode's two query rows per KV head
 /// otherwise read every value row four times, one cache line each, a strided pattern that left
 /// the loads waiting on memory (a quarter of the kernel's samples on one load at a 2k context).
-/// Otherwise 32 columns per pass, then 16.
+/// Otherwise 32 columns per pass, then 16 (16 only, above [`Lanes::PAIRED_ROWS`] rows).
 ///
 /// # Safety
 /// As [`micro`]; `o_i` hold `hd` elements, `p_i` `hi`, `vrows[lo..hi]` `hd` each.
@@ -1164,12 +1191,15 @@ unsafe fn weighted<L: Lanes, const D: u8, const NR: usize>(
                 c0 += 64;
             }
         }
-        while c0 + 32 <= hd16 {
-            weighted_pass::<L, D, NR, 2>(o, p, cv, vrows, c0);
-            c0 += 32;
+        if NR <= L::PAIRED_ROWS {
+            while c0 + 32 <= hd16 {
+                weighted_pass::<L, D, NR, 2>(o, p, cv, vrows, c0);
+                c0 += 32;
+            }
         }
-        if c0 < hd16 {
+        while c0 < hd16 {
             weighted_pass::<L, D, NR, 1>(o, p, cv, vrows, c0);
+            c0 += 16;
         }
         for c in hd16..hd {
             for i in 0..NR {
@@ -1223,6 +1253,7 @@ struct Portable([f32; 16]);
 
 impl Lanes for Portable {
     const MICRO_ROWS: usize = 4;
+    const PAIRED_ROWS: usize = 4;
     const WIDE_PASSES: bool = false;
     micro_rows_body!(1 2 3 4);
     unsafe fn zero() -> Self {
@@ -1427,6 +1458,7 @@ mod simd {
     // enabled; pointer arguments follow the trait's contracts.
     impl Lanes for Zmm {
         const MICRO_ROWS: usize = 12;
+        const PAIRED_ROWS: usize = 12;
         const WIDE_PASSES: bool = true;
         micro_rows_body!(1 2 3 4 5 6 7 8 9 10 11 12);
         #[inline(always)]
@@ -1543,9 +1575,10 @@ mod simd {
     // SAFETY (every method): only called from `rows_avx2`'s body, where the features are
     // enabled; pointer arguments follow the trait's contracts.
     impl Lanes for Ymm2 {
-        const MICRO_ROWS: usize = 3;
+        const MICRO_ROWS: usize = 6;
+        const PAIRED_ROWS: usize = 3;
         const WIDE_PASSES: bool = false;
-        micro_rows_body!(1 2 3);
+        micro_rows_body!(1 2 3 4 5 6);
         #[inline(always)]
         unsafe fn zero() -> Self {
             unsafe { Ymm2([_mm256_setzero_ps(); 2]) }
