@@ -291,10 +291,11 @@ pub fn quantize_row_q4_k_gguf(x: &[f32], out: &mut [u8]) {
 /// `scales`, which hold exactly those groups' parts of the planes. `row` is scratch for one
 /// widened row (`cols` elements). Rows past `w.rows` in the last group are zero.
 ///
-/// On AVX-512 the group's 16 rows are widened first (into a buffer allocated per call; `row`
-/// is unused), then the sub-blocks' scales and mins are found 16 rows at a time (one row per
-/// SIMD lane, each lane doing the scalar operations in the scalar order) and each row's
-/// super-block finished as [`quantize_super_block`] does, so the bytes are the scalar path's.
+/// On AVX-512 and AVX2 the group's 16 rows are widened first (into a buffer allocated per
+/// call; `row` is unused), then the sub-blocks' scales and mins are found 16 rows at a time
+/// (one row per SIMD lane, each lane doing the scalar operations in the scalar order; AVX2
+/// takes the 16 in two halves of 8) and each row's super-block finished as
+/// [`quantize_super_block`] does, so the bytes are the scalar path's.
 pub fn quantize_q4_k_groups(
     w: WeightMatrix<'_>,
     groups: std::ops::Range<usize>,
@@ -309,7 +310,8 @@ pub fn quantize_q4_k_groups(
     assert_eq!(row.len(), w.cols);
     let planes = quants.chunks_exact_mut(gq_len).zip(scales.chunks_exact_mut(gs_len));
     #[cfg(target_arch = "x86_64")]
-    if isa() == Isa::Avx512 {
+    if matches!(isa(), Isa::Avx512 | Isa::Avx2Fma) {
+        let isa = isa();
         let cols = w.cols;
         let mut rows = vec![0.0f32; GROUP_ROWS * cols];
         let mut xt = [[0.0f32; GROUP_ROWS]; SUB];
@@ -332,8 +334,7 @@ pub fn quantize_q4_k_groups(
                             xt[i][lane] = *v;
                         }
                     }
-                    // SAFETY: `isa()` is AVX-512, so AVX-512 F/BW/VL, AVX2 and FMA are available.
-                    let (sc, mn) = unsafe { crate::q4k_x86::make_qkx2_quants_x16(&xt) };
+                    let (sc, mn) = search_x16(isa, &xt);
                     for lane in 0..GROUP_ROWS {
                         sub_scales[lane][j] = sc[lane];
                         sub_mins[lane][j] = mn[lane];
@@ -341,7 +342,7 @@ pub fn quantize_q4_k_groups(
                 }
                 for (lane, row) in rows.chunks_exact(cols).enumerate() {
                     let x = &row[s * QK_K..s * QK_K + n_sub * SUB];
-                    let sb = finish_super_block(Isa::Avx512, x, &sub_scales[lane], &sub_mins[lane]);
+                    let sb = finish_super_block(isa, x, &sub_scales[lane], &sub_mins[lane]);
                     write_super_block(gq, gs, cols, lane, s, &sb);
                 }
             }
@@ -362,6 +363,27 @@ pub fn quantize_q4_k_groups(
                 write_super_block(gq, gs, w.cols, lane, s, &sb);
             }
         }
+    }
+}
+
+/// The scales and negated mins of 16 sub-blocks (`x[i][lane]`: column `i` of lane `lane`'s),
+/// each with the bits of the scalar `make_qkx2_quants` (with `quantize_super_block`'s
+/// weights): AVX-512's sixteen-lane search, or AVX2's eight-lane one twice.
+///
+/// Panics unless `isa` is AVX-512 or AVX2 (the caller passes this CPU's).
+#[cfg(target_arch = "x86_64")]
+fn search_x16(isa: Isa, x: &[[f32; GROUP_ROWS]; SUB]) -> ([f32; GROUP_ROWS], [f32; GROUP_ROWS]) {
+    match isa {
+        // SAFETY: `isa` is this CPU's, so AVX-512 F/BW/VL, AVX2 and FMA are available.
+        Isa::Avx512 => unsafe { crate::q4k_x86::make_qkx2_quants_x16(x) },
+        Isa::Avx2Fma => {
+            // SAFETY: `isa` is this CPU's, so AVX2 and FMA are available.
+            let ((s0, m0), (s1, m1)) =
+                unsafe { (crate::q4k_x86::make_qkx2_quants_x8(x, 0), crate::q4k_x86::make_qkx2_quants_x8(x, 1)) };
+            let join = |a: [f32; 8], b: [f32; 8]| std::array::from_fn(|i| if i < 8 { a[i] } else { b[i - 8] });
+            (join(s0, s1), join(m0, m1))
+        }
+        Isa::Scalar => panic!("the sub-block search needs AVX2 or AVX-512"),
     }
 }
 
@@ -624,18 +646,23 @@ mod tests {
         }
     }
 
-    /// `make_qkx2_quants_x16` returns, lane for lane, the bits of the scalar
+    /// The lane searches (`make_qkx2_quants_x16` on AVX-512, `make_qkx2_quants_x8` twice on
+    /// AVX2, each where the CPU has it) return, lane for lane, the bits of the scalar
     /// `make_qkx2_quants` (NaN for NaN) on sub-blocks of every kind, which the end-to-end
     /// test in `tests/q4k.rs` cannot see: most last-bit differences of a scale vanish in the
     /// 6-bit rounding.
     #[test]
-    fn the_sixteen_lane_search_has_the_scalar_bits() {
-        let detected = std::arch::is_x86_feature_detected!("avx512f")
+    fn the_lane_searches_have_the_scalar_bits() {
+        let avx512 = std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512bw")
-            && std::arch::is_x86_feature_detected!("avx512vl")
-            && std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma");
-        if !detected {
+            && std::arch::is_x86_feature_detected!("avx512vl");
+        let avx2 = std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma");
+        // Every search this CPU can run: AVX-512's sixteen lanes and AVX2's eight.
+        let isas: Vec<Isa> = [(avx512 && avx2, Isa::Avx512), (avx2, Isa::Avx2Fma)]
+            .into_iter()
+            .filter_map(|(has, isa)| has.then_some(isa))
+            .collect();
+        if isas.is_empty() {
             return;
         }
         let mut state = 0x9E37_79B9_7F4A_7C15u64;
@@ -655,20 +682,21 @@ mod tests {
                     column[lane] = value(kind, if kind == 8 { bits } else { next() }, c, i);
                 }
             }
-            // SAFETY: the features were detected above.
-            let (scales, mins) = unsafe { crate::q4k_x86::make_qkx2_quants_x16(&xt) };
-            for lane in 0..GROUP_ROWS {
-                let xs: [f32; SUB] = std::array::from_fn(|i| xt[i][lane]);
-                let sum_x2 = xs.iter().fold(0.0f32, |s, v| s + v * v);
-                let av_x = (sum_x2 / SUB as f32).sqrt();
-                let weights: [f32; SUB] = std::array::from_fn(|l| av_x + xs[l].abs());
-                let (scale, min) = make_qkx2_quants(&xs, &weights, &mut [0; SUB]);
-                assert!(
-                    same(scale, scales[lane]) && same(min, mins[lane]),
-                    "batch {batch} lane {lane}: ({scale:e}, {min:e}) != ({:e}, {:e}) for {xs:?}",
-                    scales[lane],
-                    mins[lane]
-                );
+            for &isa in &isas {
+                let (scales, mins) = search_x16(isa, &xt);
+                for lane in 0..GROUP_ROWS {
+                    let xs: [f32; SUB] = std::array::from_fn(|i| xt[i][lane]);
+                    let sum_x2 = xs.iter().fold(0.0f32, |s, v| s + v * v);
+                    let av_x = (sum_x2 / SUB as f32).sqrt();
+                    let weights: [f32; SUB] = std::array::from_fn(|l| av_x + xs[l].abs());
+                    let (scale, min) = make_qkx2_quants(&xs, &weights, &mut [0; SUB]);
+                    assert!(
+                        same(scale, scales[lane]) && same(min, mins[lane]),
+                        "{isa:?} batch {batch} lane {lane}: ({scale:e}, {min:e}) != ({:e}, {:e}) for {xs:?}",
+                        scales[lane],
+                        mins[lane]
+                    );
+                }
             }
         }
     }

@@ -216,6 +216,107 @@ pub(crate) unsafe fn make_qkx2_quants_x16(x: &[[f32; GROUP_ROWS]; SUB]) -> ([f32
     (scales, mins)
 }
 
+/// [`make_qkx2_quants_x16`] on AVX2: the same search, eight lanes per call, for lanes
+/// `8 · half .. 8 · half + 8` of `x` (the caller runs both halves). The operations are the
+/// sixteen-lane function's, lane for lane, with AVX2's compare-and-blend in place of AVX-512's
+/// masks: `_mm256_min_ps`/`_mm256_max_ps` return their second operand when either is NaN, as
+/// the 512-bit ones do, and `_mm256_round_ps` to nearest rounds half to even as `roundscale`
+/// does, so each lane's results have the scalar bits.
+///
+/// # Safety
+/// AVX2 and FMA must be available; `half < 2`.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn make_qkx2_quants_x8(x: &[[f32; GROUP_ROWS]; SUB], half: usize) -> ([f32; 8], [f32; 8]) {
+    const NMAX: f32 = 15.0;
+    debug_assert!(half < 2);
+    let (rmin, rdelta, nstep) = (-1.0f32, 0.1f32, 20);
+    let (zero, nmax) = (_mm256_setzero_ps(), _mm256_set1_ps(NMAX));
+    let sign = _mm256_set1_ps(-0.0);
+    let mut xv = [zero; SUB];
+    for (v, column) in xv.iter_mut().zip(x) {
+        // SAFETY: `column` holds 16 floats; eight from `8 · half <= 8`, one unaligned load.
+        *v = unsafe { _mm256_loadu_ps(column.as_ptr().add(8 * half)) };
+    }
+    let x = xv;
+    // `select(keep, mask, other)`: `other` in the lanes where `mask` is set.
+    let select = |keep: __m256, mask: __m256, other: __m256| _mm256_blendv_ps(keep, other, mask);
+    let mut sum_x2 = zero;
+    for v in &x {
+        sum_x2 = _mm256_add_ps(sum_x2, _mm256_mul_ps(*v, *v));
+    }
+    let av_x = _mm256_sqrt_ps(_mm256_div_ps(sum_x2, _mm256_set1_ps(SUB as f32)));
+    let mut w = [zero; SUB];
+    for (w, v) in w.iter_mut().zip(&x) {
+        *w = _mm256_add_ps(av_x, _mm256_andnot_ps(sign, *v));
+    }
+    let quant = |iscale: __m256, x: __m256, min: __m256| {
+        let v = _mm256_mul_ps(iscale, _mm256_sub_ps(x, min));
+        // `max(v, 0)` is 0 for a NaN `v`, as `NaN as i32` is.
+        let v = _mm256_min_ps(_mm256_max_ps(v, zero), nmax);
+        _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v)
+    };
+    let (mut min, mut max) = (x[0], x[0]);
+    let mut sum_w = w[0];
+    let mut sum_x = _mm256_mul_ps(sum_w, x[0]);
+    for i in 1..SUB {
+        min = _mm256_min_ps(x[i], min);
+        max = _mm256_max_ps(x[i], max);
+        sum_w = _mm256_add_ps(sum_w, w[i]);
+        sum_x = _mm256_add_ps(sum_x, _mm256_mul_ps(w[i], x[i]));
+    }
+    min = select(min, _mm256_cmp_ps::<_CMP_GT_OQ>(min, zero), zero);
+    let flat = _mm256_cmp_ps::<_CMP_EQ_OQ>(max, min);
+    let flat_min = min;
+    let iscale = _mm256_div_ps(nmax, _mm256_sub_ps(max, min));
+    let mut scale = _mm256_div_ps(_mm256_set1_ps(1.0), iscale);
+    let mut best_error = zero;
+    for i in 0..SUB {
+        let diff = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(scale, quant(iscale, x[i], min)), min), x[i]);
+        best_error = _mm256_add_ps(best_error, _mm256_mul_ps(w[i], _mm256_mul_ps(diff, diff)));
+    }
+    let mut laux = [zero; SUB];
+    for is in 0..=nstep {
+        let iscale = _mm256_div_ps(_mm256_set1_ps(rmin + rdelta * is as f32 + NMAX), _mm256_sub_ps(max, min));
+        let (mut sum_l, mut sum_l2, mut sum_xl) = (zero, zero, zero);
+        for i in 0..SUB {
+            let q = quant(iscale, x[i], min);
+            laux[i] = q;
+            let wq = _mm256_mul_ps(w[i], q);
+            sum_l = _mm256_add_ps(sum_l, wq);
+            sum_l2 = _mm256_add_ps(sum_l2, _mm256_mul_ps(wq, q));
+            sum_xl = _mm256_add_ps(sum_xl, _mm256_mul_ps(wq, x[i]));
+        }
+        let det = _mm256_sub_ps(_mm256_mul_ps(sum_w, sum_l2), _mm256_mul_ps(sum_l, sum_l));
+        let solvable = _mm256_cmp_ps::<_CMP_GT_OQ>(det, zero);
+        let this_scale = _mm256_div_ps(_mm256_sub_ps(_mm256_mul_ps(sum_w, sum_xl), _mm256_mul_ps(sum_x, sum_l)), det);
+        let this_min = _mm256_div_ps(_mm256_sub_ps(_mm256_mul_ps(sum_l2, sum_x), _mm256_mul_ps(sum_l, sum_xl)), det);
+        let positive = _mm256_cmp_ps::<_CMP_GT_OQ>(this_min, zero);
+        let this_min = select(this_min, positive, zero);
+        let this_scale = select(this_scale, positive, _mm256_div_ps(sum_xl, sum_l2));
+        let mut cur_error = zero;
+        for i in 0..SUB {
+            let diff = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(this_scale, laux[i]), this_min), x[i]);
+            cur_error = _mm256_add_ps(cur_error, _mm256_mul_ps(w[i], _mm256_mul_ps(diff, diff)));
+        }
+        let better = _mm256_and_ps(solvable, _mm256_cmp_ps::<_CMP_LT_OQ>(cur_error, best_error));
+        best_error = select(best_error, better, cur_error);
+        scale = select(scale, better, this_scale);
+        min = select(min, better, this_min);
+    }
+    // The early return of a sub-block with `max == min`: scale 0, quants 0, its min.
+    let scale = select(scale, flat, zero);
+    let min = select(min, flat, flat_min);
+    // `-min` flips the sign bit (also of a zero).
+    let neg_min = _mm256_xor_ps(min, sign);
+    let (mut scales, mut mins) = ([0.0f32; 8], [0.0f32; 8]);
+    // SAFETY: both arrays hold 8 floats, written by one unaligned store each.
+    unsafe {
+        _mm256_storeu_ps(scales.as_mut_ptr(), scale);
+        _mm256_storeu_ps(mins.as_mut_ptr(), neg_min);
+    }
+    (scales, mins)
+}
+
 /// One sub-block's quants in the weight quantization (`q4k::finish_super_block`):
 /// `q[i] = nearest_int((x[i] + dm) / dj).clamp(0, 15)`, the division IEEE as the scalar one,
 /// and the clamp done on the quotient before the default rounding (half to even), which gives
