@@ -221,7 +221,9 @@ pub(crate) unsafe fn make_qkx2_quants_x16(x: &[[f32; GROUP_ROWS]; SUB]) -> ([f32
 /// sixteen-lane function's, lane for lane, with AVX2's compare-and-blend in place of AVX-512's
 /// masks: `_mm256_min_ps`/`_mm256_max_ps` return their second operand when either is NaN, as
 /// the 512-bit ones do, and `_mm256_round_ps` to nearest rounds half to even as `roundscale`
-/// does, so each lane's results have the scalar bits.
+/// does, so each lane's results have the scalar bits. It is a copy of that function's body
+/// rather than one generic body over both register widths so that the AVX-512 search, which
+/// only an AVX-512 machine can test, stays exactly as it was tested.
 ///
 /// # Safety
 /// AVX2 and FMA must be available; `half < 2`.
