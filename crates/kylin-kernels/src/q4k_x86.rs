@@ -861,12 +861,61 @@ pub(crate) unsafe fn group_vnni_unpacked<const SCALES: u8>(
     }
 }
 
+/// Weight vector `$k` of sub-block `$j` (whose pair starts at `$wb`), rows `8h .. 8h + 8`
+/// for `$h`, in the AVX2 tile of `$scales`: its 32 nibbles and, for Q5_0 and Q6_0, the high
+/// bits from the scales plane at `$sp` moved to bits `4 .. 4 + H` and ORed on (`63 · 128 · 2 <
+/// 2^15`: no `vpmaddubsw` pair saturates). A macro, so that it is inlined into the tile's
+/// loops whatever the compiler's inlining heuristics say (as a `#[target_feature]` function
+/// the Q4_K tile ran 20% slower). Unsafe: the vector and its high bits must lie inside the
+/// group's planes.
+macro_rules! unpack_avx2 {
+    ($scales:ident, $wb:expr, $sp:expr, $j:expr, $k:expr, $h:expr) => {{
+        let (j, k, h) = ($j, $k, $h);
+        let high = high_bits::<$scales>();
+        let raw = _mm256_loadu_si256($wb.add(64 * k + 32 * h) as *const __m256i);
+        let raw = if j.is_multiple_of(2) { raw } else { _mm256_srli_epi16(raw, 4) };
+        let w = _mm256_and_si256(raw, _mm256_set1_epi8(0x0F));
+        if high == 0 {
+            w
+        } else {
+            let (v, slot_bit) = crate::q56::high_bit_slot(high, k);
+            let at = crate::q56::high_bits_offset(high, j) + 64 * v + 32 * h;
+            let bits = _mm256_loadu_si256($sp.add(at) as *const __m256i);
+            let placed = shift_bytes_to_bit4_avx2(bits, slot_bit);
+            let high_mask = _mm256_set1_epi8((((1u16 << high) - 1) << 4) as u8 as i8);
+            _mm256_or_si256(w, _mm256_and_si256(placed, high_mask))
+        }
+    }};
+}
+
+/// How many weight vectors' `vpmaddubsw` pair sums the AVX2 tile adds in 16 bits before one
+/// `vpmaddwd` widens them, for a format with `high` high bits (1: Q5_0, 2: Q6_0). A pair sum
+/// is at most `2 · q_max · 128` in magnitude (Q8_0's activations lie in `−128..=127`): with
+/// Q5_0's `q_max = 31` four of them make at most 31744, with Q6_0's 63 two make 32256, both
+/// below `2^15`, so the 16-bit sums are exact.
+#[inline(always)]
+const fn run_steps(high: usize) -> usize {
+    RUN_STEPS / high
+}
+
+/// The longest run of weight vectors the AVX2 tile holds unpacked at once (four ymm
+/// registers).
+const RUN_STEPS: usize = 4;
+
 /// `MT` tokens × one group of 16 rows on AVX2, each weight vector loaded and unpacked (with
 /// Q5_0's and Q6_0's high bits ORed on) once for all `MT` tokens. For Q4_K and Q4_G a
 /// sub-block's eight `vpmaddubsw` pair sums are added in 16 bits before one `vpmaddwd` widens
-/// them (each lane sums 8 pairs, `8 · 2 · 15 · 127 = 30480 < 2^15`: exact); with high bits
-/// each pair sum is widened at once. The integer sums are exact, combined per token in the
-/// canonical order, so the bits are the VNNI and scalar tiles'.
+/// them (each lane sums 8 pairs, `8 · 2 · 15 · 127 = 30480 < 2^15`: exact). With high bits
+/// the tile runs one half of the rows at a time, in runs of [`run_steps`] weight vectors
+/// (four for Q5_0, two for Q6_0) added in 16 bits. That needs one `vpmaddwd` per run where
+/// each weight vector took one, and holds only one half's sums, so eight tokens fit in the
+/// registers ([`tile_avx2`]). On the Zen 3 the 64-token 1024 × 1024 products
+/// (`quant_1024x1024`, fastest of 100) went from 669–741 to 544–554 µs in Q5_0 and from
+/// 655–717 to 581–600 µs in Q6_0, and Qwen2.5-Coder's `--quantize q4_k` prefill of 512 tokens
+/// from 195–231 to 264–292 tokens/s (BENCHMARKS.md). Q4_K's and Q4_G's tile kept both
+/// halves at once: run by halves, 8 tokens at a time, their products took 545 µs against 420.
+/// The integer sums are exact, combined per token in the canonical order, so the bits are
+/// the VNNI and scalar tiles'.
 ///
 /// # Safety
 /// As [`tile_avx2`], for `mt = MT` tokens.
@@ -889,10 +938,8 @@ unsafe fn tile_avx2_shared<const MT: usize, const SCALES: u8>(
     debug_assert!(valid <= GROUP_ROWS);
     let grouped = SCALES != Q4K_SCALES;
     let (wp, sp, xp) = (wq.as_ptr(), ws.as_ptr(), xq.as_ptr());
-    let (nibble, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
+    let ones = _mm256_set1_epi16(1);
     let high = high_bits::<SCALES>();
-    // Q5_0's and Q6_0's high bits, once shifted to bits `4 .. 4 + H` (`add_high_bits`).
-    let high_mask = _mm256_set1_epi8((((1u16 << high) - 1) << 4) as u8 as i8);
     let mut acc = [[_mm256_setzero_ps(); 2]; MT];
     for s in 0..n_super {
         // SAFETY: every offset lies inside the group's planes and the tokens' rows, by the
@@ -902,51 +949,57 @@ unsafe fn tile_avx2_shared<const MT: usize, const SCALES: u8>(
             for jj in 0..subs_in(cols, s) {
                 let j = s * (QK_K / SUB) + jj;
                 let wb = wp.add((j / 2) * PAIR_BYTES);
-                let mut pairs = [[_mm256_setzero_si256(); 2]; MT];
-                for k in 0..8 {
-                    let mut w = [_mm256_setzero_si256(); 2];
-                    for (h, w) in w.iter_mut().enumerate() {
-                        let raw = _mm256_loadu_si256(wb.add(64 * k + 32 * h) as *const __m256i);
-                        let raw = if j.is_multiple_of(2) { raw } else { _mm256_srli_epi16(raw, 4) };
-                        *w = _mm256_and_si256(raw, nibble);
-                        if high > 0 {
-                            // The high bits, moved to bits `4 .. 4 + H` and ORed on (`63 · 127 · 2 < 2^15`:
-                            // no pair saturates).
-                            let (v, slot_bit) = crate::q56::high_bit_slot(high, k);
-                            let at = crate::q56::high_bits_offset(high, j) + 64 * v + 32 * h;
-                            let bits = _mm256_loadu_si256(sp.add(at) as *const __m256i);
-                            let placed = shift_bytes_to_bit4_avx2(bits, slot_bit);
-                            *w = _mm256_or_si256(*w, _mm256_and_si256(placed, high_mask));
+                if high > 0 {
+                    // Q5_0 and Q6_0: one half of the rows (`8h .. 8h + 8`) at a time, the
+                    // weight vectors in runs of `run_steps` whose pair sums add in 16 bits
+                    // (exact, see there) before one `vpmaddwd` widens them into the token's
+                    // 32-bit sum.
+                    let steps = run_steps(high);
+                    for h in 0..2 {
+                        let mut sums = [_mm256_setzero_si256(); MT];
+                        for k0 in (0..8).step_by(steps) {
+                            let mut w = [_mm256_setzero_si256(); RUN_STEPS];
+                            for (i, w) in w.iter_mut().enumerate().take(steps) {
+                                *w = unpack_avx2!(SCALES, wb, sp, j, k0 + i, h);
+                            }
+                            for (t, sum) in sums.iter_mut().enumerate() {
+                                let xb = xp.add(t * stride + j * SUB + 4 * k0);
+                                let mut run = _mm256_setzero_si256();
+                                for (i, w) in w.iter().enumerate().take(steps) {
+                                    let x4 = _mm256_set1_epi32(std::ptr::read_unaligned(xb.add(4 * i) as *const i32));
+                                    let products = _mm256_maddubs_epi16(*w, x4);
+                                    run = if i == 0 { products } else { _mm256_add_epi16(run, products) };
+                                }
+                                *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(run, ones));
+                            }
+                        }
+                        let at = crate::q56::scales_offset(high, j) + 16 * h;
+                        let d = _mm256_cvtph_ps(_mm_loadu_si128(sp.add(at) as *const __m128i));
+                        for (t, acc) in acc.iter_mut().enumerate() {
+                            let xt = xp.add(t * stride);
+                            let dx = _mm256_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * j) as *const f32));
+                            // Q8_0's activations: `−128 · Σq_x` over 8 (4) takes the offset of
+                            // 16 (32) out of the integer sums, as in the VNNI tile.
+                            let corr =
+                                std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const i32) >> (4 - high);
+                            let isum = _mm256_add_epi32(sums[t], _mm256_set1_epi32(corr));
+                            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), acc[h]);
                         }
                     }
+                    continue;
+                }
+                // Q4_K and Q4_G: both halves of each weight vector at once, which kept this
+                // faster than the runs above.
+                let mut pairs = [[_mm256_setzero_si256(); 2]; MT];
+                for k in 0..8 {
+                    let w = [unpack_avx2!(SCALES, wb, sp, j, k, 0), unpack_avx2!(SCALES, wb, sp, j, k, 1)];
                     for (t, pairs) in pairs.iter_mut().enumerate() {
                         let xb = xp.add(t * stride + j * SUB);
                         let x4 = _mm256_set1_epi32(std::ptr::read_unaligned(xb.add(4 * k) as *const i32));
                         for h in 0..2 {
-                            let products = _mm256_maddubs_epi16(w[h], x4);
-                            pairs[h] = if high == 0 {
-                                _mm256_add_epi16(pairs[h], products)
-                            } else {
-                                _mm256_add_epi32(pairs[h], _mm256_madd_epi16(products, ones))
-                            };
+                            pairs[h] = _mm256_add_epi16(pairs[h], _mm256_maddubs_epi16(w[h], x4));
                         }
                     }
-                }
-                if high > 0 {
-                    for (t, acc) in acc.iter_mut().enumerate() {
-                        let xt = xp.add(t * stride);
-                        let dx = _mm256_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * j) as *const f32));
-                        // Q8_0's activations: `−128 · Σq_x` over 8 (4) takes the offset of 16
-                        // (32) out of the integer sums, as in the VNNI tile.
-                        let corr = std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const i32) >> (4 - high);
-                        for (h, acc) in acc.iter_mut().enumerate() {
-                            let at = crate::q56::scales_offset(high, j) + 16 * h;
-                            let d = _mm256_cvtph_ps(_mm_loadu_si128(sp.add(at) as *const __m128i));
-                            let isum = _mm256_add_epi32(pairs[t][h], _mm256_set1_epi32(corr));
-                            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), *acc);
-                        }
-                    }
-                    continue;
                 }
                 // Rows `8h .. 8h + 8`'s `(dsc_j, dm_j)`, shared by the tokens.
                 let mut scales = [(_mm256_setzero_ps(), _mm256_setzero_ps()); 2];
@@ -994,7 +1047,7 @@ unsafe fn tile_avx2_shared<const MT: usize, const SCALES: u8>(
 /// signed activations without saturating (`2 · 63 · 127 < 2^15`), `vpmaddwd` by ones widens
 /// the pairs to i32: the same exact sub-block sums as the VNNI tile, combined in the same
 /// order, on the scales plane `SCALES` picks. Up to four tokens share each weight load
-/// ([`tile_avx2_shared`]).
+/// ([`tile_avx2_shared`]); eight for Q5_0 and Q6_0.
 ///
 /// # Safety
 /// AVX2, FMA and F16C must be available; otherwise as [`tile_vnni`].
@@ -1012,6 +1065,10 @@ pub(crate) unsafe fn tile_avx2<const SCALES: u8>(
     valid: usize,
 ) {
     use crate::quant_x86::{SharedTile, in_fours};
+    if high_bits::<SCALES>() > 0 && mt == 8 {
+        // SAFETY: the caller's contract, for `mt = 8` tokens.
+        return unsafe { tile_avx2_shared::<8, SCALES>(wq, ws, cols, xq, stride, y, y_stride, valid) };
+    }
     let tiles = [
         tile_avx2_shared::<1, SCALES> as SharedTile,
         tile_avx2_shared::<2, SCALES>,
