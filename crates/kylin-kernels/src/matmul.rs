@@ -9,7 +9,8 @@
 //!   tokens × 3 rows, token blocks whose `x` stays in L2 while each row tile (prefetched one
 //!   tile ahead, and widened to an f32 panel on the stack when the block has enough tokens)
 //!   serves all the block's tokens from L1. AVX2: 4 tokens × 3 rows, one of the GEMV's four
-//!   chains at a time ([`crate::x86::gemm_tile_passes`]), row blocks in L2.
+//!   chains at a time ([`crate::x86::gemm_tile_passes`]), row blocks in L2, each token tile
+//!   one column block at a time across a row block so its token vectors stay in L1.
 //!
 //! Guarantees:
 //! - **Batch invariance** (DESIGN.md invariant 7): within one process, every output `y[t, r]`
@@ -334,37 +335,61 @@ unsafe fn gemm_avx512<const D: u8>(w: WeightMatrix<'_>, x: &[f32], n_tokens: usi
 /// tile (a quarter of a 1 MiB L2).
 const ROW_BLOCK_BYTES: usize = 256 * 1024;
 
+/// Row tiles of an AVX2 GEMM row block whose rows take more than one column block: each keeps
+/// its chains between blocks (1.5 KiB each, 72 KiB on the stack).
+const MAX_ROW_TILES: usize = 48;
+
 /// The AVX2 GEMM on rows `r0..r1` (tiles of [`crate::x86::PASS_MT`] tokens ×
 /// [`crate::x86::PASS_NR`] rows): row blocks of about [`ROW_BLOCK_BYTES`], and inside a block
-/// each token tile runs across the block's rows (read from L2), its columns in blocks whose
-/// token vectors stay in L1.
+/// each token tile runs one column block ([`crate::x86::PASS_KB`]) at a time across the block's
+/// rows, so its token vectors stay in L1 while the weights come from L2. Each row tile carries
+/// its chains from one column block to the next, so the bits are the GEMV's whatever the blocks.
 ///
 /// # Safety
 /// As [`compute_rows`], and AVX2, FMA and F16C are available.
 #[cfg(target_arch = "x86_64")]
 unsafe fn gemm_avx2<const D: u8>(w: WeightMatrix<'_>, x: &[f32], n_tokens: usize, out: OutPtr, r0: usize, r1: usize) {
-    use crate::x86::{PASS_MT, PASS_NR, gemm_tile_passes_dyn};
+    use crate::x86::{PASS_MT, PASS_NR, PassChains, gemm_tile_passes_dyn, pass_block_end};
+    use std::mem::MaybeUninit;
     let cols = w.cols;
+    let main8 = cols & !7;
     let row_bytes = cols * w.dtype.size_in_bytes();
-    let block = (ROW_BLOCK_BYTES / row_bytes.max(1)).max(1);
+    // With one column block, every tile finishes its chains in the call and one slot serves all.
+    let one_block = pass_block_end(0, cols) == main8;
+    let mut block = (ROW_BLOCK_BYTES / row_bytes.max(1)).max(1);
+    if !one_block {
+        block = block.min(MAX_ROW_TILES * PASS_NR);
+    }
+    let mut chains: [PassChains; MAX_ROW_TILES] =
+        [const { [[[const { MaybeUninit::uninit() }; 4]; PASS_NR]; PASS_MT] }; MAX_ROW_TILES];
     let mut b0 = r0;
     while b0 < r1 {
         let b1 = (b0 + block).min(r1);
         let mut t = 0;
         while t < n_tokens {
             let mt = PASS_MT.min(n_tokens - t);
-            let mut r = b0;
-            while r < b1 {
-                let nr = PASS_NR.min(b1 - r);
-                // SAFETY: weight rows `r..r + nr < rows` exist (data length checked by the
-                // caller); tokens `t..t + mt` exist; rows `r..r + nr` of the output belong to
-                // this task.
-                unsafe {
-                    let (wp, xp, yp) =
-                        (w.data.as_ptr().add(r * row_bytes), x.as_ptr().add(t * cols), out.0.add(t * w.rows + r));
-                    gemm_tile_passes_dyn::<D>(mt, nr, wp, row_bytes, cols, xp, cols, yp, w.rows)
-                };
-                r += nr;
+            let mut k0 = 0;
+            loop {
+                let k1 = pass_block_end(k0, cols);
+                let (mut r, mut tile) = (b0, 0);
+                while r < b1 {
+                    let nr = PASS_NR.min(b1 - r);
+                    let slot = &mut chains[if one_block { 0 } else { tile }];
+                    // SAFETY: weight rows `r..r + nr < rows` exist (data length checked by the
+                    // caller); tokens `t..t + mt` exist; rows `r..r + nr` of the output belong to
+                    // this task; the blocks of this row tile run in order on its own `slot`.
+                    unsafe {
+                        let (wp, xp, yp) =
+                            (w.data.as_ptr().add(r * row_bytes), x.as_ptr().add(t * cols), out.0.add(t * w.rows + r));
+                        gemm_tile_passes_dyn::<D>(mt, nr, wp, row_bytes, cols, (k0, k1), slot, xp, cols, yp, w.rows)
+                    };
+                    r += nr;
+                    tile += 1;
+                }
+                if k1 >= main8 {
+                    break;
+                }
+                k0 = k1;
             }
             t += mt;
         }

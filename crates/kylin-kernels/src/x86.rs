@@ -126,12 +126,28 @@ pub unsafe fn gemv_rows<const D: u8>(w: *const u8, cols: usize, x: &[f32], y: &m
 
 /// Tokens per tile of [`gemm_tile_passes`]; with [`PASS_NR`] rows, `4 × 3` ymm accumulators.
 pub const PASS_MT: usize = 4;
-/// Columns per block of [`gemm_tile_passes`] (a multiple of 32): 1 KiB of each token.
-const PASS_KB: usize = 256;
+/// Columns per block of [`gemm_tile_passes`] (a multiple of 32): 4 KiB of each token, so a
+/// tile's token vectors (16 KiB) and weight rows (6 KiB in BF16) stay in L1 through the four
+/// passes over a block. Blocks of 256 columns ran the 1024-column products of Qwen3-0.6B 11–13%
+/// slower on a Zen 3 (`gemm_bf16`); wider than L1 (2048) ran the 2048-column ones 1.65× slower.
+pub const PASS_KB: usize = 1024;
 /// Weight rows per tile of [`gemm_tile_passes`].
 pub const PASS_NR: usize = 3;
 
-/// AVX2 GEMM tile of `MT` tokens × `NR` weight rows with the GEMV's bits, in four passes.
+/// The four partial chains of every output of a [`gemm_tile_passes`] tile, carried from one
+/// column block to the next by the caller.
+pub type PassChains = [[[MaybeUninit<__m256>; 4]; PASS_NR]; PASS_MT];
+
+/// The end of the column block of [`gemm_tile_passes`] that starts at `k0` (a multiple of
+/// [`PASS_KB`], below the 8-wide columns `cols & !7` unless there are none): `PASS_KB` columns,
+/// or through the 8-wide middle for the last block.
+pub fn pass_block_end(k0: usize, cols: usize) -> usize {
+    let (main32, main8) = (cols & !31, cols & !7);
+    if k0 + PASS_KB < main32 { k0 + PASS_KB } else { main8 }
+}
+
+/// AVX2 GEMM tile of `MT` tokens × `NR` weight rows with the GEMV's bits, in four passes, over
+/// the column block `k0..k1` (from [`pass_block_end`]).
 ///
 /// [`gemv_rows`] keeps four independent 8-lane chains per output, chain `j` over the columns
 /// `32m + 8j` (and chain 0 also over the 8-wide middle), each in increasing column order, and
@@ -141,14 +157,18 @@ pub const PASS_NR: usize = 3;
 /// multiplies, would bound it (the tile of 3 tokens × 1 row this replaced).
 /// Here pass `j` runs chain `j` alone for all `MT × NR` outputs, one register each, so each
 /// token vector serves `NR` products and each weight vector `MT`; the finished chains wait in
-/// `chains` for the same reduction. The columns go in blocks of [`PASS_KB`], the four passes
-/// of a block before the next, so the passes find the block's token vectors in L1. Every
-/// chain gets the same fused multiply-adds in the same order, so the bits are [`gemv_rows`]'.
+/// `chains` for the next block or the reduction. The four passes of a block find its token
+/// vectors in L1. The caller runs the blocks in order with the same `chains`: the first block
+/// (`k0 == 0`) starts the chains, the last (`k1 == cols & !7`) reduces them into `y`, so every
+/// chain gets the same fused multiply-adds in the same order and the bits are [`gemv_rows`']
+/// however the caller interleaves other tiles between the blocks.
 ///
 /// # Safety
 /// `w` must be valid for `NR` rows of `cols` elements of dtype `D` at `w_stride` bytes apart;
 /// `x` for reading `x[t * x_stride + c]`, `t < MT`, `c < cols`; `y` for writing
 /// `y[t * y_stride + r]`, `t < MT`, `r < NR`, with no one else accessing those meanwhile.
+/// `MT <= PASS_MT`, `NR <= PASS_NR`; unless `k0 == 0`, the previous block of this tile wrote
+/// `chains`.
 #[target_feature(enable = "avx2,fma,f16c")]
 // The chain index `j` picks columns as well as the slot in `chains`.
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
@@ -156,6 +176,8 @@ pub unsafe fn gemm_tile_passes<const D: u8, const MT: usize, const NR: usize>(
     w: *const u8,
     w_stride: usize,
     cols: usize,
+    (k0, k1): (usize, usize),
+    chains: &mut PassChains,
     x: *const f32,
     x_stride: usize,
     y: *mut f32,
@@ -163,25 +185,19 @@ pub unsafe fn gemm_tile_passes<const D: u8, const MT: usize, const NR: usize>(
 ) {
     let main32 = cols & !31;
     let main8 = cols & !7;
-    // Written by the first column block's passes before any read (zeroing them instead was a
-    // `memset` call per tile: about 5% of a BF16 prefill's time in this function on a Zen 3).
-    let mut chains = [[[const { MaybeUninit::<__m256>::uninit() }; 4]; NR]; MT];
     // SAFETY (whole body): weight reads are at rows `< NR` and columns `< cols`, token reads at
     // tokens `< MT` and columns `< cols`, output writes at tokens `< MT` and rows `< NR`: inside
     // the caller's extents.
     unsafe {
         let ws: [*const u8; NR] = std::array::from_fn(|r| w.add(r * w_stride));
         let xs: [*const f32; MT] = std::array::from_fn(|t| x.add(t * x_stride));
-        // Column blocks of `PASS_KB`: the four passes over a block find its token vectors in L1.
-        let mut k0 = 0;
-        while k0 < main8 {
-            let k1 = if k0 + PASS_KB < main32 { k0 + PASS_KB } else { main8 };
+        if k0 < k1 {
             for j in 0..4 {
                 let mut acc = [[_mm256_setzero_ps(); NR]; MT];
                 if k0 > 0 {
                     for (t, a) in acc.iter_mut().enumerate() {
                         for (r, a) in a.iter_mut().enumerate() {
-                            // SAFETY: the first block's pass `j` wrote this chain.
+                            // SAFETY: the previous block's pass `j` wrote this chain.
                             *a = chains[t][r][j].assume_init();
                         }
                     }
@@ -222,14 +238,19 @@ pub unsafe fn gemm_tile_passes<const D: u8, const MT: usize, const NR: usize>(
                     }
                 }
             }
-            k0 = k1;
         }
-        for (t, rows) in chains.iter().enumerate() {
-            for (r, a) in rows.iter().enumerate() {
-                // SAFETY: with `main8 > 0` the first block wrote every chain; without it the
-                // chains are empty sums.
-                let a: [__m256; 4] =
-                    if main8 > 0 { std::array::from_fn(|j| a[j].assume_init()) } else { [_mm256_setzero_ps(); 4] };
+        if k1 < main8 {
+            return;
+        }
+        for t in 0..MT {
+            for r in 0..NR {
+                // SAFETY: with `main8 > 0` the blocks wrote every chain; without it the chains
+                // are empty sums.
+                let a: [__m256; 4] = if main8 > 0 {
+                    std::array::from_fn(|j| chains[t][r][j].assume_init())
+                } else {
+                    [_mm256_setzero_ps(); 4]
+                };
                 let mut sum = hsum(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
                 let mut k = main8;
                 while k < cols {
@@ -254,6 +275,8 @@ pub unsafe fn gemm_tile_passes_dyn<const D: u8>(
     w: *const u8,
     w_stride: usize,
     cols: usize,
+    block: (usize, usize),
+    chains: &mut PassChains,
     x: *const f32,
     xs: usize,
     y: *mut f32,
@@ -262,10 +285,10 @@ pub unsafe fn gemm_tile_passes_dyn<const D: u8>(
     macro_rules! tile {
         ($nr:literal) => {
             match mt {
-                4 => gemm_tile_passes::<D, 4, $nr>(w, w_stride, cols, x, xs, y, ys),
-                3 => gemm_tile_passes::<D, 3, $nr>(w, w_stride, cols, x, xs, y, ys),
-                2 => gemm_tile_passes::<D, 2, $nr>(w, w_stride, cols, x, xs, y, ys),
-                _ => gemm_tile_passes::<D, 1, $nr>(w, w_stride, cols, x, xs, y, ys),
+                4 => gemm_tile_passes::<D, 4, $nr>(w, w_stride, cols, block, chains, x, xs, y, ys),
+                3 => gemm_tile_passes::<D, 3, $nr>(w, w_stride, cols, block, chains, x, xs, y, ys),
+                2 => gemm_tile_passes::<D, 2, $nr>(w, w_stride, cols, block, chains, x, xs, y, ys),
+                _ => gemm_tile_passes::<D, 1, $nr>(w, w_stride, cols, block, chains, x, xs, y, ys),
             }
         };
     }
