@@ -9,6 +9,8 @@
 //! - `model_bf16_dot` and `gate_bf16_dot` run the engine's default `--precision bf16` path
 //!   (AMX or `vdpbf16ps`): the first streams all 28 layers' weights from memory as batched
 //!   decode does, the second keeps one matrix in cache and measures the kernel's compute rate;
+//! - `model_bf16_decode` streams all 28 layers' BF16 weights through the GEMV, one decode token
+//!   on the `--precision f32` path;
 //! - `head` is the 151936-row output head (311 MB in BF16, far beyond every cache, so it
 //!   measures memory bandwidth);
 //! - `paged_attention_model` is one decode step's attention over a model-shaped paged cache.
@@ -460,10 +462,11 @@ fn paged_attention(
 /// 128, 2 query rows each), `gemma3` Gemma-3-1B's global attention at 16k (26 layers, one KV
 /// head of 256, 4 query rows), `gemma4` Gemma-4-E2B's full-attention layers at 16k (seven
 /// layers read a cache of one KV head of 512, 8 query rows each); `bf16` is the default
-/// precision's cache (the AVX-512 BF16 or AMX path), `f16` the `--quantize` engines' (the f32
-/// path). Bytes counted: the keys and values.
+/// precision's cache (the AVX-512 BF16 or AMX path; on a CPU with neither, the f32 path over
+/// BF16), `f16` the `--quantize` engines' (the f32 path), `f32` the cache of `--precision f32`
+/// over BF16 weights, the default on such a CPU. Bytes counted: the keys and values.
 #[divan::bench(
-    args = [("qwen3", "bf16"), ("qwen3", "f16"), ("gemma3", "bf16"), ("gemma3", "f16"), ("gemma4", "bf16")],
+    args = [("qwen3", "bf16"), ("qwen3", "f16"), ("qwen3", "f32"), ("gemma3", "bf16"), ("gemma3", "f16"), ("gemma4", "bf16")],
     sample_count = 20
 )]
 fn paged_attention_model(bencher: Bencher, (model, cache): (&str, &str)) {
@@ -475,6 +478,7 @@ fn paged_attention_model(bencher: Bencher, (model, cache): (&str, &str)) {
     };
     let (dtype, precision) = match cache {
         "bf16" => (WeightDType::BF16, kylin_kernels::Precision::Bf16),
+        "f32" => (WeightDType::F32, kylin_kernels::Precision::F32),
         _ => (WeightDType::F16, kylin_kernels::Precision::F32),
     };
     let bs = 16;
@@ -482,7 +486,7 @@ fn paged_attention_model(bencher: Bencher, (model, cache): (&str, &str)) {
     let blocks: Vec<u32> = (0..len.div_ceil(bs) as u32).collect();
     let stride = layers * kv_heads * bs * hd;
     let pool = |seed: usize| {
-        let bytes = blocks.len() * stride * 2;
+        let bytes = blocks.len() * stride * dtype.size_in_bytes();
         let mut pool = kylin_kernels::aligned::AlignedBytes::zeroed(bytes).expect("a pool in memory");
         let tile = weights(dtype, bs * hd);
         for (i, chunk) in pool.chunks_exact_mut(tile.len()).enumerate() {
@@ -507,11 +511,46 @@ fn paged_attention_model(bencher: Bencher, (model, cache): (&str, &str)) {
             attention_rows(&mut rows, keys, values, black_box(&blocks), tile * bs * hd, map);
         }
     };
-    bencher.counter(BytesCount::new(2 * layers * kv_heads * len * hd * 2)).bench_local(|| {
+    bencher.counter(BytesCount::new(2 * layers * kv_heads * len * hd * dtype.size_in_bytes())).bench_local(|| {
         std::thread::scope(|s| {
             s.spawn(|| sweep(1));
             sweep(0);
         });
+    });
+}
+
+/// One decode token through all 28 layers of Qwen3-0.6B in BF16 on the `--precision f32` path
+/// ([`kylin_kernels::matmul_many`], the GEMV), the matrices grouped as the engine groups them
+/// (q/k/v, o, gate/up, down): 880 MB of weights, far beyond every cache, so each call streams
+/// them from memory as a decode step does. Counted in bytes of weights read; compare with the
+/// `head` shape of `gemv` (one 311 MB matrix, one long stream per thread).
+#[divan::bench(sample_count = 30)]
+fn model_bf16_decode(bencher: Bencher) {
+    const LAYERS: usize = 28;
+    let pool = ThreadPool::new(threads());
+    let shapes = [(2048, 1024), (1024, 1024), (1024, 1024), (1024, 2048), (3072, 1024), (3072, 1024), (1024, 3072)];
+    let datas: Vec<Vec<u8>> =
+        (0..LAYERS).flat_map(|_| shapes.iter().map(|(r, c)| weights(WeightDType::BF16, r * c))).collect();
+    let matrices: Vec<WeightMatrix<'_>> = datas
+        .iter()
+        .zip(shapes.iter().cycle())
+        .map(|(data, (rows, cols))| WeightMatrix { dtype: WeightDType::BF16, rows: *rows, cols: *cols, data })
+        .collect();
+    let x: Vec<f32> = (0..3072).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
+    let [mut q, mut k, mut v, mut o, mut gate, mut up, mut down] = shapes.map(|(rows, _)| vec![0.0f32; rows]);
+    let bytes: usize = datas.iter().map(Vec::len).sum();
+    bencher.counter(BytesCount::new(bytes)).bench_local(|| {
+        for w in matrices.chunks_exact(shapes.len()) {
+            let x1024 = black_box(&x[..1024]);
+            // (1, 1024) · (2048 | 1024 | 1024, 1024)ᵀ -> (1, 2048 | 1024 | 1024)
+            kylin_kernels::matmul_many(&pool, x1024, 1, &mut [(w[0], &mut q), (w[1], &mut k), (w[2], &mut v)]);
+            // (1, 2048) · (1024, 2048)ᵀ -> (1, 1024)
+            kylin_kernels::matmul_many(&pool, &x[..2048], 1, &mut [(w[3], &mut o)]);
+            // (1, 1024) · (3072, 1024)ᵀ -> (1, 3072), twice
+            kylin_kernels::matmul_many(&pool, x1024, 1, &mut [(w[4], &mut gate), (w[5], &mut up)]);
+            // (1, 3072) · (1024, 3072)ᵀ -> (1, 1024)
+            kylin_kernels::matmul_many(&pool, &x, 1, &mut [(w[6], &mut down)]);
+        }
     });
 }
 

@@ -652,6 +652,11 @@ trait Lanes: Copy {
     /// Whether [`weighted`] may keep up to 16 vectors of accumulators in registers (passes of
     /// 64 and 128 columns for few rows).
     const WIDE_PASSES: bool;
+    /// Whether decode's micro-kernels (at most [`TILE_VALUES_MAX_ROWS`] rows) ask for their
+    /// tile's value rows while they compute its scores ([`TileValues`]), instead of the next
+    /// tile's blocks ([`NextTile`]): for AVX2, whose narrow passes read each value row in
+    /// several strided visits.
+    const PREFETCH_VALUES: bool;
     /// Runs [`micro`] for `count` rows (`1..=MICRO_ROWS`), each implementation instantiating
     /// only the row counts it uses.
     #[allow(clippy::too_many_arguments)]
@@ -794,6 +799,69 @@ impl NextTile {
     }
 }
 
+/// The cache lines of the current tile's value rows, which decode's micro-kernel (at most
+/// [`TILE_VALUES_MAX_ROWS`] rows, so one per tile) asks the second-level cache for while it
+/// computes the tile's scores, a few per key column, so that the value passes that follow find
+/// them in cache; the next tile's blocks ([`NextTile`]) are then not asked for, and the
+/// hardware prefetchers follow the keys.
+///
+/// Why, on AVX2 ([`Lanes::PREFETCH_VALUES`]): [`weighted`] reads each value row in several
+/// passes of 32 columns, each visiting all the tile's 32 rows (512 bytes apart in f32), a
+/// strided pattern the hardware prefetchers do not follow; a third of the kernel's samples in
+/// decode on a Zen 3 were those loads waiting for memory. Asking for the next tile's blocks
+/// instead (as AVX-512 does) did not help them, and in f32 it cost more than it gave: the
+/// prefetches themselves stalled on full miss buffers. One decode step's attention over
+/// Qwen3-0.6B's cache at a 2k context (`paged_attention_model`, two threads) went from about
+/// 23 to 28 GB/s in f32, 22 to 26 in f16 and 13 to 17 for Gemma 3 1B's 4 rows at 16k
+/// (BENCHMARKS.md); the bits do not change.
+struct TileValues<'a> {
+    /// The tile's value rows (null where a position is no row's).
+    rows: &'a [*const u8; TILE],
+    /// Cache lines per value row.
+    row_lines: usize,
+    /// The next line to ask for: line `line` of row `row`.
+    row: usize,
+    line: usize,
+}
+
+impl<'a> TileValues<'a> {
+    /// The lines of `rows`, each `bytes` long; none when `ask` is false.
+    fn new(rows: &'a [*const u8; TILE], bytes: usize, ask: bool) -> TileValues<'a> {
+        TileValues { rows, row_lines: bytes.div_ceil(64), row: if ask { 0 } else { TILE }, line: 0 }
+    }
+
+    /// Lines still to ask for.
+    fn remaining(&self) -> usize {
+        if self.row >= TILE { 0 } else { (TILE - self.row) * self.row_lines - self.line }
+    }
+
+    /// Asks for up to `n` more lines.
+    #[inline(always)]
+    fn step(&mut self, n: usize) {
+        for _ in 0..n {
+            if self.row >= TILE {
+                return;
+            }
+            let row = self.rows[self.row];
+            if !row.is_null() {
+                #[cfg(target_arch = "x86_64")]
+                crate::prefetch_lines(row.wrapping_add(64 * self.line), 1);
+            }
+            self.line += 1;
+            if self.line == self.row_lines {
+                self.line = 0;
+                self.row += 1;
+            }
+        }
+    }
+}
+
+/// Most rows of a call whose micro-kernel asks for its tile's values ([`TileValues`]): decode's
+/// query heads per KV head in Qwen3 (2), Llama 3 and Gemma 3 (4). The micro-kernels of more
+/// rows do not carry the code (in Gemma 4's 6-row kernel, its register pressure made the 8-row
+/// decode 12% slower).
+const TILE_VALUES_MAX_ROWS: usize = 4;
+
 /// Per-row state of one call, on the stack.
 struct RowState {
     /// Running partition fold: `M`, `L`.
@@ -814,6 +882,9 @@ struct RowState {
     p: [[f32; TILE]; MAX_ROWS],
     /// The next tile's blocks, asked for during this tile's scores.
     next: NextTile,
+    /// Whether the call's one micro-kernel asks for each tile's value rows ([`TileValues`])
+    /// instead of the next tile's blocks.
+    ask_values: bool,
 }
 
 /// Where one 16-position half of a key tile is read: a pointer to element `(0, first)` and the
@@ -848,6 +919,7 @@ unsafe fn rows_body<L: Lanes, const D: u8>(rows: &mut [QueryRow<'_>], job: &Job<
         o: o_rows.as_mut_ptr() as *mut f32,
         p: [[0.0; TILE]; MAX_ROWS],
         next: NextTile::none(),
+        ask_values: L::PREFETCH_VALUES && n <= TILE_VALUES_MAX_ROWS,
     };
     // Transposed copies of key halves when the block size is not a multiple of 16 (so sixteen
     // positions are not contiguous): `(head_dim, 16)` each, in the pool's dtype; every byte
@@ -922,7 +994,7 @@ unsafe fn rows_body<L: Lanes, const D: u8>(rows: &mut [QueryRow<'_>], job: &Job<
                 }
                 j += run;
             }
-            st.next = job.next_tile(t0 + TILE, t0 + 2 * TILE, max_len);
+            st.next = if st.ask_values { NextTile::none() } else { job.next_tile(t0 + TILE, t0 + 2 * TILE, max_len) };
             if n > L::MICRO_ROWS {
                 // Many rows (prefill): several micro-kernels run over this tile, long enough
                 // to hide one burst, as before; spreading is for decode's few rows.
@@ -1053,6 +1125,11 @@ unsafe fn micro<L: Lanes, const D: u8, const NR: usize>(
         // The next tile's lines, a few per column (all of them over the first micro-kernel of
         // the tile's rows).
         let per_column = st.next.remaining().div_ceil(hd.max(1));
+        // Or this tile's value lines, likewise (the call's only micro-kernel).
+        let value_bytes = hd * if D == DT_F32 { 4 } else { 2 };
+        let ask = NR <= TILE_VALUES_MAX_ROWS && st.ask_values;
+        let mut values = TileValues::new(vrows, value_bytes, ask);
+        let per_value = values.remaining().div_ceil(hd.max(1));
         let mut s = [[L::zero(); 2]; NR];
         let [k0, k1] = *halves;
         if NR > L::PAIRED_ROWS {
@@ -1063,6 +1140,7 @@ unsafe fn micro<L: Lanes, const D: u8, const NR: usize>(
                 if h < n_halves {
                     for c in 0..hd {
                         st.next.step(per_column);
+                        values.step(per_value);
                         let a = L::load::<D>(half.ptr, c * half.stride);
                         for i in 0..NR {
                             sh[i] = L::fma(L::splat(*qs[i].add(c)), a, sh[i]);
@@ -1076,6 +1154,7 @@ unsafe fn micro<L: Lanes, const D: u8, const NR: usize>(
         } else if n_halves == 2 {
             for c in 0..hd {
                 st.next.step(per_column);
+                values.step(per_value);
                 let a = L::load::<D>(k0.ptr, c * k0.stride);
                 let b = L::load::<D>(k1.ptr, c * k1.stride);
                 for i in 0..NR {
@@ -1087,6 +1166,7 @@ unsafe fn micro<L: Lanes, const D: u8, const NR: usize>(
         } else {
             for c in 0..hd {
                 st.next.step(per_column);
+                values.step(per_value);
                 let a = L::load::<D>(k0.ptr, c * k0.stride);
                 for i in 0..NR {
                     s[i][0] = L::fma(L::splat(*qs[i].add(c)), a, s[i][0]);
@@ -1255,6 +1335,7 @@ impl Lanes for Portable {
     const MICRO_ROWS: usize = 4;
     const PAIRED_ROWS: usize = 4;
     const WIDE_PASSES: bool = false;
+    const PREFETCH_VALUES: bool = false;
     micro_rows_body!(1 2 3 4);
     unsafe fn zero() -> Self {
         Portable([0.0; 16])
@@ -1460,6 +1541,7 @@ mod simd {
         const MICRO_ROWS: usize = 12;
         const PAIRED_ROWS: usize = 12;
         const WIDE_PASSES: bool = true;
+        const PREFETCH_VALUES: bool = false;
         micro_rows_body!(1 2 3 4 5 6 7 8 9 10 11 12);
         #[inline(always)]
         unsafe fn zero() -> Self {
@@ -1578,6 +1660,7 @@ mod simd {
         const MICRO_ROWS: usize = 6;
         const PAIRED_ROWS: usize = 3;
         const WIDE_PASSES: bool = false;
+        const PREFETCH_VALUES: bool = true;
         micro_rows_body!(1 2 3 4 5 6);
         #[inline(always)]
         unsafe fn zero() -> Self {
