@@ -293,9 +293,7 @@ fn model_quant_decode(bencher: Bencher, format: &str) {
         "f8_a16" => Packing::F8A16,
         _ => Packing::Mxfp4,
     };
-    // One layer's matrices `(rows, cols)`: q, k, v, o, gate, up, down.
-    let shapes = [(2048, 1024), (1024, 1024), (1024, 1024), (1024, 2048), (3072, 1024), (3072, 1024), (1024, 3072)];
-    let buffers = quantized_copies(packing, &shapes, LAYERS);
+    let buffers = quantized_copies(packing, &QWEN3_LAYER, LAYERS);
     let x: Vec<f32> = (0..3072).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
     let mut scratch = vec![0u8; quant_scratch_len(1, 3072)];
     let mut y = vec![0.0f32; 3072];
@@ -519,6 +517,25 @@ fn paged_attention_model(bencher: Bencher, (model, cache): (&str, &str)) {
     });
 }
 
+/// One Qwen3-0.6B layer's matrices `(rows, cols)`: q, k and v share the 1024-column input, as
+/// do gate and up; o reads 2048 columns, down 3072.
+const QWEN3_LAYER: [(usize, usize); 7] =
+    [(2048, 1024), (1024, 1024), (1024, 1024), (1024, 2048), (3072, 1024), (3072, 1024), (1024, 3072)];
+
+/// Deterministic BF16 weights of `layers` copies of [`QWEN3_LAYER`]'s matrices, in order.
+fn qwen3_bf16_layers(layers: usize) -> Vec<Vec<u8>> {
+    (0..layers).flat_map(|_| QWEN3_LAYER.iter().map(|(r, c)| weights(WeightDType::BF16, r * c))).collect()
+}
+
+/// The matrices of [`qwen3_bf16_layers`]' weights.
+fn qwen3_bf16_matrices(datas: &[Vec<u8>]) -> Vec<WeightMatrix<'_>> {
+    datas
+        .iter()
+        .zip(QWEN3_LAYER.iter().cycle())
+        .map(|(data, (rows, cols))| WeightMatrix { dtype: WeightDType::BF16, rows: *rows, cols: *cols, data })
+        .collect()
+}
+
 /// One decode token through all 28 layers of Qwen3-0.6B in BF16 on the `--precision f32` path
 /// ([`kylin_kernels::matmul_many`], the GEMV), the matrices grouped as the engine groups them
 /// (q/k/v, o, gate/up, down): 880 MB of weights, far beyond every cache, so each call streams
@@ -528,14 +545,9 @@ fn paged_attention_model(bencher: Bencher, (model, cache): (&str, &str)) {
 fn model_bf16_decode(bencher: Bencher) {
     const LAYERS: usize = 28;
     let pool = ThreadPool::new(threads());
-    let shapes = [(2048, 1024), (1024, 1024), (1024, 1024), (1024, 2048), (3072, 1024), (3072, 1024), (1024, 3072)];
-    let datas: Vec<Vec<u8>> =
-        (0..LAYERS).flat_map(|_| shapes.iter().map(|(r, c)| weights(WeightDType::BF16, r * c))).collect();
-    let matrices: Vec<WeightMatrix<'_>> = datas
-        .iter()
-        .zip(shapes.iter().cycle())
-        .map(|(data, (rows, cols))| WeightMatrix { dtype: WeightDType::BF16, rows: *rows, cols: *cols, data })
-        .collect();
+    let shapes = QWEN3_LAYER;
+    let datas = qwen3_bf16_layers(LAYERS);
+    let matrices = qwen3_bf16_matrices(&datas);
     let x: Vec<f32> = (0..3072).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
     let [mut q, mut k, mut v, mut o, mut gate, mut up, mut down] = shapes.map(|(rows, _)| vec![0.0f32; rows]);
     let bytes: usize = datas.iter().map(Vec::len).sum();
@@ -563,16 +575,9 @@ fn model_bf16_dot<const TOKENS: usize>(bencher: Bencher) {
     let Some(kernels) = bf16_kernels() else { return };
     const LAYERS: usize = 28;
     let pool = ThreadPool::new(threads());
-    // One layer's matrices `(rows, cols)`: q, k and v share the 1024-column input, as do gate
-    // and up; o reads 2048 columns, down 3072.
-    let shapes = [(2048, 1024), (1024, 1024), (1024, 1024), (1024, 2048), (3072, 1024), (3072, 1024), (1024, 3072)];
-    let datas: Vec<Vec<u8>> =
-        (0..LAYERS).flat_map(|_| shapes.iter().map(|(r, c)| weights(WeightDType::BF16, r * c))).collect();
-    let matrices: Vec<WeightMatrix<'_>> = datas
-        .iter()
-        .zip(shapes.iter().cycle())
-        .map(|(data, (rows, cols))| WeightMatrix { dtype: WeightDType::BF16, rows: *rows, cols: *cols, data })
-        .collect();
+    let shapes = QWEN3_LAYER;
+    let datas = qwen3_bf16_layers(LAYERS);
+    let matrices = qwen3_bf16_matrices(&datas);
     let x = vec![0.5f32; TOKENS * 3072];
     let [mut q, mut k, mut v, mut o, mut gate, mut up, mut down] = shapes.map(|(rows, _)| vec![0.0f32; TOKENS * rows]);
     let mut scratch = vec![0u16; bf16_scratch_len(TOKENS, 3072)];
