@@ -2863,6 +2863,8 @@ mod mtp_tests {
             let mut e = BatchEngine::new(kylin_loader::load(&dir, &with_head).unwrap(), &opts).unwrap();
             let head = kylin_loader::load(&dir, &with_head).unwrap().mtp.unwrap();
             let mut fresh = MtpDraft::new(&head, &opts, 256, 1, 256, 4096).unwrap();
+            // With the target's prepared head, as the engine gives its own head.
+            fresh.share_lm_head(&e.core.model);
             let vocab = e.core.model.dims().vocab;
             let target_of = DraftTarget { path: None, vocab, tokenizer: None, kv_tokens: 4096 };
             let mut target = DraftModel::load(&dir, &target_of, &opts, 256, 1, 256).unwrap();

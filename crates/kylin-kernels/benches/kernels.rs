@@ -93,6 +93,19 @@ fn gemm_bf16<const TOKENS: usize>(bencher: Bencher, shape: (&str, usize, usize))
         .bench_local(|| kylin_kernels::matmul(&pool, w, black_box(&x), TOKENS, black_box(&mut y)));
 }
 
+#[divan::bench(args = LAYER, consts = [1, 8, 512])]
+fn gemm_strips_bf16<const TOKENS: usize>(bencher: Bencher, shape: (&str, usize, usize)) {
+    use kylin_kernels::strips::{StripBuffer, matmul_many_strips};
+    let (_, rows, cols) = shape;
+    let pool = ThreadPool::new(threads());
+    let (data, x, mut y) = layer_operands(rows, cols, TOKENS);
+    let w = WeightMatrix { dtype: WeightDType::BF16, rows, cols, data: &data };
+    let strips = StripBuffer::pack(w).expect("a whole matrix");
+    bencher.counter(ItemsCount::new(rows * cols * TOKENS)).bench_local(|| {
+        matmul_many_strips(&pool, black_box(&x), TOKENS, &mut [(strips.matrix(), black_box(&mut y[..]))])
+    });
+}
+
 /// One layer's matmuls (as [`gemm_bf16`]) on the engine's default `--precision bf16` path
 /// ([`kylin_kernels::matmul_many_bf16`]: AMX or `vdpbf16ps`), a prefill's 512 tokens: each
 /// matrix's compute rate (the activations are rounded to BF16 inside the call, as in the engine).
@@ -543,25 +556,49 @@ fn qwen3_bf16_matrices(datas: &[Vec<u8>]) -> Vec<WeightMatrix<'_>> {
 /// `head` shape of `gemv` (one 311 MB matrix, one long stream per thread).
 #[divan::bench(sample_count = 30)]
 fn model_bf16_decode(bencher: Bencher) {
-    const LAYERS: usize = 28;
     let pool = ThreadPool::new(threads());
-    let shapes = QWEN3_LAYER;
-    let datas = qwen3_bf16_layers(LAYERS);
+    let datas = qwen3_bf16_layers(28);
     let matrices = qwen3_bf16_matrices(&datas);
+    let bytes: usize = datas.iter().map(Vec::len).sum();
+    decode_qwen3_layers(bencher, bytes, &matrices, &|x, jobs| kylin_kernels::matmul_many(&pool, x, 1, jobs));
+}
+
+/// [`model_bf16_decode`] with the weights in AVX2 strips ([`kylin_kernels::strips`]), as the
+/// engine holds a model's float matrices on AVX2 without AVX-512.
+#[divan::bench(sample_count = 30)]
+fn model_strips_decode(bencher: Bencher) {
+    use kylin_kernels::strips::{StripBuffer, matmul_many_strips};
+    let pool = ThreadPool::new(threads());
+    let strips: Vec<StripBuffer> = qwen3_bf16_matrices(&qwen3_bf16_layers(28))
+        .into_iter()
+        .map(|w| StripBuffer::pack(w).expect("a whole matrix"))
+        .collect();
+    let matrices: Vec<_> = strips.iter().map(StripBuffer::matrix).collect();
+    let bytes: usize = strips.iter().map(StripBuffer::byte_len).sum();
+    decode_qwen3_layers(bencher, bytes, &matrices, &|x, jobs| matmul_many_strips(&pool, x, 1, jobs));
+}
+
+/// A fused product `product(x, jobs)` over matrices of type `M`, each job a matrix and its output.
+type Product<'a, M> = dyn Fn(&[f32], &mut [(M, &mut [f32])]) + 'a;
+
+/// One decode token through the layers of `matrices` (Qwen3-0.6B's seven per layer), grouped
+/// as the engine groups them (q/k/v, o, gate/up, down), by `product(x, jobs)`; counted in
+/// `bytes` of weights.
+fn decode_qwen3_layers<M: Copy>(bencher: Bencher, bytes: usize, matrices: &[M], product: &Product<M>) {
+    let shapes = QWEN3_LAYER;
     let x: Vec<f32> = (0..3072).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
     let [mut q, mut k, mut v, mut o, mut gate, mut up, mut down] = shapes.map(|(rows, _)| vec![0.0f32; rows]);
-    let bytes: usize = datas.iter().map(Vec::len).sum();
     bencher.counter(BytesCount::new(bytes)).bench_local(|| {
         for w in matrices.chunks_exact(shapes.len()) {
             let x1024 = black_box(&x[..1024]);
             // (1, 1024) · (2048 | 1024 | 1024, 1024)ᵀ -> (1, 2048 | 1024 | 1024)
-            kylin_kernels::matmul_many(&pool, x1024, 1, &mut [(w[0], &mut q), (w[1], &mut k), (w[2], &mut v)]);
+            product(x1024, &mut [(w[0], &mut q), (w[1], &mut k), (w[2], &mut v)]);
             // (1, 2048) · (1024, 2048)ᵀ -> (1, 1024)
-            kylin_kernels::matmul_many(&pool, &x[..2048], 1, &mut [(w[3], &mut o)]);
+            product(&x[..2048], &mut [(w[3], &mut o)]);
             // (1, 1024) · (3072, 1024)ᵀ -> (1, 3072), twice
-            kylin_kernels::matmul_many(&pool, x1024, 1, &mut [(w[4], &mut gate), (w[5], &mut up)]);
+            product(x1024, &mut [(w[4], &mut gate), (w[5], &mut up)]);
             // (1, 3072) · (1024, 3072)ᵀ -> (1, 1024)
-            kylin_kernels::matmul_many(&pool, &x, 1, &mut [(w[6], &mut down)]);
+            product(&x, &mut [(w[6], &mut down)]);
         }
     });
 }

@@ -52,6 +52,7 @@ pub mod quant;
 #[cfg(target_arch = "x86_64")]
 mod quant_x86;
 pub mod reference;
+pub mod strips;
 pub mod w16;
 #[cfg(target_arch = "x86_64")]
 mod x86;

@@ -131,6 +131,11 @@ impl WeightTensor {
         self.len / self.dtype.size_in_bytes()
     }
 
+    /// Whether the bytes are read from a file's map (not made at load and owned).
+    pub fn is_mapped(&self) -> bool {
+        matches!(&*self.storage, Storage::Mmap(_))
+    }
+
     pub fn byte_len(&self) -> usize {
         self.len
     }

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use kylin_kernels::bf16_tiles::{Bf16TileBuffer, matmul_many_bf16_tiles};
 use kylin_kernels::quant::{Packing, QuantBuffer, QuantMatrix};
+use kylin_kernels::strips::{StripBuffer, StripMatrix, matmul_many_strips};
 use kylin_kernels::{self as kernels, Bf16Kernels, ThreadPool, WeightDType, WeightMatrix, WeightVector};
 use kylin_loader::family::NormKind;
 use kylin_loader::{DType, KylinError, ModelWeights, Result, WeightTensor};
@@ -103,6 +104,9 @@ pub(super) struct Linear {
     /// The BF16 weight repacked into AMX tiles, which the products read instead of `weight`
     /// under `Precision::Bf16` on AMX ([`Linear::tile_for_amx`]; `None` otherwise).
     pub(super) tiles: Option<Arc<Bf16TileBuffer>>,
+    /// The float weight repacked into 16-row strips, which the f32 products read instead of
+    /// `weight` on AVX2 without AVX-512 ([`Linear::strip_for_avx2`]; `None` otherwise).
+    pub(super) strips: Option<Arc<StripBuffer>>,
 }
 
 /// Where a quantized linear layer's planes live.
@@ -132,6 +136,7 @@ impl Linear {
             quant: None,
             input_quant: None,
             tiles: None,
+            strips: None,
         })
     }
 
@@ -172,6 +177,7 @@ impl Linear {
             quant: Some(QuantSource::Mapped { scales: scales.clone(), packing }),
             input_quant: None,
             tiles: None,
+            strips: None,
         })
     }
 
@@ -207,6 +213,7 @@ impl Linear {
             quant: Some(QuantSource::Pending(Arc::new(published.clone()))),
             input_quant: None,
             tiles: None,
+            strips: None,
         })
     }
 
@@ -265,7 +272,10 @@ impl Linear {
                 matmul_many_bf16_tiles(mm.pool, x, n, xb, &mut [(tiles.matrix(), y)])
             }
             (None, Some(k), _) => kernels::matmul_many_bf16(mm.pool, k, x, n, xb, &mut [(self.matrix(), y)]),
-            (None, None, _) => kernels::matmul(mm.pool, self.matrix(), x, n, y),
+            (None, None, _) => match &self.strips {
+                Some(strips) => matmul_many_strips(mm.pool, x, n, &mut [(strips.matrix(), y)]),
+                None => kernels::matmul(mm.pool, self.matrix(), x, n, y),
+            },
         }
     }
 
@@ -280,6 +290,23 @@ impl Linear {
         }
         self.tiles = Bf16TileBuffer::new(self.matrix()).map(Arc::new);
         if self.tiles.is_some() {
+            self.weight.advise_dont_need();
+        }
+    }
+
+    /// On AVX2 without AVX-512, where every float weight's products run in f32, copies the
+    /// weight into 16-row strips ([`kernels::strips`]: every output one chain of fused
+    /// multiply-adds over the columns, for prefill's outer-product tile and decode's four
+    /// sequential streams) and lets the map's pages of the row-major weight go, as
+    /// [`Linear::tile_for_amx`] does. Leaves quantized layers as they are, and weights made at
+    /// load (a published checkpoint decoded to f32): their owned bytes would stay beside the
+    /// copy.
+    pub(super) fn strip_for_avx2(&mut self) {
+        if self.strips.is_some() || self.quant.is_some() || !self.weight.is_mapped() {
+            return;
+        }
+        self.strips = StripBuffer::new(self.matrix()).map(Arc::new);
+        if self.strips.is_some() {
             self.weight.advise_dont_need();
         }
     }
@@ -340,7 +367,14 @@ impl Linear {
             let mut mats: [(WeightMatrix<'_>, &mut [f32]); N] =
                 layers.each_mut().map(|(l, y)| (l.tiles.as_ref().expect("checked above").matrix(), &mut **y));
             matmul_many_bf16_tiles(mm.pool, x, n, xb, &mut mats);
-        } else if quantized == 0 && !(mm.bf16 == Some(Bf16Kernels::Amx) && linears.iter().any(|l| l.tiles.is_some())) {
+        } else if quantized == 0 && mm.bf16.is_none() && linears.iter().all(|l| l.strips.is_some()) {
+            let mut mats: [(StripMatrix<'_>, &mut [f32]); N] =
+                layers.each_mut().map(|(l, y)| (l.strips.as_ref().expect("checked above").matrix(), &mut **y));
+            matmul_many_strips(mm.pool, x, n, &mut mats);
+        } else if quantized == 0
+            && !(mm.bf16 == Some(Bf16Kernels::Amx) && linears.iter().any(|l| l.tiles.is_some()))
+            && !(mm.bf16.is_none() && linears.iter().any(|l| l.strips.is_some()))
+        {
             let mut mats: [(WeightMatrix<'_>, &mut [f32]); N] = layers.each_mut().map(|(l, y)| (l.matrix(), &mut **y));
             match mm.bf16 {
                 Some(k) => kernels::matmul_many_bf16(mm.pool, k, x, n, xb, &mut mats),

@@ -1223,7 +1223,7 @@ impl Model {
                     let float_not_bf16 =
                         self.product_linears().any(|m| m.quant.is_none() && m.dtype != WeightDType::BF16);
                     self.bf16 = kernels::bf16_kernels().filter(|_| !float_not_bf16);
-                    self.tile_for_amx();
+                    self.repack_bf16();
                     Ok(())
                 }
                 PrecisionChoice::Auto => Ok(()),
@@ -1254,15 +1254,17 @@ impl Model {
                 Some(k)
             }
         };
-        self.tile_for_amx();
+        self.repack_bf16();
         Ok(())
     }
 
-    /// Under `Precision::Bf16` on AMX, repacks the BF16 matrices that every token reads whole
-    /// (the mixers', the dense MLPs', the per-layer input projection and the head) into AMX
-    /// tiles ([`Linear::tile_for_amx`]); otherwise drops any tiles. Experts stay in place in the
-    /// map: a copy would touch cold experts, and their grouped products read them row-major.
-    fn tile_for_amx(&mut self) {
+    /// Repacks the BF16 matrices that every token reads whole (the mixers', the dense MLPs', the
+    /// per-layer input projection and the head) into the layout their products read: AMX tiles
+    /// under `Precision::Bf16` on AMX ([`Linear::tile_for_amx`]), 16-row strips for the f32
+    /// products on AVX2 without AVX-512 ([`Linear::strip_for_avx2`]); drops a layout the
+    /// products no longer read. Experts stay in place in the map: a copy would touch cold
+    /// experts, and their grouped products read them row-major.
+    fn repack_bf16(&mut self) {
         let amx = self.bf16 == Some(Bf16Kernels::Amx);
         // The head first: while a matrix is copied, its source pages and its copy are both
         // resident, so the largest goes while nothing else has been copied yet (the peak is
@@ -1272,11 +1274,18 @@ impl Model {
             .into_iter()
             .chain(self.layers.iter_mut().flat_map(|l| l.dense_linears_mut()))
             .chain(self.per_layer_inputs.as_mut().map(|p| &mut p.projection));
+        // On AVX2 without AVX-512 the f32 products read BF16 weights in strips instead.
+        let f32_products = self.bf16.is_none();
         for linear in linears {
             if amx {
                 linear.tile_for_amx();
             } else {
                 linear.tiles = None;
+            }
+            if f32_products {
+                linear.strip_for_avx2();
+            } else {
+                linear.strips = None;
             }
         }
     }
