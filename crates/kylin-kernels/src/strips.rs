@@ -184,8 +184,7 @@ fn pack_strip_sized<const SIZE: usize>(w: WeightMatrix<'_>, s: usize, out: &mut 
     for (c, column) in out.chunks_exact_mut(STRIP_ROWS * SIZE).enumerate() {
         for (value, source) in column.chunks_exact_mut(SIZE).zip(&sources) {
             if let Some(row) = source {
-                let v: &[u8; SIZE] = row[c * SIZE..(c + 1) * SIZE].try_into().expect("SIZE bytes");
-                value.copy_from_slice(v);
+                value.copy_from_slice(&row[c * SIZE..(c + 1) * SIZE]);
             }
         }
     }
@@ -234,25 +233,21 @@ unsafe fn strip_rows(w: StripMatrix<'_>, x: &[f32], n_tokens: usize, out: OutPtr
         // Bytes per strip.
         let strip_len = w.cols * STRIP_ROWS * w.dtype.size_in_bytes();
         let tile = |s: usize, strips: usize, t0: usize, tokens: usize| {
-            // Rows of the last strip of this tile that exist.
-            let last_rows = (r1 - (s + strips - 1) * STRIP_ROWS).min(STRIP_ROWS);
+            let tile = x86::Tile {
+                w: w.data[s * strip_len..].as_ptr(),
+                strip_len,
+                cols: w.cols,
+                x: x[t0 * w.cols..].as_ptr(),
+                // SAFETY: token `t0`'s output row is inside `out` (`t0 < n_tokens`).
+                y: unsafe { out.0.add(t0 * w.rows + s * STRIP_ROWS) },
+                y_stride: w.rows,
+                // Rows of the tile's last strip that exist.
+                last_rows: (r1 - (s + strips - 1) * STRIP_ROWS).min(STRIP_ROWS),
+            };
             // SAFETY: strips `s..s + strips` are below `s1` (inside `w.data`), tokens
             // `t0..t0 + tokens` inside `x` and `out`; rows `16s..16(s + strips)` clipped to
             // `r1` are this call's (the caller's contract).
-            unsafe {
-                x86::strip_tile(
-                    w.dtype,
-                    tokens,
-                    strips,
-                    w.data.as_ptr().add(s * strip_len),
-                    strip_len,
-                    w.cols,
-                    x.as_ptr().add(t0 * w.cols),
-                    out.0.add(t0 * w.rows + s * STRIP_ROWS),
-                    w.rows,
-                    last_rows,
-                )
-            }
+            unsafe { x86::strip_tile(w.dtype, tokens, strips, tile) }
         };
         if n_tokens < TILE_TOKENS {
             // Few tokens (decode): as many strips per tile as the registers hold, each strip
@@ -298,34 +293,34 @@ mod x86 {
     const F16: u8 = 1;
     const BF16: u8 = 2;
 
+    /// One tile's operands: `w` is the first strip's column 0 (strips `strip_len` bytes apart),
+    /// `x` the first token's row of `cols` floats, `y` its output row (rows `y_stride` apart);
+    /// the last strip writes its first `last_rows` rows only.
+    #[derive(Clone, Copy)]
+    pub(super) struct Tile {
+        pub(super) w: *const u8,
+        pub(super) strip_len: usize,
+        pub(super) cols: usize,
+        pub(super) x: *const f32,
+        pub(super) y: *mut f32,
+        pub(super) y_stride: usize,
+        pub(super) last_rows: usize,
+    }
+
     /// `y[t, 16s' + i] = chain over c of fma(w, x[t, c], ·)` for `tokens` tokens and `strips`
-    /// strips of `dtype` from `w` (the first strip's column 0, `strip_len` bytes apart), each
-    /// token's row of `x` `cols` long, each output row `y_stride` long; the last strip writes
-    /// its first `last_rows` rows only.
+    /// strips of `dtype`.
     ///
     /// # Safety
-    /// AVX2, FMA and F16C present; `w` valid for `strips · strip_len` bytes, `x` for
-    /// `tokens · cols` floats, `y` for writing `tokens` rows of `y_stride` floats from its
+    /// AVX2, FMA and F16C present; `tile.w` valid for `strips · strip_len` bytes, `tile.x` for
+    /// `tokens · cols` floats, `tile.y` for writing `tokens` rows of `y_stride` floats from its
     /// start, of which the tile writes `16 · (strips - 1) + last_rows` columns.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn strip_tile(
-        dtype: WeightDType,
-        tokens: usize,
-        strips: usize,
-        w: *const u8,
-        strip_len: usize,
-        cols: usize,
-        x: *const f32,
-        y: *mut f32,
-        y_stride: usize,
-        last_rows: usize,
-    ) {
+    pub(super) unsafe fn strip_tile(dtype: WeightDType, tokens: usize, strips: usize, tile: Tile) {
         // SAFETY: the caller's contract.
         unsafe {
             match dtype {
-                WeightDType::F32 => shaped::<F32>(tokens, strips, w, strip_len, cols, x, y, y_stride, last_rows),
-                WeightDType::F16 => shaped::<F16>(tokens, strips, w, strip_len, cols, x, y, y_stride, last_rows),
-                WeightDType::BF16 => shaped::<BF16>(tokens, strips, w, strip_len, cols, x, y, y_stride, last_rows),
+                WeightDType::F32 => shaped::<F32>(tokens, strips, tile),
+                WeightDType::F16 => shaped::<F16>(tokens, strips, tile),
+                WeightDType::BF16 => shaped::<BF16>(tokens, strips, tile),
             }
         }
     }
@@ -334,33 +329,22 @@ mod x86 {
     ///
     /// # Safety
     /// As [`strip_tile`].
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn shaped<const D: u8>(
-        tokens: usize,
-        strips: usize,
-        w: *const u8,
-        strip_len: usize,
-        cols: usize,
-        x: *const f32,
-        y: *mut f32,
-        y_stride: usize,
-        last_rows: usize,
-    ) {
+    unsafe fn shaped<const D: u8>(tokens: usize, strips: usize, tile: Tile) {
         // SAFETY: the caller's contract, for the tile shape chosen.
         unsafe {
             match (tokens, strips) {
-                (1, 4) => tile::<D, 1, 4>(w, strip_len, cols, x, y, y_stride, last_rows),
-                (1, 3) => tile::<D, 1, 3>(w, strip_len, cols, x, y, y_stride, last_rows),
-                (1, 2) => tile::<D, 1, 2>(w, strip_len, cols, x, y, y_stride, last_rows),
-                (1, 1) => tile::<D, 1, 1>(w, strip_len, cols, x, y, y_stride, last_rows),
-                (2, 3) => tile::<D, 2, 3>(w, strip_len, cols, x, y, y_stride, last_rows),
-                (2, 2) => tile::<D, 2, 2>(w, strip_len, cols, x, y, y_stride, last_rows),
-                (2, 1) => tile::<D, 2, 1>(w, strip_len, cols, x, y, y_stride, last_rows),
-                (3, 2) => tile::<D, 3, 2>(w, strip_len, cols, x, y, y_stride, last_rows),
-                (3, 1) => tile::<D, 3, 1>(w, strip_len, cols, x, y, y_stride, last_rows),
-                (4, 1) => tile::<D, 4, 1>(w, strip_len, cols, x, y, y_stride, last_rows),
-                (5, 1) => tile::<D, 5, 1>(w, strip_len, cols, x, y, y_stride, last_rows),
-                (6, 1) => tile::<D, 6, 1>(w, strip_len, cols, x, y, y_stride, last_rows),
+                (1, 4) => run::<D, 1, 4>(tile),
+                (1, 3) => run::<D, 1, 3>(tile),
+                (1, 2) => run::<D, 1, 2>(tile),
+                (1, 1) => run::<D, 1, 1>(tile),
+                (2, 3) => run::<D, 2, 3>(tile),
+                (2, 2) => run::<D, 2, 2>(tile),
+                (2, 1) => run::<D, 2, 1>(tile),
+                (3, 2) => run::<D, 3, 2>(tile),
+                (3, 1) => run::<D, 3, 1>(tile),
+                (4, 1) => run::<D, 4, 1>(tile),
+                (5, 1) => run::<D, 5, 1>(tile),
+                (6, 1) => run::<D, 6, 1>(tile),
                 _ => unreachable!("no {tokens}-token × {strips}-strip tile"),
             }
         }
@@ -368,15 +352,8 @@ mod x86 {
 
     /// [`strip_tile`] for dtype `D`, `T` tokens × `S` strips: `2 · S · T` accumulators.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile<const D: u8, const T: usize, const S: usize>(
-        w: *const u8,
-        strip_len: usize,
-        cols: usize,
-        x: *const f32,
-        y: *mut f32,
-        y_stride: usize,
-        last_rows: usize,
-    ) {
+    unsafe fn run<const D: u8, const T: usize, const S: usize>(tile: Tile) {
+        let Tile { w, strip_len, cols, x, y, y_stride, last_rows } = tile;
         // Bytes per strip column: 16 values.
         let column = if D == F32 { 64 } else { 32 };
         let mut acc = [[[_mm256_setzero_ps(); 2]; S]; T];
@@ -414,16 +391,8 @@ mod x86 {
             }
             for (t, a) in acc.iter().enumerate() {
                 for (s, v) in a.iter().enumerate() {
-                    let out = y.add(t * y_stride + s * 16);
-                    if s + 1 < S || last_rows == 16 {
-                        _mm256_storeu_ps(out, v[0]);
-                        _mm256_storeu_ps(out.add(8), v[1]);
-                    } else {
-                        let mut tmp = [0.0f32; 16];
-                        _mm256_storeu_ps(tmp.as_mut_ptr(), v[0]);
-                        _mm256_storeu_ps(tmp.as_mut_ptr().add(8), v[1]);
-                        std::ptr::copy_nonoverlapping(tmp.as_ptr(), out, last_rows);
-                    }
+                    let rows = if s + 1 < S { 16 } else { last_rows };
+                    crate::x86::store_rows16(y.add(t * y_stride + s * 16), v[0], v[1], rows);
                 }
             }
         }

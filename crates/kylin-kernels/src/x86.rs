@@ -355,16 +355,30 @@ unsafe fn packed_tile<const MT: usize>(
             }
         }
         for (t, a) in acc.iter().enumerate() {
-            let out = y.add(t * y_stride);
-            if nr == 16 {
-                _mm256_storeu_ps(out, a[0]);
-                _mm256_storeu_ps(out.add(8), a[1]);
-            } else {
-                let mut tmp = [0.0f32; 16];
-                _mm256_storeu_ps(tmp.as_mut_ptr(), a[0]);
-                _mm256_storeu_ps(tmp.as_mut_ptr().add(8), a[1]);
-                std::ptr::copy_nonoverlapping(tmp.as_ptr(), out, nr);
-            }
+            store_rows16(y.add(t * y_stride), a[0], a[1], nr);
+        }
+    }
+}
+
+/// Stores the first `n` (at most 16) of the 16 floats `lo` (0..8) and `hi` (8..16) at `out`:
+/// one row of an outer-product tile's 16 outputs, of which the last strip or panel may have
+/// fewer.
+///
+/// # Safety
+/// AVX present; `out` valid for writing `n` floats.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(crate) unsafe fn store_rows16(out: *mut f32, lo: __m256, hi: __m256, n: usize) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        if n == 16 {
+            _mm256_storeu_ps(out, lo);
+            _mm256_storeu_ps(out.add(8), hi);
+        } else {
+            let mut tmp = [0.0f32; 16];
+            _mm256_storeu_ps(tmp.as_mut_ptr(), lo);
+            _mm256_storeu_ps(tmp.as_mut_ptr().add(8), hi);
+            std::ptr::copy_nonoverlapping(tmp.as_ptr(), out, n);
         }
     }
 }
