@@ -35,6 +35,26 @@ fn err_code(args: &[&str]) -> String {
 
 const IDS: &str = "1,50,300,7,900,12,5,811,64";
 
+/// The same top tokens at every position, with logits equal up to the order of f32 sums: the
+/// `.bin`'s un-permuted q/k are made at load, and on AVX2 without AVX-512 weights made at load
+/// run row-major where the HF directory's mapped ones run in strips.
+fn assert_same_top_logits(got: &str, want: &str, what: &str) {
+    let (got, want): (Value, Value) = (serde_json::from_str(got).unwrap(), serde_json::from_str(want).unwrap());
+    assert_eq!(got["input_ids"], want["input_ids"], "{what}");
+    let positions = |v: &Value| v["positions"].as_array().unwrap().clone();
+    let (got, want) = (positions(&got), positions(&want));
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (p, (g, w)) in got.iter().zip(&want).enumerate() {
+        let (g, w) = (g["top"].as_array().unwrap(), w["top"].as_array().unwrap());
+        assert_eq!(g.len(), w.len(), "{what}: position {p}");
+        for (a, b) in g.iter().zip(w) {
+            assert_eq!(a[0], b[0], "{what}: position {p}: top tokens");
+            let (x, y) = (a[1].as_f64().unwrap(), b[1].as_f64().unwrap());
+            assert!((x - y).abs() <= 1e-4 * y.abs().max(1.0), "{what}: position {p}: logit {x} against {y}");
+        }
+    }
+}
+
 #[test]
 fn convert_both_ways_and_every_command_reads_the_bin() {
     let hf = support::llama_fixture(10000.0, false);
@@ -74,7 +94,7 @@ fn convert_both_ways_and_every_command_reads_the_bin() {
 
         if version < 2 {
             let got = ok(&["logits", s(&file), "--ids", IDS, "--top", "5", "--json", "--precision", "f32"]);
-            assert_eq!(got, want_logits, "version {version}");
+            assert_same_top_logits(&got, &want_logits, &format!("version {version}"));
             let run = ok_json(&[
                 "run",
                 s(&file),
