@@ -578,7 +578,35 @@ unsafe fn compute_groups(
     let blocks = cols / QK8_0;
     // Batched decode: the first token tile over a group prefetches the next group's weights.
     let prefetch_next = crate::prefetches_weights(n_tokens);
-    for g in r0 / GROUP_ROWS..r1.div_ceil(GROUP_ROWS) {
+    let groups = r0 / GROUP_ROWS..r1.div_ceil(GROUP_ROWS);
+    let mut first_single = groups.start;
+    // One token on AVX2 through Q8_0: four groups at a time, in four streams (see
+    // `tile_avx2_one_token_groups`); the rest one by one below.
+    #[cfg(target_arch = "x86_64")]
+    if let (1, Int8Isa::Avx2, QuantMatrix::Q8_0(m)) = (n_tokens, kernels, w) {
+        const G: usize = crate::quant_x86::ONE_TOKEN_GROUPS;
+        while first_single + G <= groups.end {
+            let g0 = first_single;
+            let planes: [(&[u8], &[u8]); G] = std::array::from_fn(|i| m.group(g0 + i));
+            let valid: [usize; G] = std::array::from_fn(|i| (rows - (g0 + i) * GROUP_ROWS).min(GROUP_ROWS));
+            // SAFETY: rows `g·16 .. g·16 + valid` of the token lie inside the output and belong
+            // to this call for each of the groups; each plane pair is one whole group and `xq`
+            // one whole token row of Q8_0 activations.
+            unsafe {
+                let y: [*mut f32; G] = std::array::from_fn(|i| out.0.add((g0 + i) * GROUP_ROWS));
+                crate::quant_x86::tile_avx2_one_token_groups::<G>(
+                    planes.map(|p| p.0),
+                    planes.map(|p| p.1),
+                    blocks,
+                    xq,
+                    y,
+                    valid,
+                );
+            }
+            first_single += G;
+        }
+    }
+    for g in first_single..groups.end {
         let valid = (rows - g * GROUP_ROWS).min(GROUP_ROWS);
         let (wq, ws) = match w {
             QuantMatrix::Q8_0(m) | QuantMatrix::Q8_0A16(m) => m.group(g),

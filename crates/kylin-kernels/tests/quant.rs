@@ -154,7 +154,7 @@ fn activation_quantization_matches_its_definition() {
 #[test]
 fn products_have_the_canonical_bits_and_the_expected_accuracy() {
     let mut rng = Rng(3);
-    for (rows, cols) in [(1, 32), (7, 64), (16, 96), (33, 576), (50, 1024)] {
+    for (rows, cols) in [(1, 32), (7, 64), (16, 96), (33, 576), (50, 1024), (150, 64)] {
         let (_, data) = packed(&mut rng, WeightDType::BF16, rows, cols);
         let m = data.matrix().as_q8_0().expect("q8_0");
         for n in [1, 2, 5, 8, 9, 19] {
