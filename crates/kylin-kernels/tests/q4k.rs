@@ -194,8 +194,11 @@ fn activation_quantization_matches_its_definition() {
 #[test]
 fn products_have_the_canonical_bits_and_the_expected_accuracy() {
     let mut rng = Rng(3);
-    // 1344 and 2304 columns: more than one chunk of a prefill's unpacked weights (1024).
-    for (rows, cols) in [(1, 64), (7, 128), (16, 320), (33, 576), (50, 896), (19, 1024), (9, 1344), (20, 2304)] {
+    // 1344 and 2304 columns: more than one chunk of a prefill's unpacked weights (1024); 150
+    // rows: ten groups, split unevenly between the threads.
+    for (rows, cols) in
+        [(1, 64), (7, 128), (16, 320), (33, 576), (50, 896), (19, 1024), (9, 1344), (20, 2304), (150, 576)]
+    {
         let (_, data) = packed(&mut rng, WeightDType::BF16, rows, cols);
         let m = data.matrix().as_q4k().expect("q4_k");
         // 40 tokens: a prefill's path (weights unpacked once for every tile of 8 tokens).
