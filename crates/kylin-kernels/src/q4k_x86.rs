@@ -861,45 +861,6 @@ pub(crate) unsafe fn group_vnni_unpacked<const SCALES: u8>(
     }
 }
 
-/// `$body` for `$k` = 0, 1, …, 7 in turn, written out: the compiler need not unroll a loop
-/// for what depends on `$k` (a shift's immediate) to be a constant.
-macro_rules! unroll_k8 {
-    ($k:ident => $body:block) => {{
-        {
-            let $k: usize = 0;
-            $body
-        }
-        {
-            let $k: usize = 1;
-            $body
-        }
-        {
-            let $k: usize = 2;
-            $body
-        }
-        {
-            let $k: usize = 3;
-            $body
-        }
-        {
-            let $k: usize = 4;
-            $body
-        }
-        {
-            let $k: usize = 5;
-            $body
-        }
-        {
-            let $k: usize = 6;
-            $body
-        }
-        {
-            let $k: usize = 7;
-            $body
-        }
-    }};
-}
-
 /// Weight vector `$k` of sub-block `$j` (whose pair starts at `$wb`), rows `8h .. 8h + 8`
 /// for `$h`, in the AVX2 tile of `$scales`: its 32 nibbles and, for Q5_0 and Q6_0, the high
 /// bits from the scales plane at `$sp` moved to bits `4 .. 4 + H` and ORed on (`63 · 128 · 2 <
@@ -941,23 +902,25 @@ const fn run_steps(high: usize) -> usize {
 /// registers).
 const RUN_STEPS: usize = 4;
 
-/// Up to how many tokens the AVX2 tile makes a sub-block pair's two sums from one load of the
-/// pair's shared quant bytes (low nibbles: the even sub-block, high: the odd one) instead of
-/// loading the bytes once per sub-block and shifting for the odd one; for Q5_0 and Q6_0 the
-/// two sub-blocks' high bits are ORed on from their own vectors. Fewer instructions per weight
-/// byte where a decode step has the least arithmetic to hide its loads under; each token's
-/// two sums take twice the registers, so only a few tokens fit. Qwen3-0.6B's 28 layers for one
-/// token (`model_quant_decode`, Zen 3, medians of 60): Q4_K on one thread 17.6–20.4 → 15.3–16.5
-/// ms, on two 12.6–14.4 → 10.9–13.3 ms; Q6_0 on two 14.9–16.6 → 13.8–15.5 ms; Q5_0 level
-/// (12.9–14.6 ms either way). Two tokens: level or up to 16% less. The integer sums are the
-/// same, so are the bits.
+/// Up to how many tokens the AVX2 tile makes a Q4_K or Q4_G sub-block pair's two sums from
+/// one load of the pair's shared quant bytes (low nibbles: the even sub-block, high: the odd
+/// one) instead of loading the bytes once per sub-block and shifting for the odd one: fewer
+/// instructions per weight byte where a decode step has the least arithmetic to hide its
+/// loads under. Each token's two sums take twice the registers, so only a few tokens fit.
+/// Qwen3-0.6B's 28 layers in Q4_K for one token (`model_quant_decode`, Zen 3, medians of 60,
+/// alternating rounds): on one thread 16.2–22.9 → 14.3–17.8 ms (lower in three rounds of
+/// four), on two 11.3–12.2 → 10.5–12.0 ms (lower in all four); two tokens level. The same
+/// pairing for Q5_0 and Q6_0 (the two sub-blocks' high bits ORed on from their own vectors)
+/// was level with their runs by halves (Q5_0 slower in four rounds of five, Q6_0 faster in
+/// four, by a few percent) and was not kept. The integer sums are the same, so are the bits.
 const PAIRED_MT: usize = 2;
 
 /// `MT` tokens × one group of 16 rows on AVX2, each weight vector loaded and unpacked (with
-/// Q5_0's and Q6_0's high bits ORed on) once for all `MT` tokens; with at most [`PAIRED_MT`]
-/// tokens, each pair of sub-blocks from one load of its shared bytes. For Q4_K and Q4_G a
-/// sub-block's eight `vpmaddubsw` pair sums are added in 16 bits before one `vpmaddwd` widens
-/// them (each lane sums 8 pairs, `8 · 2 · 15 · 127 = 30480 < 2^15`: exact). With high bits
+/// Q5_0's and Q6_0's high bits ORed on) once for all `MT` tokens; for Q4_K and Q4_G with at
+/// most [`PAIRED_MT`] tokens, each pair of sub-blocks from one load of its shared bytes. For
+/// Q4_K and Q4_G a sub-block's eight `vpmaddubsw` pair sums are added in 16 bits before one
+/// `vpmaddwd` widens them (each lane sums 8 pairs, `8 · 2 · 15 · 127 = 30480 < 2^15`: exact).
+/// With high bits
 /// the tile runs one half of the rows at a time, in runs of [`run_steps`] weight vectors
 /// (four for Q5_0, two for Q6_0) added in 16 bits. That needs one `vpmaddwd` per run where
 /// each weight vector took one, and holds only one half's sums, so eight tokens fit in the
@@ -1008,81 +971,37 @@ unsafe fn tile_avx2_shared<const MT: usize, const SCALES: u8>(
                     // Q5_0 and Q6_0: one half of the rows (`8h .. 8h + 8`) at a time, the
                     // weight vectors in runs of `run_steps` whose pair sums add in 16 bits
                     // (exact, see there) before one `vpmaddwd` widens them into the token's
-                    // 32-bit sum. With at most `PAIRED_MT` tokens sub-blocks `j` and `j + 1`
-                    // go together, from one load of their shared low bits, and the odd `jj`
-                    // has nothing left to do.
-                    let paired = MT <= PAIRED_MT;
-                    if paired && !jj.is_multiple_of(2) {
-                        continue;
-                    }
-                    let subs = if paired { 2 } else { 1 };
+                    // 32-bit sum.
                     let steps = run_steps(high);
-                    let (low, high_mask) =
-                        (_mm256_set1_epi8(0x0F), _mm256_set1_epi8((((1u16 << high) - 1) << 4) as u8 as i8));
                     for h in 0..2 {
-                        // Sub-block `j + u`'s sums of token `t` at `sums[u][t]`.
-                        let mut sums = [[_mm256_setzero_si256(); MT]; 2];
-                        if paired {
-                            // The weight vectors written out one by one (`unroll_k8!`), so that
-                            // each high-bit shift is a constant.
-                            let mut runs = [[_mm256_setzero_si256(); MT]; 2];
-                            unroll_k8!(k => {
-                                let raw = _mm256_loadu_si256(wb.add(64 * k + 32 * h) as *const __m256i);
-                                let nibbles = [_mm256_and_si256(raw, low), _mm256_and_si256(_mm256_srli_epi16(raw, 4), low)];
-                                let (v, slot_bit) = crate::q56::high_bit_slot(high, k);
-                                for (u, (nibbles, runs)) in nibbles.into_iter().zip(&mut runs).enumerate() {
-                                    let at = crate::q56::high_bits_offset(high, j + u) + 64 * v + 32 * h;
-                                    let bits = _mm256_loadu_si256(sp.add(at) as *const __m256i);
-                                    let placed = shift_bytes_to_bit4_avx2(bits, slot_bit);
-                                    let w = _mm256_or_si256(nibbles, _mm256_and_si256(placed, high_mask));
-                                    for (t, run) in runs.iter_mut().enumerate() {
-                                        let xb = xp.add(t * stride + (j + u) * SUB + 4 * k);
-                                        let x4 = _mm256_set1_epi32(std::ptr::read_unaligned(xb as *const i32));
-                                        let products = _mm256_maddubs_epi16(w, x4);
-                                        *run = if k.is_multiple_of(steps) { products } else { _mm256_add_epi16(*run, products) };
-                                    }
+                        let mut sums = [_mm256_setzero_si256(); MT];
+                        for k0 in (0..8).step_by(steps) {
+                            let mut w = [_mm256_setzero_si256(); RUN_STEPS];
+                            for (i, w) in w.iter_mut().enumerate().take(steps) {
+                                *w = unpack_avx2!(SCALES, wb, sp, j, k0 + i, h);
+                            }
+                            for (t, sum) in sums.iter_mut().enumerate() {
+                                let xb = xp.add(t * stride + j * SUB + 4 * k0);
+                                let mut run = _mm256_setzero_si256();
+                                for (i, w) in w.iter().enumerate().take(steps) {
+                                    let x4 = _mm256_set1_epi32(std::ptr::read_unaligned(xb.add(4 * i) as *const i32));
+                                    let products = _mm256_maddubs_epi16(*w, x4);
+                                    run = if i == 0 { products } else { _mm256_add_epi16(run, products) };
                                 }
-                                if (k + 1).is_multiple_of(steps) {
-                                    for (sums, runs) in sums.iter_mut().zip(&runs) {
-                                        for (sum, run) in sums.iter_mut().zip(runs) {
-                                            *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(*run, ones));
-                                        }
-                                    }
-                                }
-                            });
-                        } else {
-                            for k0 in (0..8).step_by(steps) {
-                                let mut w = [_mm256_setzero_si256(); RUN_STEPS];
-                                for (i, w) in w.iter_mut().enumerate().take(steps) {
-                                    *w = unpack_avx2!(SCALES, wb, sp, j, k0 + i, h);
-                                }
-                                for (t, sum) in sums[0].iter_mut().enumerate() {
-                                    let xb = xp.add(t * stride + j * SUB + 4 * k0);
-                                    let mut run = _mm256_setzero_si256();
-                                    for (i, w) in w.iter().enumerate().take(steps) {
-                                        let x4 =
-                                            _mm256_set1_epi32(std::ptr::read_unaligned(xb.add(4 * i) as *const i32));
-                                        let products = _mm256_maddubs_epi16(*w, x4);
-                                        run = if i == 0 { products } else { _mm256_add_epi16(run, products) };
-                                    }
-                                    *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(run, ones));
-                                }
+                                *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(run, ones));
                             }
                         }
-                        for (u, sums) in sums.iter().enumerate().take(subs) {
-                            let j = j + u;
-                            let at = crate::q56::scales_offset(high, j) + 16 * h;
-                            let d = _mm256_cvtph_ps(_mm_loadu_si128(sp.add(at) as *const __m128i));
-                            for (t, acc) in acc.iter_mut().enumerate() {
-                                let xt = xp.add(t * stride);
-                                let dx = _mm256_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * j) as *const f32));
-                                // Q8_0's activations: `−128 · Σq_x` over 8 (4) takes the offset
-                                // of 16 (32) out of the integer sums, as in the VNNI tile.
-                                let corr =
-                                    std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const i32) >> (4 - high);
-                                let isum = _mm256_add_epi32(sums[t], _mm256_set1_epi32(corr));
-                                acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), acc[h]);
-                            }
+                        let at = crate::q56::scales_offset(high, j) + 16 * h;
+                        let d = _mm256_cvtph_ps(_mm_loadu_si128(sp.add(at) as *const __m128i));
+                        for (t, acc) in acc.iter_mut().enumerate() {
+                            let xt = xp.add(t * stride);
+                            let dx = _mm256_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * j) as *const f32));
+                            // Q8_0's activations: `−128 · Σq_x` over 8 (4) takes the offset of
+                            // 16 (32) out of the integer sums, as in the VNNI tile.
+                            let corr =
+                                std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const i32) >> (4 - high);
+                            let isum = _mm256_add_epi32(sums[t], _mm256_set1_epi32(corr));
+                            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), acc[h]);
                         }
                     }
                     continue;
