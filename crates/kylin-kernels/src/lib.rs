@@ -58,7 +58,7 @@ pub mod w16;
 mod x86;
 
 pub use gemm::{PANEL_ROWS, TILE_TOKENS, gemm_packed};
-pub use matmul::{GEMM_MIN_TOKENS, bf16_scratch_len};
+pub use matmul::{FloatRowInput, GEMM_MIN_TOKENS, bf16_scratch_len};
 pub use pool::{ThreadPool, physical_cores};
 
 use std::sync::OnceLock;
@@ -335,6 +335,14 @@ pub fn matmul(pool: &ThreadPool, w: WeightMatrix<'_>, x: &[f32], n_tokens: usize
 /// thread-pool synchronisation instead of one per matrix. Allocates nothing.
 pub fn matmul_many(pool: &ThreadPool, x: &[f32], n_tokens: usize, jobs: &mut [(WeightMatrix<'_>, &mut [f32])]) {
     matmul::matmul_many(pool, x, n_tokens, jobs)
+}
+
+/// One token per matrix, each reading its own row of `xs`: `y_i = xs[row_i] · W_iᵀ` for every
+/// `(FloatRowInput { W_i, row_i }, y_i)` in `jobs`, with one thread-pool synchronisation per
+/// eight matrices (a decode step's routed experts' down products). Row `r` of `y_i` has the same
+/// bits as [`matmul`] of `xs[row_i]` alone. Allocates nothing.
+pub fn matmul_rows(pool: &ThreadPool, xs: &[f32], jobs: &mut [(FloatRowInput<'_>, &mut [f32])]) {
+    matmul::matmul_rows(pool, xs, jobs)
 }
 
 /// Row `row` of `w` widened to f32 into `out` (`out.len() == w.cols`): the embedding lookup.

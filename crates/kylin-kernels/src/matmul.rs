@@ -85,6 +85,53 @@ fn run_chunk(pool: &ThreadPool, x: &[f32], n_tokens: usize, jobs: &mut [(WeightM
     });
 }
 
+/// A float matrix and the row of the input it reads, for [`matmul_rows`].
+#[derive(Debug, Clone, Copy)]
+pub struct FloatRowInput<'a> {
+    pub matrix: WeightMatrix<'a>,
+    /// The row of `xs` this matrix multiplies.
+    pub row: usize,
+}
+
+impl MatrixRows for FloatRowInput<'_> {
+    fn rows(&self) -> usize {
+        self.matrix.rows
+    }
+}
+
+/// `y_i = xs[row_i] · W_iᵀ` for every `(FloatRowInput { W_i, row_i }, y_i)` in `jobs`: one
+/// token per matrix, each reading its own row of `xs` `(input rows, cols)`, in one pool job per
+/// [`MAX_FUSED`] matrices (the float twin of `quant::matmul_rows_quant`: a decode step's routed
+/// experts, whose down products each read their own expert's activations).
+///
+/// Shapes: every `W_i` is `(rows_i, cols)`, `y_i` is `(1, rows_i)`. Row `r` of `y_i` has the
+/// GEMV's bits, the same as [`matmul_many`] over `xs[row_i]` alone. Allocates nothing. Panics
+/// on a shape disagreement or a row outside `xs` (a caller bug).
+pub fn matmul_rows(pool: &ThreadPool, xs: &[f32], jobs: &mut [(FloatRowInput<'_>, &mut [f32])]) {
+    let Some((first, _)) = jobs.first() else { return };
+    let cols = first.matrix.cols;
+    assert!(cols > 0 && xs.len().is_multiple_of(cols), "xs.len() is not a whole number of rows of {cols}");
+    let inputs = xs.len() / cols;
+    for (w, y) in jobs.iter() {
+        // These checks make the unsafe reads and writes below sound.
+        let m = w.matrix;
+        assert_eq!(m.cols, cols, "every matrix of matmul_rows has the input's {cols} columns");
+        assert_eq!(m.data.len(), m.rows * m.cols * m.dtype.size_in_bytes(), "weight data length != rows * cols * size");
+        assert!(w.row < inputs, "input row {} of {inputs}", w.row);
+        assert_eq!(y.len(), m.rows, "y.len() != rows");
+    }
+    let isa = isa();
+    for chunk in jobs.chunks_mut(MAX_FUSED) {
+        let bytes: usize = chunk.iter().map(|(w, _)| w.matrix.data.len()).sum();
+        let threads = if bytes >= MIN_PARALLEL_BYTES { pool.threads() } else { 1 };
+        // SAFETY: `split_rows` hands each task row ranges no other task gets, so each writes
+        // only rows `r0..r1` of its own output; shapes were checked above.
+        split_rows(pool, chunk, 4, threads, &|w: FloatRowInput<'_>, out, r0, r1| unsafe {
+            compute_rows(isa, false, w.matrix, &xs[w.row * cols..(w.row + 1) * cols], 1, out, r0, r1)
+        });
+    }
+}
+
 /// Splits the output rows of every matrix in `jobs` (at most [`MAX_FUSED`]) into pieces of
 /// `unit` rows, hands them to pool tasks for `threads` threads ([`guided_partition`]) and runs
 /// `compute(w, out, r0, r1)` on each piece: rows `r0..r1` of matrix `w`, whose output starts at

@@ -1,6 +1,7 @@
-//! Batch invariance (DESIGN.md invariant 7): every output row of `matmul` and `matmul_many` is
-//! bit for bit the row computed for that token alone (`n_tokens = 1`), whatever the batch size,
-//! the token's position in the batch, the thread count and the grouping of matrices.
+//! Batch invariance (DESIGN.md invariant 7): every output row of `matmul`, `matmul_many` and
+//! `matmul_rows` is bit for bit the row computed for that token alone (`n_tokens = 1`),
+//! whatever the batch size, the token's position in the batch, the thread count and the
+//! grouping of matrices.
 //!
 //! The checks run under the instruction set detected for this process; a second test re-runs
 //! this test binary with `KYLIN_KERNELS_ISA=avx2` and `KYLIN_KERNELS_ISA=scalar`, so every
@@ -132,18 +133,85 @@ fn matmul_many_is_batch_invariant() {
     }
 }
 
-/// Re-runs the two tests above in a child process for every instruction set this machine can
+/// `matmul_rows` (one token per matrix, each reading its own row of the input: a decode step's
+/// routed experts' down products) gives every matrix the bits of `matmul` over its row alone,
+/// with more matrices than one pool job takes (two jobs), rows read twice, and on 1–3 threads.
+#[test]
+fn matmul_rows_matches_each_row_alone() {
+    let pools: Vec<ThreadPool> = (1..=3).map(ThreadPool::new).collect();
+    let mut rng = Rng(0x0D0E_5EED);
+    for cols in [7, 33, 257, 1031] {
+        let inputs = 6;
+        let xs = rng.vec(inputs * cols);
+        let shapes = [
+            (WeightDType::BF16, 97),
+            (WeightDType::F16, 24),
+            (WeightDType::F32, 5),
+            (WeightDType::BF16, 25),
+            (WeightDType::BF16, 1),
+            (WeightDType::F32, 23),
+            (WeightDType::F16, 40),
+            (WeightDType::BF16, 64),
+            (WeightDType::BF16, 33),
+            (WeightDType::F16, 7),
+        ];
+        let datas: Vec<Vec<u8>> = shapes.iter().map(|(d, r)| rng.weights(*d, r * cols)).collect();
+        let ws: Vec<WeightMatrix<'_>> =
+            shapes.iter().zip(&datas).map(|((d, r), data)| WeightMatrix { dtype: *d, rows: *r, cols, data }).collect();
+        // Matrix i reads row (5i + 3) mod 6: rows 3, 2, 1, 0, 5, 4, 3, ...
+        let row_of = |i: usize| (5 * i + 3) % inputs;
+        let alone: Vec<Vec<u32>> = ws
+            .iter()
+            .enumerate()
+            .map(|(i, w)| {
+                let mut y = vec![f32::NAN; w.rows];
+                kylin_kernels::matmul(&pools[0], *w, &xs[row_of(i) * cols..(row_of(i) + 1) * cols], 1, &mut y);
+                bits(&y)
+            })
+            .collect();
+        for pool in &pools {
+            let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![f32::NAN; w.rows]).collect();
+            {
+                let mut jobs: Vec<(kylin_kernels::FloatRowInput<'_>, &mut [f32])> = ws
+                    .iter()
+                    .zip(ys.iter_mut())
+                    .enumerate()
+                    .map(|(i, (w, y))| (kylin_kernels::FloatRowInput { matrix: *w, row: row_of(i) }, y.as_mut_slice()))
+                    .collect();
+                kylin_kernels::matmul_rows(pool, &xs, &mut jobs);
+            }
+            for (i, (y, want)) in ys.iter().zip(&alone).enumerate() {
+                assert_eq!(
+                    bits(y),
+                    *want,
+                    "matmul_rows matrix {i} ({:?} {}x{cols}) threads={}",
+                    ws[i].dtype,
+                    ws[i].rows,
+                    pool.threads()
+                );
+            }
+        }
+    }
+}
+
+/// Re-runs the three tests above in a child process for every instruction set this machine can
 /// be capped to, so the AVX2 and scalar paths are held to the same invariant as the default.
 #[test]
 fn every_isa_is_batch_invariant() {
     if std::env::var_os("KYLIN_KERNELS_ISA").is_some() {
-        // Already a child (or the caller chose one ISA): the two tests above cover it.
+        // Already a child (or the caller chose one ISA): the three tests above cover it.
         return;
     }
     let exe = std::env::current_exe().expect("the test binary's path");
     for cap in ["avx2", "scalar"] {
         let status = std::process::Command::new(&exe)
-            .args(["--exact", "matmul_is_batch_invariant", "matmul_many_is_batch_invariant", "--test-threads=2"])
+            .args([
+                "--exact",
+                "matmul_is_batch_invariant",
+                "matmul_many_is_batch_invariant",
+                "matmul_rows_matches_each_row_alone",
+                "--test-threads=2",
+            ])
             .env("KYLIN_KERNELS_ISA", cap)
             .status()
             .expect("spawn the test binary");

@@ -50,6 +50,9 @@ fn kernels_do_not_allocate() {
         kylin_kernels::matmul(&pool, f32w, &x[..5 * cols], 5, &mut y[..5 * rows]);
         kylin_kernels::matmul(&pool, wide, &x[..9 * 4096], 9, &mut y[..9 * 16]);
         kylin_kernels::matmul_many(&pool, &x[..2 * cols], 2, &mut [(w, &mut y[..2 * rows]), (w, &mut y2[..2 * rows])]);
+        let (first, second) =
+            (kylin_kernels::FloatRowInput { matrix: w, row: 1 }, kylin_kernels::FloatRowInput { matrix: w, row: 0 });
+        kylin_kernels::matmul_rows(&pool, &x[..2 * cols], &mut [(first, &mut y[..rows]), (second, &mut y2[..rows])]);
         kylin_kernels::rms_norm(&x[..cols], norm, 1e-6, &mut normed);
         kylin_kernels::rope_rotate_half(&mut out, &cos, &sin);
         kylin_kernels::attention_head(&x[..128], &x[..64 * 128], &x[..64 * 128], 64, 128, 0.1, &mut scratch, &mut out);

@@ -561,9 +561,11 @@ impl Moe {
     /// (the i-th one's outputs in row i of `ms.gate`, `ms.up` and `ms.y`): gate and up
     /// `(1, width)` each as grouped products over the one row `x`, the activation, then the
     /// downs `(1, width) -> (1, hidden)`, as grouped products each over its own expert's row
-    /// when they are quantized. `false`, with nothing written, unless every expert's gate and
-    /// up are split, bias-free, without input quantization, and all quantized or all BF16
-    /// products (`--precision bf16`, the default for BF16 weights), and the rows fit.
+    /// when they are quantized or run in f32. `false`, with nothing written, unless every
+    /// expert's gate and up are split, bias-free, without input quantization, and all quantized,
+    /// all BF16 products (`--precision bf16`, the default for BF16 weights where the CPU has
+    /// BF16 kernels) or all f32 products over row-major float weights (AVX2, `--precision
+    /// f32`), and the rows fit.
     fn one_token_grouped(&self, c: &Step<'_>, x: &[f32], ms: &mut MoeScratch, p: &mut ProductScratch) -> bool {
         let (w, h, k) = (self.width, c.hidden, self.top_k);
         let MoeScratch { route_expert, gate, up, y, .. } = ms;
@@ -580,7 +582,10 @@ impl Moe {
         };
         let bf16_kernels = c.mm.bf16.filter(|_| all(&bf16));
         let grouped_quant = bf16_kernels.is_none() && all(&quantized);
-        if !(grouped_quant || bf16_kernels.is_some()) || k * w > gate.len().min(up.len()) {
+        // f32 products over row-major float weights (AVX2 without AVX-512, `--precision f32`).
+        let float = |l: &Linear| plain(l) && l.quant.is_none() && l.strips.is_none();
+        let grouped_float = c.mm.bf16.is_none() && !grouped_quant && all(&float);
+        if !(grouped_quant || grouped_float || bf16_kernels.is_some()) || k * w > gate.len().min(up.len()) {
             return false;
         }
         let pool = c.mm.pool;
@@ -591,6 +596,9 @@ impl Moe {
         if let Some(bf16_kernels) = bf16_kernels {
             let mut jobs = pairs.zip(outputs).flat_map(|((g, u), (gy, uy))| [(g.matrix(), gy), (u.matrix(), uy)]);
             in_eights(2 * k, &mut jobs, |jobs| kernels::matmul_many_bf16(pool, bf16_kernels, x, 1, &mut p.xb, jobs));
+        } else if grouped_float {
+            let mut jobs = pairs.zip(outputs).flat_map(|((g, u), (gy, uy))| [(g.matrix(), gy), (u.matrix(), uy)]);
+            in_eights(2 * k, &mut jobs, |jobs| kernels::matmul_many(pool, x, 1, jobs));
         } else {
             let mut jobs = pairs.zip(outputs).flat_map(|((g, u), (gy, uy))| {
                 [(g.quant_matrix().expect("checked above"), gy), (u.quant_matrix().expect("checked above"), uy)]
@@ -611,6 +619,12 @@ impl Moe {
                 (kernels::quant::RowInput { matrix, row }, y)
             });
             in_eights(k, &mut downs, |jobs| kernels::quant::matmul_rows_quant(pool, acts, &mut p.xq, jobs));
+        } else if c.mm.bf16.is_none() && experts.iter().all(|&e| float(&self.experts[e as usize].down)) {
+            // k × (1, width) · (width, hidden)ᵀ -> (1, hidden) in f32, expert i reading row i.
+            let mut downs = experts.iter().zip(y.chunks_exact_mut(h)).enumerate().map(|(row, (&e, y))| {
+                (kernels::FloatRowInput { matrix: self.experts[e as usize].down.matrix(), row }, y)
+            });
+            in_eights(k, &mut downs, |jobs| kernels::matmul_rows(pool, acts, jobs));
         } else {
             for ((&e, act), y) in experts.iter().zip(acts.chunks_exact(w)).zip(y.chunks_exact_mut(h)) {
                 // (1, width) · (width, hidden)ᵀ -> (1, hidden)
