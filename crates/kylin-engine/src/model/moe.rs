@@ -584,7 +584,7 @@ impl Moe {
         let grouped_quant = bf16_kernels.is_none() && all(&quantized);
         // f32 products over row-major float weights (AVX2 without AVX-512, `--precision f32`).
         let float = |l: &Linear| plain(l) && l.quant.is_none() && l.strips.is_none();
-        let grouped_float = c.mm.bf16.is_none() && !grouped_quant && all(&float);
+        let grouped_float = c.mm.bf16.is_none() && all(&float);
         if !(grouped_quant || grouped_float || bf16_kernels.is_some()) || k * w > gate.len().min(up.len()) {
             return false;
         }
@@ -593,12 +593,14 @@ impl Moe {
         // routing order, all reading x.
         let pairs = experts.iter().map(|&e| gate_up(e).expect("checked above"));
         let outputs = gate.chunks_exact_mut(w).zip(up.chunks_exact_mut(w));
-        if let Some(bf16_kernels) = bf16_kernels {
+        if bf16_kernels.is_some() || grouped_float {
             let mut jobs = pairs.zip(outputs).flat_map(|((g, u), (gy, uy))| [(g.matrix(), gy), (u.matrix(), uy)]);
-            in_eights(2 * k, &mut jobs, |jobs| kernels::matmul_many_bf16(pool, bf16_kernels, x, 1, &mut p.xb, jobs));
-        } else if grouped_float {
-            let mut jobs = pairs.zip(outputs).flat_map(|((g, u), (gy, uy))| [(g.matrix(), gy), (u.matrix(), uy)]);
-            in_eights(2 * k, &mut jobs, |jobs| kernels::matmul_many(pool, x, 1, jobs));
+            match bf16_kernels {
+                Some(kind) => {
+                    in_eights(2 * k, &mut jobs, |jobs| kernels::matmul_many_bf16(pool, kind, x, 1, &mut p.xb, jobs))
+                }
+                None => in_eights(2 * k, &mut jobs, |jobs| kernels::matmul_many(pool, x, 1, jobs)),
+            }
         } else {
             let mut jobs = pairs.zip(outputs).flat_map(|((g, u), (gy, uy))| {
                 [(g.quant_matrix().expect("checked above"), gy), (u.quant_matrix().expect("checked above"), uy)]
