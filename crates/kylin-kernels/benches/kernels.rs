@@ -651,3 +651,31 @@ fn gate_bf16_dot<const TOKENS: usize>(bencher: Bencher) {
         .counter(ItemsCount::new(Gate::ROWS * Gate::COLS * TOKENS))
         .bench_local(|| matmul_many_bf16(&pool, kernels, black_box(&x), TOKENS, &mut scratch, &mut [(w, &mut y[..])]));
 }
+
+/// One decode token through one 256 × 1024 matrix quantized at load, 200 times over: the
+/// planes (147 to 278 KB) stay in the second-level cache, so this measures how fast a format's
+/// one-token tile computes when memory does not hold it back ([`model_quant_decode`] measures
+/// it streaming from memory). Counted in bytes of the planes read.
+#[divan::bench(args = ["q8_0", "q4_k", "q5_0", "q6_0"], sample_count = 30)]
+fn quant_decode_in_cache(bencher: Bencher, format: &str) {
+    use kylin_kernels::quant::{Packing, quant_scratch_len};
+    let pool = ThreadPool::new(threads());
+    let packing = match format {
+        "q8_0" => Packing::Q8_0,
+        "q4_k" => Packing::Q4K,
+        "q5_0" => Packing::Q5_0,
+        _ => Packing::Q6_0,
+    };
+    let buffers = quantized_copies(packing, &[(256, 1024)], 1);
+    let x: Vec<f32> = (0..1024).map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0).collect();
+    let mut scratch = vec![0u8; quant_scratch_len(1, 1024)];
+    let mut y = vec![0.0f32; 256];
+    const CALLS: usize = 200;
+    let m = buffers[0].matrix();
+    bencher.counter(BytesCount::new(CALLS * m.byte_len())).bench_local(|| {
+        for _ in 0..CALLS {
+            // (1, 1024) · (1024, 256)ᵀ -> (1, 256)
+            m.matmul(&pool, black_box(&x[..m.cols()]), 1, &mut scratch, black_box(&mut y[..m.rows()]));
+        }
+    });
+}

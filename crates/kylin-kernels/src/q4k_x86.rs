@@ -902,6 +902,20 @@ const fn run_steps(high: usize) -> usize {
 /// registers).
 const RUN_STEPS: usize = 4;
 
+/// Whether the AVX2 tile for `mt` tokens asks for the quants [`ONE_TOKEN_PREFETCH_BYTES`] ahead
+/// (and the scales as far ahead in proportion), as the VNNI tile does: for one token. With the
+/// hardware prefetcher alone, its loads waited on memory although its arithmetic could go
+/// faster. On the Zen 3 (2 cores, AVX2), one token through Qwen3-0.6B's 28 layers
+/// (`model_quant_decode`, medians of 30, alternating rounds) took in Q4_K 8.54, 9.05, 9.77,
+/// 9.36 ms without and 7.99, 8.57, 7.97, 7.56 ms with it; in Q5_0 13.61, 15.52, 13.96, 12.51
+/// → 12.01, 13.03, 14.31, 11.79 ms, in Q6_0 13.48, 13.67, 14.65, 12.55 → 12.41, 13.21, 12.13,
+/// 12.18 ms (once their one-token path shared its activations between the two halves of the
+/// rows; before that they ran out of instructions first and the prefetch did not help them).
+#[inline(always)]
+const fn avx2_prefetches(mt: usize) -> bool {
+    mt == 1
+}
+
 /// Up to how many tokens the AVX2 tile makes a Q4_K or Q4_G sub-block pair's two sums from
 /// one load of the pair's shared quant bytes (low nibbles: the even sub-block, high: the odd
 /// one) instead of loading the bytes once per sub-block and shifting for the odd one: fewer
@@ -920,17 +934,26 @@ const PAIRED_MT: usize = 2;
 /// most [`PAIRED_MT`] tokens, each pair of sub-blocks from one load of its shared bytes. For
 /// Q4_K and Q4_G a sub-block's eight `vpmaddubsw` pair sums are added in 16 bits before one
 /// `vpmaddwd` widens them (each lane sums 8 pairs, `8 · 2 · 15 · 127 = 30480 < 2^15`: exact).
-/// With high bits
-/// the tile runs one half of the rows at a time, in runs of [`run_steps`] weight vectors
-/// (four for Q5_0, two for Q6_0) added in 16 bits. That needs one `vpmaddwd` per run where
+/// With high bits and several tokens the tile runs one half of the rows at a time, in runs of
+/// [`run_steps`] weight vectors (four for Q5_0, two for Q6_0) added in 16 bits. That needs one `vpmaddwd` per run where
 /// each weight vector took one, and holds only one half's sums, so eight tokens fit in the
 /// registers ([`tile_avx2`]). On the Zen 3 the 64-token 1024 × 1024 products
 /// (`quant_1024x1024`, fastest of 100) went from 669–741 to 544–554 µs in Q5_0 and from
 /// 655–717 to 581–600 µs in Q6_0, and Qwen2.5-Coder's `--quantize q4_k` prefill of 512 tokens
 /// from 195–231 to 264–292 tokens/s (BENCHMARKS.md). Q4_K's and Q4_G's tile kept both
 /// halves at once: run by halves, 8 tokens at a time, their products took 545 µs against 420.
+/// One token (decode) through Q5_0 or Q6_0 takes both halves per weight vector index again,
+/// so that the two halves share each broadcast of the token's activations and the compiler
+/// keeps everything in registers: the halves one after the other had spilled the eight
+/// broadcasts to the stack and reloaded them. One thread, one 256 × 1024 matrix in L2 (200
+/// calls, medians of 30, three alternating rounds): Q5_0 2.19–2.58 → 1.91–1.96 ms, Q6_0
+/// 2.28–4.76 → 2.03–2.09 ms. From memory, two threads, Qwen3-0.6B's 28 layers
+/// (`model_quant_decode`, four alternating rounds, no prefetch yet): Q5_0 14.55, 14.17,
+/// 13.62, 13.09 → 12.83, 12.22, 12.38, 12.05 ms; Q6_0 13.82, 13.82, 13.16, 12.82 → 12.54,
+/// 12.57, 12.19, 12.09 ms.
 /// The integer sums are exact, combined per token in the canonical order, so the bits are
-/// the VNNI and scalar tiles'.
+/// the VNNI and scalar tiles'. With one token, [`avx2_prefetches`] says why each pair also asks
+/// for the planes' bytes ahead.
 ///
 /// # Safety
 /// As [`tile_avx2`], for `mt = MT` tokens.
@@ -959,6 +982,12 @@ unsafe fn tile_avx2_shared<const MT: usize, const SCALES: u8>(
     // Q4_K and Q4_G with at most `PAIRED_MT` tokens: the odd sub-block's sums, made with the
     // even one's.
     let mut odd_pairs = [[_mm256_setzero_si256(); 2]; MT];
+    // One token: the planes' bytes `ONE_TOKEN_PREFETCH_BYTES` ahead of the pair being read
+    // ([`avx2_prefetches`]).
+    let prefetch = avx2_prefetches(MT);
+    let (group_quants, group_scales) = (nb / 2 * PAIR_BYTES, scales_len::<SCALES>(cols));
+    let pair_scales = group_scales.div_ceil((nb / 2).max(1));
+    let scales_ahead = ONE_TOKEN_PREFETCH_BYTES * group_scales / group_quants.max(1);
     for s in 0..n_super {
         // SAFETY: every offset lies inside the group's planes and the tokens' rows, by the
         // asserts above.
@@ -967,6 +996,43 @@ unsafe fn tile_avx2_shared<const MT: usize, const SCALES: u8>(
             for jj in 0..subs_in(cols, s) {
                 let j = s * (QK_K / SUB) + jj;
                 let wb = wp.add((j / 2) * PAIR_BYTES);
+                if prefetch && jj.is_multiple_of(2) {
+                    // The planes hold one group after another, so this runs on into the next
+                    // groups (and harmlessly past the matrix after its last).
+                    crate::prefetch_lines(wb.wrapping_add(ONE_TOKEN_PREFETCH_BYTES), PAIR_BYTES / 64);
+                    let scales = sp.wrapping_add(j / 2 * pair_scales + scales_ahead);
+                    crate::prefetch_lines(scales, pair_scales.div_ceil(64));
+                }
+                if high > 0 && MT == 1 {
+                    // One token through Q5_0 or Q6_0: both halves of the rows per weight vector
+                    // index, sharing the token's broadcast activations, in runs of `run_steps`
+                    // whose pair sums add in 16 bits.
+                    let steps = run_steps(high);
+                    let xb = xp.add(j * SUB);
+                    let mut sums = [_mm256_setzero_si256(); 2];
+                    for k0 in (0..8).step_by(steps) {
+                        let mut run = [_mm256_setzero_si256(); 2];
+                        for i in 0..steps {
+                            let x4 = _mm256_set1_epi32(std::ptr::read_unaligned(xb.add(4 * (k0 + i)) as *const i32));
+                            for (h, run) in run.iter_mut().enumerate() {
+                                let products = _mm256_maddubs_epi16(unpack_avx2!(SCALES, wb, sp, j, k0 + i, h), x4);
+                                *run = if i == 0 { products } else { _mm256_add_epi16(*run, products) };
+                            }
+                        }
+                        for (sum, run) in sums.iter_mut().zip(run) {
+                            *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(run, ones));
+                        }
+                    }
+                    let dx = _mm256_set1_ps(std::ptr::read_unaligned(xp.add(cols + 4 * j) as *const f32));
+                    let corr = std::ptr::read_unaligned(xp.add(cols + 4 * nb + 4 * j) as *const i32) >> (4 - high);
+                    for (h, (acc, sum)) in acc[0].iter_mut().zip(sums).enumerate() {
+                        let at = crate::q56::scales_offset(high, j) + 16 * h;
+                        let d = _mm256_cvtph_ps(_mm_loadu_si128(sp.add(at) as *const __m128i));
+                        let isum = _mm256_add_epi32(sum, _mm256_set1_epi32(corr));
+                        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), *acc);
+                    }
+                    continue;
+                }
                 if high > 0 {
                     // Q5_0 and Q6_0: one half of the rows (`8h .. 8h + 8`) at a time, the
                     // weight vectors in runs of `run_steps` whose pair sums add in 16 bits
