@@ -5,6 +5,9 @@ ik_llama.cpp is built for this CPU by scripts/build_ik_llama.sh (from the source
 ik-llama-cpp-python 0.1.5 ships). For each workload, each round runs `kylin bench` and
 ik_llama.cpp's `llama-bench` (flash attention on; run-time repacking off and on, the faster
 kept, as its users would choose), the order alternating from round to round; 2 threads each.
+Each engine gets two measured runs per round, each after a warm-up, and keeps its faster one:
+ik_llama.cpp one with repacking and one without, Kylin two repetitions (on a noisy machine,
+the best of two against one run would favour the peer).
 Prefill is 512 prompt tokens; decode is 64 tokens after a 512-token prompt (`kylin bench`
 decodes after its prompt; `llama-bench -gp 512,64` does the same).
 
@@ -14,10 +17,10 @@ Workloads (the table of issue 36), where the weights exist in KYLIN_MODELS:
 * qwen3-0.6b-shaped `--quantize q8_0` against its Q8_0 twin;
 * Qwen2.5-Coder-0.5B-Instruct `--quantize q4_k` against the published Q4_K_M.
 
-Usage: python3 scripts/bench_peers.py [--rounds 2] [--only NAME] [--prompt N]
+Usage: python3 scripts/bench_peers.py [--rounds 3] [--only NAME] [--prompt N]
 `--prompt N` replaces the 512-token prompt (and so the depth decode is measured at) with N, to
 see decode where attention over the context costs more. Prints every measurement and a table
-of the figures and the ratios of each round, and for each decode the share of the machine's
+of the figures (medians over the rounds), the ratios of each round and their median, and for each decode the share of the machine's
 read bandwidth that Kylin's decode used in each round (`kylin bench`'s
 `decode_bandwidth_fraction`: the weights one token reads times tokens/s, over the probe
 measured just before; issue 36 asks for 85%).
@@ -26,6 +29,7 @@ measured just before; issue 36 asks for 85%).
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -57,10 +61,14 @@ def ik_bench_path():
 def kylin(model, extra, prompt, with_decode):
     gen = GEN if with_decode else 1
     out = subprocess.run([KYLIN, "bench", str(model), *extra, "--threads", str(THREADS), "--prompt-tokens",
-                          str(prompt), "--gen-tokens", str(gen), "--repetitions", "1", "--json"],
+                          str(prompt), "--gen-tokens", str(gen), "--repetitions", "2", "--json"],
                          check=True, capture_output=True, text=True, timeout=1800)
     r = json.loads(out.stdout)
-    return r["prefill_tok_s"], r["decode_tok_s"], r.get("decode_bandwidth_fraction") if with_decode else None
+    samples = r["results"][0]["samples"]
+    prefill = max(s["prefill_tok_s"] for s in samples)
+    best = max(samples, key=lambda s: s["decode_tok_s"])
+    share = best["decode_gb_s"] / r["machine_read_gb_s"] if with_decode and r.get("machine_read_gb_s") else None
+    return prefill, best["decode_tok_s"], share
 
 
 def ik(bench, gguf, prompt, with_decode):
@@ -78,7 +86,7 @@ def ik(bench, gguf, prompt, with_decode):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--only")
     ap.add_argument("--prompt", type=int, help="prompt tokens instead of 512 (the decode depth)")
     args = ap.parse_args()
@@ -106,17 +114,19 @@ def main():
                       f"decode {decode:.1f} tok/s{of_peak}", flush=True)
         rows.append((name, prompt, with_decode, ours, theirs))
     print()
-    print("| workload | Kylin | ik_llama.cpp | ratio per round |")
-    print("|---|---:|---:|---:|")
+    print("| workload | Kylin | ik_llama.cpp | ratio per round | median ratio |")
+    print("|---|---:|---:|---:|---:|")
     for name, prompt, with_decode, ours, theirs in rows:
         for i, what in enumerate((f"prefill {prompt}", f"decode after {prompt}")[:2 if with_decode else 1]):
-            k = sum(o[i] for o in ours) / len(ours)
-            t = sum(o[i] for o in theirs) / len(theirs)
-            ratios = ", ".join(f"{o[i] / x[i]:.2f}×" for o, x in zip(ours, theirs))
-            print(f"| {name}, {what} | {k:.1f} | {t:.1f} | {ratios} |")
+            k = statistics.median(o[i] for o in ours)
+            t = statistics.median(o[i] for o in theirs)
+            ratios = [o[i] / x[i] for o, x in zip(ours, theirs)]
+            per_round = ", ".join(f"{r:.2f}×" for r in ratios)
+            print(f"| {name}, {what} | {k:.1f} | {t:.1f} | {per_round} | {statistics.median(ratios):.2f}× |")
         if with_decode and all(o[2] is not None for o in ours):
             shares = ", ".join(f"{o[2]:.0%}" for o in ours)
-            print(f"| {name}, Kylin's decode, share of the read bandwidth | | | {shares} |")
+            median = statistics.median(o[2] for o in ours)
+            print(f"| {name}, Kylin's decode, share of the read bandwidth | | | {shares} | {median:.0%} |")
     return 0
 
 
