@@ -557,6 +557,31 @@ fn quantize_inputs<'a>(
 /// `out` points to the `(n_tokens, w.rows)` output whose rows `r0..r1` no one else accesses
 /// meanwhile; `xq` holds `n_tokens` rows of `w`'s format's quantized activations, `stride`
 /// bytes each; the CPU has `kernels`' instructions.
+/// One token × groups `g0..g0 + G` of the Q8_0 matrix `m` on AVX2, block by block in turn
+/// (`quant_x86::tile_avx2_one_token_groups`), into `out` (the token's output row).
+///
+/// # Safety
+/// AVX2, FMA and F16C are available; the groups lie inside `m`, their output rows inside
+/// `out` belong to the caller, and `xq` is one whole token row of Q8_0 activations for `m`.
+#[cfg(target_arch = "x86_64")]
+unsafe fn one_token_q8_groups<const G: usize>(m: Q8Matrix<'_>, g0: usize, blocks: usize, xq: &[u8], out: OutPtr) {
+    let rows = m.rows();
+    let planes: [(&[u8], &[u8]); G] = std::array::from_fn(|i| m.group(g0 + i));
+    let valid: [usize; G] = std::array::from_fn(|i| (rows - (g0 + i) * GROUP_ROWS).min(GROUP_ROWS));
+    // SAFETY: the caller's contract; each plane pair is one whole group.
+    unsafe {
+        let y: [*mut f32; G] = std::array::from_fn(|i| out.0.add((g0 + i) * GROUP_ROWS));
+        crate::quant_x86::tile_avx2_one_token_groups::<G>(
+            planes.map(|p| p.0),
+            planes.map(|p| p.1),
+            blocks,
+            xq,
+            y,
+            valid,
+        );
+    }
+}
+
 /// [`crate::q4k_x86::group_vnni_unpacked`] for one scales layout.
 #[cfg(target_arch = "x86_64")]
 type UnpackedGroup = unsafe fn(usize, &[u8], &[u8], usize, &[u8], usize, *mut f32, usize, usize);
@@ -581,30 +606,26 @@ unsafe fn compute_groups(
     let groups = r0 / GROUP_ROWS..r1.div_ceil(GROUP_ROWS);
     let mut first_single = groups.start;
     // One token on AVX2 through Q8_0: four groups at a time, in four streams (see
-    // `tile_avx2_one_token_groups`); the rest one by one below.
+    // `tile_avx2_one_token_groups`), and the last one to three groups of the range together.
     #[cfg(target_arch = "x86_64")]
     if let (1, Int8Isa::Avx2, QuantMatrix::Q8_0(m)) = (n_tokens, kernels, w) {
         const G: usize = crate::quant_x86::ONE_TOKEN_GROUPS;
-        while first_single + G <= groups.end {
-            let g0 = first_single;
-            let planes: [(&[u8], &[u8]); G] = std::array::from_fn(|i| m.group(g0 + i));
-            let valid: [usize; G] = std::array::from_fn(|i| (rows - (g0 + i) * GROUP_ROWS).min(GROUP_ROWS));
-            // SAFETY: rows `g·16 .. g·16 + valid` of the token lie inside the output and belong
-            // to this call for each of the groups; each plane pair is one whole group and `xq`
-            // one whole token row of Q8_0 activations.
+        let mut g0 = groups.start;
+        while g0 < groups.end {
+            let n = (groups.end - g0).min(G);
+            // SAFETY: groups `g0..g0 + n` lie inside the matrix and their output rows belong to
+            // this call; `xq` is one whole token row of Q8_0 activations.
             unsafe {
-                let y: [*mut f32; G] = std::array::from_fn(|i| out.0.add((g0 + i) * GROUP_ROWS));
-                crate::quant_x86::tile_avx2_one_token_groups::<G>(
-                    planes.map(|p| p.0),
-                    planes.map(|p| p.1),
-                    blocks,
-                    xq,
-                    y,
-                    valid,
-                );
+                match n {
+                    4 => one_token_q8_groups::<4>(m, g0, blocks, xq, out),
+                    3 => one_token_q8_groups::<3>(m, g0, blocks, xq, out),
+                    2 => one_token_q8_groups::<2>(m, g0, blocks, xq, out),
+                    _ => one_token_q8_groups::<1>(m, g0, blocks, xq, out),
+                }
             }
-            first_single += G;
+            g0 += n;
         }
+        first_single = groups.end;
     }
     for g in first_single..groups.end {
         let valid = (rows - g * GROUP_ROWS).min(GROUP_ROWS);
