@@ -354,6 +354,27 @@ pub(crate) unsafe fn quantize_sub_block_avx512(x: &[f32; SUB], dm: f32, dj: f32,
 /// here) made decode slightly slower (137.7–138.9 → 136.0–137.2), so that tile has none.
 const ONE_TOKEN_PREFETCH_BYTES: usize = 4096;
 
+/// For a group of `cols` columns in the format `SCALES` names: the scales bytes of one pair of
+/// sub-blocks, and how far ahead one token's prefetch asks for the scales (as far ahead as
+/// [`ONE_TOKEN_PREFETCH_BYTES`] in the quants, in proportion).
+#[inline(always)]
+fn one_token_prefetch_steps<const SCALES: u8>(cols: usize) -> (usize, usize) {
+    let pairs = cols / SUB / 2;
+    let (group_quants, group_scales) = (pairs * PAIR_BYTES, scales_len::<SCALES>(cols));
+    (group_scales.div_ceil(pairs.max(1)), ONE_TOKEN_PREFETCH_BYTES * group_scales / group_quants.max(1))
+}
+
+/// One token's prefetch at pair `pair` of a group, whose quants start at `wb` and whose scales
+/// plane at `sp`: the quants [`ONE_TOKEN_PREFETCH_BYTES`] ahead and the scales `scales_ahead`
+/// ahead ([`one_token_prefetch_steps`]). The planes hold one group after another, so this runs
+/// on into the next groups (and harmlessly past the matrix after its last: a prefetch never
+/// faults).
+#[inline(always)]
+fn prefetch_pair_ahead(wb: *const u8, sp: *const u8, pair: usize, pair_scales: usize, scales_ahead: usize) {
+    crate::prefetch_lines(wb.wrapping_add(ONE_TOKEN_PREFETCH_BYTES), PAIR_BYTES / 64);
+    crate::prefetch_lines(sp.wrapping_add(pair * pair_scales + scales_ahead), pair_scales.div_ceil(64));
+}
+
 /// [`tile_vnni`] for `mt` (1..=8) tokens, on the scales plane `SCALES` picks.
 ///
 /// # Safety
@@ -433,15 +454,12 @@ unsafe fn tile_vnni<const MT: usize, const SCALES: u8>(
     let n_super = cols.div_ceil(QK_K);
     // One group's bytes in each plane, and the scales bytes of one pair of sub-blocks.
     let (group_quants, group_scales) = (nb / 2 * PAIR_BYTES, scales_len::<SCALES>(cols));
-    let pair_scales = group_scales.div_ceil((nb / 2).max(1));
+    let (pair_scales, scales_ahead) = one_token_prefetch_steps::<SCALES>(cols);
     assert!(wq.len() >= nb / 2 * PAIR_BYTES && ws.len() >= scales_len::<SCALES>(cols));
     assert!(xq.len() >= MT * stride && stride >= cols + 8 * nb);
     debug_assert!(valid <= GROUP_ROWS);
     let (wp, sp, xp) = (wq.as_ptr(), ws.as_ptr(), xq.as_ptr());
     let mut acc = [_mm512_setzero_ps(); MT];
-    // One token: the planes' bytes ONE_TOKEN_PREFETCH_BYTES ahead of the quants this pair
-    // reads, and the scales as far ahead in proportion.
-    let scales_ahead = ONE_TOKEN_PREFETCH_BYTES * group_scales / group_quants.max(1);
     for s in 0..n_super {
         // `cols` is a multiple of 64, so every super-block holds whole pairs of sub-blocks.
         for jj in (0..subs_in(cols, s)).step_by(2) {
@@ -461,11 +479,7 @@ unsafe fn tile_vnni<const MT: usize, const SCALES: u8>(
                     crate::prefetch_lines(next_scales, pair_scales.div_ceil(64));
                 }
                 if MT == 1 && !prefetch_next {
-                    // The planes hold one group after another, so this runs on into the next
-                    // groups (and harmlessly past the matrix after its last).
-                    crate::prefetch_lines(wb.wrapping_add(ONE_TOKEN_PREFETCH_BYTES), PAIR_BYTES / 64);
-                    let scales = sp.wrapping_add(j / 2 * pair_scales + scales_ahead);
-                    crate::prefetch_lines(scales, pair_scales.div_ceil(64));
+                    prefetch_pair_ahead(wb, sp, j / 2, pair_scales, scales_ahead);
                 }
                 let (low, high) = unpack_pair::<SCALES>(wp, sp, j);
                 for (t, acc) in acc.iter_mut().enumerate() {
@@ -985,9 +999,7 @@ unsafe fn tile_avx2_shared<const MT: usize, const SCALES: u8>(
     // One token: the planes' bytes `ONE_TOKEN_PREFETCH_BYTES` ahead of the pair being read
     // ([`avx2_prefetches`]).
     let prefetch = avx2_prefetches(MT);
-    let (group_quants, group_scales) = (nb / 2 * PAIR_BYTES, scales_len::<SCALES>(cols));
-    let pair_scales = group_scales.div_ceil((nb / 2).max(1));
-    let scales_ahead = ONE_TOKEN_PREFETCH_BYTES * group_scales / group_quants.max(1);
+    let (pair_scales, scales_ahead) = one_token_prefetch_steps::<SCALES>(cols);
     for s in 0..n_super {
         // SAFETY: every offset lies inside the group's planes and the tokens' rows, by the
         // asserts above.
@@ -997,11 +1009,7 @@ unsafe fn tile_avx2_shared<const MT: usize, const SCALES: u8>(
                 let j = s * (QK_K / SUB) + jj;
                 let wb = wp.add((j / 2) * PAIR_BYTES);
                 if prefetch && jj.is_multiple_of(2) {
-                    // The planes hold one group after another, so this runs on into the next
-                    // groups (and harmlessly past the matrix after its last).
-                    crate::prefetch_lines(wb.wrapping_add(ONE_TOKEN_PREFETCH_BYTES), PAIR_BYTES / 64);
-                    let scales = sp.wrapping_add(j / 2 * pair_scales + scales_ahead);
-                    crate::prefetch_lines(scales, pair_scales.div_ceil(64));
+                    prefetch_pair_ahead(wb, sp, j / 2, pair_scales, scales_ahead);
                 }
                 if high > 0 && MT == 1 {
                     // One token through Q5_0 or Q6_0: both halves of the rows per weight vector

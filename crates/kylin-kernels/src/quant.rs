@@ -550,13 +550,6 @@ fn quantize_inputs<'a>(
     Some(activations)
 }
 
-/// Output rows `r0..r1` (`r0` a multiple of 16) of `y = q8(x) · Wᵀ` for all tokens, in tiles
-/// of up to [`Q8_MT`] tokens × 16 rows on `kernels`' tile for `w`'s format.
-///
-/// # Safety
-/// `out` points to the `(n_tokens, w.rows)` output whose rows `r0..r1` no one else accesses
-/// meanwhile; `xq` holds `n_tokens` rows of `w`'s format's quantized activations, `stride`
-/// bytes each; the CPU has `kernels`' instructions.
 /// One token × groups `g0..g0 + G` of the Q8_0 matrix `m` on AVX2, block by block in turn
 /// (`quant_x86::tile_avx2_one_token_groups`), into `out` (the token's output row).
 ///
@@ -586,6 +579,13 @@ unsafe fn one_token_q8_groups<const G: usize>(m: Q8Matrix<'_>, g0: usize, blocks
 #[cfg(target_arch = "x86_64")]
 type UnpackedGroup = unsafe fn(usize, &[u8], &[u8], usize, &[u8], usize, *mut f32, usize, usize);
 
+/// Output rows `r0..r1` (`r0` a multiple of 16) of `y = q8(x) · Wᵀ` for all tokens, in tiles
+/// of up to [`Q8_MT`] tokens × 16 rows on `kernels`' tile for `w`'s format.
+///
+/// # Safety
+/// `out` points to the `(n_tokens, w.rows)` output whose rows `r0..r1` no one else accesses
+/// meanwhile; `xq` holds `n_tokens` rows of `w`'s format's quantized activations, `stride`
+/// bytes each; the CPU has `kernels`' instructions.
 #[allow(clippy::too_many_arguments)]
 unsafe fn compute_groups(
     kernels: Int8Isa,
