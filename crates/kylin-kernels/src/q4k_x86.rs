@@ -645,6 +645,34 @@ unsafe fn load_in_order(p: *const u8) -> __m512i {
     unsafe { std::ptr::read_volatile(p as *const Unaligned).0 }
 }
 
+/// One Q5_0 or Q6_0 block `j` of 8 rows added to their sums `acc` in the canonical order:
+/// `acc + f32(isum − half · Σq_x) · (d · dx)`, with `sum` the block's integer `Σ q_w · q_x`,
+/// `d` the rows' scales and `xt` the token's Q8_0 activations row (`cols` quants, then the
+/// blocks' `dx`, then their `−128 · Σq_x`, which over 8 (4) takes the offset of 16 (32) out of
+/// the integer sum, as in the VNNI tile).
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available; `xt` holds a whole activations row for `cols`.
+#[inline(always)]
+unsafe fn add_high_bits_block_avx2(
+    acc: __m256,
+    sum: __m256i,
+    d: __m256,
+    xt: *const u8,
+    cols: usize,
+    j: usize,
+    high: usize,
+) -> __m256 {
+    let nb = cols / SUB;
+    // SAFETY: the caller's contract: `dx` and the correction of block `j` lie inside the row.
+    unsafe {
+        let dx = _mm256_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * j) as *const f32));
+        let corr = std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const i32) >> (4 - high);
+        let isum = _mm256_add_epi32(sum, _mm256_set1_epi32(corr));
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), acc)
+    }
+}
+
 /// [`shift_bytes_to_bit4!`] on AVX2.
 ///
 /// # Safety
@@ -1031,13 +1059,10 @@ unsafe fn tile_avx2_shared<const MT: usize, const SCALES: u8>(
                             *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(run, ones));
                         }
                     }
-                    let dx = _mm256_set1_ps(std::ptr::read_unaligned(xp.add(cols + 4 * j) as *const f32));
-                    let corr = std::ptr::read_unaligned(xp.add(cols + 4 * nb + 4 * j) as *const i32) >> (4 - high);
                     for (h, (acc, sum)) in acc[0].iter_mut().zip(sums).enumerate() {
                         let at = crate::q56::scales_offset(high, j) + 16 * h;
                         let d = _mm256_cvtph_ps(_mm_loadu_si128(sp.add(at) as *const __m128i));
-                        let isum = _mm256_add_epi32(sum, _mm256_set1_epi32(corr));
-                        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), *acc);
+                        *acc = add_high_bits_block_avx2(*acc, sum, d, xp, cols, j, high);
                     }
                     continue;
                 }
@@ -1068,14 +1093,7 @@ unsafe fn tile_avx2_shared<const MT: usize, const SCALES: u8>(
                         let at = crate::q56::scales_offset(high, j) + 16 * h;
                         let d = _mm256_cvtph_ps(_mm_loadu_si128(sp.add(at) as *const __m128i));
                         for (t, acc) in acc.iter_mut().enumerate() {
-                            let xt = xp.add(t * stride);
-                            let dx = _mm256_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * j) as *const f32));
-                            // Q8_0's activations: `−128 · Σq_x` over 8 (4) takes the offset of
-                            // 16 (32) out of the integer sums, as in the VNNI tile.
-                            let corr =
-                                std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * j) as *const i32) >> (4 - high);
-                            let isum = _mm256_add_epi32(sums[t], _mm256_set1_epi32(corr));
-                            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), acc[h]);
+                            acc[h] = add_high_bits_block_avx2(acc[h], sums[t], d, xp.add(t * stride), cols, j, high);
                         }
                     }
                     continue;
