@@ -509,6 +509,9 @@ pub(crate) fn quantize_tokens(isa: Isa, x: &[f32], cols: usize, t0: usize, t1: u
             // SAFETY: AVX-512 F/BW/VL were detected; lengths as above.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => unsafe { crate::q4k_x86::quantize_row_avx512(xt, dst) },
+            // SAFETY: AVX2, FMA and F16C were detected; lengths as above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2Fma => unsafe { crate::q4k_x86::quantize_row_avx2(xt, dst) },
             _ => quantize_row_scalar(xt, dst),
         }
     }

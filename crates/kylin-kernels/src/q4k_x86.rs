@@ -1,5 +1,5 @@
 //! x86_64 kernels of the Q4_K products (`q4k.rs` defines the layout and the canonical order):
-//! the activation quantization on AVX-512, the tile on AVX-512 VNNI (`vpdpbusd`) and on AVX2
+//! the activation quantization on AVX-512 and on AVX2, the tile on AVX-512 VNNI (`vpdpbusd`) and on AVX2
 //! (`vpmaddubsw`). Each computes every sub-block's integer dot product exactly and combines
 //! the sub-blocks in the canonical order, so both tiles give the scalar tile's bits. Also the
 //! weight quantization's search for sub-block scales and mins on AVX-512, 16 sub-blocks at
@@ -100,6 +100,46 @@ pub(crate) unsafe fn quantize_row_avx512(x: &[f32], dst: &mut [u8]) {
                 let out = dst.as_mut_ptr().add(at);
                 _mm_storeu_si128(out as *mut __m128i, _mm512_cvtsepi32_epi8(q0));
                 _mm_storeu_si128(out.add(16) as *mut __m128i, _mm512_cvtsepi32_epi8(q1));
+                std::ptr::write_unaligned(dst.as_mut_ptr().add(cols + 4 * j) as *mut f32, dx);
+                std::ptr::write_unaligned(dst.as_mut_ptr().add(cols + 4 * nb + 4 * j) as *mut f32, sum as f32 * dx);
+            }
+        }
+    }
+}
+
+/// [`quantize_row_avx512`] on AVX2 (the same bytes: `q4k::quantize_row_scalar`'s).
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available; `x.len()` is a multiple of 32 and `dst` holds
+/// `x.len() + 8 · x.len() / 32` bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn quantize_row_avx2(x: &[f32], dst: &mut [u8]) {
+    let (cols, nb) = (x.len(), x.len() / SUB);
+    assert!(dst.len() >= cols + 8 * nb && cols.is_multiple_of(SUB));
+    let (lo, hi) = (_mm256_set1_epi32(-127), _mm256_set1_epi32(127));
+    let sign = _mm256_set1_ps(-0.0);
+    for s in 0..cols.div_ceil(QK_K) {
+        let n_sub = subs_in(cols, s);
+        let base = s * QK_K;
+        // SAFETY: elements `base .. base + 32 · n_sub` of `x`, and the matching bytes of
+        // `dst`, exist (checked above).
+        unsafe {
+            let mut m = _mm256_setzero_ps();
+            for i in 0..4 * n_sub {
+                m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x.as_ptr().add(base + 8 * i))));
+            }
+            let amax = crate::x86::hmax(m);
+            let iscale = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+            let dx = if amax != 0.0 { 1.0 / iscale } else { 0.0 };
+            let vs = _mm256_set1_ps(iscale);
+            for jj in 0..n_sub {
+                let j = s * (QK_K / SUB) + jj;
+                let at = base + jj * SUB;
+                let q: [__m256i; 4] = std::array::from_fn(|k| {
+                    let q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x.as_ptr().add(at + 8 * k)), vs));
+                    _mm256_min_epi32(_mm256_max_epi32(q, lo), hi)
+                });
+                let sum = crate::x86::store_quants32(q, dst.as_mut_ptr().add(at));
                 std::ptr::write_unaligned(dst.as_mut_ptr().add(cols + 4 * j) as *mut f32, dx);
                 std::ptr::write_unaligned(dst.as_mut_ptr().add(cols + 4 * nb + 4 * j) as *mut f32, sum as f32 * dx);
             }

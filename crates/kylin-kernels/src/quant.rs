@@ -264,6 +264,9 @@ fn quantize_tokens(isa: Isa, x: &[f32], cols: usize, t0: usize, t1: usize, out: 
             // SAFETY: AVX-512 F/BW/VL, AVX2, FMA and F16C were detected; lengths as above.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => unsafe { crate::quant_x86::quantize_row_avx512(xt, dst) },
+            // SAFETY: AVX2, FMA and F16C were detected; lengths as above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2Fma => unsafe { crate::quant_x86::quantize_row_avx2(xt, dst) },
             _ => quantize_row_scalar(xt, dst),
         }
     }

@@ -1,5 +1,5 @@
 //! x86_64 kernels of the Q8_0 products (`quant.rs` defines the layout and the canonical order):
-//! the activation quantization on AVX-512, the tile on AVX-512 VNNI (`vpdpbusd`) and on AVX2
+//! the activation quantization on AVX-512 and on AVX2, the tile on AVX-512 VNNI (`vpdpbusd`) and on AVX2
 //! (`vpmaddubsw`). Each computes every block's integer dot product exactly and combines the
 //! blocks in the canonical order, so both tiles give the scalar tile's bits.
 
@@ -32,6 +32,32 @@ pub(crate) unsafe fn quantize_row_avx512(x: &[f32], dst: &mut [u8]) {
             let out = dst.as_mut_ptr().add(b * QK8_0);
             _mm_storeu_si128(out as *mut __m128i, _mm512_cvtsepi32_epi8(q0));
             _mm_storeu_si128(out.add(16) as *mut __m128i, _mm512_cvtsepi32_epi8(q1));
+            std::ptr::write_unaligned(dst.as_mut_ptr().add(cols + 4 * b) as *mut f32, d);
+            std::ptr::write_unaligned(dst.as_mut_ptr().add(cols + 4 * nb + 4 * b) as *mut i32, -128 * sum);
+        }
+    }
+}
+
+/// [`quantize_row_avx512`] on AVX2 (the same bytes: `quant::quantize_row_scalar`'s).
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available; `x.len()` is a multiple of 32 and `dst` holds
+/// `x.len() + 8 · x.len() / 32` bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn quantize_row_avx2(x: &[f32], dst: &mut [u8]) {
+    let (cols, nb) = (x.len(), x.len() / QK8_0);
+    assert!(dst.len() >= cols + 8 * nb);
+    let sign = _mm256_set1_ps(-0.0);
+    for b in 0..nb {
+        // SAFETY: elements `32b..32b + 32` of `x` and bytes `32b..32b + 32` of `dst` exist.
+        unsafe {
+            let v: [__m256; 4] = std::array::from_fn(|k| _mm256_loadu_ps(x.as_ptr().add(b * QK8_0 + 8 * k)));
+            let a: [__m256; 4] = v.map(|v| _mm256_andnot_ps(sign, v));
+            let amax = crate::x86::hmax(_mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3])));
+            let d = half::f16::from_f32(amax / 127.0).to_f32();
+            let id = _mm256_set1_ps(if d != 0.0 { 127.0 / amax } else { 0.0 });
+            let q = v.map(|v| _mm256_cvtps_epi32(_mm256_mul_ps(v, id)));
+            let sum = crate::x86::store_quants32(q, dst.as_mut_ptr().add(b * QK8_0));
             std::ptr::write_unaligned(dst.as_mut_ptr().add(cols + 4 * b) as *mut f32, d);
             std::ptr::write_unaligned(dst.as_mut_ptr().add(cols + 4 * nb + 4 * b) as *mut i32, -128 * sum);
         }

@@ -79,6 +79,29 @@ pub(crate) fn hmax(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
+/// Thirty-two int32 quants (`q[k]` holds elements `8k..8k + 8`) narrowed with signed
+/// saturation to int8 and stored in order at `out`; returns their sum. The quantizers of the
+/// activations use it (`quant_x86::quantize_row_avx2`, `q4k_x86::quantize_row_avx2`), whose
+/// quants already lie in `-128..=127`, so the narrowing is exact.
+///
+/// # Safety
+/// The 32 bytes from `out` are writable.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) unsafe fn store_quants32(q: [__m256i; 4], out: *mut u8) -> i32 {
+    // Per 128-bit lane, `packs` interleaves its two inputs in runs of four: the bytes come out
+    // as the 4-byte runs q0[0..4] q1[0..4] q2[0..4] q3[0..4] q0[4..8] q1[4..8] q2[4..8]
+    // q3[4..8], which the permutation puts back in order.
+    let pairs = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    let ordered = _mm256_permutevar8x32_epi32(pairs, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    // SAFETY: the caller's contract.
+    unsafe { _mm256_storeu_si256(out as *mut __m256i, ordered) };
+    let s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+    let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<1>(s)))
+}
+
 /// GEMV on a block of rows: `y[r] = Σ_c w[r, c] · x[c]` for `r in 0..y.len()`.
 ///
 /// One row at a time, four 8-wide accumulators (32 columns per step). Rows are contiguous, so
