@@ -1,9 +1,9 @@
 //! x86_64 kernels of the Q4_K products (`q4k.rs` defines the layout and the canonical order):
-//! the activation quantization on AVX-512 and on AVX2, the tile on AVX-512 VNNI (`vpdpbusd`) and on AVX2
-//! (`vpmaddubsw`). Each computes every sub-block's integer dot product exactly and combines
-//! the sub-blocks in the canonical order, so both tiles give the scalar tile's bits. Also the
-//! weight quantization's search for sub-block scales and mins on AVX-512, 16 sub-blocks at
-//! once, with the scalar search's bits.
+//! the activation quantization on AVX-512 and on AVX2, the tile on AVX-512 VNNI (`vpdpbusd`)
+//! and on AVX2 (`vpmaddubsw`). Each computes every sub-block's integer dot product exactly
+//! and combines the sub-blocks in the canonical order, so both tiles give the scalar tile's
+//! bits. Also the weight quantization's search for sub-block scales and mins on AVX-512, 16
+//! sub-blocks at once, with the scalar search's bits.
 //!
 //! The tiles also run Q4_G (`q4g.rs`), Q5_0 and Q6_0 (`q56.rs`), whose quants plane is
 //! Q4_K's: their const parameter `SCALES` ([`Q4K_SCALES`], [`Q4G_SCALES`], [`Q5_0_SCALES`] or

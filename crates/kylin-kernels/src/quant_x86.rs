@@ -1,6 +1,6 @@
 //! x86_64 kernels of the Q8_0 products (`quant.rs` defines the layout and the canonical order):
-//! the activation quantization on AVX-512 and on AVX2, the tile on AVX-512 VNNI (`vpdpbusd`) and on AVX2
-//! (`vpmaddubsw`). Each computes every block's integer dot product exactly and combines the
+//! the activation quantization on AVX-512 and on AVX2, the tile on AVX-512 VNNI (`vpdpbusd`)
+//! and on AVX2 (`vpmaddubsw`). Each computes every block's integer dot product exactly and combines the
 //! blocks in the canonical order, so both tiles give the scalar tile's bits.
 
 use std::arch::x86_64::*;
