@@ -23,7 +23,9 @@ see decode where attention over the context costs more. Prints every measurement
 of the figures (medians over the rounds), the ratios of each round and their median, and for each decode the share of the machine's
 read bandwidth that Kylin's decode used in each round (`kylin bench`'s
 `decode_bandwidth_fraction`: the weights one token reads times tokens/s, over the probe
-measured just before; issue 36 asks for 85%).
+measured just before; issue 36 asks for 85%), and the same share counting the KV cache the
+token's attention reads as well (`decode_with_kv_gb_s`: weights plus the cache's bytes per
+position times the mean depth of the decoded tokens).
 """
 
 import argparse
@@ -67,8 +69,11 @@ def kylin(model, extra, prompt, with_decode):
     samples = r["results"][0]["samples"]
     prefill = max(s["prefill_tok_s"] for s in samples)
     best = max(samples, key=lambda s: s["decode_tok_s"])
-    share = best["decode_gb_s"] / r["machine_read_gb_s"] if with_decode and r.get("machine_read_gb_s") else None
-    return prefill, best["decode_tok_s"], share
+    read = r.get("machine_read_gb_s") if with_decode else None
+    share = best["decode_gb_s"] / read if read else None
+    with_kv = best.get("decode_with_kv_gb_s")
+    share_kv = with_kv / read if read and with_kv else None
+    return prefill, best["decode_tok_s"], share, share_kv
 
 
 def ik(bench, gguf, prompt, with_decode):
@@ -109,7 +114,10 @@ def main():
             for label, run in order:
                 prefill, decode, *share = run()
                 (ours if label == "kylin" else theirs).append((prefill, decode, *share))
-                of_peak = f" ({share[0]:.0%} of the read bandwidth)" if share and share[0] is not None else ""
+                of_peak = ""
+                if share and share[0] is not None:
+                    with_kv = f"; {share[1]:.0%} with the KV cache" if share[1] is not None else ""
+                    of_peak = f" ({share[0]:.0%} of the read bandwidth{with_kv})"
                 print(f"{name} round {r + 1} {label:12}: prefill {prompt} {prefill:.1f} tok/s, "
                       f"decode {decode:.1f} tok/s{of_peak}", flush=True)
         rows.append((name, prompt, with_decode, ours, theirs))
@@ -123,10 +131,11 @@ def main():
             ratios = [o[i] / x[i] for o, x in zip(ours, theirs)]
             per_round = ", ".join(f"{r:.2f}×" for r in ratios)
             print(f"| {name}, {what} | {k:.1f} | {t:.1f} | {per_round} | {statistics.median(ratios):.2f}× |")
-        if with_decode and all(o[2] is not None for o in ours):
-            shares = ", ".join(f"{o[2]:.0%}" for o in ours)
-            median = statistics.median(o[2] for o in ours)
-            print(f"| {name}, Kylin's decode, share of the read bandwidth | | | {shares} | {median:.0%} |")
+        for i, what in ((2, "weights"), (3, "weights and KV cache")):
+            if with_decode and all(o[i] is not None for o in ours):
+                shares = ", ".join(f"{o[i]:.0%}" for o in ours)
+                median = statistics.median(o[i] for o in ours)
+                print(f"| {name}, Kylin's decode, share of the read bandwidth ({what}) | | | {shares} | {median:.0%} |")
     return 0
 
 
