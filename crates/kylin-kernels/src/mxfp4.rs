@@ -72,12 +72,13 @@ pub fn scale_half(e: u8) -> f32 {
     if e < 2 { 0.0 } else { f32::from_bits(((e as u32) - 1) << 23) }
 }
 
-/// The code of column `c` of row `row` in a checkpoint's blocks: `blocks` is row-major
-/// `[rows, cols / 32, 16]`, the low nibble of each byte the even column.
+/// One pair's four packed bytes from the four stored bytes of its eight columns `8p..8p + 8`:
+/// stored byte `k` holds columns `2k` (low nibble) and `2k + 1`; packed byte `c` holds
+/// columns `c` (low nibble) and `4 + c` (module docs).
 #[inline]
-fn stored_code(blocks: &[u8], cols: usize, row: usize, c: usize) -> u8 {
-    let byte = blocks[row * cols / 2 + c / 2];
-    if c.is_multiple_of(2) { byte & 0x0f } else { byte >> 4 }
+fn pair_of_fours(stored: [u8; 4]) -> [u8; 4] {
+    let [b0, b1, b2, b3] = stored;
+    [(b0 & 0x0f) | (b2 << 4), (b0 >> 4) | (b2 & 0xf0), (b1 & 0x0f) | (b3 << 4), (b1 >> 4) | (b3 & 0xf0)]
 }
 
 /// Packs a checkpoint's `[rows, cols]` MXFP4 matrix into the planes, rows taken in the order
@@ -104,24 +105,40 @@ pub fn pack_mxfp4(
     let stored_rows = blocks.len() / (cols / 2).max(1);
     assert_eq!(blocks.len(), stored_rows * cols / 2, "blocks are [rows, cols / 32, 16]");
     assert_eq!(scales.len(), stored_rows * nb, "scales are [rows, cols / 32]");
-    quants_out.fill(0);
-    scales_out.fill(0);
-    for r in 0..rows {
-        let (g, lane) = (r / GROUP_ROWS, r % GROUP_ROWS);
-        let stored = row_of(r);
-        assert!(stored < stored_rows, "row {r} maps to stored row {stored} of {stored_rows}");
-        for b in 0..nb {
-            let e = scales[stored * nb + b];
-            if e == 255 {
-                return Err((stored, b));
+    // Group by group, lane by lane (so rows in order, and the first bad scale is the first in
+    // row order): each stored row is read once, front to back, and every byte of the planes
+    // is written once, the padding lanes' with zeros, so the planes need not come zeroed.
+    for g in 0..rows.div_ceil(GROUP_ROWS) {
+        let group_quants = &mut quants_out[g * nb * BLOCK_BYTES..(g + 1) * nb * BLOCK_BYTES];
+        let group_scales = &mut scales_out[g * nb * GROUP_ROWS..(g + 1) * nb * GROUP_ROWS];
+        for lane in 0..GROUP_ROWS {
+            let r = g * GROUP_ROWS + lane;
+            if r >= rows {
+                for (block, scale) in
+                    group_quants.chunks_exact_mut(BLOCK_BYTES).zip(group_scales.chunks_exact_mut(GROUP_ROWS))
+                {
+                    scale[lane] = 0;
+                    for p in 0..4 {
+                        block[p * 64 + lane * 4..p * 64 + lane * 4 + 4].fill(0);
+                    }
+                }
+                continue;
             }
-            scales_out[(g * nb + b) * GROUP_ROWS + lane] = e;
-            let block = &mut quants_out[(g * nb + b) * BLOCK_BYTES..(g * nb + b + 1) * BLOCK_BYTES];
-            for p in 0..4 {
-                for c in 0..4 {
-                    let lo = stored_code(blocks, cols, stored, b * QK8_0 + 8 * p + c);
-                    let hi = stored_code(blocks, cols, stored, b * QK8_0 + 8 * p + 4 + c);
-                    block[p * 64 + lane * 4 + c] = lo | (hi << 4);
+            let stored = row_of(r);
+            assert!(stored < stored_rows, "row {r} maps to stored row {stored} of {stored_rows}");
+            let row_codes = &blocks[stored * cols / 2..(stored + 1) * cols / 2];
+            let row_scales = &scales[stored * nb..(stored + 1) * nb];
+            let stored_blocks = row_codes.chunks_exact(QK8_0 / 2).zip(row_scales);
+            let packed_blocks =
+                group_quants.chunks_exact_mut(BLOCK_BYTES).zip(group_scales.chunks_exact_mut(GROUP_ROWS));
+            for (b, ((codes, &e), (block, scale))) in stored_blocks.zip(packed_blocks).enumerate() {
+                if e == 255 {
+                    return Err((stored, b));
+                }
+                scale[lane] = e;
+                for p in 0..4 {
+                    let four = [codes[4 * p], codes[4 * p + 1], codes[4 * p + 2], codes[4 * p + 3]];
+                    block[p * 64 + lane * 4..p * 64 + lane * 4 + 4].copy_from_slice(&pair_of_fours(four));
                 }
             }
         }

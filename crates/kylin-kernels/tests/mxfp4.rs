@@ -83,6 +83,32 @@ fn packing_keeps_every_weight_and_refuses_nan_scales() {
     assert_eq!(VALUES_X2.iter().map(|&v| v as f64 / 2.0).collect::<Vec<_>>(), (0..16).map(fp4).collect::<Vec<_>>());
 }
 
+/// Every byte of the planes is written, the padding rows' with zeros: planes that held other
+/// bytes before pack to the same bytes as zeroed ones.
+#[test]
+fn packing_writes_every_byte_of_the_planes() {
+    let mut rng = Rng(5);
+    let (rows, cols) = (21, 96);
+    let (blocks, scales) = stored(&mut rng, rows, cols);
+    let zeroed = packed(rows, cols, &blocks, &scales, &|r| r);
+    let (quants_len, scales_len) = mxfp4_plane_lens(rows, cols).expect("cols are a multiple of 32");
+    let (mut q, mut s) = (vec![0xa5u8; quants_len], vec![0x5au8; scales_len]);
+    pack_mxfp4(rows, cols, &blocks, &scales, &|r| r, &mut q, &mut s).expect("no scale of 255");
+    let QuantMatrix::Mxfp4(m) = zeroed.matrix() else { panic!("an mxfp4 matrix") };
+    assert!(q == m.quants() && s == m.scales(), "the planes differ from the zeroed ones'");
+    // The padding rows (`rows..32` of the second group) are zeros in both planes.
+    let blocks_per_row = cols / 32;
+    for block in 0..blocks_per_row {
+        for lane in rows - 16..16 {
+            assert_eq!(s[(blocks_per_row + block) * 16 + lane], 0, "scale of padding lane {lane}, block {block}");
+            for pair in 0..4 {
+                let at = (blocks_per_row + block) * 256 + pair * 64 + lane * 4;
+                assert_eq!(&q[at..at + 4], &[0; 4], "codes of padding lane {lane}, block {block}, pair {pair}");
+            }
+        }
+    }
+}
+
 /// Q8_0's activation quantization, written independently: per block `d = f16(amax / 127)`,
 /// `q = round_ties_even(x · 127 / amax)`.
 fn activations(x: &[f32]) -> Vec<(Vec<i32>, f32)> {
