@@ -153,18 +153,26 @@ pub fn pack_f8(rows: usize, cols: usize, codes: &[u8], scales: &[f32], quants_ou
     assert_eq!(f8_plane_lens(rows, cols), Some((quants_out.len(), scales_out.len())), "f8 plane lengths");
     assert_eq!(codes.len(), rows * cols);
     assert_eq!(scales.len(), rows * nb);
-    quants_out.fill(0);
-    scales_out.fill(0);
     let (group_q, group_s) = (nb * QUANTS_BYTES, nb * 2 * SCALES_BYTES);
-    for r in 0..rows {
+    // Row by row, every byte of the planes is written once, four codes at a time, the padding
+    // lanes' with zeros, so the planes need not come zeroed.
+    for r in 0..rows.next_multiple_of(GROUP_ROWS) {
         let (g, lane) = (r / GROUP_ROWS, r % GROUP_ROWS);
         for b in 0..nb {
             let block = &mut quants_out[g * group_q + b * QUANTS_BYTES..][..QUANTS_BYTES];
-            for k in 0..QK8_0 {
-                block[(k / 4) * 64 + lane * 4 + k % 4] = codes[r * cols + b * QK8_0 + k];
-            }
             let at = g * group_s + b * 2 * SCALES_BYTES + 4 * lane;
-            scales_out[at..at + 4].copy_from_slice(&scales[r * nb + b].to_le_bytes());
+            if r < rows {
+                let stored = &codes[r * cols + b * QK8_0..][..QK8_0];
+                for (k4, four) in stored.chunks_exact(4).enumerate() {
+                    block[k4 * 64 + lane * 4..][..4].copy_from_slice(four);
+                }
+                scales_out[at..at + 4].copy_from_slice(&scales[r * nb + b].to_le_bytes());
+            } else {
+                for k4 in 0..QK8_0 / 4 {
+                    block[k4 * 64 + lane * 4..][..4].fill(0);
+                }
+                scales_out[at..at + 4].fill(0);
+            }
         }
     }
 }

@@ -107,6 +107,38 @@ fn case(rng: &mut Rng, packing: Packing, rows: usize, cols: usize) -> Case {
 
 const PACKINGS: [Packing; 3] = [Packing::Q8_0A16, Packing::Q4GA16, Packing::F8A16];
 
+/// `pack_f8` writes every byte of the planes, the padding rows' with zeros: planes that held
+/// other bytes before pack to the bytes of zeroed ones, and the padding lanes are zero.
+#[test]
+fn f8_packing_writes_every_byte_of_the_planes() {
+    let (rows, cols) = (21, 96);
+    let nb = cols / 32;
+    let codes: Vec<u8> = (0..rows * cols).map(|i| (i * 37 % 251) as u8 | 0x08).collect();
+    let s: Vec<f32> = (0..rows * nb).map(|i| 1.0 + i as f32).collect();
+    let (quants_len, scales_len) = f8_plane_lens(rows, cols).expect("a valid shape");
+    let (mut zq, mut zs) = (vec![0u8; quants_len], vec![0u8; scales_len]);
+    pack_f8(rows, cols, &codes, &s, &mut zq, &mut zs);
+    let (mut q, mut sc) = (vec![0xa5u8; quants_len], vec![0x5au8; scales_len]);
+    pack_f8(rows, cols, &codes, &s, &mut q, &mut sc);
+    assert!(q == zq && sc == zs, "the planes differ from the zeroed ones'");
+    // The padding rows (`rows..32` of the second group) are zeros in both planes.
+    for block in 0..nb {
+        for lane in rows - 16..16 {
+            let at = (nb + block) * 64 + 4 * lane;
+            assert_eq!(&sc[at..at + 4], &[0; 4], "scale of padding lane {lane}, block {block}");
+            for k4 in 0..8 {
+                let at = (nb + block) * 512 + k4 * 64 + lane * 4;
+                assert_eq!(&q[at..at + 4], &[0; 4], "codes of padding lane {lane}, block {block}, k4 {k4}");
+            }
+        }
+    }
+    // And the rows' bytes are where the layout puts them: row 17 (lane 1 of the second group),
+    // codes 4..8 of block 2.
+    let lane = 17 % 16;
+    let at = (nb + 2) * 512 + 64 + lane * 4;
+    assert_eq!(&q[at..at + 4], &codes[17 * cols + 64 + 4..17 * cols + 64 + 8]);
+}
+
 #[test]
 fn packed_weights_dequantize_to_the_exact_values() {
     let mut rng = Rng(3);
