@@ -472,12 +472,21 @@ fn paged_attention(
 /// head). `(model, cache)`: `qwen3` is Qwen3-0.6B at a 2k context (28 layers, 8 KV heads of
 /// 128, 2 query rows each), `gemma3` Gemma-3-1B's global attention at 16k (26 layers, one KV
 /// head of 256, 4 query rows), `gemma4` Gemma-4-E2B's full-attention layers at 16k (seven
-/// layers read a cache of one KV head of 512, 8 query rows each); `bf16` is the default
+/// layers read a cache of one KV head of 512, 8 query rows each), `coder` Qwen2.5-Coder-0.5B
+/// at a 1k context (24 layers, 2 KV heads of 64, 7 query rows each); `bf16` is the default
 /// precision's cache (the AVX-512 BF16 or AMX path; on a CPU with neither, the f32 path over
 /// BF16), `f16` the `--quantize` engines' (the f32 path), `f32` the cache of `--precision f32`
 /// over BF16 weights, the default on such a CPU. Bytes counted: the keys and values.
 #[divan::bench(
-    args = [("qwen3", "bf16"), ("qwen3", "f16"), ("qwen3", "f32"), ("gemma3", "bf16"), ("gemma3", "f16"), ("gemma4", "bf16")],
+    args = [
+        ("qwen3", "bf16"),
+        ("qwen3", "f16"),
+        ("qwen3", "f32"),
+        ("gemma3", "bf16"),
+        ("gemma3", "f16"),
+        ("gemma4", "bf16"),
+        ("coder", "f16"),
+    ],
     sample_count = 20
 )]
 fn paged_attention_model(bencher: Bencher, (model, cache): (&str, &str)) {
@@ -485,6 +494,7 @@ fn paged_attention_model(bencher: Bencher, (model, cache): (&str, &str)) {
     let (hd, kv_heads, layers, len, n): (usize, usize, usize, usize, usize) = match model {
         "qwen3" => (128, 8, 28, 2048, 2),
         "gemma3" => (256, 1, 26, 16384, 4),
+        "coder" => (64, 2, 24, 1024, 7),
         _ => (512, 1, 7, 16384, 8),
     };
     let (dtype, precision) = match cache {
