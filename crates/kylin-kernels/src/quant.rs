@@ -95,6 +95,12 @@ pub fn quantize_row_q8_0(x: &[f32], qs: &mut [i8], scales: &mut [u16]) {
         unsafe { crate::quant_x86::quantize_weights_avx512(x, qs, scales) };
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx2Fma {
+        // SAFETY: AVX2/FMA/F16C were detected; the lengths were checked above.
+        unsafe { crate::quant_x86::quantize_weights_avx2(x, qs, scales) };
+        return;
+    }
     for ((block, q), scale) in x.chunks_exact(QK8_0).zip(qs.chunks_exact_mut(QK8_0)).zip(scales.iter_mut()) {
         let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;

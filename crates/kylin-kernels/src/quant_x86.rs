@@ -1,7 +1,7 @@
 //! x86_64 kernels of the Q8_0 products (`quant.rs` defines the layout and the canonical order):
 //! the activation quantization on AVX-512 and on AVX2, the tile on AVX-512 VNNI (`vpdpbusd`)
-//! and on AVX2 (`vpmaddubsw`). Each computes every block's integer dot product exactly and combines the
-//! blocks in the canonical order, so both tiles give the scalar tile's bits.
+//! and on AVX2 (`vpmaddubsw`). Each computes every block's integer dot product exactly and
+//! combines the blocks in the canonical order, so both tiles give the scalar tile's bits.
 
 use std::arch::x86_64::*;
 
@@ -60,6 +60,40 @@ pub(crate) unsafe fn quantize_row_avx2(x: &[f32], dst: &mut [u8]) {
             let sum = crate::x86::store_quants32(q, dst.as_mut_ptr().add(b * QK8_0));
             std::ptr::write_unaligned(dst.as_mut_ptr().add(cols + 4 * b) as *mut f32, d);
             std::ptr::write_unaligned(dst.as_mut_ptr().add(cols + 4 * nb + 4 * b) as *mut i32, -128 * sum);
+        }
+    }
+}
+
+/// [`quantize_weights_avx512`] on AVX2: the same numbers, eight lanes at a time. The sign goes
+/// back with `vpsignd` on the scaled value's bits, which also leaves a quant of 0 at 0.
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available; `x.len()` is a multiple of 32, `qs` as long,
+/// `scales` a 32nd of it.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn quantize_weights_avx2(x: &[f32], qs: &mut [i8], scales: &mut [u16]) {
+    let nb = x.len() / QK8_0;
+    assert!(qs.len() == x.len() && scales.len() == nb);
+    let (sign, half) = (_mm256_set1_ps(-0.0), _mm256_set1_ps(0.5));
+    for (b, scale) in scales.iter_mut().enumerate() {
+        // SAFETY: elements `32b..32b + 32` of `x` and `qs` exist.
+        unsafe {
+            let v: [__m256; 4] = std::array::from_fn(|k| _mm256_loadu_ps(x.as_ptr().add(b * QK8_0 + 8 * k)));
+            let a = v.map(|v| _mm256_andnot_ps(sign, v));
+            let amax = crate::x86::hmax(_mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3])));
+            let d = amax / 127.0;
+            let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+            *scale = half::f16::from_f32(d).to_bits();
+            let q = v.map(|v| {
+                let scaled = _mm256_mul_ps(v, id);
+                let a = _mm256_andnot_ps(sign, scaled);
+                let t = _mm256_cvttps_epi32(a);
+                let frac = _mm256_sub_ps(a, _mm256_cvtepi32_ps(t));
+                // All ones (−1) where the fraction rounds up.
+                let up = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GE_OQ>(frac, half));
+                _mm256_sign_epi32(_mm256_sub_epi32(t, up), _mm256_castps_si256(scaled))
+            });
+            crate::x86::store_quants32(q, qs.as_mut_ptr().add(b * QK8_0) as *mut u8);
         }
     }
 }

@@ -75,6 +75,18 @@ fn quantization_is_ggufs_and_the_layout_round_trips() {
             assert_eq!((q2, s2), (qs.clone(), scales.clone()));
         }
     }
+    // Exact ties (amax 127 makes the step exactly 1) round half away from zero, as GGUF's
+    // `roundf`; a block of zeros has the scale 0 and zero quants.
+    let mut x = vec![0.0f32; 96];
+    x[..8].copy_from_slice(&[127.0, 2.5, -3.5, 0.5, -0.5, 1.5, -126.5, 125.5]);
+    x[32..37].copy_from_slice(&[-127.0, 0.499_999_97, -0.499_999_97, 64.5, -0.0]);
+    let (mut q, mut s) = (vec![0i8; 96], vec![0u16; 3]);
+    quantize_row_q8_0(&x, &mut q, &mut s);
+    for b in 0..3 {
+        let (gq, gd) = gguf_block(&x[b * 32..(b + 1) * 32]);
+        assert_eq!((&q[b * 32..(b + 1) * 32], s[b]), (&gq[..], gd), "block {b} of the ties");
+    }
+    assert_eq!(&q[..8], &[127, 3, -4, 1, -1, 2, -127, 126]);
     // Invalid views are refused.
     assert!(Q8Matrix::new(3, 33, &[0; 0], &[0; 0]).is_none());
     assert!(Q8Matrix::new(3, 32, &[0; 511], &[0; 32]).is_none());
