@@ -181,7 +181,17 @@ fn pack_strip_sized<const SIZE: usize>(w: WeightMatrix<'_>, s: usize, out: &mut 
             sources[position(w.dtype, i)] = Some(&w.data[r * row_bytes..(r + 1) * row_bytes]);
         }
     }
-    for (c, column) in out.chunks_exact_mut(STRIP_ROWS * SIZE).enumerate() {
+    // A whole strip of 16-bit values: eight columns at a time by two 8 × 8 transposes.
+    #[cfg(target_arch = "x86_64")]
+    let first = if SIZE == 2 && (s + 1) * STRIP_ROWS <= w.rows {
+        let row = |i: usize| &w.data[(s * STRIP_ROWS + i) * row_bytes..(s * STRIP_ROWS + i + 1) * row_bytes];
+        x86::pack_strip_16bit(std::array::from_fn(row), w.dtype == WeightDType::BF16, out)
+    } else {
+        0
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let first = 0;
+    for (c, column) in out.chunks_exact_mut(STRIP_ROWS * SIZE).enumerate().skip(first) {
         for (value, source) in column.chunks_exact_mut(SIZE).zip(&sources) {
             if let Some(row) = source {
                 value.copy_from_slice(&row[c * SIZE..(c + 1) * SIZE]);
@@ -287,6 +297,82 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use crate::WeightDType;
+
+    /// Columns `0..8k` of a whole strip of 16-bit values (`rows`: its 16 rows in order)
+    /// written into `out`, eight columns at a time: the eight values of each row loaded side by
+    /// side, two 8 × 8 transposes (rows `0..8` and `8..16`), and each column's two halves
+    /// either one after the other (F16: rows in order) or interleaved value by value
+    /// (`interleave`: BF16, where position `2i` holds row `i` and `2i + 1` row `8 + i`).
+    /// Returns the columns written; the caller copies the rest. SSE2, which every x86_64 CPU
+    /// has.
+    pub(super) fn pack_strip_16bit(rows: [&[u8]; super::STRIP_ROWS], interleave: bool, out: &mut [u8]) -> usize {
+        let cols = out.len() / (2 * super::STRIP_ROWS);
+        assert!(rows.iter().all(|r| r.len() >= 2 * cols), "16 source rows of the strip's columns");
+        let halves: [[&[u8]; 8]; 2] = [std::array::from_fn(|i| rows[i]), std::array::from_fn(|i| rows[8 + i])];
+        let chunks = cols / 8;
+        for k in 0..chunks {
+            // SAFETY: SSE2 is part of x86_64; every row holds the 16 bytes of columns
+            // `8k..8k + 8` (`2 · cols` bytes, asserted), and `out` the 8 columns of 32 bytes.
+            unsafe {
+                let [a, b] = halves.map(|half| transpose8x8_u16(half.map(|r| r.as_ptr().add(16 * k))));
+                for c in 0..8 {
+                    let (lo, hi) = if interleave {
+                        (_mm_unpacklo_epi16(a[c], b[c]), _mm_unpackhi_epi16(a[c], b[c]))
+                    } else {
+                        (a[c], b[c])
+                    };
+                    let column = out.as_mut_ptr().add((8 * k + c) * 32);
+                    _mm_storeu_si128(column as *mut __m128i, lo);
+                    _mm_storeu_si128(column.add(16) as *mut __m128i, hi);
+                }
+            }
+        }
+        8 * chunks
+    }
+
+    /// Eight 16-bit values from each of eight rows → the eight columns, each the rows' values
+    /// in order.
+    ///
+    /// # Safety
+    /// Each pointer is valid for 16 bytes.
+    #[inline(always)]
+    unsafe fn transpose8x8_u16(rows: [*const u8; 8]) -> [__m128i; 8] {
+        // SAFETY: SSE2 is part of x86_64; the pointers are the caller's to vouch for.
+        unsafe {
+            let r = rows.map(|p| _mm_loadu_si128(p as *const __m128i));
+            // Pairs of rows, then fours, then all eight, per column.
+            let t = [
+                _mm_unpacklo_epi16(r[0], r[1]),
+                _mm_unpackhi_epi16(r[0], r[1]),
+                _mm_unpacklo_epi16(r[2], r[3]),
+                _mm_unpackhi_epi16(r[2], r[3]),
+                _mm_unpacklo_epi16(r[4], r[5]),
+                _mm_unpackhi_epi16(r[4], r[5]),
+                _mm_unpacklo_epi16(r[6], r[7]),
+                _mm_unpackhi_epi16(r[6], r[7]),
+            ];
+            let u = [
+                _mm_unpacklo_epi32(t[0], t[2]),
+                _mm_unpackhi_epi32(t[0], t[2]),
+                _mm_unpacklo_epi32(t[1], t[3]),
+                _mm_unpackhi_epi32(t[1], t[3]),
+                _mm_unpacklo_epi32(t[4], t[6]),
+                _mm_unpackhi_epi32(t[4], t[6]),
+                _mm_unpacklo_epi32(t[5], t[7]),
+                _mm_unpackhi_epi32(t[5], t[7]),
+            ];
+            [
+                _mm_unpacklo_epi64(u[0], u[4]),
+                _mm_unpackhi_epi64(u[0], u[4]),
+                _mm_unpacklo_epi64(u[1], u[5]),
+                _mm_unpackhi_epi64(u[1], u[5]),
+                _mm_unpacklo_epi64(u[2], u[6]),
+                _mm_unpackhi_epi64(u[2], u[6]),
+                _mm_unpacklo_epi64(u[3], u[7]),
+                _mm_unpackhi_epi64(u[3], u[7]),
+            ]
+        }
+    }
 
     /// The dtypes of a tile, as const parameters.
     const F32: u8 = 0;
@@ -428,7 +514,7 @@ mod tests {
     #[test]
     fn strips_read_back_the_matrix() {
         for dtype in DTYPES {
-            for (rows, cols) in [(1, 1), (15, 3), (16, 7), (37, 19), (64, 64)] {
+            for (rows, cols) in [(1, 1), (15, 3), (16, 7), (37, 19), (33, 40), (64, 64)] {
                 let data = matrix_bytes(dtype, rows, cols, 3);
                 let w = WeightMatrix { dtype, rows, cols, data: &data };
                 let strips = StripBuffer::pack(w).expect("a whole matrix");
