@@ -559,28 +559,35 @@ fn quantize_inputs<'a>(
     Some(activations)
 }
 
-/// One token × groups `g0..g0 + G` of the Q8_0 matrix `m` on AVX2, block by block in turn
-/// (`quant_x86::tile_avx2_one_token_groups`), into `out` (the token's output row).
+/// One token × groups `g0..g0 + G` of the Q8_0 matrix `m` on `kernels`' tile (AVX2 or
+/// VNNI), block by block in turn (`quant_x86::tile_avx2_one_token_groups`,
+/// `quant_x86::tile_vnni_one_token_groups`), into `out` (the token's output row).
 ///
 /// # Safety
-/// AVX2, FMA and F16C are available; the groups lie inside `m`, their output rows inside
-/// `out` belong to the caller, and `xq` is one whole token row of Q8_0 activations for `m`.
+/// The CPU has `kernels`' instructions, which are AVX2 or VNNI; the groups lie inside `m`,
+/// their output rows inside `out` belong to the caller, and `xq` is one whole token row of
+/// Q8_0 activations for `m`.
 #[cfg(target_arch = "x86_64")]
-unsafe fn one_token_q8_groups<const G: usize>(m: Q8Matrix<'_>, g0: usize, blocks: usize, xq: &[u8], out: OutPtr) {
+unsafe fn one_token_q8_groups<const G: usize>(
+    kernels: Int8Isa,
+    m: Q8Matrix<'_>,
+    g0: usize,
+    blocks: usize,
+    xq: &[u8],
+    out: OutPtr,
+) {
     let rows = m.rows();
     let planes: [(&[u8], &[u8]); G] = std::array::from_fn(|i| m.group(g0 + i));
     let valid: [usize; G] = std::array::from_fn(|i| (rows - (g0 + i) * GROUP_ROWS).min(GROUP_ROWS));
     // SAFETY: the caller's contract; each plane pair is one whole group.
     unsafe {
         let y: [*mut f32; G] = std::array::from_fn(|i| out.0.add((g0 + i) * GROUP_ROWS));
-        crate::quant_x86::tile_avx2_one_token_groups::<G>(
-            planes.map(|p| p.0),
-            planes.map(|p| p.1),
-            blocks,
-            xq,
-            y,
-            valid,
-        );
+        let (wq, ws) = (planes.map(|p| p.0), planes.map(|p| p.1));
+        if kernels == Int8Isa::Vnni {
+            crate::quant_x86::tile_vnni_one_token_groups::<G>(wq, ws, blocks, xq, y, valid);
+        } else {
+            crate::quant_x86::tile_avx2_one_token_groups::<G>(wq, ws, blocks, xq, y, valid);
+        }
     }
 }
 
@@ -614,10 +621,10 @@ unsafe fn compute_groups(
     let prefetch_next = crate::prefetches_weights(n_tokens);
     let groups = r0 / GROUP_ROWS..r1.div_ceil(GROUP_ROWS);
     let mut first_single = groups.start;
-    // One token on AVX2 through Q8_0: four groups at a time, in four streams (see
+    // One token through Q8_0 on AVX2 or VNNI: four groups at a time, in four streams (see
     // `tile_avx2_one_token_groups`), and the last one to three groups of the range together.
     #[cfg(target_arch = "x86_64")]
-    if let (1, Int8Isa::Avx2, QuantMatrix::Q8_0(m)) = (n_tokens, kernels, w) {
+    if let (1, Int8Isa::Avx2 | Int8Isa::Vnni, QuantMatrix::Q8_0(m)) = (n_tokens, kernels, w) {
         const G: usize = crate::quant_x86::ONE_TOKEN_GROUPS;
         let mut g0 = groups.start;
         while g0 < groups.end {
@@ -626,10 +633,10 @@ unsafe fn compute_groups(
             // this call; `xq` is one whole token row of Q8_0 activations.
             unsafe {
                 match n {
-                    4 => one_token_q8_groups::<4>(m, g0, blocks, xq, out),
-                    3 => one_token_q8_groups::<3>(m, g0, blocks, xq, out),
-                    2 => one_token_q8_groups::<2>(m, g0, blocks, xq, out),
-                    _ => one_token_q8_groups::<1>(m, g0, blocks, xq, out),
+                    4 => one_token_q8_groups::<4>(kernels, m, g0, blocks, xq, out),
+                    3 => one_token_q8_groups::<3>(kernels, m, g0, blocks, xq, out),
+                    2 => one_token_q8_groups::<2>(kernels, m, g0, blocks, xq, out),
+                    _ => one_token_q8_groups::<1>(kernels, m, g0, blocks, xq, out),
                 }
             }
             g0 += n;
