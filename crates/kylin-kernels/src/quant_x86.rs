@@ -259,19 +259,9 @@ unsafe fn tile_vnni<const MT: usize, const MXFP4: bool>(
                 let xt = xp.add(t * stride);
                 let xb = xt.add(b * QK8_0);
                 let four = |k: usize| _mm512_set1_epi32(std::ptr::read_unaligned(xb.add(4 * k) as *const i32));
-                let corr = std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * b) as *const i32);
-                let mut i0 = _mm512_set1_epi32(corr);
-                let mut i1 = _mm512_setzero_si512();
-                i0 = _mm512_dpbusd_epi32(i0, w[0], four(0));
-                i1 = _mm512_dpbusd_epi32(i1, w[1], four(1));
-                i0 = _mm512_dpbusd_epi32(i0, w[2], four(2));
-                i1 = _mm512_dpbusd_epi32(i1, w[3], four(3));
-                i0 = _mm512_dpbusd_epi32(i0, w[4], four(4));
-                i1 = _mm512_dpbusd_epi32(i1, w[5], four(5));
-                i0 = _mm512_dpbusd_epi32(i0, w[6], four(6));
-                i1 = _mm512_dpbusd_epi32(i1, w[7], four(7));
+                let corr = _mm512_set1_epi32(std::ptr::read_unaligned(xt.add(cols + 4 * nb + 4 * b) as *const i32));
                 let dx = _mm512_set1_ps(std::ptr::read_unaligned(xt.add(cols + 4 * b) as *const f32));
-                let isum = _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
+                let isum = _mm512_cvtepi32_ps(block_sums_vnni(corr, |k| w[k], four));
                 *acc = _mm512_fmadd_ps(isum, _mm512_mul_ps(dx, dw), *acc);
             }
         }
@@ -280,6 +270,25 @@ unsafe fn tile_vnni<const MT: usize, const MXFP4: bool>(
     for (t, acc) in acc.iter().enumerate() {
         // SAFETY: the caller's contract: rows `0..valid` of token `t` are writable.
         unsafe { _mm512_mask_storeu_ps(y.add(t * y_stride), mask, *acc) };
+    }
+}
+
+/// One block's 16 exact row sums on VNNI: `corr` (the token's `−128 · Σq`) plus the 8 weight
+/// vectors `w(k)` (offset-binary bytes, `[row: 16][4 columns]`) times the token's broadcast
+/// groups of four activations `x4(k)`, in two chains of four `vpdpbusd`.
+#[inline(always)]
+unsafe fn block_sums_vnni(corr: __m512i, w: impl Fn(usize) -> __m512i, x4: impl Fn(usize) -> __m512i) -> __m512i {
+    // SAFETY: the callers have AVX-512 VNNI (their target features); no memory is touched here.
+    unsafe {
+        let mut i0 = _mm512_dpbusd_epi32(corr, w(0), x4(0));
+        let mut i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w(1), x4(1));
+        i0 = _mm512_dpbusd_epi32(i0, w(2), x4(2));
+        i1 = _mm512_dpbusd_epi32(i1, w(3), x4(3));
+        i0 = _mm512_dpbusd_epi32(i0, w(4), x4(4));
+        i1 = _mm512_dpbusd_epi32(i1, w(5), x4(5));
+        i0 = _mm512_dpbusd_epi32(i0, w(6), x4(6));
+        i1 = _mm512_dpbusd_epi32(i1, w(7), x4(7));
+        _mm512_add_epi32(i0, i1)
     }
 }
 
@@ -543,16 +552,8 @@ pub(crate) unsafe fn tile_vnni_one_token_groups<const G: usize>(
             for ((acc, wq), ws) in acc.iter_mut().zip(wq).zip(ws) {
                 let wb = wq.as_ptr().add(b * QUANTS_BYTES);
                 let w = |k: usize| _mm512_loadu_si512(wb.add(64 * k) as *const _);
-                let mut i0 = _mm512_dpbusd_epi32(corr, w(0), x4[0]);
-                let mut i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w(1), x4[1]);
-                i0 = _mm512_dpbusd_epi32(i0, w(2), x4[2]);
-                i1 = _mm512_dpbusd_epi32(i1, w(3), x4[3]);
-                i0 = _mm512_dpbusd_epi32(i0, w(4), x4[4]);
-                i1 = _mm512_dpbusd_epi32(i1, w(5), x4[5]);
-                i0 = _mm512_dpbusd_epi32(i0, w(6), x4[6]);
-                i1 = _mm512_dpbusd_epi32(i1, w(7), x4[7]);
+                let isum = _mm512_cvtepi32_ps(block_sums_vnni(corr, w, |k| x4[k]));
                 let dw = _mm512_cvtph_ps(_mm256_loadu_si256(ws.as_ptr().add(b * SCALES_BYTES) as *const __m256i));
-                let isum = _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
                 *acc = _mm512_fmadd_ps(isum, _mm512_mul_ps(dx, dw), *acc);
             }
         }
