@@ -186,7 +186,7 @@ fn layer_bf16<const TOKENS: usize>(bencher: Bencher) {
 /// point per 128 columns). The matrix stays in the caches, so this measures the tiles'
 /// arithmetic. For one token the counter is the bytes of the packed planes streamed, for more
 /// the multiply-adds.
-#[divan::bench(args = ["q8_0", "q4_k", "q4_g", "q5_0", "q6_0"], consts = [1, 64])]
+#[divan::bench(args = ["q8_0", "q4_k", "q4_g", "q4_g_a16", "q5_0", "q6_0"], consts = [1, 64])]
 fn quant_1024x1024<const TOKENS: usize>(bencher: Bencher, format: &str) {
     use kylin_kernels::quant::{Packing, QuantBuffer, quant_scratch_len};
     let (rows, cols) = (1024, 1024);
@@ -196,11 +196,12 @@ fn quant_1024x1024<const TOKENS: usize>(bencher: Bencher, format: &str) {
         "q4_k" => Packing::Q4K,
         "q5_0" => Packing::Q5_0,
         "q6_0" => Packing::Q6_0,
+        "q4_g_a16" => Packing::Q4GA16,
         _ => Packing::Q4G,
     };
     let mut buffer = QuantBuffer::zeroed(packing, rows, cols).expect("a valid shape");
     let (quants, scales) = buffer.planes_mut();
-    if packing == Packing::Q4G {
+    if matches!(packing, Packing::Q4G | Packing::Q4GA16) {
         let mut state = 0x2545_F491_4F6C_DD1Du64;
         let mut next = move || {
             state ^= state << 13;
