@@ -220,7 +220,7 @@ fn parse_object(text: &str, what: &str) -> PyResult<Map<String, Value>> {
 impl Engine {
     /// Opens `path` (a Hugging Face directory): a decoder on the batching engine, an encoder
     /// (embeddings, reranking) on the encoder engine. `options` is JSON: `threads`, `ctx_size`,
-    /// `max_seqs`, `max_batch_tokens`, `kv_memory` (bytes), `precision` (`f32`, `bf16`, `auto`),
+    /// `max_seqs`, `max_batch_tokens`, `kv_memory` (bytes), `precision` (`f32`, `bf16`, `auto`, `int8`),
     /// `task` (`auto`, `generate`, `embed`, `rerank`: as `kylin serve --task`),
     /// `speculative_tokens`, `speculative_step_tokens`, `draft_model` (a directory) and `mtp`
     /// (a boolean: the checkpoint's multi-token-prediction head proposes), as `kylin serve`
@@ -233,7 +233,7 @@ impl Engine {
         let precision = match opts.get("precision").and_then(Value::as_str) {
             None => PrecisionChoice::F32,
             Some(p) => PrecisionChoice::parse(p)
-                .ok_or_else(|| invalid(format!("precision must be f32, bf16 or auto; got {p}")))?,
+                .ok_or_else(|| invalid(format!("precision must be f32, bf16, auto or int8; got {p}")))?,
         };
         let task = match opts.get("task").and_then(Value::as_str) {
             None | Some("auto") => kylin_loader::task::TaskChoice::Auto,

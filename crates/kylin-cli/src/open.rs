@@ -106,7 +106,7 @@ pub fn open_with(args: &ModelArgs, require_tokenizer: bool, prefault: bool) -> R
     let chat_template_override = read_chat_template(args)?;
     let use_llama = uses_llama_cpp(args, &format)?;
     if use_llama {
-        if let Some(p @ (PrecisionArg::F32 | PrecisionArg::Bf16)) = args.engine.precision {
+        if let Some(p @ (PrecisionArg::F32 | PrecisionArg::Bf16 | PrecisionArg::Int8)) = args.engine.precision {
             return Err(KylinError::config_invalid(format!(
                 "--precision {} applies to the native engine; llama.cpp computes {} in the types \
                  of its GGUF weights (omit --precision or pass auto)",
@@ -302,6 +302,7 @@ pub fn engine_options(args: &ModelArgs, threads: usize, default_max_seqs: usize)
             PrecisionArg::F32 => PrecisionChoice::F32,
             PrecisionArg::Bf16 => PrecisionChoice::Bf16,
             PrecisionArg::Auto => PrecisionChoice::Auto,
+            PrecisionArg::Int8 => PrecisionChoice::Int8,
         },
         quantize: e.quantize.map(QuantizeArg::format),
         quantize_progress: e.quantize.map(|_| quantize_progress_bar()),

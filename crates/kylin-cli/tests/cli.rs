@@ -406,11 +406,24 @@ fn precision_is_reported_and_refused_where_it_cannot_apply() {
     if has_bf16 {
         assert!(err.contains("stored as F32"), "{err}");
     }
+    // int8 needs quantized weights.
+    let out = kylin(&["run", s(&f32_fixture), "--ids", "1,2", "--precision", "int8"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.starts_with("[CONFIG_INVALID] ") && err.contains("--precision int8") && err.contains("--quantize"),
+        "{err}"
+    );
+    // On a published W4A16 checkpoint it runs the int8 products on every CPU.
+    let w4a16 = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/quantized/tiny-qwen3-w4a16");
+    let r = ok_json(&["run", s(&w4a16), "--ids", "1,2", "--max-tokens", "2", "--json", "--precision", "int8"]);
+    assert_eq!(r["precision"], "int8");
     // GGUF runs through llama.cpp, which picks its own arithmetic.
     let gguf = model("gguf/smollm2-135m-instruct-q4_1.gguf");
-    let out = kylin(&["run", s(&gguf), "-p", "x", "--precision", "f32"]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.starts_with("[CONFIG_INVALID] ") && err.contains("native engine"), "{err}");
+    for flag in ["f32", "int8"] {
+        let out = kylin(&["run", s(&gguf), "-p", "x", "--precision", flag]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.starts_with("[CONFIG_INVALID] ") && err.contains("native engine"), "{err}");
+    }
 
     // bench passes --precision to its workers and reports what ran.
     let tiny_bf16 = Path::new(SHARED).join("fixtures/tiny-qwen3");

@@ -234,8 +234,13 @@ fn pseudo_random_prompt(seed: u64, len: usize) -> Vec<u32> {
 /// the reference, the mean KL divergence of the fast path from the f32 path over the prompts'
 /// positions).
 fn measure_fast(name: &str, packing: Packing) -> (usize, usize, f64, f64) {
+    measure_integer(name, PrecisionChoice::Auto, packing)
+}
+
+/// [`measure_fast`] under `precision` (`Auto` or `Int8`).
+fn measure_integer(name: &str, precision: PrecisionChoice, packing: Packing) -> (usize, usize, f64, f64) {
     let reference = reference(name);
-    let mut fast = backend(name, PrecisionChoice::Auto);
+    let mut fast = backend(name, precision);
     assert_eq!(fast.core().model().quantization(), Some(QuantFormat::Published(packing)), "{name}: the packing");
     let vocab = fast.vocab_size();
     let (mut positions, mut agree, mut worst) = (0, 0, 0.0f64);
@@ -389,6 +394,30 @@ fn the_integer_kernels_agree_with_transformers() {
         };
         assert!(worst < bound, "{name}: last-position logits differ by up to {worst}");
     }
+}
+
+/// `--precision int8`: the int8 products (`q4_g`, `q8_0`; FP8 re-quantized to Q8_0) on every
+/// CPU, AVX-512 BF16 or not, with the int8 path's accuracy floors; and a clear
+/// `CONFIG_INVALID` for a model without quantized weights.
+#[test]
+fn int8_precision_runs_the_int8_products_on_every_cpu() {
+    for (suffix, _, int8) in QUANTIZED {
+        let name = format!("tiny-qwen3-{suffix}");
+        let (positions, agree, worst, kl) = measure_integer(&name, PrecisionChoice::Int8, int8);
+        println!(
+            "{name} ({}, --precision int8): argmax agrees at {agree} of {positions} positions, last-position logits within {worst:.4}, mean KL from f32 {kl:.5}",
+            int8.name()
+        );
+        assert!(
+            agree as f64 >= fast_agreement_floor(suffix, int8) * positions as f64,
+            "{name}: argmax agrees at {agree} of {positions} positions"
+        );
+        let bound = if coarse_activations(suffix) { COARSE_ACTIVATIONS_LOGIT_BOUND } else { FAST_LOGIT_BOUND };
+        assert!(worst < bound, "{name}: last-position logits differ by up to {worst}");
+    }
+    let err = try_backend(&fixture("tiny-qwen3-bf16"), PrecisionChoice::Int8).unwrap_err();
+    assert_eq!(err.code, ErrorCode::ConfigInvalid, "{err}");
+    assert!(err.message.contains("--precision int8") && err.message.contains("--quantize"), "{err}");
 }
 
 #[test]

@@ -409,8 +409,11 @@ pub(super) enum PublishedDecode {
     F32,
     /// BF16 weights (the f32 values rounded to nearest even), for the BF16 kernels.
     Bf16,
-    /// The integer kernels' planes.
+    /// The integer kernels' planes: BF16 activations (the `_a16` packings) for the weight-only
+    /// schemes where the CPU has those kernels, int8 activations otherwise.
     Integer,
+    /// The integer kernels' planes with int8 activations everywhere (`--precision int8`).
+    Int8,
 }
 
 /// Decodes one pending published matrix in place (see [`Model::prepare_published`]); returns
@@ -450,7 +453,7 @@ pub(super) fn decode_published(linear: &mut Linear, mode: PublishedDecode) -> Re
     let float_dtype = match mode {
         PublishedDecode::F32 => Some((DType::F32, WeightDType::F32)),
         PublishedDecode::Bf16 => Some((DType::BF16, WeightDType::BF16)),
-        PublishedDecode::Integer => None,
+        PublishedDecode::Integer | PublishedDecode::Int8 => None,
     };
     if let Some((dtype, kernel_dtype)) = float_dtype {
         if mode == PublishedDecode::F32 {
@@ -465,8 +468,9 @@ pub(super) fn decode_published(linear: &mut Linear, mode: PublishedDecode) -> Re
         return Ok(None);
     }
     // 16-bit activations, as the weight-only schemes (A16) and FP8 intend, where the CPU has
-    // the BF16 kernels (`kylin_kernels::w16`); int8 activations for W8A8 and elsewhere.
-    let a16 = kernels::w16::available() && !m.int8_activations;
+    // the BF16 kernels (`kylin_kernels::w16`); int8 activations for W8A8, under
+    // `--precision int8` and elsewhere.
+    let a16 = mode == PublishedDecode::Integer && kernels::w16::available() && !m.int8_activations;
     if a16 && let Some((codes, scales)) = m.fp8_codes()? {
         let mut buffer =
             QuantBuffer::zeroed(Packing::F8A16, rows, cols).ok_or_else(|| packing_error(&m, "f8_e4m3_a16"))?;

@@ -39,15 +39,22 @@ pub enum PrecisionChoice {
     Bf16,
     /// `bf16` when the weights are BF16 and the CPU has a BF16 kernel family, else `f32`.
     Auto,
+    /// int8 activations for every quantized matrix: `--quantize`'s own arithmetic, and for a
+    /// published checkpoint the int8 products even where the CPU has the BF16 (`_a16`) ones
+    /// (`q4_g` for W4A16/GPTQ/AWQ, `q8_0` for W8A16, FP8 re-quantized to Q8_0): faster where
+    /// `vdpbf16ps` is slow (Intel: AMX-INT8 prefill, decode at the memory limit), a little
+    /// less accurate (BENCHMARKS.md). `CONFIG_INVALID` for a model without quantized weights.
+    Int8,
 }
 
 impl PrecisionChoice {
-    /// Parses `f32`, `bf16` or `auto`.
+    /// Parses `f32`, `bf16`, `auto` or `int8`.
     pub fn parse(s: &str) -> Option<Self> {
         match s.to_ascii_lowercase().as_str() {
             "f32" => Some(PrecisionChoice::F32),
             "bf16" => Some(PrecisionChoice::Bf16),
             "auto" => Some(PrecisionChoice::Auto),
+            "int8" => Some(PrecisionChoice::Int8),
             _ => None,
         }
     }
@@ -1105,6 +1112,7 @@ impl Model {
             PrecisionChoice::F32 => PublishedDecode::F32,
             PrecisionChoice::Bf16 => PublishedDecode::Bf16,
             PrecisionChoice::Auto => PublishedDecode::Integer,
+            PrecisionChoice::Int8 => PublishedDecode::Int8,
         };
         if mode == PublishedDecode::Bf16 && kernels::bf16_kernels().is_none() {
             return Err(KylinError::config_invalid(format!(
@@ -1112,7 +1120,7 @@ impl Model {
                 kernels::kernel_family(Precision::F32)
             )));
         }
-        let integer = mode == PublishedDecode::Integer;
+        let integer = matches!(mode, PublishedDecode::Integer | PublishedDecode::Int8);
         // MXFP4 checkpoints quantize only their experts; their attention and head stay as
         // stored (every other published scheme's unquantized modules become Q8_0).
         let keep_floats = self.published_experts_only;
@@ -1216,7 +1224,7 @@ impl Model {
             // BF16 activations over Q8_0 weights on request.
             self.bf16 = None;
             return match choice {
-                PrecisionChoice::Auto if self.published_experts_only => {
+                PrecisionChoice::Auto | PrecisionChoice::Int8 if self.published_experts_only => {
                     // gpt-oss as published: MXFP4 experts beside BF16 attention and head. The
                     // experts keep their integer kernels; the float half runs on the BF16
                     // kernels, as a BF16 model's would, when every one of its matrices is BF16.
@@ -1226,7 +1234,7 @@ impl Model {
                     self.repack_bf16();
                     Ok(())
                 }
-                PrecisionChoice::Auto => Ok(()),
+                PrecisionChoice::Auto | PrecisionChoice::Int8 => Ok(()),
                 PrecisionChoice::Bf16 => self.run_quantized_on_bf16_activations(format),
                 PrecisionChoice::F32 => Err(KylinError::config_invalid(format!(
                     "--precision f32 does not apply to --quantize {}: its matrix products quantize the activations to int8 (or, with --precision bf16, round them to BF16); use --precision auto (the default)",
@@ -1236,6 +1244,12 @@ impl Model {
         }
         let non_bf16 = self.product_linears().find(|m| m.dtype != WeightDType::BF16);
         self.bf16 = match choice {
+            PrecisionChoice::Int8 => {
+                return Err(KylinError::config_invalid(format!(
+                    "--precision int8 applies to quantized weights (--quantize q8_0|q4_k, or a published quantized checkpoint); this model's matrices are stored as {:?}: add --quantize, or use --precision auto",
+                    self.product_linears().next().map_or(WeightDType::F32, |m| m.dtype)
+                )));
+            }
             PrecisionChoice::F32 => None,
             PrecisionChoice::Auto => kernels::bf16_kernels().filter(|_| non_bf16.is_none()),
             PrecisionChoice::Bf16 => {
