@@ -710,6 +710,24 @@ pub unsafe fn gemm_tiled_rows(
 }
 
 #[cfg(test)]
+/// `tdpbf16ps` on one 32-column chunk as measured on a Sapphire Rapids-class Xeon: the 16
+/// even products of the chunk summed in order into one f32, the 16 odd ones into another
+/// (each addition rounded to nearest even; BF16 × BF16 products are exact in f32), then
+/// `acc + (even + odd)`, denormal inputs read as zero and denormal results flushed. (The
+/// SDM's older pseudo-code, one rounded addition per product in pair order, is not what the
+/// hardware does: it matched 1 output in 32 on random data.)
+pub(crate) fn tdpbf16ps_chunk(acc: f32, w: &[u16], x: &[u16]) -> f32 {
+    let flush = |v: f32| if v.is_subnormal() { 0.0f32.copysign(v) } else { v };
+    let widen = |b: u16| flush(f32::from_bits((b as u32) << 16));
+    let (mut even, mut odd) = (0.0f32, 0.0f32);
+    for i in 0..TILE {
+        even = flush(even + widen(w[2 * i]) * widen(x[2 * i]));
+        odd = flush(odd + widen(w[2 * i + 1]) * widen(x[2 * i + 1]));
+    }
+    flush(acc + flush(even + odd))
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
@@ -748,23 +766,6 @@ mod tests {
             }
         }
     }
-    /// `tdpbf16ps` on one 32-column chunk as measured on a Sapphire Rapids-class Xeon: the 16
-    /// even products of the chunk summed in order into one f32, the 16 odd ones into another
-    /// (each addition rounded to nearest even; BF16 × BF16 products are exact in f32), then
-    /// `acc + (even + odd)`, denormal inputs read as zero and denormal results flushed. (The
-    /// SDM's older pseudo-code, one rounded addition per product in pair order, is not what the
-    /// hardware does: it matched 1 output in 32 on random data.)
-    fn tdpbf16ps_chunk(acc: f32, w: &[u16], x: &[u16]) -> f32 {
-        let flush = |v: f32| if v.is_subnormal() { 0.0f32.copysign(v) } else { v };
-        let widen = |b: u16| flush(f32::from_bits((b as u32) << 16));
-        let (mut even, mut odd) = (0.0f32, 0.0f32);
-        for i in 0..TILE {
-            even = flush(even + widen(w[2 * i]) * widen(x[2 * i]));
-            odd = flush(odd + widen(w[2 * i + 1]) * widen(x[2 * i + 1]));
-        }
-        flush(acc + flush(even + odd))
-    }
-
     /// The AMX product gives, for every output, the bits of the scalar model of `tdpbf16ps`
     /// above applied to the column chunks in order: the canonical order that decode, prefill
     /// and every batch shape share, pinned down on random weights and activations over several

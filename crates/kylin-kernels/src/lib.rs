@@ -55,6 +55,8 @@ pub mod reference;
 pub mod strips;
 pub mod w16;
 #[cfg(target_arch = "x86_64")]
+mod w16_amx;
+#[cfg(target_arch = "x86_64")]
 mod x86;
 
 pub use gemm::{PANEL_ROWS, TILE_TOKENS, gemm_packed};

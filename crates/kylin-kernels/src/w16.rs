@@ -35,6 +35,13 @@
 //! ([`tile_scalar`]) computes the same sums in f32 without the instruction's internal
 //! rounding: it is the tests' reference, and the fallback that keeps a product defined on any
 //! CPU.
+//!
+//! **Two families.** Where the kernel grants AMX-BF16 ([`crate::bf16_kernels`]), every `_a16`
+//! product runs on [`crate::w16_amx`] instead: the same packings and packed activations, with
+//! that module's own canonical order (one `tdpbf16ps` per sub-block, which its one-token FMA
+//! kernel reproduces bit for bit), 2.3 to 3 times this module's prefill speed on an Emerald
+//! Rapids Xeon. A process runs one family for all of them ([`family`]), so invariant 7 holds
+//! within it; `KYLIN_KERNELS_ISA=avx512` keeps this module's tiles.
 
 use crate::q4k::{PAIR_BYTES, SUB};
 use crate::quant::{GROUP_ROWS, QK8_0, QUANTS_BYTES, SCALES_BYTES};
@@ -69,11 +76,25 @@ pub fn available() -> bool {
     })
 }
 
+/// The kernel family that runs the `_a16` products in this process, for reports: `amx-bf16`
+/// ([`crate::w16_amx`]) or `avx512-bf16` (this module's tiles).
+pub fn family() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    if crate::w16_amx::available() {
+        return "amx-bf16";
+    }
+    "avx512-bf16"
+}
+
 /// Rounds tokens `t0..t1` of `x` (`(n, cols)`, `cols` a multiple of 32) into their rows of
 /// `out` ([`activation_stride`] bytes each): BF16 values, then per-block sums (module docs).
 pub(crate) fn pack_tokens(x: &[f32], cols: usize, t0: usize, t1: usize, out: &mut [u8]) {
     let stride = activation_stride(cols);
     let mut chunk = [0u16; QK8_0];
+    #[cfg(target_arch = "x86_64")]
+    let flush_tiny = crate::w16_amx::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    let flush_tiny = false;
     for t in t0..t1 {
         let xt = &x[t * cols..(t + 1) * cols];
         let dst = &mut out[t * stride..(t + 1) * stride];
@@ -90,6 +111,7 @@ pub(crate) fn pack_tokens(x: &[f32], cols: usize, t0: usize, t1: usize, out: &mu
             round_scalar(block, &mut chunk);
             let mut sum = 0.0f32;
             for (k, &h) in chunk.iter().enumerate() {
+                let h = if flush_tiny && (h & 0x7FFF) < TINY_BF16 { 0 } else { h };
                 values[2 * (b * QK8_0 + k)..2 * (b * QK8_0 + k) + 2].copy_from_slice(&h.to_le_bytes());
                 sum += bf16_value(h);
             }
@@ -97,6 +119,11 @@ pub(crate) fn pack_tokens(x: &[f32], cols: usize, t0: usize, t1: usize, out: &mu
         }
     }
 }
+
+/// The BF16 bits of 2^−100: under the AMX family ([`crate::w16_amx`]) activations of smaller
+/// magnitude are packed as zero, so that no partial sum of its two kernels is ever denormal
+/// (see there). Their products are negligible beside any sum over activations of ordinary size.
+const TINY_BF16: u16 = 0x0D80;
 
 fn round_scalar(block: &[f32], out: &mut [u16; QK8_0]) {
     for (o, &v) in out.iter_mut().zip(block) {
@@ -269,9 +296,10 @@ pub(crate) unsafe fn tile_scalar(
     }
 }
 
-/// Runs tokens `0..n_tokens` of one group through `weights`' tile: AVX-512 BF16 where
-/// [`available`], else [`tile_scalar`]. With `prefetch_next`, the first token tile also asks
-/// for the next group's weights ([`crate::prefetches_weights`]; a hint, no result changes).
+/// Runs tokens `0..n_tokens` of one group through `weights`' tile: the AMX family where it
+/// runs ([`family`]), else AVX-512 BF16 where [`available`], else [`tile_scalar`]. With
+/// `prefetch_next`, the first token tile also asks for the next group's weights
+/// ([`crate::prefetches_weights`]; a hint, no result changes).
 ///
 /// # Safety
 /// `y` is valid for writing rows `0..valid` of `n_tokens` tokens at row stride `y_stride`;
@@ -292,6 +320,14 @@ pub(crate) unsafe fn group(
     prefetch_next: bool,
 ) {
     debug_assert!(xb.len() >= n_tokens * stride && stride == activation_stride(cols));
+    #[cfg(target_arch = "x86_64")]
+    if crate::w16_amx::available() {
+        // SAFETY: the caller's contract; AMX was granted.
+        unsafe {
+            crate::w16_amx::group(weights, n_tokens, wq, ws, cols, xb, stride, y, y_stride, valid, prefetch_next)
+        };
+        return;
+    }
     let mut t = 0;
     while t < n_tokens {
         let mt = tile_tokens(weights).min(n_tokens - t);
@@ -312,7 +348,7 @@ pub(crate) unsafe fn group(
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use super::*;
     use std::arch::x86_64::*;
 
@@ -344,7 +380,7 @@ mod x86 {
     /// first sixteen entries, which the second sixteen repeat) as BF16 `0.0 ..= 15.0`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
     #[inline]
-    fn nibble_table() -> __m512i {
+    pub(crate) fn nibble_table() -> __m512i {
         load_table(&NIBBLES)
     }
 
@@ -360,7 +396,7 @@ mod x86 {
     /// low bits of the code; `m = 0` is zero).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
     #[inline]
-    fn subnormal_table() -> __m512i {
+    pub(crate) fn subnormal_table() -> __m512i {
         load_table(&SUBNORMALS)
     }
 
@@ -372,7 +408,7 @@ mod x86 {
     /// refused when packing.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
     #[inline]
-    fn fp8_words(w: __m512i, sub: __m512i) -> __m512bh {
+    pub(crate) fn fp8_words(w: __m512i, sub: __m512i) -> __m512bh {
         let magnitude = _mm512_and_si512(w, _mm512_set1_epi16(0x7F));
         let normal = _mm512_or_si512(_mm512_slli_epi16::<4>(magnitude), _mm512_set1_epi16(0x4000));
         let zero_exponent = _mm512_testn_epi16_mask(w, _mm512_set1_epi16(0x78));

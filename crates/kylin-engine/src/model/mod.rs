@@ -1372,11 +1372,11 @@ impl Model {
     }
 
     /// The kernel family running the matrix products (`amx-bf16`, `avx512`, `avx2`, `scalar`,
-    /// or for a quantized model `avx512-vnni q8_0`, ...).
+    /// or for a quantized model `avx512-vnni q8_0`, `amx-bf16 q4_g_a16`, ...).
     pub fn kernel_family(&self) -> String {
         match self.quantization {
-            Some(format) if self.quantized_bf16 => format!("avx512-bf16 {}_a16", format.name()),
-            Some(format) if self.bf16_activations(format) => format!("avx512-bf16 {}", format.name()),
+            Some(format) if self.quantized_bf16 => format!("{} {}_a16", kernels::w16::family(), format.name()),
+            Some(format) if self.bf16_activations(format) => format!("{} {}", kernels::w16::family(), format.name()),
             Some(format @ (QuantFormat::Q4K | QuantFormat::Published(Packing::Q4G))) => {
                 format!("{} {}", kernels::quant::q4k_kernels(), format.name())
             }

@@ -1,0 +1,757 @@
+//! The weight-only products of [`crate::w16`] on Intel AMX tiles (`tdpbf16ps`): the same
+//! packings (`q8_0_a16`, `q4_g_a16`, `f8_e4m3_a16`) and the same packed activations, a faster
+//! family of kernels for prefill on CPUs with AMX-BF16.
+//!
+//! **Why.** The AVX-512 BF16 tiles of [`crate::w16`] widen every weight to BF16 for each tile
+//! of 4 or 8 tokens and feed it to `vdpbf16ps`, which on Sapphire and Emerald Rapids does a
+//! third of an FMA's work per cycle: prefill of a published W4A16 or FP8 checkpoint ran at a
+//! quarter of the int8 products' speed. Here a group's weights are decoded once per chunk into
+//! AMX's B-tile layout, and one `tdpbf16ps` multiplies a 32-column sub-block of 16 rows by up to
+//! 16 tokens. Measured on an Emerald Rapids Xeon (2 cores, qwen3-0.6b-shaped, 512-token
+//! prompt): W4A16 prefill 115–127 → 341–345 tokens/s, FP8 117–137 → 266–399.
+//!
+//! **One token** runs [`one_token`] instead, on f32 FMAs that give the bits a one-row A tile
+//! would: there a `tdpbf16ps`, its `tilestored` and the vector loads of the sums cost more per
+//! sub-block than reading its 4-bit weights from memory takes. Decode is as fast as on the
+//! AVX-512 BF16 tiles (both are bound by the arithmetic, not the reads, on these CPUs).
+//!
+//! **Tiles.** Per group of 16 weight rows and chunk of [`CHUNK_SUBS`] sub-blocks of 32 columns:
+//! - **B** (16 pair rows × 64 bytes, one per sub-block `j`): pair row `i` holds, for the 16
+//!   weight rows `n`, the BF16 words `(w[n][32j + 2i], w[n][32j + 2i + 1])`: the codes as
+//!   [`crate::w16`] decodes them (an int8 or 4-bit code's value, an FP8 value times 2^8), made
+//!   from one 64-byte `k4` chunk of the planes with a `vpermb` per pair row (the chunk holds
+//!   columns `4k4 .. 4k4 + 4` of the 16 rows, so pair rows `2k4` and `2k4 + 1`).
+//! - **A** (up to 16 rows × 64 bytes): the tokens' packed BF16 activations of the sub-block,
+//!   loaded in place from [`crate::w16::pack_tokens`]'s rows with their stride.
+//! - **C** (tokens × 16 f32): `d[t][n]`, the sub-block's dot product from zero, stored and
+//!   then scaled in f32 ([`Unit`] says why one unit's scale step waits for the next's
+//!   products).
+//!
+//! **Canonical order** of one output `y[t, r]` (DESIGN.md invariant 7), this family's own:
+//! `acc = 0`; for each sub-block `j` in order, `d = tdpbf16ps` of the sub-block from zero (the
+//! measured rounding of [`crate::amx`]: the 16 even products summed in order, the 16 odd ones,
+//! then their sum), `acc = fma(d, s_j, acc)` and, for Q4_G, `acc = fma(−Σx_j, m_j, acc)`;
+//! `y = acc`. For FP8, `s_j` is the stored scale times 2^−8. Every token runs that sequence
+//! alone (a tile's rows never mix, and [`one_token`] computes the same bits), so its outputs
+//! are the same in a batch of one or of many, on any thread. A process runs either this family
+//! or the AVX-512 BF16 one for every `_a16` product ([`crate::w16::family`]), never both.
+
+use std::arch::asm;
+use std::arch::x86_64::*;
+
+use crate::amx::{TILE, TileConfig};
+use crate::q4g::SUB_SCALE_BYTES;
+use crate::q4k::{PAIR_BYTES, SUB};
+use crate::quant::{QUANTS_BYTES, SCALES_BYTES};
+use crate::w16::Weights;
+
+/// Sub-blocks of 32 columns whose B tiles one pass decodes before the token tiles run over
+/// them: 16 KiB, which stays in the first-level cache.
+pub(crate) const CHUNK_SUBS: usize = 16;
+
+/// Bytes of one B tile.
+const B_TILE_BYTES: usize = 16 * 64;
+
+/// The B tiles of one chunk.
+#[repr(C, align(64))]
+struct BTiles([u8; CHUNK_SUBS * B_TILE_BYTES]);
+
+/// How far ahead of the block it decodes a one-token product asks for the quants plane (as
+/// [`crate::w16`]'s one-token tiles do).
+const ONE_TOKEN_PREFETCH_BYTES: usize = 8192;
+
+/// The `vpermb` indices that make pair row `2k4 + half` of a B tile from one 64-byte chunk
+/// (byte `4n + c` is column `4k4 + c` of row `n`): word `w` of the result takes byte
+/// `4(w / 2) + 2·half + w % 2`, into its high byte (`HIGH`) or its low one.
+const fn pair_indices(half: usize, high: bool) -> [u8; 64] {
+    let mut idx = [0u8; 64];
+    let mut w = 0;
+    while w < 32 {
+        idx[2 * w + high as usize] = (4 * (w / 2) + 2 * half + w % 2) as u8;
+        w += 1;
+    }
+    idx
+}
+
+/// Pair-row indices placing each byte in its word's high byte (8-bit codes: sign at bit 15).
+static HIGH_INDICES: [[u8; 64]; 2] = [pair_indices(0, true), pair_indices(1, true)];
+/// Pair-row indices placing each byte in its word's low byte (4-bit codes: table lookups).
+static LOW_INDICES: [[u8; 64]; 2] = [pair_indices(0, false), pair_indices(1, false)];
+/// Byte masks keeping the high or the low byte of every word (the other zeroed).
+const HIGH_BYTES: __mmask64 = 0xAAAA_AAAA_AAAA_AAAA;
+const LOW_BYTES: __mmask64 = 0x5555_5555_5555_5555;
+
+/// Whether this process runs the AMX family: AMX-BF16 was granted ([`crate::bf16_kernels`],
+/// which `KYLIN_KERNELS_ISA=avx512` turns off), and the CPU has the AVX-512 BF16 and VBMI
+/// instructions of the decoding (every AMX CPU does).
+pub(crate) fn available() -> bool {
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        crate::w16::available()
+            && crate::bf16_kernels() == Some(crate::Bf16Kernels::Amx)
+            && std::arch::is_x86_feature_detected!("avx512vbmi")
+    })
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,avx2,fma,f16c")]
+#[inline]
+fn load_indices(idx: &[u8; 64]) -> __m512i {
+    // SAFETY: `idx` is 64 readable bytes.
+    unsafe { _mm512_loadu_si512(idx.as_ptr() as *const __m512i) }
+}
+
+/// Decodes sub-blocks `j0..j1` (at most [`CHUNK_SUBS`]; even bounds for Q4_G) of one group's
+/// quants plane `wq` into the B tiles `0..j1 - j0` at `out`, prefetching as the caller asks.
+///
+/// # Safety
+/// `wq` holds the group's whole quants plane for sub-blocks `..j1`; `out` is a [`BTiles`]'
+/// worth of writable bytes, 64-byte aligned.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,avx2,fma,f16c")]
+unsafe fn decode_chunk(weights: Weights, wq: *const u8, j0: usize, j1: usize, out: *mut u8, prefetch: Prefetch) {
+    // SAFETY (whole body): reads stay inside blocks (pairs) `j0..j1` of the plane; writes
+    // inside the `j1 - j0` tiles at `out`.
+    unsafe {
+        match weights {
+            Weights::Int4 => {
+                let table = crate::w16::x86::nibble_table();
+                let idx = [load_indices(&LOW_INDICES[0]), load_indices(&LOW_INDICES[1])];
+                for p in j0 / 2..j1 / 2 {
+                    let pair = wq.add(p * PAIR_BYTES);
+                    prefetch.block(pair, PAIR_BYTES);
+                    let (low, high) = (out.add((2 * p - j0) * B_TILE_BYTES), out.add((2 * p + 1 - j0) * B_TILE_BYTES));
+                    for k4 in 0..8 {
+                        let chunk = _mm512_loadu_si512(pair.add(k4 * 64) as *const __m512i);
+                        for (half, idx) in idx.iter().enumerate() {
+                            let words = _mm512_maskz_permutexvar_epi8(LOW_BYTES, *idx, chunk);
+                            let row = (2 * k4 + half) * 64;
+                            let lo = _mm512_permutexvar_epi16(words, table);
+                            let hi = _mm512_permutexvar_epi16(_mm512_srli_epi16::<4>(words), table);
+                            _mm512_store_si512(low.add(row) as *mut __m512i, lo);
+                            _mm512_store_si512(high.add(row) as *mut __m512i, hi);
+                        }
+                    }
+                }
+            }
+            Weights::Int8 | Weights::Fp8 => {
+                let sub = crate::w16::x86::subnormal_table();
+                let idx = [load_indices(&HIGH_INDICES[0]), load_indices(&HIGH_INDICES[1])];
+                for j in j0..j1 {
+                    let block = wq.add(j * QUANTS_BYTES);
+                    prefetch.block(block, QUANTS_BYTES);
+                    let tile = out.add((j - j0) * B_TILE_BYTES);
+                    for k4 in 0..8 {
+                        let chunk = _mm512_loadu_si512(block.add(k4 * 64) as *const __m512i);
+                        // Only FP8 chunks with a zero exponent somewhere need the table path.
+                        let plain =
+                            weights == Weights::Fp8 && _mm512_testn_epi8_mask(chunk, _mm512_set1_epi8(0x78)) == 0;
+                        for (half, idx) in idx.iter().enumerate() {
+                            // Each code in its word's high byte, the low byte zero.
+                            let words = _mm512_maskz_permutexvar_epi8(HIGH_BYTES, *idx, chunk);
+                            let bf = if weights == Weights::Int8 {
+                                int8_high_words(words)
+                            } else if plain {
+                                // `fp8_normal_words` of the sign-extended codes: shifted right
+                                // by four, the code's sign extends and its bits land at 4–11.
+                                _mm512_ternarylogic_epi32::<0xEA>(
+                                    _mm512_srai_epi16::<4>(words),
+                                    _mm512_set1_epi16(0x87F0u16 as i16),
+                                    _mm512_set1_epi16(0x4000),
+                                )
+                            } else {
+                                std::mem::transmute::<__m512bh, __m512i>(crate::w16::x86::fp8_words(
+                                    _mm512_srli_epi16::<8>(words),
+                                    sub,
+                                ))
+                            };
+                            _mm512_store_si512(tile.add((2 * k4 + half) * 64) as *mut __m512i, bf);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// 32 offset-binary int8 codes, each in its word's high byte, as BF16 of the signed values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,avx2,fma,f16c")]
+#[inline]
+fn int8_high_words(words: __m512i) -> __m512i {
+    // The code's top bit flipped makes the signed value times 256; shifted back, sign-extended.
+    let signed = _mm512_srai_epi16::<8>(_mm512_xor_si512(words, _mm512_set1_epi16(0x8000u16 as i16)));
+    let lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(signed)));
+    let hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64::<1>(signed)));
+    // SAFETY: a reinterpretation of the same 32 words.
+    unsafe { std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo)) }
+}
+
+/// What a product asks the memory system for while it decodes (a hint; no result changes).
+#[derive(Clone, Copy)]
+enum Prefetch {
+    /// Nothing (prefill: the arithmetic per byte hides the reads).
+    None,
+    /// One token: the quants [`ONE_TOKEN_PREFETCH_BYTES`] ahead.
+    Ahead,
+    /// Batched decode: the same block of the next group, `group_bytes` on.
+    NextGroup(usize),
+}
+
+impl Prefetch {
+    #[inline(always)]
+    fn block(self, p: *const u8, bytes: usize) {
+        match self {
+            Prefetch::None => {}
+            Prefetch::Ahead => crate::prefetch_lines(p.wrapping_add(ONE_TOKEN_PREFETCH_BYTES), bytes / 64),
+            Prefetch::NextGroup(group) => crate::prefetch_lines(p.wrapping_add(group), bytes / 64),
+        }
+    }
+}
+
+/// The tile configuration for token tiles of `m` rows: tmm0 the sums (C, `m` × 64 bytes),
+/// tmm4 the activations (A, `m` × 64), tmm5 the weights (B, 16 × 64).
+fn config(m: usize) -> TileConfig {
+    let m = m as u8;
+    TileConfig::new([64, 0, 0, 0, 64, 64, 0, 0], [m, 0, 0, 0, m, 16, 0, 0])
+}
+
+/// All `n_tokens` tokens × one group of 16 weight rows, on AMX (module docs). With
+/// `prefetch_next`, decoding also asks for the next group's weights.
+///
+/// # Safety
+/// [`available`]; `y` is valid for writing rows `0..valid` of `n_tokens` tokens at row stride
+/// `y_stride`; `wq`, `ws` are one whole group of the format's planes for `cols` columns; `xb`
+/// holds `n_tokens` packed rows of `stride` bytes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn group(
+    weights: Weights,
+    n_tokens: usize,
+    wq: &[u8],
+    ws: &[u8],
+    cols: usize,
+    xb: &[u8],
+    stride: usize,
+    y: *mut f32,
+    y_stride: usize,
+    valid: usize,
+    prefetch_next: bool,
+) {
+    let subs = cols / SUB;
+    let (quants_len, scales_len) = match weights {
+        Weights::Int4 => (subs / 2 * PAIR_BYTES, subs * SUB_SCALE_BYTES),
+        Weights::Int8 => (subs * QUANTS_BYTES, subs * SCALES_BYTES),
+        Weights::Fp8 => (subs * QUANTS_BYTES, subs * 2 * SCALES_BYTES),
+    };
+    assert!(wq.len() >= quants_len && ws.len() >= scales_len && xb.len() >= n_tokens * stride);
+    assert!(stride >= 2 * cols && valid <= TILE);
+    if n_tokens == 0 {
+        return;
+    }
+    let prefetch = if prefetch_next {
+        Prefetch::NextGroup(quants_len)
+    } else if n_tokens == 1 {
+        Prefetch::Ahead
+    } else {
+        Prefetch::None
+    };
+    let (wq, ws, xb) = (wq.as_ptr(), ws.as_ptr(), xb.as_ptr());
+    let mask: __mmask16 = if valid >= TILE { 0xffff } else { (1u16 << valid) - 1 };
+    if n_tokens == 1 {
+        // SAFETY: the caller's contract, for one token.
+        unsafe { one_token(weights, wq, ws, cols, xb, y, mask, prefetch) };
+        return;
+    }
+    // Left uninitialized (through raw pointers only): every byte read was written first, by
+    // decoding or by `tilestored`.
+    let mut tiles = std::mem::MaybeUninit::<BTiles>::uninit();
+    let mut sums = std::mem::MaybeUninit::<Sums>::uninit();
+    let (tiles, sums) = (tiles.as_mut_ptr() as *mut u8, sums.as_mut_ptr() as *mut f32);
+    let planes = Planes { weights, ws, xb, cols, stride, y, y_stride, mask };
+    let mut loaded = n_tokens.min(TILE);
+    // The unit whose sums wait in `sums` for their scale step (see `Unit`).
+    let mut pending: Option<Unit> = None;
+    let mut half = 0;
+    // SAFETY (whole body): AMX is permitted (`available`); decoding reads inside the group's
+    // quants plane and writes `tiles`; each unit's A loads read its `m` packed rows inside
+    // `xb` at its sub-blocks' columns, its B loads decoded tiles, its C stores its half of
+    // `sums`; the scale steps read `ws`, `xb`'s sums and `sums`, and write rows `0..valid` of
+    // the caller's tokens.
+    unsafe {
+        crate::amx::load_config(&config(loaded));
+        for j0 in (0..subs).step_by(CHUNK_SUBS) {
+            let j1 = (j0 + CHUNK_SUBS).min(subs);
+            decode_chunk(weights, wq, j0, j1, tiles, prefetch);
+            if prefetch_next {
+                // The next group's scales of this chunk, a few lines.
+                let (from, to) = (j0 * scales_len / subs, j1 * scales_len / subs);
+                crate::prefetch_lines(ws.wrapping_add(scales_len + from), (to - from).div_ceil(64));
+            }
+            for t0 in (0..n_tokens).step_by(TILE) {
+                let m = TILE.min(n_tokens - t0);
+                if m != loaded {
+                    crate::amx::load_config(&config(m));
+                    loaded = m;
+                }
+                let unit = Unit { j0, j1, t0, m, sums: sums.add(half * CHUNK_SUBS * TILE * TILE) };
+                products(&planes, &unit, tiles);
+                if let Some(previous) = pending {
+                    scale_step(&planes, &previous);
+                }
+                pending = Some(unit);
+                half ^= 1;
+            }
+        }
+        if let Some(last) = pending {
+            scale_step(&planes, &last);
+        }
+        crate::amx::release();
+    }
+}
+
+/// F32 `0.0 ..= 15.0`: a 4-bit code's value by `vpermps` (which reads an index's low four bits).
+static NIBBLE_VALUES: [f32; 16] =
+    [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0];
+/// F32 of an FP8 subnormal code's value times 2^8, `m · 2^−9 · 2^8`, by the low four bits
+/// (the exponent's low bit, zero for these codes, and the mantissa `m`).
+static SUBNORMAL_VALUES: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+
+/// The 16 rows' weights of column `4k4 + C` of an 8-bit k4 chunk (`chunk`'s dword `n` holds
+/// row `n`'s four columns) as f32: the int8 code's signed value (`chunk` with every byte's top
+/// bit flipped), or the FP8 value times 2^8, both exactly what the B tiles hold as BF16.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,avx2,fma,f16c")]
+#[inline]
+fn column8<const C: u32>(weights: Weights, chunk: __m512i, plain: bool, sub: __m512) -> __m512 {
+    // Byte `C` at the top of each dword.
+    let top = match C {
+        0 => _mm512_slli_epi32::<24>(chunk),
+        1 => _mm512_slli_epi32::<16>(chunk),
+        2 => _mm512_slli_epi32::<8>(chunk),
+        _ => chunk,
+    };
+    if weights == Weights::Int8 {
+        return _mm512_cvtepi32_ps(_mm512_srai_epi32::<24>(top));
+    }
+    // A normal code: the sign in bit 31, exponent and mantissa at bits 20–26, the exponent
+    // rebiased by +128 (E4M3's bias is 7, f32's 127, and the 2^8).
+    let normal = _mm512_ternarylogic_epi32::<0xEA>(
+        _mm512_srai_epi32::<4>(top),
+        _mm512_set1_epi32(0x87F0_0000u32 as i32),
+        _mm512_set1_epi32(0x4000_0000),
+    );
+    if plain {
+        return _mm512_castsi512_ps(normal);
+    }
+    // Codes with a zero exponent: the table's value, with the sign.
+    let code = _mm512_srli_epi32::<24>(top);
+    let zero_exponent = _mm512_testn_epi32_mask(code, _mm512_set1_epi32(0x78));
+    let magnitude = _mm512_permutexvar_ps(code, sub);
+    let signed = _mm512_or_si512(_mm512_castps_si512(magnitude), _mm512_and_si512(top, _mm512_set1_epi32(i32::MIN)));
+    _mm512_castsi512_ps(_mm512_mask_mov_epi32(normal, zero_exponent, signed))
+}
+
+/// One token × one group of 16 rows without AMX: the same sums as a one-row A tile gives,
+/// from f32 FMAs. Per sub-block and row, two chains of 16 FMAs from zero, over the even and
+/// the odd columns in order, are `tdpbf16ps`'s even and odd sums bit for bit (a BF16 × BF16
+/// product is exact in f32, so each FMA rounds once, as each of its additions does; and no
+/// partial sum can be denormal, because [`crate::w16::pack_tokens`] zeroes activations below
+/// 2^−100 in this family, and every product of the rest is 0 or at least 2^−109 in
+/// magnitude), then `d = (even + odd) + 0`, as `tdpbf16ps` adds to a zeroed C tile. Then the
+/// scale step of [`scale_step`], with the same operations. Decode runs here: a `tdpbf16ps`,
+/// its `tilestored` and the vector loads after it cost more per sub-block than reading four
+/// bits per weight from memory takes.
+///
+/// # Safety
+/// As [`group`] for one token.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn one_token(
+    weights: Weights,
+    wq: *const u8,
+    ws: *const u8,
+    cols: usize,
+    xb: *const u8,
+    y: *mut f32,
+    mask: __mmask16,
+    prefetch: Prefetch,
+) {
+    let subs = cols / SUB;
+    // SAFETY: both tables are 16 readable f32.
+    let (nibbles, sub) =
+        unsafe { (_mm512_loadu_ps(NIBBLE_VALUES.as_ptr()), _mm512_loadu_ps(SUBNORMAL_VALUES.as_ptr())) };
+    let mut acc = _mm512_setzero_ps();
+    // The token's BF16 activations of one chunk, widened to f32 once for every row.
+    let mut xf = [0.0f32; CHUNK_SUBS * SUB];
+    // SAFETY (whole body): reads stay inside the group's planes and the token's packed row.
+    unsafe {
+        for j0 in (0..subs).step_by(CHUNK_SUBS) {
+            let j1 = (j0 + CHUNK_SUBS).min(subs);
+            for (i, x16) in xf[..(j1 - j0) * SUB].chunks_exact_mut(16).enumerate() {
+                let h = _mm256_loadu_si256(xb.add(2 * (j0 * SUB + 16 * i)) as *const __m256i);
+                let f = _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h));
+                _mm512_storeu_ps(x16.as_mut_ptr(), _mm512_castsi512_ps(f));
+            }
+            let x = |j: usize, k: usize| _mm512_set1_ps(*xf.get_unchecked((j - j0) * SUB + k));
+            // The chains of `d` for sub-blocks `j` (and `j + 1` over 4-bit codes).
+            let mut j = j0;
+            while j < j1 {
+                let mut d = [_mm512_setzero_ps(); 2];
+                match weights {
+                    Weights::Int4 => {
+                        let pair = wq.add(j / 2 * PAIR_BYTES);
+                        prefetch.block(pair, PAIR_BYTES);
+                        // [sub-block][even, odd].
+                        let mut chains = [[_mm512_setzero_ps(); 2]; 2];
+                        for k4 in 0..8 {
+                            let chunk = _mm512_loadu_si512(pair.add(k4 * 64) as *const __m512i);
+                            let columns = [
+                                chunk,
+                                _mm512_srli_epi32::<8>(chunk),
+                                _mm512_srli_epi32::<16>(chunk),
+                                _mm512_srli_epi32::<24>(chunk),
+                            ];
+                            for (c, v) in columns.into_iter().enumerate() {
+                                let k = 4 * k4 + c;
+                                let low = _mm512_permutexvar_ps(v, nibbles);
+                                let high = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), nibbles);
+                                chains[0][c % 2] = _mm512_fmadd_ps(low, x(j, k), chains[0][c % 2]);
+                                chains[1][c % 2] = _mm512_fmadd_ps(high, x(j + 1, k), chains[1][c % 2]);
+                            }
+                        }
+                        for (d, [even, odd]) in d.iter_mut().zip(chains) {
+                            *d = _mm512_add_ps(_mm512_add_ps(even, odd), _mm512_setzero_ps());
+                        }
+                    }
+                    Weights::Int8 | Weights::Fp8 => {
+                        let block = wq.add(j * QUANTS_BYTES);
+                        prefetch.block(block, QUANTS_BYTES);
+                        let mut chains = [_mm512_setzero_ps(); 2];
+                        for k4 in 0..8 {
+                            let mut chunk = _mm512_loadu_si512(block.add(k4 * 64) as *const __m512i);
+                            let plain = _mm512_testn_epi8_mask(chunk, _mm512_set1_epi8(0x78)) == 0;
+                            if weights == Weights::Int8 {
+                                chunk = _mm512_xor_si512(chunk, _mm512_set1_epi8(-128));
+                            }
+                            let w = [
+                                column8::<0>(weights, chunk, plain, sub),
+                                column8::<1>(weights, chunk, plain, sub),
+                                column8::<2>(weights, chunk, plain, sub),
+                                column8::<3>(weights, chunk, plain, sub),
+                            ];
+                            for (c, w) in w.into_iter().enumerate() {
+                                chains[c % 2] = _mm512_fmadd_ps(w, x(j, 4 * k4 + c), chains[c % 2]);
+                            }
+                        }
+                        d[0] = _mm512_add_ps(_mm512_add_ps(chains[0], chains[1]), _mm512_setzero_ps());
+                    }
+                }
+                let n = if weights == Weights::Int4 { 2 } else { 1 };
+                for (i, d) in d.iter().enumerate().take(n) {
+                    acc = scale_one(weights, ws, xb, cols, j + i, *d, acc);
+                }
+                j += n;
+            }
+        }
+        _mm512_mask_storeu_ps(y, mask, acc);
+    }
+}
+
+/// One sub-block's step of the scale order for one token's 16 rows: `acc = fma(d, s_j, acc)`
+/// and, for Q4_G, `acc = fma(−Σx_j, m_j, acc)` ([`scale_step`]'s operations).
+///
+/// # Safety
+/// Sub-block `j`'s scales lie inside `ws`; `xb` is the token's packed row.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,avx2,fma,f16c")]
+#[inline]
+unsafe fn scale_one(
+    weights: Weights,
+    ws: *const u8,
+    xb: *const u8,
+    cols: usize,
+    j: usize,
+    d: __m512,
+    acc: __m512,
+) -> __m512 {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let [scale, min] = scales(weights, ws, j);
+        let acc = _mm512_fmadd_ps(d, scale, acc);
+        if weights == Weights::Int4 {
+            let sum = (xb.add(2 * cols + 4 * j) as *const f32).read_unaligned();
+            _mm512_fnmadd_ps(_mm512_set1_ps(sum), min, acc)
+        } else {
+            acc
+        }
+    }
+}
+
+/// Sub-block `j`'s 16 per-row scales (and Q4_G's mins; zero otherwise) in f32, FP8's times
+/// 2^−8 (its decoded values are 2^8 times the codes').
+///
+/// # Safety
+/// Sub-block `j`'s scales lie inside `ws`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,avx2,fma,f16c")]
+#[inline]
+unsafe fn scales(weights: Weights, ws: *const u8, j: usize) -> [__m512; 2] {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match weights {
+            Weights::Int4 => {
+                let at = ws.add(j * SUB_SCALE_BYTES);
+                [
+                    _mm512_cvtph_ps(_mm256_loadu_si256(at as *const __m256i)),
+                    _mm512_cvtph_ps(_mm256_loadu_si256(at.add(32) as *const __m256i)),
+                ]
+            }
+            Weights::Int8 => {
+                [_mm512_cvtph_ps(_mm256_loadu_si256(ws.add(j * SCALES_BYTES) as *const __m256i)), _mm512_setzero_ps()]
+            }
+            Weights::Fp8 => [
+                _mm512_mul_ps(_mm512_loadu_ps(ws.add(j * 2 * SCALES_BYTES) as *const f32), _mm512_set1_ps(1.0 / 256.0)),
+                _mm512_setzero_ps(),
+            ],
+        }
+    }
+}
+
+/// Sub-blocks' sums of both units in flight: [`CHUNK_SUBS`] C tiles of up to 16 rows each.
+#[repr(C, align(64))]
+struct Sums([f32; 2 * CHUNK_SUBS * TILE * TILE]);
+
+/// What the steps of one group share.
+struct Planes {
+    weights: Weights,
+    ws: *const u8,
+    xb: *const u8,
+    cols: usize,
+    stride: usize,
+    y: *mut f32,
+    y_stride: usize,
+    mask: __mmask16,
+}
+
+/// Sub-blocks `j0..j1` (one chunk) × tokens `t0..t0 + m`. Its products are issued, then the
+/// next unit's, and only then its scale step reads them: a vector load of a C tile right
+/// after `tilestored` wrote it cost some 100 cycles per sub-block on an Emerald Rapids Xeon
+/// (the load waits on, or replays behind, the tile store), which one unit's worth of other
+/// work in between hides.
+#[derive(Clone, Copy)]
+struct Unit {
+    j0: usize,
+    j1: usize,
+    t0: usize,
+    m: usize,
+    /// Where its C tiles go: sub-block `j` at `sums + (j − j0) · m · 16`, row `t` (token
+    /// `t0 + t`) 16 f32 at `+ 16t`.
+    sums: *mut f32,
+}
+
+/// Issues `unit`'s products: per sub-block, C = A · B from zero into its slot of `unit.sums`.
+///
+/// # Safety
+/// As [`group`]'s body, with the unit's configuration (`m` rows) loaded.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,avx2,fma,f16c")]
+#[inline]
+unsafe fn products(planes: &Planes, unit: &Unit, tiles: *const u8) {
+    for j in unit.j0..unit.j1 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            asm!(
+                "tileloadd tmm4, [{x} + {xs}*1]",
+                "tileloadd tmm5, [{b} + {s64}*1]",
+                "tilezero tmm0",
+                "tdpbf16ps tmm0, tmm4, tmm5",
+                "tilestored [{c} + {s64}*1], tmm0",
+                x = in(reg) planes.xb.add(unit.t0 * planes.stride + 2 * j * SUB),
+                xs = in(reg) planes.stride,
+                b = in(reg) tiles.add((j - unit.j0) * B_TILE_BYTES),
+                s64 = in(reg) 64usize,
+                c = in(reg) unit.sums.add((j - unit.j0) * unit.m * TILE),
+                options(nostack)
+            );
+        }
+    }
+}
+
+/// `unit`'s scale step: per sub-block in order and token, `acc = fma(d, s_j, acc)` (and the
+/// Q4_G min term), the accumulators carried from the chunk before through `y`.
+///
+/// # Safety
+/// As [`group`]'s body, after [`products`] issued `unit`'s products.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,avx2,fma,f16c")]
+#[inline]
+unsafe fn scale_step(planes: &Planes, unit: &Unit) {
+    let Planes { weights, ws, xb, cols, stride, y, y_stride, mask } = *planes;
+    let (t0, m) = (unit.t0, unit.m);
+    // SAFETY: the caller's contract.
+    unsafe {
+        let mut acc = [_mm512_setzero_ps(); TILE];
+        if unit.j0 > 0 {
+            for (t, acc_t) in acc.iter_mut().enumerate().take(m) {
+                *acc_t = _mm512_maskz_loadu_ps(mask, y.add((t0 + t) * y_stride));
+            }
+        }
+        for j in unit.j0..unit.j1 {
+            let d = unit.sums.add((j - unit.j0) * m * TILE) as *const f32;
+            let [scale, min] = scales(weights, ws, j);
+            for (t, acc_t) in acc.iter_mut().enumerate().take(m) {
+                *acc_t = _mm512_fmadd_ps(_mm512_load_ps(d.add(t * TILE)), scale, *acc_t);
+                if weights == Weights::Int4 {
+                    let sum = (xb.add((t0 + t) * stride + 2 * cols + 4 * j) as *const f32).read_unaligned();
+                    *acc_t = _mm512_fnmadd_ps(_mm512_set1_ps(sum), min, *acc_t);
+                }
+            }
+        }
+        for (t, acc_t) in acc.iter().enumerate().take(m) {
+            _mm512_mask_storeu_ps(y.add((t0 + t) * y_stride), mask, *acc_t);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::amx::tdpbf16ps_chunk;
+    use crate::reference::round_bf16;
+
+    /// A small xorshift generator.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+
+        /// A value in `[-1, 1)`.
+        fn unit(&mut self) -> f32 {
+            (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        }
+    }
+
+    /// One group's planes for `cols` columns with random codes (FP8: every code but the NaNs,
+    /// zeros and subnormals included) and random normal scales (and Q4_G mins).
+    fn planes(rng: &mut Rng, weights: Weights, cols: usize) -> (Vec<u8>, Vec<u8>) {
+        let subs = cols / SUB;
+        let (quants_len, scales_len) = match weights {
+            Weights::Int4 => (subs / 2 * PAIR_BYTES, subs * SUB_SCALE_BYTES),
+            Weights::Int8 => (subs * QUANTS_BYTES, subs * SCALES_BYTES),
+            Weights::Fp8 => (subs * QUANTS_BYTES, subs * 2 * SCALES_BYTES),
+        };
+        let quants = (0..quants_len)
+            .map(|_| {
+                let b = rng.next() as u8;
+                // Every fifth FP8 code has a zero exponent, so that chunks take the table path.
+                match weights {
+                    Weights::Fp8 if b & 0x7F == 0x7F => 0x7E,
+                    Weights::Fp8 if b.is_multiple_of(5) => b & 0x87,
+                    _ => b,
+                }
+            })
+            .collect();
+        let mut scales = Vec::with_capacity(scales_len);
+        while scales.len() < scales_len {
+            let v = rng.unit() * [1e-3f32, 0.02, 1.0][rng.next() as usize % 3];
+            if weights == Weights::Fp8 {
+                scales.extend_from_slice(&v.to_le_bytes());
+            } else {
+                scales.extend_from_slice(&half::f16::from_f32(v).to_le_bytes());
+            }
+        }
+        (quants, scales)
+    }
+
+    /// Row `lane`'s weight `k` of sub-block `j` as the B tiles hold it (BF16 bits) and its
+    /// sub-block's scale and min, in the module docs' terms.
+    fn weight(weights: Weights, wq: &[u8], ws: &[u8], lane: usize, j: usize, k: usize) -> u16 {
+        let value = match weights {
+            Weights::Int4 => crate::q4k::quant_at(wq, lane, j, k) as f32,
+            Weights::Int8 => ((wq[j * QUANTS_BYTES + (k / 4) * 64 + lane * 4 + k % 4] ^ 0x80) as i8) as f32,
+            Weights::Fp8 => crate::w16::e4m3_to_f32(wq[j * QUANTS_BYTES + (k / 4) * 64 + lane * 4 + k % 4]) * 256.0,
+        };
+        let bits = round_bf16(value);
+        assert_eq!(f32::from_bits((bits as u32) << 16), value, "every weight is exact in BF16");
+        let _ = ws;
+        bits
+    }
+
+    fn scale_min(weights: Weights, ws: &[u8], lane: usize, j: usize) -> (f32, f32) {
+        let f16_at = |at: usize| half::f16::from_le_bytes([ws[at], ws[at + 1]]).to_f32();
+        match weights {
+            Weights::Int4 => crate::q4g::scale_min(ws, lane, j),
+            Weights::Int8 => (f16_at(j * SCALES_BYTES + 2 * lane), 0.0),
+            Weights::Fp8 => {
+                let at = j * 2 * SCALES_BYTES + 4 * lane;
+                (f32::from_le_bytes([ws[at], ws[at + 1], ws[at + 2], ws[at + 3]]) * (1.0 / 256.0), 0.0)
+            }
+        }
+    }
+
+    /// Both kernels of the family (one token on FMAs, more on AMX tiles) give every output the
+    /// bits of the module docs' order over the measured `tdpbf16ps` model, for every format,
+    /// token counts across tiles and chunks, a chunk tail, short groups, and activations of
+    /// every magnitude (zeros, tiny ones that packing zeroes, large ones).
+    #[test]
+    fn both_kernels_follow_the_canonical_order_bit_for_bit() {
+        if !available() {
+            return;
+        }
+        let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+        for weights in [Weights::Int4, Weights::Int8, Weights::Fp8] {
+            for cols in [64usize, 576] {
+                let (wq, ws) = planes(&mut rng, weights, cols);
+                let stride = crate::w16::activation_stride(cols);
+                let cases = [(1usize, 16usize), (1, 11), (1, 16), (1, 5), (2, 16), (5, 7), (16, 16), (17, 16), (35, 3)];
+                for (case, &(n, valid)) in cases.iter().enumerate() {
+                    // One token in four has only tiny activations (BF16 denormals, which
+                    // packing zeroes), one only activations just above packing's 2^-100.
+                    let x: Vec<f32> = (0..n * cols)
+                        .map(|i| match ((i / cols + case) % 4, rng.next() % 23) {
+                            (3, _) => rng.unit() * 1e-38,
+                            (2, _) => rng.unit() * 1e-29,
+                            (_, 0) => 0.0,
+                            (_, 1) => rng.unit() * 1e-32,
+                            (_, 2) => rng.unit() * 1e-38,
+                            (_, k) => rng.unit() * [1e-3f32, 0.1, 1.0, 40.0][k as usize % 4],
+                        })
+                        .collect();
+                    let mut xb = vec![0u8; n * stride];
+                    crate::w16::pack_tokens(&x, cols, 0, n, &mut xb);
+                    let mut y = vec![f32::NAN; n * 16];
+                    // SAFETY: AMX is available; the planes are one whole group, `xb` `n` packed
+                    // rows, `y` `n` rows of 16.
+                    unsafe { group(weights, n, &wq, &ws, cols, &xb, stride, y.as_mut_ptr(), 16, valid, false) };
+                    for t in 0..n {
+                        let row = &xb[t * stride..(t + 1) * stride];
+                        let xs: Vec<u16> =
+                            (0..cols).map(|c| u16::from_le_bytes([row[2 * c], row[2 * c + 1]])).collect();
+                        for lane in 0..16 {
+                            let got = y[t * 16 + lane];
+                            if lane >= valid {
+                                assert!(got.is_nan(), "row {lane} past `valid` is left alone");
+                                continue;
+                            }
+                            let mut acc = 0.0f32;
+                            for j in 0..cols / SUB {
+                                let w: Vec<u16> = (0..SUB).map(|k| weight(weights, &wq, &ws, lane, j, k)).collect();
+                                let d = tdpbf16ps_chunk(0.0, &w, &xs[j * SUB..(j + 1) * SUB]);
+                                let (scale, min) = scale_min(weights, &ws, lane, j);
+                                acc = d.mul_add(scale, acc);
+                                if weights == Weights::Int4 {
+                                    let at = 2 * cols + 4 * j;
+                                    let sum = f32::from_le_bytes([row[at], row[at + 1], row[at + 2], row[at + 3]]);
+                                    acc = (-sum).mul_add(min, acc);
+                                }
+                            }
+                            assert_eq!(
+                                got.to_bits(),
+                                acc.to_bits(),
+                                "{weights:?}, {cols} columns, {n} tokens: token {t}, row {lane}: {got:e} vs {acc:e}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
