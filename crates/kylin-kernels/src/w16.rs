@@ -39,7 +39,7 @@
 //! **Two families.** Where the kernel grants AMX-BF16 ([`crate::bf16_kernels`]), every `_a16`
 //! product runs on [`crate::w16_amx`] instead: the same packings and packed activations, with
 //! that module's own canonical order (one `tdpbf16ps` per sub-block, which its one-token FMA
-//! kernel reproduces bit for bit), 2.3 to 3 times this module's prefill speed on an Emerald
+//! kernel reproduces bit for bit), 2.4 to 2.9 times this module's prefill speed on an Emerald
 //! Rapids Xeon. A process runs one family for all of them ([`family`]), so invariant 7 holds
 //! within it; `KYLIN_KERNELS_ISA=avx512` keeps this module's tiles.
 

@@ -8,7 +8,7 @@
 //! quarter of the int8 products' speed. Here a group's weights are decoded once per chunk into
 //! AMX's B-tile layout, and one `tdpbf16ps` multiplies a 32-column sub-block of 16 rows by up to
 //! 16 tokens. Measured on an Emerald Rapids Xeon (2 cores, qwen3-0.6b-shaped, 512-token
-//! prompt): W4A16 prefill 115–127 → 341–345 tokens/s, FP8 117–137 → 266–399.
+//! prompt, BENCHMARKS.md): W4A16 prefill 91–109 → 265–311 tokens/s, FP8 112–130 → 296–341.
 //!
 //! **One token** runs [`one_token`] instead, on f32 FMAs that give the bits a one-row A tile
 //! would: there a `tdpbf16ps`, its `tilestored` and the vector loads of the sums cost more per
