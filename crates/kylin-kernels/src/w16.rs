@@ -238,6 +238,19 @@ pub(crate) enum Weights {
     Fp8,
 }
 
+impl Weights {
+    /// Bytes of one group's quants and scales planes for `cols` columns (the formats'
+    /// [`crate::packed::PlaneLayout`]s); `None` if `cols` does not fit the format.
+    pub(crate) fn group_lens(self, cols: usize) -> Option<(usize, usize)> {
+        use crate::packed::PlaneLayout;
+        match self {
+            Weights::Int8 => crate::quant::Q8Planes::group_lens(cols),
+            Weights::Int4 => crate::q4g::Q4GPlanes::group_lens(cols),
+            Weights::Fp8 => F8Planes::group_lens(cols),
+        }
+    }
+}
+
 /// The scalar tile: tokens `0..mt` of `xb` (packed by [`pack_tokens`], `stride` bytes each) ×
 /// the `valid` rows of one group whose planes are `wq`, `ws`, in the canonical structure with
 /// f32 sums (module docs).

@@ -236,11 +236,7 @@ pub(crate) unsafe fn group(
     prefetch_next: bool,
 ) {
     let subs = cols / SUB;
-    let (quants_len, scales_len) = match weights {
-        Weights::Int4 => (subs / 2 * PAIR_BYTES, subs * SUB_SCALE_BYTES),
-        Weights::Int8 => (subs * QUANTS_BYTES, subs * SCALES_BYTES),
-        Weights::Fp8 => (subs * QUANTS_BYTES, subs * 2 * SCALES_BYTES),
-    };
+    let (quants_len, scales_len) = weights.group_lens(cols).expect("columns that fit the format");
     assert!(wq.len() >= quants_len && ws.len() >= scales_len && xb.len() >= n_tokens * stride);
     assert!(stride >= 2 * cols && valid <= TILE);
     if n_tokens == 0 {
@@ -632,12 +628,7 @@ mod tests {
     /// One group's planes for `cols` columns with random codes (FP8: every code but the NaNs,
     /// zeros and subnormals included) and random normal scales (and Q4_G mins).
     fn planes(rng: &mut Rng, weights: Weights, cols: usize) -> (Vec<u8>, Vec<u8>) {
-        let subs = cols / SUB;
-        let (quants_len, scales_len) = match weights {
-            Weights::Int4 => (subs / 2 * PAIR_BYTES, subs * SUB_SCALE_BYTES),
-            Weights::Int8 => (subs * QUANTS_BYTES, subs * SCALES_BYTES),
-            Weights::Fp8 => (subs * QUANTS_BYTES, subs * 2 * SCALES_BYTES),
-        };
+        let (quants_len, scales_len) = weights.group_lens(cols).expect("a valid shape");
         let quants = (0..quants_len)
             .map(|_| {
                 let b = rng.next() as u8;
