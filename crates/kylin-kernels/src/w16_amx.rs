@@ -348,9 +348,10 @@ fn column8<const C: u32>(weights: Weights, chunk: __m512i, plain: bool, sub: __m
 /// from f32 FMAs. Per sub-block and row, two chains of 16 FMAs from zero, over the even and
 /// the odd columns in order, are `tdpbf16ps`'s even and odd sums bit for bit (a BF16 × BF16
 /// product is exact in f32, so each FMA rounds once, as each of its additions does; and no
-/// partial sum can be denormal, because [`crate::w16::pack_tokens`] zeroes activations below
-/// 2^−100 in this family, and every product of the rest is 0 or at least 2^−109 in
-/// magnitude), then `d = (even + odd) + 0`, as `tdpbf16ps` adds to a zeroed C tile. Then the
+/// partial sum can be denormal: [`crate::w16::pack_tokens`] zeroes activations below 2^−100
+/// in this family, so every activation left is a multiple of 2^−107 and every weight value of
+/// 2^−1, and every product and rounded partial sum a multiple of 2^−108, zero or far above
+/// the denormals), then `d = (even + odd) + 0`, as `tdpbf16ps` adds to a zeroed C tile. Then the
 /// scale step of [`scale_step`], with the same operations. Decode runs here: a `tdpbf16ps`,
 /// its `tilestored` and the vector loads after it cost more per sub-block than reading four
 /// bits per weight from memory takes.
