@@ -667,7 +667,7 @@ fn gate_bf16_dot<const TOKENS: usize>(bencher: Bencher) {
 /// planes (147 to 278 KB) stay in the second-level cache, so this measures how fast a format's
 /// one-token tile computes when memory does not hold it back ([`model_quant_decode`] measures
 /// it streaming from memory). Counted in bytes of the planes read.
-#[divan::bench(args = ["q8_0", "q4_k", "q5_0", "q6_0"], sample_count = 30)]
+#[divan::bench(args = ["q8_0", "q4_k", "q5_0", "q6_0", "q4_g_a16", "q8_0_a16", "f8_a16"], sample_count = 30)]
 fn quant_decode_in_cache(bencher: Bencher, format: &str) {
     use kylin_kernels::quant::{Packing, quant_scratch_len};
     let pool = ThreadPool::new(threads());
@@ -675,6 +675,9 @@ fn quant_decode_in_cache(bencher: Bencher, format: &str) {
         "q8_0" => Packing::Q8_0,
         "q4_k" => Packing::Q4K,
         "q5_0" => Packing::Q5_0,
+        "q4_g_a16" => Packing::Q4GA16,
+        "q8_0_a16" => Packing::Q8_0A16,
+        "f8_a16" => Packing::F8A16,
         _ => Packing::Q6_0,
     };
     let buffers = quantized_copies(packing, &[(256, 1024)], 1);

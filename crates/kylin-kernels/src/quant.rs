@@ -418,7 +418,9 @@ pub(crate) fn matmul_many_packed<'a, M: MatrixRows + Into<QuantMatrix<'a>>>(
             let xq = activations.region(xq, kind);
             // SAFETY: `split_rows` hands this call rows `r0..r1` (whole groups, the last one
             // possibly partial) of `out`, which no other call touches; shapes were checked.
-            unsafe { compute_groups(kernels, w, xq, kind.stride(cols), n_tokens, out, r0, r1) }
+            unsafe {
+                compute_groups(kernels, w, xq, kind.stride(cols), n_tokens, activations.integer_forms, out, r0, r1)
+            }
         });
     }
 }
@@ -467,9 +469,12 @@ pub fn matmul_rows_quant(pool: &ThreadPool, xs: &[f32], scratch: &mut [u8], jobs
         split_rows(pool, chunk, GROUP_ROWS, threads, &|w: RowInput<'_>, out: OutPtr, r0, r1| {
             let kind = w.matrix.packing().activation_kind();
             let stride = kind.stride(cols);
-            let xq = &activations.region(xq, kind)[w.row * stride..(w.row + 1) * stride];
+            // This job's one token (a lone input row's integer forms after it).
+            let region = activations.region(xq, kind);
+            let end = if activations.integer_forms { region.len() } else { (w.row + 1) * stride };
+            let xq = &region[w.row * stride..end];
             // SAFETY: as in `matmul_many_packed`; `xq` is this job's one token.
-            unsafe { compute_groups(kernels, w.matrix, xq, stride, 1, out, r0, r1) }
+            unsafe { compute_groups(kernels, w.matrix, xq, stride, 1, activations.integer_forms, out, r0, r1) }
         });
     }
 }
@@ -481,13 +486,15 @@ struct Activations {
     cols: usize,
     /// Bytes of the scratch in use.
     needed: usize,
+    /// Whether the lone token's BF16 row has its integer forms after it.
+    integer_forms: bool,
 }
 
 impl Activations {
     /// `kind`'s region of the scratch: `n_tokens` rows of its stride, after the regions of the
     /// kinds before it that are present.
     fn range(&self, kind: ActivationKind) -> std::ops::Range<usize> {
-        let len = |k: ActivationKind| self.n_tokens * k.stride(self.cols);
+        let len = |k: ActivationKind| k.region_len(self.n_tokens, self.cols);
         let offset: usize =
             ACTIVATION_KINDS[..kind as usize].iter().filter(|k| self.present[**k as usize]).map(|&k| len(k)).sum();
         offset..offset + len(kind)
@@ -511,6 +518,9 @@ fn quantize_inputs<'a>(
     matrices: impl Iterator<Item = QuantMatrix<'a>>,
 ) -> Option<Activations> {
     let mut present = [false; ACTIVATION_KINDS.len()];
+    // Whether a one-token product over integer codes with BF16 activations is among them: its
+    // packing adds each block's integer form (`w16::IntegerBlock`).
+    let mut integer_a16 = false;
     for w in matrices {
         // These checks make the unsafe reads and writes of the products sound.
         assert_eq!(w.cols(), cols, "matrices sharing an input must have the same columns");
@@ -521,13 +531,16 @@ fn quantize_inputs<'a>(
             w.packing().name()
         );
         present[w.packing().activation_kind() as usize] = true;
+        integer_a16 |= matches!(w.packing(), Packing::Q4GA16 | Packing::Q8_0A16);
     }
     assert_eq!(x.len(), n_tokens * cols, "x.len() != n_tokens * cols");
+    let integer_forms = integer_a16 && n_tokens == 1 && crate::w16::integer_forms_used();
     let activations = Activations {
         present,
         n_tokens,
         cols,
-        needed: ACTIVATION_KINDS.iter().filter(|k| present[**k as usize]).map(|&k| n_tokens * k.stride(cols)).sum(),
+        integer_forms,
+        needed: ACTIVATION_KINDS.iter().filter(|k| present[**k as usize]).map(|&k| k.region_len(n_tokens, cols)).sum(),
     };
     assert!(
         scratch.len() >= activations.needed,
@@ -551,7 +564,7 @@ fn quantize_inputs<'a>(
                 match kind {
                     ActivationKind::Q8_0 => quantize_tokens(isa, x, cols, t0, t1, out),
                     ActivationKind::Q4K => crate::q4k::quantize_tokens(isa, x, cols, t0, t1, out),
-                    ActivationKind::Bf16 => crate::w16::pack_tokens(x, cols, t0, t1, out),
+                    ActivationKind::Bf16 => crate::w16::pack_tokens(x, cols, t0, t1, out, integer_forms),
                 }
             }
         }
@@ -609,6 +622,7 @@ unsafe fn compute_groups(
     xq: &[u8],
     stride: usize,
     n_tokens: usize,
+    integer_forms: bool,
     out: OutPtr,
     r0: usize,
     r1: usize,
@@ -664,7 +678,20 @@ unsafe fn compute_groups(
             // SAFETY: as below, for all the tokens; `xq` holds their packed BF16 rows.
             unsafe {
                 let y = out.0.add(g * GROUP_ROWS);
-                crate::w16::group(weights, n_tokens, wq, ws, cols, xq, stride, y, rows, valid, prefetch_next)
+                crate::w16::group(
+                    weights,
+                    n_tokens,
+                    wq,
+                    ws,
+                    cols,
+                    xq,
+                    stride,
+                    y,
+                    rows,
+                    valid,
+                    prefetch_next,
+                    integer_forms,
+                )
             };
             continue;
         }
@@ -869,6 +896,13 @@ impl ActivationKind {
             ActivationKind::Q8_0 | ActivationKind::Q4K => activation_stride(cols),
             ActivationKind::Bf16 => crate::w16::activation_stride(cols),
         }
+    }
+
+    /// Bytes of this kind's region for `n_tokens` tokens: their rows, and for BF16 a lone
+    /// token's integer forms ([`crate::w16::pack_tokens`]).
+    fn region_len(self, n_tokens: usize, cols: usize) -> usize {
+        let tail = if self == ActivationKind::Bf16 { crate::w16::integer_forms_len(cols) } else { 0 };
+        n_tokens * self.stride(cols) + tail
     }
 }
 
@@ -1125,7 +1159,7 @@ impl MatrixRows for QuantMatrix<'_> {
 /// sharing an input (each [`ActivationKind`]'s activations once: three regions, Q4_K and Q4_G
 /// sharing one, the `_a16` packings another).
 pub fn quant_scratch_len(n_tokens: usize, cols: usize) -> usize {
-    ACTIVATION_KINDS.iter().map(|k| n_tokens * k.stride(cols)).sum()
+    ACTIVATION_KINDS.iter().map(|k| k.region_len(n_tokens, cols)).sum()
 }
 
 /// An owned, 64-byte aligned buffer holding the two planes of a packed matrix made at load

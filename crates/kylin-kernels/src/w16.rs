@@ -21,7 +21,9 @@
 //!
 //! **Activations** ([`pack_tokens`]): per token, the `cols` values rounded to BF16 (nearest
 //! even), then per block of 32 the f32 sum of those BF16 values in column order (Q4_G's min
-//! term needs it): [`activation_stride`] bytes.
+//! term needs it): [`activation_stride`] bytes. Under the AMX family, a lone token's row over
+//! integer codes is followed by each block's [`IntegerBlock`], the same values as integers for
+//! that family's one-token products.
 //!
 //! **Canonical order** of one output `y[t, r]` (DESIGN.md invariant 7). The lanes of a
 //! `vdpbf16ps` accumulator are (row, half): half 0 sums columns `4k, 4k + 1` of every k4 step,
@@ -61,6 +63,93 @@ pub(crate) fn activation_stride(cols: usize) -> usize {
     2 * cols + 4 * (cols / QK8_0)
 }
 
+/// Bytes after the packed rows for one token's integer forms ([`IntegerBlock`]), which a
+/// one-token product under the AMX family reads right after its row.
+pub(crate) fn integer_forms_len(cols: usize) -> usize {
+    INTEGER_BLOCK_BYTES * (cols / QK8_0)
+}
+
+/// Bytes of one block's integer form in a packed token ([`IntegerBlock`]).
+pub(crate) const INTEGER_BLOCK_BYTES: usize = 112;
+
+/// Whether one-token products over integer codes read integer forms in this process: under
+/// the AMX family ([`crate::w16_amx`]).
+pub(crate) fn integer_forms_used() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        crate::w16_amx::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Where block `b`'s integer form starts, from the start of a lone packed token of `cols`
+/// columns (right after its row).
+pub(crate) fn integer_block_offset(cols: usize, b: usize) -> usize {
+    activation_stride(cols) + INTEGER_BLOCK_BYTES * b
+}
+
+/// One block's 32 BF16 activations as integers, for the AMX family's one-token products
+/// ([`crate::w16_amx`]): with `e` the smallest exponent among its nonzero values, each value
+/// is `X_k · unit`, `unit = 2^e` (the last bit of an 8-bit significand at that exponent), and
+/// `X_k` an integer, split in three bytes for `vpdpbusd` as `X_k = 2^16 · top_k + 2^8 · mid_k
+/// + low_k` (`top_k` signed, `mid_k` and `low_k` unsigned).
+///
+/// A block whose nonzero values are normal and span at most 14 binary orders has an integer
+/// form (`|X_k| < 2^22`, so `top_k` fits a byte); otherwise `unit` is zero. Whether a product
+/// may use it depends on its weight codes too: `crate::w16_amx`'s `IntegerForm` decides, by
+/// `Σ|X_k|` over the even and the odd columns.
+///
+/// Layout ([`INTEGER_BLOCK_BYTES`], little-endian): `unit` f32, `Σ top_k` i32, `Σ |X_k|` over
+/// even `k` i32, the same over odd `k` i32, the 32 `top_k`, the 32 `mid_k`, the 32 `low_k`.
+pub(crate) struct IntegerBlock;
+
+impl IntegerBlock {
+    pub(crate) const UNIT: usize = 0;
+    pub(crate) const TOP_SUM: usize = 4;
+    /// `[Σ|X_k| over even k, over odd k]`.
+    pub(crate) const ABS_SUMS: usize = 8;
+    pub(crate) const TOP: usize = 16;
+    pub(crate) const MID: usize = 48;
+    pub(crate) const LOW: usize = 80;
+
+    /// Writes the integer form of one block's BF16 values into `out`
+    /// ([`INTEGER_BLOCK_BYTES`]), or its `unit` as zero when it has none: the reference for
+    /// `crate::w16_amx::write_integer_block`, which packing runs.
+    #[cfg(test)]
+    pub(crate) fn write(values: &[u16; QK8_0], out: &mut [u8]) {
+        let exponent = |h: u16| ((h >> 7) & 0xFF) as i32;
+        let magnitude = |h: u16, lo: i32| ((0x80 | (h & 0x7F)) as i32) << (exponent(h) - lo);
+        let nonzero = || values.iter().copied().filter(|h| h & 0x7FFF != 0);
+        let (lo, hi) = (nonzero().map(exponent).min().unwrap_or(127), nonzero().map(exponent).max().unwrap_or(127));
+        // Subnormal (zero exponent) or non-finite (0xFF) values have no integer form, nor do
+        // spans past 14 orders or largest values past 2^73 (so that no exact sum of 32
+        // products comes near f32's range).
+        if lo < 8 || hi > 200 || hi - lo > 14 {
+            out[..INTEGER_BLOCK_BYTES].fill(0);
+            return;
+        }
+        let (mut top_sum, mut abs_sums) = (0i32, [0i32; 2]);
+        for (k, &h) in values.iter().enumerate() {
+            let m = if h & 0x7FFF == 0 { 0 } else { magnitude(h, lo) };
+            let x = if h & 0x8000 != 0 { -m } else { m };
+            // |x| < 2^22, so `x >> 16` fits an i8.
+            out[Self::TOP + k] = (x >> 16) as i8 as u8;
+            out[Self::MID + k] = (x >> 8) as u8;
+            out[Self::LOW + k] = x as u8;
+            top_sum += x >> 16;
+            abs_sums[k % 2] += m;
+        }
+        // `2^(lo − 127 − 7)`: the exponent field `lo − 7`, at least 1.
+        out[Self::UNIT..Self::UNIT + 4].copy_from_slice(&f32::from_bits(((lo - 7) as u32) << 23).to_le_bytes());
+        out[Self::TOP_SUM..Self::TOP_SUM + 4].copy_from_slice(&top_sum.to_le_bytes());
+        out[Self::ABS_SUMS..Self::ABS_SUMS + 4].copy_from_slice(&abs_sums[0].to_le_bytes());
+        out[Self::ABS_SUMS + 4..Self::ABS_SUMS + 8].copy_from_slice(&abs_sums[1].to_le_bytes());
+    }
+}
+
 /// Whether this process runs the AVX-512 BF16 tiles (else [`tile_scalar`]).
 pub fn available() -> bool {
     static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -88,8 +177,11 @@ pub fn family() -> &'static str {
 
 /// Rounds tokens `t0..t1` of `x` (`(n, cols)`, `cols` a multiple of 32) into their rows of
 /// `out` ([`activation_stride`] bytes each): BF16 values, then per-block sums (module docs).
-pub(crate) fn pack_tokens(x: &[f32], cols: usize, t0: usize, t1: usize, out: &mut [u8]) {
+/// With `integers` (one token, for products over integer codes under the AMX family), each
+/// block's [`IntegerBlock`] follows the row ([`integer_forms_len`] more bytes).
+pub(crate) fn pack_tokens(x: &[f32], cols: usize, t0: usize, t1: usize, out: &mut [u8], integers: bool) {
     let stride = activation_stride(cols);
+    assert!(!integers || ((t0, t1) == (0, 1) && integer_forms_used()), "integer forms are for one token, under AMX");
     let mut chunk = [0u16; QK8_0];
     #[cfg(target_arch = "x86_64")]
     let flush_tiny = crate::w16_amx::available();
@@ -97,7 +189,8 @@ pub(crate) fn pack_tokens(x: &[f32], cols: usize, t0: usize, t1: usize, out: &mu
     let flush_tiny = false;
     for t in t0..t1 {
         let xt = &x[t * cols..(t + 1) * cols];
-        let dst = &mut out[t * stride..(t + 1) * stride];
+        let end = if integers { stride + integer_forms_len(cols) } else { (t + 1) * stride };
+        let dst = &mut out[t * stride..end];
         let (values, sums) = dst.split_at_mut(2 * cols);
         for (b, block) in xt.chunks_exact(QK8_0).enumerate() {
             #[cfg(target_arch = "x86_64")]
@@ -110,12 +203,20 @@ pub(crate) fn pack_tokens(x: &[f32], cols: usize, t0: usize, t1: usize, out: &mu
             #[cfg(not(target_arch = "x86_64"))]
             round_scalar(block, &mut chunk);
             let mut sum = 0.0f32;
-            for (k, &h) in chunk.iter().enumerate() {
-                let h = if flush_tiny && (h & 0x7FFF) < TINY_BF16 { 0 } else { h };
+            for (k, h) in chunk.iter_mut().enumerate() {
+                if flush_tiny && (*h & 0x7FFF) < TINY_BF16 {
+                    *h = 0;
+                }
                 values[2 * (b * QK8_0 + k)..2 * (b * QK8_0 + k) + 2].copy_from_slice(&h.to_le_bytes());
-                sum += bf16_value(h);
+                sum += bf16_value(*h);
             }
             sums[4 * b..4 * b + 4].copy_from_slice(&sum.to_le_bytes());
+            #[cfg(target_arch = "x86_64")]
+            if integers {
+                let at = integer_block_offset(cols, b) - 2 * cols;
+                // SAFETY: the AMX family's CPUs have AVX-512 F/BW (`integer_forms_used`).
+                unsafe { crate::w16_amx::write_integer_block(&chunk, &mut sums[at..at + INTEGER_BLOCK_BYTES]) };
+            }
         }
     }
 }
@@ -317,7 +418,8 @@ pub(crate) unsafe fn tile_scalar(
 /// # Safety
 /// `y` is valid for writing rows `0..valid` of `n_tokens` tokens at row stride `y_stride`;
 /// `wq`, `ws` are one whole group of the format's planes for `cols` columns; `xb` holds
-/// `n_tokens` packed rows of `stride` bytes.
+/// `n_tokens` packed rows of `stride` bytes, and with `integer_forms` (one token) its integer
+/// forms after the row ([`pack_tokens`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn group(
     weights: Weights,
@@ -331,13 +433,27 @@ pub(crate) unsafe fn group(
     y_stride: usize,
     valid: usize,
     prefetch_next: bool,
+    integer_forms: bool,
 ) {
     debug_assert!(xb.len() >= n_tokens * stride && stride == activation_stride(cols));
     #[cfg(target_arch = "x86_64")]
     if crate::w16_amx::available() {
         // SAFETY: the caller's contract; AMX was granted.
         unsafe {
-            crate::w16_amx::group(weights, n_tokens, wq, ws, cols, xb, stride, y, y_stride, valid, prefetch_next)
+            crate::w16_amx::group(
+                weights,
+                n_tokens,
+                wq,
+                ws,
+                cols,
+                xb,
+                stride,
+                y,
+                y_stride,
+                valid,
+                prefetch_next,
+                integer_forms,
+            )
         };
         return;
     }

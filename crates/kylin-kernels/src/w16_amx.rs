@@ -10,10 +10,21 @@
 //! 16 tokens. Measured on an Emerald Rapids Xeon (2 cores, qwen3-0.6b-shaped, 512-token
 //! prompt, BENCHMARKS.md): W4A16 prefill 91–109 → 265–311 tokens/s, FP8 112–130 → 296–341.
 //!
-//! **One token** runs [`one_token`] instead, on f32 FMAs that give the bits a one-row A tile
-//! would: there a `tdpbf16ps`, its `tilestored` and the vector loads of the sums cost more per
-//! sub-block than reading its 4-bit weights from memory takes. Decode is as fast as on the
-//! AVX-512 BF16 tiles (both are bound by the arithmetic, not the reads, on these CPUs).
+//! **One token** runs [`one_token`] instead, without tiles: there a `tdpbf16ps`, its
+//! `tilestored` and the vector loads of the sums cost more per sub-block than reading its
+//! 4-bit weights from memory takes. Each sub-block's `d` comes from one of two kernels with
+//! the same bits:
+//! - **integer sums** on `vpdpbusd` ([`IntegerForm`]), when the token's activations of the
+//!   sub-block are small integers times one power of two ([`crate::w16::IntegerBlock`]) and
+//!   the codes' sums of them are exact in f32, so that the canonical order's only rounding is
+//!   its last addition, which the integer sum's conversion to f32 makes: 3 `vpdpbusd` per 64
+//!   weights and a sub-block. In decode steps on real text this took 9 sub-blocks in 10 of the
+//!   4-bit codes' products (two published W4A16 checkpoints) and 56% of the int8 codes' (whose
+//!   sums grow 8 times faster); FP8 values are not small integers;
+//! - otherwise **f32 FMAs** in the canonical order, about 3 instructions per 16 weights.
+//!
+//! With the integer sums, W4A16 decode reads 83–84% of the machine's measured bandwidth in
+//! weights (96% with the KV cache) where the FMAs alone read 77% (BENCHMARKS.md).
 //!
 //! **Tiles.** Per group of 16 weight rows and chunk of [`CHUNK_SUBS`] sub-blocks of 32 columns:
 //! - **B** (16 pair rows × 64 bytes, one per sub-block `j`): pair row `i` holds, for the 16
@@ -90,6 +101,7 @@ pub(crate) fn available() -> bool {
         crate::w16::available()
             && crate::bf16_kernels() == Some(crate::Bf16Kernels::Amx)
             && std::arch::is_x86_feature_detected!("avx512vbmi")
+            && std::arch::is_x86_feature_detected!("avx512vnni")
     })
 }
 
@@ -234,11 +246,14 @@ pub(crate) unsafe fn group(
     y_stride: usize,
     valid: usize,
     prefetch_next: bool,
+    integer_forms: bool,
 ) {
     let subs = cols / SUB;
     let (quants_len, scales_len) = weights.group_lens(cols).expect("columns that fit the format");
     assert!(wq.len() >= quants_len && ws.len() >= scales_len && xb.len() >= n_tokens * stride);
     assert!(stride >= 2 * cols && valid <= TILE);
+    let integer_forms = integer_forms && weights != Weights::Fp8;
+    assert!(!integer_forms || (n_tokens == 1 && xb.len() >= crate::w16::integer_block_offset(cols, subs)));
     if n_tokens == 0 {
         return;
     }
@@ -253,7 +268,7 @@ pub(crate) unsafe fn group(
     let mask: __mmask16 = if valid >= TILE { 0xffff } else { (1u16 << valid) - 1 };
     if n_tokens == 1 {
         // SAFETY: the caller's contract, for one token.
-        unsafe { one_token(weights, wq, ws, cols, xb, y, mask, prefetch) };
+        unsafe { one_token(weights, wq, ws, cols, xb, integer_forms, y, mask, prefetch) };
         return;
     }
     // Left uninitialized (through raw pointers only): every byte read was written first, by
@@ -358,7 +373,7 @@ fn column8<const C: u32>(weights: Weights, chunk: __m512i, plain: bool, sub: __m
 ///
 /// # Safety
 /// As [`group`] for one token.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,avx512vnni,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn one_token(
     weights: Weights,
@@ -366,6 +381,7 @@ unsafe fn one_token(
     ws: *const u8,
     cols: usize,
     xb: *const u8,
+    integer_forms: bool,
     y: *mut f32,
     mask: __mmask16,
     prefetch: Prefetch,
@@ -375,51 +391,61 @@ unsafe fn one_token(
     let (nibbles, sub) =
         unsafe { (_mm512_loadu_ps(NIBBLE_VALUES.as_ptr()), _mm512_loadu_ps(SUBNORMAL_VALUES.as_ptr())) };
     let mut acc = _mm512_setzero_ps();
-    // The token's BF16 activations of one chunk, widened to f32 once for every row.
-    let mut xf = [0.0f32; CHUNK_SUBS * SUB];
+    let n = if weights == Weights::Int4 { 2 } else { 1 };
+    // The token's BF16 activations of the sub-blocks `j .. j + n` the FMAs run, widened to f32
+    // once for every row.
+    let mut xf = [0.0f32; 2 * SUB];
     // SAFETY (whole body): reads stay inside the group's planes and the token's packed row.
     unsafe {
-        for j0 in (0..subs).step_by(CHUNK_SUBS) {
-            let j1 = (j0 + CHUNK_SUBS).min(subs);
-            for (i, x16) in xf[..(j1 - j0) * SUB].chunks_exact_mut(16).enumerate() {
-                let h = _mm256_loadu_si256(xb.add(2 * (j0 * SUB + 16 * i)) as *const __m256i);
-                let f = _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h));
-                _mm512_storeu_ps(x16.as_mut_ptr(), _mm512_castsi512_ps(f));
-            }
-            let x = |j: usize, k: usize| _mm512_set1_ps(*xf.get_unchecked((j - j0) * SUB + k));
-            // The chains of `d` for sub-blocks `j` (and `j + 1` over 4-bit codes).
-            let mut j = j0;
-            while j < j1 {
-                let mut d = [_mm512_setzero_ps(); 2];
-                match weights {
-                    Weights::Int4 => {
-                        let pair = wq.add(j / 2 * PAIR_BYTES);
-                        prefetch.block(pair, PAIR_BYTES);
-                        // [sub-block][even, odd].
-                        let mut chains = [[_mm512_setzero_ps(); 2]; 2];
-                        for k4 in 0..8 {
-                            let chunk = _mm512_loadu_si512(pair.add(k4 * 64) as *const __m512i);
-                            let columns = [
-                                chunk,
-                                _mm512_srli_epi32::<8>(chunk),
-                                _mm512_srli_epi32::<16>(chunk),
-                                _mm512_srli_epi32::<24>(chunk),
-                            ];
-                            for (c, v) in columns.into_iter().enumerate() {
-                                let k = 4 * k4 + c;
-                                let low = _mm512_permutexvar_ps(v, nibbles);
-                                let high = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), nibbles);
-                                chains[0][c % 2] = _mm512_fmadd_ps(low, x(j, k), chains[0][c % 2]);
-                                chains[1][c % 2] = _mm512_fmadd_ps(high, x(j + 1, k), chains[1][c % 2]);
-                            }
-                        }
-                        for (d, [even, odd]) in d.iter_mut().zip(chains) {
-                            *d = _mm512_add_ps(_mm512_add_ps(even, odd), _mm512_setzero_ps());
-                        }
+        for j in (0..subs).step_by(n) {
+            let mut widen = || {
+                for (i, x16) in xf[..n * SUB].chunks_exact_mut(16).enumerate() {
+                    let h = _mm256_loadu_si256(xb.add(2 * (j * SUB + 16 * i)) as *const __m256i);
+                    let f = _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h));
+                    _mm512_storeu_ps(x16.as_mut_ptr(), _mm512_castsi512_ps(f));
+                }
+            };
+            // Column `k` of sub-block `j`, `32 + k` of `j + 1`, in every lane.
+            let x = |xf: &[f32; 2 * SUB], k: usize| _mm512_set1_ps(*xf.get_unchecked(k));
+            // The sub-blocks whose integer form gives `d` on `vpdpbusd`.
+            let form = |i: usize| match weights {
+                _ if !integer_forms => None,
+                Weights::Int4 => IntegerForm::of::<15>(xb, cols, j + i),
+                Weights::Int8 => IntegerForm::of::<128>(xb, cols, j + i),
+                Weights::Fp8 => None,
+            };
+            let mut d = [_mm512_setzero_ps(); 2];
+            match weights {
+                Weights::Int4 => {
+                    let pair = wq.add(j / 2 * PAIR_BYTES);
+                    prefetch.block(pair, PAIR_BYTES);
+                    let forms = (form(0), form(1));
+                    if !matches!(forms, (Some(_), Some(_))) {
+                        widen();
                     }
-                    Weights::Int8 | Weights::Fp8 => {
-                        let block = wq.add(j * QUANTS_BYTES);
-                        prefetch.block(block, QUANTS_BYTES);
+                    let x = |k: usize| x(&xf, k);
+                    d = match forms {
+                        (Some(a), Some(b)) => int4_integer_pair(pair, [a, b]),
+                        (Some(a), None) => {
+                            let [low, _] = int4_integer_pair(pair, [a, a]);
+                            let [_, high] = int4_chains::<false, true>(pair, x, nibbles);
+                            [low, high]
+                        }
+                        (None, Some(b)) => {
+                            let [_, high] = int4_integer_pair(pair, [b, b]);
+                            let [low, _] = int4_chains::<true, false>(pair, x, nibbles);
+                            [low, high]
+                        }
+                        (None, None) => int4_chains::<true, true>(pair, x, nibbles),
+                    };
+                }
+                Weights::Int8 | Weights::Fp8 => {
+                    let block = wq.add(j * QUANTS_BYTES);
+                    prefetch.block(block, QUANTS_BYTES);
+                    if let Some(form) = form(0) {
+                        d[0] = int8_integer(block, form);
+                    } else {
+                        widen();
                         let mut chains = [_mm512_setzero_ps(); 2];
                         for k4 in 0..8 {
                             let mut chunk = _mm512_loadu_si512(block.add(k4 * 64) as *const __m512i);
@@ -434,21 +460,228 @@ unsafe fn one_token(
                                 column8::<3>(weights, chunk, plain, sub),
                             ];
                             for (c, w) in w.into_iter().enumerate() {
-                                chains[c % 2] = _mm512_fmadd_ps(w, x(j, 4 * k4 + c), chains[c % 2]);
+                                chains[c % 2] = _mm512_fmadd_ps(w, x(&xf, 4 * k4 + c), chains[c % 2]);
                             }
                         }
                         d[0] = _mm512_add_ps(_mm512_add_ps(chains[0], chains[1]), _mm512_setzero_ps());
                     }
                 }
-                let n = if weights == Weights::Int4 { 2 } else { 1 };
-                for (i, d) in d.iter().enumerate().take(n) {
-                    acc = scale_one(weights, ws, xb, cols, j + i, *d, acc);
-                }
-                j += n;
+            }
+            for (i, d) in d.iter().enumerate().take(n) {
+                acc = scale_one(weights, ws, xb, cols, j + i, *d, acc);
             }
         }
         _mm512_mask_storeu_ps(y, mask, acc);
     }
+}
+
+/// The chains of one pair of 4-bit sub-blocks (`j` in the low nibbles, `j + 1` in the high
+/// ones) for one token's 16 rows, on f32 FMAs ([`one_token`] says why these are the canonical
+/// bits): `d` of the low sub-block when `LOW`, of the high one when `HIGH` (zero otherwise).
+/// `x(k)` broadcasts the token's activation of column `k` of the low sub-block, `32 + k` of the
+/// high one.
+///
+/// # Safety
+/// `pair` is one pair block of the quants plane ([`PAIR_BYTES`]).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn int4_chains<const LOW: bool, const HIGH: bool>(
+    pair: *const u8,
+    x: impl Fn(usize) -> __m512,
+    nibbles: __m512,
+) -> [__m512; 2] {
+    // [sub-block][even, odd].
+    let mut chains = [[_mm512_setzero_ps(); 2]; 2];
+    for k4 in 0..8 {
+        // SAFETY: the caller's contract.
+        let chunk = unsafe { _mm512_loadu_si512(pair.add(k4 * 64) as *const __m512i) };
+        let columns =
+            [chunk, _mm512_srli_epi32::<8>(chunk), _mm512_srli_epi32::<16>(chunk), _mm512_srli_epi32::<24>(chunk)];
+        for (c, v) in columns.into_iter().enumerate() {
+            let k = 4 * k4 + c;
+            if LOW {
+                let low = _mm512_permutexvar_ps(v, nibbles);
+                chains[0][c % 2] = _mm512_fmadd_ps(low, x(k), chains[0][c % 2]);
+            }
+            if HIGH {
+                let high = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), nibbles);
+                chains[1][c % 2] = _mm512_fmadd_ps(high, x(32 + k), chains[1][c % 2]);
+            }
+        }
+    }
+    chains.map(|[even, odd]| _mm512_add_ps(_mm512_add_ps(even, odd), _mm512_setzero_ps()))
+}
+
+/// One sub-block's integer form in a packed token ([`crate::w16::IntegerBlock`]), when sums of
+/// weight codes of magnitude at most `W` over it are exact in f32.
+///
+/// **Why the integers give the canonical `d`.** With `x_k = X_k · unit`, every product
+/// `w_k · x_k` and every partial sum of the even chain of [`one_token`] (and of `tdpbf16ps`) is
+/// an integer times `unit` of magnitude at most `W · Σ|X_k|` over the even columns `k`, and
+/// the same for the odd chain. When both bounds are below 2^24, f32 holds each of those values
+/// exactly, so both chains are exact, and `d = (even + odd) + 0` is the exact sum
+/// `unit · Σ w_k X_k` rounded once to nearest even: which converting `vpdpbusd`'s exact integer
+/// sum to f32 does (it is below 2^25), before scaling by `unit`, a normal power of two. The
+/// weight codes' largest magnitudes `W` are 15 (4-bit codes) and 128 (int8); a sub-block gets
+/// the same bits either way.
+#[derive(Clone, Copy)]
+struct IntegerForm {
+    /// The block's integer form.
+    at: *const u8,
+    unit: __m512,
+}
+
+impl IntegerForm {
+    /// Sub-block `j`'s integer form in the token's packed row `xb` of `cols` columns, if it has
+    /// one whose sums of codes of magnitude at most `W` are exact.
+    ///
+    /// # Safety
+    /// `xb` is a packed row of `cols` columns with its integer forms written, and `j` one of
+    /// its sub-blocks.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,avx512vnni,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn of<const W: i64>(xb: *const u8, cols: usize, j: usize) -> Option<Self> {
+        use crate::w16::IntegerBlock as Block;
+        // SAFETY: the caller's contract.
+        unsafe {
+            let at = xb.add(crate::w16::integer_block_offset(cols, j));
+            let unit = f32::from_le_bytes((at.add(Block::UNIT) as *const [u8; 4]).read());
+            let abs_sum =
+                |h: usize| i32::from_le_bytes((at.add(Block::ABS_SUMS + 4 * h) as *const [u8; 4]).read()) as i64;
+            let exact = W * abs_sum(0).max(abs_sum(1)) < 1 << 24;
+            (unit != 0.0 && exact).then(|| IntegerForm { at, unit: _mm512_set1_ps(unit) })
+        }
+    }
+
+    /// The four bytes of columns `4k4 .. 4k4 + 4` of one of the form's byte planes, in every
+    /// lane.
+    ///
+    /// # Safety
+    /// `plane` is one of [`crate::w16::IntegerBlock`]'s byte planes.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,avx512vnni,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn bytes(self, plane: usize, k4: usize) -> __m512i {
+        // SAFETY: the caller's contract.
+        _mm512_set1_epi32(unsafe { (self.at.add(plane + 4 * k4) as *const i32).read_unaligned() })
+    }
+
+    /// `d` from the three sums `Σ w_k top_k`, `Σ w_k mid_k`, `Σ w_k low_k`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,avx512vnni,avx2,fma,f16c")]
+    #[inline]
+    fn d(self, [top, mid, low]: [__m512i; 3]) -> __m512 {
+        // Σ w_k X_k = 2^16 · Σ w_k top_k + 2^8 · Σ w_k mid_k + Σ w_k low_k, below 2^25.
+        let sum = _mm512_add_epi32(_mm512_slli_epi32::<16>(top), _mm512_add_epi32(_mm512_slli_epi32::<8>(mid), low));
+        _mm512_mul_ps(_mm512_cvtepi32_ps(sum), self.unit)
+    }
+}
+
+/// `d` of both sub-blocks of a pair of 4-bit sub-blocks (`j` in the low nibbles, `j + 1` in
+/// the high ones) for one token's 16 rows, from their integer forms on `vpdpbusd`.
+///
+/// # Safety
+/// `pair` is one pair block of the quants plane ([`PAIR_BYTES`]); the forms are the token's.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn int4_integer_pair(pair: *const u8, forms: [IntegerForm; 2]) -> [__m512; 2] {
+    use crate::w16::IntegerBlock as Block;
+    // [sub-block][top, mid, low].
+    let mut sums = [[_mm512_setzero_si512(); 3]; 2];
+    let nibble = _mm512_set1_epi8(0x0F);
+    for k4 in 0..8 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let chunk = _mm512_loadu_si512(pair.add(k4 * 64) as *const __m512i);
+            // Row `n`'s codes of columns `4k4 .. 4k4 + 4`, a byte each, in dword `n`.
+            let codes = [_mm512_and_si512(chunk, nibble), _mm512_and_si512(_mm512_srli_epi16::<4>(chunk), nibble)];
+            for ((sums, codes), form) in sums.iter_mut().zip(codes).zip(forms) {
+                // `vpdpbusd` multiplies unsigned bytes (its first operand) by signed ones.
+                sums[0] = _mm512_dpbusd_epi32(sums[0], codes, form.bytes(Block::TOP, k4));
+                sums[1] = _mm512_dpbusd_epi32(sums[1], form.bytes(Block::MID, k4), codes);
+                sums[2] = _mm512_dpbusd_epi32(sums[2], form.bytes(Block::LOW, k4), codes);
+            }
+        }
+    }
+    [forms[0].d(sums[0]), forms[1].d(sums[1])]
+}
+
+/// `d` of one int8 sub-block for one token's 16 rows, from its integer form on `vpdpbusd`.
+///
+/// # Safety
+/// `block` is one block of the quants plane ([`QUANTS_BYTES`]); the form is the token's.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn int8_integer(block: *const u8, form: IntegerForm) -> __m512 {
+    use crate::w16::IntegerBlock as Block;
+    let mut sums = [_mm512_setzero_si512(); 3];
+    for k4 in 0..8 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            // Offset-binary codes `w + 128` (unsigned) and the codes `w` (signed).
+            let biased = _mm512_loadu_si512(block.add(k4 * 64) as *const __m512i);
+            let signed = _mm512_xor_si512(biased, _mm512_set1_epi8(-128));
+            sums[0] = _mm512_dpbusd_epi32(sums[0], biased, form.bytes(Block::TOP, k4));
+            sums[1] = _mm512_dpbusd_epi32(sums[1], form.bytes(Block::MID, k4), signed);
+            sums[2] = _mm512_dpbusd_epi32(sums[2], form.bytes(Block::LOW, k4), signed);
+        }
+    }
+    // Σ (w_k + 128) · top_k − 128 · Σ top_k.
+    // SAFETY: the form's fields lie inside the token's packed row.
+    let top_sum = i32::from_le_bytes(unsafe { (form.at.add(Block::TOP_SUM) as *const [u8; 4]).read() });
+    sums[0] = _mm512_sub_epi32(sums[0], _mm512_set1_epi32(128 * top_sum));
+    form.d(sums)
+}
+
+/// Writes the integer form ([`crate::w16::IntegerBlock`], whose `write` is the scalar
+/// reference) of one block's 32 packed BF16 values into `out`, or its `unit` as zero when it
+/// has none.
+///
+/// # Safety
+/// AVX-512 F/BW are available.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+pub(crate) unsafe fn write_integer_block(values: &[u16; SUB], out: &mut [u8]) {
+    use crate::w16::IntegerBlock as Block;
+    let out = &mut out[..crate::w16::INTEGER_BLOCK_BYTES];
+    // SAFETY: `values` is 64 readable bytes.
+    let words = unsafe { _mm512_loadu_si512(values.as_ptr() as *const __m512i) };
+    // Columns 0..16 and 16..32, a value per dword.
+    let halves = [
+        _mm512_cvtepu16_epi32(_mm512_castsi512_si256(words)),
+        _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64::<1>(words)),
+    ];
+    let nonzero = halves.map(|h| _mm512_test_epi32_mask(h, _mm512_set1_epi32(0x7FFF)));
+    let exponents = halves.map(|h| _mm512_and_si512(_mm512_srli_epi32::<7>(h), _mm512_set1_epi32(0xFF)));
+    let lo = _mm512_mask_reduce_min_epi32(nonzero[0], exponents[0])
+        .min(_mm512_mask_reduce_min_epi32(nonzero[1], exponents[1]));
+    let hi = _mm512_mask_reduce_max_epi32(nonzero[0], exponents[0])
+        .max(_mm512_mask_reduce_max_epi32(nonzero[1], exponents[1]));
+    // All zeros take unit 2^-7, as the reference's.
+    let (lo, hi) = if nonzero == [0, 0] { (127, 127) } else { (lo, hi) };
+    if lo < 8 || hi > 200 || hi - lo > 14 {
+        out.fill(0);
+        return;
+    }
+    let (mut top_sum, mut abs_sums) = (0i32, [0i32; 2]);
+    for (i, h) in halves.into_iter().enumerate() {
+        let significand = _mm512_or_si512(_mm512_and_si512(h, _mm512_set1_epi32(0x7F)), _mm512_set1_epi32(0x80));
+        let magnitude =
+            _mm512_maskz_sllv_epi32(nonzero[i], significand, _mm512_sub_epi32(exponents[i], _mm512_set1_epi32(lo)));
+        let negative = _mm512_test_epi32_mask(h, _mm512_set1_epi32(0x8000));
+        let x = _mm512_mask_sub_epi32(magnitude, negative, _mm512_setzero_si512(), magnitude);
+        let top = _mm512_srai_epi32::<16>(x);
+        for (plane, bytes) in [(Block::TOP, top), (Block::MID, _mm512_srli_epi32::<8>(x)), (Block::LOW, x)] {
+            // The low byte of each dword.
+            let bytes = _mm512_cvtepi32_epi8(bytes);
+            // SAFETY: 16 bytes inside `out` (`plane + 16i + 16 ≤ 112`).
+            unsafe { _mm_storeu_si128(out.as_mut_ptr().add(plane + 16 * i) as *mut __m128i, bytes) };
+        }
+        top_sum += _mm512_reduce_add_epi32(top);
+        abs_sums[0] += _mm512_mask_reduce_add_epi32(0x5555, magnitude);
+        abs_sums[1] += _mm512_mask_reduce_add_epi32(0xAAAA, magnitude);
+    }
+    out[Block::UNIT..Block::UNIT + 4].copy_from_slice(&f32::from_bits(((lo - 7) as u32) << 23).to_le_bytes());
+    out[Block::TOP_SUM..Block::TOP_SUM + 4].copy_from_slice(&top_sum.to_le_bytes());
+    out[Block::ABS_SUMS..Block::ABS_SUMS + 4].copy_from_slice(&abs_sums[0].to_le_bytes());
+    out[Block::ABS_SUMS + 4..Block::ABS_SUMS + 8].copy_from_slice(&abs_sums[1].to_le_bytes());
 }
 
 /// One sub-block's step of the scale order for one token's 16 rows: `acc = fma(d, s_j, acc)`
@@ -626,15 +859,153 @@ mod tests {
         }
     }
 
+    /// Kinds of token [`activation`] makes.
+    const KINDS: usize = 8;
+
+    /// One activation of a token of kind `kind`: of every magnitude (kind 0 and any past 7);
+    /// within 8 binary orders (4-bit codes' integer sums), or within 3 (int8 codes' too); only
+    /// tiny ones (BF16 denormals, which packing zeroes); only ones just above packing's
+    /// 2^-100; or of one sign, within 8, 9 or 10 orders and mostly of large significands (the
+    /// last kind in the even columns only), whose sums with the largest codes pass 2^24 units.
+    fn activation(rng: &mut Rng, kind: usize, column: usize) -> f32 {
+        match (kind, rng.next() % 23) {
+            (1, k) => rng.unit() * (2.0f32).powi(k as i32 % 8 - 3),
+            (2, 0) => 0.0,
+            (2, k) => rng.unit() * (2.0f32).powi(k as i32 % 3),
+            (3, _) => rng.unit() * 1e-38,
+            (4, _) => rng.unit() * 1e-29,
+            // Within 8 orders: int8 codes' sums pass 2^24 units.
+            (5, 0) => 1.0078125 * 0.125,
+            (5, _) => 1.9921875 * 16.0,
+            // Within 9 orders: 4-bit codes' sums pass 2^24 units, their chains' not.
+            (6, 0) => 1.0078125 * 0.0625,
+            (6, k) => [1.9921875, 1.0][k as usize % 2] * 16.0,
+            // Within 10 orders, large ones in even columns: 4-bit codes' even chains pass 2^24
+            // units (and the first or last 16 columns' sums do not).
+            (7, k) if column.is_multiple_of(2) && k != 0 => 1.9921875 * 16.0,
+            (7, _) => 1.0078125 * 0.03125,
+            (_, 0) => 0.0,
+            (_, 1) => rng.unit() * 1e-32,
+            (_, 2) => rng.unit() * 1e-38,
+            (_, k) => rng.unit() * [1e-3f32, 0.1, 1.0, 40.0][k as usize % 4],
+        }
+    }
+
+    /// Packing's vector integer forms are the scalar reference's bytes, over blocks of every
+    /// kind of activation and the edges of the form: zeros of both signs, spans of 14 and 15
+    /// orders, exponents at the limits, infinities and NaNs.
+    #[test]
+    fn vector_integer_forms_are_the_reference_bytes() {
+        if !available() {
+            return;
+        }
+        let mut rng = Rng(0x1234_5678_9ABC_DEF1);
+        let bits = |v: f32| round_bf16(v);
+        let mut blocks: Vec<[u16; SUB]> =
+            (0..400).map(|b| std::array::from_fn(|c| bits(activation(&mut rng, b % KINDS, c)))).collect();
+        let edge = |pairs: &[(usize, u16)]| {
+            let base = pairs.first().map_or(bits(1.5), |&(c, h)| if c == 0 { h } else { bits(1.5) });
+            let mut block = [base; SUB];
+            for &(c, h) in pairs {
+                block[c] = h;
+            }
+            block
+        };
+        blocks.extend([
+            [0u16; SUB],
+            [0x8000; SUB],
+            edge(&[(3, bits(1.0 / 16384.0))]),
+            edge(&[(3, bits(1.0 / 32768.0))]),
+            edge(&[(7, bits(-1.0 / 16384.0)), (8, 0x8000)]),
+            // Smallest and largest exponents: 8 and 200 have forms, 7 and 201 none (a pair at
+            // column 0 sets every column but the others given).
+            edge(&[(0, 0x0480), (5, 0x0400)]),
+            edge(&[(0, 0x0480), (5, 0x0380)]),
+            edge(&[(0, 0x6400), (5, 0xE3FF)]),
+            edge(&[(0, 0x6400), (5, 0x6480)]),
+            edge(&[(31, 0x7F80)]),
+            edge(&[(31, 0xFFC1)]),
+        ]);
+        for (b, block) in blocks.iter().enumerate() {
+            let (mut want, mut got) =
+                ([0xAAu8; crate::w16::INTEGER_BLOCK_BYTES], [0x55u8; crate::w16::INTEGER_BLOCK_BYTES]);
+            crate::w16::IntegerBlock::write(block, &mut want);
+            // SAFETY: the AMX family's CPUs have AVX-512 F/BW.
+            unsafe { write_integer_block(block, &mut got) };
+            assert_eq!(got, want, "block {b}: {block:04x?}");
+        }
+    }
+
+    /// Wherever a one-token product takes a sub-block's integer sums ([`IntegerForm`]), they
+    /// are the canonical `d` bit for bit: the measured `tdpbf16ps` model's, for every row,
+    /// over tokens of every kind (checked at `d`, before scaling could hide a last bit).
+    #[test]
+    fn integer_sums_are_the_canonical_ones_wherever_taken() {
+        if !available() {
+            return;
+        }
+        let mut rng = Rng(0x2545_F491_4F6C_DD1D);
+        let cols = 2 * SUB;
+        let stride = crate::w16::activation_stride(cols);
+        for weights in [Weights::Int4, Weights::Int8] {
+            let (mut taken, mut refused) = (0, 0);
+            for token in 0..400 {
+                let (wq, ws) = planes(&mut rng, weights, cols);
+                let x: Vec<f32> = (0..cols).map(|c| activation(&mut rng, token % KINDS, c)).collect();
+                let mut xb = vec![0u8; stride + crate::w16::integer_forms_len(cols)];
+                crate::w16::pack_tokens(&x, cols, 0, 1, &mut xb, true);
+                let xs: Vec<u16> = (0..cols).map(|c| u16::from_le_bytes([xb[2 * c], xb[2 * c + 1]])).collect();
+                for j in 0..2 {
+                    // SAFETY: AMX (and so VNNI) is available; `xb` is one packed row with its
+                    // integer forms, the planes one whole group.
+                    let d = unsafe {
+                        let form = match weights {
+                            Weights::Int4 => IntegerForm::of::<15>(xb.as_ptr(), cols, j),
+                            _ => IntegerForm::of::<128>(xb.as_ptr(), cols, j),
+                        };
+                        let Some(form) = form else {
+                            refused += 1;
+                            continue;
+                        };
+                        taken += 1;
+                        let d = match weights {
+                            Weights::Int4 => int4_integer_pair(wq.as_ptr(), [form, form])[j],
+                            _ => int8_integer(wq.as_ptr().add(j * QUANTS_BYTES), form),
+                        };
+                        let mut lanes = [0.0f32; 16];
+                        _mm512_storeu_ps(lanes.as_mut_ptr(), d);
+                        lanes
+                    };
+                    for (lane, got) in d.into_iter().enumerate() {
+                        let w: Vec<u16> = (0..SUB).map(|k| weight(weights, &wq, &ws, lane, j, k)).collect();
+                        let want = tdpbf16ps_chunk(0.0, &w, &xs[j * SUB..(j + 1) * SUB]);
+                        assert_eq!(
+                            got.to_bits(),
+                            want.to_bits(),
+                            "{weights:?}, token {token}, sub-block {j}, row {lane}"
+                        );
+                    }
+                }
+            }
+            assert!(
+                taken > 100 && refused > 100,
+                "{weights:?}: {taken} sub-blocks took the integer sums, {refused} not"
+            );
+        }
+    }
+
     /// One group's planes for `cols` columns with random codes (FP8: every code but the NaNs,
     /// zeros and subnormals included) and random normal scales (and Q4_G mins).
     fn planes(rng: &mut Rng, weights: Weights, cols: usize) -> (Vec<u8>, Vec<u8>) {
         let (quants_len, scales_len) = weights.group_lens(cols).expect("a valid shape");
         let quants = (0..quants_len)
-            .map(|_| {
+            .map(|i| {
                 let b = rng.next() as u8;
-                // Every fifth FP8 code has a zero exponent, so that chunks take the table path.
+                // Every fifth FP8 code has a zero exponent, so that chunks take the table path;
+                // rows 0 and 1 of integer codes hold the largest code (every 64-byte chunk holds
+                // 4 bytes of each of the 16 rows), so that their sums reach past 2^24 units.
                 match weights {
+                    Weights::Int4 | Weights::Int8 if i % 64 < 8 => 0xFF,
                     Weights::Fp8 if b & 0x7F == 0x7F => 0x7E,
                     Weights::Fp8 if b.is_multiple_of(5) => b & 0x87,
                     _ => b,
@@ -690,29 +1061,52 @@ mod tests {
         }
         let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
         for weights in [Weights::Int4, Weights::Int8, Weights::Fp8] {
+            // Sub-blocks of one-token products that took the integer sums.
+            let mut integer_blocks = 0;
             for cols in [64usize, 576] {
                 let (wq, ws) = planes(&mut rng, weights, cols);
                 let stride = crate::w16::activation_stride(cols);
-                let cases = [(1usize, 16usize), (1, 11), (1, 16), (1, 5), (2, 16), (5, 7), (16, 16), (17, 16), (35, 3)];
+                let cases = [
+                    (1usize, 16usize),
+                    (1, 11),
+                    (1, 16),
+                    (1, 5),
+                    (2, 16),
+                    (5, 7),
+                    (16, 16),
+                    (17, 16),
+                    (35, 3),
+                    (1, 16),
+                    (1, 16),
+                    (1, 16),
+                    (1, 16),
+                    (1, 16),
+                    (1, 16),
+                    (1, 16),
+                ];
                 for (case, &(n, valid)) in cases.iter().enumerate() {
-                    // One token in four has only tiny activations (BF16 denormals, which
-                    // packing zeroes), one only activations just above packing's 2^-100.
-                    let x: Vec<f32> = (0..n * cols)
-                        .map(|i| match ((i / cols + case) % 4, rng.next() % 23) {
-                            (3, _) => rng.unit() * 1e-38,
-                            (2, _) => rng.unit() * 1e-29,
-                            (_, 0) => 0.0,
-                            (_, 1) => rng.unit() * 1e-32,
-                            (_, 2) => rng.unit() * 1e-38,
-                            (_, k) => rng.unit() * [1e-3f32, 0.1, 1.0, 40.0][k as usize % 4],
-                        })
-                        .collect();
-                    let mut xb = vec![0u8; n * stride];
-                    crate::w16::pack_tokens(&x, cols, 0, n, &mut xb);
+                    let x: Vec<f32> =
+                        (0..n * cols).map(|i| activation(&mut rng, (i / cols + case) % KINDS, i % cols)).collect();
+                    let mut xb = vec![0u8; n * stride + crate::w16::integer_forms_len(cols)];
+                    crate::w16::pack_tokens(&x, cols, 0, n, &mut xb, n == 1);
+                    if n == 1 {
+                        integer_blocks += (0..cols / SUB)
+                            .filter(|&j| {
+                                let at = crate::w16::integer_block_offset(cols, j);
+                                let unit = f32::from_le_bytes([xb[at], xb[at + 1], xb[at + 2], xb[at + 3]]);
+                                let abs = |h: usize| {
+                                    let at = at + 8 + 4 * h;
+                                    i32::from_le_bytes([xb[at], xb[at + 1], xb[at + 2], xb[at + 3]]) as i64
+                                };
+                                let w = if weights == Weights::Int4 { 15 } else { 128 };
+                                unit != 0.0 && w * abs(0).max(abs(1)) < 1 << 24
+                            })
+                            .count();
+                    }
                     let mut y = vec![f32::NAN; n * 16];
                     // SAFETY: AMX is available; the planes are one whole group, `xb` `n` packed
                     // rows, `y` `n` rows of 16.
-                    unsafe { group(weights, n, &wq, &ws, cols, &xb, stride, y.as_mut_ptr(), 16, valid, false) };
+                    unsafe { group(weights, n, &wq, &ws, cols, &xb, stride, y.as_mut_ptr(), 16, valid, false, n == 1) };
                     for t in 0..n {
                         let row = &xb[t * stride..(t + 1) * stride];
                         let xs: Vec<u16> =
@@ -743,6 +1137,9 @@ mod tests {
                         }
                     }
                 }
+            }
+            if weights != Weights::Fp8 {
+                assert!(integer_blocks > 0, "{weights:?}: no one-token sub-block took the integer sums");
             }
         }
     }

@@ -313,15 +313,17 @@ fn fused_formats_and_lone_tokens_agree() {
             }
         }
         // Q4_K and Q4_G share one activation region: two int8 regions hold all three formats,
-        // and the `_a16` packings' BF16 values and sums (2.125 bytes per column) take a third.
-        assert_eq!(quant_scratch_len(n, cols), 2 * q4k_scratch_len(n, cols) + n * (2 * cols + cols / 8));
+        // and the `_a16` packings' BF16 values and sums (2.125 bytes per column) take a third,
+        // with a lone token's integer forms after it (3.5 bytes per column, once).
+        assert_eq!(quant_scratch_len(n, cols), 2 * q4k_scratch_len(n, cols) + n * (2 * cols + cols / 8) + 7 * cols / 2);
     }
 }
 
 /// Matrices that each read their own input row (`matmul_rows_quant`, a decode step's routed
 /// experts) give every matrix the bits it gets alone on its row: eleven jobs (two pool jobs
-/// of up to eight), six formats over all three activation kinds, rows read twice or not at
-/// all, odd row counts.
+/// of up to eight), seven formats over all three activation kinds, rows read twice or not at
+/// all, odd row counts; and the same over one input row (whose BF16 packing, under the AMX
+/// family, adds the integer forms a lone token's products read).
 #[test]
 fn matrices_on_their_own_rows_agree_with_each_alone() {
     let mut rng = Rng(9);
@@ -338,12 +340,31 @@ fn matrices_on_their_own_rows_agree_with_each_alone() {
             assert!(b.set_packing(Packing::Q8_0A16));
             b
         },
+        {
+            let mut b = Source::random(&mut rng, 30, cols).pack();
+            assert!(b.set_packing(Packing::Q4GA16));
+            b
+        },
     ];
-    let inputs = 7;
-    let xs = rng.vec(inputs * cols);
     // (matrix, input row) of each job.
-    let plan: [(usize, usize); 11] =
-        [(0, 6), (1, 0), (2, 3), (3, 3), (4, 1), (5, 2), (0, 2), (2, 0), (1, 5), (4, 6), (5, 4)];
+    let plans: [&[(usize, usize)]; 2] = [
+        &[(0, 6), (1, 0), (2, 3), (3, 3), (4, 1), (5, 2), (0, 2), (2, 0), (1, 5), (6, 4), (5, 4)],
+        &[(5, 0), (6, 0), (0, 0), (1, 0)],
+    ];
+    for plan in plans {
+        let inputs = plan.iter().map(|&(_, row)| row + 1).max().unwrap_or(0);
+        rows_agree_with_each_alone(&mut rng, &buffers, inputs, cols, plan);
+    }
+}
+
+fn rows_agree_with_each_alone(
+    rng: &mut Rng,
+    buffers: &[QuantBuffer],
+    inputs: usize,
+    cols: usize,
+    plan: &[(usize, usize)],
+) {
+    let xs = rng.vec(inputs * cols);
     let pool = ThreadPool::new(2);
     let mut scratch = vec![0u8; quant_scratch_len(inputs, cols)];
     let mut ys: Vec<Vec<f32>> = plan.iter().map(|&(m, _)| vec![f32::NAN; buffers[m].matrix().rows()]).collect();
