@@ -252,7 +252,6 @@ pub(crate) unsafe fn group(
     let (quants_len, scales_len) = weights.group_lens(cols).expect("columns that fit the format");
     assert!(wq.len() >= quants_len && ws.len() >= scales_len && xb.len() >= n_tokens * stride);
     assert!(stride >= 2 * cols && valid <= TILE);
-    let integer_forms = integer_forms && weights != Weights::Fp8;
     assert!(!integer_forms || (n_tokens == 1 && xb.len() >= crate::w16::integer_block_offset(cols, subs)));
     if n_tokens == 0 {
         return;
@@ -425,14 +424,14 @@ unsafe fn one_token(
                     }
                     let x = |k: usize| x(&xf, k);
                     d = match forms {
-                        (Some(a), Some(b)) => int4_integer_pair(pair, [a, b]),
+                        (Some(a), Some(b)) => int4_integers::<true, true>(pair, [a, b]),
                         (Some(a), None) => {
-                            let [low, _] = int4_integer_pair(pair, [a, a]);
+                            let [low, _] = int4_integers::<true, false>(pair, [a, a]);
                             let [_, high] = int4_chains::<false, true>(pair, x, nibbles);
                             [low, high]
                         }
                         (None, Some(b)) => {
-                            let [_, high] = int4_integer_pair(pair, [b, b]);
+                            let [_, high] = int4_integers::<false, true>(pair, [b, b]);
                             let [low, _] = int4_chains::<true, false>(pair, x, nibbles);
                             [low, high]
                         }
@@ -575,14 +574,15 @@ impl IntegerForm {
     }
 }
 
-/// `d` of both sub-blocks of a pair of 4-bit sub-blocks (`j` in the low nibbles, `j + 1` in
-/// the high ones) for one token's 16 rows, from their integer forms on `vpdpbusd`.
+/// `d` of a pair of 4-bit sub-blocks (`j` in the low nibbles, `j + 1` in the high ones) for
+/// one token's 16 rows, from their integer forms on `vpdpbusd`: of the low sub-block when
+/// `LOW`, of the high one when `HIGH` (zero otherwise, its form unread).
 ///
 /// # Safety
 /// `pair` is one pair block of the quants plane ([`PAIR_BYTES`]); the forms are the token's.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,avx512vnni,avx2,fma,f16c")]
 #[inline]
-unsafe fn int4_integer_pair(pair: *const u8, forms: [IntegerForm; 2]) -> [__m512; 2] {
+unsafe fn int4_integers<const LOW: bool, const HIGH: bool>(pair: *const u8, forms: [IntegerForm; 2]) -> [__m512; 2] {
     use crate::w16::IntegerBlock as Block;
     // [sub-block][top, mid, low].
     let mut sums = [[_mm512_setzero_si512(); 3]; 2];
@@ -593,7 +593,10 @@ unsafe fn int4_integer_pair(pair: *const u8, forms: [IntegerForm; 2]) -> [__m512
             let chunk = _mm512_loadu_si512(pair.add(k4 * 64) as *const __m512i);
             // Row `n`'s codes of columns `4k4 .. 4k4 + 4`, a byte each, in dword `n`.
             let codes = [_mm512_and_si512(chunk, nibble), _mm512_and_si512(_mm512_srli_epi16::<4>(chunk), nibble)];
-            for ((sums, codes), form) in sums.iter_mut().zip(codes).zip(forms) {
+            for (i, ((sums, codes), form)) in sums.iter_mut().zip(codes).zip(forms).enumerate() {
+                if (i == 0 && !LOW) || (i == 1 && !HIGH) {
+                    continue;
+                }
                 // `vpdpbusd` multiplies unsigned bytes (its first operand) by signed ones.
                 sums[0] = _mm512_dpbusd_epi32(sums[0], codes, form.bytes(Block::TOP, k4));
                 sums[1] = _mm512_dpbusd_epi32(sums[1], form.bytes(Block::MID, k4), codes);
@@ -601,7 +604,8 @@ unsafe fn int4_integer_pair(pair: *const u8, forms: [IntegerForm; 2]) -> [__m512
             }
         }
     }
-    [forms[0].d(sums[0]), forms[1].d(sums[1])]
+    let d = |i: usize, taken: bool| if taken { forms[i].d(sums[i]) } else { _mm512_setzero_ps() };
+    [d(0, LOW), d(1, HIGH)]
 }
 
 /// `d` of one int8 sub-block for one token's 16 rows, from its integer form on `vpdpbusd`.
@@ -969,7 +973,8 @@ mod tests {
                         };
                         taken += 1;
                         let d = match weights {
-                            Weights::Int4 => int4_integer_pair(wq.as_ptr(), [form, form])[j],
+                            Weights::Int4 if j == 0 => int4_integers::<true, false>(wq.as_ptr(), [form, form])[0],
+                            Weights::Int4 => int4_integers::<false, true>(wq.as_ptr(), [form, form])[1],
                             _ => int8_integer(wq.as_ptr().add(j * QUANTS_BYTES), form),
                         };
                         let mut lanes = [0.0f32; 16];
