@@ -48,6 +48,29 @@ fn weights(dtype: WeightDType, n: usize) -> Vec<u8> {
     out
 }
 
+/// `n` FP8 E4M3 codes: the nearest (ties away from zero) to [`weights`]' uniform values in
+/// `[-1, 1)` times 448, E4M3's largest.
+fn e4m3_codes(n: usize) -> Vec<u8> {
+    let values = weights(WeightDType::F32, n);
+    values
+        .chunks_exact(4)
+        .map(|v| {
+            let v = f32::from_le_bytes([v[0], v[1], v[2], v[3]]) * 448.0;
+            let sign = if v < 0.0 { 0x80 } else { 0 };
+            let a = v.abs();
+            // Subnormals: multiples of 2^-9 below 2^-6 (the code's low bits are the multiple).
+            let code = if a < (2.0f32).powi(-6) {
+                (a * 512.0).round() as u32
+            } else {
+                let e = (a.to_bits() >> 23) as i32 - 127;
+                let q = ((a / (2.0f32).powi(e) - 1.0) * 8.0).round() as i32;
+                (((e + 7) << 3) + q).min(0x7E) as u32
+            };
+            sign | code as u8
+        })
+        .collect()
+}
+
 /// `(name, rows, cols)` of the Qwen3-0.6B matrices.
 const SHAPES: [(&str, usize, usize); 4] =
     [("q_proj", 2048, 1024), ("gate_proj", 3072, 1024), ("down_proj", 1024, 3072), ("head", 151_936, 1024)];
@@ -255,8 +278,14 @@ fn quantized_copies(
             let (quants, scales) = buffer.planes_mut();
             if loadable_only(packing) {
                 // A published format is packed from a checkpoint's tensors, not quantized at load:
-                // deterministic bytes stand in (the products' speed does not depend on them).
-                quants.copy_from_slice(&weights(WeightDType::BF16, quants.len() / 2));
+                // deterministic bytes stand in. The products' speed does not depend on them,
+                // except FP8's on how often a chunk holds a subnormal code: its codes are the
+                // nearest to uniform weights scaled to E4M3's largest, as a checkpoint's are.
+                if packing == kylin_kernels::quant::Packing::F8A16 {
+                    quants.copy_from_slice(&e4m3_codes(quants.len()));
+                } else {
+                    quants.copy_from_slice(&weights(WeightDType::BF16, quants.len() / 2));
+                }
                 scales.copy_from_slice(&weights(WeightDType::BF16, scales.len() / 2));
                 return buffer;
             }

@@ -21,7 +21,11 @@
 //!   weights and a sub-block. In decode steps on real text this took 9 sub-blocks in 10 of the
 //!   4-bit codes' products (two published W4A16 checkpoints) and 56% of the int8 codes' (whose
 //!   sums grow 8 times faster); FP8 values are not small integers;
-//! - otherwise **f32 FMAs** in the canonical order, about 3 instructions per 16 weights.
+//! - otherwise **f32 FMAs** in the canonical order, about 3 instructions per 16 weights. FP8
+//!   codes decode there with E4M3's exponent field as f32's and the activations scaled by
+//!   2^110 ([`fp8_scaled_chains`]), so that zero codes need no table: in the published
+//!   Qwen2.5-Coder FP8_BLOCK checkpoint 5% of the codes are zeros and 82% of the 64-byte
+//!   chunks hold one, which took the table path before (decode 29.2–32.5 → 34.5–37.9 tokens/s).
 //!
 //! With the integer sums, W4A16 decode reads 83–84% of the machine's measured bandwidth in
 //! weights (96% with the KV cache) where the FMAs alone read 77% (BENCHMARKS.md).
@@ -397,13 +401,7 @@ unsafe fn one_token(
     // SAFETY (whole body): reads stay inside the group's planes and the token's packed row.
     unsafe {
         for j in (0..subs).step_by(n) {
-            let mut widen = || {
-                for (i, x16) in xf[..n * SUB].chunks_exact_mut(16).enumerate() {
-                    let h = _mm256_loadu_si256(xb.add(2 * (j * SUB + 16 * i)) as *const __m256i);
-                    let f = _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h));
-                    _mm512_storeu_ps(x16.as_mut_ptr(), _mm512_castsi512_ps(f));
-                }
-            };
+            let widen = |xf: &mut [f32; 2 * SUB]| widen_activations(xb, j, n, xf);
             // Column `k` of sub-block `j`, `32 + k` of `j + 1`, in every lane.
             let x = |xf: &[f32; 2 * SUB], k: usize| _mm512_set1_ps(*xf.get_unchecked(k));
             // The sub-blocks whose integer form gives `d` on `vpdpbusd`.
@@ -420,7 +418,7 @@ unsafe fn one_token(
                     prefetch.block(pair, PAIR_BYTES);
                     let forms = (form(0), form(1));
                     if !matches!(forms, (Some(_), Some(_))) {
-                        widen();
+                        widen(&mut xf);
                     }
                     let x = |k: usize| x(&xf, k);
                     d = match forms {
@@ -443,8 +441,10 @@ unsafe fn one_token(
                     prefetch.block(block, QUANTS_BYTES);
                     if let Some(form) = form(0) {
                         d[0] = int8_integer(block, form);
+                    } else if weights == Weights::Fp8 && widen_fp8_scaled(xb, j, &mut xf) {
+                        d[0] = fp8_scaled_chains(block, &xf, sub);
                     } else {
-                        widen();
+                        widen(&mut xf);
                         let mut chains = [_mm512_setzero_ps(); 2];
                         for k4 in 0..8 {
                             let mut chunk = _mm512_loadu_si512(block.add(k4 * 64) as *const __m512i);
@@ -472,6 +472,131 @@ unsafe fn one_token(
         }
         _mm512_mask_storeu_ps(y, mask, acc);
     }
+}
+
+/// Widens the token's packed BF16 activations of sub-blocks `j .. j + n` (`n` ≤ 2) to f32 in
+/// `xf`, for the FMA chains.
+///
+/// # Safety
+/// `xb` is the token's packed row, holding sub-blocks `j .. j + n`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,avx2,fma,f16c")]
+#[inline]
+unsafe fn widen_activations(xb: *const u8, j: usize, n: usize, xf: &mut [f32; 2 * SUB]) {
+    for (i, x16) in xf[..n * SUB].chunks_exact_mut(16).enumerate() {
+        // SAFETY: the caller's contract; `x16` is 16 writable f32.
+        unsafe {
+            let h = _mm256_loadu_si256(xb.add(2 * (j * SUB + 16 * i)) as *const __m256i);
+            let f = _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h));
+            _mm512_storeu_ps(x16.as_mut_ptr(), _mm512_castsi512_ps(f));
+        }
+    }
+}
+
+/// 2^110: the factor of the activations in [`fp8_scaled_chains`].
+const FP8_ACTIVATION_SCALE: f32 = f32::from_bits((127 + 110) << 23);
+/// 2^18: activations at least this large (or not finite) keep a sub-block off
+/// [`fp8_scaled_chains`], whose scaled activations would overflow.
+const FP8_ACTIVATION_LIMIT: f32 = f32::from_bits((127 + 18) << 23);
+/// 2^18: what [`fp8_scaled_chains`]' sums are multiplied by to be the canonical ones.
+const FP8_SUM_SCALE: f32 = f32::from_bits((127 + 18) << 23);
+/// 2^−64: what a table-decoded weight and its activation are each multiplied by in
+/// [`fp8_scaled_chains`], to be on its scale without a denormal (2^−128) factor.
+const FP8_TABLE_SCALE: f32 = f32::from_bits((127 - 64) << 23);
+
+/// Widens the token's packed BF16 activations of FP8 sub-block `j` to f32 times
+/// [`FP8_ACTIVATION_SCALE`] in `xf` and says whether every one is below
+/// [`FP8_ACTIVATION_LIMIT`] (so that [`fp8_scaled_chains`] may run); when one is not, `xf` is
+/// left for [`widen_activations`] to overwrite.
+///
+/// # Safety
+/// `xb` is the token's packed row, holding sub-block `j`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,avx2,fma,f16c")]
+#[inline]
+unsafe fn widen_fp8_scaled(xb: *const u8, j: usize, xf: &mut [f32; 2 * SUB]) -> bool {
+    let mut large = 0;
+    for (i, x16) in xf[..SUB].chunks_exact_mut(16).enumerate() {
+        // SAFETY: the caller's contract; `x16` is 16 writable f32.
+        unsafe {
+            let h = _mm256_loadu_si256(xb.add(2 * (j * SUB + 16 * i)) as *const __m256i);
+            let f = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)));
+            // Not below the limit, NaNs included.
+            large |= _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(_mm512_abs_ps(f), _mm512_set1_ps(FP8_ACTIVATION_LIMIT));
+            _mm512_storeu_ps(x16.as_mut_ptr(), _mm512_mul_ps(f, _mm512_set1_ps(FP8_ACTIVATION_SCALE)));
+        }
+    }
+    large == 0
+}
+
+/// `d` of one FP8 sub-block for one token's 16 rows, on f32 FMAs over weights and activations
+/// scaled so that zero codes need no table: `xf` holds the activations times 2^110
+/// ([`widen_fp8_scaled`]).
+///
+/// **Why these are the canonical bits.** A code's f32 bits made with E4M3's exponent field as
+/// f32's (no rebias) are its value times 2^−120 exactly: normal for every non-zero exponent
+/// (E4M3's smallest normal, 2^−6, lands on f32's, 2^−126) and ±0 for the zero codes, in two
+/// instructions where the canonical value (times 2^8, [`column8`]) needs a table for zeros and
+/// subnormals alike. With activations times 2^110, each product is the canonical one times
+/// 2^−18. The canonical products and partial sums are multiples of 2^−108 ([`one_token`]), so
+/// these are multiples of 2^−126, zero or normal, and (activations below 2^18) finite: scaling
+/// by 2^−18 commutes with every rounding of the chains and of `(even + odd) + 0`, and the
+/// result times 2^18 is the canonical `d`.
+///
+/// **Subnormal codes** would be exact as f32 denormals too, but an FMA with a denormal operand
+/// takes a microcode assist of some 150 cycles (measured on an Emerald Rapids Xeon), so a chunk
+/// holding one (0.2–0.6% of the chunks of the FP8_BLOCK checkpoints in BENCHMARKS.md, where up
+/// to 82% hold a zero code) decodes by [`column8`]'s table instead, each weight and activation
+/// multiplied by 2^−64 (both exact and normal: weights are at least 2^−1, activations at least
+/// 2^−100 times 2^110).
+///
+/// # Safety
+/// `block` is one block of the quants plane ([`QUANTS_BYTES`]) of FP8 codes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn fp8_scaled_chains(block: *const u8, xf: &[f32; 2 * SUB], sub: __m512) -> __m512 {
+    // A code in the high byte of a dword's high word, shifted right by four in its word (the
+    // sign extended): the sign in bit 31, the exponent and mantissa at bits 20–26; the rest
+    // cleared.
+    let scaled =
+        |words: __m512i| _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(0x87F0_0000u32 as i32)));
+    let mut chains = [_mm512_setzero_ps(); 2];
+    for k4 in 0..8 {
+        // SAFETY: the caller's contract; `xf` holds the sub-block's 32 columns.
+        unsafe {
+            let chunk = _mm512_loadu_si512(block.add(k4 * 64) as *const __m512i);
+            let zero_exponent = _mm512_testn_epi8_mask(chunk, _mm512_set1_epi8(0x78));
+            let subnormal = _mm512_mask_test_epi8_mask(zero_exponent, chunk, _mm512_set1_epi8(0x07));
+            let x = |c: usize| _mm512_set1_ps(*xf.get_unchecked(4 * k4 + c));
+            if subnormal == 0 {
+                // Every word's high byte (columns 1 and 3 of a dword) and low byte (0 and 2),
+                // shifted into place in its word: two columns per shift.
+                let high = _mm512_srai_epi16::<4>(chunk);
+                let low = _mm512_srai_epi16::<4>(_mm512_slli_epi16::<8>(chunk));
+                let w = [
+                    scaled(_mm512_slli_epi32::<16>(low)),
+                    scaled(_mm512_slli_epi32::<16>(high)),
+                    scaled(low),
+                    scaled(high),
+                ];
+                for (c, w) in w.into_iter().enumerate() {
+                    chains[c % 2] = _mm512_fmadd_ps(w, x(c), chains[c % 2]);
+                }
+            } else {
+                let w = [
+                    column8::<0>(Weights::Fp8, chunk, false, sub),
+                    column8::<1>(Weights::Fp8, chunk, false, sub),
+                    column8::<2>(Weights::Fp8, chunk, false, sub),
+                    column8::<3>(Weights::Fp8, chunk, false, sub),
+                ];
+                let table_scale = _mm512_set1_ps(FP8_TABLE_SCALE);
+                for (c, w) in w.into_iter().enumerate() {
+                    let (w, x) = (_mm512_mul_ps(w, table_scale), _mm512_mul_ps(x(c), table_scale));
+                    chains[c % 2] = _mm512_fmadd_ps(w, x, chains[c % 2]);
+                }
+            }
+        }
+    }
+    let d = _mm512_add_ps(_mm512_add_ps(chains[0], chains[1]), _mm512_setzero_ps());
+    _mm512_mul_ps(d, _mm512_set1_ps(FP8_SUM_SCALE))
 }
 
 /// The chains of one pair of 4-bit sub-blocks (`j` in the low nibbles, `j + 1` in the high
@@ -864,13 +989,14 @@ mod tests {
     }
 
     /// Kinds of token [`activation`] makes.
-    const KINDS: usize = 8;
+    const KINDS: usize = 9;
 
     /// One activation of a token of kind `kind`: of every magnitude (kind 0 and any past 7);
     /// within 8 binary orders (4-bit codes' integer sums), or within 3 (int8 codes' too); only
     /// tiny ones (BF16 denormals, which packing zeroes); only ones just above packing's
     /// 2^-100; or of one sign, within 8, 9 or 10 orders and mostly of large significands (the
-    /// last kind in the even columns only), whose sums with the largest codes pass 2^24 units.
+    /// last kind in the even columns only), whose sums with the largest codes pass 2^24 units; or
+    /// near FP8's scaled chains' limit of 2^18, at it in one column in 23.
     fn activation(rng: &mut Rng, kind: usize, column: usize) -> f32 {
         match (kind, rng.next() % 23) {
             (1, k) => rng.unit() * (2.0f32).powi(k as i32 % 8 - 3),
@@ -888,6 +1014,9 @@ mod tests {
             // units (and the first or last 16 columns' sums do not).
             (7, k) if column.is_multiple_of(2) && k != 0 => 1.9921875 * 16.0,
             (7, _) => 1.0078125 * 0.03125,
+            (8, 0) => [262144.0, -262144.0][column % 2],
+            (8, 1) => -261120.0,
+            (8, _) => rng.unit() * 131072.0,
             (_, 0) => 0.0,
             (_, 1) => rng.unit() * 1e-32,
             (_, 2) => rng.unit() * 1e-38,
@@ -1006,13 +1135,19 @@ mod tests {
         let quants = (0..quants_len)
             .map(|i| {
                 let b = rng.next() as u8;
-                // Every fifth FP8 code has a zero exponent, so that chunks take the table path;
-                // rows 0 and 1 of integer codes hold the largest code (every 64-byte chunk holds
-                // 4 bytes of each of the 16 rows), so that their sums reach past 2^24 units.
-                match weights {
-                    Weights::Int4 | Weights::Int8 if i % 64 < 8 => 0xFF,
-                    Weights::Fp8 if b & 0x7F == 0x7F => 0x7E,
-                    Weights::Fp8 if b.is_multiple_of(5) => b & 0x87,
+                // FP8 64-byte chunks cycle through three kinds: no zero exponent; every fifth
+                // code zero (of either sign) and no subnormal; every fifth code with a zero
+                // exponent, subnormals among them. Rows 0 and 1 of integer codes hold the
+                // largest code (every 64-byte chunk holds 4 bytes of each of the 16 rows), so
+                // that their sums reach past 2^24 units.
+                let zero_exponent = b & 0x78 == 0;
+                match (weights, i / 64 % 3) {
+                    (Weights::Int4 | Weights::Int8, _) if i % 64 < 8 => 0xFF,
+                    (Weights::Fp8, _) if b & 0x7F == 0x7F => 0x7E,
+                    (Weights::Fp8, 0) if zero_exponent => b | 0x08,
+                    (Weights::Fp8, 1) if b.is_multiple_of(5) => b & 0x80,
+                    (Weights::Fp8, 1) if zero_exponent => b | 0x08,
+                    (Weights::Fp8, _) if b.is_multiple_of(5) => b & 0x87,
                     _ => b,
                 }
             })
@@ -1066,8 +1201,10 @@ mod tests {
         }
         let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
         for weights in [Weights::Int4, Weights::Int8, Weights::Fp8] {
-            // Sub-blocks of one-token products that took the integer sums.
+            // Sub-blocks of one-token products that took the integer sums; FP8 ones that took
+            // the scaled chains, and that did not.
             let mut integer_blocks = 0;
+            let mut fp8_blocks = [0; 2];
             for cols in [64usize, 576] {
                 let (wq, ws) = planes(&mut rng, weights, cols);
                 let stride = crate::w16::activation_stride(cols);
@@ -1088,12 +1225,24 @@ mod tests {
                     (1, 16),
                     (1, 16),
                     (1, 16),
+                    (1, 16),
+                    (1, 16),
                 ];
                 for (case, &(n, valid)) in cases.iter().enumerate() {
                     let x: Vec<f32> =
                         (0..n * cols).map(|i| activation(&mut rng, (i / cols + case) % KINDS, i % cols)).collect();
                     let mut xb = vec![0u8; n * stride + crate::w16::integer_forms_len(cols)];
                     crate::w16::pack_tokens(&x, cols, 0, n, &mut xb, n == 1);
+                    if n == 1 && weights == Weights::Fp8 {
+                        for j in 0..cols / SUB {
+                            let scaled = (0..SUB).all(|k| {
+                                let at = 2 * (j * SUB + k);
+                                f32::from_bits((u16::from_le_bytes([xb[at], xb[at + 1]]) as u32) << 16).abs()
+                                    < FP8_ACTIVATION_LIMIT
+                            });
+                            fp8_blocks[scaled as usize] += 1;
+                        }
+                    }
                     if n == 1 {
                         integer_blocks += (0..cols / SUB)
                             .filter(|&j| {
@@ -1145,6 +1294,11 @@ mod tests {
             }
             if weights != Weights::Fp8 {
                 assert!(integer_blocks > 0, "{weights:?}: no one-token sub-block took the integer sums");
+            } else {
+                assert!(
+                    fp8_blocks.iter().all(|&b| b > 0),
+                    "FP8 one-token sub-blocks off and on the scaled chains: {fp8_blocks:?}"
+                );
             }
         }
     }
