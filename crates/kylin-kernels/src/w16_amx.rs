@@ -157,22 +157,30 @@ unsafe fn decode_chunk(weights: Weights, wq: *const u8, j0: usize, j1: usize, ou
                     let tile = out.add((j - j0) * B_TILE_BYTES);
                     for k4 in 0..8 {
                         let chunk = _mm512_loadu_si512(block.add(k4 * 64) as *const __m512i);
-                        // Only FP8 chunks with a zero exponent somewhere need the table path.
-                        let plain =
-                            weights == Weights::Fp8 && _mm512_testn_epi8_mask(chunk, _mm512_set1_epi8(0x78)) == 0;
+                        // Only FP8 chunks with a subnormal code need the table path; zero codes
+                        // are cleared after the normal decode.
+                        let zero_exponent = _mm512_testn_epi8_mask(chunk, _mm512_set1_epi8(0x78));
+                        let normal = weights == Weights::Fp8
+                            && _mm512_mask_test_epi8_mask(zero_exponent, chunk, _mm512_set1_epi8(0x07)) == 0;
                         for (half, idx) in idx.iter().enumerate() {
                             // Each code in its word's high byte, the low byte zero.
                             let words = _mm512_maskz_permutexvar_epi8(HIGH_BYTES, *idx, chunk);
                             let bf = if weights == Weights::Int8 {
                                 int8_high_words(words)
-                            } else if plain {
+                            } else if normal {
                                 // `fp8_normal_words` of the sign-extended codes: shifted right
                                 // by four, the code's sign extends and its bits land at 4–11.
-                                _mm512_ternarylogic_epi32::<0xEA>(
+                                let bf = _mm512_ternarylogic_epi32::<0xEA>(
                                     _mm512_srai_epi16::<4>(words),
                                     _mm512_set1_epi16(0x87F0u16 as i16),
                                     _mm512_set1_epi16(0x4000),
-                                )
+                                );
+                                if zero_exponent == 0 {
+                                    bf
+                                } else {
+                                    let nonzero = _mm512_test_epi16_mask(words, _mm512_set1_epi16(0x7800));
+                                    _mm512_maskz_mov_epi16(nonzero, bf)
+                                }
                             } else {
                                 std::mem::transmute::<__m512bh, __m512i>(crate::w16::x86::fp8_words(
                                     _mm512_srli_epi16::<8>(words),
