@@ -568,7 +568,7 @@ pub(crate) mod x86 {
     /// 64 FP8 E4M3 codes at `p` (rows 0–7 and 8–15 of one k4 step) as two vectors of BF16
     /// values times 2^8: [`fp8_normal_words`] when no code is subnormal (all but a few chunks
     /// of real weights), with the zero codes' words cleared when there are some (82% of the
-    /// chunks of the published Qwen2.5-Coder FP8_BLOCK checkpoint); else [`fp8_words`]. All
+    /// chunks of an FP8_BLOCK copy of Qwen2.5-Coder-0.5B-Instruct); else [`fp8_words`]. All
     /// give the same bits, but for the sign of a zero weight, which no sum sees: a sum from
     /// `+0` never becomes `−0` by adding a zero product.
     ///

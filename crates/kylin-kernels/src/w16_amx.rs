@@ -23,9 +23,9 @@
 //!   sums grow 8 times faster); FP8 values are not small integers;
 //! - otherwise **f32 FMAs** in the canonical order, about 3 instructions per 16 weights. FP8
 //!   codes decode there with E4M3's exponent field as f32's and the activations scaled by
-//!   2^110 ([`fp8_scaled_chains`]), so that zero codes need no table: in the published
-//!   Qwen2.5-Coder FP8_BLOCK checkpoint 5% of the codes are zeros and 82% of the 64-byte
-//!   chunks hold one, which took the table path before (decode 29.2–32.5 → 34.5–37.9 tokens/s).
+//!   2^110 ([`fp8_scaled_chains`]), so that zero codes need no table: in an FP8_BLOCK copy of
+//!   Qwen2.5-Coder-0.5B-Instruct 5% of the codes are zeros and 82% of the 64-byte chunks hold
+//!   one, which took the table path before (decode 29.2–32.5 → 34.5–37.9 tokens/s).
 //!
 //! With the integer sums, W4A16 decode reads 83–84% of the machine's measured bandwidth in
 //! weights (96% with the KV cache) where the FMAs alone read 77% (BENCHMARKS.md).
