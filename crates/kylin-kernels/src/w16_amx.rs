@@ -159,9 +159,13 @@ unsafe fn decode_chunk(weights: Weights, wq: *const u8, j0: usize, j1: usize, ou
                         let chunk = _mm512_loadu_si512(block.add(k4 * 64) as *const __m512i);
                         // Only FP8 chunks with a subnormal code need the table path; zero codes
                         // are cleared after the normal decode.
-                        let zero_exponent = _mm512_testn_epi8_mask(chunk, _mm512_set1_epi8(0x78));
-                        let normal = weights == Weights::Fp8
-                            && _mm512_mask_test_epi8_mask(zero_exponent, chunk, _mm512_set1_epi8(0x07)) == 0;
+                        let (zero_exponent, normal) = if weights == Weights::Fp8 {
+                            let zero_exponent = _mm512_testn_epi8_mask(chunk, _mm512_set1_epi8(0x78));
+                            let subnormal = _mm512_mask_test_epi8_mask(zero_exponent, chunk, _mm512_set1_epi8(0x07));
+                            (zero_exponent, subnormal == 0)
+                        } else {
+                            (0, false)
+                        };
                         for (half, idx) in idx.iter().enumerate() {
                             // Each code in its word's high byte, the low byte zero.
                             let words = _mm512_maskz_permutexvar_epi8(HIGH_BYTES, *idx, chunk);
@@ -492,24 +496,40 @@ unsafe fn one_token(
 unsafe fn widen_activations(xb: *const u8, j: usize, n: usize, xf: &mut [f32; 2 * SUB]) {
     for (i, x16) in xf[..n * SUB].chunks_exact_mut(16).enumerate() {
         // SAFETY: the caller's contract; `x16` is 16 writable f32.
-        unsafe {
-            let h = _mm256_loadu_si256(xb.add(2 * (j * SUB + 16 * i)) as *const __m256i);
-            let f = _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h));
-            _mm512_storeu_ps(x16.as_mut_ptr(), _mm512_castsi512_ps(f));
-        }
+        unsafe { _mm512_storeu_ps(x16.as_mut_ptr(), widen16(xb.add(2 * (j * SUB + 16 * i)))) };
     }
 }
 
-/// 2^110: the factor of the activations in [`fp8_scaled_chains`].
-const FP8_ACTIVATION_SCALE: f32 = f32::from_bits((127 + 110) << 23);
+/// The 16 packed BF16 activations at `p` in f32.
+///
+/// # Safety
+/// `p` is valid for reading 32 bytes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,avx2,fma,f16c")]
+#[inline]
+unsafe fn widen16(p: *const u8) -> __m512 {
+    // SAFETY: the caller's contract.
+    let h = unsafe { _mm256_loadu_si256(p as *const __m256i) };
+    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+}
+
+/// 2^e in f32, for `e` in f32's normal range.
+const fn power_of_two(e: i32) -> f32 {
+    f32::from_bits(((127 + e) as u32) << 23)
+}
+
+/// The binary order of the factor of the activations in [`fp8_scaled_chains`]: the codes'
+/// values there are 2^−120 times theirs, 2^−128 times the canonical ones (which are 2^8 times
+/// theirs), so products are the canonical ones times 2^(110 − 128).
+const FP8_ACTIVATION_ORDER: i32 = 110;
+const FP8_ACTIVATION_SCALE: f32 = power_of_two(FP8_ACTIVATION_ORDER);
 /// 2^18: activations at least this large (or not finite) keep a sub-block off
-/// [`fp8_scaled_chains`], whose scaled activations would overflow.
-const FP8_ACTIVATION_LIMIT: f32 = f32::from_bits((127 + 18) << 23);
+/// [`fp8_scaled_chains`], whose scaled activations would overflow f32 (2^128).
+const FP8_ACTIVATION_LIMIT: f32 = power_of_two(128 - FP8_ACTIVATION_ORDER);
 /// 2^18: what [`fp8_scaled_chains`]' sums are multiplied by to be the canonical ones.
-const FP8_SUM_SCALE: f32 = f32::from_bits((127 + 18) << 23);
+const FP8_SUM_SCALE: f32 = power_of_two(128 - FP8_ACTIVATION_ORDER);
 /// 2^−64: what a table-decoded weight and its activation are each multiplied by in
 /// [`fp8_scaled_chains`], to be on its scale without a denormal (2^−128) factor.
-const FP8_TABLE_SCALE: f32 = f32::from_bits((127 - 64) << 23);
+const FP8_TABLE_SCALE: f32 = power_of_two(-64);
 
 /// Widens the token's packed BF16 activations of FP8 sub-block `j` to f32 times
 /// [`FP8_ACTIVATION_SCALE`] in `xf` and says whether every one is below
@@ -525,8 +545,7 @@ unsafe fn widen_fp8_scaled(xb: *const u8, j: usize, xf: &mut [f32; 2 * SUB]) -> 
     for (i, x16) in xf[..SUB].chunks_exact_mut(16).enumerate() {
         // SAFETY: the caller's contract; `x16` is 16 writable f32.
         unsafe {
-            let h = _mm256_loadu_si256(xb.add(2 * (j * SUB + 16 * i)) as *const __m256i);
-            let f = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)));
+            let f = widen16(xb.add(2 * (j * SUB + 16 * i)));
             // Not below the limit, NaNs included.
             large |= _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(_mm512_abs_ps(f), _mm512_set1_ps(FP8_ACTIVATION_LIMIT));
             _mm512_storeu_ps(x16.as_mut_ptr(), _mm512_mul_ps(f, _mm512_set1_ps(FP8_ACTIVATION_SCALE)));
