@@ -529,6 +529,17 @@ pub(crate) mod x86 {
         load_table(&SUBNORMALS)
     }
 
+    /// How a chunk of 64 FP8 E4M3 codes must be decoded: the mask of its codes with a zero
+    /// exponent (zeros and subnormals), and whether any of them is subnormal. The two-instruction
+    /// decodes take a chunk without subnormals, clearing its zero codes when the mask is not
+    /// empty; a chunk with a subnormal takes a table ([`fp8_words`]).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+    #[inline]
+    pub(crate) fn fp8_zero_exponents(codes: __m512i) -> (__mmask64, bool) {
+        let zero_exponent = _mm512_testn_epi8_mask(codes, _mm512_set1_epi8(0x78));
+        (zero_exponent, _mm512_mask_test_epi8_mask(zero_exponent, codes, _mm512_set1_epi8(0x07)) != 0)
+    }
+
     /// 32 FP8 E4M3 codes (zero-extended words) as BF16 values times 2^8 (exactly: the products
     /// and sums of `vdpbf16ps` scale by the same power of two, which the block's scale takes
     /// back): a normal code's exponent and mantissa shifted into place with the exponent
@@ -582,10 +593,10 @@ pub(crate) mod x86 {
             let bytes = _mm512_loadu_si512(p as *const __m512i);
             let lo = _mm512_castsi512_si256(bytes);
             let hi = _mm512_extracti64x4_epi64::<1>(bytes);
-            let zero_exponent = _mm512_testn_epi8_mask(bytes, _mm512_set1_epi8(0x78));
+            let (zero_exponent, subnormal) = fp8_zero_exponents(bytes);
             if zero_exponent == 0 {
                 [fp8_normal_words(_mm512_cvtepi8_epi16(lo)), fp8_normal_words(_mm512_cvtepi8_epi16(hi))]
-            } else if _mm512_mask_test_epi8_mask(zero_exponent, bytes, _mm512_set1_epi8(0x07)) == 0 {
+            } else if !subnormal {
                 // Zero codes but no subnormal: the normal words, the zeros' cleared.
                 [_mm512_cvtepi8_epi16(lo), _mm512_cvtepi8_epi16(hi)].map(|w| {
                     let nonzero = _mm512_test_epi16_mask(w, _mm512_set1_epi16(0x78));

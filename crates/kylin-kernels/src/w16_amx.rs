@@ -160,9 +160,8 @@ unsafe fn decode_chunk(weights: Weights, wq: *const u8, j0: usize, j1: usize, ou
                         // Only FP8 chunks with a subnormal code need the table path; zero codes
                         // are cleared after the normal decode.
                         let (zero_exponent, normal) = if weights == Weights::Fp8 {
-                            let zero_exponent = _mm512_testn_epi8_mask(chunk, _mm512_set1_epi8(0x78));
-                            let subnormal = _mm512_mask_test_epi8_mask(zero_exponent, chunk, _mm512_set1_epi8(0x07));
-                            (zero_exponent, subnormal == 0)
+                            let (zero_exponent, subnormal) = crate::w16::x86::fp8_zero_exponents(chunk);
+                            (zero_exponent, !subnormal)
                         } else {
                             (0, false)
                         };
@@ -590,10 +589,9 @@ unsafe fn fp8_scaled_chains(block: *const u8, xf: &[f32; 2 * SUB], sub: __m512) 
         // SAFETY: the caller's contract; `xf` holds the sub-block's 32 columns.
         unsafe {
             let chunk = _mm512_loadu_si512(block.add(k4 * 64) as *const __m512i);
-            let zero_exponent = _mm512_testn_epi8_mask(chunk, _mm512_set1_epi8(0x78));
-            let subnormal = _mm512_mask_test_epi8_mask(zero_exponent, chunk, _mm512_set1_epi8(0x07));
+            let (_, subnormal) = crate::w16::x86::fp8_zero_exponents(chunk);
             let x = |c: usize| _mm512_set1_ps(*xf.get_unchecked(4 * k4 + c));
-            if subnormal == 0 {
+            if !subnormal {
                 // Every word's high byte (columns 1 and 3 of a dword) and low byte (0 and 2),
                 // shifted into place in its word: two columns per shift.
                 let high = _mm512_srai_epi16::<4>(chunk);
