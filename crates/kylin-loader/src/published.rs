@@ -955,12 +955,32 @@ impl IntMatrix {
     /// The weights in f32, exactly: `(code − zero) · scale` (an integer of at most 9 bits
     /// times a BF16, F16 or F32 scale, as the producers' dequantization computes it).
     pub fn dequantize_into(&self, out: &mut [f32]) {
-        assert_eq!(out.len(), self.rows * self.cols);
-        for r in 0..self.rows {
-            for c in 0..self.cols {
-                let g = r * self.groups + self.group(c);
-                let v = self.codes[r * self.cols + c] as i32 - self.zeros[g];
-                out[r * self.cols + c] = v as f32 * self.scales[g];
+        let (cols, groups) = (self.cols, self.groups);
+        assert_eq!(out.len(), self.rows * cols);
+        if cols == 0 || groups == 0 {
+            return;
+        }
+        // Row by row, and without a division per weight: along whole groups of columns when
+        // they are consecutive, else through each column's group.
+        let rows = out.chunks_exact_mut(cols).zip(self.codes.chunks_exact(cols));
+        for (r, (out, codes)) in rows.enumerate() {
+            let (zeros, scales) =
+                (&self.zeros[r * groups..(r + 1) * groups], &self.scales[r * groups..(r + 1) * groups]);
+            let value = |code: u8, g: usize| (code as i32 - zeros[g]) as f32 * scales[g];
+            match &self.group_of {
+                Some(group_of) => {
+                    for ((o, &code), &g) in out.iter_mut().zip(codes).zip(group_of) {
+                        *o = value(code, g as usize);
+                    }
+                }
+                None => {
+                    let span = (cols / groups).max(1);
+                    for (g, (out, codes)) in out.chunks_mut(span).zip(codes.chunks(span)).enumerate() {
+                        for (o, &code) in out.iter_mut().zip(codes) {
+                            *o = value(code, g);
+                        }
+                    }
+                }
             }
         }
     }
@@ -1209,19 +1229,29 @@ impl PublishedMatrix {
         }
         let Scheme::Float8 { scales, .. } = &self.scheme else { return Ok(out) };
         let s = floats(&self.scale);
-        let (rows, cols) = (self.rows, self.cols);
+        let cols = self.cols;
         let table: Vec<f32> = (0..=255u8).map(fp8_e4m3_to_f32).collect();
-        for (i, (o, &b)) in out.iter_mut().zip(self.values.bytes()).enumerate() {
-            let (r, c) = (i / cols, i % cols);
-            let scale = match *scales {
-                Fp8Scales::Tensor => s[0],
-                Fp8Scales::Channel => s[r],
-                Fp8Scales::Group(g) => s[r * (cols / g) + c / g],
-                Fp8Scales::Block(br, bc) => s[(r / br) * cols.div_ceil(bc) + c / bc],
-            };
-            *o = table[b as usize] * scale;
+        if cols == 0 {
+            return Ok(out);
         }
-        let _ = rows;
+        // Row by row, along the columns that share a scale (the scale tensor's shape was
+        // checked against the scheme's when the matrix was bound), without a division per weight.
+        for (r, (out, codes)) in out.chunks_exact_mut(cols).zip(self.values.bytes().chunks_exact(cols)).enumerate() {
+            let (span, row_scales) = match *scales {
+                Fp8Scales::Tensor => (cols, &s[..1]),
+                Fp8Scales::Channel => (cols, &s[r..r + 1]),
+                Fp8Scales::Group(g) => (g, &s[r * (cols / g)..(r + 1) * (cols / g)]),
+                Fp8Scales::Block(br, bc) => {
+                    let blocks = cols.div_ceil(bc);
+                    (bc, &s[(r / br) * blocks..(r / br + 1) * blocks])
+                }
+            };
+            for ((out, codes), &scale) in out.chunks_mut(span).zip(codes.chunks(span)).zip(row_scales) {
+                for (o, &b) in out.iter_mut().zip(codes) {
+                    *o = table[b as usize] * scale;
+                }
+            }
+        }
         Ok(out)
     }
 }
@@ -1375,5 +1405,90 @@ mod tests {
                 .unwrap_err();
         assert_eq!(err.code, ErrorCode::OperatorUnsupported);
         assert!(err.message.contains("fmt") && err.message.contains("e5m2"), "{err}");
+    }
+
+    /// Dequantization walks rows and runs of columns that share a scale; every weight is the
+    /// definition's, computed per weight: FP8 under every scale layout (blocks cut short on
+    /// both axes included), integers with consecutive groups and with a group per column.
+    #[test]
+    fn dequantized_weights_are_the_definition_per_weight() {
+        let (rows, cols) = (5usize, 96usize);
+        let mut seed = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        // Every code but the NaNs.
+        let codes: Vec<u8> =
+            (0..rows * cols).map(|_| (next() % 256) as u8).map(|b| if b & 0x7F == 0x7F { 0 } else { b }).collect();
+        let layouts = [
+            (Fp8Scales::Tensor, vec![1]),
+            (Fp8Scales::Channel, vec![rows, 1]),
+            (Fp8Scales::Group(32), vec![rows, cols / 32]),
+            (Fp8Scales::Block(2, 40), vec![rows.div_ceil(2), cols.div_ceil(40)]),
+        ];
+        for (scales, shape) in layouts {
+            let n: usize = shape.iter().product();
+            let s: Vec<f32> = (0..n).map(|i| 0.5 + i as f32 * 0.25).collect();
+            let bytes = s.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let tensor =
+                |name: &str, dtype, shape, bytes| WeightTensor::owned(name.into(), dtype, shape, bytes).unwrap();
+            let m = PublishedMatrix {
+                module: "m".into(),
+                rows,
+                cols,
+                scheme: Scheme::Float8 { scales, inverse_name: false },
+                values: tensor("m.weight", DType::F8E4M3, vec![rows, cols], codes.clone()),
+                scale: tensor("m.weight_scale", DType::F32, shape, bytes),
+                zero: None,
+                g_idx: None,
+                shape: None,
+                int8_activations: false,
+                input: None,
+                input_scale: None,
+            };
+            let got = m.dequantize().unwrap();
+            for r in 0..rows {
+                for c in 0..cols {
+                    let scale = match scales {
+                        Fp8Scales::Tensor => s[0],
+                        Fp8Scales::Channel => s[r],
+                        Fp8Scales::Group(g) => s[r * (cols / g) + c / g],
+                        Fp8Scales::Block(br, bc) => s[(r / br) * cols.div_ceil(bc) + c / bc],
+                    };
+                    let want = fp8_e4m3_to_f32(codes[r * cols + c]) * scale;
+                    assert_eq!(got[r * cols + c].to_bits(), want.to_bits(), "{scales:?}, row {r}, column {c}");
+                }
+            }
+        }
+        let groups = 3;
+        for group_of in [None, Some((0..cols).map(|c| ((c * 7) % groups) as u32).collect::<Vec<_>>())] {
+            let m = IntMatrix {
+                bits: 4,
+                rows,
+                cols,
+                groups,
+                codes: (0..rows * cols).map(|_| (next() % 16) as u8).collect(),
+                scales: (0..rows * groups).map(|i| 0.125 + i as f32 * 0.5).collect(),
+                zeros: (0..rows * groups).map(|i| (i % 16) as i32).collect(),
+                group_of,
+            };
+            let mut got = vec![f32::NAN; rows * cols];
+            m.dequantize_into(&mut got);
+            for r in 0..rows {
+                for c in 0..cols {
+                    let g = r * groups + m.group(c);
+                    let want = (m.codes[r * cols + c] as i32 - m.zeros[g]) as f32 * m.scales[g];
+                    assert_eq!(
+                        got[r * cols + c].to_bits(),
+                        want.to_bits(),
+                        "group_of {}, row {r}, column {c}",
+                        m.group_of.is_some()
+                    );
+                }
+            }
+        }
     }
 }
