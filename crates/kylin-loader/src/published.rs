@@ -1168,7 +1168,11 @@ impl PublishedMatrix {
             return Ok(None);
         }
         let codes = self.values.bytes();
-        if let Some(at) = codes.iter().position(|&b| b & 0x7F == 0x7F) {
+        // A whole-slice test first (it vectorizes; `position` stops at each byte to ask).
+        let nan = |b: u8| b & 0x7F == 0x7F;
+        if codes.chunks(1 << 16).any(|chunk| chunk.iter().fold(false, |any, &b| any | nan(b)))
+            && let Some(at) = codes.iter().position(|&b| nan(b))
+        {
             return Err(KylinError::file_corrupted(format!(
                 "tensor '{}': FP8 E4M3 value {} (row {}, column {}) is NaN",
                 self.values.name,
@@ -1179,17 +1183,24 @@ impl PublishedMatrix {
         }
         let s = floats(&self.scale);
         let blocks = cols / 32;
-        let block_scales = (0..rows * blocks)
-            .map(|k| {
-                let (r, c) = (k / blocks, (k % blocks) * 32);
-                match *scales {
-                    Fp8Scales::Tensor => s[0],
-                    Fp8Scales::Channel => s[r],
-                    Fp8Scales::Group(g) => s[r * (cols / g) + c / g],
-                    Fp8Scales::Block(br, bc) => s[(r / br) * cols.div_ceil(bc) + c / bc],
+        let mut block_scales = Vec::with_capacity(rows * blocks);
+        for r in 0..rows {
+            // The row's stored scales and how many blocks of 32 each covers.
+            let (row_scales, per_scale) = match *scales {
+                Fp8Scales::Tensor => (&s[..1], blocks),
+                Fp8Scales::Channel => (&s[r..r + 1], blocks),
+                Fp8Scales::Group(g) => (&s[r * (cols / g)..(r + 1) * (cols / g)], g / 32),
+                Fp8Scales::Block(br, bc) => {
+                    let per_row = cols.div_ceil(bc);
+                    (&s[(r / br) * per_row..(r / br + 1) * per_row], bc / 32)
                 }
-            })
-            .collect();
+            };
+            for &scale in row_scales {
+                // The last scale of a row may cover fewer blocks (a partial block of columns).
+                let n = per_scale.min(blocks * (r + 1) - block_scales.len());
+                block_scales.extend(std::iter::repeat_n(scale, n));
+            }
+        }
         Ok(Some((codes, block_scales)))
     }
 
@@ -1409,7 +1420,8 @@ mod tests {
 
     /// Dequantization walks rows and runs of columns that share a scale; every weight is the
     /// definition's, computed per weight: FP8 under every scale layout (blocks cut short on
-    /// both axes included), integers with consecutive groups and with a group per column.
+    /// both axes included), and its scale per block of 32 where the layout allows one;
+    /// integers with consecutive groups and with a group per column.
     #[test]
     fn dequantized_weights_are_the_definition_per_weight() {
         let (rows, cols) = (5usize, 96usize);
@@ -1428,6 +1440,7 @@ mod tests {
             (Fp8Scales::Channel, vec![rows, 1]),
             (Fp8Scales::Group(32), vec![rows, cols / 32]),
             (Fp8Scales::Block(2, 40), vec![rows.div_ceil(2), cols.div_ceil(40)]),
+            (Fp8Scales::Block(2, 64), vec![rows.div_ceil(2), cols.div_ceil(64)]),
         ];
         for (scales, shape) in layouts {
             let n: usize = shape.iter().product();
@@ -1450,6 +1463,9 @@ mod tests {
                 input_scale: None,
             };
             let got = m.dequantize().unwrap();
+            // The codes and a scale per block of 32, where the scales do not split one.
+            let blocks = m.fp8_codes().unwrap().map(|(_, block_scales)| block_scales);
+            assert_eq!(blocks.is_none(), matches!(scales, Fp8Scales::Block(_, 40)), "{scales:?}");
             for r in 0..rows {
                 for c in 0..cols {
                     let scale = match scales {
@@ -1460,9 +1476,38 @@ mod tests {
                     };
                     let want = fp8_e4m3_to_f32(codes[r * cols + c]) * scale;
                     assert_eq!(got[r * cols + c].to_bits(), want.to_bits(), "{scales:?}, row {r}, column {c}");
+                    if let Some(blocks) = &blocks {
+                        assert_eq!(blocks.len(), rows * cols / 32);
+                        assert_eq!(
+                            blocks[r * cols / 32 + c / 32],
+                            scale,
+                            "{scales:?} block scale, row {r}, column {c}"
+                        );
+                    }
                 }
             }
         }
+        // A NaN code is refused, named by its place.
+        let mut nan_codes = codes.clone();
+        nan_codes[3 * cols + 70] = 0xFF;
+        let m = PublishedMatrix {
+            module: "m".into(),
+            rows,
+            cols,
+            scheme: Scheme::Float8 { scales: Fp8Scales::Tensor, inverse_name: false },
+            values: WeightTensor::owned("m.weight".into(), DType::F8E4M3, vec![rows, cols], nan_codes).unwrap(),
+            scale: WeightTensor::owned("m.weight_scale".into(), DType::F32, vec![1], 1.0f32.to_le_bytes().to_vec())
+                .unwrap(),
+            zero: None,
+            g_idx: None,
+            shape: None,
+            int8_activations: false,
+            input: None,
+            input_scale: None,
+        };
+        let err = m.fp8_codes().unwrap_err();
+        assert_eq!(err.code, ErrorCode::FileCorrupted);
+        assert!(err.message.contains("row 3, column 70") && err.message.contains("m.weight"), "{err}");
         let groups = 3;
         for group_of in [None, Some((0..cols).map(|c| ((c * 7) % groups) as u32).collect::<Vec<_>>())] {
             let m = IntMatrix {

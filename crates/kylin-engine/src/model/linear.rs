@@ -527,8 +527,14 @@ pub(super) fn decode_published(linear: &mut Linear, mode: PublishedDecode) -> Re
             kylin_kernels::q4g::pack_q4_g(rows, cols, &i.codes, &scales, &mins, quants, planes);
             buffer
         }
-        // FP8, activation order, asymmetric 8-bit: dequantized, then Q8_0 (FP8 E4M3 holds 3
-        // mantissa bits; Q8_0's grid is finer).
+        // FP8 with a scale per whole block of 32 (every published layout), row by row.
+        None if cols.is_multiple_of(QK8_0)
+            && let Some((codes, scales)) = m.fp8_codes()? =>
+        {
+            fp8_q8_0(rows, cols, codes, &scales).ok_or_else(|| packing_error(&m, "q8_0"))?
+        }
+        // Activation order, asymmetric 8-bit, FP8 scales that split a block of 32: dequantized,
+        // then Q8_0 (FP8 E4M3 holds 3 mantissa bits; Q8_0's grid is finer).
         _ => {
             let bytes = f32_bytes(&m.dequantize()?);
             quantize_q8_0(WeightMatrix { dtype: WeightDType::F32, rows, cols, data: &bytes }, &m.module)?
@@ -538,6 +544,45 @@ pub(super) fn decode_published(linear: &mut Linear, mode: PublishedDecode) -> Re
     linear.quant = Some(QuantSource::Owned(Arc::new(buffer)));
     release_published(&m);
     Ok(Some(packing))
+}
+
+/// FP8 E4M3 codes (row-major `[rows, cols]`, none NaN) with a scale per row and block of 32
+/// (`[rows, cols / 32]`) as Q8_0: each row's weights widened from their codes and quantized in
+/// turn, the bytes [`quantize_q8_0`] makes of the dequantized matrix without an f32 copy of it.
+/// `None` when the columns are not whole blocks of 32 or the planes' size overflows.
+fn fp8_q8_0(rows: usize, cols: usize, codes: &[u8], scales: &[f32]) -> Option<QuantBuffer> {
+    use kylin_kernels::quant::QK8_0;
+    let mut buffer = QuantBuffer::zeroed(Packing::Q8_0, rows, cols)?;
+    let blocks = cols / QK8_0;
+    let (mut q, mut q_scales) = (vec![0i8; rows * cols], vec![0.0f32; rows * blocks]);
+    let (mut row, mut row_scales) = (vec![0.0f32; cols], vec![0u16; blocks]);
+    let rows_out = q.chunks_exact_mut(cols).zip(q_scales.chunks_exact_mut(blocks));
+    for (r, (q, q_scales)) in rows_out.enumerate() {
+        let row_codes = codes[r * cols..(r + 1) * cols].chunks_exact(QK8_0);
+        for ((out, codes), &scale) in row.chunks_exact_mut(QK8_0).zip(row_codes).zip(&scales[r * blocks..]) {
+            for (o, &code) in out.iter_mut().zip(codes) {
+                *o = fp8_value(code) * scale;
+            }
+        }
+        kylin_kernels::quant::quantize_row_q8_0(&row, q, &mut row_scales);
+        // The f16 scales in f32, exactly; `pack_q8_0` rounds them back to the same bits.
+        for (o, &h) in q_scales.iter_mut().zip(&row_scales) {
+            *o = half::f16::from_bits(h).to_f32();
+        }
+    }
+    let (quants, planes) = buffer.planes_mut();
+    kylin_kernels::quant::pack_q8_0(rows, cols, &q, &q_scales, quants, planes);
+    Some(buffer)
+}
+
+/// An FP8 E4M3 code's value (not NaN: `fp8_codes` refused those), exactly, in operations that
+/// vectorize: with E4M3's sign, exponent and mantissa fields placed at f32's, the bits are the
+/// value times 2^−120 (a normal f32 for a normal code, a denormal one for a subnormal code:
+/// `m · 2^−9` is `m · 2^20 · 2^−149`), and the product by 2^120 is exact.
+#[inline]
+fn fp8_value(code: u8) -> f32 {
+    let code = code as u32;
+    f32::from_bits(((code & 0x80) << 24) | ((code & 0x7F) << 20)) * f32::from_bits((127 + 120) << 23)
 }
 
 /// Releases a decoded matrix's stored tensors from resident memory (the map stays), so the
@@ -632,5 +677,49 @@ impl Norm {
                 self.apply(x, eps, out);
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// FP8 weights quantized to Q8_0 row by row are byte for byte what quantizing the
+    /// dequantized matrix gives: every code (subnormals and both zeros included), scales of
+    /// many magnitudes, a last group of rows cut short.
+    #[test]
+    fn fp8_rows_quantize_to_the_bytes_of_the_dequantized_matrix() {
+        let (rows, cols) = (21usize, 96usize);
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let codes: Vec<u8> = (0..rows * cols)
+            .map(|i| if i < 256 { i as u8 } else { next() as u8 })
+            .map(|b| if b & 0x7F == 0x7F { 0x80 } else { b })
+            .collect();
+        let scales: Vec<f32> = (0..rows * cols / 32)
+            .map(|i| (1.0 + (next() % 1000) as f32 / 999.0) * (2.0f32).powi(i as i32 % 24 - 16))
+            .collect();
+        let got = fp8_q8_0(rows, cols, &codes, &scales).unwrap();
+        let values: Vec<f32> = (0..rows * cols)
+            .map(|i| {
+                kylin_loader::published::fp8_e4m3_to_f32(codes[i]) * scales[(i / cols) * (cols / 32) + (i % cols) / 32]
+            })
+            .collect();
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let want = quantize_q8_0(WeightMatrix { dtype: WeightDType::F32, rows, cols, data: &bytes }, "m").unwrap();
+        let (got, want) = (got.matrix(), want.matrix());
+        assert!(got.quants() == want.quants(), "quants differ");
+        assert!(got.scales() == want.scales(), "scales differ");
+        for code in 0..=255u8 {
+            if code & 0x7F != 0x7F {
+                let want = kylin_loader::published::fp8_e4m3_to_f32(code);
+                assert_eq!(fp8_value(code).to_bits(), want.to_bits(), "code {code:#04x}");
+            }
+        }
     }
 }
