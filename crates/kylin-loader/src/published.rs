@@ -1002,20 +1002,31 @@ pub fn floats(t: &WeightTensor) -> Vec<f32> {
     }
 }
 
-/// FP8 E4M3 (`float8_e4m3fn`: no infinities, `S.1111.111` is NaN) to f32, exactly.
+/// FP8 E4M3 (`float8_e4m3fn`: no infinities, `S.1111.111` is NaN) to f32, exactly, in
+/// operations that vectorize: with E4M3's sign, exponent and mantissa fields placed at f32's,
+/// the bits are the value times 2^−120 (a normal f32 for a normal code, a denormal one for a
+/// subnormal code: `m · 2^−9` is `m · 2^20 · 2^−149`), and the product by 2^120 is exact.
 #[inline]
 pub fn fp8_e4m3_to_f32(b: u8) -> f32 {
-    let sign = if b & 0x80 != 0 { -1.0f32 } else { 1.0 };
-    let exp = ((b >> 3) & 0xF) as i32;
-    let man = (b & 7) as f32;
-    if exp == 0xF && b & 7 == 7 {
-        return f32::NAN;
-    }
-    if exp == 0 {
-        // Subnormal: 0.man · 2^-6.
-        sign * man * 2f32.powi(-9)
-    } else {
-        sign * (1.0 + man / 8.0) * 2f32.powi(exp - 7)
+    let code = b as u32;
+    let value = f32::from_bits(((code & 0x80) << 24) | ((code & 0x7F) << 20)) * f32::from_bits((127 + 120) << 23);
+    if code & 0x7F == 0x7F { f32::NAN } else { value }
+}
+
+impl Fp8Scales {
+    /// Row `r`'s stored scales among `s` (the scale tensor, whose shape was checked against
+    /// the layout when the matrix was bound) and how many consecutive columns each covers
+    /// (the last may cover fewer, where a block of columns is cut short).
+    fn row(self, s: &[f32], r: usize, cols: usize) -> (&[f32], usize) {
+        match self {
+            Fp8Scales::Tensor => (&s[..1], cols),
+            Fp8Scales::Channel => (&s[r..r + 1], cols),
+            Fp8Scales::Group(g) => (&s[r * (cols / g)..(r + 1) * (cols / g)], g),
+            Fp8Scales::Block(br, bc) => {
+                let per_row = cols.div_ceil(bc);
+                (&s[(r / br) * per_row..(r / br + 1) * per_row], bc)
+            }
+        }
     }
 }
 
@@ -1185,16 +1196,9 @@ impl PublishedMatrix {
         let blocks = cols / 32;
         let mut block_scales = Vec::with_capacity(rows * blocks);
         for r in 0..rows {
-            // The row's stored scales and how many blocks of 32 each covers.
-            let (row_scales, per_scale) = match *scales {
-                Fp8Scales::Tensor => (&s[..1], blocks),
-                Fp8Scales::Channel => (&s[r..r + 1], blocks),
-                Fp8Scales::Group(g) => (&s[r * (cols / g)..(r + 1) * (cols / g)], g / 32),
-                Fp8Scales::Block(br, bc) => {
-                    let per_row = cols.div_ceil(bc);
-                    (&s[(r / br) * per_row..(r / br + 1) * per_row], bc / 32)
-                }
-            };
+            // Each stored scale covers whole blocks of 32 (`aligned`).
+            let (row_scales, span) = scales.row(&s, r, cols);
+            let per_scale = span / 32;
             for &scale in row_scales {
                 // The last scale of a row may cover fewer blocks (a partial block of columns).
                 let n = per_scale.min(blocks * (r + 1) - block_scales.len());
@@ -1245,18 +1249,9 @@ impl PublishedMatrix {
         if cols == 0 {
             return Ok(out);
         }
-        // Row by row, along the columns that share a scale (the scale tensor's shape was
-        // checked against the scheme's when the matrix was bound), without a division per weight.
+        // Row by row, along the columns that share a scale, without a division per weight.
         for (r, (out, codes)) in out.chunks_exact_mut(cols).zip(self.values.bytes().chunks_exact(cols)).enumerate() {
-            let (span, row_scales) = match *scales {
-                Fp8Scales::Tensor => (cols, &s[..1]),
-                Fp8Scales::Channel => (cols, &s[r..r + 1]),
-                Fp8Scales::Group(g) => (g, &s[r * (cols / g)..(r + 1) * (cols / g)]),
-                Fp8Scales::Block(br, bc) => {
-                    let blocks = cols.div_ceil(bc);
-                    (bc, &s[(r / br) * blocks..(r / br + 1) * blocks])
-                }
-            };
+            let (row_scales, span) = scales.row(&s, r, cols);
             for ((out, codes), &scale) in out.chunks_mut(span).zip(codes.chunks(span)).zip(row_scales) {
                 for (o, &b) in out.iter_mut().zip(codes) {
                     *o = table[b as usize] * scale;
@@ -1416,6 +1411,22 @@ mod tests {
                 .unwrap_err();
         assert_eq!(err.code, ErrorCode::OperatorUnsupported);
         assert!(err.message.contains("fmt") && err.message.contains("e5m2"), "{err}");
+    }
+
+    /// Every FP8 E4M3 code's value is its definition's: `±(1 + m/8) · 2^(e − 7)`, subnormals
+    /// `±m · 2^−9`, both zeros, NaN for `S.1111.111`.
+    #[test]
+    fn fp8_values_are_the_definition() {
+        for b in 0..=255u8 {
+            let (sign, e, m) = (if b & 0x80 != 0 { -1.0f64 } else { 1.0 }, ((b >> 3) & 0xF) as i32, (b & 7) as f64);
+            let got = fp8_e4m3_to_f32(b);
+            if e == 15 && m == 7.0 {
+                assert!(got.is_nan(), "code {b:#04x}");
+                continue;
+            }
+            let want = if e == 0 { sign * m * 2f64.powi(-9) } else { sign * (1.0 + m / 8.0) * 2f64.powi(e - 7) };
+            assert_eq!(got.to_bits(), (want as f32).to_bits(), "code {b:#04x}");
+        }
     }
 
     /// Dequantization walks rows and runs of columns that share a scale; every weight is the
