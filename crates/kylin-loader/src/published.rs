@@ -1429,6 +1429,32 @@ mod tests {
         }
     }
 
+    /// An FP8 matrix `m` of `codes` (`[rows, cols]`) with the scales `s` (`scale_shape`).
+    fn fp8_matrix(
+        rows: usize,
+        cols: usize,
+        scales: Fp8Scales,
+        codes: Vec<u8>,
+        scale_shape: Vec<usize>,
+        s: &[f32],
+    ) -> PublishedMatrix {
+        let tensor = |name: &str, dtype, shape, bytes| WeightTensor::owned(name.into(), dtype, shape, bytes).unwrap();
+        PublishedMatrix {
+            module: "m".into(),
+            rows,
+            cols,
+            scheme: Scheme::Float8 { scales, inverse_name: false },
+            values: tensor("m.weight", DType::F8E4M3, vec![rows, cols], codes),
+            scale: tensor("m.weight_scale", DType::F32, scale_shape, s.iter().flat_map(|v| v.to_le_bytes()).collect()),
+            zero: None,
+            g_idx: None,
+            shape: None,
+            int8_activations: false,
+            input: None,
+            input_scale: None,
+        }
+    }
+
     /// Dequantization walks rows and runs of columns that share a scale; every weight is the
     /// definition's, computed per weight: FP8 under every scale layout (blocks cut short on
     /// both axes included), and its scale per block of 32 where the layout allows one;
@@ -1456,23 +1482,7 @@ mod tests {
         for (scales, shape) in layouts {
             let n: usize = shape.iter().product();
             let s: Vec<f32> = (0..n).map(|i| 0.5 + i as f32 * 0.25).collect();
-            let bytes = s.iter().flat_map(|v| v.to_le_bytes()).collect();
-            let tensor =
-                |name: &str, dtype, shape, bytes| WeightTensor::owned(name.into(), dtype, shape, bytes).unwrap();
-            let m = PublishedMatrix {
-                module: "m".into(),
-                rows,
-                cols,
-                scheme: Scheme::Float8 { scales, inverse_name: false },
-                values: tensor("m.weight", DType::F8E4M3, vec![rows, cols], codes.clone()),
-                scale: tensor("m.weight_scale", DType::F32, shape, bytes),
-                zero: None,
-                g_idx: None,
-                shape: None,
-                int8_activations: false,
-                input: None,
-                input_scale: None,
-            };
+            let m = fp8_matrix(rows, cols, scales, codes.clone(), shape, &s);
             let got = m.dequantize().unwrap();
             // The codes and a scale per block of 32, where the scales do not split one.
             let blocks = m.fp8_codes().unwrap().map(|(_, block_scales)| block_scales);
@@ -1501,21 +1511,7 @@ mod tests {
         // A NaN code is refused, named by its place.
         let mut nan_codes = codes.clone();
         nan_codes[3 * cols + 70] = 0xFF;
-        let m = PublishedMatrix {
-            module: "m".into(),
-            rows,
-            cols,
-            scheme: Scheme::Float8 { scales: Fp8Scales::Tensor, inverse_name: false },
-            values: WeightTensor::owned("m.weight".into(), DType::F8E4M3, vec![rows, cols], nan_codes).unwrap(),
-            scale: WeightTensor::owned("m.weight_scale".into(), DType::F32, vec![1], 1.0f32.to_le_bytes().to_vec())
-                .unwrap(),
-            zero: None,
-            g_idx: None,
-            shape: None,
-            int8_activations: false,
-            input: None,
-            input_scale: None,
-        };
+        let m = fp8_matrix(rows, cols, Fp8Scales::Tensor, nan_codes, vec![1], &[1.0]);
         let err = m.fp8_codes().unwrap_err();
         assert_eq!(err.code, ErrorCode::FileCorrupted);
         assert!(err.message.contains("row 3, column 70") && err.message.contains("m.weight"), "{err}");
