@@ -1245,7 +1245,6 @@ impl PublishedMatrix {
         let Scheme::Float8 { scales, .. } = &self.scheme else { return Ok(out) };
         let s = floats(&self.scale);
         let cols = self.cols;
-        let table: Vec<f32> = (0..=255u8).map(fp8_e4m3_to_f32).collect();
         if cols == 0 {
             return Ok(out);
         }
@@ -1254,7 +1253,7 @@ impl PublishedMatrix {
             let (row_scales, span) = scales.row(&s, r, cols);
             for ((out, codes), &scale) in out.chunks_mut(span).zip(codes.chunks(span)).zip(row_scales) {
                 for (o, &b) in out.iter_mut().zip(codes) {
-                    *o = table[b as usize] * scale;
+                    *o = fp8_e4m3_to_f32(b) * scale;
                 }
             }
         }
