@@ -279,13 +279,18 @@ fn quantized_copies(
             if loadable_only(packing) {
                 // A published format is packed from a checkpoint's tensors, not quantized at load:
                 // deterministic bytes stand in. The products' speed does not depend on them,
-                // except FP8's on how often a chunk holds a subnormal code: its codes are the
-                // nearest to uniform weights scaled to E4M3's largest, as a checkpoint's are.
+                // except FP8's on how often a block holds a subnormal code: its codes are the
+                // nearest to uniform weights scaled to E4M3's largest, as a checkpoint's are,
+                // packed as the engine packs them (`pack_f8` marks the blocks with a subnormal)
+                // with positive scales, as a checkpoint's are.
                 if packing == kylin_kernels::quant::Packing::F8A16 {
-                    quants.copy_from_slice(&e4m3_codes(quants.len()));
-                } else {
-                    quants.copy_from_slice(&weights(WeightDType::BF16, quants.len() / 2));
+                    let codes = e4m3_codes(rows * cols);
+                    let block_scales: Vec<f32> =
+                        (0..rows * (cols / 32)).map(|i| (1.0 + (i % 7) as f32 / 8.0) / 448.0).collect();
+                    kylin_kernels::w16::pack_f8(rows, cols, &codes, &block_scales, quants, scales);
+                    return buffer;
                 }
+                quants.copy_from_slice(&weights(WeightDType::BF16, quants.len() / 2));
                 scales.copy_from_slice(&weights(WeightDType::BF16, scales.len() / 2));
                 return buffer;
             }

@@ -276,6 +276,16 @@ pub fn f8_plane_lens(rows: usize, cols: usize) -> Option<(usize, usize)> {
 /// block of 32 columns (`scales` row-major `[rows, cols / 32]`) into the planes, so that weight
 /// `(r, c)` is `e4m3(codes[r, c]) · scales[r, c / 32]`. The lengths are [`f8_plane_lens`]'s;
 /// the padding rows of the last group are zero. Panics on a length disagreement (a caller bug).
+///
+/// **Subnormal rows are marked by their sign.** A row's 32 codes of a block holding a subnormal
+/// code (zero exponent, non-zero mantissa) are stored with their sign bits flipped and the
+/// scale negated: every weight, `e4m3(−c) · (−s)`, and every product and sum of the kernels is
+/// the same number (negation is exact, and round-to-nearest-even rounds `−a` to `−round(a)`),
+/// so every reader computes the same bits. A sub-block's scales without a negative one then
+/// say that its codes hold no subnormal, and [`crate::w16_amx`]'s one-token FMAs take that
+/// sub-block without looking at its codes for one (a subnormal f32 operand costs an FMA a
+/// microcode assist there). The mark is a hint for speed, never for values: a checkpoint's own
+/// negative scale only sends its sub-block to the path that looks.
 pub fn pack_f8(rows: usize, cols: usize, codes: &[u8], scales: &[f32], quants_out: &mut [u8], scales_out: &mut [u8]) {
     let nb = cols / QK8_0;
     assert_eq!(f8_plane_lens(rows, cols), Some((quants_out.len(), scales_out.len())), "f8 plane lengths");
@@ -291,10 +301,14 @@ pub fn pack_f8(rows: usize, cols: usize, codes: &[u8], scales: &[f32], quants_ou
             let at = g * group_s + b * 2 * SCALES_BYTES + 4 * lane;
             if r < rows {
                 let stored = &codes[r * cols + b * QK8_0..][..QK8_0];
+                let flip = if stored.iter().any(|&c| is_e4m3_subnormal(c)) { 0x80 } else { 0 };
                 for (k4, four) in stored.chunks_exact(4).enumerate() {
-                    block[k4 * 64 + lane * 4..][..4].copy_from_slice(four);
+                    for (packed, &code) in block[k4 * 64 + lane * 4..][..4].iter_mut().zip(four) {
+                        *packed = code ^ flip;
+                    }
                 }
-                scales_out[at..at + 4].copy_from_slice(&scales[r * nb + b].to_le_bytes());
+                let scale = if flip != 0 { -scales[r * nb + b] } else { scales[r * nb + b] };
+                scales_out[at..at + 4].copy_from_slice(&scale.to_le_bytes());
             } else {
                 for k4 in 0..QK8_0 / 4 {
                     block[k4 * 64 + lane * 4..][..4].fill(0);
@@ -303,6 +317,11 @@ pub fn pack_f8(rows: usize, cols: usize, codes: &[u8], scales: &[f32], quants_ou
             }
         }
     }
+}
+
+/// Whether FP8 E4M3 code `c` is subnormal: a zero exponent and a non-zero mantissa.
+fn is_e4m3_subnormal(c: u8) -> bool {
+    c & 0x78 == 0 && c & 0x07 != 0
 }
 
 /// Row `r` of an FP8 matrix in f32.

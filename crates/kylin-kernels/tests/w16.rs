@@ -89,7 +89,12 @@ fn case(rng: &mut Rng, packing: Packing, rows: usize, cols: usize) -> Case {
                     if b & 0x7F == 0x7F { 0 } else { b }
                 })
                 .collect();
-            let s: Vec<f32> = (0..rows * nb).map(|_| rng.next_f32().abs() / 256.0).collect();
+            // One scale in five negative, as a checkpoint may have them: `pack_f8` marks the
+            // rows of a block holding a subnormal code with a negative scale, so a block with
+            // a subnormal and a negative scale of its own reaches the kernels unmarked (their
+            // fast decodes must be exact on it too).
+            let s: Vec<f32> =
+                (0..rows * nb).map(|k| rng.next_f32().abs() / 256.0 * if k % 5 == 3 { -1.0 } else { 1.0 }).collect();
             for (i, w) in weights.iter_mut().enumerate() {
                 *w = e4m3_definition(codes[i]) * s[(i / cols) * nb + (i % cols) / 32] as f64;
             }
@@ -140,6 +145,48 @@ fn f8_packing_writes_every_byte_of_the_planes() {
     let lane = 17 % 16;
     let at = (nb + 2) * 512 + 64 + lane * 4;
     assert_eq!(&q[at..at + 4], &codes[17 * cols + 64 + 4..17 * cols + 64 + 8]);
+}
+
+/// `pack_f8` marks exactly the rows of a block that hold a subnormal code: their codes' signs
+/// flipped and their scale negated, so each weight keeps its value. Row 0 has one subnormal
+/// in block 1, row 1 none (zeros of both signs only), row 2 one in block 0 under a scale that
+/// is negative in the checkpoint.
+#[test]
+fn f8_packing_marks_the_rows_of_a_block_holding_a_subnormal() {
+    let (rows, cols) = (3, 64);
+    let mut codes: Vec<u8> =
+        (0..rows * cols).map(|i| (0x38 + (i % 7) as u8) | if i % 3 == 0 { 0x80 } else { 0 }).collect();
+    codes[32 + 5] = 0x83; // row 0, block 1: −3 · 2^−9
+    codes[cols + 3] = 0x00;
+    codes[cols + 40] = 0x80;
+    codes[2 * cols + 31] = 0x01; // row 2, block 0: 2^−9
+    let s = [0.5, 0.25, 2.0, 4.0, -1.5, 3.0];
+    let (quants_len, scales_len) = f8_plane_lens(rows, cols).expect("a valid shape");
+    let (mut q, mut sc) = (vec![0u8; quants_len], vec![0u8; scales_len]);
+    pack_f8(rows, cols, &codes, &s, &mut q, &mut sc);
+    let marked = [[false, true], [false, false], [true, false]];
+    for (r, marked) in marked.iter().enumerate() {
+        for (b, &marked) in marked.iter().enumerate() {
+            let at = b * 64 + 4 * r;
+            let scale = f32::from_le_bytes(sc[at..at + 4].try_into().unwrap());
+            let expected = if marked { -s[r * 2 + b] } else { s[r * 2 + b] };
+            assert_eq!(scale.to_bits(), expected.to_bits(), "scale of row {r}, block {b}");
+            for k in 0..32 {
+                let packed = q[b * 512 + (k / 4) * 64 + r * 4 + k % 4];
+                let code = codes[r * cols + b * 32 + k];
+                assert_eq!(packed, if marked { code ^ 0x80 } else { code }, "code {k} of row {r}, block {b}");
+            }
+        }
+    }
+    let m = F8Matrix::new(rows, cols, &q, &sc).expect("planes of the right lengths");
+    let mut row = vec![0.0f32; cols];
+    for r in 0..rows {
+        dequantize_row_f8(m, r, &mut row);
+        for (c, &w) in row.iter().enumerate() {
+            let expected = e4m3_definition(codes[r * cols + c]) as f32 * s[r * 2 + c / 32];
+            assert_eq!(w, expected, "weight ({r}, {c})");
+        }
+    }
 }
 
 #[test]
