@@ -277,15 +277,15 @@ pub fn f8_plane_lens(rows: usize, cols: usize) -> Option<(usize, usize)> {
 /// `(r, c)` is `e4m3(codes[r, c]) · scales[r, c / 32]`. The lengths are [`f8_plane_lens`]'s;
 /// the padding rows of the last group are zero. Panics on a length disagreement (a caller bug).
 ///
-/// **Subnormal rows are marked by their sign.** A row's 32 codes of a block holding a subnormal
-/// code (zero exponent, non-zero mantissa) are stored with their sign bits flipped and the
-/// scale negated: every weight, `e4m3(−c) · (−s)`, and every product and sum of the kernels is
-/// the same number (negation is exact, and round-to-nearest-even rounds `−a` to `−round(a)`),
-/// so every reader computes the same bits. A sub-block's scales without a negative one then
-/// say that its codes hold no subnormal, and [`crate::w16_amx`]'s one-token FMAs take that
-/// sub-block without looking at its codes for one (a subnormal f32 operand costs an FMA a
-/// microcode assist there). The mark is a hint for speed, never for values: a checkpoint's own
-/// negative scale only sends its sub-block to the path that looks.
+/// **Subnormals are marked by the scale's sign.** A row's 32 codes of a block holding a
+/// subnormal code (zero exponent, non-zero mantissa) are stored under a scale with its sign bit
+/// set: when the checkpoint's is clear, the scale is negated and the codes' sign bits flipped.
+/// Every weight, `e4m3(−c) · (−s)`, and every product and sum of the kernels is then the same
+/// number (negation is exact, and round-to-nearest-even rounds `−a` to `−round(a)`), so every
+/// reader computes the same bits. A block's 16 scales without a sign bit set guarantee that
+/// its codes hold no subnormal, and [`crate::w16_amx`]'s one-token FMAs take it without looking
+/// for one (the same skip in this module's tiles measured no faster); a checkpoint's own
+/// negative scale only sends its block to the decode that looks.
 pub fn pack_f8(rows: usize, cols: usize, codes: &[u8], scales: &[f32], quants_out: &mut [u8], scales_out: &mut [u8]) {
     let nb = cols / QK8_0;
     assert_eq!(f8_plane_lens(rows, cols), Some((quants_out.len(), scales_out.len())), "f8 plane lengths");
@@ -301,13 +301,15 @@ pub fn pack_f8(rows: usize, cols: usize, codes: &[u8], scales: &[f32], quants_ou
             let at = g * group_s + b * 2 * SCALES_BYTES + 4 * lane;
             if r < rows {
                 let stored = &codes[r * cols + b * QK8_0..][..QK8_0];
-                let flip = if stored.iter().any(|&c| is_e4m3_subnormal(c)) { 0x80 } else { 0 };
+                let scale = scales[r * nb + b];
+                let mark = scale.is_sign_positive() && stored.iter().any(|&c| is_e4m3_subnormal(c));
+                let flip = if mark { 0x80 } else { 0 };
                 for (k4, four) in stored.chunks_exact(4).enumerate() {
                     for (packed, &code) in block[k4 * 64 + lane * 4..][..4].iter_mut().zip(four) {
                         *packed = code ^ flip;
                     }
                 }
-                let scale = if flip != 0 { -scales[r * nb + b] } else { scales[r * nb + b] };
+                let scale = if mark { -scale } else { scale };
                 scales_out[at..at + 4].copy_from_slice(&scale.to_le_bytes());
             } else {
                 for k4 in 0..QK8_0 / 4 {
@@ -557,6 +559,20 @@ pub(crate) mod x86 {
     pub(crate) fn fp8_zero_exponents(codes: __m512i) -> (__mmask64, bool) {
         let zero_exponent = _mm512_testn_epi8_mask(codes, _mm512_set1_epi8(0x78));
         (zero_exponent, _mm512_mask_test_epi8_mask(zero_exponent, codes, _mm512_set1_epi8(0x07)) != 0)
+    }
+
+    /// Whether the FP8 block whose 16 per-row f32 scales are at `scales` may hold a subnormal
+    /// code: one of the scales is negative, the mark [`super::pack_f8`] puts on each row of a
+    /// block holding one.
+    ///
+    /// # Safety
+    /// `scales` is valid for reading 64 bytes.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+    #[inline]
+    pub(crate) unsafe fn fp8_may_hold_subnormals(scales: *const u8) -> bool {
+        // SAFETY: the caller's contract.
+        let scales = unsafe { _mm512_loadu_si512(scales as *const __m512i) };
+        _mm512_test_epi32_mask(scales, _mm512_set1_epi32(i32::MIN)) != 0
     }
 
     /// 32 FP8 E4M3 codes (zero-extended words) as BF16 values times 2^8 (exactly: the products

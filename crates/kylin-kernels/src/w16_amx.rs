@@ -453,7 +453,7 @@ unsafe fn one_token(
                     if let Some(form) = form(0) {
                         d[0] = int8_integer(block, form);
                     } else if weights == Weights::Fp8 && widen_fp8_scaled(xb, j, &mut xf) {
-                        d[0] = if fp8_may_hold_subnormals(ws, j) {
+                        d[0] = if crate::w16::x86::fp8_may_hold_subnormals(ws.add(j * 2 * SCALES_BYTES)) {
                             fp8_scaled_chains::<true>(block, &xf, sub)
                         } else {
                             fp8_scaled_chains::<false>(block, &xf, sub)
@@ -557,19 +557,6 @@ unsafe fn widen_fp8_scaled(xb: *const u8, j: usize, xf: &mut [f32; 2 * SUB]) -> 
     large == 0
 }
 
-/// Whether FP8 sub-block `j` may hold a subnormal code: one of its 16 scales is negative, the
-/// mark [`crate::w16::pack_f8`] puts on each row of a block that holds one.
-///
-/// # Safety
-/// Sub-block `j`'s scales lie inside `ws`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,avx2,fma,f16c")]
-#[inline]
-unsafe fn fp8_may_hold_subnormals(ws: *const u8, j: usize) -> bool {
-    // SAFETY: the caller's contract.
-    let scales = unsafe { _mm512_loadu_si512(ws.add(j * 2 * SCALES_BYTES) as *const __m512i) };
-    _mm512_test_epi32_mask(scales, _mm512_set1_epi32(i32::MIN)) != 0
-}
-
 /// `d` of one FP8 sub-block for one token's 16 rows, on f32 FMAs over weights and activations
 /// scaled so that zero codes need no table: `xf` holds the activations times 2^110
 /// ([`widen_fp8_scaled`]).
@@ -590,7 +577,7 @@ unsafe fn fp8_may_hold_subnormals(ws: *const u8, j: usize) -> bool {
 /// to 82% hold a zero code) decodes by [`column8`]'s table instead, each weight and activation
 /// multiplied by 2^−64 (both exact and normal: weights are at least 2^−1, activations at least
 /// 2^−100 times 2^110). Looking for one costs two of the sixteen vector operations of a chunk;
-/// with `LOOK` false (a sub-block that [`fp8_may_hold_subnormals`] clears) no chunk is looked
+/// with `LOOK` false (a sub-block that `w16::x86::fp8_may_hold_subnormals` clears) no chunk is looked
 /// at, which takes a tenth off the kernel's time in cache.
 ///
 /// # Safety

@@ -90,9 +90,9 @@ fn case(rng: &mut Rng, packing: Packing, rows: usize, cols: usize) -> Case {
                 })
                 .collect();
             // One scale in five negative, as a checkpoint may have them: `pack_f8` marks the
-            // rows of a block holding a subnormal code with a negative scale, so a block with
-            // a subnormal and a negative scale of its own reaches the kernels unmarked (their
-            // fast decodes must be exact on it too).
+            // rows of a block holding a subnormal code with a negative scale, negating the
+            // positive ones, so a negative scale of the checkpoint's own is a mark already
+            // (and a spurious one where its block holds no subnormal).
             let s: Vec<f32> =
                 (0..rows * nb).map(|k| rng.next_f32().abs() / 256.0 * if k % 5 == 3 { -1.0 } else { 1.0 }).collect();
             for (i, w) in weights.iter_mut().enumerate() {
@@ -147,10 +147,10 @@ fn f8_packing_writes_every_byte_of_the_planes() {
     assert_eq!(&q[at..at + 4], &codes[17 * cols + 64 + 4..17 * cols + 64 + 8]);
 }
 
-/// `pack_f8` marks exactly the rows of a block that hold a subnormal code: their codes' signs
-/// flipped and their scale negated, so each weight keeps its value. Row 0 has one subnormal
-/// in block 1, row 1 none (zeros of both signs only), row 2 one in block 0 under a scale that
-/// is negative in the checkpoint.
+/// `pack_f8` stores each row of a block that holds a subnormal code under a negative scale,
+/// negating a positive one and flipping the codes' signs, so that each weight keeps its value.
+/// Row 0 has one subnormal in block 1; row 1 none (zeros of both signs only), under a negative
+/// scale in block 1; row 2 one in block 0, under a scale that is negative in the checkpoint.
 #[test]
 fn f8_packing_marks_the_rows_of_a_block_holding_a_subnormal() {
     let (rows, cols) = (3, 64);
@@ -160,21 +160,21 @@ fn f8_packing_marks_the_rows_of_a_block_holding_a_subnormal() {
     codes[cols + 3] = 0x00;
     codes[cols + 40] = 0x80;
     codes[2 * cols + 31] = 0x01; // row 2, block 0: 2^−9
-    let s = [0.5, 0.25, 2.0, 4.0, -1.5, 3.0];
+    let s = [0.5, 0.25, 2.0, -4.0, -1.5, 3.0];
     let (quants_len, scales_len) = f8_plane_lens(rows, cols).expect("a valid shape");
     let (mut q, mut sc) = (vec![0u8; quants_len], vec![0u8; scales_len]);
     pack_f8(rows, cols, &codes, &s, &mut q, &mut sc);
-    let marked = [[false, true], [false, false], [true, false]];
-    for (r, marked) in marked.iter().enumerate() {
-        for (b, &marked) in marked.iter().enumerate() {
+    let flipped = [[false, true], [false, false], [false, false]];
+    for (r, flipped) in flipped.iter().enumerate() {
+        for (b, &flipped) in flipped.iter().enumerate() {
             let at = b * 64 + 4 * r;
             let scale = f32::from_le_bytes(sc[at..at + 4].try_into().unwrap());
-            let expected = if marked { -s[r * 2 + b] } else { s[r * 2 + b] };
+            let expected = if flipped { -s[r * 2 + b] } else { s[r * 2 + b] };
             assert_eq!(scale.to_bits(), expected.to_bits(), "scale of row {r}, block {b}");
             for k in 0..32 {
                 let packed = q[b * 512 + (k / 4) * 64 + r * 4 + k % 4];
                 let code = codes[r * cols + b * 32 + k];
-                assert_eq!(packed, if marked { code ^ 0x80 } else { code }, "code {k} of row {r}, block {b}");
+                assert_eq!(packed, if flipped { code ^ 0x80 } else { code }, "code {k} of row {r}, block {b}");
             }
         }
     }
