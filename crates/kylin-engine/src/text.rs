@@ -37,13 +37,15 @@ const RAISE_MARKER: &str = "kylin-template-raised: ";
 const TEMPLATE_FUEL: u64 = 5_000_000;
 
 /// The stack of the thread a chat template renders on: room for the deepest value a template
-/// can build within [`TEMPLATE_FUEL`]. A list literal nested 60 deep inside a loop
-/// (`{% set ns.x = [[[...ns.x...]]] %}`) costs about 2.1 units of fuel per level, so a value
-/// can be nested some 2.4 million levels deep; minijinja formats, compares and drops values
-/// recursively, at most about 270 bytes of stack per level: 650 MB. (256 MiB, sized for one
-/// level per loop iteration, overflowed: finding 6 in docs/fuzzing.md.) The stack is reserved,
-/// and only the pages a deep template touches are ever backed by memory. Tested by
-/// `fuzz_regressions.rs`.
+/// can build within [`TEMPLATE_FUEL`]. minijinja formats, compares and drops values
+/// recursively, some 300 to 370 bytes of stack per level of nesting. The cheapest nesting is a
+/// deep list literal inside a loop (`{% set ns.x = [[[...ns.x...]]] %}`), which the patched
+/// minijinja charges 4 units per nested item (`NESTING_UNITS`, vendor/README.md): a value gets
+/// at most about 940 000 levels deep, 350 MB of stack, a third of this. (Before that charge a
+/// 72-deep literal reached 4.7 million levels and overflowed 1 GiB, finding 9 in
+/// docs/fuzzing.md; 256 MiB, sized for one level per loop iteration, overflowed at finding 6.)
+/// The stack is reserved, and only the pages a deep template touches are ever backed by memory.
+/// Tested by `fuzz_regressions.rs`.
 const RENDER_STACK_BYTES: usize = 1 << 30;
 
 /// Name under which the chat template is compiled.

@@ -66,35 +66,39 @@ fn runaway_templates_stop_with_config_invalid() {
     assert!(seen > 0, "no regression inputs in {}", dir.display());
 }
 
-/// The fuzzer's second SIGSEGV (finding 6 in docs/fuzzing.md): a list literal nested 60 deep
-/// in a loop builds a value 2.28 million levels deep within the fuel, which overflowed the
-/// render thread's 256 MiB stack when printed or dropped. On 1 GiB it prints (and is then too
-/// long a prompt), compares and drops; one nested until the fuel runs out is `CONFIG_INVALID`.
+/// The fuzzer's SIGSEGVs in CI (findings 6 and 9 in docs/fuzzing.md): a list literal nested
+/// deep in a loop nests a value many levels per iteration, and printing, comparing or dropping
+/// it recurses once per level on the render thread's stack. A 60-deep literal reached 2.28
+/// million levels, which overflowed 256 MiB; a 72-deep one (the deepest that compiles) reached
+/// 4.7 million within the fuel, and printing 3.6 million overflowed 1 GiB, aborting the whole
+/// process. Since the patched minijinja charges each nested item of a literal, no literal
+/// nests a value a million levels deep: 936 000 print (too long a prompt then), compare and
+/// drop; 1 008 000, and the 3.6 million of the abort, run out of fuel (`CONFIG_INVALID`).
 #[test]
 fn values_nested_by_deep_literals_in_a_loop_render_or_fail_cleanly() {
     let messages = vec![ChatMessage { role: "user".into(), content: "hello".into() }];
-    let nest = |outer: usize, show: &str| {
-        let literal = format!("{}ns.x{}", "[".repeat(60), "]".repeat(60));
+    let nest = |depth: usize, outer: usize, show: &str| {
+        let literal = format!("{}ns.x{}", "[".repeat(depth), "]".repeat(depth));
         format!(
             "{{% set ns = namespace(x=1) %}}{{% for j in range({outer}) %}}{{% for i in range(1000) %}}\
              {{% set ns.x = {literal} %}}{{% endfor %}}{{% endfor %}}{show}"
         )
     };
+    let render = |source: &str| {
+        let codec = TextCodec::new(&bundle(source), None).unwrap();
+        codec.apply_chat_template(&messages, true, &serde_json::Map::new())
+    };
     for show in ["{{ ns.x|length }}", "{{ ns.x == [ns.x] }}", ""] {
-        let codec = TextCodec::new(&bundle(&nest(38, show)), None).unwrap();
-        let rendered = codec.apply_chat_template(&messages, true, &serde_json::Map::new());
-        if show.is_empty() {
-            assert_eq!(rendered.unwrap(), "", "only the value, nothing printed");
-        } else {
-            assert!(!rendered.unwrap().is_empty(), "{show:?}");
-        }
+        let rendered = render(&nest(72, 13, show)).unwrap();
+        assert_eq!(rendered.is_empty(), show.is_empty(), "{show:?}");
     }
-    let printed = TextCodec::new(&bundle(&nest(38, "{{ ns.x }}")), None).unwrap();
-    let text = printed.apply_chat_template(&messages, true, &serde_json::Map::new()).unwrap();
-    assert_eq!(text.len(), 2 * 38 * 1000 * 60 + 1, "2.28 million nested lists around the 1");
-    let codec = TextCodec::new(&bundle(&nest(1000, "")), None).unwrap();
-    let err = codec.apply_chat_template(&messages, true, &serde_json::Map::new()).unwrap_err();
-    assert_eq!(err.code, ErrorCode::ConfigInvalid, "{err}");
+    let text = render(&nest(72, 13, "{{ ns.x }}")).unwrap();
+    assert_eq!(text.len(), 2 * 13 * 1000 * 72 + 1, "936 000 nested lists around the 1");
+    for (depth, outer) in [(72, 14), (72, 50), (60, 38)] {
+        let err = render(&nest(depth, outer, "{{ ns.x }}")).unwrap_err();
+        assert_eq!(err.code, ErrorCode::ConfigInvalid, "{depth} deep, {outer}000 times: {err}");
+        assert!(err.message.contains("instructions without finishing"), "{err}");
+    }
 }
 
 /// `pprint` still pretty-prints what real templates hold (minijinja's `{:#?}` layout), while

@@ -496,6 +496,7 @@ impl<'env> Executor<'env> {
                         let value = stack.pop();
                         map.insert(key, value);
                     }
+                    charge_weight!(nesting_weight(map.values()));
                     stack.push(Value::from_object(map))
                 }
                 Instruction::BuildKwargs(pair_count) => {
@@ -506,6 +507,7 @@ impl<'env> Executor<'env> {
                         let value = stack.pop();
                         map.insert(key, value);
                     }
+                    charge_weight!(nesting_weight(map.values()));
                     stack.push(Kwargs::wrap(map))
                 }
                 Instruction::MergeKwargs(count) => {
@@ -520,6 +522,7 @@ impl<'env> Executor<'env> {
                         v.push(stack.pop());
                     }
                     v.reverse();
+                    charge_weight!(nesting_weight(v.iter()));
                     stack.push(Value::from_object(v))
                 }
                 Instruction::BuildTuple(n) => {
@@ -541,6 +544,7 @@ impl<'env> Executor<'env> {
                             Tuple::from(values)
                         }
                     };
+                    charge_weight!(nesting_weight(tuple.iter()));
                     stack.push(Value::from(tuple))
                 }
                 Instruction::UnpackList(count) => {
@@ -1389,6 +1393,26 @@ fn describe_expr_at(
         }
         _ => None,
     }
+}
+
+/// Kylin's patch: the fuel a list, tuple, map or keyword-argument literal pays for each of its
+/// items that is itself a sequence or a map. Formatting, comparing and dropping a value recurse
+/// once per level of nesting, so the depth a render can build must stay within its stack: a
+/// 72-deep list literal in a loop nested a value one level per unit of fuel, 4.7 million levels
+/// within 5 million units, and printing it overflowed a 1 GiB stack (docs/fuzzing.md, finding
+/// 9). Five units per level bound the depth to a million; real templates nest a handful.
+const NESTING_UNITS: usize = 4;
+
+/// Kylin's patch: [`NESTING_UNITS`] for each item of `items` that is a sequence or a map.
+fn nesting_weight<'v>(items: impl Iterator<Item = &'v Value>) -> usize {
+    use crate::value::ValueKind;
+    let nested = items.filter(|v| {
+        matches!(
+            v.kind(),
+            ValueKind::Seq | ValueKind::Map | ValueKind::Iterable
+        )
+    });
+    NESTING_UNITS * nested.count()
 }
 
 /// Kylin's patch: the fuel a value costs to read or make, one unit per 4 bytes of a string or
