@@ -39,13 +39,13 @@ const TEMPLATE_FUEL: u64 = 5_000_000;
 /// The stack of the thread a chat template renders on: room for the deepest value a template
 /// can build within [`TEMPLATE_FUEL`]. minijinja formats, compares and drops values
 /// recursively, some 300 to 370 bytes of stack per level of nesting. The cheapest nesting is a
-/// deep list literal inside a loop (`{% set ns.x = [[[...ns.x...]]] %}`), which the patched
-/// minijinja charges 4 units per nested item (`NESTING_UNITS`, vendor/README.md): a value gets
-/// at most about 940 000 levels deep, 350 MB of stack, a third of this. (Before that charge a
-/// 72-deep literal reached 4.7 million levels and overflowed 1 GiB, finding 9 in
-/// docs/fuzzing.md; 256 MiB, sized for one level per loop iteration, overflowed at finding 6.)
-/// The stack is reserved, and only the pages a deep template touches are ever backed by memory.
-/// Tested by `fuzz_regressions.rs`.
+/// deep list literal inside a loop (`{% set ns.x = [[[...ns.x...]]] %}`) or a chain of filters,
+/// which the patched minijinja charges 4 units per nested item (`NESTING_UNITS`,
+/// vendor/README.md): a value gets at most about 1.1 million levels deep, 410 MB of stack, two
+/// fifths of this. (Before that charge a 72-deep literal reached 4.7 million levels and
+/// overflowed 1 GiB, finding 9 in docs/fuzzing.md; 256 MiB, sized for one level per loop
+/// iteration, overflowed at finding 6.) The stack is reserved, and only the pages a deep
+/// template touches are ever backed by memory. Tested by `fuzz_regressions.rs`.
 const RENDER_STACK_BYTES: usize = 1 << 30;
 
 /// Name under which the chat template is compiled.

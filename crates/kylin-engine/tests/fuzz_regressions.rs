@@ -101,6 +101,31 @@ fn values_nested_by_deep_literals_in_a_loop_render_or_fail_cleanly() {
     }
 }
 
+/// Filters nest values too: a chain of 190 `|batch(1)` (as many as a block holds) in a loop
+/// nested a value a level per two units of fuel, 2.4 million levels, close to what the render
+/// stack holds (finding 9 in docs/fuzzing.md). The patched minijinja charges a filter's result
+/// for its nested items as it charges a literal's, so 760 000 levels render and 1 140 000 run
+/// out of fuel.
+#[test]
+fn values_nested_by_filter_chains_in_a_loop_run_out_of_fuel_first() {
+    let messages = vec![ChatMessage { role: "user".into(), content: "hello".into() }];
+    let nest = |outer: usize| {
+        format!(
+            "{{% set ns = namespace(x=[1]) %}}{{% for j in range({outer}) %}}{{% for i in range(1000) %}}\
+             {{% set ns.x = ns.x{} %}}{{% endfor %}}{{% endfor %}}{{{{ ns.x }}}}",
+            "|batch(1)".repeat(190)
+        )
+    };
+    let render = |source: &str| {
+        TextCodec::new(&bundle(source), None).unwrap().apply_chat_template(&messages, true, &serde_json::Map::new())
+    };
+    let text = render(&nest(4)).unwrap();
+    assert_eq!(text.len(), 2 * (4 * 1000 * 190 + 1) + 1, "760 001 nested lists around the 1");
+    let err = render(&nest(6)).unwrap_err();
+    assert_eq!(err.code, ErrorCode::ConfigInvalid, "{err}");
+    assert!(err.message.contains("instructions without finishing"), "{err}");
+}
+
 /// `pprint` still pretty-prints what real templates hold (minijinja's `{:#?}` layout), while
 /// `chat_template-pprint-deep.jinja` (a list nested 5000 deep, which took 379 s) is refused at once.
 #[test]

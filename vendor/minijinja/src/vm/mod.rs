@@ -753,7 +753,7 @@ impl<'env> Executor<'env> {
                     let arg_count = args.len();
                     let weight: usize = args.iter().map(value_weight).sum();
                     a = ctx_ok!(filter.call(state, args));
-                    charge_weight!(weight + value_weight(&a));
+                    charge_weight!(weight + made_weight(&a));
                     stack.drop_top(arg_count);
                     stack.push(a);
                 }
@@ -815,7 +815,7 @@ impl<'env> Executor<'env> {
                         ));
                     };
                     let arg_count = args.len();
-                    charge_weight!(weight + value_weight(&rv));
+                    charge_weight!(weight + made_weight(&rv));
                     stack.drop_top(arg_count);
                     stack.push(rv);
                 }
@@ -824,7 +824,7 @@ impl<'env> Executor<'env> {
                     let arg_count = args.len();
                     let weight: usize = args.iter().map(value_weight).sum();
                     a = ctx_ok!(args[0].call_method(state, name, &args[1..]));
-                    charge_weight!(weight + value_weight(&a));
+                    charge_weight!(weight + made_weight(&a));
                     stack.drop_top(arg_count);
                     stack.push(a);
                 }
@@ -833,7 +833,7 @@ impl<'env> Executor<'env> {
                     let arg_count = args.len();
                     let weight: usize = args.iter().map(value_weight).sum();
                     a = ctx_ok!(args[0].call(state, &args[1..]));
-                    charge_weight!(weight + value_weight(&a));
+                    charge_weight!(weight + made_weight(&a));
                     stack.drop_top(arg_count);
                     stack.push(a);
                 }
@@ -1405,14 +1405,30 @@ const NESTING_UNITS: usize = 4;
 
 /// Kylin's patch: [`NESTING_UNITS`] for each item of `items` that is a sequence or a map.
 fn nesting_weight<'v>(items: impl Iterator<Item = &'v Value>) -> usize {
+    NESTING_UNITS * items.filter(|v| is_nested(v)).count()
+}
+
+/// Kylin's patch: whether `value` is a sequence or a map (a level of nesting when an item).
+fn is_nested(value: &Value) -> bool {
     use crate::value::ValueKind;
-    let nested = items.filter(|v| {
-        matches!(
-            v.kind(),
-            ValueKind::Seq | ValueKind::Map | ValueKind::Iterable
-        )
-    });
-    NESTING_UNITS * nested.count()
+    matches!(
+        value.kind(),
+        ValueKind::Seq | ValueKind::Map | ValueKind::Iterable
+    )
+}
+
+/// Kylin's patch: the fuel a filter, function or method pays for the value it returns: its
+/// [`value_weight`] and, for a sequence, [`NESTING_UNITS`] for each item that is itself a
+/// sequence or a map. A chain of 190 `|batch(1)` in a loop nested a value one level per two
+/// units, 2.4 million levels within the fuel, near what the render thread's stack holds.
+fn made_weight(value: &Value) -> usize {
+    let nested = match value.kind() {
+        crate::value::ValueKind::Seq => value
+            .try_iter()
+            .map_or(0, |items| items.filter(is_nested).count()),
+        _ => 0,
+    };
+    value_weight(value) + NESTING_UNITS * nested
 }
 
 /// Kylin's patch: the fuel a value costs to read or make, one unit per 4 bytes of a string or
