@@ -577,8 +577,8 @@ unsafe fn widen_fp8_scaled(xb: *const u8, j: usize, xf: &mut [f32; 2 * SUB]) -> 
 /// to 82% hold a zero code) decodes by [`column8`]'s table instead, each weight and activation
 /// multiplied by 2^−64 (both exact and normal: weights are at least 2^−1, activations at least
 /// 2^−100 times 2^110). Looking for one costs two of the sixteen vector operations of a chunk;
-/// with `LOOK` false (a sub-block that `w16::x86::fp8_may_hold_subnormals` clears) no chunk is looked
-/// at, which takes a tenth off the kernel's time in cache.
+/// with `LOOK` false (a sub-block that `w16::x86::fp8_may_hold_subnormals` clears) no chunk is
+/// looked at, which takes a tenth off the kernel's time in cache.
 ///
 /// # Safety
 /// `block` is one block of the quants plane ([`QUANTS_BYTES`]) of FP8 codes.

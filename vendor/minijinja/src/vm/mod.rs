@@ -1404,8 +1404,8 @@ fn describe_expr_at(
 const NESTING_UNITS: usize = 4;
 
 /// Kylin's patch: [`NESTING_UNITS`] for each item of `items` that is a sequence or a map.
-fn nesting_weight<'v>(items: impl Iterator<Item = &'v Value>) -> usize {
-    NESTING_UNITS * items.filter(|v| is_nested(v)).count()
+fn nesting_weight<V: std::borrow::Borrow<Value>>(items: impl Iterator<Item = V>) -> usize {
+    NESTING_UNITS * items.filter(|v| is_nested(v.borrow())).count()
 }
 
 /// Kylin's patch: whether `value` is a sequence or a map (a level of nesting when an item).
@@ -1422,13 +1422,11 @@ fn is_nested(value: &Value) -> bool {
 /// sequence or a map. A chain of 190 `|batch(1)` in a loop nested a value one level per two
 /// units, 2.4 million levels within the fuel, near what the render thread's stack holds.
 fn made_weight(value: &Value) -> usize {
-    let nested = match value.kind() {
-        crate::value::ValueKind::Seq => value
-            .try_iter()
-            .map_or(0, |items| items.filter(is_nested).count()),
+    let nesting = match value.kind() {
+        crate::value::ValueKind::Seq => value.try_iter().map_or(0, nesting_weight),
         _ => 0,
     };
-    value_weight(value) + NESTING_UNITS * nested
+    value_weight(value) + nesting
 }
 
 /// Kylin's patch: the fuel a value costs to read or make, one unit per 4 bytes of a string or
