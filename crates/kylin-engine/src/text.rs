@@ -38,14 +38,14 @@ const TEMPLATE_FUEL: u64 = 5_000_000;
 
 /// The stack of the thread a chat template renders on: room for the deepest value a template
 /// can build within [`TEMPLATE_FUEL`]. minijinja formats, compares and drops values
-/// recursively, some 300 to 370 bytes of stack per level of nesting. The cheapest nesting is a
-/// deep list literal inside a loop (`{% set ns.x = [[[...ns.x...]]] %}`) or a chain of filters,
-/// which the patched minijinja charges 4 units per nested item (`NESTING_UNITS`,
-/// vendor/README.md): a value gets at most about 1.1 million levels deep, 410 MB of stack, two
-/// fifths of this. (Before that charge a 72-deep literal reached 4.7 million levels and
-/// overflowed 1 GiB, finding 9 in docs/fuzzing.md; 256 MiB, sized for one level per loop
-/// iteration, overflowed at finding 6.) The stack is reserved, and only the pages a deep
-/// template touches are ever backed by memory. Tested by `fuzz_regressions.rs`.
+/// recursively, some 300 to 370 bytes of stack per level of nesting. A value is carried from
+/// one loop iteration to the next only in a namespace, and the patched minijinja makes each
+/// assignment to one pay for searching the whole value (vendor/README.md), so a value nested
+/// loop after loop stops near 40 000 levels; macro and loop recursion stop at 500 calls of a
+/// block's depth. Some 100 000 levels at most: tens of MB, far below this. (256 MiB overflowed
+/// at finding 6 in docs/fuzzing.md, and 1 GiB at finding 9, before the search's price.) The
+/// stack is reserved, and only the pages a deep template touches are ever backed by memory.
+/// Tested by `fuzz_regressions.rs`.
 const RENDER_STACK_BYTES: usize = 1 << 30;
 
 /// Name under which the chat template is compiled.

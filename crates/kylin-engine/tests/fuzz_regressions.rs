@@ -71,17 +71,18 @@ fn runaway_templates_stop_with_config_invalid() {
 /// it recurses once per level on the render thread's stack. A 60-deep literal reached 2.28
 /// million levels, which overflowed 256 MiB; a 72-deep one (the deepest that compiles) reached
 /// 4.7 million within the fuel, and printing 3.6 million overflowed 1 GiB, aborting the whole
-/// process. Since the patched minijinja charges each nested item of a literal, no literal
-/// nests a value a million levels deep: 936 000 print (too long a prompt then), compare and
-/// drop; 1 008 000, and the 3.6 million of the abort, run out of fuel (`CONFIG_INVALID`).
+/// process. Since the patched minijinja searches the value a namespace is assigned for the
+/// namespace itself, paying for the search, each assignment pays for every level before it:
+/// 36 000 levels (500 iterations) print, compare and drop; 600 iterations, and the 3.6 million
+/// levels of the abort, run out of fuel (`CONFIG_INVALID`).
 #[test]
 fn values_nested_by_deep_literals_in_a_loop_render_or_fail_cleanly() {
     let messages = vec![ChatMessage { role: "user".into(), content: "hello".into() }];
-    let nest = |depth: usize, outer: usize, show: &str| {
+    let nest = |depth: usize, iterations: usize, show: &str| {
         let literal = format!("{}ns.x{}", "[".repeat(depth), "]".repeat(depth));
         format!(
-            "{{% set ns = namespace(x=1) %}}{{% for j in range({outer}) %}}{{% for i in range(1000) %}}\
-             {{% set ns.x = {literal} %}}{{% endfor %}}{{% endfor %}}{show}"
+            "{{% set ns = namespace(x=1) %}}{{% for i in range({iterations}) %}}\
+             {{% set ns.x = {literal} %}}{{% endfor %}}{show}"
         )
     };
     let render = |source: &str| {
@@ -89,41 +90,48 @@ fn values_nested_by_deep_literals_in_a_loop_render_or_fail_cleanly() {
         codec.apply_chat_template(&messages, true, &serde_json::Map::new())
     };
     for show in ["{{ ns.x|length }}", "{{ ns.x == [ns.x] }}", ""] {
-        let rendered = render(&nest(72, 13, show)).unwrap();
+        let rendered = render(&nest(72, 500, show)).unwrap();
         assert_eq!(rendered.is_empty(), show.is_empty(), "{show:?}");
     }
-    let text = render(&nest(72, 13, "{{ ns.x }}")).unwrap();
-    assert_eq!(text.len(), 2 * 13 * 1000 * 72 + 1, "936 000 nested lists around the 1");
-    for (depth, outer) in [(72, 14), (72, 50), (60, 38)] {
-        let err = render(&nest(depth, outer, "{{ ns.x }}")).unwrap_err();
-        assert_eq!(err.code, ErrorCode::ConfigInvalid, "{depth} deep, {outer}000 times: {err}");
+    let text = render(&nest(72, 500, "{{ ns.x }}")).unwrap();
+    assert_eq!(text.len(), 2 * 500 * 72 + 1, "36 000 nested lists around the 1");
+    for (depth, iterations) in [(72, 600), (72, 50_000), (60, 38_000)] {
+        let err = render(&nest(depth, iterations, "{{ ns.x }}")).unwrap_err();
+        assert_eq!(err.code, ErrorCode::ConfigInvalid, "{depth} deep, {iterations} times: {err}");
         assert!(err.message.contains("instructions without finishing"), "{err}");
     }
 }
 
-/// Filters nest values too: a chain of 190 `|batch(1)` (as many as a block holds) in a loop
-/// nested a value a level per two units of fuel, 2.4 million levels, close to what the render
-/// stack holds (finding 9 in docs/fuzzing.md). The patched minijinja charges a filter's result
-/// for its nested items as it charges a literal's, so 760 000 levels render and 1 140 000 run
-/// out of fuel.
+/// The fuzzer's SIGSEGV of finding 10 (docs/fuzzing.md): `{% set ns.n = ns %}` made a
+/// namespace hold itself, and printing it recursed without end until the render thread's stack
+/// overflowed, aborting the process. The patched minijinja refuses an assignment whose value
+/// holds the namespace at any depth (`CONFIG_INVALID` naming the attribute), and still assigns
+/// values that hold other namespaces, or one shared value many times.
 #[test]
-fn values_nested_by_filter_chains_in_a_loop_run_out_of_fuel_first() {
+fn a_namespace_cannot_be_made_to_hold_itself() {
     let messages = vec![ChatMessage { role: "user".into(), content: "hello".into() }];
-    let nest = |outer: usize| {
-        format!(
-            "{{% set ns = namespace(x=[1]) %}}{{% for j in range({outer}) %}}{{% for i in range(1000) %}}\
-             {{% set ns.x = ns.x{} %}}{{% endfor %}}{{% endfor %}}{{{{ ns.x }}}}",
-            "|batch(1)".repeat(190)
-        )
-    };
     let render = |source: &str| {
         TextCodec::new(&bundle(source), None).unwrap().apply_chat_template(&messages, true, &serde_json::Map::new())
     };
-    let text = render(&nest(4)).unwrap();
-    assert_eq!(text.len(), 2 * (4 * 1000 * 190 + 1) + 1, "760 001 nested lists around the 1");
-    let err = render(&nest(6)).unwrap_err();
-    assert_eq!(err.code, ErrorCode::ConfigInvalid, "{err}");
-    assert!(err.message.contains("instructions without finishing"), "{err}");
+    for (assignment, attribute) in [
+        ("{% set ns.n = ns %}", "n"),
+        ("{% set ns.n = [1, {'a': [ns]}] %}", "n"),
+        ("{% set other = namespace(a=[ns]) %}{% set ns.b = other %}", "b"),
+    ] {
+        let source = format!("{{% set ns = namespace(n=0) %}}{assignment}{{{{ ns }}}}");
+        let err = render(&source).unwrap_err();
+        assert_eq!(err.code, ErrorCode::ConfigInvalid, "{assignment}: {err}");
+        assert!(
+            err.message.contains(&format!("cannot assign to {attribute} a value that holds its own namespace")),
+            "{err}"
+        );
+    }
+    let other = render("{% set ns = namespace(n=0) %}{% set ns.m = namespace(k=[1, 2]) %}{{ ns.m.k }}").unwrap();
+    assert_eq!(other, "[1, 2]");
+    // A value that shares one list at every level (2^60 paths) is searched once per list.
+    let shared = "{% set ns = namespace(x=1, y=0) %}{% for i in range(60) %}{% set ns.x = [ns.x, ns.x] %}{% endfor %}\
+                  {% set ns.y = ns.x %}{{ ns.y|length }}";
+    assert_eq!(render(shared).unwrap(), "2");
 }
 
 /// `pprint` still pretty-prints what real templates hold (minijinja's `{:#?}` layout), while
@@ -144,12 +152,12 @@ fn pprint_formats_shallow_values_and_refuses_deep_ones() {
     assert!(render(&format!("{shallow}{{{{ ns.x|pprint }}}}")).unwrap().contains("1,"));
 }
 
-/// The fuzzer's SIGSEGV (issue 15): a value nested once per loop iteration, formatted, compared
-/// or dropped, recursed deeper than the stack (30 000 levels overflowed an 8 MiB main thread).
-/// Rendering now has its own thread with room for the deepest value the fuel allows: a value
-/// nested 80 000 levels renders (`tojson` refuses it with its own depth limit); one nested until
-/// the fuel runs out is `CONFIG_INVALID`. Both
-/// run here on a 2 MiB thread, the size of a tokio worker's stack in `kylin serve`.
+/// The fuzzer's SIGSEGV (issue 15): a value nested in a loop, formatted, compared or dropped,
+/// recursed deeper than the stack (30 000 levels overflowed an 8 MiB main thread). Rendering
+/// now has its own thread with room for the deepest value the fuel allows: a value nested
+/// 36 000 levels by a 72-deep literal renders (`tojson` refuses it with its own depth limit);
+/// one nested until the fuel runs out is `CONFIG_INVALID`. Both run here on a 2 MiB thread,
+/// the size of a tokio worker's stack in `kylin serve`.
 #[test]
 fn deeply_nested_values_render_or_fail_cleanly_on_a_small_stack() {
     let run = |source: String| {
@@ -164,23 +172,24 @@ fn deeply_nested_values_render_or_fail_cleanly_on_a_small_stack() {
             .join()
             .unwrap()
     };
-    let nest = |outer: usize, show: &str| {
+    let nest = |iterations: usize, show: &str| {
+        let literal = format!("{}ns.x{}", "[".repeat(72), "]".repeat(72));
         format!(
-            "{{% set ns = namespace(x=[]) %}}{{% for j in range({outer}) %}}{{% for i in range(80000) %}}\
-             {{% set ns.x = [ns.x] %}}{{% endfor %}}{{% endfor %}}{show}"
+            "{{% set ns = namespace(x=[]) %}}{{% for i in range({iterations}) %}}\
+             {{% set ns.x = {literal} %}}{{% endfor %}}{show}"
         )
     };
     for show in ["{{ ns.x }}", "{{ ns.x|tojson }}", "{{ ns.x == ns.x }}", ""] {
-        match run(nest(1, show)) {
+        match run(nest(500, show)) {
             Ok(text) if show == "{{ ns.x }}" => {
-                assert_eq!(text.len(), 2 * 80_001, "80 000 nested lists print as brackets")
+                assert_eq!(text.len(), 2 * 36_001, "36 000 nested lists print as brackets")
             }
             Ok(_) => {}
             // `tojson` refuses values nested deeper than serde_json's limit.
             Err(e) => assert!(show.contains("tojson") && e.code == ErrorCode::ConfigInvalid, "{show:?}: {e}"),
         }
         let start = Instant::now();
-        let err = run(nest(1000, show)).unwrap_err();
+        let err = run(nest(100_000, show)).unwrap_err();
         assert_eq!(err.code, ErrorCode::ConfigInvalid, "{show:?}: {err}");
         assert!(err.message.contains("instructions"), "{err}");
         assert!(start.elapsed() < Duration::from_secs(10), "{show:?} took {:?}", start.elapsed());

@@ -945,6 +945,11 @@ impl DynObject {
         self.ptr == other.ptr && self.vtable == other.vtable
     }
 
+    /// Kylin's patch: the object's address, which identifies it while it is alive.
+    pub(crate) fn address(&self) -> usize {
+        self.ptr as usize
+    }
+
     /// Checks if the two dyn objects are of the same type.
     pub(crate) fn is_same_object_type(&self, other: &DynObject) -> bool {
         self.type_id() == other.type_id()

@@ -456,6 +456,21 @@ impl<'env> Executor<'env> {
                     b = stack.pop();
                     a = stack.pop();
                     if let Some(ns) = b.downcast_object_ref::<Namespace>() {
+                        // Kylin's patch: a namespace that held itself would be printed,
+                        // compared and hashed by endless recursion, so the assignment is
+                        // refused; the search is paid for, two values per unit, so a value
+                        // nested loop after loop pays for every level at every step
+                        // (docs/fuzzing.md, findings 9 and 10).
+                        if let Some(target) = b.as_object() {
+                            let (holds, visited) = holds_object(&a, target);
+                            charge_weight!(visited / 2);
+                            if holds {
+                                bail!(Error::new(
+                                    ErrorKind::InvalidOperation,
+                                    format!("cannot assign to {name} a value that holds its own namespace")
+                                ));
+                            }
+                        }
                         ns.set_value(name, a);
                     } else {
                         bail!(Error::new(
@@ -496,7 +511,6 @@ impl<'env> Executor<'env> {
                         let value = stack.pop();
                         map.insert(key, value);
                     }
-                    charge_weight!(nesting_weight(map.values()));
                     stack.push(Value::from_object(map))
                 }
                 Instruction::BuildKwargs(pair_count) => {
@@ -507,7 +521,6 @@ impl<'env> Executor<'env> {
                         let value = stack.pop();
                         map.insert(key, value);
                     }
-                    charge_weight!(nesting_weight(map.values()));
                     stack.push(Kwargs::wrap(map))
                 }
                 Instruction::MergeKwargs(count) => {
@@ -522,7 +535,6 @@ impl<'env> Executor<'env> {
                         v.push(stack.pop());
                     }
                     v.reverse();
-                    charge_weight!(nesting_weight(v.iter()));
                     stack.push(Value::from_object(v))
                 }
                 Instruction::BuildTuple(n) => {
@@ -544,7 +556,6 @@ impl<'env> Executor<'env> {
                             Tuple::from(values)
                         }
                     };
-                    charge_weight!(nesting_weight(tuple.iter()));
                     stack.push(Value::from(tuple))
                 }
                 Instruction::UnpackList(count) => {
@@ -753,7 +764,7 @@ impl<'env> Executor<'env> {
                     let arg_count = args.len();
                     let weight: usize = args.iter().map(value_weight).sum();
                     a = ctx_ok!(filter.call(state, args));
-                    charge_weight!(weight + made_weight(&a));
+                    charge_weight!(weight + value_weight(&a));
                     stack.drop_top(arg_count);
                     stack.push(a);
                 }
@@ -815,7 +826,7 @@ impl<'env> Executor<'env> {
                         ));
                     };
                     let arg_count = args.len();
-                    charge_weight!(weight + made_weight(&rv));
+                    charge_weight!(weight + value_weight(&rv));
                     stack.drop_top(arg_count);
                     stack.push(rv);
                 }
@@ -824,7 +835,7 @@ impl<'env> Executor<'env> {
                     let arg_count = args.len();
                     let weight: usize = args.iter().map(value_weight).sum();
                     a = ctx_ok!(args[0].call_method(state, name, &args[1..]));
-                    charge_weight!(weight + made_weight(&a));
+                    charge_weight!(weight + value_weight(&a));
                     stack.drop_top(arg_count);
                     stack.push(a);
                 }
@@ -833,7 +844,7 @@ impl<'env> Executor<'env> {
                     let arg_count = args.len();
                     let weight: usize = args.iter().map(value_weight).sum();
                     a = ctx_ok!(args[0].call(state, &args[1..]));
-                    charge_weight!(weight + made_weight(&a));
+                    charge_weight!(weight + value_weight(&a));
                     stack.drop_top(arg_count);
                     stack.push(a);
                 }
@@ -1395,38 +1406,42 @@ fn describe_expr_at(
     }
 }
 
-/// Kylin's patch: the fuel a list, tuple, map or keyword-argument literal pays for each of its
-/// items that is itself a sequence or a map. Formatting, comparing and dropping a value recurse
-/// once per level of nesting, so the depth a render can build must stay within its stack: a
-/// 72-deep list literal in a loop nested a value one level per unit of fuel, 4.7 million levels
-/// within 5 million units, and printing it overflowed a 1 GiB stack (docs/fuzzing.md, finding
-/// 9). Five units per level bound the depth to a million; real templates nest a handful.
-const NESTING_UNITS: usize = 4;
-
-/// Kylin's patch: [`NESTING_UNITS`] for each item of `items` that is a sequence or a map.
-fn nesting_weight<V: std::borrow::Borrow<Value>>(items: impl Iterator<Item = V>) -> usize {
-    NESTING_UNITS * items.filter(|v| is_nested(v.borrow())).count()
-}
-
-/// Kylin's patch: whether `value` is a sequence or a map (a level of nesting when an item).
-fn is_nested(value: &Value) -> bool {
+/// Kylin's patch: whether `value` is the object `target` or holds it at any depth, and how many
+/// values the search visited. Namespaces are the only values a template changes after making
+/// them, so the only way to a cycle is a namespace assigned a value that holds it. The search
+/// keeps its own stack (values nest tens of thousands of levels deep) and visits each object
+/// once (a value built as `[x, x]` over and over has exponentially many paths).
+fn holds_object(value: &Value, target: &crate::value::DynObject) -> (bool, usize) {
     use crate::value::ValueKind;
-    matches!(
-        value.kind(),
-        ValueKind::Seq | ValueKind::Map | ValueKind::Iterable
-    )
-}
-
-/// Kylin's patch: the fuel a filter, function or method pays for the value it returns: its
-/// [`value_weight`] and, for a sequence, [`NESTING_UNITS`] for each item that is itself a
-/// sequence or a map. A chain of 190 `|batch(1)` in a loop nested a value one level per two
-/// units, 2.4 million levels within the fuel, near what the render thread's stack holds.
-fn made_weight(value: &Value) -> usize {
-    let nesting = match value.kind() {
-        crate::value::ValueKind::Seq => value.try_iter().map_or(0, nesting_weight),
-        _ => 0,
-    };
-    value_weight(value) + nesting
+    let mut seen = std::collections::HashSet::new();
+    let mut pending = vec![value.clone()];
+    let mut visited = 0usize;
+    while let Some(value) = pending.pop() {
+        visited += 1;
+        let Some(object) = value.as_object() else {
+            continue;
+        };
+        if object.is_same_object(target) {
+            return (true, visited);
+        }
+        if !seen.insert(object.address()) {
+            continue;
+        }
+        match value.kind() {
+            ValueKind::Map => {
+                if let Some(pairs) = object.try_iter_pairs() {
+                    pending.extend(pairs.map(|(_, item)| item));
+                }
+            }
+            ValueKind::Seq | ValueKind::Iterable => {
+                if let Some(items) = object.try_iter() {
+                    pending.extend(items);
+                }
+            }
+            _ => {}
+        }
+    }
+    (false, visited)
 }
 
 /// Kylin's patch: the fuel a value costs to read or make, one unit per 4 bytes of a string or
