@@ -535,7 +535,7 @@ pub struct EngineCore {
     pub(crate) rope: Ropes,
     pub(crate) scratch: Scratch,
     pub(crate) plan: BatchPlan,
-    pub(crate) text: Option<TextCodec>,
+    pub(crate) text: Option<Arc<TextCodec>>,
     pub(crate) eos_ids: Vec<u32>,
     pub(crate) generation: GenerationDefaults,
     pub(crate) architecture: String,
@@ -698,8 +698,10 @@ impl EngineCore {
         }
         let max_blocks_per_seq = context.div_ceil(block_size) + 1;
         let plan = BatchPlan::with_capacity(max_batch_tokens, max_seqs, max_seqs * max_blocks_per_seq);
-        let text =
-            parts.tokenizer.map(|bundle| TextCodec::new(bundle, opts.chat_template_override.clone())).transpose()?;
+        let text = parts
+            .tokenizer
+            .map(|bundle| TextCodec::new(bundle, opts.chat_template_override.clone()).map(Arc::new))
+            .transpose()?;
         Ok(EngineCore {
             rope: model.rope(context)?,
             model,
@@ -912,7 +914,7 @@ impl EngineCore {
 
     /// The text codec, or `CONFIG_MISSING` when the model directory has no tokenizer.
     pub fn text(&self) -> Result<&TextCodec> {
-        self.text.as_ref().ok_or_else(|| {
+        self.text.as_deref().ok_or_else(|| {
             KylinError::config_missing(
                 "model has no tokenizer (tokenizer.json or vocab.json + merges.txt); \
                  pass token ids instead of text, or add the tokenizer files to the model directory",
@@ -1621,7 +1623,7 @@ impl BatchEngine {
     /// Ends a sequence that is not running (waiting or never admitted).
     fn end_waiting(&mut self, mut seq: Seq, reason: StopReason, events: &mut Vec<Event>) {
         self.leave(&mut seq);
-        let text = self.core.text.as_ref();
+        let text = self.core.text.as_deref();
         if let Ok(kind) = seq.decoding.finish(reason, text) {
             events.push(Event { request: seq.request, index: seq.index, kind });
         }
@@ -2144,7 +2146,7 @@ impl BatchEngine {
         let context = self.core.context;
         let seq = &mut self.running[slot];
         debug_assert_eq!(seq.draft.len(), 1 + proposed);
-        let text = self.core.text.as_ref();
+        let text = self.core.text.as_deref();
         let mut emitted = 0;
         let mut reason = None;
         for row in 0..=proposed {
@@ -2200,7 +2202,7 @@ impl BatchEngine {
             seq.computed = self.core.resume_state(&mut seq.kv, seq.state, &seq.tokens);
         }
         seq.computed = seq.computed.min(kept * bs);
-        let text = self.core.text.as_ref();
+        let text = self.core.text.as_deref();
         if reason.is_none() {
             reason = take_forced(seq, text, context, &mut self.stats, events)?;
         }
@@ -2265,7 +2267,7 @@ impl BatchEngine {
             }
             // Without a free block for the copy, the sibling recomputes the last partial block.
             let at_end = prompt_len + 1 > self.core.context;
-            let text = self.core.text.as_ref();
+            let text = self.core.text.as_deref();
             let (id, token, reason) =
                 seq.decoding.accept(self.core.scratch.logits(row, self.core.model.dims().vocab), text, at_end)?;
             seq.tokens.push(id);
@@ -2423,7 +2425,7 @@ impl BatchEngine {
             }
             if seq.decoding.generates_nothing() {
                 // The request only scores its prompt: it ends here, its choices with it.
-                let text = self.core.text.as_ref();
+                let text = self.core.text.as_deref();
                 let kind = seq.decoding.finish(StopReason::Length, text)?;
                 events.push(Event { request: seq.request, index: seq.index, kind });
                 if let Some(request) = seq.fork.take() {
@@ -2433,7 +2435,7 @@ impl BatchEngine {
                 continue;
             }
             let at_end = seq.tokens.len() + 1 > self.core.context;
-            let text = self.core.text.as_ref();
+            let text = self.core.text.as_deref();
             let (id, token, reason) = seq.decoding.accept(self.core.scratch.logits(row, vocab), text, at_end)?;
             seq.tokens.push(id);
             self.stats.generation_tokens_total += 1;
@@ -2795,11 +2797,15 @@ impl Serving for BatchEngine {
     }
 
     fn tool_syntax(&self) -> Option<crate::tools::ToolSyntax> {
-        self.core.text.as_ref().and_then(TextCodec::tool_syntax)
+        self.core.text.as_deref().and_then(TextCodec::tool_syntax)
     }
 
     fn grammar_compiler(&self) -> Result<Arc<crate::grammar::GrammarCompiler>> {
         self.core.text()?.grammar_compiler(self.core.model.dims().vocab, &self.core.eos_ids)
+    }
+
+    fn prompt_text(&self) -> Option<Arc<dyn crate::serving::PromptText>> {
+        self.core.text.clone().map(|codec| codec as Arc<dyn crate::serving::PromptText>)
     }
 }
 

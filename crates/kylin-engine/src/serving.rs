@@ -464,4 +464,29 @@ pub trait Serving {
             "constrained decoding (response_format, tool_choice, grammars) is not available on this backend",
         ))
     }
+
+    /// The engine's tokenizer and chat template, shared, for other threads to render and
+    /// tokenize prompts on while the engine steps (`None`: the engine has none it can share,
+    /// and its own [`Serving::tokenize`] and [`Serving::render_chat`] do that work between
+    /// steps). The ids and text are the same as those methods give.
+    fn prompt_text(&self) -> Option<Arc<dyn PromptText>> {
+        None
+    }
+}
+
+/// The text half of an engine that is safe to use from any thread: what turns a prompt into
+/// ids. A long prompt (megabytes of text, a chat template near its fuel budget) takes seconds
+/// to render and tokenize; done here, on the caller's thread, it does not stall the engine's
+/// steps for every other request.
+pub trait PromptText: Send + Sync {
+    /// Text to ids, as [`Serving::tokenize`].
+    fn tokenize(&self, text: &str, add_special: bool) -> Result<Vec<u32>>;
+
+    /// OpenAI-shaped messages through the chat template, as [`Serving::render_chat`].
+    fn render_chat(
+        &self,
+        messages: &[serde_json::Value],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String>;
 }

@@ -300,6 +300,21 @@ impl TextCodec {
     }
 }
 
+impl crate::serving::PromptText for TextCodec {
+    fn tokenize(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        TextCodec::tokenize(self, text, add_special)
+    }
+
+    fn render_chat(
+        &self,
+        messages: &[serde_json::Value],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String> {
+        TextCodec::render_chat(self, messages, add_generation_prompt, kwargs)
+    }
+}
+
 /// Compiles `source` in an environment configured like `transformers`' template sandbox.
 fn build_environment(source: String, origin: &str) -> Result<Environment<'static>> {
     let mut env = Environment::new();

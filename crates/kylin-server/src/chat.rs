@@ -310,6 +310,7 @@ pub(crate) async fn start(
         logprobs: None,
         prompt_logprobs: None,
         echo: false,
+        echo_text: None,
         logit_bias: Vec::new(),
         grammar: prepared.grammar,
         skip_special_tokens: prepared.skip_special_tokens,

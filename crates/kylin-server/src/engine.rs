@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use kylin_engine::grammar::{Grammar, GrammarCompiler};
 use kylin_engine::sampler::SamplingParams;
-use kylin_engine::serving::{ImageInput, TokenLogprob};
+use kylin_engine::serving::{ImageInput, PromptText, TokenLogprob};
 use kylin_engine::tools::ToolSyntax;
 use kylin_engine::vision::ImagePreparer;
 use kylin_engine::{
@@ -86,6 +86,9 @@ pub struct Submission {
     /// Return the prompt's text in [`Accepted::echo`] (the text as given, or the ids
     /// detokenized).
     pub echo: bool,
+    /// The prompt's text as given, kept for [`Submission::echo`] when [`EngineHandle::submit`]
+    /// tokenized it before the engine thread saw it (`None` when building a submission).
+    pub echo_text: Option<String>,
     /// Added to the logits of these ids before sampling.
     pub logit_bias: Vec<(u32, f32)>,
     /// The compiled grammar every choice follows.
@@ -211,6 +214,19 @@ pub struct Published {
     pub rerank: bool,
     /// What turns image files into the model's image inputs, when it takes images.
     pub images: Option<Arc<kylin_engine::vision::ImagePreparer>>,
+    /// The engine's tokenizer and chat template, when it shares them: prompts are then
+    /// rendered and tokenized on the blocking pool, not on the engine thread between steps.
+    pub text: Option<SharedText>,
+}
+
+/// An engine's shared [`PromptText`].
+#[derive(Clone)]
+pub struct SharedText(pub Arc<dyn PromptText>);
+
+impl std::fmt::Debug for SharedText {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SharedText")
+    }
 }
 
 /// The handlers' side of the engine thread. Cheap to clone; `Send` and `Sync`.
@@ -302,17 +318,28 @@ impl EngineHandle {
     }
 
     /// Queues a request; the answer says how many prompt tokens it has, or why the engine
-    /// refused it (nothing queued then).
-    pub async fn submit(&self, submission: Submission) -> Result<Accepted, KylinError> {
+    /// refused it (nothing queued then). The prompt is rendered and tokenized here when the
+    /// engine shares its text ([`Published::text`]), so the engine thread gets ids.
+    pub async fn submit(&self, mut submission: Submission) -> Result<Accepted, KylinError> {
+        if let (Prompt::Text(text), true) = (&submission.prompt, submission.echo) {
+            submission.echo_text = Some(text.clone());
+        }
+        let prompt = std::mem::replace(&mut submission.prompt, Prompt::Ids(Vec::new()));
+        submission.prompt = self.tokenize_off_engine(prompt, true, &submission.images).await?;
         let (reply, answer) = oneshot::channel();
         self.send(Command::Submit(Box::new(submission), reply))?;
         answer.await.map_err(|_| stopped())?
     }
 
-    /// Embeds prompts on the engine thread, as one batch between its steps.
+    /// Embeds prompts on the engine thread, as one batch between its steps (tokenized before,
+    /// here, when the engine shares its text).
     pub async fn embed(&self, prompts: Vec<Prompt>) -> EmbedReply {
+        let mut tokenized = Vec::with_capacity(prompts.len());
+        for prompt in prompts {
+            tokenized.push(self.tokenize_off_engine(prompt, true, &[]).await?);
+        }
         let (reply, answer) = oneshot::channel();
-        self.send(Command::Embed(prompts, reply))?;
+        self.send(Command::Embed(tokenized, reply))?;
         answer.await.map_err(|_| stopped())?
     }
 
@@ -328,8 +355,20 @@ impl EngineHandle {
         answer.await.map_err(|_| stopped())?
     }
 
-    /// Runs a text job on the engine thread.
+    /// Runs a text job on the engine thread; a tokenization runs here instead when the engine
+    /// shares its text.
     pub async fn text(&self, job: TextJob) -> Result<TextReply, KylinError> {
+        let job = match job {
+            TextJob::Tokenize { prompt, add_special, images } => {
+                let prompt = self.tokenize_off_engine(prompt, add_special, &images).await?;
+                if let (Prompt::Ids(ids), true) = (&prompt, images.is_empty()) {
+                    return Ok(TextReply::Ids(ids.clone()));
+                }
+                // Images still have their placeholders expanded on the engine thread.
+                TextJob::Tokenize { prompt, add_special, images }
+            }
+            job => job,
+        };
         let (reply, answer) = oneshot::channel();
         self.send(Command::Text(job, reply))?;
         answer.await.map_err(|_| stopped())?
@@ -347,6 +386,86 @@ impl EngineHandle {
 
     fn send(&self, command: Command) -> Result<(), KylinError> {
         self.commands.send(command).map_err(|_| stopped())
+    }
+
+    /// A text or chat prompt's ids (its images' markers written in, their placeholders not yet
+    /// expanded), rendered and tokenized on the blocking pool with the engine's shared text. The
+    /// prompt as it is when the engine shares none (the engine thread turns it into ids), or
+    /// when it is ids already.
+    async fn tokenize_off_engine(
+        &self,
+        prompt: Prompt,
+        add_special: bool,
+        images: &[ImageInput],
+    ) -> Result<Prompt, KylinError> {
+        let Some(published) = self.published.get() else {
+            return Ok(prompt);
+        };
+        let (Some(text), false) = (published.text.clone(), matches!(prompt, Prompt::Ids(_))) else {
+            return Ok(prompt);
+        };
+        let preparer = match images.is_empty() {
+            true => None,
+            false => {
+                Some(published.images.clone().ok_or_else(|| KylinError::input_invalid("this model takes no images"))?)
+            }
+        };
+        let images = images.to_vec();
+        let work = move || prompt_ids(TextSide::Shared(&*text.0), prompt, add_special, preparer.as_deref(), &images);
+        let ids = tokio::task::spawn_blocking(work)
+            .await
+            .map_err(|e| KylinError::backend_failed(format!("the thread tokenizing the prompt failed: {e}")))??;
+        Ok(Prompt::Ids(ids))
+    }
+}
+
+/// Where a prompt is rendered and tokenized: by the engine, on its thread between steps, or by
+/// the text it shares, on any thread. Both give the same ids.
+enum TextSide<'a> {
+    Engine(&'a dyn Serving),
+    Shared(&'a dyn PromptText),
+}
+
+impl TextSide<'_> {
+    fn tokenize(&self, text: &str, add_special: bool) -> Result<Vec<u32>, KylinError> {
+        match self {
+            TextSide::Engine(engine) => engine.tokenize(text, add_special),
+            TextSide::Shared(shared) => shared.tokenize(text, add_special),
+        }
+    }
+
+    fn render_chat(
+        &self,
+        messages: &[serde_json::Value],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, KylinError> {
+        match self {
+            TextSide::Engine(engine) => engine.render_chat(messages, add_generation_prompt, kwargs),
+            TextSide::Shared(shared) => shared.render_chat(messages, add_generation_prompt, kwargs),
+        }
+    }
+}
+
+/// A prompt's ids before its image placeholders are expanded; a chat's rendered text takes the
+/// image markers the model's processor writes in text (Gemma 3's, with its crops) first.
+fn prompt_ids(
+    text: TextSide<'_>,
+    prompt: Prompt,
+    add_special: bool,
+    preparer: Option<&ImagePreparer>,
+    images: &[ImageInput],
+) -> Result<Vec<u32>, KylinError> {
+    match prompt {
+        Prompt::Ids(ids) => Ok(ids),
+        Prompt::Text(given) => text.tokenize(&given, add_special),
+        Prompt::Chat { messages, kwargs, add_generation_prompt } => {
+            let rendered = text.render_chat(&messages, add_generation_prompt, &kwargs)?;
+            match preparer {
+                Some(preparer) => text.tokenize(&preparer.expand_text(&rendered, images), false),
+                None => text.tokenize(&rendered, false),
+            }
+        }
     }
 }
 
@@ -408,6 +527,7 @@ fn engine_thread(
         embedding: engine.embedding_info(),
         rerank: engine.can_rerank(),
         images: engine.image_preparer(),
+        text: engine.prompt_text().map(SharedText),
     };
     let kv_events = match kv_events {
         Some(sender) if engine.record_kv_events() => {
@@ -495,10 +615,7 @@ impl EngineLoop {
         self.prompt_ids_with(prompt, add_special, None, &[])
     }
 
-    /// The prompt's ids; a chat's rendered text gets the image markers `images` puts in text
-    /// (Gemma 3's) before it is tokenized.
-    /// A prompt's ids before its image placeholders are expanded; a chat's rendered text takes
-    /// the image markers the model's processor writes in text (Gemma 3's, with its crops) first.
+    /// [`prompt_ids`] on the engine thread.
     fn prompt_ids_with(
         &self,
         prompt: Prompt,
@@ -506,21 +623,10 @@ impl EngineLoop {
         preparer: Option<&ImagePreparer>,
         images: &[ImageInput],
     ) -> Result<Vec<u32>, KylinError> {
-        match prompt {
-            Prompt::Ids(ids) => Ok(ids),
-            Prompt::Text(text) => {
-                self.require_tokenizer()?;
-                self.engine.tokenize(&text, add_special)
-            }
-            Prompt::Chat { messages, kwargs, add_generation_prompt } => {
-                self.require_tokenizer()?;
-                let text = self.engine.render_chat(&messages, add_generation_prompt, &kwargs)?;
-                match preparer {
-                    Some(preparer) => self.engine.tokenize(&preparer.expand_text(&text, images), false),
-                    None => self.engine.tokenize(&text, false),
-                }
-            }
+        if !matches!(prompt, Prompt::Ids(_)) {
+            self.require_tokenizer()?;
         }
+        prompt_ids(TextSide::Engine(&*self.engine), prompt, add_special, preparer, images)
     }
 
     fn require_tokenizer(&self) -> Result<(), KylinError> {
@@ -534,7 +640,8 @@ impl EngineLoop {
     fn submit(&mut self, s: Submission) -> Result<Accepted, KylinError> {
         let given_text = match (&s.prompt, s.echo) {
             (Prompt::Text(t), true) => Some(t.clone()),
-            _ => None,
+            (_, true) => s.echo_text.clone(),
+            (_, false) => None,
         };
         let preparer = match s.images.is_empty() {
             true => None,
@@ -743,4 +850,218 @@ fn logprob_info(engine: &dyn Serving, lp: &TokenLogprob) -> LogprobInfo {
 /// The text of one token for log-probabilities (lossy where the token is part of a character).
 fn token_text(engine: &dyn Serving, id: u32) -> String {
     engine.detokenize(&[id], false).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+    use std::sync::mpsc as smpsc;
+
+    use kylin_engine::ChatMessage;
+    use kylin_engine::batch::{BatchEngine, EngineOptions};
+
+    use super::*;
+
+    /// A batching engine whose first step waits, with the engine thread inside it, until the
+    /// test releases it; everything else is the engine's own.
+    struct HeldStep {
+        inner: BatchEngine,
+        hold: Option<(oneshot::Sender<()>, smpsc::Receiver<()>)>,
+        share_text: bool,
+    }
+
+    impl Serving for HeldStep {
+        fn info(&self) -> EngineInfo {
+            self.inner.info()
+        }
+
+        fn generation_defaults(&self) -> GenerationDefaults {
+            self.inner.generation_defaults()
+        }
+
+        fn add_request(&mut self, request: Request) -> kylin_loader::Result<()> {
+            self.inner.add_request(request)
+        }
+
+        fn step(&mut self, events: &mut Vec<Event>) -> kylin_loader::Result<()> {
+            if let Some((entered, release)) = self.hold.take() {
+                let _ = entered.send(());
+                let _ = release.recv();
+            }
+            self.inner.step(events)
+        }
+
+        fn has_work(&self) -> bool {
+            self.inner.has_work()
+        }
+
+        fn stats(&self) -> EngineStats {
+            self.inner.stats()
+        }
+
+        fn tokenize(&self, text: &str, add_special: bool) -> kylin_loader::Result<Vec<u32>> {
+            self.inner.tokenize(text, add_special)
+        }
+
+        fn detokenize(&self, ids: &[u32], skip_special: bool) -> kylin_loader::Result<String> {
+            self.inner.detokenize(ids, skip_special)
+        }
+
+        fn apply_chat_template(
+            &self,
+            messages: &[ChatMessage],
+            add_generation_prompt: bool,
+            kwargs: &serde_json::Map<String, serde_json::Value>,
+        ) -> kylin_loader::Result<String> {
+            self.inner.apply_chat_template(messages, add_generation_prompt, kwargs)
+        }
+
+        fn render_chat(
+            &self,
+            messages: &[serde_json::Value],
+            add_generation_prompt: bool,
+            kwargs: &serde_json::Map<String, serde_json::Value>,
+        ) -> kylin_loader::Result<String> {
+            self.inner.render_chat(messages, add_generation_prompt, kwargs)
+        }
+
+        fn prompt_text(&self) -> Option<Arc<dyn PromptText>> {
+            self.inner.prompt_text().filter(|_| self.share_text)
+        }
+    }
+
+    fn submission(prompt: Prompt, echo: bool) -> (Submission, tmpsc::UnboundedReceiver<Out>) {
+        let (events, received) = tmpsc::unbounded_channel();
+        let submission = Submission {
+            prompt,
+            sampling: SamplingParams::greedy(),
+            max_tokens: Some(3),
+            stop: Vec::new(),
+            ignore_eos: true,
+            speculative_tokens: None,
+            n: 1,
+            logprobs: None,
+            prompt_logprobs: None,
+            echo,
+            echo_text: None,
+            logit_bias: Vec::new(),
+            grammar: None,
+            skip_special_tokens: true,
+            cancel: CancelHandle::new(),
+            images: Vec::new(),
+            index_offset: 0,
+            events,
+            arrived: Instant::now(),
+        };
+        (submission, received)
+    }
+
+    fn chat() -> Prompt {
+        let messages = vec![serde_json::json!({"role": "user", "content": "Hello world"})];
+        Prompt::Chat { messages, kwargs: serde_json::Map::new(), add_generation_prompt: true }
+    }
+
+    /// Starts the engine thread over tiny-qwen3, a generation running, and returns once the
+    /// thread is inside its first step, held there until `release` is sent to.
+    async fn engine_inside_a_step(
+        share_text: bool,
+    ) -> (EngineHandle, smpsc::Sender<()>, tmpsc::UnboundedReceiver<Out>) {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/fixtures/tiny-qwen3");
+        let (entered, inside) = oneshot::channel();
+        let (release, held) = smpsc::channel();
+        let factory: EngineFactory = Box::new(move || {
+            let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default())?;
+            let opts = EngineOptions { ctx_size: Some(256), ..EngineOptions::default() };
+            let inner = BatchEngine::new(model, &opts)?;
+            Ok(Box::new(HeldStep { inner, hold: Some((entered, held)), share_text }) as Box<dyn Serving>)
+        });
+        let (handle, _thread) = EngineHandle::spawn(factory, Arc::new(Metrics::new("tiny")), None).unwrap();
+        handle.wait_ready().await.unwrap();
+        let (running, events) = submission(Prompt::Ids(vec![9707, 1879]), false);
+        handle.submit(running).await.unwrap();
+        inside.await.unwrap();
+        (handle, release, events)
+    }
+
+    /// A prompt is rendered and tokenized while the engine thread is busy in a step: the
+    /// tokenization of `/tokenize`, a completion's text and a chat's messages all finish with
+    /// the thread held inside the step, and the requests run after it with those ids.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn prompts_are_tokenized_while_the_engine_thread_is_inside_a_step() {
+        let (handle, release, mut running) = engine_inside_a_step(true).await;
+        let within = Duration::from_secs(60);
+        let job =
+            TextJob::Tokenize { prompt: Prompt::Text("Hello world".into()), add_special: true, images: Vec::new() };
+        let ids = match tokio::time::timeout(within, handle.text(job)).await {
+            Ok(Ok(TextReply::Ids(ids))) => ids,
+            Ok(other) => panic!("tokenize answered {other:?}"),
+            Err(_) => panic!("tokenize waited for the engine thread's step"),
+        };
+        // Qwen's byte-level BPE: "Hello" and " world".
+        assert_eq!(ids, [9707, 1879]);
+        let job = TextJob::Tokenize { prompt: chat(), add_special: false, images: Vec::new() };
+        let chat_ids = match tokio::time::timeout(within, handle.text(job)).await {
+            Ok(Ok(TextReply::Ids(ids))) => ids,
+            Ok(other) => panic!("tokenize answered {other:?}"),
+            Err(_) => panic!("tokenizing a chat waited for the engine thread's step"),
+        };
+        // "<|im_start|>user\nHello world<|im_end|>\n<|im_start|>assistant\n".
+        assert_eq!(chat_ids.first(), Some(&151644));
+        assert!(chat_ids.windows(2).any(|w| w == [9707, 1879]), "{chat_ids:?}");
+        // A submission is tokenized before it reaches the thread, so its ids are there to run
+        // when the step ends; an echo still shows the text as given.
+        let (by_chat, mut chat_events) = submission(chat(), false);
+        // Qwen's tokenizer composes characters (NFC), so the text the ids spell differs from
+        // the text given: "cafe" with a combining acute accent.
+        let given = "Hello world, cafe\u{301}";
+        let job = TextJob::Tokenize { prompt: Prompt::Text(given.into()), add_special: true, images: Vec::new() };
+        let Ok(Ok(TextReply::Ids(given_ids))) = tokio::time::timeout(within, handle.text(job)).await else {
+            panic!("tokenizing a text waited for the engine thread's step");
+        };
+        let (by_text, mut text_events) = submission(Prompt::Text(given.into()), true);
+        let answers = {
+            let (a, b) = (handle.clone(), handle.clone());
+            tokio::spawn(async move { tokio::join!(a.submit(by_chat), b.submit(by_text)) })
+        };
+        release.send(()).unwrap();
+        let (chat_accepted, text_accepted) = answers.await.unwrap();
+        assert_eq!(chat_accepted.unwrap().prompt_tokens, chat_ids.len());
+        let text_accepted = text_accepted.unwrap();
+        assert_eq!(text_accepted.prompt_tokens, given_ids.len());
+        assert_eq!(text_accepted.echo.map(|e| e.text).as_deref(), Some(given));
+        for events in [&mut running, &mut chat_events, &mut text_events] {
+            let mut tokens = 0;
+            loop {
+                match events.recv().await {
+                    Some(Out::Token { .. }) => tokens += 1,
+                    Some(Out::Finished { usage, .. }) => {
+                        assert_eq!(usage.completion_tokens, 3);
+                        break;
+                    }
+                    other => panic!("the request ended with {other:?} after {tokens} tokens"),
+                }
+            }
+        }
+        handle.stop();
+    }
+
+    /// Without shared text (llama.cpp's engines), the engine thread tokenizes, after its step.
+    #[tokio::test]
+    async fn an_engine_without_shared_text_tokenizes_on_its_thread() {
+        let (handle, release, _running) = engine_inside_a_step(false).await;
+        let job =
+            TextJob::Tokenize { prompt: Prompt::Text("Hello world".into()), add_special: true, images: Vec::new() };
+        let answer = tokio::spawn({
+            let handle = handle.clone();
+            async move { handle.text(job).await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!answer.is_finished(), "the engine thread answered from inside its step");
+        release.send(()).unwrap();
+        match answer.await.unwrap() {
+            Ok(TextReply::Ids(ids)) => assert_eq!(ids, [9707, 1879]),
+            other => panic!("tokenize answered {other:?}"),
+        }
+        handle.stop();
+    }
 }

@@ -315,6 +315,7 @@ async fn run(
             logprobs: job.logprobs,
             prompt_logprobs: job.prompt_logprobs,
             echo: job.echo,
+            echo_text: None,
             logit_bias: job.common.logit_bias.clone(),
             grammar: job.grammar.clone(),
             skip_special_tokens: job.skip_special_tokens && job.common.skip_special_tokens,
