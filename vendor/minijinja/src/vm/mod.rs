@@ -1413,6 +1413,10 @@ fn describe_expr_at(
 /// once (a value built as `[x, x]` over and over has exponentially many paths).
 fn holds_object(value: &Value, target: &crate::value::DynObject) -> (bool, usize) {
     use crate::value::ValueKind;
+    // A string or number (`{% set ns.done = true %}`, the common case) holds nothing.
+    if value.as_object().is_none() {
+        return (false, 1);
+    }
     let mut seen = std::collections::HashSet::new();
     let mut pending = vec![value.clone()];
     let mut visited = 0usize;
