@@ -237,7 +237,17 @@ pub struct EngineHandle {
     published: Arc<OnceLock<Published>>,
     stats: Arc<Mutex<EngineStats>>,
     next_id: Arc<AtomicU64>,
+    /// Prompts rendered and tokenized at once off the engine thread, at most
+    /// [`PROMPTS_TOKENIZED_AT_ONCE`].
+    tokenizing: Arc<tokio::sync::Semaphore>,
 }
+
+/// How many prompts are rendered and tokenized at once off the engine thread. Tokenizing takes
+/// about 230 bytes of memory per byte of text (the `tokenizers` crate keeps every byte's
+/// alignment and every token's string): 7 GB for a body at `--max-body-bytes`' default of
+/// 32 MiB. The engine thread did one at a time; two keep a short prompt from waiting behind
+/// one long one while the peak stays near what it was.
+const PROMPTS_TOKENIZED_AT_ONCE: usize = 2;
 
 impl EngineHandle {
     /// Starts the engine thread, which builds the engine with `factory` and serves commands
@@ -255,6 +265,7 @@ impl EngineHandle {
             published: Arc::new(OnceLock::new()),
             stats: Arc::new(Mutex::new(EngineStats::default())),
             next_id: Arc::new(AtomicU64::new(1)),
+            tokenizing: Arc::new(tokio::sync::Semaphore::new(PROMPTS_TOKENIZED_AT_ONCE)),
         };
         let thread_handle = handle.clone();
         let join = std::thread::Builder::new().name("kylin-engine".to_string()).spawn(move || {
@@ -411,7 +422,14 @@ impl EngineHandle {
             }
         };
         let images = images.to_vec();
-        let work = move || prompt_ids(TextSide::Shared(&*text.0), prompt, add_special, preparer.as_deref(), &images);
+        // The permit goes with the work: a client that leaves does not free it before the
+        // blocking thread is done.
+        let permit = self.tokenizing.clone().acquire_owned().await.map_err(|_| stopped())?;
+        let work = move || {
+            let ids = prompt_ids(TextSide::Shared(&*text.0), prompt, add_special, preparer.as_deref(), &images);
+            drop(permit);
+            ids
+        };
         let ids = tokio::task::spawn_blocking(work)
             .await
             .map_err(|e| KylinError::backend_failed(format!("the thread tokenizing the prompt failed: {e}")))??;
@@ -868,6 +886,48 @@ mod tests {
         inner: BatchEngine,
         hold: Option<(oneshot::Sender<()>, smpsc::Receiver<()>)>,
         share_text: bool,
+        /// Shares this text instead, over the engine's.
+        counted: Option<Arc<CountedText>>,
+    }
+
+    /// The engine's shared text, whose tokenizations wait until the test opens the gate and
+    /// count how many run at once.
+    #[derive(Default)]
+    struct CountedText {
+        inner: OnceLock<Arc<dyn PromptText>>,
+        running: std::sync::atomic::AtomicUsize,
+        most: std::sync::atomic::AtomicUsize,
+        open: (Mutex<bool>, std::sync::Condvar),
+    }
+
+    impl CountedText {
+        fn open_gate(&self) {
+            *self.open.0.lock().unwrap() = true;
+            self.open.1.notify_all();
+        }
+    }
+
+    impl PromptText for CountedText {
+        fn tokenize(&self, text: &str, add_special: bool) -> kylin_loader::Result<Vec<u32>> {
+            let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
+            self.most.fetch_max(now, Ordering::SeqCst);
+            let mut open = self.open.0.lock().unwrap();
+            while !*open {
+                open = self.open.1.wait(open).unwrap();
+            }
+            drop(open);
+            self.running.fetch_sub(1, Ordering::SeqCst);
+            self.inner.get().unwrap().tokenize(text, add_special)
+        }
+
+        fn render_chat(
+            &self,
+            messages: &[serde_json::Value],
+            add_generation_prompt: bool,
+            kwargs: &serde_json::Map<String, serde_json::Value>,
+        ) -> kylin_loader::Result<String> {
+            self.inner.get().unwrap().render_chat(messages, add_generation_prompt, kwargs)
+        }
     }
 
     impl Serving for HeldStep {
@@ -926,7 +986,14 @@ mod tests {
         }
 
         fn prompt_text(&self) -> Option<Arc<dyn PromptText>> {
-            self.inner.prompt_text().filter(|_| self.share_text)
+            let shared = self.inner.prompt_text().filter(|_| self.share_text)?;
+            match &self.counted {
+                Some(counted) => {
+                    let _ = counted.inner.set(shared);
+                    Some(counted.clone() as Arc<dyn PromptText>)
+                }
+                None => Some(shared),
+            }
         }
     }
 
@@ -961,22 +1028,33 @@ mod tests {
         Prompt::Chat { messages, kwargs: serde_json::Map::new(), add_generation_prompt: true }
     }
 
+    /// Starts the engine thread over tiny-qwen3 (`HeldStep`'s `hold`, `share_text` and
+    /// `counted`) and waits until it is ready.
+    async fn start_engine(
+        hold: Option<(oneshot::Sender<()>, smpsc::Receiver<()>)>,
+        share_text: bool,
+        counted: Option<Arc<CountedText>>,
+    ) -> EngineHandle {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/fixtures/tiny-qwen3");
+        let factory: EngineFactory = Box::new(move || {
+            let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default())?;
+            let opts = EngineOptions { ctx_size: Some(256), ..EngineOptions::default() };
+            let inner = BatchEngine::new(model, &opts)?;
+            Ok(Box::new(HeldStep { inner, hold, share_text, counted }) as Box<dyn Serving>)
+        });
+        let (handle, _thread) = EngineHandle::spawn(factory, Arc::new(Metrics::new("tiny")), None).unwrap();
+        handle.wait_ready().await.unwrap();
+        handle
+    }
+
     /// Starts the engine thread over tiny-qwen3, a generation running, and returns once the
     /// thread is inside its first step, held there until `release` is sent to.
     async fn engine_inside_a_step(
         share_text: bool,
     ) -> (EngineHandle, smpsc::Sender<()>, tmpsc::UnboundedReceiver<Out>) {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/fixtures/tiny-qwen3");
         let (entered, inside) = oneshot::channel();
         let (release, held) = smpsc::channel();
-        let factory: EngineFactory = Box::new(move || {
-            let model = kylin_loader::load(&path, &kylin_loader::LoadOptions::default())?;
-            let opts = EngineOptions { ctx_size: Some(256), ..EngineOptions::default() };
-            let inner = BatchEngine::new(model, &opts)?;
-            Ok(Box::new(HeldStep { inner, hold: Some((entered, held)), share_text }) as Box<dyn Serving>)
-        });
-        let (handle, _thread) = EngineHandle::spawn(factory, Arc::new(Metrics::new("tiny")), None).unwrap();
-        handle.wait_ready().await.unwrap();
+        let handle = start_engine(Some((entered, held)), share_text, None).await;
         let (running, events) = submission(Prompt::Ids(vec![9707, 1879]), false);
         handle.submit(running).await.unwrap();
         inside.await.unwrap();
@@ -1062,6 +1140,45 @@ mod tests {
             Ok(TextReply::Ids(ids)) => assert_eq!(ids, [9707, 1879]),
             other => panic!("tokenize answered {other:?}"),
         }
+        handle.stop();
+    }
+
+    /// Prompts are tokenized two at a time off the engine thread, whatever the number of
+    /// requests waiting (tokenizing a long prompt takes much memory).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn at_most_two_prompts_are_tokenized_at_once() {
+        let counted = Arc::new(CountedText::default());
+        let handle = start_engine(None, true, Some(counted.clone())).await;
+        let jobs: Vec<_> = (0..4)
+            .map(|_| {
+                let handle = handle.clone();
+                tokio::spawn(async move {
+                    let prompt = Prompt::Text("Hello world".into());
+                    handle.text(TextJob::Tokenize { prompt, add_special: true, images: Vec::new() }).await
+                })
+            })
+            .collect();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while counted.running.load(Ordering::SeqCst) < PROMPTS_TOKENIZED_AT_ONCE {
+            if Instant::now() > deadline {
+                counted.open_gate();
+                panic!("{} tokenizations started", counted.running.load(Ordering::SeqCst));
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // The other two are waiting for a permit; given time, they do not start. (The gate
+        // opens before the assertion, so that a failure does not leave threads waiting.)
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let most_while_closed = counted.most.load(Ordering::SeqCst);
+        counted.open_gate();
+        assert_eq!(most_while_closed, PROMPTS_TOKENIZED_AT_ONCE);
+        for job in jobs {
+            match job.await.unwrap() {
+                Ok(TextReply::Ids(ids)) => assert_eq!(ids, [9707, 1879]),
+                other => panic!("tokenize answered {other:?}"),
+            }
+        }
+        assert_eq!(counted.most.load(Ordering::SeqCst), PROMPTS_TOKENIZED_AT_ONCE);
         handle.stop();
     }
 }
