@@ -371,12 +371,11 @@ impl EngineHandle {
     pub async fn text(&self, job: TextJob) -> Result<TextReply, KylinError> {
         let job = match job {
             TextJob::Tokenize { prompt, add_special, images } => {
-                let prompt = self.tokenize_off_engine(prompt, add_special, &images).await?;
-                if let (Prompt::Ids(ids), true) = (&prompt, images.is_empty()) {
-                    return Ok(TextReply::Ids(ids.clone()));
+                match (self.tokenize_off_engine(prompt, add_special, &images).await?, images.is_empty()) {
+                    (Prompt::Ids(ids), true) => return Ok(TextReply::Ids(ids)),
+                    // Images still have their placeholders expanded on the engine thread.
+                    (prompt, _) => TextJob::Tokenize { prompt, add_special, images },
                 }
-                // Images still have their placeholders expanded on the engine thread.
-                TextJob::Tokenize { prompt, add_special, images }
             }
             job => job,
         };
